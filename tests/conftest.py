@@ -1,7 +1,47 @@
-"""Shared pytest set-up: a deliberate thread count so timings and results do not depend on the host."""
+"""Shared pytest set-up: a deliberate thread count and a small signed data set."""
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
 import torch
+from nacl.signing import SigningKey
+
+from neuroshard.data import Dataset, open_dataset
+from neuroshard.data.corpus import read_documents, stdlib_source_files
+from neuroshard.data.files import atomic_write
+from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
+from neuroshard.tokenizer import BPETokenizer
 
 # The CI machine has 2 cores; one thread per test process keeps results reproducible
 # (reduction order inside matmul kernels depends on the thread count).
 torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class PublishedData:
+    directory: Path
+    key: SigningKey
+    dataset: Dataset
+
+    @property
+    def public_key_hex(self) -> str:
+        return bytes(self.key.verify_key).hex()
+
+
+def small_corpus(max_bytes: int = 400_000) -> list[str]:
+    """A few hundred KB of real text every machine with Python has: standard-library source."""
+    return list(read_documents(stdlib_source_files(), max_bytes))
+
+
+@pytest.fixture(scope="session")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PublishedData]:
+    """A small signed data set (vocab 512, 20k-token shards), built once per test session."""
+    directory = tmp_path_factory.mktemp("dataset")
+    docs = small_corpus()
+    tokenizer = BPETokenizer.train(docs[:40], 512)
+    atomic_write(directory / TOKENIZER_NAME, tokenizer.save)
+    key = SigningKey(bytes(range(32)))
+    publish_shards(docs, out=directory, key=key, shard_tokens=20_000)
+    yield PublishedData(directory, key, open_dataset(directory, bytes(key.verify_key)))

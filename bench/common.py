@@ -1,0 +1,35 @@
+"""Shared set-up for benchmarks: a published data set from the shared English text, cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from nacl.signing import SigningKey
+
+from neuroshard.data import Dataset, open_dataset
+from neuroshard.data.files import atomic_write, file_sha256
+from neuroshard.data.manifest import MANIFEST_NAME
+from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
+from neuroshard.tokenizer import BPETokenizer
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen.txt"
+BENCH_KEY = SigningKey(hashlib.sha256(b"neuroshard bench publisher").digest())
+"""A fixed, public key: benchmark data sets are throwaway and need no secret."""
+
+
+def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 250_000) -> Dataset:
+    """Tokenizer + shards for `text_path` under /tmp, built once and reused by later runs."""
+    tag = f"{file_sha256(text_path)[:12]}-v{vocab_size}-s{shard_tokens}"
+    directory = Path("/tmp/neuroshard-bench") / tag
+    if not (directory / MANIFEST_NAME).exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        text = text_path.read_text(encoding="utf-8")
+        start = time.perf_counter()
+        tokenizer = BPETokenizer.train([text[:1_500_000]], vocab_size)
+        atomic_write(directory / TOKENIZER_NAME, tokenizer.save)
+        # One document per paragraph, so EOS marks real boundaries.
+        publish_shards(text.split("\n\n"), out=directory, key=BENCH_KEY, shard_tokens=shard_tokens)
+        print(f"(built bench data set {directory} in {time.perf_counter() - start:.1f}s)")
+    return open_dataset(directory, bytes(BENCH_KEY.verify_key))

@@ -1,0 +1,60 @@
+"""The publisher's Ed25519 key: it signs manifests; nodes pin its public key.
+
+The publisher key is not a wallet: it is a random seed kept in a file (mode 0600) by
+the operator who publishes the data set. Nodes only ever see the public key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
+
+
+class PublisherKeyError(ValueError):
+    """A publisher key file or public key that cannot be used."""
+
+
+def load_or_create_signing_key(path: Path) -> tuple[SigningKey, bool]:
+    """Read the hex seed at `path`, or create a new random one there (mode 0600).
+
+    Returns the key and whether it was created now.
+    """
+    if path.exists():
+        try:
+            seed = bytes.fromhex(path.read_text(encoding="ascii").strip())
+        except (ValueError, UnicodeDecodeError):
+            raise PublisherKeyError(f"publisher key file {path} does not hold a hex seed") from None
+        if len(seed) != 32:
+            raise PublisherKeyError(f"publisher key file {path} holds {len(seed)} bytes, expected 32")
+        return SigningKey(seed), False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = SigningKey.generate()
+    # O_EXCL: never overwrite a key another process created meanwhile.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(bytes(key).hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return key, True
+
+
+def parse_public_key(hex_key: str) -> bytes:
+    """A 32-byte Ed25519 public key from 64 hex characters, or a clear error."""
+    try:
+        raw = bytes.fromhex(hex_key.strip())
+    except ValueError:
+        raise PublisherKeyError(f"publisher key {hex_key!r} is not hex") from None
+    if len(raw) != 32:
+        raise PublisherKeyError(f"publisher key has {len(raw)} bytes, expected 32 (64 hex characters)")
+    return raw
+
+
+def signature_is_valid(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    try:
+        VerifyKey(public_key).verify(message, signature)
+    except (BadSignatureError, ValueError, TypeError):
+        return False
+    return True

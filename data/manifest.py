@@ -1,0 +1,135 @@
+"""The signed manifest: which shards exist, their hashes, and the tokenizer they were made with.
+
+`manifest.json` is canonical JSON (sorted keys, no spaces); `manifest.json.sig` holds the
+hex Ed25519 signature of exactly those bytes by the publisher. A reader checks the
+signature against a pinned publisher key before it trusts a single field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nacl.signing import SigningKey
+
+from .keys import signature_is_valid
+
+MANIFEST_NAME = "manifest.json"
+SIGNATURE_NAME = "manifest.json.sig"
+MANIFEST_FORMAT = 1
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed, or not signed by the pinned publisher."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    id: int
+    file: str
+    sha256: str
+    tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerInfo:
+    file: str
+    sha256: str
+    next_merge_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    created: str
+    """UTC time of publication, ISO 8601."""
+    publisher: str
+    """Hex public key of the publisher that signed this manifest."""
+    tokenizer: TokenizerInfo
+    shards: tuple[ShardInfo, ...]
+
+    @property
+    def total_shards(self) -> int:
+        return len(self.shards)
+
+    def shard(self, shard_id: int) -> ShardInfo:
+        for info in self.shards:
+            if info.id == shard_id:
+                return info
+        raise ManifestError(f"shard {shard_id} is not in the manifest ({self.total_shards} shards)")
+
+    def to_bytes(self) -> bytes:
+        """Canonical encoding: the bytes that are signed and hashed."""
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "created": self.created,
+            "publisher": self.publisher,
+            "tokenizer": vars(self.tokenizer),
+            "shards": [vars(s) for s in self.shards],
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, source: str = "manifest") -> Manifest:
+        try:
+            doc = json.loads(raw)
+            return _parse(doc)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ManifestError(f"{source} is malformed: {exc}") from None
+
+
+def _parse(doc: dict[str, Any]) -> Manifest:
+    if doc.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"format {doc.get('format')!r}, this reader understands {MANIFEST_FORMAT}")
+    tok = doc["tokenizer"]
+    tokenizer = TokenizerInfo(
+        file=str(tok["file"]), sha256=str(tok["sha256"]), next_merge_id=int(tok["next_merge_id"])
+    )
+    shards = tuple(
+        ShardInfo(id=int(s["id"]), file=str(s["file"]), sha256=str(s["sha256"]), tokens=int(s["tokens"]))
+        for s in doc["shards"]
+    )
+    ids = [s.id for s in shards]
+    if ids != list(range(len(ids))):
+        raise ValueError("shard ids must be 0..n-1 in order")
+    for s in shards:
+        if "/" in s.file or s.file.startswith("."):
+            raise ValueError(f"shard {s.id} file name {s.file!r} is not a plain file name")
+        if s.tokens <= 0:
+            raise ValueError(f"shard {s.id} has {s.tokens} tokens")
+    return Manifest(
+        created=str(doc["created"]), publisher=str(doc["publisher"]), tokenizer=tokenizer, shards=shards
+    )
+
+
+def sign_manifest(manifest: Manifest, key: SigningKey) -> bytes:
+    """Hex signature (ASCII bytes) of the manifest's canonical bytes."""
+    return key.sign(manifest.to_bytes()).signature.hex().encode("ascii")
+
+
+def verify_manifest(raw: bytes, signature_hex: bytes, publisher_key: bytes, source: str) -> Manifest:
+    """Parse `raw` only if `signature_hex` is the pinned publisher's signature over it."""
+    try:
+        signature = bytes.fromhex(signature_hex.decode("ascii").strip())
+    except (ValueError, UnicodeDecodeError):
+        raise ManifestError(f"{source}: signature file is not hex") from None
+    if not signature_is_valid(publisher_key, raw, signature):
+        raise ManifestError(
+            f"{source}: signature does not verify against the pinned publisher key {publisher_key.hex()[:16]}…"
+        )
+    manifest = Manifest.from_bytes(raw, source)
+    if manifest.publisher != publisher_key.hex():
+        raise ManifestError(f"{source}: names publisher {manifest.publisher[:16]}…, not the pinned key")
+    return manifest
+
+
+def read_manifest(directory: Path, publisher_key: bytes) -> Manifest:
+    """Load and verify `directory/manifest.json` against the pinned publisher key."""
+    path = directory / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+        sig = (directory / SIGNATURE_NAME).read_bytes()
+    except FileNotFoundError as exc:
+        raise ManifestError(f"no data set at {directory}: {Path(exc.filename).name} is missing") from None
+    return verify_manifest(raw, sig, publisher_key, str(path))

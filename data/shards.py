@@ -1,0 +1,145 @@
+"""Reading shards: verify the sha256 first, then load with `weights_only=True`, then batch.
+
+A shard is `shard_{id}.pt`: a flat int32 tensor of token ids written by `torch.save`.
+Nothing is unpickled before its hash matches the signed manifest, and even then only
+the restricted `weights_only` loader runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .files import file_sha256
+from .manifest import Manifest, ShardInfo
+
+
+class ShardError(ValueError):
+    """A shard that is missing, does not match its manifest entry, or is not a token tensor."""
+
+
+def load_shard(directory: Path, info: ShardInfo, vocab_size: int) -> torch.Tensor:
+    """The verified token tensor of one shard (1-D int32, `info.tokens` long, ids < vocab_size)."""
+    path = directory / info.file
+    if not path.is_file():
+        raise ShardError(f"shard {info.id}: {path} is missing")
+    actual = file_sha256(path)
+    if actual != info.sha256:
+        raise ShardError(
+            f"shard {info.id}: sha256 {actual[:16]}… does not match the manifest's {info.sha256[:16]}…"
+        )
+    try:
+        tokens = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # the restricted unpickler raises many types
+        raise ShardError(f"shard {info.id}: {path} is not a tensor file ({type(exc).__name__})") from None
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int32 or tokens.dim() != 1:
+        raise ShardError(f"shard {info.id}: expected a flat int32 tensor")
+    if tokens.numel() != info.tokens:
+        raise ShardError(f"shard {info.id}: {tokens.numel()} tokens, the manifest says {info.tokens}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ShardError(f"shard {info.id}: token ids outside [0, {vocab_size})")
+    return tokens
+
+
+@dataclass(kw_only=True)
+class DataPosition:
+    """Where a node is in its data; saved in checkpoints so a restart reads the same next batch."""
+
+    order_index: int = 0
+    """Index into the node's shard order (not the shard id)."""
+    offset: int = 0
+    """Sequences already read from the current shard (an index into its window permutation)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {"order_index": self.order_index, "offset": self.offset}
+
+
+def window_order(seed: str, shard_id: int, num_windows: int) -> torch.Tensor:
+    """The order in which a node reads one shard's windows: a permutation seeded by (seed, shard id).
+
+    Reading windows in file order would fill each batch from one source file and make
+    the loss swing with whatever file the shard happens to be in; a fixed permutation
+    mixes them while staying a pure function the verifier can recompute.
+    """
+    digest = hashlib.sha256(f"{seed}:{shard_id}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randperm(num_windows, generator=generator)
+
+
+class BatchStream:
+    """(input_ids, labels) batches walking the node's shards in order.
+
+    A shard of N tokens holds (N - 1) // seq_len windows of `seq_len + 1` tokens at stride
+    `seq_len`; labels are the inputs shifted by one. Each batch takes the next
+    `batch_size` windows of the shard's permutation (`window_order`). When the shard has
+    fewer than `batch_size` windows left the stream moves to the next shard in the order,
+    wrapping around after the last.
+    """
+
+    def __init__(
+        self,
+        *,
+        directory: Path,
+        manifest: Manifest,
+        order: list[int],
+        seed: str,
+        batch_size: int,
+        seq_len: int,
+        vocab_size: int,
+        position: DataPosition | None = None,
+    ) -> None:
+        if not order:
+            raise ValueError("empty shard order")
+        smallest = min(s.tokens for s in manifest.shards)
+        if (smallest - 1) // seq_len < batch_size:
+            raise ValueError(
+                f"a batch of {batch_size}x{seq_len} needs {batch_size * seq_len + 1} tokens "
+                f"but the smallest shard has {smallest}"
+            )
+        self._directory = directory
+        self._manifest = manifest
+        self._order = order
+        self._seed = seed
+        self._batch_size = batch_size
+        self._seq_len = seq_len
+        self._vocab_size = vocab_size
+        self.position = position or DataPosition()
+        self._loaded: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (order_index, tokens, windows)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self._batch_size * self._seq_len
+
+    @property
+    def shard_id(self) -> int:
+        return self._order[self.position.order_index % len(self._order)]
+
+    def _current(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._loaded is None or self._loaded[0] != self.position.order_index:
+            info = self._manifest.shard(self.shard_id)
+            tokens = load_shard(self._directory, info, self._vocab_size)
+            windows = window_order(self._seed, info.id, (tokens.numel() - 1) // self._seq_len)
+            self._loaded = (self.position.order_index, tokens, windows)
+        return self._loaded[1], self._loaded[2]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels), both (B, T) int64."""
+        tokens, windows = self._current()
+        if self.position.offset + self._batch_size > windows.numel():
+            self.position = DataPosition(order_index=(self.position.order_index + 1) % len(self._order))
+            tokens, windows = self._current()
+        start = self.position.offset
+        starts = windows[start : start + self._batch_size] * self._seq_len  # (B,)
+        index = starts[:, None] + torch.arange(self._seq_len + 1)  # (B, T+1)
+        rows = tokens[index].long()
+        self.position = DataPosition(order_index=self.position.order_index, offset=start + self._batch_size)
+        # labels[b, t] is the token after inputs[b, t]
+        return rows[:, :-1], rows[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()

@@ -1,0 +1,191 @@
+"""`neuroshard-node`: contribute compute to a NeuroShard run.
+
+With no `--data` this is the embedded default: build (once) a data set from the Python
+standard library under `--home`, then train a tiny model on this wallet's shards with
+DiLoCo, alone, printing progress and saving checkpoints. Ctrl-C stops cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+import torch
+
+from neuroshard.data import (
+    Dataset,
+    ManifestError,
+    PublisherKeyError,
+    ShardError,
+    open_dataset,
+    parse_public_key,
+)
+
+from .checkpoint import CheckpointMismatch
+from .diloco import DiLoCoConfig
+from .embedded import ensure_default_dataset
+from .model import MODEL_SIZES, ModelConfig
+from .trainer import Trainer, TrainerConfig
+from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
+
+PROG = "neuroshard-node"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of the full usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ident = p.add_argument_group("identity (the token is a secret: it never leaves this machine)")
+    ident.add_argument("--token", help=f"wallet token; visible to `ps` — prefer --token-file or ${TOKEN_ENV}")
+    ident.add_argument("--token-file", type=Path, help="file holding the token (must be mode 0600)")
+
+    data = p.add_argument_group("data")
+    data.add_argument(
+        "--home",
+        type=Path,
+        default=Path.home() / ".neuroshard",
+        help="state directory: default data set, publisher key, checkpoints",
+    )
+    data.add_argument(
+        "--data", type=Path, help="published data set directory (default: build one under --home)"
+    )
+    data.add_argument(
+        "--publisher-key", help="hex Ed25519 public key that must have signed --data's manifest"
+    )
+
+    model = p.add_argument_group("model and training")
+    model.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="named model size")
+    model.add_argument("--batch-size", type=int, default=8, help="sequences per inner step")
+    model.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    model.add_argument(
+        "--max-steps", type=int, help="stop after this many inner steps in total (default: run until Ctrl-C)"
+    )
+    model.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+
+    diloco = p.add_argument_group("DiLoCo (Douillard et al. 2023)")
+    d = DiLoCoConfig()
+    diloco.add_argument(
+        "--inner-steps", type=int, default=100, help="H: inner steps per outer round (production: 500)"
+    )
+    diloco.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak learning rate")
+    diloco.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps of the inner lr")
+    diloco.add_argument(
+        "--total-steps", type=int, help="cosine horizon of the inner lr (default: --max-steps, else 100000)"
+    )
+    diloco.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer SGD learning rate")
+    diloco.add_argument(
+        "--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum"
+    )
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint-dir", type=Path, help="default: HOME/checkpoints")
+    ckpt.add_argument("--checkpoint-every", type=int, default=50, help="inner steps between checkpoints")
+    ckpt.add_argument(
+        "--fresh", action="store_true", help="ignore (and later overwrite) an existing checkpoint"
+    )
+    p.add_argument("--log-every", type=int, default=10, help="inner steps per progress line")
+    return p
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _open_data(args: argparse.Namespace) -> Dataset:
+    if args.data is None:
+        return ensure_default_dataset(args.home, _log)
+    if not args.publisher_key:
+        raise PublisherKeyError("--data needs --publisher-key (the hex public key that signed its manifest)")
+    return open_dataset(args.data, parse_public_key(args.publisher_key))
+
+
+def _install_stop_handlers(stop: threading.Event) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _log(f"received {signal.Signals(signum).name}: finishing the current step and saving a checkpoint")
+        stop.set()
+        # A second Ctrl-C falls through to the default behaviour and ends the process at once.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        wallet = Wallet.from_token(resolve_token(args.token, args.token_file, dict(os.environ)))
+    except TokenError as exc:
+        return _fail(str(exc))
+    if args.threads <= 0:
+        return _fail(f"--threads must be positive, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    _log(f"wallet {wallet.wallet_id}; {args.threads} threads")
+
+    stop = threading.Event()
+    _install_stop_handlers(stop)
+    try:
+        dataset = _open_data(args)
+        model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
+        total = args.total_steps or args.max_steps or 100_000
+        diloco_config = DiLoCoConfig(
+            inner_steps=args.inner_steps,
+            inner_lr=args.inner_lr,
+            warmup_steps=min(args.warmup_steps, total),
+            total_steps=total,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            outer_nesterov=args.outer_momentum > 0,
+        )
+        trainer_config = TrainerConfig(
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            max_steps=args.max_steps,
+            checkpoint_every=args.checkpoint_every,
+            log_every=args.log_every,
+        )
+        trainer = Trainer(
+            wallet_id=wallet.wallet_id,
+            dataset=dataset,
+            model_config=model_config,
+            diloco_config=diloco_config,
+            config=trainer_config,
+            checkpoint_dir=args.checkpoint_dir or args.home / "checkpoints",
+            log=_log,
+            fresh=args.fresh,
+        )
+    except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
+        return _fail(str(exc))
+
+    manifest = dataset.manifest
+    _log(
+        f"model {args.model_size}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
+        f"vocab {model_config.vocab_size}; data {dataset.directory} ({manifest.total_shards} shards); "
+        f"H={diloco_config.inner_steps}"
+    )
+    try:
+        result = trainer.run(stop)
+    except ShardError as exc:
+        return _fail(str(exc))
+    how = "stopped by signal" if result.stopped_by_signal else "done"
+    _log(f"{how} at step={result.steps} round={result.rounds}; checkpoint {trainer.checkpoint_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""DiLoCo for one replica of one stage (Douillard et al. 2023, arXiv:2311.08105).
+
+Each replica runs H inner steps of AdamW on its own data, then sends the
+pseudo-gradient Δ = θ_round − θ_local (global minus local). The aggregated Δ
+drives an outer SGD with Nesterov momentum on θ_round; the result becomes the
+next round's start for every replica. Pure torch: the protocol layer moves Δ
+between replicas, this module only does the maths.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+
+from .model import cross_entropy_loss
+
+InnerOptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(kw_only=True)
+class DiLoCoConfig:
+    """Inner and outer optimisation of one stage. Defaults follow Douillard et al. 2023 except the
+    inner lr, which suits our small models (their 4e-4 is for 150M+ parameters)."""
+
+    inner_steps: int = 500
+    """H: inner steps per round; the paper's default, trading communication for staleness."""
+    inner_lr: float = 3e-3
+    """Peak AdamW learning rate of the default inner optimizer (ignored by a custom factory)."""
+    weight_decay: float = 0.1
+    """Decoupled AdamW weight decay on matrices; norm gains are not decayed (they should stay near 1)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (β1, β2); β2 0.95 rather than 0.999 reacts faster to loss spikes in LM training."""
+    warmup_steps: int = 1000
+    """Inner steps of linear learning-rate warm-up (the paper's 1000)."""
+    total_steps: int = 100_000
+    """Inner step at which the cosine decay reaches min_lr_ratio; constant afterwards."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak; 1.0 makes the schedule constant after warm-up."""
+    grad_clip: float | None = 1.0
+    """Max global L2 norm of the inner gradient; None disables clipping."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate on the pseudo-gradient (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """Outer SGD momentum (the paper's 0.9)."""
+    outer_nesterov: bool = True
+    """Nesterov momentum in the outer step; the paper found it the best outer optimizer."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.inner_steps >= 1, f"inner_steps must be >= 1, got {self.inner_steps}"),
+            (self.inner_lr > 0, f"inner_lr must be > 0, got {self.inner_lr}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (all(0 <= b < 1 for b in self.betas), f"betas must lie in [0, 1), got {self.betas}"),
+            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (
+                self.total_steps >= max(1, self.warmup_steps),
+                f"total_steps ({self.total_steps}) must be >= 1 and >= warmup_steps ({self.warmup_steps})",
+            ),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}"),
+            (self.grad_clip is None or self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
+            (self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}"),
+            (0 <= self.outer_momentum < 1, f"outer_momentum must lie in [0, 1), got {self.outer_momentum}"),
+            (
+                not (self.outer_nesterov and self.outer_momentum == 0),
+                "outer_nesterov=True needs outer_momentum > 0 (got 0); set outer_nesterov=False",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"DiLoCoConfig: {message}")
+
+
+def lr_factor(step: int, cfg: DiLoCoConfig) -> float:
+    """Multiplier of the peak inner lr at 0-based inner step ``step``.
+
+    Linear warm-up (step+1)/warmup_steps, so the first step already learns, then cosine
+    decay from 1 to min_lr_ratio at total_steps, then flat. With warmup_steps == 0, step 0
+    gets exactly 1.0; with total_steps == warmup_steps the factor drops to min_lr_ratio
+    right after the warm-up.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = cfg.total_steps - cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps) if decay_steps > 0 else 1.0
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def default_inner_optimizer(params: list[nn.Parameter], cfg: DiLoCoConfig) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only: decaying a norm gain pulls it towards 0 instead of 1."""
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.inner_lr, betas=cfg.betas)
+
+
+@torch.no_grad()
+def flat_parameters(params: Iterable[nn.Parameter]) -> Tensor:
+    """A detached float32 copy of the parameters as one flat vector (d,)."""
+    return parameters_to_vector(params).detach().float()
+
+
+@torch.no_grad()
+def copy_into_parameters(vector: Tensor, params: Iterable[nn.Parameter]) -> None:
+    """Copy a flat vector into the parameters in place.
+
+    Not torch's vector_to_parameters: it rebinds ``param.data`` to views of the vector,
+    so the model would alias θ_round and the inner steps would overwrite it.
+    """
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    if vector.shape != (total,):
+        raise ValueError(f"vector has shape {tuple(vector.shape)}, the parameters need ({total},)")
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(vector[offset : offset + n].view_as(p))
+        offset += n
+
+
+def tensor_sha256(vector: Tensor) -> str:
+    """sha256 hex of a tensor's little-endian float32 bytes; replicas compare θ by it."""
+    data = vector.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    return hashlib.sha256(data.astype("<f4", copy=False).tobytes()).hexdigest()
+
+
+class DiLoCo:
+    """One replica's DiLoCo state: the model it trains, θ_round, and both optimizers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DiLoCoConfig,
+        *,
+        inner_optimizer: InnerOptimizerFactory | None = None,
+        loss_fn: LossFn = cross_entropy_loss,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.loss_fn = loss_fn
+        self.params = list(model.parameters())
+        if not self.params:
+            raise ValueError("DiLoCo needs a model with at least one parameter")
+        make_inner = inner_optimizer or (lambda ps: default_inner_optimizer(ps, config))
+        self.inner_optimizer = make_inner(self.params)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.inner_optimizer, lambda step: lr_factor(step, config)
+        )
+        # θ_round: the round's start, one flat float32 vector (d,), the outer optimizer's only parameter.
+        self.theta_round = flat_parameters(self.params).clone().requires_grad_(True)
+        self.outer_optimizer = torch.optim.SGD(
+            [self.theta_round],
+            lr=config.outer_lr,
+            momentum=config.outer_momentum,
+            nesterov=config.outer_nesterov,
+        )
+        self.step = 0  # inner steps since training began
+        self.round = 0  # outer steps since training began
+        self.steps_in_round = 0  # inner steps since the current round began
+
+    @property
+    def round_complete(self) -> bool:
+        """True once the current round has run its H inner steps."""
+        return self.steps_in_round >= self.config.inner_steps
+
+    @property
+    def current_lr(self) -> float:
+        """Learning rate the next inner step will use (first parameter group)."""
+        return float(self.inner_optimizer.param_groups[0]["lr"])
+
+    def inner_step(self, input_ids: Tensor, labels: Tensor) -> float:
+        """One inner step on (B, T) input ids and labels; returns the loss before the update."""
+        loss = self.loss_fn(self.model(input_ids), labels)
+        loss.backward()
+        self.inner_update()
+        return loss.item()
+
+    def inner_update(self) -> None:
+        """Clip, step the inner optimizer and schedule, clear grads. For stages whose backward ran
+        elsewhere (the pipeline), call this after their gradients are in ``.grad``."""
+        if self.config.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.params, self.config.grad_clip, foreach=True)
+        self.inner_optimizer.step()
+        self.scheduler.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.steps_in_round += 1
+
+    def pseudo_gradient(self) -> Tensor:
+        """Δ = θ_round − θ_local as a flat float32 vector (d,): it points from the local weights back
+        to the round's start, so subtracting it (SGD) moves towards where the replicas went."""
+        local = flat_parameters(self.params)
+        return torch.sub(self.theta_round.detach(), local, out=local)
+
+    def outer_step(self, delta: Tensor) -> None:
+        """Apply the aggregated Δ (d,) to θ_round with the outer SGD, then load θ_round into the model."""
+        self._check_delta(delta)
+        self.theta_round.grad = delta.to(self.theta_round.device)
+        self.outer_optimizer.step()
+        self.theta_round.grad = None
+        copy_into_parameters(self.theta_round.detach(), self.params)
+        self.round += 1
+        self.steps_in_round = 0
+
+    def _check_delta(self, delta: Tensor) -> None:
+        if not isinstance(delta, Tensor):
+            raise TypeError(f"pseudo-gradient must be a Tensor, got {type(delta).__name__}")
+        if delta.shape != self.theta_round.shape or delta.dtype != torch.float32:
+            raise ValueError(
+                f"pseudo-gradient has shape {tuple(delta.shape)} dtype {delta.dtype}; "
+                f"expected ({self.theta_round.numel()},) torch.float32"
+            )
+        finite = torch.isfinite(delta)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise ValueError(f"pseudo-gradient has {bad} non-finite values out of {delta.numel()}")
+
+    def weights_hash(self) -> str:
+        """sha256 of θ_round (little-endian float32); equal on every honest replica after a round."""
+        return tensor_sha256(self.theta_round)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the model's weights needed to resume bit-identically; plain tensors and
+        numbers, loadable with torch.load(weights_only=True). A snapshot: later steps don't change it."""
+        return copy.deepcopy(
+            {
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "theta_round": self.theta_round.detach(),
+                "step": self.step,
+                "round": self.round,
+                "steps_in_round": self.steps_in_round,
+            }
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        theta = state["theta_round"]
+        if theta.shape != self.theta_round.shape:
+            raise ValueError(
+                f"checkpoint θ_round has {theta.numel()} elements, this model {self.theta_round.numel()}"
+            )
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        with torch.no_grad():
+            self.theta_round.copy_(theta)
+        self.step = int(state["step"])
+        self.round = int(state["round"])
+        self.steps_in_round = int(state["steps_in_round"])

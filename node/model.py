@@ -1,0 +1,293 @@
+"""The decoder-only transformer, cut into stages of contiguous layers.
+
+Pre-norm RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), rotary position
+embeddings (Su et al. 2021, arXiv:2104.09864), SwiGLU MLP (Shazeer 2020,
+arXiv:2002.05202), causal attention through ``F.scaled_dot_product_attention``,
+untied embedding and head, no biases, no dropout.
+
+A *stage* (``Transformer``) holds a contiguous range of layers, optionally the
+embedding and the head. Parameter names use global layer indices and every
+parameter draws its initial values from its own generator seeded by its global
+name, so a stage's weights equal the full model's weights for the same layers,
+whatever the staging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Presets without vocab_size (the tokenizer decides it). Parameter counts at vocab 4096,
+# measured with ModelConfig.num_params(): tiny 1.85M, small 29.5M.
+MODEL_SIZES: MappingProxyType[str, MappingProxyType[str, int]] = MappingProxyType(
+    {
+        "tiny": MappingProxyType(
+            {"dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 352, "max_seq_len": 256}
+        ),
+        "small": MappingProxyType(
+            {"dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376, "max_seq_len": 512}
+        ),
+    }
+)
+
+# Standard deviation of the normal initialisation of embeddings and linears (GPT-2, Radford et al. 2019).
+INIT_STD = 0.02
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The architecture of the whole model; every stage and every node builds from the same one."""
+
+    vocab_size: int
+    """Number of token ids (embedding rows and head outputs); set by the tokenizer."""
+    dim: int
+    """Width of the residual stream, C in the shape comments."""
+    n_layers: int
+    """Number of transformer blocks in the whole model (all stages together)."""
+    n_heads: int
+    """Attention heads per block; dim must be divisible by it."""
+    ffn_dim: int
+    """Hidden width of the SwiGLU MLP; ≈ 8/3·dim keeps its cost equal to a 4·dim GELU MLP (Shazeer 2020)."""
+    max_seq_len: int
+    """Longest sequence in tokens; sizes the rotary tables."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (Su et al. 2021)."""
+    norm_eps: float = 1e-5
+    """Added to the mean square in RMSNorm so an all-zero vector does not divide by zero."""
+    init_seed: int = 0
+    """Seed every node derives θ₀ from; equal seeds give bit-equal initial weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool):
+            raise ValueError(f"ModelConfig.init_seed must be an int, got {self.init_seed!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.head_dim} must be even "
+                "for rotary embeddings (they rotate pairs of channels)"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def named(cls, size: str, *, vocab_size: int, **overrides: Any) -> ModelConfig:
+        """A preset from MODEL_SIZES with the tokenizer's vocab_size and optional field overrides."""
+        if size not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {size!r}; known sizes: {sorted(MODEL_SIZES)}")
+        return cls(**{**MODEL_SIZES[size], "vocab_size": vocab_size, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; expected a subset of {sorted(names)}")
+        return cls(**data)
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the canonical JSON of the fields; checkpoints refuse a config with another one."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+    def num_params(self, *, layers: range | None = None, embedding: bool = True, head: bool = True) -> int:
+        """Parameter count of a stage (default: the whole model), computed without building it."""
+        n_blocks = self.n_layers if layers is None else len(layers)
+        per_block = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        total = n_blocks * per_block
+        if embedding:
+            total += self.vocab_size * self.dim
+        if head:
+            total += self.vocab_size * self.dim + self.dim  # head + final norm
+        return total
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · g (Zhang & Sennrich 2019): no mean subtraction, no bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, each (max_seq_len, head_dim/2), float32."""
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)  # (half,)
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)  # (T, half)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + head_dim/2) of x (B, H, T, hd) by position-dependent angles (T, hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, hd/2) each
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions; q, k, v from one fused projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.proj = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, H, T, hd) each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)) (Shazeer 2020)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def param_seed(init_seed: int, name: str) -> int:
+    """A 63-bit generator seed from the run's init_seed and a parameter's global name (never hash())."""
+    digest = hashlib.sha256(f"{init_seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class Transformer(nn.Module):
+    """One stage: layers ``layers`` (global indices), plus the embedding and/or head if asked."""
+
+    # Residual output projections start smaller so the residual stream's variance does not
+    # grow with depth: std 0.02 / sqrt(2·n_layers), two residual branches per layer (GPT-2).
+    RESIDUAL_OUTPUTS: ClassVar[tuple[str, ...]] = (".attn.proj.weight", ".mlp.down.weight")
+    rope_cos: Tensor  # (max_seq_len, head_dim/2) buffer
+    rope_sin: Tensor  # (max_seq_len, head_dim/2) buffer
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layers: range | None = None,
+        embedding: bool = True,
+        head: bool = True,
+    ) -> None:
+        super().__init__()
+        layers = range(config.n_layers) if layers is None else layers
+        if layers.step != 1 or (len(layers) > 0 and (layers.start < 0 or layers.stop > config.n_layers)):
+            raise ValueError(
+                f"layers {layers} must be a contiguous range (step 1) inside range(0, {config.n_layers})"
+            )
+        self.config = config
+        self.layer_range = layers
+        self.embedding = nn.Embedding(config.vocab_size, config.dim) if embedding else None
+        self.layers = nn.ModuleDict({str(k): Block(config) for k in layers})
+        self.norm = RMSNorm(config.dim, config.norm_eps) if head else None
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False) if head else None
+        cos, sin = rope_tables(config)
+        # Not persistent: derived from the config, so state_dict keys stay parameters only.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every parameter from its own generator so the values do not depend on the staging."""
+        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(self.RESIDUAL_OUTPUTS) else INIT_STD
+            gen = torch.Generator().manual_seed(param_seed(self.config.init_seed, name))
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            param.copy_(values)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Token ids (B, T) if this stage has the embedding, else hidden (B, T, C); returns logits
+        (B, T, V) if it has the head, else hidden (B, T, C)."""
+        seq_len = x.shape[1]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
+        if self.embedding is not None:
+            x = self.embedding(x)  # (B, T, C)
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, hd/2)
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        if self.head is not None and self.norm is not None:
+            x = self.head(self.norm(x))  # (B, T, V)
+        return x
+
+
+def stage_layers(n_layers: int, stage: int, num_stages: int) -> range:
+    """Global layer indices of ``stage``: contiguous, sizes differ by at most one, larger ones first."""
+    if not 1 <= num_stages <= n_layers:
+        raise ValueError(f"num_stages ({num_stages}) must be between 1 and n_layers ({n_layers})")
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage ({stage}) must be in range(0, {num_stages})")
+    base, extra = divmod(n_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def build_stage(config: ModelConfig, stage: int, num_stages: int) -> Transformer:
+    """Stage ``stage`` of ``num_stages``: stage 0 holds the embedding, the last stage the head."""
+    return Transformer(
+        config,
+        layers=stage_layers(config.n_layers, stage, num_stages),
+        embedding=stage == 0,
+        head=stage == num_stages - 1,
+    )
+
+
+def cross_entropy_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of logits (B, T, V) against labels (B, T); -100 labels are skipped."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -1,0 +1,165 @@
+"""One replica's training loop: batches from its shards, DiLoCo inner steps, outer rounds, checkpoints.
+
+The loop knows nothing of the network. At the end of each round it hands its
+pseudo-gradient to `reduce_round` and applies whatever comes back as the outer
+gradient; a lone node passes its own Δ straight through.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
+
+from .checkpoint import CheckpointIdentity, checkpoint_path, load_checkpoint, save_checkpoint
+from .diloco import DiLoCo, DiLoCoConfig
+from .model import ModelConfig, build_stage
+
+RoundReducer = Callable[[torch.Tensor], torch.Tensor]
+"""Maps this replica's Δ to the outer gradient for the round (aggregation happens behind it)."""
+
+
+def lone_replica(delta: torch.Tensor) -> torch.Tensor:
+    """A node alone in its stage applies its own pseudo-gradient."""
+    return delta
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    batch_size: int = 8
+    """Sequences per inner step."""
+    seq_len: int = 128
+    """Tokens per sequence (≤ the model's max_seq_len)."""
+    max_steps: int | None = None
+    """Stop after this many inner steps in total (counted across restarts); None runs until stopped."""
+    checkpoint_every: int = 50
+    """Inner steps between checkpoints (a checkpoint is also written after every outer step and on stop)."""
+    log_every: int = 10
+    """Inner steps per progress line; the printed loss is the mean over those steps."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "checkpoint_every", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps must be ≥ 0, got {self.max_steps}")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    rounds: int
+    stopped_by_signal: bool
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        wallet_id: str,
+        dataset: Dataset,
+        model_config: ModelConfig,
+        diloco_config: DiLoCoConfig,
+        config: TrainerConfig,
+        checkpoint_dir: Path,
+        log: Callable[[str], None],
+        reduce_round: RoundReducer = lone_replica,
+        fresh: bool = False,
+    ) -> None:
+        if config.seq_len > model_config.max_seq_len:
+            raise ValueError(
+                f"seq_len {config.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
+            )
+        if model_config.vocab_size != dataset.tokenizer.vocab_size:
+            raise ValueError(
+                f"model vocab_size {model_config.vocab_size} != tokenizer vocab_size {dataset.tokenizer.vocab_size}"
+            )
+        self.config = config
+        self._log = log
+        self._reduce_round = reduce_round
+        self.model = build_stage(model_config, 0, 1)
+        self.diloco = DiLoCo(self.model, diloco_config)
+        self.identity = CheckpointIdentity(
+            wallet_id=wallet_id,
+            stage=0,
+            model_fingerprint=model_config.fingerprint(),
+            tokenizer_sha256=dataset.manifest.tokenizer.sha256,
+        )
+        self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
+        position = DataPosition() if fresh else self._resume()
+        self.batches = BatchStream(
+            directory=dataset.directory,
+            manifest=dataset.manifest,
+            order=assign_shards(wallet_id, dataset.manifest),
+            seed=wallet_id,
+            batch_size=config.batch_size,
+            seq_len=config.seq_len,
+            vocab_size=model_config.vocab_size,
+            position=position,
+        )
+
+    def _resume(self) -> DataPosition:
+        state = load_checkpoint(self.checkpoint_file, self.identity)
+        if state is None:
+            return DataPosition()
+        self.model.load_state_dict(state["model"])
+        self.diloco.load_state_dict(state["diloco"])
+        position = DataPosition(**state["data_position"])
+        self._log(
+            f"resumed from {self.checkpoint_file} at step={self.diloco.step} round={self.diloco.round} "
+            f"(shard order index {position.order_index}, offset {position.offset})"
+        )
+        return position
+
+    def save(self) -> None:
+        state = {
+            "model": self.model.state_dict(),
+            "diloco": self.diloco.state_dict(),
+            "data_position": self.batches.position.to_dict(),
+        }
+        save_checkpoint(self.checkpoint_file, self.identity, state)
+
+    def _finish_round(self) -> None:
+        delta = self.diloco.pseudo_gradient()
+        self.diloco.outer_step(self._reduce_round(delta))
+        self.save()
+        self._log(f"round={self.diloco.round} outer step applied |Δ|={delta.norm():.4f} checkpoint saved")
+
+    def run(self, stop: threading.Event) -> TrainResult:
+        """Train until `max_steps` or until `stop` is set; always leaves a checkpoint behind."""
+        cfg = self.config
+        result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
+        window: list[float] = []
+        window_start = time.perf_counter()
+        while cfg.max_steps is None or self.diloco.step < cfg.max_steps:
+            if stop.is_set():
+                result.stopped_by_signal = True
+                break
+            inputs, labels = self.batches.next_batch()
+            loss = self.diloco.inner_step(inputs, labels)
+            window.append(loss)
+            result.losses.append(loss)
+            step = self.diloco.step
+            if self.diloco.round_complete:
+                self._finish_round()
+            elif step % cfg.checkpoint_every == 0:
+                self.save()
+            if step % cfg.log_every == 0:
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = len(window) * self.batches.tokens_per_batch / max(elapsed, 1e-9)
+                self._log(
+                    f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} "
+                    f"lr={self.diloco.current_lr:.2e} tok/s={tokens_per_s:.0f} shard={self.batches.shard_id}"
+                )
+                window = []
+                window_start = time.perf_counter()
+        self.save()
+        result.steps, result.rounds = self.diloco.step, self.diloco.round
+        return result

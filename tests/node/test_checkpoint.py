@@ -1,0 +1,72 @@
+"""Checkpoints are written atomically and refused under a different configuration."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuroshard.node import checkpoint as ckpt_module
+from neuroshard.node.checkpoint import (
+    CheckpointIdentity,
+    CheckpointMismatch,
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+IDENTITY = CheckpointIdentity(wallet_id="abc", stage=0, model_fingerprint="m1", tokenizer_sha256="t1")
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = checkpoint_path(tmp_path, "abc", 0)
+    state = {"weights": torch.arange(5.0), "step": 7, "nested": {"x": [1, 2]}}
+    save_checkpoint(path, IDENTITY, state)
+    loaded = load_checkpoint(path, IDENTITY)
+    assert loaded is not None
+    assert (
+        torch.equal(loaded["weights"], state["weights"])
+        and loaded["step"] == 7
+        and loaded["nested"] == {"x": [1, 2]}
+    )
+
+
+def test_missing_checkpoint_is_none(tmp_path: Path) -> None:
+    assert load_checkpoint(tmp_path / "none.pt", IDENTITY) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model_fingerprint", "m2"), ("tokenizer_sha256", "t2"), ("stage", 1), ("wallet_id", "zz")],
+)
+def test_incompatible_checkpoint_is_refused_with_both_values(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, IDENTITY, {"step": 1})
+    other = CheckpointIdentity(**{**IDENTITY.as_dict(), field: value})
+    with pytest.raises(CheckpointMismatch, match=rf"{field}: checkpoint .*, now {value!r}"):
+        load_checkpoint(path, other)
+
+
+def test_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, IDENTITY, {"step": 1})
+
+    def dying_save(obj, f):  # type: ignore[no-untyped-def]
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_module.torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, IDENTITY, {"step": 2})
+    monkeypatch.undo()
+    loaded = load_checkpoint(path, IDENTITY)
+    assert loaded is not None and loaded["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no temp file left behind
+
+
+def test_garbage_file_is_refused_clearly(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    path.write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointMismatch, match="cannot be read"):
+        load_checkpoint(path, IDENTITY)

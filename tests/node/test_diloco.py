@@ -1,0 +1,292 @@
+import hashlib
+import io
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from neuroshard.node.diloco import (
+    DiLoCo,
+    DiLoCoConfig,
+    copy_into_parameters,
+    default_inner_optimizer,
+    flat_parameters,
+    lr_factor,
+    tensor_sha256,
+)
+from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
+
+# Outer SGD lr 1 without momentum: θ_round − Δ lands where the replica went.
+PLAIN_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+# A constant inner lr: no warm-up, and the cosine decays from 1 to min_lr_ratio = 1.
+CONSTANT_LR = {"warmup_steps": 0, "total_steps": 1, "min_lr_ratio": 1.0}
+
+
+def batch(replica: int, step: int) -> tuple[Tensor, Tensor]:
+    """A fixed random (input_ids, labels) pair, each (4, 16), for every (replica, step)."""
+    gen = torch.Generator().manual_seed(1000 * replica + step)
+    tokens = torch.randint(0, MODEL.vocab_size, (4, 17), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sgd(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def flat_grad(model: nn.Module) -> Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def set_flat_grad(model: nn.Module, vector: Tensor) -> None:
+    sizes = [p.numel() for p in model.parameters()]
+    for p, g in zip(model.parameters(), vector.split(sizes), strict=True):
+        p.grad = g.view_as(p).clone()
+
+
+def test_h1_sgd_diloco_equals_synchronous_data_parallel_sgd() -> None:
+    config = DiLoCoConfig(inner_steps=1, grad_clip=None, **CONSTANT_LR, **PLAIN_OUTER)  # type: ignore[arg-type]
+    replicas = [DiLoCo(Transformer(MODEL), config, inner_optimizer=sgd(0.5)) for _ in range(3)]
+    reference = Transformer(MODEL)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    theta_0 = flat_parameters(reference.parameters())
+    for step in range(4):
+        for i, replica in enumerate(replicas):
+            replica.inner_step(*batch(i, step))
+        delta = torch.stack([r.pseudo_gradient() for r in replicas]).mean(dim=0)
+        for replica in replicas:
+            replica.outer_step(delta)
+
+        # Synchronous data parallel: one model, the replicas' gradients averaged, one SGD step.
+        grads = []
+        for i in range(3):
+            inputs, labels = batch(i, step)
+            cross_entropy_loss(reference(inputs), labels).backward()
+            grads.append(flat_grad(reference))
+            reference_optimizer.zero_grad()
+        set_flat_grad(reference, torch.stack(grads).mean(dim=0))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+
+        expected = flat_parameters(reference.parameters())
+        for replica in replicas:
+            torch.testing.assert_close(replica.theta_round.detach(), expected, atol=1e-6, rtol=0)
+            assert torch.equal(flat_parameters(replica.model.parameters()), replica.theta_round.detach())
+    assert (expected - theta_0).norm() > 0.05  # the runs really moved
+
+
+def test_one_replica_with_plain_outer_step_equals_local_adamw_training() -> None:
+    config = DiLoCoConfig(inner_steps=4, warmup_steps=3, total_steps=12, **PLAIN_OUTER)  # type: ignore[arg-type]
+    diloco = DiLoCo(Transformer(MODEL), config)
+    for step in range(12):
+        diloco.inner_step(*batch(0, step))
+        if diloco.round_complete:
+            diloco.outer_step(diloco.pseudo_gradient())
+    assert diloco.round == 3
+
+    local = Transformer(MODEL)
+    params = list(local.parameters())
+    optimizer = default_inner_optimizer(params, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    for step in range(12):
+        inputs, labels = batch(0, step)
+        cross_entropy_loss(local(inputs), labels).backward()
+        nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(diloco.theta_round.detach(), flat_parameters(params), atol=1e-6, rtol=0)
+
+
+def test_nesterov_outer_steps_match_the_hand_computed_formula() -> None:
+    lr, mu = 0.7, 0.9
+    diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig(outer_lr=lr, outer_momentum=mu, outer_nesterov=True))
+    theta_0 = diloco.theta_round.detach().clone()
+    gen = torch.Generator().manual_seed(5)
+    delta_1 = torch.randn(theta_0.shape, generator=gen) * 1e-3
+    delta_2 = torch.randn(theta_0.shape, generator=gen) * 1e-3
+
+    diloco.outer_step(delta_1)
+    theta_1 = theta_0 - lr * (1 + mu) * delta_1  # buffer = Δ1, step = Δ1 + μ·buffer
+    torch.testing.assert_close(diloco.theta_round.detach(), theta_1, atol=1e-7, rtol=0)
+    assert torch.equal(flat_parameters(diloco.model.parameters()), diloco.theta_round.detach())
+
+    diloco.outer_step(delta_2)
+    buffer = mu * delta_1 + delta_2
+    theta_2 = theta_1 - lr * (delta_2 + mu * buffer)
+    torch.testing.assert_close(diloco.theta_round.detach(), theta_2, atol=1e-7, rtol=0)
+    assert diloco.round == 2
+
+
+def test_pseudo_gradient_points_from_local_weights_to_the_round_start() -> None:
+    config = DiLoCoConfig(inner_steps=1, grad_clip=None, **CONSTANT_LR)  # type: ignore[arg-type]
+    diloco = DiLoCo(Transformer(MODEL), config, inner_optimizer=sgd(0.5))
+    reference = Transformer(MODEL)
+    inputs, labels = batch(0, 0)
+    cross_entropy_loss(reference(inputs), labels).backward()
+    gradient = flat_grad(reference)
+
+    diloco.inner_step(inputs, labels)
+    delta = diloco.pseudo_gradient()
+    local = flat_parameters(diloco.model.parameters())
+    torch.testing.assert_close(local + delta, diloco.theta_round.detach(), atol=1e-7, rtol=0)
+    # One SGD step moved the local weights by −lr·g, so Δ = +lr·g: same sign as the gradient.
+    torch.testing.assert_close(delta, 0.5 * gradient, atol=1e-7, rtol=0)
+    assert delta.dtype == torch.float32 and delta.shape == (MODEL.num_params(),)
+
+
+def run(diloco: DiLoCo, steps: range) -> list[float]:
+    """Inner steps on replica 0's batches with an outer step whenever a round completes."""
+    losses = []
+    for step in steps:
+        losses.append(diloco.inner_step(*batch(0, step)))
+        if diloco.round_complete:
+            diloco.outer_step(diloco.pseudo_gradient())
+    return losses
+
+
+@pytest.mark.parametrize("stop", [4, 6])  # mid-round and right after an outer step
+def test_state_dict_round_trip_resumes_bit_identically(stop: int) -> None:
+    config = DiLoCoConfig(inner_steps=3, warmup_steps=2, total_steps=20)
+    uninterrupted = DiLoCo(Transformer(MODEL), config)
+    expected_losses = run(uninterrupted, range(11))
+
+    first = DiLoCo(Transformer(MODEL), config)
+    losses = run(first, range(stop))
+    buffer = io.BytesIO()
+    torch.save({"model": first.model.state_dict(), "diloco": first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    resumed = DiLoCo(Transformer(MODEL), config)
+    resumed.model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["diloco"])
+    assert (resumed.step, resumed.round, resumed.steps_in_round) == (stop, stop // 3, stop % 3)
+    losses += run(resumed, range(stop, 11))
+
+    assert losses == expected_losses
+    assert torch.equal(resumed.theta_round.detach(), uninterrupted.theta_round.detach())
+    assert torch.equal(
+        flat_parameters(resumed.model.parameters()), flat_parameters(uninterrupted.model.parameters())
+    )
+    assert (resumed.step, resumed.round) == (uninterrupted.step, uninterrupted.round) == (11, 3)
+
+
+def test_state_dict_is_a_snapshot() -> None:
+    diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig(inner_steps=2))
+    run(diloco, range(3))
+    state = diloco.state_dict()
+    theta, exp_avg = state["theta_round"].clone(), state["inner_optimizer"]["state"][0]["exp_avg"].clone()
+    run(diloco, range(3, 5))
+    assert torch.equal(state["theta_round"], theta)
+    assert torch.equal(state["inner_optimizer"]["state"][0]["exp_avg"], exp_avg)
+    assert state["step"] == 3 and diloco.step == 5
+
+
+def test_load_state_dict_refuses_another_model_size() -> None:
+    state = DiLoCo(Transformer(MODEL), DiLoCoConfig()).state_dict()
+    other = DiLoCo(Transformer(ModelConfig.from_dict({**MODEL.to_dict(), "dim": 16})), DiLoCoConfig())
+    with pytest.raises(ValueError, match=r"checkpoint θ_round has \d+ elements, this model \d+"):
+        other.load_state_dict(state)
+
+
+def test_outer_step_rejects_bad_pseudo_gradients() -> None:
+    diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig())
+    d = MODEL.num_params()
+    theta = diloco.theta_round.detach().clone()
+    with pytest.raises(ValueError, match=rf"shape \({d + 1},\) dtype torch.float32; expected \({d},\)"):
+        diloco.outer_step(torch.zeros(d + 1))
+    with pytest.raises(ValueError, match=r"dtype torch\.float64"):
+        diloco.outer_step(torch.zeros(d, dtype=torch.float64))
+    bad = torch.zeros(d)
+    bad[3], bad[7] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match=rf"2 non-finite values out of {d}"):
+        diloco.outer_step(bad)
+    assert torch.equal(diloco.theta_round.detach(), theta) and diloco.round == 0
+
+
+def test_round_complete_after_h_inner_steps() -> None:
+    diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig(inner_steps=2))
+    assert not diloco.round_complete
+    diloco.inner_step(*batch(0, 0))
+    assert not diloco.round_complete
+    diloco.inner_step(*batch(0, 1))
+    assert diloco.round_complete and diloco.steps_in_round == 2
+    diloco.outer_step(diloco.pseudo_gradient())
+    assert not diloco.round_complete and diloco.steps_in_round == 0 and diloco.step == 2
+
+
+def test_inner_step_returns_the_loss_and_follows_the_schedule() -> None:
+    config = DiLoCoConfig(inner_lr=1e-2, warmup_steps=4, total_steps=10)
+    diloco = DiLoCo(Transformer(MODEL), config)
+    inputs, labels = batch(0, 0)
+    with torch.no_grad():
+        expected = cross_entropy_loss(diloco.model(inputs), labels).item()
+    assert diloco.current_lr == pytest.approx(1e-2 * 0.25)
+    assert diloco.inner_step(inputs, labels) == expected
+    assert diloco.current_lr == pytest.approx(1e-2 * 0.5)
+    assert all(p.grad is None for p in diloco.model.parameters())
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
+    config = DiLoCoConfig(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [lr_factor(s, config) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, config) == 1.0
+    assert lr_factor(9, config) == pytest.approx(0.55)  # half-way down the cosine
+    assert lr_factor(14, config) == pytest.approx(0.1)
+    assert lr_factor(1000, config) == pytest.approx(0.1)
+    no_warmup = DiLoCoConfig(warmup_steps=0, total_steps=10)
+    assert lr_factor(0, no_warmup) == 1.0
+    assert lr_factor(5, DiLoCoConfig(warmup_steps=5, total_steps=5, min_lr_ratio=0.2)) == 0.2
+
+
+def test_default_inner_optimizer_does_not_decay_norm_gains() -> None:
+    model = Transformer(MODEL)
+    optimizer = default_inner_optimizer(list(model.parameters()), DiLoCoConfig(weight_decay=0.1))
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decayed) == (not name.endswith("norm.weight")), name
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"inner_steps": 0}, "inner_steps must be >= 1, got 0"),
+        ({"inner_lr": 0.0}, "inner_lr must be > 0"),
+        ({"betas": (0.9, 1.0)}, r"betas must lie in \[0, 1\)"),
+        (
+            {"warmup_steps": 10, "total_steps": 5},
+            r"total_steps \(5\) must be >= 1 and >= warmup_steps \(10\)",
+        ),
+        ({"min_lr_ratio": 1.5}, r"min_lr_ratio must lie in \[0, 1\], got 1.5"),
+        ({"grad_clip": 0.0}, "grad_clip must be > 0"),
+        ({"outer_lr": -0.7}, "outer_lr must be > 0"),
+        ({"outer_momentum": 1.0}, r"outer_momentum must lie in \[0, 1\)"),
+        ({"outer_momentum": 0.0}, "outer_nesterov=True needs outer_momentum > 0"),
+    ],
+)
+def test_config_validation(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DiLoCoConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_copy_into_parameters_round_trips_and_checks_the_length() -> None:
+    model = Transformer(MODEL)
+    vector = torch.arange(MODEL.num_params(), dtype=torch.float32)
+    copy_into_parameters(vector, model.parameters())
+    assert torch.equal(flat_parameters(model.parameters()), vector)
+    vector += 1  # the model must not alias the vector
+    assert not torch.equal(flat_parameters(model.parameters()), vector)
+    with pytest.raises(ValueError, match=rf"shape \({MODEL.num_params() - 1},\), the parameters need"):
+        copy_into_parameters(vector[1:], model.parameters())
+
+
+def test_weights_hash_is_sha256_of_little_endian_float32() -> None:
+    assert tensor_sha256(torch.tensor([1.0])) == hashlib.sha256(bytes([0, 0, 0x80, 0x3F])).hexdigest()
+    a = DiLoCo(Transformer(MODEL), DiLoCoConfig())
+    b = DiLoCo(Transformer(MODEL), DiLoCoConfig())
+    assert a.weights_hash() == b.weights_hash()
+    a.outer_step(torch.full_like(a.theta_round.detach(), 1e-3))
+    assert a.weights_hash() != b.weights_hash()
