@@ -9,7 +9,7 @@ from pathlib import Path
 from nacl.signing import SigningKey
 
 from neuroshard.data import Dataset, open_dataset
-from neuroshard.data.files import atomic_write, file_sha256
+from neuroshard.data.files import file_sha256
 from neuroshard.data.manifest import MANIFEST_NAME
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
@@ -28,7 +28,7 @@ def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 2
         text = text_path.read_text(encoding="utf-8")
         start = time.perf_counter()
         tokenizer = BPETokenizer.train([text[:1_500_000]], vocab_size)
-        atomic_write(directory / TOKENIZER_NAME, tokenizer.save)
+        tokenizer.save(directory / TOKENIZER_NAME)
         # One document per paragraph, so EOS marks real boundaries.
         publish_shards(text.split("\n\n"), out=directory, key=BENCH_KEY, shard_tokens=shard_tokens)
         print(f"(built bench data set {directory} in {time.perf_counter() - start:.1f}s)")

@@ -19,7 +19,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Run `write(tmp)`, fsync, rename onto `path`, fsync the directory.
 
     Readers see the old file or the new one, whole; a crash at any point never leaves a

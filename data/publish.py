@@ -13,15 +13,13 @@ from pathlib import Path
 import torch
 from nacl.signing import SigningKey
 
-from neuroshard.tokenizer import BPETokenizer
+from neuroshard.tokenizer import EOS_ID, BPETokenizer
 
 from .files import atomic_write, file_sha256
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, ShardInfo, TokenizerInfo, sign_manifest
 
 TOKENIZER_NAME = "tokenizer.json"
 DEFAULT_SHARD_TOKENS = 2_500_000
-EOS_ID = 2
-"""Appended after every document so the model learns where documents end."""
 _ENCODE_GROUP = 64
 """Documents encoded per engine call: large enough for the engine's threads, small enough for memory."""
 
@@ -74,7 +72,7 @@ def publish_shards(
 
     for ids in _token_chunks(tokenizer, documents):
         buffer.extend(ids)
-        buffer.append(EOS_ID)
+        buffer.append(EOS_ID)  # marks where one document ends and the next begins
         while len(buffer) >= shard_tokens:
             flush(buffer[:shard_tokens])
             del buffer[:shard_tokens]

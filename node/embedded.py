@@ -17,7 +17,6 @@ from nacl.signing import SigningKey
 
 from neuroshard.data import Dataset, load_or_create_signing_key, open_dataset
 from neuroshard.data.corpus import read_documents, stdlib_source_files
-from neuroshard.data.files import atomic_write
 from neuroshard.data.manifest import MANIFEST_NAME
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
@@ -48,7 +47,7 @@ def _build(directory: Path, key: SigningKey, log: Callable[[str], None]) -> None
     log(f"building the default data set in {directory} from {len(files)} standard-library source files")
     start = time.monotonic()
     tokenizer = BPETokenizer.train(read_documents(files, TOKENIZER_TRAIN_BYTES), DEFAULT_VOCAB_SIZE)
-    atomic_write(directory / TOKENIZER_NAME, tokenizer.save)
+    tokenizer.save(directory / TOKENIZER_NAME)
     log(f"  tokenizer: vocab {tokenizer.vocab_size} trained in {time.monotonic() - start:.1f}s")
     manifest = publish_shards(
         read_documents(files, CORPUS_BYTES),

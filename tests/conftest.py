@@ -10,7 +10,6 @@ from nacl.signing import SigningKey
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.corpus import read_documents, stdlib_source_files
-from neuroshard.data.files import atomic_write
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
 
@@ -41,7 +40,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PublishedDat
     directory = tmp_path_factory.mktemp("dataset")
     docs = small_corpus()
     tokenizer = BPETokenizer.train(docs[:40], 512)
-    atomic_write(directory / TOKENIZER_NAME, tokenizer.save)
+    tokenizer.save(directory / TOKENIZER_NAME)
     key = SigningKey(bytes(range(32)))
     publish_shards(docs, out=directory, key=key, shard_tokens=20_000)
     yield PublishedData(directory, key, open_dataset(directory, bytes(key.verify_key)))
