@@ -7,6 +7,7 @@ different config is refused with both fingerprints in the message, never done si
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,37 @@ def load_checkpoint(path: Path, expected: CheckpointIdentity) -> dict[str, Any] 
         )
     state: dict[str, Any] = payload["state"]
     return state
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread so the training loop does not wait on the disk.
+
+    At most one write is in flight: `submit` first waits for the previous one. The caller
+    hands over a snapshot (tensors it will not modify again). `flush` waits for the write
+    in flight and re-raises its error, so a failed checkpoint is never silently lost.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, path: Path, identity: CheckpointIdentity, state: dict[str, Any]) -> None:
+        self.flush()
+        self._thread = threading.Thread(
+            target=self._write, args=(path, identity, state), name="checkpoint-writer"
+        )
+        self._thread.start()
+
+    def _write(self, path: Path, identity: CheckpointIdentity, state: dict[str, Any]) -> None:
+        try:
+            save_checkpoint(path, identity, state)
+        except BaseException as exc:  # handed to the training thread by flush()
+            self._error = exc
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

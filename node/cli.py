@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     diloco.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak learning rate")
     diloco.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps of the inner lr")
     diloco.add_argument(
-        "--total-steps", type=int, help="cosine horizon of the inner lr (default: --max-steps, else 100000)"
+        "--total-steps",
+        type=int,
+        default=20_000,
+        help="inner step where the cosine lr decay ends; keep it fixed across restarts (the schedule follows it)",
     )
     diloco.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer SGD learning rate")
     diloco.add_argument(
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dataset = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
-        total = args.total_steps or args.max_steps or 100_000
+        total = args.total_steps
         diloco_config = DiLoCoConfig(
             inner_steps=args.inner_steps,
             inner_lr=args.inner_lr,

@@ -95,12 +95,17 @@ def lr_factor(step: int, cfg: DiLoCoConfig) -> float:
 
 
 def default_inner_optimizer(params: list[nn.Parameter], cfg: DiLoCoConfig) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only: decaying a norm gain pulls it towards 0 instead of 1."""
+    """AdamW with decay on matrices only: decaying a norm gain pulls it towards 0 instead of 1.
+
+    fused=True runs the whole update in one kernel per parameter group (CPU and CUDA since
+    torch 2.4); on the tiny model at 2 threads it measured ~4% faster per inner step than
+    the default per-tensor loop (bench/bench_inner_loop.py).
+    """
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.inner_lr, betas=cfg.betas)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.inner_lr, betas=cfg.betas, fused=True)
 
 
 @torch.no_grad()

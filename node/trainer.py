@@ -17,7 +17,7 @@ import torch
 
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
-from .checkpoint import CheckpointIdentity, checkpoint_path, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
 from .diloco import DiLoCo, DiLoCoConfig
 from .model import ModelConfig, build_stage
 
@@ -93,6 +93,7 @@ class Trainer:
             tokenizer_sha256=dataset.manifest.tokenizer.sha256,
         )
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
+        self._writer = CheckpointWriter()
         position = DataPosition() if fresh else self._resume()
         self.batches = BatchStream(
             directory=dataset.directory,
@@ -118,19 +119,23 @@ class Trainer:
         )
         return position
 
-    def save(self) -> None:
+    def save(self, *, wait: bool = True) -> None:
+        """Checkpoint the replica; with wait=False the file is written in the background."""
         state = {
-            "model": self.model.state_dict(),
-            "diloco": self.diloco.state_dict(),
+            # The model's tensors are live; clone them so the background write sees this step's values.
+            "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
+            "diloco": self.diloco.state_dict(),  # already a snapshot
             "data_position": self.batches.position.to_dict(),
         }
-        save_checkpoint(self.checkpoint_file, self.identity, state)
+        self._writer.submit(self.checkpoint_file, self.identity, state)
+        if wait:
+            self._writer.flush()
 
     def _finish_round(self) -> None:
         delta = self.diloco.pseudo_gradient()
         self.diloco.outer_step(self._reduce_round(delta))
-        self.save()
-        self._log(f"round={self.diloco.round} outer step applied |Δ|={delta.norm():.4f} checkpoint saved")
+        self.save(wait=False)
+        self._log(f"round={self.diloco.round} outer step applied |Δ|={delta.norm():.4f}")
 
     def run(self, stop: threading.Event) -> TrainResult:
         """Train until `max_steps` or until `stop` is set; always leaves a checkpoint behind."""
@@ -150,7 +155,7 @@ class Trainer:
             if self.diloco.round_complete:
                 self._finish_round()
             elif step % cfg.checkpoint_every == 0:
-                self.save()
+                self.save(wait=False)
             if step % cfg.log_every == 0:
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = len(window) * self.batches.tokens_per_batch / max(elapsed, 1e-9)
