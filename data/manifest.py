@@ -18,7 +18,7 @@ from .keys import signature_is_valid
 
 MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.json.sig"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 
 
 class ManifestError(ValueError):
@@ -31,27 +31,42 @@ class ShardInfo:
     file: str
     sha256: str
     tokens: int
+    tokenizer_sha256: str
+    """The tokenizer this shard was made with; it must be in the manifest's tokenizer lineage."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerInfo:
     file: str
+    """Content-addressed (tokenizers/<sha256>.json): an object under a name never changes, so CDNs may cache it."""
     sha256: str
     next_merge_id: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
+    version: int
+    """Publication counter, +1 per publish; a node only ever moves to a higher version."""
     created: str
     """UTC time of publication, ISO 8601."""
     publisher: str
     """Hex public key of the publisher that signed this manifest."""
-    tokenizer: TokenizerInfo
+    tokenizers: tuple[TokenizerInfo, ...]
+    """The tokenizer lineage, oldest first: each extends the one before (merges are append-only)."""
     shards: tuple[ShardInfo, ...]
+
+    @property
+    def tokenizer(self) -> TokenizerInfo:
+        """The current tokenizer: the newest in the lineage. Nodes use exactly this one."""
+        return self.tokenizers[-1]
 
     @property
     def total_shards(self) -> int:
         return len(self.shards)
+
+    def made_with_lineage(self, info: ShardInfo) -> bool:
+        """True when the shard's tokenizer is in this manifest's lineage, so its ids mean what ours mean."""
+        return any(t.sha256 == info.tokenizer_sha256 for t in self.tokenizers)
 
     def shard(self, shard_id: int) -> ShardInfo:
         for info in self.shards:
@@ -63,9 +78,10 @@ class Manifest:
         """Canonical encoding: the bytes that are signed and hashed."""
         doc = {
             "format": MANIFEST_FORMAT,
+            "version": self.version,
             "created": self.created,
             "publisher": self.publisher,
-            "tokenizer": vars(self.tokenizer),
+            "tokenizers": [vars(t) for t in self.tokenizers],
             "shards": [vars(s) for s in self.shards],
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
@@ -82,12 +98,23 @@ class Manifest:
 def _parse(doc: dict[str, Any]) -> Manifest:
     if doc.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"format {doc.get('format')!r}, this reader understands {MANIFEST_FORMAT}")
-    tok = doc["tokenizer"]
-    tokenizer = TokenizerInfo(
-        file=str(tok["file"]), sha256=str(tok["sha256"]), next_merge_id=int(tok["next_merge_id"])
+    tokenizers = tuple(
+        TokenizerInfo(file=str(t["file"]), sha256=str(t["sha256"]), next_merge_id=int(t["next_merge_id"]))
+        for t in doc["tokenizers"]
     )
+    if not tokenizers:
+        raise ValueError("no tokenizer")
+    merge_ids = [t.next_merge_id for t in tokenizers]
+    if merge_ids != sorted(set(merge_ids)):
+        raise ValueError(f"tokenizer lineage must grow strictly, got next_merge_id {merge_ids}")
     shards = tuple(
-        ShardInfo(id=int(s["id"]), file=str(s["file"]), sha256=str(s["sha256"]), tokens=int(s["tokens"]))
+        ShardInfo(
+            id=int(s["id"]),
+            file=str(s["file"]),
+            sha256=str(s["sha256"]),
+            tokens=int(s["tokens"]),
+            tokenizer_sha256=str(s["tokenizer_sha256"]),
+        )
         for s in doc["shards"]
     )
     ids = [s.id for s in shards]
@@ -98,8 +125,14 @@ def _parse(doc: dict[str, Any]) -> Manifest:
             raise ValueError(f"shard {s.id} file name {s.file!r} is not a plain file name")
         if s.tokens <= 0:
             raise ValueError(f"shard {s.id} has {s.tokens} tokens")
+    if int(doc["version"]) < 1:
+        raise ValueError(f"version {doc['version']} must be >= 1")
     return Manifest(
-        created=str(doc["created"]), publisher=str(doc["publisher"]), tokenizer=tokenizer, shards=shards
+        version=int(doc["version"]),
+        created=str(doc["created"]),
+        publisher=str(doc["publisher"]),
+        tokenizers=tokenizers,
+        shards=shards,
     )
 
 

@@ -8,9 +8,10 @@ the restricted `weights_only` loader runs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -45,6 +46,32 @@ def load_shard(directory: Path, info: ShardInfo, vocab_size: int) -> torch.Tenso
     return tokens
 
 
+class ShardSource(Protocol):
+    """Where a node's shards come from: a local directory, or an HTTP/CDN client with a disk cache."""
+
+    def fetch(self, info: ShardInfo) -> torch.Tensor:
+        """The verified token tensor of a shard (blocking). Raises ShardError when it cannot be had."""
+        ...
+
+    def prefetch(self, infos: Sequence[ShardInfo]) -> None:
+        """Start getting these shards in the background; a no-op where that makes no sense."""
+        ...
+
+
+class LocalShardSource:
+    """Shards in a local directory, verified on every load."""
+
+    def __init__(self, directory: Path, vocab_size: int) -> None:
+        self._directory = directory
+        self._vocab_size = vocab_size
+
+    def fetch(self, info: ShardInfo) -> torch.Tensor:
+        return load_shard(self._directory, info, self._vocab_size)
+
+    def prefetch(self, infos: Sequence[ShardInfo]) -> None:
+        return None
+
+
 @dataclass(kw_only=True)
 class DataPosition:
     """Where a node is in its data; saved in checkpoints so a restart reads the same next batch."""
@@ -75,38 +102,42 @@ class BatchStream:
 
     A shard of N tokens holds (N - 1) // seq_len windows of `seq_len + 1` tokens at stride
     `seq_len`; labels are the inputs shifted by one. Each batch takes the next
-    `batch_size` windows of the shard's permutation (`window_order`). When the shard has
-    fewer than `batch_size` windows left the stream moves to the next shard in the order,
-    wrapping around after the last.
+    `batch_size` windows of the shard's permutation (`window_order`). The stream moves to
+    the next shard in the order (wrapping around after the last) when the shard has fewer
+    than `batch_size` windows left, when `rotate()` is called (the trainer's plateau test),
+    or when a shard cannot be had — made with a tokenizer outside the manifest's lineage,
+    or unavailable after the source's retries — which `on_skip` is told about.
     """
 
     def __init__(
         self,
         *,
-        directory: Path,
+        source: ShardSource,
         manifest: Manifest,
         order: list[int],
         seed: str,
         batch_size: int,
         seq_len: int,
-        vocab_size: int,
         position: DataPosition | None = None,
+        prefetch: int = 1,
+        on_skip: Callable[[int, str], None] = lambda shard_id, reason: None,
     ) -> None:
         if not order:
             raise ValueError("empty shard order")
-        smallest = min(s.tokens for s in manifest.shards)
-        if (smallest - 1) // seq_len < batch_size:
+        largest = max(s.tokens for s in manifest.shards)
+        if (largest - 1) // seq_len < batch_size:
             raise ValueError(
                 f"a batch of {batch_size}x{seq_len} needs {batch_size * seq_len + 1} tokens "
-                f"but the smallest shard has {smallest}"
+                f"but the largest shard has {largest}"
             )
-        self._directory = directory
+        self._source = source
         self._manifest = manifest
         self._order = order
         self._seed = seed
         self._batch_size = batch_size
         self._seq_len = seq_len
-        self._vocab_size = vocab_size
+        self._prefetch = prefetch
+        self._on_skip = on_skip
         self.position = position or DataPosition()
         self._loaded: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (order_index, tokens, windows)
 
@@ -118,19 +149,53 @@ class BatchStream:
     def shard_id(self) -> int:
         return self._order[self.position.order_index % len(self._order)]
 
+    def rotate(self) -> None:
+        """Move on to the next shard in the order now."""
+        self._advance()
+
+    def _advance(self) -> None:
+        self.position = DataPosition(order_index=(self.position.order_index + 1) % len(self._order))
+
     def _current(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._loaded is None or self._loaded[0] != self.position.order_index:
+        """The current shard's tokens and window order, skipping shards that cannot be used."""
+        for _ in range(len(self._order)):
+            if self._loaded is not None and self._loaded[0] == self.position.order_index:
+                return self._loaded[1], self._loaded[2]
             info = self._manifest.shard(self.shard_id)
-            tokens = load_shard(self._directory, info, self._vocab_size)
+            try:
+                tokens = self._load(info)
+            except ShardError as exc:
+                self._on_skip(info.id, str(exc))
+                self._advance()
+                continue
             windows = window_order(self._seed, info.id, (tokens.numel() - 1) // self._seq_len)
+            if windows.numel() < self._batch_size:
+                self._on_skip(info.id, f"{info.tokens} tokens is too short for one batch")
+                self._advance()
+                continue
             self._loaded = (self.position.order_index, tokens, windows)
-        return self._loaded[1], self._loaded[2]
+            return tokens, windows
+        raise ShardError(f"none of the {len(self._order)} shards in this node's order can be used")
+
+    def _load(self, info: ShardInfo) -> torch.Tensor:
+        if not self._manifest.made_with_lineage(info):
+            raise ShardError(
+                f"shard {info.id} was made with tokenizer {info.tokenizer_sha256[:16]}…, "
+                f"not one of this manifest's ({self._manifest.tokenizer.sha256[:16]}… and its ancestors)"
+            )
+        tokens = self._source.fetch(info)
+        upcoming = [
+            self._manifest.shard(self._order[(self.position.order_index + k) % len(self._order)])
+            for k in range(1, self._prefetch + 1)
+        ]
+        self._source.prefetch(upcoming)
+        return tokens
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), both (B, T) int64."""
         tokens, windows = self._current()
         if self.position.offset + self._batch_size > windows.numel():
-            self.position = DataPosition(order_index=(self.position.order_index + 1) % len(self._order))
+            self._advance()
             tokens, windows = self._current()
         start = self.position.offset
         starts = windows[start : start + self._batch_size] * self._seq_len  # (B,)

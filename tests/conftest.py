@@ -9,9 +9,9 @@ import torch
 from nacl.signing import SigningKey
 
 from neuroshard.data import Dataset, open_dataset
-from neuroshard.data.corpus import read_documents, stdlib_source_files
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
+from tests_support import small_corpus
 
 # The CI machine has 2 cores; one thread per test process keeps results reproducible
 # (reduction order inside matmul kernels depends on the thread count).
@@ -27,11 +27,6 @@ class PublishedData:
     @property
     def public_key_hex(self) -> str:
         return bytes(self.key.verify_key).hex()
-
-
-def small_corpus(max_bytes: int = 400_000) -> list[str]:
-    """A few hundred KB of real text every machine with Python has: standard-library source."""
-    return list(read_documents(stdlib_source_files(), max_bytes))
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,7 @@ def test_missing_signature_and_garbage_signature(copy: Path, published) -> None:
 
 
 def test_tokenizer_that_does_not_match_the_manifest_is_refused(copy: Path, published) -> None:
-    tok = copy / "tokenizer.json"
+    tok = copy / published.dataset.manifest.tokenizer.file
     tok.write_bytes(tok.read_bytes().replace(b"}", b" }", 1))
     with pytest.raises(ManifestError, match="different tokenizer"):
         open_dataset(copy, bytes(published.key.verify_key))
