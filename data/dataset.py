@@ -9,13 +9,18 @@ from neuroshard.tokenizer import BPETokenizer
 
 from .files import file_sha256
 from .manifest import Manifest, ManifestError, read_manifest
+from .shards import LocalShardSource, ShardSource
 
 
 @dataclass(frozen=True)
 class Dataset:
-    directory: Path
+    """A verified manifest, the exact tokenizer it names, and where its shards come from."""
+
+    location: str
+    """Where the data set lives (a directory or a base URL), for messages."""
     manifest: Manifest
     tokenizer: BPETokenizer
+    source: ShardSource
 
 
 def open_dataset(directory: Path, publisher_key: bytes) -> Dataset:
@@ -39,4 +44,9 @@ def open_dataset(directory: Path, publisher_key: bytes) -> Dataset:
         raise ManifestError(
             f"{tok_path}: next_merge_id {tokenizer.next_merge_id}, manifest says {manifest.tokenizer.next_merge_id}"
         )
-    return Dataset(directory=directory, manifest=manifest, tokenizer=tokenizer)
+    return Dataset(
+        location=str(directory),
+        manifest=manifest,
+        tokenizer=tokenizer,
+        source=LocalShardSource(directory, tokenizer.vocab_size),
+    )

@@ -31,6 +31,7 @@ from .checkpoint import CheckpointMismatch
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
+from .rotation import RotationConfig
 from .trainer import Trainer, TrainerConfig
 from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
 
@@ -89,6 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     diloco.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer SGD learning rate")
     diloco.add_argument(
         "--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum"
+    )
+
+    rot = p.add_argument_group("shard rotation (on exhaustion, or when the loss plateaus on a shard)")
+    r = RotationConfig()
+    rot.add_argument(
+        "--plateau-min-steps",
+        type=int,
+        default=r.min_steps,
+        help="inner steps on a shard before a plateau can end it",
+    )
+    rot.add_argument(
+        "--plateau-window", type=int, default=r.window, help="steps per window of the plateau test"
+    )
+    rot.add_argument(
+        "--no-plateau-rotation", action="store_true", help="leave a shard only when it is exhausted"
     )
 
     ckpt = p.add_argument_group("checkpoints")
@@ -161,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             max_steps=args.max_steps,
             checkpoint_every=args.checkpoint_every,
             log_every=args.log_every,
+            rotation=RotationConfig(
+                min_steps=args.plateau_min_steps,
+                window=args.plateau_window,
+                enabled=not args.no_plateau_rotation,
+            ),
         )
         trainer = Trainer(
             wallet_id=wallet.wallet_id,
@@ -178,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = dataset.manifest
     _log(
         f"model {args.model_size}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
-        f"vocab {model_config.vocab_size}; data {dataset.directory} ({manifest.total_shards} shards); "
+        f"vocab {model_config.vocab_size}; data {dataset.location} ({manifest.total_shards} shards); "
         f"H={diloco_config.inner_steps}"
     )
     try:

@@ -20,6 +20,7 @@ from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
 from .diloco import DiLoCo, DiLoCoConfig
 from .model import ModelConfig, build_stage
+from .rotation import PlateauDetector, RotationConfig
 
 RoundReducer = Callable[[torch.Tensor], torch.Tensor]
 """Maps this replica's Δ to the outer gradient for the round (aggregation happens behind it)."""
@@ -42,6 +43,8 @@ class TrainerConfig:
     """Inner steps between checkpoints (a checkpoint is also written after every outer step and on stop)."""
     log_every: int = 10
     """Inner steps per progress line; the printed loss is the mean over those steps."""
+    rotation: RotationConfig = field(default_factory=RotationConfig)
+    """When to leave a shard whose loss has plateaued."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "checkpoint_every", "log_every"):
@@ -96,15 +99,18 @@ class Trainer:
         self._writer = CheckpointWriter()
         position = DataPosition() if fresh else self._resume()
         self.batches = BatchStream(
-            directory=dataset.directory,
+            source=dataset.source,
             manifest=dataset.manifest,
             order=assign_shards(wallet_id, dataset.manifest),
             seed=wallet_id,
             batch_size=config.batch_size,
             seq_len=config.seq_len,
-            vocab_size=model_config.vocab_size,
             position=position,
+            on_skip=lambda shard_id, reason: log(
+                f"skipping shard {shard_id}: {reason}; moving to the next shard"
+            ),
         )
+        self._plateau = PlateauDetector(config.rotation)
 
     def _resume(self) -> DataPosition:
         state = load_checkpoint(self.checkpoint_file, self.identity)
@@ -147,8 +153,15 @@ class Trainer:
             if stop.is_set():
                 result.stopped_by_signal = True
                 break
+            shard_before = self.batches.shard_id
             inputs, labels = self.batches.next_batch()
+            if self.batches.shard_id != shard_before:
+                self._plateau.reset()
             loss = self.diloco.inner_step(inputs, labels)
+            if self._plateau.observe(loss):
+                self._log(f"loss plateaued on shard {self.batches.shard_id}; rotating to the next shard")
+                self.batches.rotate()
+                self._plateau.reset()
             window.append(loss)
             result.losses.append(loss)
             step = self.diloco.step

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from nacl.signing import SigningKey
+from tests_support import small_corpus
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
-from tests_support import small_corpus
 
 # The CI machine has 2 cores; one thread per test process keeps results reproducible
 # (reduction order inside matmul kernels depends on the thread count).

@@ -4,12 +4,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tests_support import small_corpus
 
 from neuroshard.data import open_dataset, read_manifest
 from neuroshard.data.files import file_sha256
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
-from tests_support import small_corpus
 
 
 @pytest.fixture
@@ -33,7 +33,9 @@ def test_append_adds_shards_and_keeps_old_ones_byte_identical(copy: Path, publis
     after = publish_shards(small_corpus(60_000), out=copy, key=published.key, shard_tokens=5_000)
     assert after.version == before.version + 1
     assert after.shards[: before.total_shards] == before.shards
-    assert [s.id for s in after.shards] == list(range(after.total_shards)) and after.total_shards > before.total_shards
+    assert [s.id for s in after.shards] == list(
+        range(after.total_shards)
+    ) and after.total_shards > before.total_shards
     assert all(file_sha256(copy / name) == h for name, h in hashes.items())
     assert read_manifest(copy, bytes(published.key.verify_key)) == after
 

@@ -15,7 +15,7 @@ from neuroshard.data.shards import window_order
 def test_shard_loads_as_flat_int32_of_the_declared_length(published) -> None:
     ds = published.dataset
     info = ds.manifest.shards[0]
-    tokens = load_shard(ds.directory, info, ds.tokenizer.vocab_size)
+    tokens = load_shard(published.directory, info, ds.tokenizer.vocab_size)
     assert tokens.dtype == torch.int32 and tokens.dim() == 1 and tokens.numel() == info.tokens == 20_000
     assert int(tokens.max()) < ds.tokenizer.vocab_size
 
@@ -23,7 +23,7 @@ def test_shard_loads_as_flat_int32_of_the_declared_length(published) -> None:
 def test_corrupted_shard_is_rejected_before_loading(published, tmp_path: Path) -> None:
     ds = published.dataset
     info = ds.manifest.shards[1]
-    shutil.copy(ds.directory / info.file, tmp_path / info.file)
+    shutil.copy(published.directory / info.file, tmp_path / info.file)
     raw = bytearray((tmp_path / info.file).read_bytes())
     raw[-10] ^= 0xFF
     (tmp_path / info.file).write_bytes(bytes(raw))
@@ -63,13 +63,12 @@ def test_wrong_dtype_or_length_is_rejected(tmp_path: Path, published) -> None:
 def _stream(published, position: DataPosition | None = None, seed: str = "node-a") -> BatchStream:
     ds = published.dataset
     return BatchStream(
-        directory=ds.directory,
+        source=ds.source,
         manifest=ds.manifest,
         order=[2, 0, 1],
         seed=seed,
         batch_size=4,
         seq_len=32,
-        vocab_size=ds.tokenizer.vocab_size,
         position=position,
     )
 
@@ -107,6 +106,56 @@ def test_stream_moves_to_the_next_shard_in_order_and_resumes_from_a_position(pub
 
 def test_batch_larger_than_a_shard_is_refused(published) -> None:
     ds = published.dataset
-    with pytest.raises(ValueError, match="smallest shard has"):
-        BatchStream(directory=ds.directory, manifest=ds.manifest, order=[0], seed="x",
-                    batch_size=1000, seq_len=64, vocab_size=512)  # fmt: skip
+    with pytest.raises(ValueError, match="largest shard has"):
+        BatchStream(source=ds.source, manifest=ds.manifest, order=[0], seed="x", batch_size=1000, seq_len=64)
+
+
+class _FailingSource:
+    """Serves shards from a directory except the ones listed, which are 'unavailable'."""
+
+    def __init__(self, inner, broken: set[int]) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.broken, self.fetched = inner, broken, []
+
+    def fetch(self, info):  # type: ignore[no-untyped-def]
+        self.fetched.append(info.id)
+        if info.id in self.broken:
+            raise ShardError(f"shard {info.id}: unavailable after 5 attempts")
+        return self.inner.fetch(info)
+
+    def prefetch(self, infos) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_unavailable_shard_is_skipped_and_reported(published) -> None:
+    ds = published.dataset
+    skipped: list[tuple[int, str]] = []
+    source = _FailingSource(ds.source, broken={2})
+    stream = BatchStream(
+        source=source, manifest=ds.manifest, order=[2, 0, 1], seed="s", batch_size=4, seq_len=32,
+        on_skip=lambda shard_id, reason: skipped.append((shard_id, reason)),
+    )  # fmt: skip
+    stream.next_batch()
+    assert stream.shard_id == 0 and skipped == [(2, "shard 2: unavailable after 5 attempts")]
+
+
+def test_shard_from_a_foreign_tokenizer_is_refused_without_loading(published) -> None:
+    ds = published.dataset
+    foreign = replace(ds.manifest.shards[2], tokenizer_sha256="f" * 64)
+    manifest = replace(ds.manifest, shards=(*ds.manifest.shards[:2], foreign, *ds.manifest.shards[3:]))
+    skipped: list[int] = []
+    source = _FailingSource(ds.source, broken=set())
+    stream = BatchStream(
+        source=source, manifest=manifest, order=[2, 0, 1], seed="s", batch_size=4, seq_len=32,
+        on_skip=lambda shard_id, reason: skipped.append(shard_id),
+    )  # fmt: skip
+    stream.next_batch()
+    assert skipped == [2] and source.fetched == [0] and stream.shard_id == 0
+
+
+def test_rotate_moves_to_the_next_shard_at_offset_zero(published) -> None:
+    stream = _stream(published)
+    stream.next_batch()
+    stream.rotate()
+    assert stream.position == DataPosition(order_index=1, offset=0)
+    stream.next_batch()
+    assert stream.shard_id == 0
