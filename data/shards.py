@@ -149,6 +149,19 @@ class BatchStream:
     def shard_id(self) -> int:
         return self._order[self.position.order_index % len(self._order)]
 
+    def update(self, source: ShardSource, manifest: Manifest, order: list[int]) -> None:
+        """Switch to a newer manifest, staying on the current shard at the same offset."""
+        current = self.shard_id
+        self._source, self._manifest, self._order = source, manifest, order
+        if current in order:
+            index = order.index(current)
+            self.position = DataPosition(order_index=index, offset=self.position.offset)
+            if self._loaded is not None:
+                self._loaded = (index, self._loaded[1], self._loaded[2])
+        else:
+            self.position = DataPosition()
+            self._loaded = None
+
     def rotate(self) -> None:
         """Move on to the next shard in the order now."""
         self._advance()

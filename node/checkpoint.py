@@ -8,6 +8,7 @@ different config is refused with both fingerprints in the message, never done si
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,14 @@ def save_checkpoint(path: Path, identity: CheckpointIdentity, state: dict[str, A
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
-def load_checkpoint(path: Path, expected: CheckpointIdentity) -> dict[str, Any] | None:
+def load_checkpoint(
+    path: Path, expected: CheckpointIdentity, older_tokenizers: Collection[str] = ()
+) -> dict[str, Any] | None:
     """The saved state, or None when there is no checkpoint at `path`.
 
-    Raises CheckpointMismatch when the file belongs to another config, naming what differs.
+    A checkpoint made with one of `older_tokenizers` (the current tokenizer's ancestors in
+    the manifest's lineage) is accepted: its ids are a prefix of ours and the caller grows
+    the vocabulary. Anything else that differs raises CheckpointMismatch, naming it.
     """
     if not path.exists():
         return None
@@ -70,7 +75,9 @@ def load_checkpoint(path: Path, expected: CheckpointIdentity) -> dict[str, Any] 
     saved = payload["identity"]
     wanted = expected.as_dict()
     differences = [
-        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in wanted.items() if saved.get(k) != v
+        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
+        for k, v in wanted.items()
+        if saved.get(k) != v and not (k == "tokenizer_sha256" and saved.get(k) in older_tokenizers)
     ]
     if differences:
         raise CheckpointMismatch(

@@ -112,6 +112,13 @@ class ModelConfig:
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
+    def architecture_fingerprint(self) -> str:
+        """Like fingerprint() but without vocab_size: a checkpoint stays loadable when the
+        tokenizer grows (the embedding and head then grow with it, see vocab.py)."""
+        fields = {k: v for k, v in self.to_dict().items() if k != "vocab_size"}
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
     def num_params(self, *, layers: range | None = None, embedding: bool = True, head: bool = True) -> int:
         """Parameter count of a stage (default: the whole model), computed without building it."""
         n_blocks = self.n_layers if layers is None else len(layers)

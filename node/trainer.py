@@ -7,11 +7,13 @@ gradient; a lone node passes its own Δ straight through.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, l
 from .diloco import DiLoCo, DiLoCoConfig
 from .model import ModelConfig, build_stage
 from .rotation import PlateauDetector, RotationConfig
+from .vocab import grow_replica
 
 RoundReducer = Callable[[torch.Tensor], torch.Tensor]
 """Maps this replica's Δ to the outer gradient for the round (aggregation happens behind it)."""
@@ -62,6 +65,10 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
 
 
+DatasetUpdates = Callable[[], Dataset | None]
+"""Polled at round boundaries: a newer verified data set (manifest version) or None."""
+
+
 class Trainer:
     def __init__(
         self,
@@ -74,6 +81,7 @@ class Trainer:
         checkpoint_dir: Path,
         log: Callable[[str], None],
         reduce_round: RoundReducer = lone_replica,
+        dataset_updates: DatasetUpdates | None = None,
         fresh: bool = False,
     ) -> None:
         if config.seq_len > model_config.max_seq_len:
@@ -87,17 +95,25 @@ class Trainer:
         self.config = config
         self._log = log
         self._reduce_round = reduce_round
-        self.model = build_stage(model_config, 0, 1)
-        self.diloco = DiLoCo(self.model, diloco_config)
-        self.identity = CheckpointIdentity(
-            wallet_id=wallet_id,
-            stage=0,
-            model_fingerprint=model_config.fingerprint(),
-            tokenizer_sha256=dataset.manifest.tokenizer.sha256,
-        )
+        self._dataset_updates = dataset_updates
+        self.wallet_id = wallet_id
+        self.dataset = dataset
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
         self._writer = CheckpointWriter()
-        position = DataPosition() if fresh else self._resume()
+        state = None if fresh else self._load_state(model_config)
+        saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
+        self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, 1)
+        self.diloco = DiLoCo(self.model, diloco_config)
+        position = DataPosition()
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+            self.diloco.load_state_dict(state["diloco"])
+            position = DataPosition(**state["data_position"])
+            self._log(
+                f"resumed from {self.checkpoint_file} at step={self.diloco.step} round={self.diloco.round} "
+                f"(shard order index {position.order_index}, offset {position.offset})"
+            )
+        self._grow_vocab(model_config.vocab_size)
         self.batches = BatchStream(
             source=dataset.source,
             manifest=dataset.manifest,
@@ -112,18 +128,46 @@ class Trainer:
         )
         self._plateau = PlateauDetector(config.rotation)
 
-    def _resume(self) -> DataPosition:
-        state = load_checkpoint(self.checkpoint_file, self.identity)
-        if state is None:
-            return DataPosition()
-        self.model.load_state_dict(state["model"])
-        self.diloco.load_state_dict(state["diloco"])
-        position = DataPosition(**state["data_position"])
-        self._log(
-            f"resumed from {self.checkpoint_file} at step={self.diloco.step} round={self.diloco.round} "
-            f"(shard order index {position.order_index}, offset {position.offset})"
+    @property
+    def identity(self) -> CheckpointIdentity:
+        return CheckpointIdentity(
+            wallet_id=self.wallet_id,
+            stage=0,
+            model_fingerprint=self.model.config.architecture_fingerprint(),
+            tokenizer_sha256=self.dataset.manifest.tokenizer.sha256,
         )
-        return position
+
+    def _load_state(self, model_config: ModelConfig) -> dict[str, Any] | None:
+        expected = CheckpointIdentity(
+            wallet_id=self.wallet_id,
+            stage=0,
+            model_fingerprint=model_config.architecture_fingerprint(),
+            tokenizer_sha256=self.dataset.manifest.tokenizer.sha256,
+        )
+        ancestors = [t.sha256 for t in self.dataset.manifest.tokenizers[:-1]]
+        return load_checkpoint(self.checkpoint_file, expected, older_tokenizers=ancestors)
+
+    def _grow_vocab(self, vocab_size: int) -> None:
+        if vocab_size == self.model.config.vocab_size:
+            return
+        old = self.model.config.vocab_size
+        self.model, self.diloco = grow_replica(self.model, self.diloco, vocab_size)
+        self._log(f"vocabulary grew {old} -> {vocab_size}: embedding and head extended, existing rows kept")
+
+    def _apply_dataset_update(self) -> None:
+        """At a round boundary: move to a newer manifest (more shards, maybe a grown tokenizer)."""
+        if self._dataset_updates is None:
+            return
+        update = self._dataset_updates()
+        if update is None:
+            return
+        self.dataset = update
+        self._grow_vocab(update.tokenizer.vocab_size)
+        self.batches.update(update.source, update.manifest, assign_shards(self.wallet_id, update.manifest))
+        self._log(
+            f"data set updated to manifest version {update.manifest.version} "
+            f"({update.manifest.total_shards} shards, vocab {update.tokenizer.vocab_size})"
+        )
 
     def save(self, *, wait: bool = True) -> None:
         """Checkpoint the replica; with wait=False the file is written in the background."""
@@ -132,6 +176,7 @@ class Trainer:
             "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
             "diloco": self.diloco.state_dict(),  # already a snapshot
             "data_position": self.batches.position.to_dict(),
+            "vocab_size": self.model.config.vocab_size,
         }
         self._writer.submit(self.checkpoint_file, self.identity, state)
         if wait:
@@ -140,6 +185,7 @@ class Trainer:
     def _finish_round(self) -> None:
         delta = self.diloco.pseudo_gradient()
         self.diloco.outer_step(self._reduce_round(delta))
+        self._apply_dataset_update()
         self.save(wait=False)
         self._log(f"round={self.diloco.round} outer step applied |Δ|={delta.norm():.4f}")
 

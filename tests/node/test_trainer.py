@@ -1,13 +1,21 @@
 """A stopped and restarted replica continues exactly as if it had never stopped."""
 
+import dataclasses
+import shutil
 import threading
 from pathlib import Path
 
+import pytest
 import torch
+from tests_support import small_corpus
 
+from neuroshard.data import open_dataset
+from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
+from neuroshard.node.checkpoint import CheckpointMismatch
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
+from neuroshard.tokenizer import BPETokenizer
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
 DILOCO = DiLoCoConfig(inner_steps=6, inner_lr=3e-3, warmup_steps=3, total_steps=40)
@@ -52,3 +60,65 @@ def test_stop_event_ends_the_loop_and_saves(published, tmp_path: Path) -> None:
     result = trainer.run(stop)
     assert result.stopped_by_signal and result.steps == 0
     assert trainer.checkpoint_file.exists()
+
+
+def _extended_copy(published, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A copy of the data set whose publisher then extended the tokenizer by 24 merges and appended shards."""
+    directory = tmp_path / "ds"
+    shutil.copytree(published.directory, directory)
+    old = BPETokenizer.load(directory / TOKENIZER_NAME)
+    old.extend(small_corpus(50_000), 24).save(directory / TOKENIZER_NAME)
+    publish_shards(small_corpus(80_000), out=directory, key=published.key, shard_tokens=5_000)
+    return open_dataset(directory, bytes(published.key.verify_key))
+
+
+def _trainer_on(dataset, checkpoint_dir: Path, max_steps: int, lines: list[str], **kw) -> Trainer:  # type: ignore[no-untyped-def]
+    return Trainer(
+        wallet_id="feedface",
+        dataset=dataset,
+        model_config=dataclasses.replace(MODEL, vocab_size=dataset.tokenizer.vocab_size),
+        diloco_config=DILOCO,
+        config=TrainerConfig(batch_size=2, seq_len=32, max_steps=max_steps, checkpoint_every=4, log_every=1),
+        checkpoint_dir=checkpoint_dir,
+        log=lines.append,
+        **kw,
+    )
+
+
+def test_restart_after_the_tokenizer_grew_resumes_and_grows_the_vocabulary(published, tmp_path: Path) -> None:
+    first = _trainer_on(published.dataset, tmp_path / "ck", 6, [])
+    first.run(threading.Event())
+    before = first.model.embedding.weight.detach().clone()  # type: ignore[union-attr]
+    extended = _extended_copy(published, tmp_path)
+    lines: list[str] = []
+    second = _trainer_on(extended, tmp_path / "ck", 12, lines)
+    assert any("resumed from" in line and "step=6 round=1" in line for line in lines)
+    assert "vocabulary grew 512 -> 536: embedding and head extended, existing rows kept" in lines
+    assert torch.equal(second.model.embedding.weight[:512], before)  # type: ignore[union-attr]
+    result = second.run(threading.Event())
+    assert (result.steps, result.rounds) == (12, 2)
+
+
+def test_newer_manifest_is_taken_at_a_round_boundary(published, tmp_path: Path) -> None:
+    extended = _extended_copy(published, tmp_path)
+    updates = iter([None, extended])
+    lines: list[str] = []
+    trainer = _trainer_on(
+        published.dataset, tmp_path / "ck", 14, lines, dataset_updates=lambda: next(updates, None)
+    )
+    shard = trainer.batches.shard_id
+    trainer.run(threading.Event())
+    assert trainer.model.config.vocab_size == 536 and trainer.dataset is extended
+    assert any("data set updated to manifest version 2" in line for line in lines)
+    assert trainer.batches.shard_id == shard  # stayed on its shard; the order now covers the new ones too
+
+
+def test_checkpoint_from_a_foreign_tokenizer_is_refused(published, tmp_path: Path) -> None:
+    _trainer_on(published.dataset, tmp_path / "ck", 2, []).run(threading.Event())
+    directory = tmp_path / "other"
+    directory.mkdir()
+    BPETokenizer.train(small_corpus(60_000)[5:], 512).save(directory / TOKENIZER_NAME)
+    publish_shards(small_corpus(80_000), out=directory, key=published.key, shard_tokens=5_000)
+    foreign = open_dataset(directory, bytes(published.key.verify_key))
+    with pytest.raises(CheckpointMismatch, match="tokenizer_sha256"):
+        _trainer_on(foreign, tmp_path / "ck", 4, [])
