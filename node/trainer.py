@@ -1,8 +1,10 @@
 """One replica's training loop: batches from its shards, DiLoCo inner steps, outer rounds, checkpoints.
 
-The loop knows nothing of the network. At the end of each round it hands its
-pseudo-gradient to `reduce_round` and applies whatever comes back as the outer
-gradient; a lone node passes its own Δ straight through.
+The loop knows nothing of the network. At the end of each round it hands its DiLoCo
+engine to `finish_round`, which must leave it at the next round's start: normally by
+`outer_step` with the aggregated pseudo-gradient of the stage's replicas, or — for a
+replica that fell behind or disagrees with the majority — by adopting a peer's state.
+A lone node applies its own pseudo-gradient.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
@@ -25,13 +25,13 @@ from .model import ModelConfig, build_stage
 from .rotation import PlateauDetector, RotationConfig
 from .vocab import grow_replica
 
-RoundReducer = Callable[[torch.Tensor], torch.Tensor]
-"""Maps this replica's Δ to the outer gradient for the round (aggregation happens behind it)."""
+RoundFinisher = Callable[[DiLoCo], None]
+"""Completes a round on the engine: afterwards `diloco.round` has advanced and the model holds θ_{r+1}."""
 
 
-def lone_replica(delta: torch.Tensor) -> torch.Tensor:
+def lone_replica(diloco: DiLoCo) -> None:
     """A node alone in its stage applies its own pseudo-gradient."""
-    return delta
+    diloco.outer_step(diloco.pseudo_gradient())
 
 
 @dataclass(kw_only=True)
@@ -80,7 +80,7 @@ class Trainer:
         config: TrainerConfig,
         checkpoint_dir: Path,
         log: Callable[[str], None],
-        reduce_round: RoundReducer = lone_replica,
+        finish_round: RoundFinisher = lone_replica,
         dataset_updates: DatasetUpdates | None = None,
         fresh: bool = False,
     ) -> None:
@@ -94,7 +94,7 @@ class Trainer:
             )
         self.config = config
         self._log = log
-        self._reduce_round = reduce_round
+        self._finish_round_hook = finish_round
         self._dataset_updates = dataset_updates
         self.wallet_id = wallet_id
         self.dataset = dataset
@@ -183,11 +183,10 @@ class Trainer:
             self._writer.flush()
 
     def _finish_round(self) -> None:
-        delta = self.diloco.pseudo_gradient()
-        self.diloco.outer_step(self._reduce_round(delta))
+        self._finish_round_hook(self.diloco)
         self._apply_dataset_update()
         self.save(wait=False)
-        self._log(f"round={self.diloco.round} outer step applied |Δ|={delta.norm():.4f}")
+        self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
 
     def run(self, stop: threading.Event) -> TrainResult:
         """Train until `max_steps` or until `stop` is set; always leaves a checkpoint behind."""
