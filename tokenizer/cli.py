@@ -2,6 +2,7 @@
 
 neuroshard-publish-tokenizer --input corpus/ notes.txt --out dist --vocab-size 4096
 neuroshard-publish-tokenizer --input more.txt --out dist --extend 512
+neuroshard-publish-tokenizer --input corpus/ --out s3://bucket/data --endpoint-url http://127.0.0.1:9000
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from tqdm import tqdm
+
+from neuroshard.data.storage import Store, StoreError, open_store
 
 from .bpe import FIRST_MERGE_ID, BPETokenizer
 
@@ -40,8 +43,10 @@ class PublishConfig:
 
     inputs: list[Path]
     """Text files, and directories searched recursively for TEXT_SUFFIXES files."""
-    out: Path
-    """Directory that receives tokenizer.json (created if missing)."""
+    out: str
+    """Directory (created if missing) or s3://bucket/prefix that receives tokenizer.json."""
+    endpoint_url: str | None
+    """S3-compatible endpoint for an s3:// `out`; None means AWS."""
     vocab_size: int | None
     """Train a new tokenizer with this many ids; None when extending."""
     extend: int | None
@@ -63,7 +68,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="UTF-8 text files or directories (searched for *.txt and *.py, sorted)",
     )
-    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="writes DIR/tokenizer.json")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR|s3://BUCKET/PREFIX",
+        help="writes DIR/tokenizer.json (or the object PREFIX/tokenizer.json)",
+    )
+    p.add_argument(
+        "--endpoint-url",
+        default=None,
+        metavar="URL",
+        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--vocab-size", type=int, metavar="N", help="train a new tokenizer with N ids (default 4096)"
@@ -96,6 +112,7 @@ def parse_args(argv: list[str] | None) -> PublishConfig:
     return PublishConfig(
         inputs=args.input,
         out=args.out,
+        endpoint_url=args.endpoint_url,
         vocab_size=args.vocab_size,
         extend=args.extend,
         max_bytes=args.max_bytes,
@@ -133,34 +150,43 @@ def read_texts(files: list[Path], max_bytes: int) -> Iterator[str]:
             raise UsageError(f"--input {path}: not UTF-8 (byte {exc.start}: {exc.reason})") from exc
 
 
-def publish(config: PublishConfig, progress: Callable[[int, int], None] | None = None) -> BPETokenizer:
-    """Train or extend as `config` says and write config.out/tokenizer.json."""
-    target = config.out / TOKENIZER_NAME
-    if config.extend is not None and not target.is_file():
-        raise UsageError(f"--extend: {target} does not exist (train one first with --vocab-size)")
+def publish(
+    config: PublishConfig, store: Store, progress: Callable[[int, int], None] | None = None
+) -> BPETokenizer:
+    """Train or extend as `config` says and write tokenizer.json to `store`."""
+    base = _stored_tokenizer(store) if config.extend is not None else None  # fail before reading input
     texts = list(read_texts(input_files(config.inputs), config.max_bytes))
-    if config.extend is not None:
-        tokenizer = BPETokenizer.load(target).extend(texts, config.extend, progress=progress)
+    if base is not None and config.extend is not None:
+        tokenizer = base.extend(texts, config.extend, progress=progress)
     else:
         assert config.vocab_size is not None  # parse_args sets the default
         tokenizer = BPETokenizer.train(texts, config.vocab_size, progress=progress)
-    config.out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(target)
+    store.put_bytes(TOKENIZER_NAME, tokenizer.to_bytes())
     return tokenizer
+
+
+def _stored_tokenizer(store: Store) -> BPETokenizer:
+    raw = store.get_bytes(TOKENIZER_NAME)
+    if raw is None:
+        raise UsageError(
+            f"--extend: {store.describe(TOKENIZER_NAME)} does not exist (train one first with --vocab-size)"
+        )
+    return BPETokenizer.from_bytes(raw, source=store.describe(TOKENIZER_NAME))
 
 
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         config = parse_args(argv)
+        store = open_store(config.out, config.endpoint_url)
         with tqdm(desc="merges", unit="merge", disable=None, leave=False) as bar:
 
             def progress(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
 
-            tokenizer = publish(config, progress)
-    except (UsageError, OSError, ValueError) as exc:
+            tokenizer = publish(config, store, progress)
+    except (UsageError, OSError, ValueError, StoreError) as exc:
         print(f"neuroshard-publish-tokenizer: error: {exc}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
@@ -171,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     print(
-        f"wrote {config.out / TOKENIZER_NAME}: vocab_size={tokenizer.vocab_size} "
+        f"wrote {store.describe(TOKENIZER_NAME)}: vocab_size={tokenizer.vocab_size} "
         f"next_merge_id={tokenizer.next_merge_id} sha256={tokenizer.sha256} seconds={seconds:.1f}"
     )
     return 0
