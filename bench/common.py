@@ -10,7 +10,7 @@ from nacl.signing import SigningKey
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.files import file_sha256
-from neuroshard.data.manifest import MANIFEST_NAME
+from neuroshard.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
 
@@ -21,7 +21,7 @@ BENCH_KEY = SigningKey(hashlib.sha256(b"neuroshard bench publisher").digest())
 
 def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 250_000) -> Dataset:
     """Tokenizer + shards for `text_path` under /tmp, built once and reused by later runs."""
-    tag = f"{file_sha256(text_path)[:12]}-v{vocab_size}-s{shard_tokens}"
+    tag = f"{file_sha256(text_path)[:12]}-m{MANIFEST_FORMAT}-v{vocab_size}-s{shard_tokens}"
     directory = Path("/tmp/neuroshard-bench") / tag
     if not (directory / MANIFEST_NAME).exists():
         directory.mkdir(parents=True, exist_ok=True)

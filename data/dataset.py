@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from neuroshard.tokenizer import BPETokenizer
 
+from .fetch import FetchConfig, HttpShardSource, fetch_manifest
 from .files import file_sha256
 from .manifest import Manifest, ManifestError, read_manifest
 from .shards import LocalShardSource, ShardSource
@@ -50,3 +52,56 @@ def open_dataset(directory: Path, publisher_key: bytes) -> Dataset:
         tokenizer=tokenizer,
         source=LocalShardSource(directory, tokenizer.vocab_size),
     )
+
+
+def open_remote_dataset(
+    base_url: str, publisher_key: bytes, cache_dir: Path, *, config: FetchConfig, log: Callable[[str], None]
+) -> Dataset:
+    """A data set served over HTTP (a CDN, a public bucket): verified manifest, tokenizer, cached shards.
+
+    The source watches for newer manifests in the background; poll them with `remote_updates`.
+    """
+    manifest = fetch_manifest(base_url, publisher_key, config=config, log=log)
+    source = HttpShardSource(base_url, cache_dir, manifest.tokenizer.next_merge_id, config=config, log=log)
+    try:
+        tokenizer = _remote_tokenizer(source, manifest)
+    except BaseException:
+        source.close()
+        raise
+    source.watch_manifest(manifest)
+    return Dataset(location=base_url, manifest=manifest, tokenizer=tokenizer, source=source)
+
+
+def _remote_tokenizer(source: HttpShardSource, manifest: Manifest) -> BPETokenizer:
+    tokenizer = BPETokenizer.load(source.fetch_tokenizer(manifest.tokenizer))
+    if tokenizer.next_merge_id != manifest.tokenizer.next_merge_id:
+        raise ManifestError(
+            f"tokenizer {manifest.tokenizer.sha256[:16]}… has next_merge_id {tokenizer.next_merge_id}, "
+            f"manifest says {manifest.tokenizer.next_merge_id}"
+        )
+    return tokenizer
+
+
+def remote_updates(dataset: Dataset, log: Callable[[str], None]) -> Callable[[], Dataset | None]:
+    """For the trainer: at each round boundary, a Dataset for the newest accepted manifest, or None.
+
+    A manifest whose tokenizer cannot be fetched and verified is logged and skipped; the
+    one in force stays.
+    """
+    source = dataset.source
+    if not isinstance(source, HttpShardSource):
+        raise TypeError("remote_updates needs a data set opened with open_remote_dataset")
+
+    def poll() -> Dataset | None:
+        manifest = source.newer_manifest()
+        if manifest is None:
+            return None
+        try:
+            tokenizer = _remote_tokenizer(source, manifest)
+        except (ManifestError, ValueError) as exc:
+            log(f"manifest version {manifest.version} not taken: {exc}")
+            return None
+        source.vocab_size = tokenizer.vocab_size
+        return Dataset(location=dataset.location, manifest=manifest, tokenizer=tokenizer, source=source)
+
+    return poll

@@ -57,6 +57,10 @@ class ShardSource(Protocol):
         """Start getting these shards in the background; a no-op where that makes no sense."""
         ...
 
+    def close(self) -> None:
+        """Stop background work and release connections."""
+        ...
+
 
 class LocalShardSource:
     """Shards in a local directory, verified on every load."""
@@ -69,6 +73,9 @@ class LocalShardSource:
         return load_shard(self._directory, info, self._vocab_size)
 
     def prefetch(self, infos: Sequence[ShardInfo]) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

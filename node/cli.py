@@ -26,13 +26,15 @@ from neuroshard.data import (
     open_dataset,
     parse_public_key,
 )
+from neuroshard.data.dataset import open_remote_dataset, remote_updates
+from neuroshard.data.fetch import FetchConfig
 
 from .checkpoint import CheckpointMismatch
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
 from .rotation import RotationConfig
-from .trainer import Trainer, TrainerConfig
+from .trainer import DatasetUpdates, Trainer, TrainerConfig
 from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
 
 PROG = "neuroshard-node"
@@ -59,10 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="state directory: default data set, publisher key, checkpoints",
     )
     data.add_argument(
-        "--data", type=Path, help="published data set directory (default: build one under --home)"
+        "--data-url",
+        "--data",
+        dest="data",
+        metavar="URL_OR_DIR",
+        help="published data set: an http(s):// base URL (CDN, public bucket) or a local directory "
+        "(default: build one under --home)",
     )
     data.add_argument(
-        "--publisher-key", help="hex Ed25519 public key that must have signed --data's manifest"
+        "--publisher-key", help="hex Ed25519 public key that must have signed the data set's manifest"
+    )
+    data.add_argument(
+        "--cache-dir", type=Path, help="shard cache for --data-url over HTTP (default: HOME/cache)"
+    )
+    data.add_argument(
+        "--cache-gb", type=float, default=20.0, help="cache size cap; least recently used shards are evicted"
     )
 
     model = p.add_argument_group("model and training")
@@ -126,12 +139,21 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _open_data(args: argparse.Namespace) -> Dataset:
+def _open_data(args: argparse.Namespace) -> tuple[Dataset, DatasetUpdates | None]:
     if args.data is None:
-        return ensure_default_dataset(args.home, _log)
+        return ensure_default_dataset(args.home, _log), None
     if not args.publisher_key:
-        raise PublisherKeyError("--data needs --publisher-key (the hex public key that signed its manifest)")
-    return open_dataset(args.data, parse_public_key(args.publisher_key))
+        raise PublisherKeyError(
+            "--data-url needs --publisher-key (the hex public key that signed its manifest)"
+        )
+    key = parse_public_key(args.publisher_key)
+    if not args.data.startswith(("http://", "https://")):
+        return open_dataset(Path(args.data), key), None
+    config = FetchConfig(cache_bytes=int(args.cache_gb * (1 << 30)))
+    dataset = open_remote_dataset(
+        args.data, key, args.cache_dir or args.home / "cache", config=config, log=_log
+    )
+    return dataset, remote_updates(dataset, _log)
 
 
 def _install_stop_handlers(stop: threading.Event) -> None:
@@ -159,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     _install_stop_handlers(stop)
     try:
-        dataset = _open_data(args)
+        dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         total = args.total_steps
         diloco_config = DiLoCoConfig(
@@ -191,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             config=trainer_config,
             checkpoint_dir=args.checkpoint_dir or args.home / "checkpoints",
             log=_log,
+            dataset_updates=updates,
             fresh=args.fresh,
         )
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
@@ -206,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.run(stop)
     except ShardError as exc:
         return _fail(str(exc))
+    finally:
+        trainer.dataset.source.close()
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(f"{how} at step={result.steps} round={result.rounds}; checkpoint {trainer.checkpoint_file}")
     return 0

@@ -54,7 +54,7 @@ def test_help_documents_every_flag() -> None:
             "no data set at /nonexistent/ds",
         ),
         (["--token", "x", "--data", "/tmp", "--publisher-key", "zz"], "is not hex"),
-        (["--token", "x", "--data", "/tmp"], "--data needs --publisher-key"),
+        (["--token", "x", "--data", "/tmp"], "--data-url needs --publisher-key"),
         ([], "no token"),
     ],
 )
