@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The verifier's HTTP API (FastAPI) and the dashboard it serves at /."""

@@ -1,0 +1,119 @@
+"""`create_app(config)`: the verifier's FastAPI application.
+
+Routes: signed writes (api/writes.py), read-only status (api/reads.py), /metrics, and the
+dashboard at / (static files shipped in api/static/, no CDN). The database schema is
+brought to Alembic head when the app starts, so an upgraded verifier migrates its existing
+database in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from neuroshard.verifier import ledger
+from neuroshard.verifier.config import VerifierConfig
+from neuroshard.verifier.ledger import WriteRefused
+
+from . import reads, writes
+from .metrics import CountRequests
+from .services import Services
+
+STATIC_DIR = Path(__file__).parent / "static"
+VERSION = "0.1.0"
+
+
+class BodySizeLimit:
+    """413 for bodies over `max_bytes`: from Content-Length up front, or counted while streaming
+    (chunked uploads), before any route reads or parses a byte past the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            response = JSONResponse({"detail": self._detail()}, status_code=413)
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, self._detail())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _detail(self) -> str:
+        return f"request body larger than {self.max_bytes} bytes"
+
+
+def create_app(config: VerifierConfig) -> FastAPI:
+    services = Services.build(config)
+
+    def start() -> None:
+        services.db.upgrade()
+        with services.db.write() as session:
+            ledger.purge_nonces(session, now=services.now())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(start)
+        yield
+        services.db.dispose()
+
+    app = FastAPI(
+        title="NeuroShard verifier",
+        version=VERSION,
+        description=(
+            "Tracker, signed work receipts, hash agreement, reputation and the measured training "
+            "verdict of a NeuroShard run. Writes are signed (see neuroshard.verifier.auth); reads are open."
+        ),
+        lifespan=lifespan,
+    )
+    app.state.services = services
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Not FastAPI's default: it echoes the offending input, which may be NaN or Infinity
+        # (Python's json accepts them) and then fails to encode, turning a 422 into a 500.
+        errors = [
+            {"type": str(e.get("type")), "loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg"))}
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(WriteRefused)
+    async def refused(request: Request, exc: WriteRefused) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    app.include_router(writes.router)
+    app.include_router(reads.router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    # Added last = outermost: sizes are checked before anything else, every request is counted.
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(CountRequests, counter=services.requests)
+    return app

@@ -1,0 +1,181 @@
+"""Response shapes of the verifier's HTTP API (request bodies are neuroshard.verifier.wire).
+
+Times are unix seconds. Losses are mean next-token cross-entropy in nats. "Measured" losses
+come from the verifier's own evaluation of the majority model on held-out data; "reported"
+losses are what nodes wrote in their receipts and never decide anything.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from neuroshard.verifier.verdict import Trend
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True, frozen=True)
+
+
+class ErrorOut(_Out):
+    detail: str = Field(description="What was wrong, in one sentence.")
+
+
+class WriteAck(_Out):
+    status: Literal["registered", "alive", "recorded", "duplicate", "reinstated"] = Field(
+        description="'duplicate': an identical receipt was already recorded; nothing changed."
+    )
+    wallet_id: str
+    reputation: float | None = None
+    heartbeat_interval_s: float | None = Field(
+        default=None, description="How often to POST /api/heartbeat to stay in the peer list."
+    )
+
+
+class NodeOut(_Out):
+    wallet_id: str
+    public_key: str
+    status: Literal["active", "refused"]
+    status_reason: str | None
+    reputation: float = Field(description="0..1; refused under the configured threshold.")
+    registered_at: float
+    software_version: str
+    address: str | None
+    stage: int | None
+    last_heartbeat: float | None
+    alive: bool = Field(description="Heartbeat within the peer TTL.")
+    round: int | None = Field(description="Outer round at the last heartbeat.")
+    steps_in_round: int | None = Field(description="Inner steps into that round at the last heartbeat.")
+
+
+class PeerOut(_Out):
+    wallet_id: str
+    public_key: str
+    address: str
+    stage: int
+    last_heartbeat: float
+    reputation: float
+
+
+class ReceiptOut(_Out):
+    stage: int
+    round: int
+    inner_steps: int
+    tokens: int
+    result_hash: str
+    in_majority: bool | None = Field(
+        description="None until the round settles (or without a strict majority)."
+    )
+    mean_loss: float | None = Field(description="Self-reported mean inner-step loss.")
+    accepted: int
+    rejected: int
+    received_at: float
+
+
+class EventOut(_Out):
+    stage: int | None
+    round: int | None
+    delta: float
+    reason: str
+    created_at: float
+
+
+class NodeDetailOut(_Out):
+    node: NodeOut
+    receipts: int
+    recent_receipts: list[ReceiptOut]
+    recent_events: list[EventOut] = Field(description="Recent verdicts on this wallet, newest first.")
+
+
+class VerifyOut(_Out):
+    training_verified: bool = Field(
+        description="True only when the measured held-out loss fell significantly since the first evaluation."
+    )
+    reason: str
+    global_loss: float | None = Field(description="Latest measured held-out loss.")
+    initial_loss: float | None = Field(description="First measured held-out loss.")
+    loss_drop: float | None
+    required_drop: float | None
+    loss_trend: Trend
+    loss_slope_per_round: float | None
+    evaluations: int
+    reported_loss: float | None = Field(
+        description="Self-reported loss of the latest round: shown, never judged."
+    )
+    hash_agreement_rate: float | None
+    sync_success_rate: float | None
+    active_nodes: int
+    rounds: int = Field(description="Outer rounds reported so far (highest round in any receipt + 1).")
+    rounds_settled: int
+
+
+class StageOut(_Out):
+    stage: int
+    replicas_alive: int
+    latest_round: int | None
+    settled: bool
+    majority_hash: str | None
+    hash_agreement_rate: float | None
+    accepted_contributions: int
+    rejected_contributions: int
+
+
+class DiLoCoOut(_Out):
+    inner_steps_per_round: int
+    outer_rounds: int
+    inner_progress: float | None = Field(
+        description="Mean fraction of H done in the current round by live nodes."
+    )
+    aggregation_rule: str
+    aggregation_f: int
+    outer_lr: float
+    outer_momentum: float
+
+
+class GlobalOut(_Out):
+    network: str
+    training_verified: bool
+    reason: str
+    nodes_training: int
+    nodes_registered: int
+    nodes_refused: int
+    global_loss_measured: float | None
+    global_loss_reported: float | None
+    total_inner_steps: int
+    total_tokens: int
+    data_shards_covered: int
+    hash_agreement_rate: float | None
+    sync_success_rate: float | None
+    stages: list[StageOut]
+    diloco: DiLoCoOut
+
+
+class EvaluationOut(_Out):
+    round: int
+    loss: float
+    stderr: float | None
+    tokens: int
+    created_at: float
+
+
+class RoundOut(_Out):
+    stage: int
+    round: int
+    settled: bool
+    votes: int
+    agreeing: int
+    agreement_rate: float | None
+    majority_hash: str | None
+    synced: int
+    sync_checked: int
+    accepted: int
+    rejected: int
+    reported_loss: float | None
+
+
+class HistoryOut(_Out):
+    evaluations: list[EvaluationOut] = Field(description="Measured held-out losses, oldest first.")
+    rounds: list[RoundOut] = Field(
+        description="Recent (stage, round)s: agreement and reported loss, oldest first."
+    )

@@ -1,0 +1,54 @@
+"""What every route needs, built once per app and reached through `request.app.state`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from neuroshard.verifier.config import VerifierConfig
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.ledger import LedgerConfig
+from neuroshard.verifier.network import sign_network
+from neuroshard.verifier.ratelimit import RateLimiter
+
+from .metrics import RequestCounter
+
+
+@dataclass
+class Services:
+    config: VerifierConfig
+    db: Database
+    limiter: RateLimiter
+    ledger: LedgerConfig
+    network_body: bytes
+    """Canonical JSON of the network definition, exactly the bytes the signature covers."""
+    network_signature: str
+    requests: RequestCounter
+
+    @classmethod
+    def build(cls, config: VerifierConfig) -> Services:
+        body, signature = sign_network(config.network, config.operator)
+        return cls(
+            config=config,
+            db=Database(config.database_url),
+            limiter=RateLimiter(config.rate_limit, config.clock),
+            ledger=LedgerConfig(
+                reputation=config.reputation,
+                num_stages=config.network.num_stages,
+                nonce_window_s=config.freshness_window_s,
+                peer_ttl_s=config.peer_ttl_s,
+                settle_after_rounds=config.settle_after_rounds,
+            ),
+            network_body=body,
+            network_signature=signature,
+            requests=RequestCounter(),
+        )
+
+    def now(self) -> float:
+        return self.config.clock()
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services

@@ -1,0 +1,161 @@
+"""The signed write endpoints: register, heartbeat, receipts, and the operator's reinstate.
+
+Order of checks, cheapest first, nothing written until all pass: body size (middleware,
+413) → signature headers, freshness, signature (401) → per-signer rate limit (429) → strict
+body schema (422) → in one transaction: nonce unused (409), wallet registered and not
+refused (403), the write itself → commit → the 2xx. Any failure rolls the transaction
+back, nonce included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from neuroshard.verifier import ledger
+from neuroshard.verifier.auth import AuthError, SignedBy, verify_request
+from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest, ReinstateRequest
+
+from .schemas import ErrorOut, WriteAck
+from .services import Services, get_services
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/api", tags=["signed writes"])
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut, "description": "Unsigned, malformed signature headers, stale, or forged."},
+    403: {"model": ErrorOut, "description": "Wallet not registered, refused, or not the operator."},
+    409: {"model": ErrorOut, "description": "Nonce replayed, or conflicts with what is recorded."},
+    413: {"model": ErrorOut, "description": "Body larger than the configured limit."},
+    422: {"description": "Body is not valid JSON or does not match the schema (extra fields forbidden)."},
+    429: {"model": ErrorOut, "description": "Per-wallet rate limit; see Retry-After."},
+}
+
+
+@dataclass(frozen=True)
+class SignedRequest:
+    signed: SignedBy
+    body_sha256: str
+
+
+def _path_as_sent(request: Request) -> str:
+    """The raw path with its query string, as the client signed it (node.p2p.wire)."""
+    raw = request.scope.get("raw_path") or request.url.path.encode("utf-8")
+    query = request.scope.get("query_string", b"")
+    return raw.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+
+
+async def signed_request(request: Request) -> SignedRequest:
+    """Authenticate the raw body before anything parses it (FastAPI caches the bytes it read)."""
+    services = get_services(request)
+    body = await request.body()
+    try:
+        signed = verify_request(
+            request.headers,
+            request.method,
+            _path_as_sent(request),
+            body,
+            now=services.now(),
+            window_s=services.config.freshness_window_s,
+        )
+    except AuthError as exc:
+        raise HTTPException(exc.status, exc.detail) from None
+    wait = services.limiter.acquire(signed.public_key_hex)
+    if wait > 0:
+        raise HTTPException(
+            429,
+            f"rate limit for {signed.wallet_id}: retry in {wait:.1f} s",
+            headers={"Retry-After": str(math.ceil(wait))},
+        )
+    return SignedRequest(signed, hashlib.sha256(body).hexdigest())
+
+
+Signed = Annotated[SignedRequest, Depends(signed_request)]
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+@router.post("/register", response_model=WriteAck, responses=_ERRORS)
+def register(payload: RegisterRequest, auth: Signed, services: ServicesDep) -> WriteAck:
+    """Register (or re-register) the signing wallet: peer address, stage, software version."""
+    now = services.now()
+    with services.db.write() as session:
+        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        wallet = ledger.register(session, auth.signed, payload, now=now, cfg=services.ledger)
+        ack = WriteAck(
+            status="registered",
+            wallet_id=wallet.wallet_id,
+            reputation=wallet.reputation,
+            heartbeat_interval_s=services.config.peer_ttl_s / 3,
+        )
+    return ack  # only now: the transaction above has committed
+
+
+@router.post("/heartbeat", response_model=WriteAck, responses=_ERRORS)
+def heartbeat(payload: HeartbeatRequest, auth: Signed, services: ServicesDep) -> WriteAck:
+    """Keep the signing wallet in the peer list and report its DiLoCo progress."""
+    now = services.now()
+    with services.db.write() as session:
+        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        ledger.heartbeat(session, auth.signed, payload, now=now, cfg=services.ledger)
+    return WriteAck(
+        status="alive", wallet_id=auth.signed.wallet_id, heartbeat_interval_s=services.config.peer_ttl_s / 3
+    )
+
+
+@router.post(
+    "/receipts",
+    response_model=WriteAck,
+    status_code=201,
+    responses={
+        200: {"model": WriteAck, "description": "An identical receipt was already recorded."},
+        **_ERRORS,
+    },
+)
+def submit_receipt(
+    payload: ReceiptRequest, auth: Signed, services: ServicesDep, response: Response
+) -> WriteAck:
+    """Record a work receipt for one (stage, round). 201 once committed; 200 for an identical resend."""
+    now = services.now()
+    with services.db.write() as session:
+        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        status = ledger.submit_receipt(
+            session, auth.signed, payload, body_sha256=auth.body_sha256, now=now, cfg=services.ledger
+        )
+    if status == "duplicate":
+        response.status_code = 200
+        return WriteAck(status="duplicate", wallet_id=auth.signed.wallet_id)
+    # The receipt is committed; judging earlier rounds is separate so a settlement race (another
+    # receipt settling the same round) cannot cost this receipt its acknowledgement. A round
+    # left unsettled here is settled by the stage's next receipt.
+    try:
+        with services.db.write() as session:
+            ledger.settle_rounds(session, payload.stage, now=now, cfg=services.ledger)
+    except IntegrityError:
+        log.debug(
+            "stage %d before round %d: settled concurrently by another request", payload.stage, payload.round
+        )
+    except SQLAlchemyError as exc:
+        log.warning("settling stage %d before round %d deferred: %s", payload.stage, payload.round, exc)
+    return WriteAck(status="recorded", wallet_id=auth.signed.wallet_id)
+
+
+@router.post("/admin/reinstate", response_model=WriteAck, responses=_ERRORS, tags=["operator"])
+def reinstate(payload: ReinstateRequest, auth: Signed, services: ServicesDep) -> WriteAck:
+    """Operator only (signed with the operator key): let a refused wallet back in."""
+    if auth.signed.public_key_hex != services.config.operator.public_key_hex:
+        raise HTTPException(403, "only the operator key may reinstate wallets")
+    now = services.now()
+    with services.db.write() as session:
+        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        wallet = ledger.reinstate(
+            session, payload.wallet_id, payload.reputation, now=now, cfg=services.config.reputation
+        )
+        ack = WriteAck(status="reinstated", wallet_id=wallet.wallet_id, reputation=wallet.reputation)
+    return ack

@@ -1,0 +1,97 @@
+from pathlib import Path
+
+import pytest
+
+from neuroshard.verifier.cli import build_config, build_parser, main
+
+NETWORK = """
+name = "cli"
+[model]
+size = "tiny"
+vocab_size = 512
+[data]
+manifest_url = "http://127.0.0.1:1/"
+publisher_key = "%s"
+""" % ("ab" * 32)
+
+
+@pytest.fixture
+def network_file(tmp_path: Path) -> Path:
+    path = tmp_path / "network.toml"
+    path.write_text(NETWORK)
+    return path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_network_flag_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run([], capsys)
+    assert code == 2
+    assert "--network" in one_line(err)
+
+
+def test_missing_network_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(["--network", str(tmp_path / "nope.toml"), "--home", str(tmp_path)], capsys)
+    assert code == 2
+    assert "cannot read network definition" in one_line(err)
+
+
+def test_missing_operator_key_points_at_the_fix(
+    network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run(["--network", str(network_file), "--home", str(tmp_path)], capsys)
+    assert code == 2
+    assert "--init-operator-key" in one_line(err)
+
+
+def test_bad_database_url(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--network",
+        str(network_file),
+        "--home",
+        str(tmp_path),
+        "--init-operator-key",
+        "--db",
+        "mysql://x/y",
+    ]
+    code, err = run(argv, capsys)
+    assert code == 2
+    assert "only sqlite and postgresql" in one_line(err)
+
+
+def test_bad_port(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(
+        ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key", "--port", "0"],
+        capsys,
+    )
+    assert code == 2
+    assert "--port" in one_line(err)
+    code, err = run(["--network", str(network_file), "--port", "eighty"], capsys)
+    assert code == 2
+    assert "invalid int value" in one_line(err)
+
+
+def test_flags_become_the_config(network_file: Path, tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key", "--peer-ttl", "30"]
+    )
+    config = build_config(args)
+    assert config.network.name == "cli"
+    assert config.database_url == f"sqlite:///{tmp_path / 'verifier.sqlite3'}"
+    assert config.peer_ttl_s == 30
+    assert (tmp_path / "operator.key").stat().st_mode & 0o777 == 0o600
+    again = build_config(build_parser().parse_args(["--network", str(network_file), "--home", str(tmp_path)]))
+    assert again.operator.public_key_hex == config.operator.public_key_hex

@@ -1,0 +1,72 @@
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import func, inspect, select
+
+from neuroshard.verifier import models as m
+from neuroshard.verifier.db import Database, DatabaseURLError, current_revision, head_revision, normalise_url
+
+
+def test_upgrade_head_on_an_empty_database_creates_every_table(empty_database_url: str) -> None:
+    db = Database(empty_database_url)
+    try:
+        assert current_revision(db.engine) is None
+        db.upgrade()
+        assert current_revision(db.engine) == head_revision()
+        tables = set(inspect(db.engine).get_table_names())
+        assert set(m.Base.metadata.tables) <= tables
+        assert "alembic_version" in tables
+    finally:
+        db.dispose()
+
+
+def test_the_migrations_build_exactly_the_models(db: Database) -> None:
+    with db.engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(context, m.Base.metadata) == []
+
+
+def test_second_upgrade_is_a_no_op_and_keeps_data(db: Database) -> None:
+    with db.write() as s:
+        s.add(m.Evaluation(round=1, loss=5.0, tokens=10, created_at=1.0))
+    db.upgrade()
+    assert current_revision(db.engine) == head_revision()
+    with db.read() as s:
+        assert s.scalar(select(func.count()).select_from(m.Evaluation)) == 1
+
+
+def test_a_failed_write_leaves_nothing(db: Database) -> None:
+    with pytest.raises(RuntimeError), db.write() as s:
+        s.add(m.Evaluation(round=1, loss=5.0, tokens=10, created_at=1.0))
+        s.flush()
+        raise RuntimeError("boom")
+    with db.read() as s:
+        assert s.scalar(select(func.count()).select_from(m.Evaluation)) == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("postgresql://127.0.0.1:5432/test", "postgresql+psycopg://127.0.0.1:5432/test"),
+        ("postgres://u:p@h/db", "postgresql+psycopg://u:p@h/db"),
+        ("postgresql+psycopg://h/db", "postgresql+psycopg://h/db"),
+        ("sqlite:////var/lib/v.db", "sqlite:////var/lib/v.db"),
+    ],
+)
+def test_url_normalisation(given: str, expected: str) -> None:
+    assert normalise_url(given) == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("just-a-path.db", "is not a URL"),
+        ("mysql://h/db", "only sqlite and postgresql"),
+        ("sqlite://", "needs a file"),
+        ("sqlite:///:memory:", "needs a file"),
+        ("postgresql+psycopg2://h/db", "psycopg 3"),
+    ],
+)
+def test_bad_urls_are_named(given: str, message: str) -> None:
+    with pytest.raises(DatabaseURLError, match=message):
+        normalise_url(given)

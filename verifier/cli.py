@@ -1,0 +1,100 @@
+"""`neuroshard-verifier`: run the verification service (API + dashboard) with uvicorn.
+
+    neuroshard-verifier --network network.toml --db postgresql://db/neuroshard \\
+        --host 0.0.0.0 --port 8000 --operator-key-file /etc/neuroshard/operator.key
+
+This is the composition root, the one module of the package allowed to import
+`neuroshard.api` (which depends on the verifier, never the other way round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from .config import VerifierConfig
+from .db import DatabaseURLError, normalise_url
+from .network import NetworkError, load_network, load_operator_key
+
+PROG = "neuroshard-verifier"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of the full usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--network", type=Path, required=True, help="the run's definition (network.toml)")
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=Path.home() / ".neuroshard",
+        help="state directory (default ~/.neuroshard)",
+    )
+    p.add_argument(
+        "--db", help="database URL: sqlite:///PATH or postgresql://HOST/DB (default: SQLite under --home)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument(
+        "--operator-key-file",
+        type=Path,
+        help="hex Ed25519 seed of the operator key, mode 0600 (default HOME/operator.key)",
+    )
+    p.add_argument(
+        "--init-operator-key", action="store_true", help="create the operator key file if it is missing"
+    )
+    p.add_argument(
+        "--peer-ttl", type=float, default=90.0, help="seconds a heartbeat keeps a node live (default 90)"
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def build_config(args: argparse.Namespace) -> VerifierConfig:
+    """Flags → VerifierConfig; raises NetworkError / DatabaseURLError / ValueError with one-line messages."""
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    network = load_network(args.network)
+    operator = load_operator_key(
+        args.operator_key_file or args.home / "operator.key", create=args.init_operator_key
+    )
+    url = args.db or f"sqlite:///{(args.home / 'verifier.sqlite3').expanduser()}"
+    return VerifierConfig(
+        database_url=normalise_url(url), network=network, operator=operator, peer_ttl_s=args.peer_ttl
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except (NetworkError, DatabaseURLError, ValueError, OSError) as exc:
+        return _fail(str(exc))
+
+    import uvicorn
+
+    from neuroshard.api.app import create_app
+
+    print(
+        f"{PROG}: network {config.network.name!r}, {config.network.num_stages} stage(s); "
+        f"operator key {config.operator.public_key_hex}; listening on http://{args.host}:{args.port}",
+        flush=True,
+    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The verifier service's configuration: one typed value the CLI builds and `create_app` takes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from neuroshard.node.wallet import Wallet
+
+from .auth import FRESHNESS_WINDOW_S
+from .network import NetworkDefinition
+from .ratelimit import RateLimitConfig
+from .reputation import ReputationConfig
+from .verdict import VerdictConfig
+
+
+@dataclass(kw_only=True)
+class VerifierConfig:
+    database_url: str
+    """SQLAlchemy URL: sqlite:///PATH (default) or postgresql://… (normalised to psycopg 3)."""
+    network: NetworkDefinition
+    """The run's definition, served signed at GET /api/network."""
+    operator: Wallet
+    """The operator key: signs the network definition and authorises /api/admin/* requests."""
+    peer_ttl_s: float = 90.0
+    """A node is live while its last heartbeat is younger than this; nodes should beat every ~TTL/3."""
+    freshness_window_s: float = FRESHNESS_WINDOW_S
+    """Accepted clock skew of signed requests, seconds either way."""
+    max_body_bytes: int = 256 * 1024
+    """Largest request body accepted (413 beyond). A receipt with 10,000 losses is ~200 KB."""
+    rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    settle_after_rounds: int = 1
+    """A (stage, round) is judged once most live replicas of the stage reported a round this many later."""
+    agreement_window_rounds: int = 20
+    """Settled rounds the headline hash-agreement and sync rates are computed over."""
+    history_rounds: int = 200
+    """(stage, round)s returned by /api/training/history and drawn on the dashboard."""
+    clock: Callable[[], float] = time.time
+    """Unix seconds; injected so tests can move time."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.peer_ttl_s > 0, f"peer_ttl_s must be > 0, got {self.peer_ttl_s}"),
+            (self.freshness_window_s > 0, f"freshness_window_s must be > 0, got {self.freshness_window_s}"),
+            (self.max_body_bytes >= 1024, f"max_body_bytes must be ≥ 1024, got {self.max_body_bytes}"),
+            (
+                self.settle_after_rounds >= 1,
+                f"settle_after_rounds must be ≥ 1, got {self.settle_after_rounds}",
+            ),
+            (
+                self.agreement_window_rounds >= 1,
+                f"agreement_window_rounds must be ≥ 1, got {self.agreement_window_rounds}",
+            ),
+            (self.history_rounds >= 1, f"history_rounds must be ≥ 1, got {self.history_rounds}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"VerifierConfig: {message}")

@@ -1,0 +1,158 @@
+"""The verifier's database: URL handling, engine set-up, Alembic upgrades, sessions.
+
+SQLite (a file) by default, PostgreSQL through `postgresql+psycopg://…` (plain
+`postgresql://` and `postgres://` are normalised to the psycopg 3 driver). The schema is
+owned by Alembic: `Database.upgrade()` runs `upgrade head` with the revisions shipped in
+this package (migrations/), configured in code so no `alembic.ini` or working directory
+is needed. An upgrade only ever adds; running it twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+"""How long a SQLite writer waits for another process's lock (our own writers share a lock)."""
+
+# Any constant works; it only has to be the same in every verifier process sharing a database.
+_PG_MIGRATION_LOCK = 0x6E53_7666
+
+
+class DatabaseURLError(ValueError):
+    """A --db value that is not a usable SQLAlchemy URL."""
+
+
+def normalise_url(url: str) -> str:
+    """`postgresql://` / `postgres://` → `postgresql+psycopg://`; SQLite and explicit drivers unchanged."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise DatabaseURLError(
+            f"database URL {url!r} is not a URL; expected sqlite:///PATH or postgresql://HOST/DB"
+        ) from None
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise DatabaseURLError(f"database URL {url!r}: only sqlite and postgresql are supported")
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        raise DatabaseURLError(
+            f"database URL {url!r}: SQLite needs a file (sqlite:///PATH); an in-memory database "
+            "would vanish with the connection and lose acknowledged receipts"
+        )
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() != "psycopg":
+        raise DatabaseURLError(f"database URL {url!r}: use the psycopg 3 driver (postgresql+psycopg://)")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL lets the dashboard's reads run beside a write; synchronous=FULL keeps a committed
+    # transaction on disk even if the machine (not just the process) dies right after the 2xx.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def create_database_engine(url: str) -> Engine:
+    url = normalise_url(url)
+    if url.startswith("sqlite"):
+        database = make_url(url).database
+        if database:
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S}
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """Alembic configured in code: this package's migrations, and optionally a live connection."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("path_separator", "os")
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:
+        raise RuntimeError(f"no Alembic revisions under {MIGRATIONS_DIR}")
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine) -> None:
+    """`alembic upgrade head` in one transaction (PostgreSQL DDL is transactional)."""
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Two verifiers starting at once on one database: the second waits, then finds head.
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+        command.upgrade(alembic_config(conn), "head")
+
+
+class Database:
+    """An engine, its sessions, and (for SQLite) the lock that serialises this process's writers.
+
+    SQLite allows one writer at a time; a deferred transaction that reads and then writes can
+    fail with SQLITE_BUSY instead of waiting, so writers in this process take turns here.
+    PostgreSQL needs no lock: uniqueness constraints settle races.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = normalise_url(url)
+        self.engine = create_database_engine(self.url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_lock: AbstractContextManager[Any] = (
+            threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
+        )
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def upgrade(self) -> None:
+        upgrade(self.engine)
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for queries; nothing it does is committed."""
+        with self._sessions() as session:
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A transaction: committed when the block ends normally, rolled back on any exception.
+
+        Code after the `with` block runs only once the commit has returned, which is what
+        makes "the 2xx only after the commit" hold for the API.
+        """
+        with self._write_lock, self._sessions.begin() as session:
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()

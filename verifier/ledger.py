@@ -1,0 +1,422 @@
+"""Everything the verifier writes: registrations, heartbeats, receipts, round settlement,
+reputation, evaluations, reinstatements. Each function works inside a caller's transaction
+(`Database.write()`), so a request's nonce, its write and its consequences commit together
+or not at all.
+
+A (stage, round) is *settled* — its majority hash fixed and reputations moved — once more
+than half of the stage's live replicas (not refused, heartbeat within the peer TTL) have
+sent a receipt for a round at least `settle_after_rounds` later: the stage has moved on,
+so the round's votes are in. Counting distinct live replicas, not any later receipt, keeps
+one wallet from settling a round early — say right after its own bogus vote, before the
+honest replicas reported — and so making its hash the "majority". A receipt that arrives
+after its round settled is judged alone against the settled majority (its claims about
+others are not counted: the quorum for them was decided without it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import case, delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from . import models as m
+from .auth import SignedBy
+from .reputation import Adjustment, ReputationConfig, Vote, judge_round, judge_vote
+from .wire import HeartbeatRequest, ReceiptRequest, RegisterRequest
+
+
+class WriteRefused(Exception):
+    """A well-signed write the verifier will not take; `status` is the HTTP code to answer."""
+
+    def __init__(self, detail: str, status: int) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+
+
+@dataclass(kw_only=True)
+class LedgerConfig:
+    reputation: ReputationConfig
+    num_stages: int
+    """From the network definition: stages are 0..num_stages-1."""
+    nonce_window_s: float
+    """The freshness window: a nonce is remembered until its timestamp is this far in the past."""
+    peer_ttl_s: float = 90.0
+    """A replica is live while its last heartbeat is younger than this."""
+    settle_after_rounds: int = 1
+    """A round settles once most live replicas of its stage reported a round this many rounds later."""
+
+
+def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float) -> None:
+    """Remember the request's nonce; a second use within the window is a replay (409).
+
+    Expired nonces are purged for this signer only: its requests rarely overlap, so the
+    DELETE never waits on (or deadlocks with) another signer's transaction.
+    """
+    session.execute(
+        delete(m.Nonce).where(m.Nonce.public_key == signed.public_key_hex, m.Nonce.expires_at < now)
+    )
+    session.add(
+        m.Nonce(public_key=signed.public_key_hex, nonce=signed.nonce, expires_at=signed.timestamp + window_s)
+    )
+    try:
+        session.flush()
+    except IntegrityError:
+        raise WriteRefused(
+            f"replayed request: nonce {signed.nonce} was already used by this signer", 409
+        ) from None
+
+
+def purge_nonces(session: Session, *, now: float) -> int:
+    """Forget every expired nonce (at start-up: signers that never came back leave theirs behind)."""
+    result = session.execute(delete(m.Nonce).where(m.Nonce.expires_at < now))
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _active_wallet(session: Session, signed: SignedBy) -> m.Wallet:
+    wallet = session.get(m.Wallet, signed.wallet_id)
+    if wallet is None:
+        raise WriteRefused(f"wallet {signed.wallet_id} is not registered; POST /api/register first", 403)
+    if wallet.public_key != signed.public_key_hex:
+        raise WriteRefused(f"wallet id {signed.wallet_id} is registered to another public key", 409)
+    if wallet.status == m.STATUS_REFUSED:
+        raise WriteRefused(
+            f"wallet {signed.wallet_id} is refused ({wallet.status_reason}); the operator can reinstate it",
+            403,
+        )
+    return wallet
+
+
+def _check_stage(stage: int, cfg: LedgerConfig) -> None:
+    if stage >= cfg.num_stages:
+        raise WriteRefused(
+            f"stage {stage} does not exist: this network has stages 0..{cfg.num_stages - 1}", 422
+        )
+
+
+def register(
+    session: Session, signed: SignedBy, req: RegisterRequest, *, now: float, cfg: LedgerConfig
+) -> m.Wallet:
+    """Create or update the wallet and its peer entry (address, stage); refused wallets get 403."""
+    _check_stage(req.stage, cfg)
+    wallet = session.get(m.Wallet, signed.wallet_id)
+    if wallet is None:
+        wallet = m.Wallet(
+            wallet_id=signed.wallet_id,
+            public_key=signed.public_key_hex,
+            reputation=cfg.reputation.initial,
+            status=m.STATUS_ACTIVE,
+            registered_at=now,
+            software_version=req.software_version,
+        )
+        session.add(wallet)
+        session.flush()
+    else:
+        wallet = _active_wallet(session, signed)
+        wallet.software_version = req.software_version
+    peer = session.get(m.Peer, signed.wallet_id)
+    if peer is None:
+        session.add(
+            m.Peer(
+                wallet_id=signed.wallet_id,
+                address=req.address,
+                stage=req.stage,
+                registered_at=now,
+                last_heartbeat=now,
+            )
+        )
+    else:
+        peer.address, peer.stage, peer.registered_at, peer.last_heartbeat = req.address, req.stage, now, now
+    return wallet
+
+
+def _registered_stage(session: Session, wallet_id: str, stage: int) -> m.Peer:
+    peer = session.get(m.Peer, wallet_id)
+    if peer is None or peer.stage != stage:
+        registered = "no stage" if peer is None else f"stage {peer.stage}"
+        raise WriteRefused(
+            f"wallet {wallet_id} is registered for {registered}, not stage {stage}; register again", 409
+        )
+    return peer
+
+
+def heartbeat(
+    session: Session, signed: SignedBy, req: HeartbeatRequest, *, now: float, cfg: LedgerConfig
+) -> m.Peer:
+    _active_wallet(session, signed)
+    _check_stage(req.stage, cfg)
+    peer = _registered_stage(session, signed.wallet_id, req.stage)
+    peer.last_heartbeat, peer.round, peer.steps_in_round = now, req.round, req.steps_in_round
+    return peer
+
+
+def submit_receipt(
+    session: Session,
+    signed: SignedBy,
+    req: ReceiptRequest,
+    *,
+    body_sha256: str,
+    now: float,
+    cfg: LedgerConfig,
+) -> str:
+    """Store a receipt and its hash vote: 'recorded', or 'duplicate' for an identical resubmission."""
+    wallet = _active_wallet(session, signed)
+    _check_stage(req.stage, cfg)
+    _registered_stage(session, wallet.wallet_id, req.stage)
+    existing = session.scalars(
+        select(m.Receipt).where(
+            m.Receipt.wallet_id == wallet.wallet_id,
+            m.Receipt.stage == req.stage,
+            m.Receipt.round == req.round,
+        )
+    ).one_or_none()
+    if existing is not None:
+        if existing.body_sha256 == body_sha256:
+            return "duplicate"
+        raise WriteRefused(
+            f"a different receipt for stage {req.stage} round {req.round} is already recorded for this wallet",
+            409,
+        )
+    first = req.data[0] if req.data else None
+    session.add(
+        m.Receipt(
+            wallet_id=wallet.wallet_id,
+            stage=req.stage,
+            round=req.round,
+            inner_steps=req.inner_steps,
+            start_step=req.start_step,
+            tokens=req.tokens,
+            shard_id=first.shard_id if first else None,
+            offset_start=first.offset_start if first else None,
+            offset_end=first.offset_end if first else None,
+            data_spans=[[s.shard_id, s.offset_start, s.offset_end] for s in req.data],
+            losses=list(req.losses),
+            base_hash=req.base_hash,
+            result_hash=req.result_hash,
+            delta_digest=req.delta_digest,
+            accepted=[c.model_dump() for c in req.accepted],
+            rejected=[c.model_dump() for c in req.rejected],
+            equivocators=list(req.equivocators),
+            body_sha256=body_sha256,
+            received_at=now,
+        )
+    )
+    session.add(
+        m.HashVote(
+            stage=req.stage,
+            round=req.round,
+            wallet_id=wallet.wallet_id,
+            result_hash=req.result_hash,
+            base_hash=req.base_hash,
+        )
+    )
+    try:
+        session.flush()
+    except IntegrityError:  # a concurrent submission of the same (wallet, stage, round) won
+        raise WriteRefused(
+            f"a receipt for stage {req.stage} round {req.round} is already recorded", 409
+        ) from None
+    settled = session.get(m.Round, (req.stage, req.round))
+    if settled is not None:
+        vote = Vote(wallet.wallet_id, req.result_hash, req.base_hash)
+        for adj in judge_vote(vote, settled.majority_hash, cfg.reputation, stage=req.stage, round_=req.round):
+            apply_adjustment(session, adj, stage=req.stage, round_=req.round, now=now, cfg=cfg.reputation)
+    return "recorded"
+
+
+def apply_adjustment(
+    session: Session,
+    adj: Adjustment,
+    *,
+    stage: int | None,
+    round_: int | None,
+    now: float,
+    cfg: ReputationConfig,
+) -> bool:
+    """Move a wallet's reputation (clamped to [0, maximum], in one UPDATE so concurrent writers
+    cannot lose each other's changes), log why, and refuse it if it fell under the threshold.
+    False when the wallet is unknown (a claim about a wallet that never registered)."""
+    moved = m.Wallet.reputation + adj.delta
+    result = session.execute(
+        update(m.Wallet)
+        .where(m.Wallet.wallet_id == adj.wallet_id)
+        .values(reputation=case((moved > cfg.maximum, cfg.maximum), (moved < 0.0, 0.0), else_=moved))
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        return False
+    session.add(
+        m.ReputationEvent(
+            wallet_id=adj.wallet_id,
+            stage=stage,
+            round=round_,
+            delta=adj.delta,
+            reason=adj.reason,
+            created_at=now,
+        )
+    )
+    session.execute(
+        update(m.Wallet)
+        .where(
+            m.Wallet.wallet_id == adj.wallet_id,
+            m.Wallet.status == m.STATUS_ACTIVE,
+            m.Wallet.reputation < cfg.refuse_below,
+        )
+        .values(
+            status=m.STATUS_REFUSED,
+            status_reason=f"reputation under {cfg.refuse_below:g} after: {adj.reason}",
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return True
+
+
+def settle_rounds(session: Session, stage: int, *, now: float, cfg: LedgerConfig) -> list[int]:
+    """Settle, oldest first, every unsettled round of `stage` that most live replicas moved past."""
+    # Rounds settle in order, so only rounds after the last settled one can be waiting (a lone
+    # vote arriving for an older round that never had any is left pending, not judged).
+    last_settled = session.scalar(select(func.max(m.Round.round)).where(m.Round.stage == stage))
+    unsettled = session.scalars(
+        select(m.HashVote.round)
+        .where(m.HashVote.stage == stage, m.HashVote.round > (-1 if last_settled is None else last_settled))
+        .distinct()
+        .order_by(m.HashVote.round)
+    ).all()
+    if not unsettled:
+        return []
+    live = session.scalar(
+        select(func.count())
+        .select_from(m.Peer)
+        .join(m.Wallet, m.Wallet.wallet_id == m.Peer.wallet_id)
+        .where(
+            m.Peer.stage == stage,
+            m.Wallet.status == m.STATUS_ACTIVE,
+            m.Peer.last_heartbeat >= now - cfg.peer_ttl_s,
+        )
+    )
+    settled = []
+    for round_ in unsettled:
+        moved_on = session.scalar(
+            select(func.count(func.distinct(m.HashVote.wallet_id))).where(
+                m.HashVote.stage == stage, m.HashVote.round >= round_ + cfg.settle_after_rounds
+            )
+        )
+        if not moved_on or 2 * moved_on <= (live or 0):
+            break  # later rounds have even fewer replicas past them
+        settle_round(session, stage, round_, now=now, cfg=cfg)
+        settled.append(round_)
+    return settled
+
+
+def settle_round(session: Session, stage: int, round_: int, *, now: float, cfg: LedgerConfig) -> m.Round:
+    receipts = session.scalars(
+        select(m.Receipt)
+        .where(m.Receipt.stage == stage, m.Receipt.round == round_)
+        .order_by(m.Receipt.wallet_id)
+    ).all()
+    votes = [
+        Vote(
+            r.wallet_id,
+            r.result_hash,
+            r.base_hash,
+            rejected=tuple((c["wallet"], c["reason"]) for c in r.rejected),
+            equivocators=tuple(r.equivocators),
+        )
+        for r in receipts
+    ]
+    previous = session.get(m.Round, (stage, round_ - 1))
+    judgement = judge_round(
+        votes, previous.majority_hash if previous else None, cfg.reputation, stage=stage, round_=round_
+    )
+    row = m.Round(
+        stage=stage,
+        round=round_,
+        majority_hash=judgement.majority.hash,
+        votes=judgement.majority.votes,
+        agreeing=judgement.majority.agreeing,
+        synced=judgement.synced,
+        sync_checked=judgement.sync_checked,
+        settled_at=now,
+    )
+    session.add(row)
+    session.flush()  # a concurrent settler of the same round fails here, before touching reputations
+    for adj in judgement.adjustments:
+        apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg.reputation)
+    return row
+
+
+def record_spot_check(
+    session: Session,
+    wallet_id: str,
+    *,
+    stage: int,
+    round_: int,
+    ok: bool,
+    detail: str,
+    now: float,
+    cfg: ReputationConfig,
+) -> None:
+    """Log a spot check's outcome on the wallet; a failure costs `spot_check_penalty`."""
+    if ok:
+        adj = Adjustment(wallet_id, 0.0, f"spot check passed in stage {stage} round {round_}: {detail}")
+    else:
+        adj = Adjustment(
+            wallet_id, -cfg.spot_check_penalty, f"spot check failed in stage {stage} round {round_}: {detail}"
+        )
+    if not apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg):
+        raise WriteRefused(f"wallet {wallet_id} is not registered", 404)
+
+
+def reinstate(
+    session: Session, wallet_id: str, reputation: float | None, *, now: float, cfg: ReputationConfig
+) -> m.Wallet:
+    """The operator lets a wallet back in, at `reputation` (default: the initial value)."""
+    wallet = session.get(m.Wallet, wallet_id)
+    if wallet is None:
+        raise WriteRefused(f"wallet {wallet_id} is not registered", 404)
+    target = cfg.initial if reputation is None else reputation
+    if target < cfg.refuse_below:
+        raise WriteRefused(f"reputation {target} would be refused again (threshold {cfg.refuse_below})", 422)
+    session.add(
+        m.ReputationEvent(
+            wallet_id=wallet_id,
+            stage=None,
+            round=None,
+            delta=target - wallet.reputation,
+            reason=f"reinstated by the operator at {target:g} (was {wallet.status}, {wallet.reputation:.3f})",
+            created_at=now,
+        )
+    )
+    wallet.status, wallet.status_reason, wallet.reputation = m.STATUS_ACTIVE, None, target
+    return wallet
+
+
+def record_evaluation(
+    session: Session,
+    round: int,
+    loss: float,
+    tokens: int,
+    *,
+    stderr: float | None = None,
+    now: float | None = None,
+) -> m.Evaluation:
+    """Store a held-out loss the verifier measured itself (verifier.evaluate) on round `round`'s model."""
+    if not math.isfinite(loss) or loss < 0:
+        raise ValueError(f"measured loss must be finite and ≥ 0, got {loss}")
+    if tokens <= 0 or round < 0:
+        raise ValueError(f"tokens ({tokens}) must be > 0 and round ({round}) ≥ 0")
+    if stderr is not None and not (math.isfinite(stderr) and stderr >= 0):
+        raise ValueError(f"stderr must be finite and ≥ 0, got {stderr}")
+    row = m.Evaluation(
+        round=round,
+        loss=loss,
+        loss_stderr=stderr,
+        tokens=tokens,
+        created_at=time.time() if now is None else now,
+    )
+    session.add(row)
+    return row

@@ -1,0 +1,186 @@
+"""The verifier's tables, as SQLAlchemy 2 typed ORM classes.
+
+Times are unix seconds (float, double precision in PostgreSQL): they compare directly with
+the clock the service is given and mean the same in SQLite and PostgreSQL. A *wallet* is
+keyed by its short `wallet_id` (node.wallet.wallet_id_of); its full public key is stored
+beside it because signatures are checked against the key, not the id.
+
+Changing anything here needs a new Alembic revision under migrations/versions/.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names, so later migrations can refer to (and drop) them by name.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+HASH_LEN = 64
+"""sha256 hex digests: θ hashes, Δ digests, body hashes."""
+WALLET_ID_LEN = 20
+PUBLIC_KEY_LEN = 64
+
+STATUS_ACTIVE = "active"
+STATUS_REFUSED = "refused"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Wallet(Base):
+    """A node identity that registered once; reputation and refusal live here."""
+
+    __tablename__ = "wallets"
+
+    wallet_id: Mapped[str] = mapped_column(String(WALLET_ID_LEN), primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(PUBLIC_KEY_LEN), unique=True)
+    reputation: Mapped[float] = mapped_column(Double)
+    status: Mapped[str] = mapped_column(String(16), default=STATUS_ACTIVE)
+    """'active' or 'refused' (refused wallets get 403 on registration and receipts)."""
+    status_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    registered_at: Mapped[float] = mapped_column(Double)
+    software_version: Mapped[str] = mapped_column(String(64))
+
+
+class Peer(Base):
+    """Where a registered wallet can be reached and when it last said it was alive."""
+
+    __tablename__ = "peers"
+
+    wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), primary_key=True)
+    address: Mapped[str] = mapped_column(String(255))
+    stage: Mapped[int] = mapped_column(Integer)
+    registered_at: Mapped[float] = mapped_column(Double)
+    last_heartbeat: Mapped[float] = mapped_column(Double)
+    round: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The replica's outer round at its last heartbeat (DiLoCo progress)."""
+    steps_in_round: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Inner steps done in that round at its last heartbeat."""
+
+    __table_args__ = (Index("ix_peers_stage_heartbeat", "stage", "last_heartbeat"),)
+
+
+class Receipt(Base):
+    """One signed work report: what a replica did in one round of one stage."""
+
+    __tablename__ = "receipts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"))
+    stage: Mapped[int] = mapped_column(Integer)
+    round: Mapped[int] = mapped_column(Integer)
+    inner_steps: Mapped[int] = mapped_column(Integer)
+    start_step: Mapped[int] = mapped_column(Integer)
+    """Global inner step at the round's start (the inner learning-rate schedule depends on it)."""
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    shard_id: Mapped[int | None] = mapped_column(Integer)
+    """The first shard read this round (all spans are in data_spans); None for stages that read no data."""
+    offset_start: Mapped[int | None] = mapped_column(Integer)
+    offset_end: Mapped[int | None] = mapped_column(Integer)
+    data_spans: Mapped[list[Any]] = mapped_column(JSON)
+    """[[shard_id, offset_start, offset_end], ...] in reading order; offsets count windows."""
+    losses: Mapped[list[Any]] = mapped_column(JSON)
+    """Self-reported inner-step losses: shown, never used for the verdict."""
+    base_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    result_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    delta_digest: Mapped[str] = mapped_column(String(HASH_LEN))
+    accepted: Mapped[list[Any]] = mapped_column(JSON)
+    rejected: Mapped[list[Any]] = mapped_column(JSON)
+    equivocators: Mapped[list[Any]] = mapped_column(JSON)
+    body_sha256: Mapped[str] = mapped_column(String(HASH_LEN))
+    """sha256 of the signed body: an identical resubmission is acknowledged, a different one refused."""
+    received_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (
+        UniqueConstraint("wallet_id", "stage", "round", name="uq_receipts_wallet_stage_round"),
+        Index("ix_receipts_stage_round", "stage", "round"),
+    )
+
+
+class Nonce(Base):
+    """A request nonce already used by a signer; kept until its timestamp is outside the window."""
+
+    __tablename__ = "nonces"
+
+    public_key: Mapped[str] = mapped_column(String(PUBLIC_KEY_LEN), primary_key=True)
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at: Mapped[float] = mapped_column(Double, index=True)
+
+
+class Evaluation(Base):
+    """A held-out loss the verifier measured itself on the majority model."""
+
+    __tablename__ = "evaluations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round: Mapped[int] = mapped_column(Integer, index=True)
+    loss: Mapped[float] = mapped_column(Double)
+    loss_stderr: Mapped[float | None] = mapped_column(Double, default=None)
+    """Standard error of the mean over evaluation batches; None when unknown."""
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Double)
+
+
+class HashVote(Base):
+    """A replica's θ_{r+1} hash for one (stage, round), taken from its receipt."""
+
+    __tablename__ = "hash_votes"
+
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), primary_key=True)
+    result_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    base_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+
+
+class Round(Base):
+    """A settled (stage, round): its majority hash and agreement, fixed once the stage moved on."""
+
+    __tablename__ = "rounds"
+
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    majority_hash: Mapped[str | None] = mapped_column(String(HASH_LEN))
+    """None when no hash had a strict plurality (a tie)."""
+    votes: Mapped[int] = mapped_column(Integer)
+    agreeing: Mapped[int] = mapped_column(Integer)
+    synced: Mapped[int] = mapped_column(Integer)
+    """Receipts whose base hash was the previous round's majority hash."""
+    sync_checked: Mapped[int] = mapped_column(Integer)
+    """Receipts whose base hash could be checked (the previous round is settled with a majority)."""
+    settled_at: Mapped[float] = mapped_column(Double)
+
+
+class ReputationEvent(Base):
+    """Why a wallet's reputation moved: the recent verdicts /api/nodes/{wallet} shows."""
+
+    __tablename__ = "reputation_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), index=True)
+    stage: Mapped[int | None] = mapped_column(Integer)
+    round: Mapped[int | None] = mapped_column(Integer)
+    delta: Mapped[float] = mapped_column(Double)
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Double)

@@ -1,0 +1,120 @@
+"""Bodies of the signed writes nodes send to the verifier (JSON), as strict pydantic models.
+
+One definition for sender and receiver. Every model forbids unknown fields and is strict
+(no "3" for 3, no true for 1); floats must be finite. The signer's identity is not in the
+body: it is the X-NeuroShard-Wallet header the signature is checked against (verifier.auth).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+"""sha256, lower-case hex."""
+WalletId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{20}$")]
+"""node.wallet.wallet_id_of(public key)."""
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+"""Fits a 32-bit signed INTEGER column in both SQLite and PostgreSQL."""
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+MAX_STAGES = 1024
+MAX_LOSSES = 10_000
+"""Self-reported inner-step losses per receipt: one per step for H up to 10,000."""
+MAX_SPANS = 256
+MAX_CONTRIBUTIONS = 1024
+"""Accepted, rejected and equivocating wallets per receipt: far above any stage's replica count."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RegisterRequest(_Wire):
+    """POST /api/register: a wallet announces where it can be reached and which stage it trains."""
+
+    address: Annotated[
+        str, StringConstraints(pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}/?$", max_length=255)
+    ] = Field(description="Base URL of the node's peer plane, e.g. http://203.0.113.5:9000")
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)] = Field(description="The stage this replica holds.")
+    software_version: Annotated[
+        str, StringConstraints(pattern=r"^[0-9A-Za-z.+\-_]+$", min_length=1, max_length=64)
+    ] = Field(description="neuroshard version string of the node, e.g. 0.1.0.")
+
+
+class HeartbeatRequest(_Wire):
+    """POST /api/heartbeat: still alive, and how far into DiLoCo the replica is."""
+
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    round: Count = Field(description="Current outer round.")
+    steps_in_round: Count = Field(description="Inner steps done in the current round.")
+
+
+class DataSpan(_Wire):
+    """A run of windows read from one shard: positions [offset_start, offset_end) of the shard's
+    window permutation (data.shards.window_order seeded by the wallet id)."""
+
+    shard_id: Count
+    offset_start: Count
+    offset_end: Count
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DataSpan:
+        if self.offset_end < self.offset_start:
+            raise ValueError(f"offset_end {self.offset_end} < offset_start {self.offset_start}")
+        return self
+
+
+class AcceptedContribution(_Wire):
+    wallet: WalletId
+    payload_sha256: HexDigest | None = Field(
+        default=None, description="sha256 of the aggregated payload, if known."
+    )
+
+
+class RejectedContribution(_Wire):
+    wallet: WalletId
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+class ReceiptRequest(_Wire):
+    """POST /api/receipts: one replica's work in one round of one stage."""
+
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    round: Count
+    inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = Field(description="H actually run this round.")
+    start_step: Count = Field(description="Global inner step at the round's start (for the lr schedule).")
+    tokens: Annotated[int, Field(ge=0, le=2**62)] = Field(description="Tokens trained on this round.")
+    data: list[DataSpan] = Field(
+        max_length=MAX_SPANS,
+        description="What was read, in order; stage 0 reads the data, later pipeline stages send [].",
+    )
+    losses: list[FiniteFloat] = Field(max_length=MAX_LOSSES, description="Self-reported inner-step losses.")
+    base_hash: HexDigest = Field(description="sha256 of θ_round the replica started from.")
+    result_hash: HexDigest = Field(description="sha256 of θ_{round+1} after the outer step.")
+    delta_digest: HexDigest = Field(description="sha256 of this replica's own pseudo-gradient Δ.")
+    accepted: list[AcceptedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
+    rejected: list[RejectedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
+    equivocators: list[WalletId] = Field(
+        default_factory=list,
+        max_length=MAX_CONTRIBUTIONS,
+        description="Wallets caught sending two different signed payloads for this (stage, round).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReceiptRequest:
+        if self.stage == 0 and not self.data:
+            raise ValueError("a stage-0 receipt must say which data it read (data is empty)")
+        if len(self.losses) > self.inner_steps:
+            raise ValueError(f"{len(self.losses)} losses for {self.inner_steps} inner steps")
+        return self
+
+
+class ReinstateRequest(_Wire):
+    """POST /api/admin/reinstate (operator-signed): let a refused wallet back in."""
+
+    wallet_id: WalletId
+    reputation: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = Field(
+        default=None, description="Reputation to restart from; default: the configured initial value."
+    )
