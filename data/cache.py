@@ -21,11 +21,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from .manifest import ShardInfo
-from .shards import ShardError
-
 PARTIAL_SUFFIX = ".part"
 SHARD_SUFFIX = ".pt"
 
@@ -172,27 +167,6 @@ class ShardCache:
                 f"shard cache {self.directory}: {self.total_bytes + incoming:,} bytes wanted, cap is "
                 f"{self._cap:,}; {len(self._pins)} files in use or on their way cannot be evicted"
             )
-
-
-def read_verified_tokens(path: Path, info: ShardInfo, vocab_size: int) -> torch.Tensor:
-    """`load_shard` minus its hash check, for a file whose bytes were hashed as they arrived.
-
-    The same restricted loader and the same shape checks; only ever called on files
-    `ShardCache.verified` vouches for.
-    """
-    try:
-        tokens = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # the restricted unpickler raises many types
-        raise ShardError(f"shard {info.id}: {path} is not a tensor file ({type(exc).__name__})") from None
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int32 or tokens.dim() != 1:
-        raise ShardError(f"shard {info.id}: expected a flat int32 tensor")
-    if tokens.numel() != info.tokens:
-        raise ShardError(f"shard {info.id}: {tokens.numel()} tokens, the manifest says {info.tokens}")
-    ids = tokens.numpy()  # a view: numpy's single-threaded min/max took 0.02 ms on 250k ids where
-    # torch's took 13 ms, its OpenMP threads contending with training on a busy 2-core machine
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ShardError(f"shard {info.id}: token ids outside [0, {vocab_size})")
-    return tokens
 
 
 def _index(directory: Path) -> OrderedDict[str, int]:

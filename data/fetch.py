@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 import torch
 
-from .cache import PartialFile, ShardCache, commit_partial, read_verified_tokens
+from .cache import PartialFile, ShardCache, commit_partial
 from .files import file_sha256
 from .manifest import (
     MANIFEST_NAME,
@@ -42,7 +42,7 @@ from .manifest import (
     TokenizerInfo,
     verify_manifest,
 )
-from .shards import ShardError, load_shard
+from .shards import ShardError, load_shard, read_tokens
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -477,7 +477,7 @@ class HttpShardSource:
             return load_shard(self._cache.directory, info, self.vocab_size)
         # Hashed on the way in by this process: hashing again from disk would double the cost
         # of a fetch on a fast link (measured: 760 MB/s read+hash vs ~550 MB/s loopback download).
-        return read_verified_tokens(self._cache.directory / info.file, info, self.vocab_size)
+        return read_tokens(self._cache.directory / info.file, info, self.vocab_size)
 
     def prefetch(self, infos: Sequence[ShardInfo]) -> None:
         if not self._closed:

@@ -33,6 +33,15 @@ def load_shard(directory: Path, info: ShardInfo, vocab_size: int) -> torch.Tenso
         raise ShardError(
             f"shard {info.id}: sha256 {actual[:16]}… does not match the manifest's {info.sha256[:16]}…"
         )
+    return read_tokens(path, info, vocab_size)
+
+
+def read_tokens(path: Path, info: ShardInfo, vocab_size: int) -> torch.Tensor:
+    """Load a shard file whose sha256 already matched, with the restricted loader, and check its shape.
+
+    Callers must have verified the hash first (`load_shard` does; the HTTP cache hashes
+    bytes as they arrive).
+    """
     try:
         tokens = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # the restricted unpickler raises many types
@@ -41,7 +50,9 @@ def load_shard(directory: Path, info: ShardInfo, vocab_size: int) -> torch.Tenso
         raise ShardError(f"shard {info.id}: expected a flat int32 tensor")
     if tokens.numel() != info.tokens:
         raise ShardError(f"shard {info.id}: {tokens.numel()} tokens, the manifest says {info.tokens}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+    ids = tokens.numpy()  # a view: numpy's single-threaded min/max took 0.02 ms on 250k ids where
+    # torch's took 13 ms, its OpenMP threads contending with training on a busy 2-core machine
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ShardError(f"shard {info.id}: token ids outside [0, {vocab_size})")
     return tokens
 
