@@ -33,6 +33,7 @@ from .checkpoint import CheckpointMismatch
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
+from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
 from .rotation import RotationConfig
 from .trainer import DatasetUpdates, Trainer, TrainerConfig
 from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh", action="store_true", help="ignore (and later overwrite) an existing checkpoint"
     )
     p.add_argument("--log-every", type=int, default=10, help="inner steps per progress line")
+    add_network_arguments(p)
+    # No --peers and no --port: the node trains alone and opens no port.
+    p.set_defaults(port=None)
     return p
 
 
@@ -156,6 +160,24 @@ def _open_data(args: argparse.Namespace) -> tuple[Dataset, DatasetUpdates | None
     return dataset, remote_updates(dataset, _log)
 
 
+def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Event) -> PeerNetwork | None:
+    """The peer server and round exchange, when the node was given peers or a port; None trains alone."""
+    if args.port is None and not args.peers:
+        return None
+    if args.port is None:
+        args.port = NetworkConfig().port
+    network = PeerNetwork(
+        network_config_from_args(args),
+        wallet,
+        stage=0,
+        log=_log,
+        tokens_per_step=args.batch_size * args.seq_len,
+        stop=stop,
+    )
+    network.start()
+    return network
+
+
 def _install_stop_handlers(stop: threading.Event) -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         _log(f"received {signal.Signals(signum).name}: finishing the current step and saving a checkpoint")
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     _install_stop_handlers(stop)
+    network: PeerNetwork | None = None
     try:
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
@@ -216,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             dataset_updates=updates,
             fresh=args.fresh,
         )
+        network = _start_network(args, wallet, stop)
+        if network is not None:
+            trainer.set_round_finisher(network.finish_round)
+            network.join_state(trainer.diloco)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
+        if network is not None:
+            network.stop()
         return _fail(str(exc))
 
     manifest = dataset.manifest
@@ -231,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     finally:
         trainer.dataset.source.close()
+        if network is not None:
+            network.stop()
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(f"{how} at step={result.steps} round={result.rounds}; checkpoint {trainer.checkpoint_file}")
     return 0

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 # measured with ModelConfig.num_params(): tiny 1.85M, small 29.5M.
 MODEL_SIZES: MappingProxyType[str, MappingProxyType[str, int]] = MappingProxyType(
     {
+        # micro: ~50k parameters at vocab 512 — process-level tests and protocol demos, not learning.
+        "micro": MappingProxyType({"dim": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 64}),
         "tiny": MappingProxyType(
             {"dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 352, "max_seq_len": 256}
         ),

@@ -128,6 +128,10 @@ class Trainer:
         )
         self._plateau = PlateauDetector(config.rotation)
 
+    def set_round_finisher(self, finish_round: RoundFinisher) -> None:
+        """Who completes each round from now on (the peer network, once it is up)."""
+        self._finish_round_hook = finish_round
+
     @property
     def identity(self) -> CheckpointIdentity:
         return CheckpointIdentity(

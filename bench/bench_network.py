@@ -1,0 +1,217 @@
+"""Peer network: sync traffic per round against synchronous data parallel, and outer-round latency.
+
+Replicas are real `PeerNetwork`s on loopback — each in its own process with its own event
+loop, aiohttp server, client and sockets — around real DiLoCo engines of one stage.
+Training is not what is measured: before each round every replica moves its weights by a
+seeded random step (a stand-in for H inner steps), then all replicas call `finish_round`
+at once and we time that call: encode Δ, push, digests, pulls, decode, aggregate, outer
+step, publish, hash vote.
+
+Traffic is counted at the HTTP layer (bodies, request/status lines and headers; TCP/IP
+framing not counted), summed over what a node's client sent and what its server answered.
+Synchronous data parallel for the same tokens all-reduces an fp32 gradient every inner
+step; a ring all-reduce (reduce-scatter + all-gather) sends 2·(n−1)/n · 4·d bytes per node
+per step, ≈ 8·d for large n. Per round of H steps that is H times as much.
+
+The int8 error is measured on a real pseudo-gradient: the tiny model trained for one round
+of H_real inner steps on the bench text.
+
+    .venv/bin/python bench/bench_network.py                       # small model (29.5M), 4 replicas, int8
+    .venv/bin/python bench/bench_network.py --encoding fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+from common import DEFAULT_TEXT, bench_dataset
+
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.codec import encode_delta, int8_relative_error
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.trainer import Trainer, TrainerConfig
+from neuroshard.node.wallet import Wallet
+
+
+def real_pseudo_gradient(steps: int) -> torch.Tensor:
+    """Δ of the tiny model after one round of `steps` AdamW steps on the bench text."""
+    # Its own shard size, hence its own cache directory: older caches may hold a manifest format
+    # the current reader refuses.
+    dataset = bench_dataset(DEFAULT_TEXT, shard_tokens=200_000)
+    captured: list[torch.Tensor] = []
+
+    def capture(diloco: DiLoCo) -> None:
+        captured.append(diloco.pseudo_gradient())
+        diloco.outer_step(captured[-1])
+
+    with tempfile.TemporaryDirectory() as ckpt:
+        trainer = Trainer(
+            wallet_id="bench-network",
+            dataset=dataset,
+            model_config=ModelConfig.named("tiny", vocab_size=dataset.tokenizer.vocab_size),
+            diloco_config=DiLoCoConfig(inner_steps=steps, warmup_steps=10, total_steps=10 * steps),
+            config=TrainerConfig(
+                batch_size=8, seq_len=128, max_steps=steps, checkpoint_every=10**6, log_every=10**6
+            ),
+            checkpoint_dir=Path(ckpt),
+            log=lambda line: None,
+            finish_round=capture,
+        )
+        trainer.run(threading.Event())
+    return captured[0]
+
+
+@torch.no_grad()
+def fake_inner_steps(diloco: DiLoCo, seed: int, h: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in diloco.params:
+        p.add_(torch.randn(p.shape, generator=generator) * 1e-3)
+    diloco.steps_in_round = h
+
+
+def replica_process(index: int, args: argparse.Namespace, bootstrap: str | None, conn: Connection) -> None:
+    """One replica in its own process, as on a real network: its own interpreter, heap and loop."""
+    torch.set_num_threads(args.threads)
+    config = NetworkConfig(
+        port=0,
+        peers=(bootstrap,) if bootstrap else (),
+        encoding=args.encoding,
+        round_timeout_s=600.0,
+        gossip_interval_s=0.5,
+        hash_check_timeout_s=120.0,
+    )
+    network = PeerNetwork(config, Wallet.from_token(f"bench-network-{index}"), 0, lambda line: None)
+    conn.send(network.start())
+    model_cfg = ModelConfig.named(args.model, vocab_size=args.vocab)
+    diloco = DiLoCo(build_stage(model_cfg, 0, 1), DiLoCoConfig(inner_steps=args.inner_steps, warmup_steps=1))
+    network.join_state(diloco)
+    while len(network.live_peers()) < args.replicas - 1:
+        time.sleep(0.1)
+    conn.send("ready")
+    try:
+        while (command := conn.recv()) != "stop":
+            fake_inner_steps(diloco, seed=1000 * command + index, h=args.inner_steps)
+            client, server = network.traffic()
+            duplicates = network.node.duplicates  # an int written on the loop thread: a plain read is fine
+            conn.send("prepared")
+            conn.recv()  # "go": every replica enters finish_round at the same moment
+            start = time.perf_counter()
+            network.finish_round(diloco)
+            seconds = time.perf_counter() - start
+            client2, server2 = network.traffic()
+            sent = client2.bytes_sent + server2.bytes_sent - client.bytes_sent - server.bytes_sent
+            extra = network.node.duplicates - duplicates
+            conn.send((seconds, sent, diloco.weights_hash(), network.reports[-1], extra))
+    finally:
+        network.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    p.add_argument("--model", default="small", help="named model size of the stage")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--encoding", default="int8", choices=["int8", "fp16"])
+    p.add_argument("--inner-steps", type=int, default=500, help="H for the data-parallel comparison")
+    p.add_argument(
+        "--real-delta-steps", type=int, default=100, help="H of the real Δ the int8 error is measured on"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the replicas share this machine's cores)"
+    )
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    delta = real_pseudo_gradient(args.real_delta_steps)
+    print(
+        f"int8 relative L2 error on a real Δ (tiny model, {delta.numel():,} values, H={args.real_delta_steps}): "
+        f"{int8_relative_error(delta):.5f}"
+    )
+
+    n, h = args.replicas, args.inner_steps
+    model_cfg = ModelConfig.named(args.model, vocab_size=args.vocab)
+    d = model_cfg.num_params()
+    payload = len(encode_delta(torch.zeros(d), args.encoding))
+    ctx = multiprocessing.get_context("spawn")
+    conns, procs = [], []
+    bootstrap = None
+    for i in range(n):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=replica_process, args=(i, args, bootstrap, child), daemon=True)
+        proc.start()
+        conns.append(parent)
+        procs.append(proc)
+        address = parent.recv()
+        bootstrap = bootstrap or address
+    for conn in conns:
+        assert conn.recv() == "ready"
+    latencies: list[float] = []
+    traffic: list[int] = []
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms up: first connections, first allocations
+            for conn in conns:
+                conn.send(r)
+            for conn in conns:
+                assert conn.recv() == "prepared"
+            for conn in conns:
+                conn.send("go")
+            results = [conn.recv() for conn in conns]
+            hashes = {result[2] for result in results}
+            if len(hashes) != 1 or any(len(result[3].accepted) != n for result in results):
+                raise RuntimeError(f"round {r} did not agree: {[result[3].line() for result in results]}")
+            seconds = [result[0] for result in results]
+            sent_bytes = [result[1] for result in results]
+            duplicates = sum(result[4] for result in results)
+            phases = results[0][3]
+            print(
+                f"round {r}{' (warm-up)' if r == 0 else ''}: finish_round {min(seconds):.2f}-{max(seconds):.2f} s "
+                f"(replica 0: exchange {phases.exchange_s:.2f}, step {phases.step_s:.2f}, vote {phases.vote_s:.2f}); "
+                f"sent per node {statistics.mean(sent_bytes) / 1e6:.2f} MB; "
+                f"payloads received twice: {duplicates}"
+            )
+            if r > 0:
+                latencies += seconds
+                traffic += sent_bytes
+    finally:
+        for conn in conns:
+            conn.send("stop")
+        for proc in procs:
+            proc.join(timeout=30)
+
+    ours = statistics.mean(traffic)
+    ring = 2 * (n - 1) / n * 4 * d * h
+    simple = 2 * 4 * d * h
+    print()
+    print(
+        f"stage: {args.model} model, d = {d:,} parameters; {n} replicas; Δ {args.encoding} payload {payload / 1e6:.2f} MB"
+    )
+    print(
+        f"outer-round latency (finish_round, loopback, {n} replica processes, {args.threads} torch thread(s) each):"
+    )
+    print(
+        f"  median {statistics.median(latencies):.2f} s, min {min(latencies):.2f} s, max {max(latencies):.2f} s over {len(latencies)} calls"
+    )
+    print("sync traffic per node per round:")
+    print(
+        f"  ours, measured:                       {ours / 1e6:10.2f} MB  ({ours / payload:.2f} payloads; payload share {(n - 1) * payload / ours:.1%})"
+    )
+    print(
+        f"  data parallel, ring 2(n-1)/n*4d * H:  {ring / 1e6:10.2f} MB  (H={h})  -> {ring / ours:,.0f}x ours"
+    )
+    print(
+        f"  data parallel, 2*4d * H (large n):    {simple / 1e6:10.2f} MB  (H={h})  -> {simple / ours:,.0f}x ours"
+    )
+
+
+if __name__ == "__main__":
+    main()

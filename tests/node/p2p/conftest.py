@@ -1,0 +1,110 @@
+"""Shared pieces of the peer-network tests: wallets, a node state with a published snapshot, signed headers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from neuroshard.node.diloco import tensor_sha256
+from neuroshard.node.p2p.auth import NonceCache
+from neuroshard.node.p2p.codec import encode_delta, sha256_hex
+from neuroshard.node.p2p.peers import PeerTable
+from neuroshard.node.p2p.server import NodeState, ServerLimits
+from neuroshard.node.p2p.state import Snapshot
+from neuroshard.node.p2p.wire import ContributionHeader
+from neuroshard.node.wallet import Wallet
+
+NUMEL = 1000
+ROUND = 3
+
+
+@dataclass
+class Clock:
+    """A settable clock: tests move time instead of sleeping."""
+
+    now: float
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def wallets() -> list[Wallet]:
+    return [Wallet.from_token(f"p2p-test-wallet-{i}") for i in range(4)]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(time.time())
+
+
+def _snapshot(round_: int = ROUND, numel: int = NUMEL, seed: int = 0) -> Snapshot:
+    theta = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return Snapshot(
+        round=round_, theta=theta, momentum=None, theta_hash=tensor_sha256(theta), momentum_hash=""
+    )
+
+
+@pytest.fixture
+def make_node(clock: Clock) -> Callable[..., NodeState]:
+    def make(wallet: Wallet, *, stage: int = 0, snapshot: Snapshot | None = None, **limits: int) -> NodeState:
+        node = NodeState(
+            wallet=wallet,
+            stage=stage,
+            peers=PeerTable(own_wallet=wallet.public_key_hex, ttl_s=30.0, ban_after=3, ban_s=30.0),
+            nonces=NonceCache(60.0),
+            clock=clock,
+            limits=ServerLimits(**limits),
+            log=lambda line: None,
+        )
+        node.address = "127.0.0.1:1"
+        node.set_snapshot(snapshot or _snapshot())
+        return node
+
+    return make
+
+
+def _contribution(
+    wallet: Wallet,
+    *,
+    delta: torch.Tensor | None = None,
+    payload: bytes | None = None,
+    base_hash: str | None = None,
+    round_: int = ROUND,
+    stage: int = 0,
+    encoding: str = "int8",
+    numel: int = NUMEL,
+    seed: int = 1,
+) -> tuple[ContributionHeader, bytes]:
+    """A validly signed (header, payload) pair; override any part to make it wrong."""
+    if payload is None:
+        if delta is None:
+            delta = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-2
+        payload = encode_delta(delta, encoding)
+    header = ContributionHeader.create(
+        wallet,
+        stage=stage,
+        round=round_,
+        base_hash=base_hash or _snapshot().theta_hash,
+        tokens=1024,
+        encoding=encoding,
+        numel=numel,
+        payload_sha256=sha256_hex(payload),
+    )
+    return header, payload
+
+
+@pytest.fixture
+def make_snapshot() -> Callable[..., Snapshot]:
+    """Snapshot(round, θ (numel,) seeded, no momentum); the default is what `make_node` publishes."""
+    return _snapshot
+
+
+@pytest.fixture
+def make_contribution() -> Callable[..., tuple[ContributionHeader, bytes]]:
+    """A validly signed (header, payload) for the default node's round and base hash."""
+    return _contribution

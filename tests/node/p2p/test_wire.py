@@ -1,0 +1,121 @@
+"""Wire messages: strict schemas, canonical signatures, domain separation."""
+
+import json
+
+import pytest
+
+from neuroshard.node.p2p.wire import (
+    ContributionHeader,
+    Digest,
+    InvalidMessage,
+    MalformedMessage,
+    PeerList,
+    PeerRecord,
+    StateInfo,
+    canonical_json,
+)
+
+HASH = "ab" * 32
+
+
+def _header(wallet, **over):  # type: ignore[no-untyped-def]
+    values = dict(
+        stage=0, round=5, base_hash=HASH, tokens=100, encoding="int8", numel=10, payload_sha256=HASH
+    )
+    return ContributionHeader.create(wallet, **{**values, **over})
+
+
+def test_header_round_trips_and_verifies(wallets) -> None:
+    header = _header(wallets[0])
+    again = ContributionHeader.from_json(header.to_json())
+    assert again == header and again.signature_valid()
+    assert header.to_json() == canonical_json(json.loads(header.to_json()))
+
+
+def test_changed_field_breaks_the_signature(wallets) -> None:
+    obj = json.loads(_header(wallets[0]).to_json())
+    obj["tokens"] = 101
+    assert not ContributionHeader.from_obj(obj).signature_valid()
+
+
+def test_signature_of_one_message_type_does_not_pass_as_another(wallets) -> None:
+    record = PeerRecord.create(wallets[0], address="127.0.0.1:7000", stage=0, last_seen=1.0)
+    info = StateInfo.create(wallets[0], stage=0, round=1, theta_hash=HASH, momentum_hash="", numel=10)
+    assert record.signature_valid() and info.signature_valid()
+    # Same signer, different domains: swapping signatures between types fails.
+    swapped = StateInfo.from_obj({**json.loads(info.to_json()), "signature": record.signature})
+    assert not swapped.signature_valid()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (lambda o: o.update(extra=1), MalformedMessage, "unknown field(s) extra"),
+        (lambda o: o.pop("numel"), MalformedMessage, "missing field(s) numel"),
+        (lambda o: o.update(round="5"), MalformedMessage, "must be an integer"),
+        (lambda o: o.update(round=5.0), MalformedMessage, "must be an integer"),
+        (lambda o: o.update(round=True), MalformedMessage, "must be an integer"),
+        (lambda o: o.update(round=-1), InvalidMessage, "outside"),
+        (lambda o: o.update(stage=5000), InvalidMessage, "outside"),
+        (lambda o: o.update(numel=0), InvalidMessage, "outside"),
+        (lambda o: o.update(encoding="pickle"), InvalidMessage, "not one of fp16, int8"),
+        (lambda o: o.update(base_hash="AB" * 32), MalformedMessage, "lowercase hex"),
+        (lambda o: o.update(wallet="00"), MalformedMessage, "64 lowercase hex"),
+    ],
+)
+def test_header_schema_is_strict(wallets, mutate, error, message) -> None:
+    obj = json.loads(_header(wallets[0]).to_json())
+    mutate(obj)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ContributionHeader.from_obj(obj)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"a": 1, "a": 2}', "duplicate JSON key"),
+        (b'{"x": NaN}', "NaN is not allowed"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"[1, 2", "not JSON"),
+        (b"[]", "must be a JSON object"),
+    ],
+)
+def test_json_parsing_is_strict(raw, message) -> None:
+    with pytest.raises(MalformedMessage, match=message):
+        ContributionHeader.from_json(raw)
+
+
+@pytest.mark.parametrize("address", ["nohost", "h:0", "h:65536", "h:x", ":80", "a b:80", "h:-1"])
+def test_bad_addresses_are_refused(wallets, address) -> None:
+    with pytest.raises(InvalidMessage, match="host:port"):
+        PeerRecord.create(wallets[0], address=address, stage=0, last_seen=1.0)
+
+
+def test_addresses_accept_names_ipv4_ipv6(wallets) -> None:
+    for address in ("node.example.org:7420", "10.0.0.1:1", "[::1]:65535"):
+        assert PeerRecord.create(wallets[0], address=address, stage=0, last_seen=1.0).signature_valid()
+
+
+def test_digest_cross_field_rules(wallets) -> None:
+    entry = _header(wallets[1])
+    base = dict(
+        stage=0, round=5, current_round=5, current_hash=HASH, closed=False, aggregated=(), entries=(entry,)
+    )
+    assert Digest.create(wallets[0], **base).signature_valid()
+    with pytest.raises(InvalidMessage, match="holds a header for stage 0 round 6"):
+        Digest.create(wallets[0], **{**base, "entries": (_header(wallets[1], round=6),)})
+    with pytest.raises(InvalidMessage, match="only set once the round is closed"):
+        Digest.create(wallets[0], **{**base, "aggregated": (wallets[1].public_key_hex,)})
+    three = tuple(_header(wallets[1], tokens=t) for t in (1, 2, 3))
+    with pytest.raises(InvalidMessage, match="more than two headers"):
+        Digest.create(wallets[0], **{**base, "entries": three})
+
+
+def test_peer_list_nests_records_strictly(wallets) -> None:
+    record = PeerRecord.create(wallets[0], address="127.0.0.1:7000", stage=0, last_seen=1.0)
+    listed = PeerList.from_json(PeerList(peers=(record,)).to_json())
+    assert listed.peers == (record,)
+    bad = json.loads(PeerList(peers=(record,)).to_json())
+    bad["peers"][0]["stage"] = "0"
+    with pytest.raises(MalformedMessage, match=r"peer list.peers\[0\].stage must be an integer"):
+        PeerList.from_obj(bad)
