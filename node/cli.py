@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
@@ -29,6 +30,7 @@ from neuroshard.data import (
 from neuroshard.data.dataset import open_remote_dataset, remote_updates
 from neuroshard.data.fetch import FetchConfig
 
+from . import aggregation
 from .checkpoint import CheckpointMismatch
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
@@ -173,6 +175,7 @@ def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Eve
         log=_log,
         tokens_per_step=args.batch_size * args.seq_len,
         stop=stop,
+        aggregate=partial(aggregation.aggregate, "default"),
     )
     network.start()
     return network
