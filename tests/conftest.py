@@ -1,5 +1,9 @@
-"""Shared pytest set-up: a deliberate thread count and a small signed data set."""
+"""Shared pytest set-up: a deliberate thread count, a small signed data set, and database URLs.
 
+Tests that take `database_url` run on SQLite and, when NEUROSHARD_TEST_DATABASE_URL is set
+(CI sets it), again on a fresh schema of that PostgreSQL."""
+
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +16,7 @@ from tests_support import small_corpus
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.tokenizer import BPETokenizer
+from neuroshard.verifier.testing import TestDatabases, database_backends, scratch_database
 
 # The CI machine has 2 cores; one thread per test process keeps results reproducible
 # (reduction order inside matmul kernels depends on the thread count).
@@ -39,3 +44,23 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PublishedDat
     key = SigningKey(bytes(range(32)))
     publish_shards(docs, out=directory, key=key, shard_tokens=20_000)
     yield PublishedData(directory, key, open_dataset(directory, bytes(key.verify_key)))
+
+
+@pytest.fixture(scope="session")
+def test_databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestDatabases]:
+    databases = TestDatabases(tmp_path_factory.mktemp("databases"), os.environ)
+    yield databases
+    databases.close()
+
+
+@pytest.fixture(params=database_backends(os.environ))
+def database_url(request: pytest.FixtureRequest, test_databases: TestDatabases) -> str:
+    """A clean database already at Alembic head."""
+    return test_databases.clean(request.param)
+
+
+@pytest.fixture(params=database_backends(os.environ))
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database with no tables at all (for migration tests)."""
+    with scratch_database(request.param, tmp_path, os.environ) as url:
+        yield url
