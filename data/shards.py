@@ -99,8 +99,16 @@ class DataPosition:
     offset: int = 0
     """Sequences already read from the current shard (an index into its window permutation)."""
 
-    def to_dict(self) -> dict[str, int]:
-        return {"order_index": self.order_index, "offset": self.offset}
+    @classmethod
+    def of_shard(cls, order: list[int], shard_id: int, offset: int) -> DataPosition:
+        """The position of `shard_id` at `offset` in `order`, or the order's start if the shard left it.
+
+        Positions are saved by shard id, not order index: a newer manifest (more shards)
+        gives the node a different order, and the index would then name another shard.
+        """
+        if shard_id in order:
+            return cls(order_index=order.index(shard_id), offset=offset)
+        return cls()
 
 
 def window_order(seed: str, shard_id: int, num_windows: int) -> torch.Tensor:
@@ -167,17 +175,18 @@ class BatchStream:
     def shard_id(self) -> int:
         return self._order[self.position.order_index % len(self._order)]
 
+    def saved_position(self) -> dict[str, int]:
+        """What a checkpoint keeps: the current shard's id and the offset in it."""
+        return {"shard_id": self.shard_id, "offset": self.position.offset}
+
     def update(self, source: ShardSource, manifest: Manifest, order: list[int]) -> None:
         """Switch to a newer manifest, staying on the current shard at the same offset."""
         current = self.shard_id
         self._source, self._manifest, self._order = source, manifest, order
-        if current in order:
-            index = order.index(current)
-            self.position = DataPosition(order_index=index, offset=self.position.offset)
-            if self._loaded is not None:
-                self._loaded = (index, self._loaded[1], self._loaded[2])
+        self.position = DataPosition.of_shard(order, current, self.position.offset)
+        if self._loaded is not None and current in order:
+            self._loaded = (self.position.order_index, self._loaded[1], self._loaded[2])
         else:
-            self.position = DataPosition()
             self._loaded = None
 
     def rotate(self) -> None:

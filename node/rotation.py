@@ -13,6 +13,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import fmean, variance
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -44,6 +45,16 @@ class PlateauDetector:
         """Call when the node starts a new shard."""
         self._losses.clear()
         self._steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Steps on the current shard and the recent losses: checkpointed so a resume rotates when
+        an uninterrupted run would."""
+        return {"steps": self._steps, "losses": list(self._losses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._steps = int(state["steps"])
+        self._losses.clear()
+        self._losses.extend(float(x) for x in state["losses"])
 
     def observe(self, loss: float) -> bool:
         """Record one step's loss; True when the node should rotate to its next shard now."""

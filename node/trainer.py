@@ -104,20 +104,24 @@ class Trainer:
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
         self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, 1)
         self.diloco = DiLoCo(self.model, diloco_config)
+        order = assign_shards(wallet_id, dataset.manifest)
         position = DataPosition()
+        self._plateau = PlateauDetector(config.rotation)
         if state is not None:
             self.model.load_state_dict(state["model"])
             self.diloco.load_state_dict(state["diloco"])
-            position = DataPosition(**state["data_position"])
+            saved = state["data_position"]
+            position = DataPosition.of_shard(order, int(saved["shard_id"]), int(saved["offset"]))
+            self._plateau.load_state_dict(state["plateau"])
             self._log(
                 f"resumed from {self.checkpoint_file} at step={self.diloco.step} round={self.diloco.round} "
-                f"(shard order index {position.order_index}, offset {position.offset})"
+                f"(shard {saved['shard_id']}, offset {position.offset})"
             )
         self._grow_vocab(model_config.vocab_size)
         self.batches = BatchStream(
             source=dataset.source,
             manifest=dataset.manifest,
-            order=assign_shards(wallet_id, dataset.manifest),
+            order=order,
             seed=wallet_id,
             batch_size=config.batch_size,
             seq_len=config.seq_len,
@@ -126,7 +130,6 @@ class Trainer:
                 f"skipping shard {shard_id}: {reason}; moving to the next shard"
             ),
         )
-        self._plateau = PlateauDetector(config.rotation)
 
     def set_round_finisher(self, finish_round: RoundFinisher) -> None:
         """Who completes each round from now on (the peer network, once it is up)."""
@@ -179,7 +182,8 @@ class Trainer:
             # The model's tensors are live; clone them so the background write sees this step's values.
             "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
             "diloco": self.diloco.state_dict(),  # already a snapshot
-            "data_position": self.batches.position.to_dict(),
+            "data_position": self.batches.saved_position(),
+            "plateau": self._plateau.state_dict(),
             "vocab_size": self.model.config.vocab_size,
         }
         self._writer.submit(self.checkpoint_file, self.identity, state)

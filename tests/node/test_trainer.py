@@ -9,11 +9,12 @@ import pytest
 import torch
 from tests_support import small_corpus
 
-from neuroshard.data import open_dataset
+from neuroshard.data import assign_shards, open_dataset
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.node.checkpoint import CheckpointMismatch
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.tokenizer import BPETokenizer
 
@@ -122,3 +123,48 @@ def test_checkpoint_from_a_foreign_tokenizer_is_refused(published, tmp_path: Pat
     foreign = open_dataset(directory, bytes(published.key.verify_key))
     with pytest.raises(CheckpointMismatch, match="tokenizer_sha256"):
         _trainer_on(foreign, tmp_path / "ck", 4, [])
+
+
+def test_resume_is_exact_when_the_plateau_test_rotates(published, tmp_path: Path) -> None:
+    """The plateau detector's window is checkpointed, so a resumed run rotates where a straight one does."""
+    rotation = RotationConfig(min_steps=4, window=2, z=10.0)
+
+    def trainer(directory: Path, max_steps: int, lines: list[str] | None = None) -> Trainer:
+        return Trainer(
+            wallet_id="feedface",
+            dataset=published.dataset,
+            model_config=MODEL,
+            diloco_config=DILOCO,
+            config=TrainerConfig(
+                batch_size=2,
+                seq_len=32,
+                max_steps=max_steps,
+                checkpoint_every=4,
+                log_every=1,
+                rotation=rotation,
+            ),
+            checkpoint_dir=directory,
+            log=[].append if lines is None else lines.append,
+        )
+
+    lines: list[str] = []
+    straight = trainer(tmp_path / "a", 30, lines)
+    full = straight.run(threading.Event())
+    trainer(tmp_path / "b", 13).run(threading.Event())
+    resumed = trainer(tmp_path / "b", 30)
+    rest = resumed.run(threading.Event())
+    assert rest.losses == full.losses[13:]
+    assert resumed.batches.position == straight.batches.position
+    assert sum("rotating to the next shard" in line for line in lines) >= 3
+
+
+def test_restart_after_a_new_publish_resumes_on_the_same_shard(published, tmp_path: Path) -> None:
+    first = _trainer_on(published.dataset, tmp_path / "ck", 10, [])
+    first.run(threading.Event())
+    shard, offset = first.batches.shard_id, first.batches.position.offset
+    extended = _extended_copy(published, tmp_path)  # more shards: the node's order changes
+    assert assign_shards("feedface", extended.manifest) != assign_shards(
+        "feedface", published.dataset.manifest
+    )
+    second = _trainer_on(extended, tmp_path / "ck", 12, [])
+    assert (second.batches.shard_id, second.batches.position.offset) == (shard, offset)
