@@ -85,21 +85,25 @@ def _remote_tokenizer(source: HttpShardSource, manifest: Manifest) -> BPETokeniz
 def remote_updates(dataset: Dataset, log: Callable[[str], None]) -> Callable[[], Dataset | None]:
     """For the trainer: at each round boundary, a Dataset for the newest accepted manifest, or None.
 
-    A manifest whose tokenizer cannot be fetched and verified is logged and skipped; the
-    one in force stays.
+    A manifest whose tokenizer cannot be fetched and verified yet is logged and tried again
+    at the next poll (the watcher hands each version over only once); the one in force
+    stays meanwhile.
     """
     source = dataset.source
     if not isinstance(source, HttpShardSource):
         raise TypeError("remote_updates needs a data set opened with open_remote_dataset")
 
+    pending: list[Manifest] = []  # a newer manifest whose tokenizer could not be fetched yet
+
     def poll() -> Dataset | None:
-        manifest = source.newer_manifest()
+        manifest = source.newer_manifest() or (pending.pop() if pending else None)
         if manifest is None:
             return None
         try:
             tokenizer = _remote_tokenizer(source, manifest)
         except (ManifestError, ValueError) as exc:
-            log(f"manifest version {manifest.version} not taken: {exc}")
+            log(f"manifest version {manifest.version} not taken yet: {exc}; trying again next round")
+            pending.append(manifest)
             return None
         source.vocab_size = tokenizer.vocab_size
         return Dataset(location=dataset.location, manifest=manifest, tokenizer=tokenizer, source=source)

@@ -7,6 +7,7 @@ the operator who publishes the data set. Nodes only ever see the public key.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from nacl.exceptions import BadSignatureError
@@ -32,12 +33,21 @@ def load_or_create_signing_key(path: Path) -> tuple[SigningKey, bool]:
         return SigningKey(seed), False
     path.parent.mkdir(parents=True, exist_ok=True)
     key = SigningKey.generate()
-    # O_EXCL: never overwrite a key another process created meanwhile.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(bytes(key).hex() + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    # Written whole to a private temp file (mkstemp: mode 0600), then hard-linked into place:
+    # the link is atomic and fails if another process created the key meanwhile, so the key
+    # file is never half-written and never overwritten.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(bytes(key).hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return load_or_create_signing_key(path)
+    finally:
+        os.unlink(tmp)
     return key, True
 
 

@@ -141,13 +141,23 @@ def sign_manifest(manifest: Manifest, key: SigningKey) -> bytes:
     return key.sign(manifest.to_bytes()).signature.hex().encode("ascii")
 
 
+MAX_SIGNATURE_LINES = 4
+
+
 def verify_manifest(raw: bytes, signature_hex: bytes, publisher_key: bytes, source: str) -> Manifest:
-    """Parse `raw` only if `signature_hex` is the pinned publisher's signature over it."""
+    """Parse `raw` only if a line of `signature_hex` is the pinned publisher's signature over it.
+
+    The signature file holds one hex signature per line: the publisher writes the new
+    manifest's signature and the one in force before it, then the new manifest. A reader
+    between the two writes (or after a publish that died between them) still finds a line
+    that verifies the manifest it sees.
+    """
     try:
-        signature = bytes.fromhex(signature_hex.decode("ascii").strip())
+        lines = signature_hex.decode("ascii").split()
+        signatures = [bytes.fromhex(line) for line in lines[:MAX_SIGNATURE_LINES]]
     except (ValueError, UnicodeDecodeError):
         raise ManifestError(f"{source}: signature file is not hex") from None
-    if not signature_is_valid(publisher_key, raw, signature):
+    if not any(signature_is_valid(publisher_key, raw, s) for s in signatures):
         raise ManifestError(
             f"{source}: signature does not verify against the pinned publisher key {publisher_key.hex()[:16]}…"
         )

@@ -149,10 +149,15 @@ def publish_shards(
         tokenizers=lineage,
         shards=(*(previous.shards if previous else ()), *new_shards),
     )
-    # Signature first, manifest last: a reader that catches the moment between the two sees
-    # a signature that does not match, refuses, and tries again later; it never sees a
-    # manifest naming a shard that is not there.
-    store.put_bytes(SIGNATURE_NAME, sign_manifest(manifest, key) + b"\n")
+    # Signatures first (the new manifest's and the one in force), manifest last: whatever a
+    # reader sees — before, between or after the two writes, or after a publish that died
+    # between them — a line of manifest.json.sig verifies it, and no manifest ever names a
+    # shard that is not stored.
+    in_force = store.get_bytes(MANIFEST_NAME) if previous else None
+    signatures = sign_manifest(manifest, key) + b"\n"
+    if in_force is not None:
+        signatures += key.sign(in_force).signature.hex().encode("ascii") + b"\n"
+    store.put_bytes(SIGNATURE_NAME, signatures)
     store.put_bytes(MANIFEST_NAME, manifest.to_bytes())
     return manifest
 

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = trainer.run(stop)
-    except ShardError as exc:
+    except (ShardError, OSError) as exc:  # OSError: a checkpoint that cannot be written (disk full, …)
         return _fail(str(exc))
     finally:
         trainer.dataset.source.close()

@@ -34,9 +34,9 @@ def ensure_default_dataset(home: Path, log: Callable[[str], None]) -> Dataset:
     """Open `home/data/default`, building it first if it is not there. Safe against concurrent nodes."""
     directory = home / "data" / "default"
     directory.mkdir(parents=True, exist_ok=True)
-    key, _ = load_or_create_signing_key(home / "publisher.key")
     with (directory / ".build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second node waits here until the first has built the set
+        key, _ = load_or_create_signing_key(home / "publisher.key")
         if not (directory / MANIFEST_NAME).exists():
             _build(directory, key, log)
     return open_dataset(directory, bytes(key.verify_key))

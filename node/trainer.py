@@ -99,6 +99,7 @@ class Trainer:
         self.wallet_id = wallet_id
         self.dataset = dataset
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)  # an unusable directory fails now, not 50 steps in
         self._writer = CheckpointWriter()
         state = None if fresh else self._load_state(model_config)
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size

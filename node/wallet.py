@@ -98,6 +98,8 @@ def resolve_token(flag_token: str | None, token_file: Path | None, env: dict[str
             text = token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise TokenError(f"cannot read token file {token_file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise TokenError(f"token file {token_file} is not UTF-8 text") from None
         if not text:
             raise TokenError(f"token file {token_file} is empty")
         _refuse_if_readable_by_others(token_file)

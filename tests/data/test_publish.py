@@ -13,6 +13,7 @@ from tests_support import small_corpus
 
 from neuroshard.data import open_dataset, read_manifest
 from neuroshard.data.files import file_sha256
+from neuroshard.data.manifest import MANIFEST_NAME
 from neuroshard.data.publish import TOKENIZER_NAME, PublishProgress, publish_shards, shard_bytes
 from neuroshard.data.storage import LocalStore
 from neuroshard.tokenizer import BPETokenizer
@@ -113,3 +114,21 @@ def test_a_crashed_local_publish_resumes_without_rewriting_stored_shards(publish
     assert progress[-1].shards_skipped == len(inodes)
     assert progress[-1].shards_done == progress[-1].shards_total == manifest.total_shards > len(inodes)
     assert open_dataset(out, bytes(published.key.verify_key)).manifest == manifest
+
+
+def test_a_publish_that_dies_between_signature_and_manifest_leaves_a_readable_data_set(
+    copy: Path, published
+) -> None:
+    class DiesOnManifest(LocalStore):
+        def put_bytes(self, name: str, data: bytes, *, immutable: bool = False) -> None:
+            if name == MANIFEST_NAME:
+                raise OSError("connection reset while writing the manifest")
+            super().put_bytes(name, data, immutable=immutable)
+
+    before = read_manifest(copy, bytes(published.key.verify_key))
+    with pytest.raises(OSError, match="connection reset"):
+        publish_shards(small_corpus(60_000), out=DiesOnManifest(copy), key=published.key, shard_tokens=5_000)
+    assert read_manifest(copy, bytes(published.key.verify_key)) == before  # nodes still start
+    after = publish_shards(small_corpus(60_000), out=copy, key=published.key, shard_tokens=5_000)
+    assert after.version == before.version + 1
+    assert read_manifest(copy, bytes(published.key.verify_key)) == after

@@ -128,3 +128,16 @@ def test_sigterm_stops_cleanly_with_a_checkpoint(published, tmp_path: Path) -> N
     assert stopped, rest
     out = _run([*args[:-2], "--max-steps", stopped.group(1)], NEUROSHARD_TOKEN=TOKEN)
     assert f"at step={stopped.group(1)}" in out.stdout
+
+
+def test_unusable_checkpoint_dir_and_binary_token_file_give_one_line(published, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = _run([*_args(published, tmp_path, "--max-steps", "2"), "--checkpoint-dir", str(blocker / "ck")],
+               NEUROSHARD_TOKEN=TOKEN)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"\xff\xfe\x00binary")
+    token_file.chmod(0o600)
+    out = _run([NODE, "--home", str(tmp_path), "--token-file", str(token_file)])
+    assert out.returncode == 2 and "is not UTF-8 text" in out.stderr and "Traceback" not in out.stderr
