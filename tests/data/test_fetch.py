@@ -505,3 +505,43 @@ def test_config_rejects_nonsense_with_the_value() -> None:
         HttpShardSource("ftp://x", Path("/nonexistent"), 512, config=FAST, log=print)
     info = ShardInfo(id=0, file="shard_0.pt", sha256="", tokens=10, tokenizer_sha256="")
     assert FetchConfig().max_shard_bytes(info) == 40 + (1 << 16)
+
+
+def test_a_newer_manifest_whose_tokenizer_is_not_there_yet_is_taken_once_it_is(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    """The watcher hands each version over once; the node keeps it until its tokenizer can be fetched."""
+    from neuroshard.data.dataset import open_remote_dataset, remote_updates
+    from neuroshard.data.manifest import TokenizerInfo
+    from neuroshard.tokenizer import BPETokenizer
+
+    current = published.dataset.manifest
+    grown = published.dataset.tokenizer.extend(["the lazy dog jumps " * 50], 8)
+    info = TokenizerInfo(
+        file=f"tokenizers/{grown.sha256}.json", sha256=grown.sha256, next_merge_id=grown.next_merge_id
+    )
+    newer = replace(current, version=current.version + 1, tokenizers=(*current.tokenizers, info))
+    log = Lines()
+    dataset = open_remote_dataset(
+        server.url,
+        bytes(published.key.verify_key),
+        tmp_path,
+        config=replace(FAST, manifest_refresh_s=0.05),
+        log=log,
+    )
+    try:
+        poll = remote_updates(dataset, log)
+        server.overrides[MANIFEST_NAME] = newer.to_bytes()
+        server.overrides[SIGNATURE_NAME] = sign_manifest(newer, published.key)
+        deadline = 0
+        while not any("manifest version 2 accepted" in line for line in log) and deadline < 200:
+            threading.Event().wait(0.05)
+            deadline += 1
+        assert poll() is None and any("not taken yet" in line for line in log)
+        server.overrides[info.file] = grown.to_bytes()
+        taken = poll()
+        assert taken is not None and taken.manifest.version == 2
+        assert isinstance(taken.tokenizer, BPETokenizer) and taken.tokenizer.vocab_size == grown.vocab_size
+        assert poll() is None
+    finally:
+        dataset.source.close()
