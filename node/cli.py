@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             network.stop()
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(f"{how} at step={result.steps} round={result.rounds}; checkpoint {trainer.checkpoint_file}")
+    _log(
+        f"compute utilisation={result.utilisation:.3f} "
+        f"({result.inner_seconds:.1f} s of {result.wall_seconds:.1f} s wall in inner steps)"
+    )
     return 0
 
 

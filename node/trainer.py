@@ -63,6 +63,15 @@ class TrainResult:
     rounds: int
     stopped_by_signal: bool
     losses: list[float] = field(default_factory=list)
+    inner_seconds: float = 0.0
+    """Time spent in inner steps (forward, backward, optimizer) during this run."""
+    wall_seconds: float = 0.0
+    """Wall time of this run, rounds and checkpoints included."""
+
+    @property
+    def utilisation(self) -> float:
+        """Share of the run's wall time spent computing inner steps (DiLoCo's point: close to 1)."""
+        return self.inner_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 DatasetUpdates = Callable[[], Dataset | None]
@@ -202,7 +211,7 @@ class Trainer:
         cfg = self.config
         result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
         window: list[float] = []
-        window_start = time.perf_counter()
+        window_start = run_start = time.perf_counter()
         while cfg.max_steps is None or self.diloco.step < cfg.max_steps:
             if stop.is_set():
                 result.stopped_by_signal = True
@@ -211,7 +220,9 @@ class Trainer:
             inputs, labels = self.batches.next_batch()
             if self.batches.shard_id != shard_before:
                 self._plateau.reset()
+            step_start = time.perf_counter()
             loss = self.diloco.inner_step(inputs, labels)
+            result.inner_seconds += time.perf_counter() - step_start
             if self._plateau.observe(loss):
                 self._log(f"loss plateaued on shard {self.batches.shard_id}; rotating to the next shard")
                 self.batches.rotate()
@@ -234,4 +245,5 @@ class Trainer:
                 window_start = time.perf_counter()
         self.save()
         result.steps, result.rounds = self.diloco.step, self.diloco.round
+        result.wall_seconds = time.perf_counter() - run_start
         return result
