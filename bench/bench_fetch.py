@@ -2,7 +2,12 @@
 
 A loopback aiohttp static server (its own process, so it does not share our GIL) serves
 two data sets: the shards `bench_dataset` builds from austen.txt (a few MB), and a
-synthetic set of larger shards for stable numbers. Ours is `HttpShardSource.fetch` from
+synthetic set of larger shards for stable numbers. With `--link-mbps R` the server also
+paces its sends to R megabits per second (a token bucket over 64 KiB writes) and both
+clients are measured again behind that link: unpaced, loopback is limited only by the
+client's CPU, which is where sha256 costs; a node's real link to a CDN is not.
+
+Ours is `HttpShardSource.fetch` from
 a cold cache, one shard after another: streaming download with sha256 on the fly, fsync
 and atomic rename into the cache, then `load_shard` (which hashes the file again before
 `torch.load`) — everything a node pays before training on a shard. The baseline streams
@@ -10,6 +15,7 @@ each file into a file with aiohttp and checks nothing. Runs alternate (ours, pla
 and medians are reported, so drift in machine speed hits both alike.
 
     .venv/bin/python bench/bench_fetch.py [--repeats 7] [--synthetic-shards 8] [--synthetic-tokens 4000000]
+        [--link-mbps 1000]
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -66,12 +72,43 @@ def synthetic_set(shards: int, tokens: int, vocab_size: int = 4096) -> ShardSet:
     return ShardSet("synthetic", directory, tuple(infos), vocab_size)
 
 
-def serve(root: str, conn: Connection) -> None:
+PACE_CHUNK = 1 << 16
+"""Bytes per paced write: small enough that the rate is smooth at the measured time scales."""
+
+
+def paced_handler(root: Path, bytes_per_s: float) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Serve files under `root` no faster than `bytes_per_s` (a token bucket per response)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        path = (root / request.match_info["name"]).resolve()
+        if path.parent != root.resolve() or not path.is_file():
+            raise web.HTTPNotFound()
+        response = web.StreamResponse(headers={"Content-Length": str(path.stat().st_size)})
+        await response.prepare(request)
+        loop = asyncio.get_running_loop()
+        start, sent = loop.time(), 0
+        with path.open("rb") as f:
+            while chunk := f.read(PACE_CHUNK):
+                await response.write(chunk)
+                sent += len(chunk)
+                ahead = sent / bytes_per_s - (loop.time() - start)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+        await response.write_eof()
+        return response
+
+    return handle
+
+
+def serve(root: str, link_mbps: float | None, conn: Connection) -> None:
     """The static server process: sends its URL down `conn`, then serves until killed."""
 
     async def run() -> None:
         app = web.Application()
-        app.router.add_static("/", root)
+        if link_mbps is None:
+            app.router.add_static("/", root)
+        else:
+            app.router.add_get("/{name}", paced_handler(Path(root), link_mbps * 1e6 / 8))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -143,11 +180,13 @@ RUNNERS: dict[str, Callable[[str, ShardSet, FetchConfig], Run]] = {
 }
 
 
-def measure(shard_set: ShardSet, repeats: int, config: FetchConfig) -> dict[str, list[Run]]:
+def measure(
+    shard_set: ShardSet, repeats: int, config: FetchConfig, link_mbps: float | None = None
+) -> dict[str, list[Run]]:
     """`repeats` runs of each runner against one server process, interleaved."""
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    server = context.Process(target=serve, args=(str(shard_set.directory), sender), daemon=True)
+    server = context.Process(target=serve, args=(str(shard_set.directory), link_mbps, sender), daemon=True)
     server.start()
     try:
         url = receiver.recv()
@@ -162,9 +201,10 @@ def measure(shard_set: ShardSet, repeats: int, config: FetchConfig) -> dict[str,
         server.join()
 
 
-def report(shard_set: ShardSet, runs: dict[str, list[Run]]) -> None:
+def report(shard_set: ShardSet, runs: dict[str, list[Run]], link_mbps: float | None = None) -> None:
     megabytes = shard_set.total_bytes / 1e6
-    print(f"\n{shard_set.name}: {len(shard_set.shards)} shards, {megabytes:.1f} MB")
+    link = "unpaced loopback" if link_mbps is None else f"loopback paced to {link_mbps:g} Mbit/s"
+    print(f"\n{shard_set.name}: {len(shard_set.shards)} shards, {megabytes:.1f} MB, {link}")
     print(f"  {'':<14} {'median MB/s':>11} {'CPU ns/byte':>11}   MB/s of each repeat")
     for name, series in runs.items():
         rates = [megabytes / r.seconds for r in series]
@@ -190,6 +230,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--synthetic-shards", type=int, default=8)
     parser.add_argument("--synthetic-tokens", type=int, default=4_000_000, help="tokens per synthetic shard")
+    parser.add_argument(
+        "--link-mbps",
+        type=float,
+        default=1000.0,
+        help="also measure behind a server paced to this many Mbit/s (0: skip); 1000 = a fast home fibre link",
+    )
     args = parser.parse_args()
 
     dataset = bench_dataset(args.text, vocab_size=args.vocab)
@@ -201,6 +247,9 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")
     for shard_set in sets:
         report(shard_set, measure(shard_set, args.repeats, FetchConfig()))
+    if args.link_mbps > 0:
+        paced = sets[-1]
+        report(paced, measure(paced, args.repeats, FetchConfig(), args.link_mbps), args.link_mbps)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
