@@ -558,7 +558,10 @@ class HttpShardSource:
                 )
                 self._cache.commit(partial, info.file)
             except BaseException:
-                partial.discard()
+                # What arrived is a prefix that passed every check so far (a corrupt body resets
+                # it to zero): keep it, so the next attempt — in this run or after a restart —
+                # asks only for the rest.
+                self._cache.keep(partial)
                 raise
         except _GaveUp as exc:
             raise ShardError(f"shard {info.id}: not fetched, {exc}") from None
@@ -631,7 +634,7 @@ class HttpShardSource:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Cancel downloads under way (their partial files are deleted), close the session, stop the thread."""
+        """Cancel downloads under way (their partial files stay for the next run), close the session, stop the thread."""
         if self._closed:
             return
         self._closed = True  # first, so no prefetch slips in behind the shutdown

@@ -372,15 +372,89 @@ def test_cache_survives_a_restart_and_is_reverified_on_use(
     raw = bytearray((tmp_path / s1.file).read_bytes())
     raw[-5] ^= 0xFF  # damage on disk while the node was down
     (tmp_path / s1.file).write_bytes(bytes(raw))
-    (tmp_path / ".shard_7.pt.part").write_bytes(b"half")
     log = Lines()
     with _source(server, published, tmp_path, log) as source:
         assert source.cache.names() == [s0.file, s1.file]
-        assert not (tmp_path / ".shard_7.pt.part").exists()
         assert torch.equal(source.fetch(s0), _local(published, s0))
         assert torch.equal(source.fetch(s1), _local(published, s1))
     assert [server.count(s.file) for s in (s0, s1)] == [1, 2]
     assert log.having("shard 1: the cached copy failed verification")
+
+
+def _leave_partial(cache: Path, info: ShardInfo, body: bytes) -> Path:
+    """What a node stopped half-way through downloading `info` leaves in its cache."""
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f".{info.file}.part"
+    path.write_bytes(body)
+    return path
+
+
+def test_a_partial_download_left_by_an_earlier_run_is_resumed_with_a_range_request(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    info = published.dataset.manifest.shards[1]
+    body = (published.directory / info.file).read_bytes()
+    partial = _leave_partial(tmp_path, info, body[: len(body) // 3])
+    log = Lines()
+    with _source(server, published, tmp_path, log) as source:
+        assert torch.equal(source.fetch(info), _local(published, info))
+        assert source.stats.rejected == 0
+    assert server.ranges(info.file) == [f"bytes={len(body) // 3}-"]
+    assert log.having(f"resuming the partial download an earlier run left ({len(body) // 3:,} bytes)")
+    assert not partial.exists() and (tmp_path / info.file).read_bytes() == body
+
+
+def test_a_torn_partial_from_an_earlier_run_fails_the_hash_and_is_fetched_whole(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    info = published.dataset.manifest.shards[1]
+    body = (published.directory / info.file).read_bytes()
+    torn = bytearray(body[: len(body) // 2])
+    torn[100:200] = bytes(100)  # a crash left zeros where data should be
+    _leave_partial(tmp_path, info, bytes(torn))
+    loaded: list[int] = []
+    with _source(server, published, tmp_path, Lines()) as source:
+        real_load = source._load
+
+        def spy(shard: ShardInfo, trusted: bool) -> torch.Tensor:
+            loaded.append(shard.id)
+            return real_load(shard, trusted)
+
+        source._load = spy  # type: ignore[method-assign]
+        assert torch.equal(source.fetch(info), _local(published, info))
+        assert source.stats.rejected == 1
+    assert server.ranges(info.file) == [f"bytes={len(body) // 2}-", None]
+    assert loaded == [info.id]  # loaded once, after the whole body verified
+
+
+def test_a_download_that_gives_up_keeps_its_bytes_for_the_next_run(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    info = published.dataset.manifest.shards[1]
+    size = (published.directory / info.file).stat().st_size
+    server.faults.drop_halfway[info.file] = 1
+    with (
+        _source(server, published, tmp_path, Lines(), retries=0, progress_bytes=1 << 40) as source,
+        pytest.raises(ShardError, match="not fetched"),
+    ):
+        source.fetch(info)
+    assert (tmp_path / f".{info.file}.part").stat().st_size == size // 2
+    with _source(server, published, tmp_path, Lines()) as source:  # the node restarts
+        assert torch.equal(source.fetch(info), _local(published, info))
+    assert server.ranges(info.file) == [None, f"bytes={size // 2}-"]
+
+
+def test_partials_an_earlier_run_left_are_evicted_first_when_the_cache_is_full(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    s0, s1 = published.dataset.manifest.shards[:2]
+    body = (published.directory / s1.file).read_bytes()
+    partial = _leave_partial(tmp_path, s1, body[: len(body) // 2])
+    cap = (published.directory / s0.file).stat().st_size + 10
+    with _source(server, published, tmp_path, Lines(), cache_bytes=cap) as source:
+        assert torch.equal(source.fetch(s0), _local(published, s0))
+        assert source.cache.names() == [s0.file]
+    assert not partial.exists()
 
 
 def test_a_cached_file_written_to_after_download_is_hashed_again(
