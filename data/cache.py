@@ -20,6 +20,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 PARTIAL_SUFFIX = ".part"
 SHARD_SUFFIX = ".pt"
@@ -45,6 +46,7 @@ class PartialFile:
         self.path = path
         self._hash = hashlib.sha256()
         self.size = 0
+        self._file: BinaryIO
         if resume and path.is_file():
             self._file = path.open("r+b")
             while block := self._file.read(RESUME_READ_BYTES):
