@@ -59,6 +59,7 @@ class FileServer:
         self.faults = Faults()
         self.overrides: dict[str, bytes] = {}
         self.requests: list[tuple[str, str | None]] = []  # (file, Range header)
+        self.not_modified: list[str] = []  # files answered 304 to an If-None-Match
         self.requested: dict[str, threading.Event] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -107,6 +108,10 @@ class FileServer:
             if not path.is_file():
                 return web.Response(status=404)
             body = path.read_bytes()
+        etag = f'"{hashlib.sha256(body).hexdigest()[:32]}"'
+        if request.headers.get("If-None-Match") == etag:
+            self.not_modified.append(name)
+            return web.Response(status=304, headers={"ETag": etag})
         if Faults.take(self.faults.corrupt, name):
             body = body[:1000] + bytes([body[1000] ^ 0xFF]) + body[1001:]
         start = _range_start(request.headers.get("Range"))
@@ -119,6 +124,7 @@ class FileServer:
         response = web.StreamResponse(status=status)
         response.content_length = len(body) - start
         response.content_type = "application/octet-stream"
+        response.headers["ETag"] = etag
         if status == 206:
             response.headers["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
         await response.prepare(request)
@@ -539,6 +545,27 @@ def test_manifest_with_a_bad_signature_is_refused_and_a_newer_valid_one_accepted
         assert log.having(f"the server has version {newer.version}, ours is {newer.version + 1}")
     with pytest.raises(ManifestError, match="does not verify"):
         fetch_manifest(server.url, bytes(SigningKey(bytes(32)).verify_key), config=FAST)
+
+
+def test_manifest_polls_are_conditional_and_a_304_is_judged_like_the_same_bytes(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    current = published.dataset.manifest
+    newer = replace(current, version=current.version + 1, shards=current.shards[:-1])
+    log = Lines()
+    with _source(server, published, tmp_path, log) as source:
+        assert source.refresh_manifest(current) is None  # downloaded whole, verified, ETag kept
+        assert source.refresh_manifest(current) is None  # 304: nothing downloaded
+        assert server.not_modified == [MANIFEST_NAME] and source.stats.manifest_not_modified == 1
+        server.overrides[MANIFEST_NAME] = newer.to_bytes()
+        server.overrides[SIGNATURE_NAME] = sign_manifest(newer, published.key)
+        assert source.refresh_manifest(current) == newer  # new bytes, new ETag: fetched whole
+        # The caller has not switched yet: a 304 now still means "the server has `newer`".
+        assert source.refresh_manifest(current) == newer
+        assert source.refresh_manifest(newer) is None
+        assert server.not_modified == [MANIFEST_NAME] * 3
+        assert source.refresh_manifest(replace(newer, version=newer.version + 1)) is None  # rollback
+        assert log.having(f"the server has version {newer.version}, ours is {newer.version + 1}")
 
 
 def test_watcher_hands_over_a_newer_manifest(published, server: FileServer, tmp_path: Path) -> None:
