@@ -20,8 +20,8 @@ from typing import Any
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
-from .diloco import DiLoCo, DiLoCoConfig
-from .model import ModelConfig, build_stage
+from .diloco import DiLoCo, DiLoCoConfig, LossFn
+from .model import ModelConfig, build_stage, cross_entropy_loss
 from .rotation import PlateauDetector, RotationConfig
 from .vocab import grow_replica
 
@@ -92,7 +92,11 @@ class Trainer:
         finish_round: RoundFinisher = lone_replica,
         dataset_updates: DatasetUpdates | None = None,
         fresh: bool = False,
+        num_stages: int = 1,
+        loss_fn: LossFn | None = None,
     ) -> None:
+        """`num_stages` > 1 makes this replica stage 0 of a pipeline (embedding and the first
+        layers); `loss_fn` then sends its output on (`pipeline.remote_loss`)."""
         if config.seq_len > model_config.max_seq_len:
             raise ValueError(
                 f"seq_len {config.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
@@ -112,8 +116,8 @@ class Trainer:
         self._writer = CheckpointWriter()
         state = None if fresh else self._load_state(model_config)
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
-        self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, 1)
-        self.diloco = DiLoCo(self.model, diloco_config)
+        self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, num_stages)
+        self.diloco = DiLoCo(self.model, diloco_config, loss_fn=loss_fn or cross_entropy_loss)
         order = assign_shards(wallet_id, dataset.manifest)
         position = DataPosition()
         self._plateau = PlateauDetector(config.rotation)
