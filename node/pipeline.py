@@ -12,6 +12,7 @@ protocol layer (`p2p.pipeline`) supplies one that sends the activations over the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -78,9 +79,27 @@ def stage_inner_step(
             else:
                 grad_out, value = downstream(out.detach(), labels)
                 out.backward(grad_out.to(out.dtype))
+        assert x.grad is not None
+        if not (
+            math.isfinite(value)
+            and _all_finite([x.grad, *(p.grad for p in diloco.params if p.grad is not None)])
+        ):
+            # Finite but extreme activations (a faulty or hostile sender) can overflow inside the
+            # layers; one such step would turn the replica's weights to NaN.
+            raise NonFiniteStep(
+                f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
+            )
     except BaseException:
         diloco.inner_optimizer.zero_grad(set_to_none=True)
         raise
     diloco.inner_update()
-    assert x.grad is not None
     return x.grad, value
+
+
+class NonFiniteStep(ValueError):
+    """A micro-batch whose loss or gradients are not finite: refused, nothing stepped."""
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])  # one norm per tensor
+    return bool(torch.isfinite(norms).all())

@@ -18,16 +18,19 @@ Route (every refusal is a JSON `ErrorReply`):
 
 | route                        | in -> out                                                        | ok  | refusals        |
 |------------------------------|------------------------------------------------------------------|-----|-----------------|
-| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 502 503 |
+| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
 |                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     |                 |
 
-503 = busy (the replica is in its outer round or its queue is full; retry another);
-502 = this replica could not reach the stage after it (retry another).
+422 also answers a micro-batch on which the layers overflow (non-finite loss or gradient: not
+stepped). 503 = busy (the replica is in its outer round or its queue is full; retry another);
+502 = this replica could not reach the stage after it (retry another); 500 = the step failed
+for another reason (a bug: the sender bans this replica for a while).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import secrets
 import threading
@@ -39,10 +42,11 @@ from aiohttp import web
 from torch import Tensor
 
 from ..model import ModelConfig
+from ..pipeline import NonFiniteStep
 from ..stage_worker import Busy, Job, JobResult, StageWorker
 from ..wallet import Wallet
 from . import wire
-from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic
+from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
 from .codec import HEADER_SLACK, sha256_hex
 from .peers import PeerEntry, PeerTable
 from .pipeline_wire import (
@@ -336,6 +340,9 @@ class PipelineService:
         self.worker = worker
         self.reply_timeout_s = reply_timeout_s or config.request_timeout_s
         self.served = 0
+        self.traffic = Traffic()
+        """Answered micro-batches at the HTTP layer (as the middleware counts them): the pipeline's
+        share of this server's traffic, so a bench can tell it from the round exchange's."""
 
     def body_limit(self, route: str) -> int | None:
         if route != self.ROUTE:
@@ -385,7 +392,8 @@ class PipelineService:
         result: asyncio.Future[JobResult] = loop.create_future()
 
         def done(outcome: JobResult) -> None:
-            loop.call_soon_threadsafe(lambda: None if result.done() else result.set_result(outcome))
+            with contextlib.suppress(RuntimeError):  # the loop closed: the node is stopping, nobody waits
+                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_result(outcome))
 
         try:
             self.worker.offer(Job(hidden, labels, done))
@@ -399,8 +407,10 @@ class PipelineService:
             raise Rejected(503, "busy", str(outcome))
         if isinstance(outcome, ConnectionError):
             raise Rejected(502, "downstream", f"the next stage is unreachable: {outcome}")
+        if isinstance(outcome, NonFiniteStep):
+            raise Rejected(422, "non_finite", str(outcome))
         if isinstance(outcome, BaseException):
-            raise Rejected(422, "step_failed", f"{type(outcome).__name__}: {outcome}")
+            raise Rejected(500, "step_failed", f"{type(outcome).__name__}: {outcome}")
         grad, loss, round_ = outcome
         body = await loop.run_in_executor(None, encode_gradient, grad, header.dtype)
         reply = GradientReply.create(
@@ -408,7 +418,13 @@ class PipelineService:
             loss=min(max(loss, 0.0), 1e6), dtype=header.dtype, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         self.served += 1
-        return web.Response(
+        response = web.Response(
             status=200, body=body, headers={REPLY_HEADER: reply.to_json().decode()},
             content_type="application/octet-stream",
         )  # fmt: skip
+        self.traffic.requests += 1
+        self.traffic.bytes_received += len(request[BODY]) + head_bytes(
+            f"{request.method} {request.raw_path} HTTP/1.1", request.raw_headers
+        )
+        self.traffic.bytes_sent += len(body) + head_bytes("HTTP/1.1 200 OK", response.headers.items())
+        return response

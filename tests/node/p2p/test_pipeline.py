@@ -190,6 +190,12 @@ def _nan_body() -> bytes:
     return encode_activations(hidden, labels, "bf16")
 
 
+def _overflowing_body() -> bytes:
+    """Finite in bf16, but the layers overflow on it (the gradient through RMSNorm is not finite)."""
+    hidden, labels = _micro_batch()
+    return encode_activations(torch.full_like(hidden, 3e38), labels, "bf16")
+
+
 def _bad_labels_body() -> bytes:
     hidden, labels = _micro_batch()
     labels[1, 3] = MODEL.vocab_size
@@ -221,6 +227,7 @@ BAD_CASES: dict[str, BadCase] = {
     "dtype differs from header": (_fp16_body, {}, 400, "malformed"),
     "NaN hidden": (_nan_body, {}, 422, "invalid"),
     "label out of vocabulary": (_bad_labels_body, {}, 422, "invalid"),
+    "overflow inside the layers": (_overflowing_body, {}, 422, "non_finite"),
     "wrong stage": (_good_body, {"stage": 2}, 422, "wrong_stage"),
     "wrong width": (_good_body, {"dim": MODEL.dim * 2}, 422, "wrong_shape"),
     "too long": (_good_body, {"seq_len": MODEL.max_seq_len + 1}, 422, "wrong_shape"),
