@@ -31,16 +31,16 @@ from neuroshard.data.dataset import open_remote_dataset, remote_updates
 from neuroshard.data.fetch import FetchConfig
 
 from . import aggregation
-from .checkpoint import CheckpointMismatch
+from .checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
 from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
 from .p2p.pipeline import PipelineConfig, PipelineUnavailable
 from .p2p.stages import PipelineLink, add_pipeline_arguments, pipeline_config_from_args, start_stage_replica
-from .pipeline import remote_loss
+from .pipeline import remote_loss, stage_fingerprint
 from .rotation import RotationConfig
-from .stage_worker import WorkerConfig
+from .stage_worker import StageCheckpoint, WorkerConfig
 from .trainer import DatasetUpdates, Trainer, TrainerConfig
 from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
 
@@ -202,10 +202,22 @@ def _run_stage_replica(
     diloco_config: DiLoCoConfig,
     pipeline: PipelineConfig,
     stop: threading.Event,
+    tokenizer_sha256: str,
 ) -> int:
     """A stage > 0 replica: no data of its own, it trains on the micro-batches stage S-1 sends."""
     if args.port is None:
         args.port = NetworkConfig().port
+    directory = args.checkpoint_dir or args.home / "checkpoints"
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint = StageCheckpoint(
+        path=checkpoint_path(directory, wallet.wallet_id, args.stage),
+        identity=CheckpointIdentity(
+            wallet_id=wallet.wallet_id,
+            stage=args.stage,
+            model_fingerprint=stage_fingerprint(model_config, args.stages),
+            tokenizer_sha256=tokenizer_sha256,
+        ),
+    )
     replica = start_stage_replica(
         wallet=wallet,
         stage=args.stage,
@@ -217,11 +229,13 @@ def _run_stage_replica(
         stop=stop,
         log=_log,
         aggregate=partial(aggregation.aggregate, "default"),
+        checkpoint=checkpoint,
+        fresh=args.fresh,
     )
     result = replica.run(stop)
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(
-        f"{how} at step={result.steps} round={result.rounds} (stage {args.stage}); no checkpoint for stages > 0 yet"
+        f"{how} at step={result.steps} round={result.rounds} (stage {args.stage}); checkpoint {checkpoint.path}"
     )
     return 0
 
@@ -268,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.stage > 0:
             dataset.source.close()
-            return _run_stage_replica(args, wallet, model_config, diloco_config, pipeline, stop)
+            sha = dataset.manifest.tokenizer.sha256
+            return _run_stage_replica(args, wallet, model_config, diloco_config, pipeline, stop, sha)
         trainer_config = TrainerConfig(
             batch_size=args.batch_size,
             seq_len=args.seq_len,

@@ -20,11 +20,18 @@ import torch
 from torch import Tensor
 
 from .diloco import DiLoCo, LossFn
-from .model import cross_entropy_loss
+from .model import ModelConfig, cross_entropy_loss
 
 Downstream = Callable[[Tensor, Tensor], tuple[Tensor, float]]
 """(hidden (B, T, C) detached, labels (B, T)) -> (∂loss/∂hidden (B, T, C), loss): the rest of the
 pipeline, from the next stage to the loss and back. Raises if no next stage could be reached."""
+
+
+def stage_fingerprint(config: ModelConfig, num_stages: int) -> str:
+    """What a stage's checkpoint must match: the architecture and, when S > 1, the staging (stage 0
+    of 2 holds other layers than the whole model). S = 1 keeps the plain architecture fingerprint."""
+    base = config.architecture_fingerprint()
+    return base if num_stages == 1 else f"{base}/stages={num_stages}"
 
 
 class _RemoteLoss(torch.autograd.Function):

@@ -20,12 +20,42 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torch import Tensor
 
+from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
 from .pipeline import Downstream, stage_inner_step
 from .trainer import RoundFinisher, TrainResult, lone_replica
+
+
+@dataclass
+class StageCheckpoint:
+    """Where a stage > 0 replica keeps its state (written after every round and on stop)."""
+
+    path: Path
+    identity: CheckpointIdentity
+    writer: CheckpointWriter = field(default_factory=CheckpointWriter)
+
+    def load(self, diloco: DiLoCo) -> bool:
+        """Resume `diloco` from the checkpoint if there is one; CheckpointMismatch if it is another's."""
+        state = load_checkpoint(self.path, self.identity)
+        if state is None:
+            return False
+        diloco.model.load_state_dict(state["model"])
+        diloco.load_state_dict(state["diloco"])
+        return True
+
+    def save(self, diloco: DiLoCo, *, wait: bool) -> None:
+        state = {
+            "model": {name: t.detach().clone() for name, t in diloco.model.state_dict().items()},
+            "diloco": diloco.state_dict(),
+        }
+        self.writer.submit(self.path, self.identity, state)
+        if wait:
+            self.writer.flush()
+
 
 JobResult = tuple[Tensor, float, int] | BaseException
 """(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
@@ -80,14 +110,14 @@ class StageWorker:
         log: Callable[[str], None],
         downstream: Downstream | None = None,
         finish_round: RoundFinisher = lone_replica,
-        on_round: Callable[[DiLoCo], None] | None = None,
+        checkpoint: StageCheckpoint | None = None,
     ) -> None:
         self.diloco = diloco
         self.config = config
         self.downstream = downstream
         self._log = log
         self._finish_round = finish_round
-        self._on_round = on_round
+        self.checkpoint = checkpoint
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=config.max_pending + 1)
         self._lock = threading.Lock()
         self._in_round = False
@@ -161,6 +191,8 @@ class StageWorker:
         with self._lock:
             self._stopping = True
         self._drain("this replica is stopping")
+        if self.checkpoint is not None:
+            self.checkpoint.save(self.diloco, wait=True)
         result.steps, result.rounds = self.diloco.step, self.diloco.round
         result.wall_seconds = time.perf_counter() - start
         return result
@@ -171,8 +203,8 @@ class StageWorker:
         self._drain(f"this replica entered its outer round {self.diloco.round}")
         try:
             self._finish_round(self.diloco)
-            if self._on_round is not None:
-                self._on_round(self.diloco)
+            if self.checkpoint is not None:
+                self.checkpoint.save(self.diloco, wait=False)
             self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
         finally:
             with self._lock:

@@ -22,6 +22,7 @@ from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
 from .diloco import DiLoCo, DiLoCoConfig, LossFn
 from .model import ModelConfig, build_stage, cross_entropy_loss
+from .pipeline import stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .vocab import grow_replica
 
@@ -112,6 +113,7 @@ class Trainer:
         self.wallet_id = wallet_id
         self.dataset = dataset
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
+        self.num_stages = num_stages
         checkpoint_dir.mkdir(parents=True, exist_ok=True)  # an unusable directory fails now, not 50 steps in
         self._writer = CheckpointWriter()
         state = None if fresh else self._load_state(model_config)
@@ -154,7 +156,7 @@ class Trainer:
         return CheckpointIdentity(
             wallet_id=self.wallet_id,
             stage=0,
-            model_fingerprint=self.model.config.architecture_fingerprint(),
+            model_fingerprint=stage_fingerprint(self.model.config, self.num_stages),
             tokenizer_sha256=self.dataset.manifest.tokenizer.sha256,
         )
 
@@ -162,7 +164,7 @@ class Trainer:
         expected = CheckpointIdentity(
             wallet_id=self.wallet_id,
             stage=0,
-            model_fingerprint=model_config.architecture_fingerprint(),
+            model_fingerprint=stage_fingerprint(model_config, self.num_stages),
             tokenizer_sha256=self.dataset.manifest.tokenizer.sha256,
         )
         ancestors = [t.sha256 for t in self.dataset.manifest.tokenizers[:-1]]

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..diloco import DiLoCo, DiLoCoConfig
 from ..model import ModelConfig, build_stage
-from ..stage_worker import StageWorker, WorkerConfig
+from ..stage_worker import StageCheckpoint, StageWorker, WorkerConfig
 from ..trainer import TrainResult
 from ..wallet import Wallet
 from .network import NetworkConfig, PeerNetwork
@@ -122,12 +122,16 @@ def start_stage_replica(
     stop: threading.Event,
     log: Callable[[str], None],
     aggregate: AggregationRule = ordered_mean,
+    checkpoint: StageCheckpoint | None = None,
+    fresh: bool = False,
 ) -> StageReplica:
-    """Build a stage > 0 replica: model, DiLoCo, worker, peer server with the pipeline route;
-    join the stage's state; ready to `run`."""
+    """Build a stage > 0 replica: model, DiLoCo (resumed from `checkpoint` unless `fresh`), worker,
+    peer server with the pipeline route; join the stage's state; ready to `run`."""
     model = build_stage(model_config, stage, pipeline_config.num_stages)
     diloco = DiLoCo(model, diloco_config)
-    worker = StageWorker(diloco, worker_config, log=log)
+    if checkpoint is not None and not fresh and checkpoint.load(diloco):
+        log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
+    worker = StageWorker(diloco, worker_config, log=log, checkpoint=checkpoint)
     service = PipelineService(
         wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=worker
     )
