@@ -101,7 +101,7 @@ class Driver:
 
 
 class Stage1:
-    def __init__(self, index: int, bootstrap: tuple[str, ...], max_steps: int | None) -> None:
+    def __init__(self, index: int, bootstrap: tuple[str, ...], max_steps: int | None, **net: object) -> None:
         self.wallet = Wallet.from_token(f"pipeline-stage1-{index}")
         self.stop = threading.Event()
         self.lines: list[str] = []
@@ -110,7 +110,7 @@ class Stage1:
             stage=1,
             model_config=MODEL,
             diloco_config=DILOCO,
-            network_config=_net(peers=bootstrap),
+            network_config=_net(peers=bootstrap, **net),
             pipeline_config=PIPE,
             worker_config=WorkerConfig(max_steps=max_steps, log_every=1000),
             stop=self.stop,
@@ -129,17 +129,33 @@ class Stage1:
         self.replica.close()
 
 
+Build2x2 = Callable[..., tuple[list[Driver], list[Stage1]]]
+
+
 @pytest.fixture
-def pipeline_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
+def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
     made: list[Driver | Stage1] = []
-    try:
-        first = Stage1(0, (), max_steps=ROUNDS * H)
+
+    def build(stage1_max_steps: int | None, **stage1_net: object) -> tuple[list[Driver], list[Stage1]]:
+        first = Stage1(0, (), stage1_max_steps, **stage1_net)
         made.append(first)
         boot = (first.replica.network.address,)
-        made.append(Stage1(1, boot, max_steps=ROUNDS * H))
-        drivers = [Driver(i, published, tmp_path, boot) for i in range(2)]
-        made.extend(drivers)
-        yield drivers, [m for m in made if isinstance(m, Stage1)]
+        made.append(Stage1(1, boot, stage1_max_steps, **stage1_net))
+        made.extend(Driver(i, published, tmp_path, boot) for i in range(2))
+        drivers = [m for m in made if isinstance(m, Driver)]
+        for d in drivers:
+            d.network.join_state(d.trainer.diloco)  # announces the driver (stage 1 joined at start)
+        everyone = [d.network for d in drivers] + [m.replica.network for m in made if isinstance(m, Stage1)]
+        _wait(lambda: all(len(n.live_peers()) == 1 for n in everyone), 10.0, "stage peers to find each other")
+        _wait(
+            lambda: all(len(d.network.node.peers.live(time.time(), 1)) == 2 for d in drivers),
+            10.0,
+            "drivers to learn both stage-1 replicas",
+        )
+        return drivers, [m for m in made if isinstance(m, Stage1)]
+
+    try:
+        yield build
     finally:
         for m in made:
             print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
@@ -148,36 +164,43 @@ def pipeline_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
             m.close()
 
 
-def test_two_stages_by_two_replicas_train_through_the_pipeline(pipeline_2x2) -> None:  # type: ignore[no-untyped-def]
-    drivers, stage1 = pipeline_2x2
+def _finish(drivers: list[Driver], timeout: float) -> None:
     for d in drivers:
-        d.network.join_state(d.trainer.diloco)  # announces the driver (stage 1 joined at start)
-    everyone = [d.network for d in drivers] + [s.replica.network for s in stage1]
-    _wait(lambda: all(len(n.live_peers()) == 1 for n in everyone), 10.0, "stage peers to find each other")
-    _wait(
-        lambda: all(len(d.network.node.peers.live(time.time(), 1)) == 2 for d in drivers),
-        10.0,
-        "drivers to learn both stage-1 replicas",
-    )
+        assert d.thread is not None
+        d.thread.join(timeout)
+        assert not d.thread.is_alive(), f"a driver did not finish in {timeout:.0f} s"
+        assert d.error is None, f"driver raised {d.error!r}"
+
+
+def _stage_agrees(networks: list[PeerNetwork], rounds: range) -> None:
+    for round_ in rounds:
+        reports = [{r.round: r for r in n.reports}[round_] for n in networks]
+        assert len({rep.theta_hash for rep in reports}) == 1, f"round {round_} diverged"
+
+
+def _loss_fell(drivers: list[Driver], by: float) -> tuple[float, float]:
+    losses = [d.result.losses for d in drivers if d.result is not None]
+    first = sum(sum(ls[:H]) for ls in losses) / (len(losses) * H)
+    last = sum(sum(ls[-H:]) for ls in losses) / (len(losses) * H)
+    assert last < first - by, f"loss {first:.3f} -> {last:.3f}"
+    return first, last
+
+
+def test_two_stages_by_two_replicas_train_through_the_pipeline(build_2x2: Build2x2) -> None:
+    drivers, stage1 = build_2x2(ROUNDS * H)
     started = time.monotonic()
     for d in drivers:
         d.start()
-    for d in drivers:
-        assert d.thread is not None
-        d.thread.join(120.0)
-        assert not d.thread.is_alive(), "a driver did not finish in 120 s"
-        assert d.error is None, f"driver raised {d.error!r}"
+    _finish(drivers, 120.0)
     for s in stage1:
         s.thread.join(30.0)
         assert not s.thread.is_alive(), "a stage-1 replica did not finish its steps"
     elapsed = time.monotonic() - started
 
-    # Every stage did ROUNDS rounds, and in each its two replicas agree on θ.
+    # Every stage did ROUNDS rounds, and in each its two replicas agree on θ with both contributions.
     for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
-        for round_ in range(ROUNDS):
-            reports = [{r.round: r for r in n.reports}[round_] for n in stage_networks]
-            assert reports[0].theta_hash == reports[1].theta_hash, f"round {round_} diverged"
-            assert len(reports[0].accepted) == 2 and not reports[0].late
+        _stage_agrees(stage_networks, range(ROUNDS))
+        assert all(len(r.accepted) == 2 and not r.late for n in stage_networks for r in n.reports)
     hashes = [d.trainer.diloco.weights_hash() for d in drivers]
     assert hashes[0] == hashes[1]
     assert stage1[0].replica.diloco.weights_hash() == stage1[1].replica.diloco.weights_hash()
@@ -186,14 +209,39 @@ def test_two_stages_by_two_replicas_train_through_the_pipeline(pipeline_2x2) -> 
     # Both stage-1 replicas trained (the wiring spread the work), and the loss fell.
     served = [s.replica.service.served for s in stage1]
     assert all(n > 0 for n in served) and sum(served) >= 2 * ROUNDS * H
-    losses = [d.result.losses for d in drivers if d.result is not None]
-    first = sum(sum(ls[:H]) for ls in losses) / (2 * H)
-    last = sum(sum(ls[-H:]) for ls in losses) / (2 * H)
+    first, last = _loss_fell(drivers, 0.3)
     print(
         f"2x2 pipeline: loss {first:.3f} -> {last:.3f} over {ROUNDS} rounds of H={H} in {elapsed:.1f} s; served {served}"
     )
-    assert last < first - 0.3
     # The activations crossed the wire in bf16: a driver sent what a (4, 32, 32) bf16 micro-batch takes.
     sent = drivers[0].link.client.traffic.bytes_sent
     assert sent >= ROUNDS * H * 4 * 32 * (32 * 2 + 4)
     assert torch.isfinite(drivers[0].trainer.diloco.theta_round).all()
+
+
+def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2x2: Build2x2) -> None:
+    # Stage 1 runs until stopped (the survivor takes on the dead one's share); short round timeout so
+    # the survivor's round without its peer ends soon.
+    drivers, (survivor, victim) = build_2x2(None, round_timeout_s=3.0)
+    for d in drivers:
+        d.start()
+    _wait(lambda: victim.replica.service.served >= H + 2, 60.0, "the victim to be mid-round 1")
+    victim.stop.set()  # its worker ends after the step in hand (mid-round 1: not in an outer round)
+    victim.thread.join(10.0)
+    assert not victim.thread.is_alive()
+    victim.replica.network.stop()  # its port refuses from now on, as if the process died
+    _finish(drivers, 120.0)
+    survivor.stop.set()
+    survivor.thread.join(30.0)
+
+    _stage_agrees([d.network for d in drivers], range(ROUNDS))
+    assert all(d.trainer.diloco.round == ROUNDS for d in drivers)
+    # The drivers banned the dead replica and retried its micro-batches on the survivor.
+    assert any(
+        "banned" in line and victim.wallet.public_key_hex[:12] in line for d in drivers for line in d.lines
+    )
+    assert sum(d.link.client.retries for d in drivers) >= 1
+    assert survivor.replica.service.served > victim.replica.service.served
+    assert survivor.replica.service.served + victim.replica.service.served >= 2 * ROUNDS * H
+    assert survivor.replica.diloco.round >= ROUNDS - 1
+    _loss_fell(drivers, 0.2)
