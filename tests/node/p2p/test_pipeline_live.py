@@ -6,6 +6,7 @@ Stage 0: two `Trainer`s with a remote loss (they read data and drive). Stage 1: 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -50,7 +51,15 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
 class Driver:
     """A stage-0 replica: Trainer + PeerNetwork + PipelineLink, as `neuroshard-node --stage 0` builds them."""
 
-    def __init__(self, index: int, published, tmp_path: Path, bootstrap: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+    def __init__(  # type: ignore[no-untyped-def]
+        self,
+        index: int,
+        published,
+        tmp_path: Path,
+        bootstrap: tuple[str, ...],
+        pipe: PipelineConfig = PIPE,
+        model: ModelConfig = MODEL,
+    ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-driver-{index}")
         self.stop = threading.Event()
         self.lines: list[str] = []
@@ -58,7 +67,7 @@ class Driver:
         self.network.start()
         self.link = PipelineLink(
             self.network,
-            PIPE,
+            pipe,
             stop=self.stop,
             round_of=lambda: self.trainer.diloco.round,
             log=self.lines.append,
@@ -67,7 +76,7 @@ class Driver:
         self.trainer = Trainer(
             wallet_id=self.wallet.wallet_id,
             dataset=published.dataset,
-            model_config=MODEL,
+            model_config=model,
             diloco_config=DILOCO,
             config=TrainerConfig(
                 batch_size=4, seq_len=32, max_steps=ROUNDS * H, checkpoint_every=1000, log_every=1000
@@ -75,7 +84,7 @@ class Driver:
             checkpoint_dir=tmp_path / f"driver{index}",
             log=self.lines.append,
             finish_round=self.network.finish_round,
-            num_stages=2,
+            num_stages=pipe.num_stages,
             loss_fn=remote_loss(self.link.downstream),
         )
         self.result: TrainResult | None = None
@@ -101,17 +110,29 @@ class Driver:
 
 
 class Stage1:
-    def __init__(self, index: int, bootstrap: tuple[str, ...], max_steps: int | None, **net: object) -> None:
-        self.wallet = Wallet.from_token(f"pipeline-stage1-{index}")
+    """A stage > 0 replica (stage 1 unless told), as `neuroshard-node --stage i` builds it."""
+
+    def __init__(
+        self,
+        index: int,
+        bootstrap: tuple[str, ...],
+        max_steps: int | None,
+        *,
+        stage: int = 1,
+        pipe: PipelineConfig = PIPE,
+        model: ModelConfig = MODEL,
+        **net: object,
+    ) -> None:
+        self.wallet = Wallet.from_token(f"pipeline-stage{stage}-{index}")
         self.stop = threading.Event()
         self.lines: list[str] = []
         self.replica: StageReplica = start_stage_replica(
             wallet=self.wallet,
-            stage=1,
-            model_config=MODEL,
+            stage=stage,
+            model_config=model,
             diloco_config=DILOCO,
             network_config=_net(peers=bootstrap, **net),
-            pipeline_config=PIPE,
+            pipeline_config=pipe,
             worker_config=WorkerConfig(max_steps=max_steps, log_every=1000),
             stop=self.stop,
             log=self.lines.append,
@@ -245,3 +266,50 @@ def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2
     assert survivor.replica.service.served + victim.replica.service.served >= 2 * ROUNDS * H
     assert survivor.replica.diloco.round >= ROUNDS - 1
     _loss_fell(drivers, 0.2)
+
+
+def test_three_stages_one_replica_each_train_through_a_middle_stage(published, tmp_path: Path) -> None:
+    """Stage 1 of 3 receives, runs its layer, forwards to stage 2 and relays the gradient back."""
+    model = dataclasses.replace(MODEL, n_layers=3)
+    pipe = dataclasses.replace(PIPE, num_stages=3)
+    made: list[Driver | Stage1] = []
+    try:
+        last = Stage1(0, (), ROUNDS * H, stage=2, pipe=pipe, model=model)
+        made.append(last)
+        boot = (last.replica.network.address,)
+        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model)
+        made.append(middle)
+        driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model)
+        made.append(driver)
+        driver.network.join_state(driver.trainer.diloco)
+        _wait(
+            lambda: len(driver.network.node.peers.live(time.time(), 1)) == 1,
+            10.0,
+            "the driver to learn stage 1",
+        )
+        _wait(
+            lambda: len(middle.replica.network.node.peers.live(time.time(), 2)) == 1,
+            10.0,
+            "stage 1 to learn 2",
+        )
+        driver.start()
+        _finish([driver], 120.0)
+        for s in (middle, last):
+            s.thread.join(30.0)
+            assert not s.thread.is_alive()
+    finally:
+        for m in made:
+            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
+            print("\n".join(m.lines))
+        for m in reversed(made):
+            m.close()
+    assert [list(m.replica.diloco.model.layer_range) for m in (middle, last)] == [[1], [2]]  # type: ignore[attr-defined]
+    assert middle.replica.service.served == last.replica.service.served == ROUNDS * H
+    assert middle.replica.link is not None and middle.replica.link.client.traffic.requests == ROUNDS * H
+    assert (
+        all(s.replica.diloco.round == ROUNDS for s in (middle, last))
+        and driver.trainer.diloco.round == ROUNDS
+    )
+    # The middle stage's logged loss is the last stage's, relayed back with the gradient.
+    assert middle.replica.worker.stats.losses == last.replica.worker.stats.losses
+    _loss_fell([driver], 0.3)
