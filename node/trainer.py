@@ -174,6 +174,10 @@ class Trainer:
         if vocab_size == self.model.config.vocab_size:
             return
         old = self.model.config.vocab_size
+        if self.num_stages > 1:  # the head lives on another stage, which would have to grow in the same round
+            raise ValueError(
+                f"vocabulary growth {old} -> {vocab_size} is not supported with pipeline stages yet"
+            )
         self.model, self.diloco = grow_replica(self.model, self.diloco, vocab_size)
         self._log(f"vocabulary grew {old} -> {vocab_size}: embedding and head extended, existing rows kept")
 
