@@ -19,10 +19,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     ("flags", "message"),
     [
         (["--stages", "2", "--stage", "2"], "--stage 2 must lie in [0, --stages 2)"),
-        (["--stages", "2", "--stage", "-1"], "--stage -1 must lie in [0, --stages 2)"),
         (["--stages", "3", "--stage", "1"], "num_stages (3) must be between 1 and n_layers (2)"),
-        (["--stages", "3", "--stage", "0"], "num_stages (3) must be between 1 and n_layers (2)"),
-        (["--stages", "2", "--stage", "0", "--activation-dtype", "fp8"], "invalid choice: 'fp8'"),
     ],
 )
 def test_bad_stage_layouts_give_one_clear_line(
