@@ -31,12 +31,16 @@ from neuroshard.data.dataset import open_remote_dataset, remote_updates
 from neuroshard.data.fetch import FetchConfig
 
 from . import aggregation
-from .checkpoint import CheckpointMismatch
+from .checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
 from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
+from .p2p.pipeline import PipelineConfig, PipelineUnavailable
+from .p2p.stages import PipelineLink, add_pipeline_arguments, pipeline_config_from_args, start_stage_replica
+from .pipeline import remote_loss, stage_fingerprint
 from .rotation import RotationConfig
+from .stage_worker import StageCheckpoint, WorkerConfig
 from .trainer import DatasetUpdates, Trainer, TrainerConfig
 from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
 
@@ -131,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-every", type=int, default=10, help="inner steps per progress line")
     add_network_arguments(p)
+    add_pipeline_arguments(p)
     # No --peers and no --port: the node trains alone and opens no port.
     p.set_defaults(port=None)
     return p
@@ -163,8 +168,9 @@ def _open_data(args: argparse.Namespace) -> tuple[Dataset, DatasetUpdates | None
 
 
 def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Event) -> PeerNetwork | None:
-    """The peer server and round exchange, when the node was given peers or a port; None trains alone."""
-    if args.port is None and not args.peers:
+    """The peer server and round exchange, when the node was given peers or a port (or is a pipeline
+    stage); None trains alone."""
+    if args.port is None and not args.peers and args.stages == 1:
         return None
     if args.port is None:
         args.port = NetworkConfig().port
@@ -179,6 +185,59 @@ def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Eve
     )
     network.start()
     return network
+
+
+def _downstream(
+    link: PipelineLink | None, hidden: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    if link is None:
+        raise PipelineUnavailable("the pipeline link to stage 1 is not up")
+    return link.downstream(hidden, labels)
+
+
+def _run_stage_replica(
+    args: argparse.Namespace,
+    wallet: Wallet,
+    model_config: ModelConfig,
+    diloco_config: DiLoCoConfig,
+    pipeline: PipelineConfig,
+    stop: threading.Event,
+    tokenizer_sha256: str,
+) -> int:
+    """A stage > 0 replica: no data of its own, it trains on the micro-batches stage S-1 sends."""
+    if args.port is None:
+        args.port = NetworkConfig().port
+    directory = args.checkpoint_dir or args.home / "checkpoints"
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint = StageCheckpoint(
+        path=checkpoint_path(directory, wallet.wallet_id, args.stage),
+        identity=CheckpointIdentity(
+            wallet_id=wallet.wallet_id,
+            stage=args.stage,
+            model_fingerprint=stage_fingerprint(model_config, args.stages),
+            tokenizer_sha256=tokenizer_sha256,
+        ),
+    )
+    replica = start_stage_replica(
+        wallet=wallet,
+        stage=args.stage,
+        model_config=model_config,
+        diloco_config=diloco_config,
+        network_config=network_config_from_args(args),
+        pipeline_config=pipeline,
+        worker_config=WorkerConfig(max_steps=args.max_steps, log_every=args.log_every),
+        stop=stop,
+        log=_log,
+        aggregate=partial(aggregation.aggregate, "default"),
+        checkpoint=checkpoint,
+        fresh=args.fresh,
+    )
+    result = replica.run(stop)
+    how = "stopped by signal" if result.stopped_by_signal else "done"
+    _log(
+        f"{how} at step={result.steps} round={result.rounds} (stage {args.stage}); checkpoint {checkpoint.path}"
+    )
+    return 0
 
 
 def _install_stop_handlers(stop: threading.Event) -> None:
@@ -206,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     _install_stop_handlers(stop)
     network: PeerNetwork | None = None
+    link: PipelineLink | None = None
     try:
+        pipeline = pipeline_config_from_args(args)
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         total = args.total_steps
@@ -219,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             outer_momentum=args.outer_momentum,
             outer_nesterov=args.outer_momentum > 0,
         )
+        if args.stage > 0:
+            dataset.source.close()
+            sha = dataset.manifest.tokenizer.sha256
+            return _run_stage_replica(args, wallet, model_config, diloco_config, pipeline, stop, sha)
         trainer_config = TrainerConfig(
             batch_size=args.batch_size,
             seq_len=args.seq_len,
@@ -241,12 +306,23 @@ def main(argv: list[str] | None = None) -> int:
             log=_log,
             dataset_updates=updates,
             fresh=args.fresh,
+            num_stages=args.stages,
+            loss_fn=remote_loss(lambda hidden, labels: _downstream(link, hidden, labels))
+            if args.stages > 1
+            else None,
         )
         network = _start_network(args, wallet, stop)
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
+            if args.stages > 1:
+                link = PipelineLink(
+                    network, pipeline, stop=stop, round_of=lambda: trainer.diloco.round, log=_log
+                )
+                link.start()
             network.join_state(trainer.diloco)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
+        if link is not None:
+            link.close()
         if network is not None:
             network.stop()
         return _fail(str(exc))
@@ -263,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     finally:
         trainer.dataset.source.close()
+        if link is not None:
+            link.close()
         if network is not None:
             network.stop()
     how = "stopped by signal" if result.stopped_by_signal else "done"

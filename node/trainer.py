@@ -20,8 +20,9 @@ from typing import Any
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
-from .diloco import DiLoCo, DiLoCoConfig
-from .model import ModelConfig, build_stage
+from .diloco import DiLoCo, DiLoCoConfig, LossFn
+from .model import ModelConfig, build_stage, cross_entropy_loss
+from .pipeline import stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .vocab import grow_replica
 
@@ -92,7 +93,11 @@ class Trainer:
         finish_round: RoundFinisher = lone_replica,
         dataset_updates: DatasetUpdates | None = None,
         fresh: bool = False,
+        num_stages: int = 1,
+        loss_fn: LossFn | None = None,
     ) -> None:
+        """`num_stages` > 1 makes this replica stage 0 of a pipeline (embedding and the first
+        layers); `loss_fn` then sends its output on (`pipeline.remote_loss`)."""
         if config.seq_len > model_config.max_seq_len:
             raise ValueError(
                 f"seq_len {config.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
@@ -108,12 +113,13 @@ class Trainer:
         self.wallet_id = wallet_id
         self.dataset = dataset
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
+        self.num_stages = num_stages
         checkpoint_dir.mkdir(parents=True, exist_ok=True)  # an unusable directory fails now, not 50 steps in
         self._writer = CheckpointWriter()
         state = None if fresh else self._load_state(model_config)
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
-        self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, 1)
-        self.diloco = DiLoCo(self.model, diloco_config)
+        self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, num_stages)
+        self.diloco = DiLoCo(self.model, diloco_config, loss_fn=loss_fn or cross_entropy_loss)
         order = assign_shards(wallet_id, dataset.manifest)
         position = DataPosition()
         self._plateau = PlateauDetector(config.rotation)
@@ -150,7 +156,7 @@ class Trainer:
         return CheckpointIdentity(
             wallet_id=self.wallet_id,
             stage=0,
-            model_fingerprint=self.model.config.architecture_fingerprint(),
+            model_fingerprint=stage_fingerprint(self.model.config, self.num_stages),
             tokenizer_sha256=self.dataset.manifest.tokenizer.sha256,
         )
 
@@ -158,7 +164,7 @@ class Trainer:
         expected = CheckpointIdentity(
             wallet_id=self.wallet_id,
             stage=0,
-            model_fingerprint=model_config.architecture_fingerprint(),
+            model_fingerprint=stage_fingerprint(model_config, self.num_stages),
             tokenizer_sha256=self.dataset.manifest.tokenizer.sha256,
         )
         ancestors = [t.sha256 for t in self.dataset.manifest.tokenizers[:-1]]
@@ -168,6 +174,10 @@ class Trainer:
         if vocab_size == self.model.config.vocab_size:
             return
         old = self.model.config.vocab_size
+        if self.num_stages > 1:  # the head lives on another stage, which would have to grow in the same round
+            raise ValueError(
+                f"vocabulary growth {old} -> {vocab_size} is not supported with pipeline stages yet"
+            )
         self.model, self.diloco = grow_replica(self.model, self.diloco, vocab_size)
         self._log(f"vocabulary grew {old} -> {vocab_size}: embedding and head extended, existing rows kept")
 

@@ -1,4 +1,5 @@
-"""The peer network of one stage: signed aiohttp protocol, DiLoCo outer rounds that agree, state sync.
+"""The peer network: signed aiohttp protocol, DiLoCo outer rounds that agree per stage, state sync,
+and the pipeline between stages.
 
 Layout (one idea per file):
 
@@ -11,7 +12,10 @@ Layout (one idea per file):
 - ``server``  the aiohttp routes over a node's state
 - ``exchange`` the asynchronous steps of a round (push, digests, pulls, status, state sync)
 - ``network`` ``PeerNetwork``: the asyncio thread the synchronous trainer talks to; its config and flags
-- ``swarm``   ``neuroshard-swarm``: N node processes on loopback
+- ``swarm``   ``neuroshard-swarm``: N node processes on loopback (``--stages S``: node i holds stage i mod S)
+- ``pipeline_wire`` the pipeline's messages: activations forward, gradients back (signed headers, safetensors)
+- ``pipeline`` next-stage routing by measured throughput, the client that retries, the forward route
+- ``stages``  ``--stages/--stage`` wiring: the driver's link to stage 1, a whole stage > 0 replica
 
 The maths (DiLoCo, aggregation rules) stays in ``neuroshard.node``; this package only moves
 tensors between replicas and calls it.

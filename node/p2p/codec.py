@@ -40,7 +40,7 @@ MAX_HEADER_BYTES = 4096
 HEADER_SLACK = 1024
 """Bytes allowed for the safetensors length prefix and JSON header when bounding a body size."""
 
-_DTYPE_BYTES = {"F16": 2, "F32": 4, "I8": 1}
+_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "I8": 1, "I32": 4}
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 

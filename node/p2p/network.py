@@ -30,7 +30,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ from .codec import encode_delta, sha256_hex
 from .exchange import Adopted, Closed, Exchange, ExchangeTimings, Late
 from .peers import PeerTable
 from .rounds import AggregationRule, Contribution, RoundReport, aggregate, ordered_mean, plurality
-from .server import NodeState, ServerLimits, build_app
+from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, snapshot_of, theta_sha256
 from .wire import ENCODINGS, ContributionHeader, InvalidMessage, parse_address
 
@@ -162,8 +162,10 @@ class PeerNetwork:
         tokens_per_step: int = 0,
         stop: threading.Event | None = None,
         clock: Clock = time.time,
+        extensions: Sequence[ServerExtension] = (),
     ) -> None:
         self.config = config
+        self._extensions = tuple(extensions)
         self.wallet = wallet
         self.stage = stage
         self._log = log
@@ -258,7 +260,9 @@ class PeerNetwork:
             )
         else:
             self.node.address = f"[{cfg.host}]:{port}" if ":" in cfg.host else f"{cfg.host}:{port}"
-        self._runner = web.AppRunner(build_app(self.node, window_s=cfg.replay_window_s), access_log=None)
+        self._runner = web.AppRunner(
+            build_app(self.node, window_s=cfg.replay_window_s, extensions=self._extensions), access_log=None
+        )
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         await self._client.start()
@@ -314,6 +318,10 @@ class PeerNetwork:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"peer network call did not finish within {timeout:.0f} s") from None
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the network's event loop and wait for it (for protocol extensions)."""
+        return self._call(coro, timeout)
 
     def traffic(self) -> tuple[Traffic, Traffic]:
         """(client, server) byte counters so far, copied on the network loop."""

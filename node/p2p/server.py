@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 
@@ -272,13 +273,32 @@ def _json(message: wire.Message) -> web.Response:
     return web.Response(status=200, body=message.to_json(), content_type="application/json")
 
 
-def build_app(node: NodeState, *, window_s: float) -> web.Application:
-    """The aiohttp application serving `node`."""
+class ServerExtension(Protocol):
+    """More routes on the same server, behind the same signed-request middleware (the pipeline)."""
+
+    def add_routes(self, app: web.Application) -> None: ...
+
+    def body_limit(self, route: str) -> int | None:
+        """The body limit of one of this extension's routes; None for routes it does not own."""
+
+
+def build_app(
+    node: NodeState, *, window_s: float, extensions: Sequence[ServerExtension] = ()
+) -> web.Application:
+    """The aiohttp application serving `node` (and the routes of `extensions`)."""
+
+    def body_limit(route: str) -> int:
+        for extension in extensions:
+            limit = extension.body_limit(route)
+            if limit is not None:
+                return limit
+        return node.body_limit(route)
+
     app = web.Application(
         middlewares=[
             auth_middleware(
                 nonces=node.nonces,
-                body_limit=node.body_limit,
+                body_limit=body_limit,
                 clock=node.clock,
                 window_s=window_s,
                 traffic=node.traffic,
@@ -366,4 +386,6 @@ def build_app(node: NodeState, *, window_s: float) -> web.Application:
     app.router.add_post(wire.ANNOUNCE, announce, name="announce")
     app.router.add_get(wire.STATUS, status, name="status")
     app.router.add_get(wire.STATE, state, name="state")
+    for extension in extensions:
+        extension.add_routes(app)
     return app

@@ -9,6 +9,11 @@ same θ hash. Ctrl-C (or SIGTERM) stops every node: SIGTERM (each saves a checkp
 then SIGKILL for any still running after the grace period.
 
     neuroshard-swarm --nodes 3 --inner-steps 20 --max-steps 200
+
+With ``--stages S`` the model is cut into S pipeline stages and node i holds stage i mod S.
+Stage-0 nodes read data and drive (``--max-steps`` counts their inner steps); the later
+stages train on what arrives and are stopped (SIGTERM) once every stage-0 node is done.
+Round results are printed per stage.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--nodes", type=int, required=True, help="number of node processes")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages; node i holds stage i mod S")
     p.add_argument("--max-steps", type=int, help="inner steps per node (default: run until Ctrl-C)")
     p.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per outer round")
     p.add_argument("--base-port", type=int, default=7420, help="node i listens on base-port + i")
@@ -79,6 +85,7 @@ class Node:
     exit_code: int | None = None
     stopped_by_us: bool = False
     rounds: dict[int, str] = field(default_factory=dict)
+    stage: int = 0
 
 
 def _log(line: str) -> None:
@@ -118,13 +125,14 @@ def node_argv(
         "--home", str(node.home),
         "--checkpoint-dir", str(node.home / "checkpoints"),
         "--inner-steps", str(args.inner_steps),
-        *(["--max-steps", str(args.max_steps)] if args.max_steps is not None else []),
+        *(["--max-steps", str(args.max_steps)] if args.max_steps is not None and node.stage == 0 else []),
         "--threads", str(threads),
         "--host", "127.0.0.1",
         "--port", str(node.port),
         "--peers", peers,
         "--encoding", args.encoding,
         "--round-timeout", str(args.round_timeout),
+        *(["--stages", str(args.stages), "--stage", str(node.stage)] if args.stages > 1 else []),
         *extra,
     ]  # fmt: skip
 
@@ -144,10 +152,20 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def report_rounds(nodes: list[Node], printed: set[int], *, final: bool = False) -> None:
-    """Print each round once every running node reported it (at the end: whatever was reported)."""
+def report_rounds(nodes: list[Node], printed: set[tuple[int, int]], *, final: bool = False) -> None:
+    """Print each (stage, round) once every running node of the stage reported it (at the end:
+    whatever was reported). The replicas of one stage must agree; stages hold different layers."""
+    stages = sorted({n.stage for n in nodes})
+    for stage in stages:
+        label = "" if stages == [0] else f"stage {stage} "
+        _report_stage([n for n in nodes if n.stage == stage], stage, label, printed, final)
+
+
+def _report_stage(
+    nodes: list[Node], stage: int, label: str, printed: set[tuple[int, int]], final: bool
+) -> None:
     running = [n for n in nodes if n.exit_code is None]
-    rounds = sorted({r for n in nodes for r in n.rounds} - printed)
+    rounds = sorted({r for n in nodes for r in n.rounds} - {r for s, r in printed if s == stage})
     for r in rounds:
         holders = [n for n in nodes if r in n.rounds]
         # A node that adopted a later state skipped this round: it has nothing to report for it.
@@ -158,11 +176,11 @@ def report_rounds(nodes: list[Node], printed: set[int], *, final: bool = False) 
             hashes.setdefault(n.rounds[r], []).append(n.index)
         if len(hashes) == 1:
             (h,) = hashes
-            _log(f"[swarm] round {r}: {len(holders)}/{len(holders)} nodes agree on θ hash {h}")
+            _log(f"[swarm] {label}round {r}: {len(holders)}/{len(holders)} nodes agree on θ hash {h}")
         else:
             detail = "; ".join(f"{h}: nodes {ids}" for h, ids in hashes.items())
-            _log(f"[swarm] round {r}: θ hashes DIFFER — {detail}")
-        printed.add(r)
+            _log(f"[swarm] {label}round {r}: θ hashes DIFFER — {detail}")
+        printed.add((stage, r))
 
 
 def terminate(nodes: list[Node]) -> None:
@@ -182,7 +200,10 @@ def kill_stragglers(nodes: list[Node]) -> None:
 
 
 def consume(
-    nodes: list[Node], lines: queue.Queue[tuple[int, str | None]], printed: set[int], deadline: float | None
+    nodes: list[Node],
+    lines: queue.Queue[tuple[int, str | None]],
+    printed: set[tuple[int, int]],
+    deadline: float | None,
 ) -> bool:
     """Print node lines and round results until every node's output ended (True) or the deadline (False)."""
     while any(n.exit_code is None and n.process is not None for n in nodes):
@@ -198,6 +219,9 @@ def consume(
             assert node.process is not None
             node.exit_code = node.process.wait()
             _log(f"[swarm] node {index} exited with code {node.exit_code}")
+            if all(n.exit_code is not None for n in nodes if n.stage == 0):
+                # Later stages only serve the drivers: they are done too (one SIGTERM each).
+                terminate([n for n in nodes if not n.stopped_by_us])
         else:
             _log(f"[{index}] {line}")
             match = ROUND_DONE.search(line)
@@ -211,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.nodes < 1:
         return _fail(f"--nodes must be >= 1, got {args.nodes}")
+    if not 1 <= args.stages <= args.nodes:
+        return _fail(f"--stages must lie in [1, --nodes {args.nodes}], got {args.stages}")
     if shutil.which(shlex.split(args.node_command)[0]) is None:
         return _fail(f"node command {args.node_command!r} not found")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
@@ -219,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     nodes = []
     for i, port in enumerate(ports):
         home = args.home / "swarm" / f"node{i}"
-        nodes.append(Node(i, port, home, Wallet.from_token(node_token(home)).wallet_id))
+        nodes.append(
+            Node(i, port, home, Wallet.from_token(node_token(home)).wallet_id, stage=i % args.stages)
+        )
 
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
-    printed: set[int] = set()
+    printed: set[tuple[int, int]] = set()
     try:
         for node in nodes:
             start_node(args, node, ports, data, threads, lines)
@@ -271,7 +299,10 @@ def start_node(
     )
     assert node.process.stdout is not None
     threading.Thread(target=_pump, args=(node.index, node.process.stdout, lines), daemon=True).start()
-    _log(f"[swarm] node {node.index}: pid {node.process.pid}, port {node.port}, wallet {node.wallet_id}")
+    _log(
+        f"[swarm] node {node.index}: pid {node.process.pid}, port {node.port}, stage {node.stage}, "
+        f"wallet {node.wallet_id}"
+    )
 
 
 def _fail(message: str) -> int:

@@ -1,0 +1,430 @@
+"""The pipeline transport: micro-batches to the next stage, gradients back, over the signed peer plane.
+
+- `NextStageRouter` (no I/O) picks the next-stage replica: SWARM's stochastic wiring
+  (Ryabinin et al. 2023), probability proportional to measured throughput (an exponential
+  moving average of tokens per second, end to end through the rest of the pipeline). A peer
+  never measured enters at the back of the queue: it is tried after every measured peer
+  when retrying, and drawn with the weight of the slowest measured one (so it gets measured
+  without getting the bulk of the traffic). A failed peer is banned for `ban_s`; a busy one
+  (503: in its outer round, queue full) is skipped for `busy_s`.
+- `PipelineClient` sends one micro-batch (`pipeline_wire`) and retries it elsewhere until
+  `deadline_s`; it returns the gradient and loss, or raises `PipelineUnavailable`.
+- `PipelineService` is the server side, a `server.ServerExtension`: POST /p2p/pipeline/forward,
+  sharing the signed-request middleware; the body limit follows this stage's shapes.
+  It checks everything before handing the micro-batch to the `StageWorker`; a bad request is
+  a 4xx and never reaches the model.
+
+Route (every refusal is a JSON `ErrorReply`):
+
+| route                        | in -> out                                                        | ok  | refusals        |
+|------------------------------|------------------------------------------------------------------|-----|-----------------|
+| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
+|                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     |                 |
+
+422 also answers a micro-batch on which the layers overflow (non-finite loss or gradient: not
+stepped). 503 = busy (the replica is in its outer round or its queue is full; retry another);
+502 = this replica could not reach the stage after it (retry another); 500 = the step failed
+for another reason (a bug: the sender bans this replica for a while).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from torch import Tensor
+
+from ..model import ModelConfig
+from ..pipeline import NonFiniteStep
+from ..stage_worker import Busy, Job, JobResult, StageWorker
+from ..wallet import Wallet
+from . import wire
+from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
+from .codec import HEADER_SLACK, sha256_hex
+from .peers import PeerEntry, PeerTable
+from .pipeline_wire import (
+    ACTIVATION_DTYPES,
+    ACTIVATION_HEADER,
+    FORWARD,
+    MICRO_BATCH_BYTES,
+    REPLY_HEADER,
+    ActivationHeader,
+    GradientReply,
+    activation_size_bound,
+    decode_activations,
+    decode_gradient,
+    encode_activations,
+    encode_gradient,
+)
+from .wire import Rejected, WireError
+
+
+class PipelineUnavailable(ConnectionError):
+    """No replica of the next stage took the micro-batch before the deadline (or the node is stopping)."""
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """The pipeline of one node. Times in seconds."""
+
+    num_stages: int
+    """S: stages the model is cut into (the network's stage layout)."""
+    dtype: str = "bf16"
+    """Activations and gradients on the wire: "bf16" keeps fp32's range (small gradients do not
+    flush to zero), "fp16" keeps 3 more mantissa bits."""
+    max_batch: int = 64
+    """Largest micro-batch (sequences) a replica accepts; sizes the body limit."""
+    request_timeout_s: float = 60.0
+    """One micro-batch's round trip through the rest of the pipeline."""
+    deadline_s: float = 300.0
+    """How long a micro-batch may wait for any next-stage replica (they may all be in a round)."""
+    ban_s: float = 30.0
+    """How long a replica that failed a micro-batch is skipped."""
+    busy_s: float = 0.2
+    """How long a replica that answered 503 (busy) is skipped."""
+    retry_pause_s: float = 0.05
+    """Pause when every next-stage replica is banned, busy or unknown."""
+    max_pending: int = 4
+    """Micro-batches a stage > 0 replica lets wait behind the one it computes."""
+    throughput_ema: float = 0.3
+    """Weight of the newest measurement in the throughput average."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_stages <= wire.MAX_STAGE + 1:
+            raise ValueError(
+                f"PipelineConfig.num_stages must lie in [1, {wire.MAX_STAGE + 1}], got {self.num_stages}"
+            )
+        if self.dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"PipelineConfig.dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
+        for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PipelineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.ban_s < 0 or self.busy_s < 0 or self.max_pending < 0:
+            raise ValueError("PipelineConfig: ban_s, busy_s and max_pending must be >= 0")
+        if not 0 < self.throughput_ema <= 1:
+            raise ValueError(f"PipelineConfig.throughput_ema must lie in (0, 1], got {self.throughput_ema}")
+
+
+@dataclass
+class _Link:
+    arrival: int
+    throughput: float | None = None
+    """Tokens per second through this peer (EMA); None until measured."""
+    skip_until: float = 0.0
+    failures: int = 0
+    successes: int = 0
+
+
+@dataclass
+class NextStageRouter:
+    """Which next-stage replica gets the next micro-batch. Not thread-safe: one event loop owns it."""
+
+    ban_s: float
+    busy_s: float
+    ema: float = 0.3
+    rng: random.Random = field(default_factory=random.Random)
+    _links: dict[str, _Link] = field(default_factory=dict)
+
+    def _link(self, wallet: str) -> _Link:
+        link = self._links.get(wallet)
+        if link is None:
+            link = self._links[wallet] = _Link(arrival=len(self._links))
+        return link
+
+    def throughput(self, wallet: str) -> float | None:
+        link = self._links.get(wallet)
+        return None if link is None else link.throughput
+
+    def ranking(self, candidates: Iterable[str], now: float) -> list[str]:
+        """Usable candidates, fastest measured first, then never-measured ones in order of arrival."""
+        links = {w: self._link(w) for w in candidates}
+        usable = [w for w, link in links.items() if link.skip_until <= now]
+        measured = sorted((w for w in usable if links[w].throughput is not None),
+                          key=lambda w: (-(links[w].throughput or 0.0), w))  # fmt: skip
+        fresh = sorted((w for w in usable if links[w].throughput is None), key=lambda w: links[w].arrival)
+        return measured + fresh
+
+    def choose(self, candidates: Iterable[str], now: float) -> str | None:
+        """A usable candidate drawn with probability ∝ throughput (unmeasured: the slowest measured
+        one's, or 1 when none is measured); None when none is usable."""
+        ranked = self.ranking(candidates, now)
+        if not ranked:
+            return None
+        measured = [t for w in ranked if (t := self._links[w].throughput) is not None]
+        floor = min(measured) if measured else 1.0
+        weights = [self._links[w].throughput or floor for w in ranked]
+        return self.rng.choices(ranked, weights=weights, k=1)[0]
+
+    def succeeded(self, wallet: str, tokens: int, seconds: float) -> None:
+        link = self._link(wallet)
+        rate = tokens / max(seconds, 1e-6)
+        link.throughput = (
+            rate if link.throughput is None else (1 - self.ema) * link.throughput + self.ema * rate
+        )
+        link.failures = 0
+        link.successes += 1
+        link.skip_until = 0.0
+
+    def failed(self, wallet: str, now: float) -> None:
+        """Ban for `ban_s`; the measured throughput is forgotten (the peer re-enters at the back)."""
+        link = self._link(wallet)
+        link.failures += 1
+        link.throughput = None
+        link.arrival = max((lk.arrival for lk in self._links.values()), default=0) + 1
+        link.skip_until = now + self.ban_s
+
+    def busy(self, wallet: str, now: float) -> None:
+        self._link(wallet).skip_until = now + self.busy_s
+
+
+class PipelineClient:
+    """Sends micro-batches to the next stage. Its coroutines run on the peer network's event loop."""
+
+    def __init__(
+        self,
+        *,
+        wallet: Wallet,
+        stage: int,
+        peers: PeerTable,
+        config: PipelineConfig,
+        clock: Clock,
+        log: Callable[[str], None],
+        stop: threading.Event,
+        router: NextStageRouter | None = None,
+    ) -> None:
+        if not 0 <= stage < config.num_stages - 1:
+            raise ValueError(f"stage {stage} has no next stage among {config.num_stages}")
+        self.wallet = wallet
+        self.stage = stage
+        self.peers = peers
+        self.config = config
+        self.clock = clock
+        self.log = log
+        self.stop = stop
+        self.router = router or NextStageRouter(
+            ban_s=config.ban_s, busy_s=config.busy_s, ema=config.throughput_ema
+        )
+        self.client = PeerClient(
+            wallet, clock=clock, connect_timeout_s=min(5.0, config.request_timeout_s),
+            request_timeout_s=config.request_timeout_s,
+        )  # fmt: skip
+        self.retries = 0
+
+    @property
+    def traffic(self) -> Traffic:
+        """Pipeline bytes only (the round exchange has its own client and counters)."""
+        return self.client.traffic
+
+    async def start(self) -> None:
+        await self.client.start()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def forward(
+        self, hidden: Tensor, labels: Tensor, *, round_: int, micro_batch: str | None = None
+    ) -> tuple[Tensor, float]:
+        """Send hidden (B, T, C) and labels (B, T) to a next-stage replica, retrying elsewhere;
+        returns (∂loss/∂hidden (B, T, C) float32, loss)."""
+        batch, seq_len, dim = hidden.shape
+        dtype = self.config.dtype
+        micro_batch = micro_batch or secrets.token_hex(MICRO_BATCH_BYTES)
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, encode_activations, hidden, labels, dtype
+        )
+        header = ActivationHeader.create(
+            self.wallet, micro_batch=micro_batch, stage=self.stage + 1, round=round_, batch=batch,
+            seq_len=seq_len, dim=dim, dtype=dtype, payload_sha256=sha256_hex(body),
+        )  # fmt: skip
+        headers = {ACTIVATION_HEADER: header.to_json().decode()}
+        reply_bound = batch * seq_len * dim * 2 + HEADER_SLACK
+        deadline = time.monotonic() + self.config.deadline_s
+        while True:
+            if self.stop.is_set():
+                raise PipelineUnavailable(f"micro-batch {micro_batch[:8]}: the node is stopping")
+            now = self.clock()
+            live = {e.wallet: e for e in self.peers.live(now, self.stage + 1)}
+            pick = self.router.choose(live, now)
+            if pick is None:
+                if time.monotonic() > deadline:
+                    raise PipelineUnavailable(
+                        f"micro-batch {micro_batch[:8]}: no replica of stage {self.stage + 1} took it "
+                        f"within {self.config.deadline_s:.0f} s ({len(live)} known)"
+                    )
+                await asyncio.sleep(self.config.retry_pause_s)
+                continue
+            started = time.monotonic()
+            outcome = await self._try(live[pick], body, headers, header, reply_bound)
+            if isinstance(outcome, tuple):
+                self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
+                return outcome
+            self.retries += 1
+            if outcome == "busy":
+                self.router.busy(pick, self.clock())
+            else:
+                self.router.failed(pick, self.clock())
+                self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} failed ({outcome}); "
+                         f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
+
+    async def _try(
+        self,
+        peer: PeerEntry,
+        body: bytes,
+        headers: dict[str, str],
+        header: ActivationHeader,
+        reply_bound: int,
+    ) -> tuple[Tensor, float] | str:
+        """One attempt: the result, "busy", or why it failed."""
+        try:
+            reply = await self.client.request(
+                "POST", peer.address, FORWARD, body=body, headers=headers, max_bytes=reply_bound
+            )
+        except PeerUnreachable as exc:
+            return str(exc)
+        if reply.status in (502, 503):
+            return "busy"
+        if not reply.ok:
+            return f"status {reply.status}: {reply.error()}"
+        try:
+            raw = reply.headers.get(REPLY_HEADER)
+            if raw is None:
+                raise WireError(f"reply has no {REPLY_HEADER} header")
+            answer = GradientReply.from_json(raw)
+            if answer.wallet != peer.wallet or not answer.signature_valid():
+                raise WireError("reply is not signed by the replica we sent to")
+            if (answer.micro_batch, answer.stage, answer.dtype) != (
+                header.micro_batch,
+                header.stage,
+                header.dtype,
+            ):
+                raise WireError("reply is for another micro-batch, stage or dtype")
+            if sha256_hex(reply.body) != answer.payload_sha256:
+                raise WireError("reply body differs from its signed payload_sha256")
+            shape = (header.batch, header.seq_len, header.dim)
+            grad = await asyncio.get_running_loop().run_in_executor(
+                None, decode_gradient, reply.body, shape, header.dtype
+            )
+        except WireError as exc:
+            return f"bad reply: {exc}"
+        return grad, answer.loss
+
+
+class PipelineService:
+    """POST /p2p/pipeline/forward on a stage > 0 replica; a `server.ServerExtension`."""
+
+    ROUTE = "pipeline_forward"
+
+    def __init__(
+        self,
+        *,
+        wallet: Wallet,
+        stage: int,
+        model_config: ModelConfig,
+        config: PipelineConfig,
+        worker: StageWorker,
+        reply_timeout_s: float | None = None,
+    ) -> None:
+        if not 1 <= stage < config.num_stages:
+            raise ValueError(f"PipelineService serves stages 1..{config.num_stages - 1}, got stage {stage}")
+        self.wallet = wallet
+        self.stage = stage
+        self.model_config = model_config
+        self.config = config
+        self.worker = worker
+        self.reply_timeout_s = reply_timeout_s or config.request_timeout_s
+        self.served = 0
+        self.traffic = Traffic()
+        """Answered micro-batches at the HTTP layer (as the middleware counts them): the pipeline's
+        share of this server's traffic, so a bench can tell it from the round exchange's."""
+
+    def body_limit(self, route: str) -> int | None:
+        if route != self.ROUTE:
+            return None
+        cfg = self.model_config
+        return activation_size_bound(self.config.max_batch, cfg.max_seq_len, cfg.dim)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(FORWARD, self._forward, name=self.ROUTE)
+
+    def _check(self, header: ActivationHeader, request: web.Request) -> None:
+        cfg = self.model_config
+        if header.wallet != request[PEER_WALLET]:
+            raise Rejected(422, "not_own", "an activation header must be signed by the wallet that sends it")
+        if not header.signature_valid():
+            raise Rejected(
+                422, "bad_activation_signature", "the activation header's signature does not verify"
+            )
+        if header.stage != self.stage:
+            raise Rejected(
+                422,
+                "wrong_stage",
+                f"micro-batch is for stage {header.stage}, this replica holds stage {self.stage}",
+            )
+        if header.dim != cfg.dim:
+            raise Rejected(422, "wrong_shape", f"hidden width {header.dim} != this model's dim {cfg.dim}")
+        if header.seq_len > cfg.max_seq_len or header.batch > self.config.max_batch:
+            raise Rejected(
+                422, "wrong_shape",
+                f"micro-batch ({header.batch}, {header.seq_len}) exceeds ({self.config.max_batch}, {cfg.max_seq_len})",
+            )  # fmt: skip
+        if sha256_hex(request[BODY]) != header.payload_sha256:
+            raise Rejected(
+                422, "payload_mismatch", "body sha256 differs from the signed header's payload_sha256"
+            )
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        raw = request.headers.get(ACTIVATION_HEADER)
+        if raw is None:
+            raise Rejected(400, "malformed", f"missing {ACTIVATION_HEADER} header")
+        header = ActivationHeader.from_json(raw)
+        self._check(header, request)
+        loop = asyncio.get_running_loop()
+        hidden, labels = await loop.run_in_executor(
+            None, decode_activations, request[BODY], header, self.model_config.vocab_size
+        )
+        result: asyncio.Future[JobResult] = loop.create_future()
+
+        def done(outcome: JobResult) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the node is stopping, nobody waits
+                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_result(outcome))
+
+        try:
+            self.worker.offer(Job(hidden, labels, done))
+        except Busy as exc:
+            raise Rejected(503, "busy", str(exc)) from None
+        try:
+            outcome = await asyncio.wait_for(result, self.reply_timeout_s)
+        except TimeoutError:
+            raise Rejected(503, "busy", f"no result within {self.reply_timeout_s:.0f} s") from None
+        if isinstance(outcome, Busy):
+            raise Rejected(503, "busy", str(outcome))
+        if isinstance(outcome, ConnectionError):
+            raise Rejected(502, "downstream", f"the next stage is unreachable: {outcome}")
+        if isinstance(outcome, NonFiniteStep):
+            raise Rejected(422, "non_finite", str(outcome))
+        if isinstance(outcome, BaseException):
+            raise Rejected(500, "step_failed", f"{type(outcome).__name__}: {outcome}")
+        grad, loss, round_ = outcome
+        body = await loop.run_in_executor(None, encode_gradient, grad, header.dtype)
+        reply = GradientReply.create(
+            self.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
+            loss=min(max(loss, 0.0), 1e6), dtype=header.dtype, payload_sha256=sha256_hex(body),
+        )  # fmt: skip
+        self.served += 1
+        response = web.Response(
+            status=200, body=body, headers={REPLY_HEADER: reply.to_json().decode()},
+            content_type="application/octet-stream",
+        )  # fmt: skip
+        self.traffic.requests += 1
+        self.traffic.bytes_received += len(request[BODY]) + head_bytes(
+            f"{request.method} {request.raw_path} HTTP/1.1", request.raw_headers
+        )
+        self.traffic.bytes_sent += len(body) + head_bytes("HTTP/1.1 200 OK", response.headers.items())
+        return response

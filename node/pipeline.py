@@ -1,0 +1,112 @@
+"""Pipeline stages, the maths side: one inner step of a stage whose neighbours live elsewhere.
+
+SWARM-style pipelining (Ryabinin et al. 2023, arXiv:2301.11913) under DiLoCo
+(DiLoCo-SWARM, Douillard et al.): stage 0 reads a batch and runs its layers; each later
+stage runs its layers on the activations it receives; the last stage computes the loss;
+gradients with respect to the activations flow back the same path; every replica steps
+its own inner optimizer. Rounds stay per stage (see `diloco.DiLoCo`).
+
+Pure torch. Where the next stage lives is hidden behind a `Downstream` callable — the
+protocol layer (`p2p.pipeline`) supplies one that sends the activations over the network.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .diloco import DiLoCo, LossFn
+from .model import ModelConfig, cross_entropy_loss
+
+Downstream = Callable[[Tensor, Tensor], tuple[Tensor, float]]
+"""(hidden (B, T, C) detached, labels (B, T)) -> (∂loss/∂hidden (B, T, C), loss): the rest of the
+pipeline, from the next stage to the loss and back. Raises if no next stage could be reached."""
+
+
+def stage_fingerprint(config: ModelConfig, num_stages: int) -> str:
+    """What a stage's checkpoint must match: the architecture and, when S > 1, the staging (stage 0
+    of 2 holds other layers than the whole model). S = 1 keeps the plain architecture fingerprint."""
+    base = config.architecture_fingerprint()
+    return base if num_stages == 1 else f"{base}/stages={num_stages}"
+
+
+class _RemoteLoss(torch.autograd.Function):
+    """The loss computed by the later stages: forward sends the hidden state on, backward
+    returns the gradient they sent back (scaled by the incoming gradient, 1 for `.backward()`)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, labels: Tensor, downstream: Downstream) -> Tensor:
+        grad, loss = downstream(hidden.detach(), labels)
+        if grad.shape != hidden.shape:
+            raise ValueError(
+                f"downstream returned a gradient of shape {tuple(grad.shape)}, expected {tuple(hidden.shape)}"
+            )
+        ctx.save_for_backward(grad.to(hidden.dtype))
+        return torch.tensor(loss, dtype=hidden.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None
+
+
+def remote_loss(downstream: Downstream) -> LossFn:
+    """A DiLoCo `loss_fn` for stage 0 of S > 1: `DiLoCo.inner_step` then runs local forward ->
+    the rest of the pipeline -> local backward with the returned gradient -> inner update."""
+
+    def loss_fn(hidden: Tensor, labels: Tensor) -> Tensor:
+        return _RemoteLoss.apply(hidden, labels, downstream)
+
+    return loss_fn
+
+
+def stage_inner_step(
+    diloco: DiLoCo, hidden: Tensor, labels: Tensor, downstream: Downstream | None
+) -> tuple[Tensor, float]:
+    """One inner step of a stage > 0 on a received micro-batch.
+
+    `hidden` (B, T, C) is the previous stage's output; `downstream` is None on the last stage
+    (which holds the head and computes the loss). Returns (∂loss/∂hidden (B, T, C) float32, loss)
+    after the inner optimizer stepped. On an exception nothing was stepped and no gradient is
+    left behind.
+    """
+    x = hidden.detach().float().requires_grad_(True)
+    try:
+        # enable_grad: a caller may sit inside an autograd Function's forward (chained in-process).
+        with torch.enable_grad():
+            out = diloco.model(x)
+            if downstream is None:
+                loss = cross_entropy_loss(out, labels)
+                loss.backward()
+                value = loss.item()
+            else:
+                grad_out, value = downstream(out.detach(), labels)
+                out.backward(grad_out.to(out.dtype))
+        assert x.grad is not None
+        if not (
+            math.isfinite(value)
+            and _all_finite([x.grad, *(p.grad for p in diloco.params if p.grad is not None)])
+        ):
+            # Finite but extreme activations (a faulty or hostile sender) can overflow inside the
+            # layers; one such step would turn the replica's weights to NaN.
+            raise NonFiniteStep(
+                f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
+            )
+    except BaseException:
+        diloco.inner_optimizer.zero_grad(set_to_none=True)
+        raise
+    diloco.inner_update()
+    return x.grad, value
+
+
+class NonFiniteStep(ValueError):
+    """A micro-batch whose loss or gradients are not finite: refused, nothing stepped."""
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])  # one norm per tensor
+    return bool(torch.isfinite(norms).all())

@@ -1,0 +1,394 @@
+"""The pipeline transport: next-stage routing, retry after failure, and a forward route that
+refuses bad micro-batches with a 4xx before they reach the model.
+
+An in-process aiohttp server on loopback serving a real last stage (a `StageWorker` on its
+own thread); requests are signed with the real signing code, then broken on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from aiohttp import ClientSession, test_utils
+from safetensors.torch import save as st_save
+
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.p2p.codec import sha256_hex
+from neuroshard.node.p2p.pipeline import NextStageRouter, PipelineClient, PipelineConfig, PipelineService
+from neuroshard.node.p2p.pipeline_wire import (
+    ACTIVATION_HEADER,
+    FORWARD,
+    REPLY_HEADER,
+    ActivationHeader,
+    GradientReply,
+    decode_gradient,
+    encode_activations,
+)
+from neuroshard.node.p2p.server import NodeState, build_app
+from neuroshard.node.p2p.wire import ErrorReply, PeerRecord
+from neuroshard.node.stage_worker import StageWorker, WorkerConfig
+from neuroshard.node.wallet import Wallet
+
+MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
+B, T = 2, 8
+PIPE = PipelineConfig(num_stages=2, max_batch=4, request_timeout_s=5.0, deadline_s=5.0, ban_s=30.0)
+
+
+# --- the router, no I/O -------------------------------------------------------------------
+
+
+def test_ranking_puts_measured_peers_by_throughput_and_new_peers_at_the_back() -> None:
+    router = NextStageRouter(ban_s=10.0, busy_s=1.0)
+    router.succeeded("slow", tokens=100, seconds=1.0)
+    router.succeeded("fast", tokens=1000, seconds=1.0)
+    assert router.ranking(["fast", "slow", "new1", "new2"], now=0.0) == ["fast", "slow", "new1", "new2"]
+    # Arrival order among the unmeasured, whatever order the peer table lists them in.
+    assert router.ranking(["new2", "slow", "new1", "fast"], now=0.0) == ["fast", "slow", "new1", "new2"]
+    router.succeeded("new2", tokens=5000, seconds=1.0)
+    assert router.ranking(["fast", "slow", "new1", "new2"], now=0.0)[0] == "new2"
+
+
+def test_choice_is_proportional_to_throughput_and_new_peers_get_the_slowest_weight() -> None:
+    router = NextStageRouter(ban_s=10.0, busy_s=1.0, rng=random.Random(7))
+    router.succeeded("a", tokens=300, seconds=1.0)
+    router.succeeded("b", tokens=100, seconds=1.0)
+    draws = [router.choose(["a", "b", "new"], now=0.0) for _ in range(5000)]
+    share = {w: draws.count(w) / len(draws) for w in ("a", "b", "new")}
+    # Weights 300 : 100 : 100 (new = slowest measured) -> 0.6 : 0.2 : 0.2.
+    assert share["a"] == pytest.approx(0.6, abs=0.03)
+    assert share["b"] == pytest.approx(0.2, abs=0.03)
+    assert share["new"] == pytest.approx(0.2, abs=0.03)
+
+
+def test_a_failed_peer_is_banned_then_returns_at_the_back_and_busy_is_short() -> None:
+    router = NextStageRouter(ban_s=10.0, busy_s=1.0)
+    for w, rate in (("a", 300), ("b", 100)):
+        router.succeeded(w, tokens=rate, seconds=1.0)
+    router.ranking(["c"], now=0.0)  # c is seen (unmeasured)
+    router.failed("a", now=100.0)
+    assert router.ranking(["a", "b", "c"], now=105.0) == ["b", "c"]
+    assert router.choose(["a"], now=105.0) is None
+    # After the ban a is usable again, but its old measurement is gone: behind c.
+    assert router.ranking(["a", "b", "c"], now=110.5) == ["b", "c", "a"]
+    router.busy("b", now=200.0)
+    assert router.ranking(["a", "b", "c"], now=200.5) == ["c", "a"]
+    assert router.ranking(["a", "b", "c"], now=201.5)[0] == "b"
+
+
+# --- a served last stage ------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    node: NodeState
+    worker: StageWorker
+    service: PipelineService
+    server: test_utils.TestServer
+    session: ClientSession
+    wallet: Wallet
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    async def send(
+        self,
+        sender: Wallet,
+        body: bytes,
+        header: ActivationHeader | str | None,
+        *,
+        signed_body: bytes | None = None,
+    ) -> tuple[int, Any, bytes]:
+        auth = sign_request(
+            sender, "POST", FORWARD, body if signed_body is None else signed_body, time.time()
+        )
+        headers = dict(auth)
+        if header is not None:
+            headers[ACTIVATION_HEADER] = header if isinstance(header, str) else header.to_json().decode()
+        async with self.session.post(self.server.make_url(FORWARD), data=body, headers=headers) as r:
+            return r.status, r.headers, await r.read()
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        d = self.worker.diloco
+        return (d.step, d.round, [p.detach().clone() for p in d.params])
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
+
+
+def _micro_batch(seed: int = 0, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, T, MODEL.dim, generator=g), torch.randint(
+        0, MODEL.vocab_size, (batch, T), generator=g
+    )
+
+
+def _signed(sender: Wallet, body: bytes, **over: Any) -> ActivationHeader:
+    values: dict[str, Any] = dict(
+        micro_batch="ab" * 16, stage=1, round=0, batch=B, seq_len=T, dim=MODEL.dim, dtype="bf16",
+        payload_sha256=sha256_hex(body),
+    )  # fmt: skip
+    return ActivationHeader.create(sender, **{**values, **over})
+
+
+@pytest_asyncio.fixture
+async def served(make_node, wallets) -> AsyncIterator[Served]:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    node: NodeState = make_node(wallets[0], stage=1)
+    cfg = DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000)
+    worker = StageWorker(
+        DiLoCo(build_stage(MODEL, 1, 2), cfg), WorkerConfig(log_every=1000), log=lambda s: None
+    )
+    service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=worker)
+    server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
+    await server.start_server()
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop, 0.01), daemon=True)
+    thread.start()
+    async with ClientSession() as session:
+        yield Served(node, worker, service, server, session, wallets[0])
+    stop.set()
+    thread.join(10.0)
+    await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_valid_micro_batch_is_trained_on_and_answered_with_a_signed_gradient(served, wallets) -> None:
+    hidden, labels = _micro_batch()
+    body = encode_activations(hidden, labels, "bf16")
+    status, headers, reply_body = await served.send(wallets[1], body, _signed(wallets[1], body))
+    assert status == 200, reply_body
+    reply = GradientReply.from_json(headers[REPLY_HEADER])
+    assert reply.wallet == served.wallet.public_key_hex and reply.signature_valid()
+    assert reply.micro_batch == "ab" * 16 and reply.payload_sha256 == sha256_hex(reply_body)
+    grad = decode_gradient(reply_body, (B, T, MODEL.dim), "bf16")
+    assert grad.shape == (B, T, MODEL.dim) and grad.abs().sum() > 0
+    assert 0 < reply.loss < 10 and served.worker.diloco.step == 1
+
+
+def _pickle_body() -> bytes:
+    return pickle.dumps({"hidden": torch.zeros(B, T, MODEL.dim)})
+
+
+def _nan_body() -> bytes:
+    hidden, labels = _micro_batch()
+    hidden[0, 0, 0] = float("nan")
+    return encode_activations(hidden, labels, "bf16")
+
+
+def _overflowing_body() -> bytes:
+    """Finite in bf16, but the layers overflow on it (the gradient through RMSNorm is not finite)."""
+    hidden, labels = _micro_batch()
+    return encode_activations(torch.full_like(hidden, 3e38), labels, "bf16")
+
+
+def _bad_labels_body() -> bytes:
+    hidden, labels = _micro_batch()
+    labels[1, 3] = MODEL.vocab_size
+    return encode_activations(hidden, labels, "bf16")
+
+
+def _fp16_body() -> bytes:
+    return encode_activations(*_micro_batch(), "fp16")
+
+
+def _good_body() -> bytes:
+    return encode_activations(*_micro_batch(), "bf16")
+
+
+def _truncated_body() -> bytes:
+    return _good_body()[:-10]
+
+
+def _extra_tensor_body() -> bytes:
+    hidden, labels = _micro_batch()
+    return st_save({"hidden": hidden.bfloat16(), "labels": labels.int(), "extra": torch.zeros(1)})
+
+
+BadCase = tuple[Callable[[], bytes], dict[str, Any], int, str]
+BAD_CASES: dict[str, BadCase] = {
+    "pickle": (_pickle_body, {}, 400, "malformed"),
+    "truncated safetensors": (_truncated_body, {}, 400, "malformed"),
+    "extra tensor": (_extra_tensor_body, {}, 400, "malformed"),
+    "dtype differs from header": (_fp16_body, {}, 400, "malformed"),
+    "NaN hidden": (_nan_body, {}, 422, "invalid"),
+    "label out of vocabulary": (_bad_labels_body, {}, 422, "invalid"),
+    "overflow inside the layers": (_overflowing_body, {}, 422, "non_finite"),
+    "wrong stage": (_good_body, {"stage": 2}, 422, "wrong_stage"),
+    "wrong width": (_good_body, {"dim": MODEL.dim * 2}, 422, "wrong_shape"),
+    "too long": (_good_body, {"seq_len": MODEL.max_seq_len + 1}, 422, "wrong_shape"),
+    "payload hash": (_good_body, {"payload_sha256": "00" * 32}, 422, "payload_mismatch"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+async def test_bad_micro_batches_are_refused_with_no_state_change(served, wallets, case) -> None:
+    make_body, over, status, code = BAD_CASES[case]
+    body = make_body()
+    before = served.fingerprint()
+    got, _, reply = await served.send(wallets[1], body, _signed(wallets[1], body, **over))
+    assert (got, ErrorReply.from_json(reply).error) == (status, code)
+    await asyncio.sleep(0.05)  # a micro-batch that slipped through would be stepped on by now
+    assert _same(served.fingerprint(), before)
+
+
+@pytest.mark.asyncio
+async def test_header_problems_and_oversized_bodies_are_refused(served, wallets) -> None:
+    body = _good_body()
+    before = served.fingerprint()
+    cases = [
+        (await served.send(wallets[1], body, None), 400, "malformed"),  # no activation header
+        (await served.send(wallets[1], body, "{not json"), 400, "malformed"),
+        (await served.send(wallets[1], body, _signed(wallets[2], body)), 422, "not_own"),
+        (
+            await served.send(
+                wallets[1], body, replace(_signed(wallets[1], body), round=5).to_json().decode()
+            ),
+            422,
+            "bad_activation_signature",
+        ),
+        (
+            await served.send(wallets[1], body, _signed(wallets[1], body), signed_body=b"other"),
+            401,
+            "bad_signature",
+        ),
+    ]
+    limit = served.service.body_limit("pipeline_forward")
+    assert limit is not None
+    huge = b"\0" * (limit + 1)
+    cases.append((await served.send(wallets[1], huge, _signed(wallets[1], huge)), 413, "too_large"))
+    for (status, _, reply), want_status, want_code in cases:
+        assert (status, ErrorReply.from_json(reply).error) == (want_status, want_code)
+    assert _same(served.fingerprint(), before)
+
+
+@pytest.mark.asyncio
+async def test_a_replica_in_its_outer_round_answers_503_and_changes_nothing(make_node, wallets) -> None:
+    node = make_node(wallets[0], stage=1)
+    in_round, release = threading.Event(), threading.Event()
+
+    def slow_round(diloco: DiLoCo) -> None:
+        in_round.set()
+        release.wait(10.0)
+        diloco.outer_step(diloco.pseudo_gradient())
+
+    cfg = DiLoCoConfig(inner_steps=1, warmup_steps=0, total_steps=10)
+    worker = StageWorker(
+        DiLoCo(build_stage(MODEL, 1, 2), cfg),
+        WorkerConfig(log_every=100),
+        log=lambda s: None,
+        finish_round=slow_round,
+    )
+    service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=worker)
+    server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
+    await server.start_server()
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop, 0.01), daemon=True)
+    thread.start()
+    try:
+        async with ClientSession() as session:
+            s = Served(node, worker, service, server, session, wallets[0])
+            body = _good_body()
+            assert (await s.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+            assert await asyncio.to_thread(in_round.wait, 5.0)
+            before = s.fingerprint()
+            status, _, reply = await s.send(wallets[1], body, _signed(wallets[1], body))
+            assert (status, ErrorReply.from_json(reply).error) == (503, "busy")
+            assert _same(s.fingerprint(), before) and worker.stats.refused == 1
+            release.set()
+            await asyncio.sleep(0.1)
+            assert (await s.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+            for _ in range(100):  # H=1: the second step closes round 1 right after its reply
+                if worker.diloco.round == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert (worker.diloco.step, worker.diloco.round) == (2, 2)
+    finally:
+        release.set()
+        stop.set()
+        thread.join(10.0)
+        await server.close()
+
+
+# --- the client: retry elsewhere, ban the failed peer -------------------------------------
+
+
+def _dead_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"  # closed on exit: connections are refused
+
+
+@pytest.mark.asyncio
+async def test_a_failed_peer_is_banned_and_the_micro_batch_retried_elsewhere(served, wallets) -> None:
+    from neuroshard.node.p2p.peers import PeerTable
+
+    now = time.time()
+    driver, dead = wallets[1], wallets[2]
+    table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+    table.merge(
+        [
+            PeerRecord.create(dead, address=_dead_address(), stage=1, last_seen=now),
+            PeerRecord.create(served.wallet, address=served.address, stage=1, last_seen=now),
+        ],
+        now,
+    )
+    router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
+    router.succeeded(dead.public_key_hex, tokens=10**9, seconds=1.0)  # looks fastest: drawn first
+    router.succeeded(served.wallet.public_key_hex, tokens=1, seconds=1.0)
+    lines: list[str] = []
+    client = PipelineClient(
+        wallet=driver, stage=0, peers=table, config=PIPE, clock=time.time, log=lines.append,
+        stop=threading.Event(), router=router,
+    )  # fmt: skip
+    await client.start()
+    try:
+        hidden, labels = _micro_batch(3)
+        grad, loss = await client.forward(hidden, labels, round_=0)
+    finally:
+        await client.close()
+    assert grad.shape == hidden.shape and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert loss > 0 and served.worker.diloco.step == 1
+    assert client.retries == 1
+    assert router.ranking([dead.public_key_hex, served.wallet.public_key_hex], time.time()) == [
+        served.wallet.public_key_hex
+    ]
+    assert any("banned" in line and dead.public_key_hex[:12] in line for line in lines)
+
+
+@pytest.mark.asyncio
+async def test_with_no_reachable_next_stage_the_client_gives_up_at_its_deadline(wallets) -> None:
+    from neuroshard.node.p2p.peers import PeerTable
+    from neuroshard.node.p2p.pipeline import PipelineUnavailable
+
+    now = time.time()
+    table = PeerTable(own_wallet=wallets[1].public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+    table.merge([PeerRecord.create(wallets[2], address=_dead_address(), stage=1, last_seen=now)], now)
+    config = replace(PIPE, deadline_s=0.5)
+    client = PipelineClient(
+        wallet=wallets[1], stage=0, peers=table, config=config, clock=time.time, log=lambda s: None,
+        stop=threading.Event(),
+    )  # fmt: skip
+    await client.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PipelineUnavailable, match="no replica of stage 1"):
+            await client.forward(*_micro_batch(), round_=0)
+    finally:
+        await client.close()
+    assert time.monotonic() - started < 5.0 and client.retries == 1

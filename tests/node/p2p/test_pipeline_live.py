@@ -1,0 +1,315 @@
+"""2 stages × 2 replicas on real sockets (threads in one process, loopback), wired as the CLI wires them.
+
+Stage 0: two `Trainer`s with a remote loss (they read data and drive). Stage 1: two
+`start_stage_replica` replicas (head and loss). Each stage runs its own DiLoCo rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuroshard.node.diloco import DiLoCoConfig
+from neuroshard.node.model import ModelConfig
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.pipeline import PipelineConfig
+from neuroshard.node.p2p.stages import PipelineLink, StageReplica, start_stage_replica
+from neuroshard.node.pipeline import remote_loss
+from neuroshard.node.stage_worker import WorkerConfig
+from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
+from neuroshard.node.wallet import Wallet
+
+MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
+H = 5
+ROUNDS = 4
+DILOCO = DiLoCoConfig(inner_steps=H, inner_lr=1e-2, warmup_steps=2, total_steps=200)
+PIPE = PipelineConfig(num_stages=2, request_timeout_s=10.0, deadline_s=30.0, ban_s=5.0)
+
+
+def _net(**over: object) -> NetworkConfig:
+    values: dict[str, object] = dict(
+        host="127.0.0.1", port=0, round_timeout_s=15.0, hash_check_timeout_s=5.0, join_timeout_s=3.0,
+        digest_interval_s=0.1, gossip_interval_s=0.2, peer_ttl_s=10.0, request_timeout_s=5.0, connect_timeout_s=2.0,
+    )  # fmt: skip
+    return NetworkConfig(**{**values, **over})  # type: ignore[arg-type]
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Driver:
+    """A stage-0 replica: Trainer + PeerNetwork + PipelineLink, as `neuroshard-node --stage 0` builds them."""
+
+    def __init__(  # type: ignore[no-untyped-def]
+        self,
+        index: int,
+        published,
+        tmp_path: Path,
+        bootstrap: tuple[str, ...],
+        pipe: PipelineConfig = PIPE,
+        model: ModelConfig = MODEL,
+    ) -> None:
+        self.wallet = Wallet.from_token(f"pipeline-driver-{index}")
+        self.stop = threading.Event()
+        self.lines: list[str] = []
+        self.network = PeerNetwork(_net(peers=bootstrap), self.wallet, 0, self.lines.append, stop=self.stop)
+        self.network.start()
+        self.link = PipelineLink(
+            self.network,
+            pipe,
+            stop=self.stop,
+            round_of=lambda: self.trainer.diloco.round,
+            log=self.lines.append,
+        )
+        self.link.start()
+        self.trainer = Trainer(
+            wallet_id=self.wallet.wallet_id,
+            dataset=published.dataset,
+            model_config=model,
+            diloco_config=DILOCO,
+            config=TrainerConfig(
+                batch_size=4, seq_len=32, max_steps=ROUNDS * H, checkpoint_every=1000, log_every=1000
+            ),
+            checkpoint_dir=tmp_path / f"driver{index}",
+            log=self.lines.append,
+            finish_round=self.network.finish_round,
+            num_stages=pipe.num_stages,
+            loss_fn=remote_loss(self.link.downstream),
+        )
+        self.result: TrainResult | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        def run() -> None:
+            try:
+                self.result = self.trainer.run(self.stop)
+            except BaseException as exc:  # reported by the test
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(30.0)
+        self.link.close()
+        self.network.stop()
+
+
+class Stage1:
+    """A stage > 0 replica (stage 1 unless told), as `neuroshard-node --stage i` builds it."""
+
+    def __init__(
+        self,
+        index: int,
+        bootstrap: tuple[str, ...],
+        max_steps: int | None,
+        *,
+        stage: int = 1,
+        pipe: PipelineConfig = PIPE,
+        model: ModelConfig = MODEL,
+        **net: object,
+    ) -> None:
+        self.wallet = Wallet.from_token(f"pipeline-stage{stage}-{index}")
+        self.stop = threading.Event()
+        self.lines: list[str] = []
+        self.replica: StageReplica = start_stage_replica(
+            wallet=self.wallet,
+            stage=stage,
+            model_config=model,
+            diloco_config=DILOCO,
+            network_config=_net(peers=bootstrap, **net),
+            pipeline_config=pipe,
+            worker_config=WorkerConfig(max_steps=max_steps, log_every=1000),
+            stop=self.stop,
+            log=self.lines.append,
+        )
+        self.result: TrainResult | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.result = self.replica.worker.run(self.stop)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30.0)
+        self.replica.close()
+
+
+Build2x2 = Callable[..., tuple[list[Driver], list[Stage1]]]
+
+
+@pytest.fixture
+def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: list[Driver | Stage1] = []
+
+    def build(stage1_max_steps: int | None, **stage1_net: object) -> tuple[list[Driver], list[Stage1]]:
+        first = Stage1(0, (), stage1_max_steps, **stage1_net)
+        made.append(first)
+        boot = (first.replica.network.address,)
+        made.append(Stage1(1, boot, stage1_max_steps, **stage1_net))
+        made.extend(Driver(i, published, tmp_path, boot) for i in range(2))
+        drivers = [m for m in made if isinstance(m, Driver)]
+        for d in drivers:
+            d.network.join_state(d.trainer.diloco)  # announces the driver (stage 1 joined at start)
+        everyone = [d.network for d in drivers] + [m.replica.network for m in made if isinstance(m, Stage1)]
+        _wait(lambda: all(len(n.live_peers()) == 1 for n in everyone), 10.0, "stage peers to find each other")
+        _wait(
+            lambda: all(len(d.network.node.peers.live(time.time(), 1)) == 2 for d in drivers),
+            10.0,
+            "drivers to learn both stage-1 replicas",
+        )
+        return drivers, [m for m in made if isinstance(m, Stage1)]
+
+    try:
+        yield build
+    finally:
+        for m in made:
+            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
+            print("\n".join(m.lines))
+        for m in reversed(made):
+            m.close()
+
+
+def _finish(drivers: list[Driver], timeout: float) -> None:
+    for d in drivers:
+        assert d.thread is not None
+        d.thread.join(timeout)
+        assert not d.thread.is_alive(), f"a driver did not finish in {timeout:.0f} s"
+        assert d.error is None, f"driver raised {d.error!r}"
+
+
+def _stage_agrees(networks: list[PeerNetwork], rounds: range) -> None:
+    for round_ in rounds:
+        reports = [{r.round: r for r in n.reports}[round_] for n in networks]
+        assert len({rep.theta_hash for rep in reports}) == 1, f"round {round_} diverged"
+
+
+def _loss_fell(drivers: list[Driver], by: float) -> tuple[float, float]:
+    losses = [d.result.losses for d in drivers if d.result is not None]
+    first = sum(sum(ls[:H]) for ls in losses) / (len(losses) * H)
+    last = sum(sum(ls[-H:]) for ls in losses) / (len(losses) * H)
+    assert last < first - by, f"loss {first:.3f} -> {last:.3f}"
+    return first, last
+
+
+def test_two_stages_by_two_replicas_train_through_the_pipeline(build_2x2: Build2x2) -> None:
+    drivers, stage1 = build_2x2(ROUNDS * H)
+    started = time.monotonic()
+    for d in drivers:
+        d.start()
+    _finish(drivers, 120.0)
+    for s in stage1:
+        s.thread.join(30.0)
+        assert not s.thread.is_alive(), "a stage-1 replica did not finish its steps"
+    elapsed = time.monotonic() - started
+
+    # Every stage did ROUNDS rounds, and in each its two replicas agree on θ with both contributions.
+    for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
+        _stage_agrees(stage_networks, range(ROUNDS))
+        assert all(len(r.accepted) == 2 and not r.late for n in stage_networks for r in n.reports)
+    hashes = [d.trainer.diloco.weights_hash() for d in drivers]
+    assert hashes[0] == hashes[1]
+    assert stage1[0].replica.diloco.weights_hash() == stage1[1].replica.diloco.weights_hash()
+    assert all(s.replica.diloco.round == ROUNDS for s in stage1)
+
+    # Both stage-1 replicas trained (the wiring spread the work), and the loss fell.
+    served = [s.replica.service.served for s in stage1]
+    assert all(n > 0 for n in served) and sum(served) >= 2 * ROUNDS * H
+    first, last = _loss_fell(drivers, 0.3)
+    print(
+        f"2x2 pipeline: loss {first:.3f} -> {last:.3f} over {ROUNDS} rounds of H={H} in {elapsed:.1f} s; served {served}"
+    )
+    # The activations crossed the wire in bf16: a driver sent what a (4, 32, 32) bf16 micro-batch takes.
+    sent = drivers[0].link.client.traffic.bytes_sent
+    assert sent >= ROUNDS * H * 4 * 32 * (32 * 2 + 4)
+    assert torch.isfinite(drivers[0].trainer.diloco.theta_round).all()
+
+
+def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2x2: Build2x2) -> None:
+    # Stage 1 runs until stopped (the survivor takes on the dead one's share); short round timeout so
+    # the survivor's round without its peer ends soon.
+    drivers, (survivor, victim) = build_2x2(None, round_timeout_s=3.0)
+    for d in drivers:
+        d.start()
+    _wait(lambda: victim.replica.service.served >= H + 2, 60.0, "the victim to be mid-round 1")
+    victim.stop.set()  # its worker ends after the step in hand (mid-round 1: not in an outer round)
+    victim.thread.join(10.0)
+    assert not victim.thread.is_alive()
+    victim.replica.network.stop()  # its port refuses from now on, as if the process died
+    _finish(drivers, 120.0)
+    survivor.stop.set()
+    survivor.thread.join(30.0)
+
+    _stage_agrees([d.network for d in drivers], range(ROUNDS))
+    assert all(d.trainer.diloco.round == ROUNDS for d in drivers)
+    # The drivers banned the dead replica and retried its micro-batches on the survivor.
+    assert any(
+        "banned" in line and victim.wallet.public_key_hex[:12] in line for d in drivers for line in d.lines
+    )
+    assert sum(d.link.client.retries for d in drivers) >= 1
+    assert survivor.replica.service.served > victim.replica.service.served
+    assert survivor.replica.service.served + victim.replica.service.served >= 2 * ROUNDS * H
+    assert survivor.replica.diloco.round >= ROUNDS - 1
+    _loss_fell(drivers, 0.2)
+
+
+def test_three_stages_one_replica_each_train_through_a_middle_stage(published, tmp_path: Path) -> None:
+    """Stage 1 of 3 receives, runs its layer, forwards to stage 2 and relays the gradient back."""
+    model = dataclasses.replace(MODEL, n_layers=3)
+    pipe = dataclasses.replace(PIPE, num_stages=3)
+    made: list[Driver | Stage1] = []
+    try:
+        last = Stage1(0, (), ROUNDS * H, stage=2, pipe=pipe, model=model)
+        made.append(last)
+        boot = (last.replica.network.address,)
+        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model)
+        made.append(middle)
+        driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model)
+        made.append(driver)
+        driver.network.join_state(driver.trainer.diloco)
+        _wait(
+            lambda: len(driver.network.node.peers.live(time.time(), 1)) == 1,
+            10.0,
+            "the driver to learn stage 1",
+        )
+        _wait(
+            lambda: len(middle.replica.network.node.peers.live(time.time(), 2)) == 1,
+            10.0,
+            "stage 1 to learn 2",
+        )
+        driver.start()
+        _finish([driver], 120.0)
+        for s in (middle, last):
+            s.thread.join(30.0)
+            assert not s.thread.is_alive()
+    finally:
+        for m in made:
+            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
+            print("\n".join(m.lines))
+        for m in reversed(made):
+            m.close()
+    assert [list(m.replica.diloco.model.layer_range) for m in (middle, last)] == [[1], [2]]  # type: ignore[attr-defined]
+    assert middle.replica.service.served == last.replica.service.served == ROUNDS * H
+    assert middle.replica.link is not None and middle.replica.link.client.traffic.requests == ROUNDS * H
+    assert (
+        all(s.replica.diloco.round == ROUNDS for s in (middle, last))
+        and driver.trainer.diloco.round == ROUNDS
+    )
+    # The middle stage's logged loss is the last stage's, relayed back with the gradient.
+    assert middle.replica.worker.stats.losses == last.replica.worker.stats.losses
+    _loss_fell([driver], 0.3)

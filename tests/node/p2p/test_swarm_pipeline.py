@@ -1,0 +1,73 @@
+"""`neuroshard-swarm --stages 2`: real node processes, two pipeline stages of two replicas each."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.node.p2p.test_swarm import SwarmProcess, _free_base_port
+
+STAGE_AGREE = re.compile(r"^\[swarm\] stage (\d) round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
+LOSS = re.compile(r"^\[(\d+)\] step=(\d+) round=\d+ loss=([0-9.]+)")
+
+
+class PipelineSwarm(SwarmProcess):
+    def __init__(self, published, home: Path, *args: str, log_every: int) -> None:  # type: ignore[no-untyped-def]
+        command = [
+            sys.executable, "-m", "neuroshard.node.p2p.swarm",
+            "--home", str(home),
+            "--data", str(published.directory),
+            "--publisher-key", published.public_key_hex,
+            "--base-port", str(_free_base_port()),
+            "--threads", "1",
+            *args,
+            "--", "--model-size", "micro", "--batch-size", "4", "--seq-len", "32",
+            "--log-every", str(log_every), "--inner-lr", "1e-2", "--warmup-steps", "2",
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+
+@pytest.mark.slow
+def test_swarm_with_two_stages_trains_through_the_pipeline_and_each_stage_agrees(
+    published, tmp_path: Path
+) -> None:
+    rounds, h = 6, 10
+    swarm = PipelineSwarm(
+        published, tmp_path, "--nodes", "4", "--stages", "2", "--inner-steps", str(h),
+        "--max-steps", str(rounds * h), "--round-timeout", "30", log_every=h,
+    )  # fmt: skip
+    try:
+        assert swarm.finish(timeout=150) == 0
+    finally:
+        swarm.kill()
+    text = "\n".join(swarm.lines)
+    print(text)  # shown by pytest when an assertion below fails
+    assert "DIFFER" not in text and "Traceback" not in text
+    for i, stage in enumerate((0, 1, 0, 1)):
+        assert f"[swarm] node {i}: pid" in text and f"stage {stage}, wallet" in text
+    agreed = {
+        (int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for m in map(STAGE_AGREE.match, swarm.lines) if m
+    }
+    for stage in (0, 1):
+        for r in range(rounds):
+            assert agreed.get((stage, r)) == (2, 2), f"stage {stage} round {r}: {agreed.get((stage, r))}"
+    for driver in (0, 2):
+        assert f"[{driver}] done at step={rounds * h} round={rounds}" in text
+    # Stage 1 nodes hold the head: the loss they log falls; so does the drivers' (remote) loss.
+    for node in (0, 1, 2, 3):
+        losses = [float(m[3]) for m in map(LOSS.match, swarm.lines) if m and int(m[1]) == node]
+        assert len(losses) >= rounds - 1, f"node {node} logged {losses}"
+        assert losses[-1] < losses[0] - 0.3, f"node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"

@@ -1,0 +1,70 @@
+"""The pipeline maths without a network: stages chained in-process equal the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
+from neuroshard.node.pipeline import remote_loss, stage_inner_step
+
+MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=3, n_heads=2, ffn_dim=32, max_seq_len=16)
+SGD = DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100, grad_clip=None, min_lr_ratio=1.0)
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_three_chained_stages_step_exactly_like_the_whole_model() -> None:
+    whole = DiLoCo(build_stage(MODEL, 0, 1), SGD, inner_optimizer=_sgd)
+    stages = [DiLoCo(build_stage(MODEL, i, 3), SGD, inner_optimizer=_sgd) for i in range(3)]
+    last = lambda h, y: stage_inner_step(stages[2], h, y, None)  # noqa: E731
+    middle = lambda h, y: stage_inner_step(stages[1], h, y, last)  # noqa: E731
+    stages[0].loss_fn = remote_loss(middle)
+    for step in range(3):
+        inputs, labels = _batch(step)
+        expected = whole.inner_step(inputs, labels)
+        got = stages[0].inner_step(inputs, labels)
+        assert got == pytest.approx(expected, rel=1e-5)
+    params = dict(whole.model.named_parameters())
+    for stage in stages:
+        for name, p in stage.model.named_parameters():
+            torch.testing.assert_close(p, params[name], rtol=1e-5, atol=1e-6)
+        assert stage.step == 3 and stage.steps_in_round == 3
+
+
+def test_the_last_stage_returns_the_input_gradient_of_the_loss() -> None:
+    stage = DiLoCo(build_stage(MODEL, 1, 2), SGD, inner_optimizer=_sgd)
+    reference = build_stage(MODEL, 1, 2)
+    hidden = torch.randn(2, 8, MODEL.dim, generator=torch.Generator().manual_seed(3))
+    _, labels = _batch()
+    x = hidden.clone().requires_grad_(True)
+    loss = cross_entropy_loss(reference(x), labels)
+    loss.backward()
+    grad, value = stage_inner_step(stage, hidden, labels, None)
+    assert value == pytest.approx(loss.item(), rel=1e-6)
+    torch.testing.assert_close(grad, x.grad)
+    # The step happened: the stage's weights moved away from the untouched reference.
+    assert not torch.equal(stage.model.head.weight, reference.head.weight)  # type: ignore[union-attr]
+
+
+def test_a_failing_downstream_leaves_the_stage_untouched() -> None:
+    stage = DiLoCo(build_stage(MODEL, 1, 3), SGD, inner_optimizer=_sgd)
+    before = [p.detach().clone() for p in stage.model.parameters()]
+
+    def unreachable(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        raise ConnectionError("stage 2 is gone")
+
+    with pytest.raises(ConnectionError):
+        stage_inner_step(stage, torch.randn(2, 8, MODEL.dim), _batch()[1], unreachable)
+    assert stage.step == 0
+    assert all(p.grad is None for p in stage.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, stage.model.parameters(), strict=True))

@@ -1,0 +1,124 @@
+"""The stage > 0 training loop: jobs in arrival order, rounds every H steps, busy refusals, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuroshard.node.checkpoint import CheckpointIdentity, CheckpointMismatch
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.pipeline import stage_fingerprint
+from neuroshard.node.stage_worker import Busy, Job, JobResult, StageCheckpoint, StageWorker, WorkerConfig
+from neuroshard.node.trainer import TrainResult
+
+MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
+H = 3
+
+
+def _engine() -> DiLoCo:
+    return DiLoCo(build_stage(MODEL, 1, 2), DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100))
+
+
+def _job(results: list[JobResult], seed: int) -> Job:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 8, MODEL.dim, generator=g)
+    labels = torch.randint(0, MODEL.vocab_size, (2, 8), generator=g)
+    return Job(hidden, labels, results.append)
+
+
+def _identity(stage: int = 1, stages: int = 2) -> CheckpointIdentity:
+    return CheckpointIdentity(
+        wallet_id="w",
+        stage=stage,
+        model_fingerprint=stage_fingerprint(MODEL, stages),
+        tokenizer_sha256="t" * 64,
+    )
+
+
+def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(tmp_path: Path) -> None:
+    rounds: list[int] = []
+
+    def finish(diloco: DiLoCo) -> None:
+        rounds.append(diloco.steps_in_round)
+        diloco.outer_step(diloco.pseudo_gradient())
+
+    checkpoint = StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity())
+    worker = StageWorker(
+        _engine(), WorkerConfig(max_steps=2 * H, max_pending=10), log=lambda s: None,
+        finish_round=finish, checkpoint=checkpoint,
+    )  # fmt: skip
+    results: list[JobResult] = []
+    outcome: list[TrainResult] = []
+    thread = threading.Thread(target=lambda: outcome.append(worker.run(threading.Event(), 0.01)), daemon=True)
+    thread.start()
+    refusals = 0
+    for i in range(2 * H):  # one at a time, as a sender waiting for each reply (and retrying when busy)
+        deadline = time.monotonic() + 10.0
+        while len(results) <= i and time.monotonic() < deadline:
+            try:
+                worker.offer(_job(results, i))
+            except Busy:  # the reply to the H-th step comes before the round: the next offer may land in it
+                refusals += 1
+                time.sleep(0.005)
+                continue
+            while len(results) <= i and time.monotonic() < deadline:
+                time.sleep(0.005)
+    thread.join(10.0)
+    assert not thread.is_alive()
+    result = outcome[0]
+    assert (result.steps, result.rounds) == (2 * H, 2) and rounds == [H, H]
+    assert len(results) == 2 * H and all(isinstance(r, tuple) for r in results)
+    assert worker.stats.refused == refusals
+    assert [r[2] for r in results if isinstance(r, tuple)] == [0] * H + [1] * H  # the round each step was in
+    with pytest.raises(Busy):  # finished: nothing more is taken
+        worker.offer(_job(results, 99))
+
+    resumed = _engine()
+    assert StageCheckpoint(path=checkpoint.path, identity=_identity()).load(resumed)
+    assert (resumed.step, resumed.round) == (2 * H, 2)
+    assert resumed.weights_hash() == worker.diloco.weights_hash()
+    for a, b in zip(resumed.params, worker.diloco.params, strict=True):
+        assert torch.equal(a, b)
+    # A checkpoint of another staging is refused, not loaded into the wrong layers.
+    with pytest.raises(CheckpointMismatch, match="model_fingerprint"):
+        StageCheckpoint(path=checkpoint.path, identity=_identity(stages=3)).load(_engine())
+
+
+def test_a_full_queue_refuses_and_queued_jobs_get_busy_when_the_round_starts() -> None:
+    engine = _engine()
+    worker = StageWorker(engine, WorkerConfig(max_pending=1), log=lambda s: None)
+    results: list[JobResult] = []
+    worker.offer(_job(results, 0))
+    worker.offer(_job(results, 1))
+    with pytest.raises(Busy, match="already wait"):
+        worker.offer(_job(results, 2))
+    assert worker.stats.refused == 1
+    # Entering the round drains what waits: those senders retry elsewhere, nothing was stepped for them.
+    engine.steps_in_round = H - 1
+    release = threading.Event()
+
+    def finish(diloco: DiLoCo) -> None:
+        release.wait(5.0)
+        diloco.outer_step(diloco.pseudo_gradient())
+
+    worker.set_round_finisher(finish)
+    worker.config = dataclasses.replace(worker.config, max_steps=1)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop, 0.01), daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if len(results) == 2:
+                break
+            threading.Event().wait(0.01)
+        assert isinstance(results[0], tuple) and isinstance(results[1], Busy)
+    finally:
+        release.set()
+        thread.join(10.0)
+    assert engine.step == 1 and engine.round == 1
