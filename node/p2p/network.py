@@ -79,6 +79,9 @@ class NetworkConfig:
     """How long to wait for the round's participants to report their new θ hash."""
     join_timeout_s: float = 15.0
     """How long `join_state` keeps asking the bootstrap peers before training alone."""
+    min_peers: int = 0
+    """Stage peers `join_state` waits for (up to join_timeout_s) before it starts: nodes launched
+    together on a loaded machine otherwise run their first rounds without the slow starters."""
     digest_interval_s: float = 0.5
     """Longest pause between digest swaps during a round (the first ones come faster)."""
     pull_grace_s: float = 1.0
@@ -117,8 +120,10 @@ class NetworkConfig:
                      "replay_window_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"NetworkConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.join_timeout_s < 0 or self.ban_s < 0 or self.ban_after_failures < 1:
-            raise ValueError("NetworkConfig: join_timeout_s and ban_s must be >= 0, ban_after_failures >= 1")
+        if self.join_timeout_s < 0 or self.ban_s < 0 or self.ban_after_failures < 1 or self.min_peers < 0:
+            raise ValueError(
+                "NetworkConfig: join_timeout_s, ban_s and min_peers must be >= 0, ban_after_failures >= 1"
+            )
         try:
             for address in (*self.peers, *([self.announce] if self.announce else [])):
                 parse_address(address)
@@ -143,6 +148,12 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.round_timeout_s,
         help="seconds to wait for the other replicas' contributions",
     )
+    g.add_argument(
+        "--min-peers",
+        type=int,
+        default=d.min_peers,
+        help="stage peers to wait for (15 s at most) before training",
+    )
 
 
 def network_config_from_args(args: argparse.Namespace) -> NetworkConfig:
@@ -154,6 +165,7 @@ def network_config_from_args(args: argparse.Namespace) -> NetworkConfig:
         peers=peers,
         encoding=args.encoding,
         round_timeout_s=args.round_timeout,
+        min_peers=args.min_peers,
     )
 
 
@@ -381,7 +393,8 @@ class PeerNetwork:
         while True:
             await self._exchange.gossip_once()
             infos = [i for i in await self._exchange.statuses() if i.numel == numel]
-            if not infos and self.node.peers.bootstrap and loop.time() < deadline and not self._stop.is_set():
+            waiting = len(infos) < max(1, self.config.min_peers)
+            if waiting and self.node.peers.bootstrap and loop.time() < deadline and not self._stop.is_set():
                 await asyncio.sleep(min(0.5, self.config.gossip_interval_s))
                 continue
             if not infos:
