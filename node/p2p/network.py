@@ -46,7 +46,7 @@ from .exchange import Adopted, Closed, Exchange, ExchangeTimings, Late
 from .peers import PeerTable
 from .quorum import quorum, vouched
 from .rounds import AggregationRule, Contribution, RoundReport, aggregate, ordered_mean, plurality
-from .screening import screen
+from .screening import new_bans, screen
 from .server import NodeState, ServerLimits, build_app
 from .state import adopt_state, snapshot_of, theta_sha256
 from .wire import ENCODINGS, ContributionHeader, InvalidMessage, parse_address
@@ -539,13 +539,10 @@ class PeerNetwork:
         return self._attacker.forge(view)
 
     async def _update_bans(self) -> None:
-        """Ban every wallet a kept round book proved to equivocate (both signed headers are held),
-        so its contributions are refused in all later rounds, not just the one it lied in."""
-        for round_, book in sorted(self.node.books.items()):
-            for wallet in book.equivocators:
-                if wallet not in self.banned:
-                    self.banned[wallet] = f"equivocated in round {round_}"
-                    self._log(f"wallet {wallet[:12]} banned: signed two contributions for round {round_}")
+        """Ban the proven equivocators (screening.new_bans), read on the loop that fills the books."""
+        for wallet, reason in new_bans(self.node.books, self.banned).items():
+            self.banned[wallet] = reason
+            self._log(f"wallet {wallet[:12]} banned: signed two contributions ({reason})")
 
     def _stack_buffer(self, n: int, numel: int) -> torch.Tensor:
         """The (n, d) aggregation input, kept across rounds: at 4 × 29.5M values a fresh stack costs

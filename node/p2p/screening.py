@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from ..validation import ValidationConfig, screen_round
 from .codec import decode_delta
-from .rounds import Contribution
+from .rounds import Contribution, RoundBook
 
 MIN_SCREENED = 3
 """Fewest contributions the content checks run on. The reference is their coordinate median,
@@ -60,3 +60,15 @@ def _decoded(contribution: Contribution, numel: int) -> Contribution:
         return contribution
     header = contribution.header
     return replace(contribution, delta=decode_delta(contribution.payload, header.encoding, numel))
+
+
+def new_bans(books: Mapping[int, RoundBook], banned: Mapping[str, str]) -> dict[str, str]:
+    """Wallets the kept round books prove to equivocate (both signed headers are held) that are
+    not banned yet, each with the reason: a wallet that lied once is refused in every later round,
+    not just the one it lied in. Earliest round first, so the reason names the first lie."""
+    found: dict[str, str] = {}
+    for round_, book in sorted(books.items()):
+        for wallet in sorted(book.equivocators):
+            if wallet not in banned and wallet not in found:
+                found[wallet] = f"equivocated in round {round_}"
+    return found

@@ -125,3 +125,25 @@ def test_a_joiner_takes_the_honest_state_not_the_liars(networks: list[PeerNetwor
     assert joiner_engine.round == 5
     assert theta_sha256(joiner_engine.theta_round) == theta_sha256(honest[0].theta_round)
     assert theta_sha256(joiner_engine.theta_round) != theta_sha256(liar.theta_round)
+
+
+def test_fetch_refuses_a_state_with_fewer_holders_than_the_quorum(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from neuroshard.node.p2p.exchange import Exchange, ExchangeTimings
+
+    logged: list[str] = []
+    timings = ExchangeTimings(
+        digest_interval_s=0.1,
+        hash_check_timeout_s=1.0,
+        state_timeout_s=1.0,
+        pull_grace_s=0.1,
+        control_timeout_s=1.0,
+    )
+    exchange = Exchange(make_node(wallets[0]), None, timings, logged.append)  # type: ignore[arg-type]
+    # One peer reports the winning hash in a vote among four: the minority re-sync must not follow it.
+    # (a four-way tie, this replica's own "cc…" included, goes to the smallest hash: the liar's "aa…")
+    vote = plurality([_status(1, 4, H_X), _status(2, 4, H_A), _status(3, 4, H_B)], 4, "cc" * 32)
+    assert vote is not None and vote.theta_hash == H_A and backing(vote)[1] == 1
+    assert asyncio.run(exchange.fetch_from(vote, need=quorum(vote.voters))) is None
+    assert any("vouched for by 1 peer(s), fewer than the quorum of 2" in line for line in logged)

@@ -106,3 +106,24 @@ def test_undecoded_contributions_are_decoded_from_their_payload(round_of) -> Non
     kept = screen(contributions, NUMEL, ValidationConfig(), {})
     assert [w for w, _ in kept.rejected] == [_key(0)]
     assert all(c.delta is not None and c.delta.shape == (NUMEL,) for c in kept.accepted)
+
+
+def test_an_equivocation_proven_in_any_kept_book_bans_the_wallet(make_contribution) -> None:
+    from neuroshard.node.p2p.rounds import RoundBook
+    from neuroshard.node.p2p.screening import new_bans
+    from neuroshard.node.p2p.wire import Rejected
+
+    liar, honest = Wallet.from_token("screen-liar"), Wallet.from_token("screen-honest")
+    books = {}
+    for round_ in (2, 3):
+        first, payload = make_contribution(liar, seed=1, round_=round_)
+        second, _ = make_contribution(liar, seed=2, round_=round_)
+        book = RoundBook(stage=0, round_=round_, base_hash=first.base_hash, numel=NUMEL)
+        for header, body in (make_contribution(honest, round_=round_), (first, payload)):
+            assert book.admit(header)
+            book.accept(Contribution(header, body))
+        with pytest.raises(Rejected, match="signed two different contributions"):
+            book.admit(second)
+        books[round_] = book
+    assert new_bans(books, {}) == {liar.public_key_hex: "equivocated in round 2"}
+    assert new_bans(books, {liar.public_key_hex: "equivocated in round 2"}) == {}  # only new ones

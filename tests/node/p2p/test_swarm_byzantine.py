@@ -116,7 +116,12 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
             assert any(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
     if attack == "equivocate":
         for node in HONEST:
-            assert any(line.startswith(f"[{node}] wallet {bad} banned: signed two") for line in lines)
+            assert any(
+                line.startswith(
+                    f"[{node}] wallet {bad} banned: signed two contributions (equivocated in round"
+                )
+                for line in lines
+            )
     assert all("ATTACKER sent " + attack in line for n, _, line in rounds if n == ATTACKER)
 
     # And the honest replicas learn: the loss of the last round is well below the first's.
