@@ -92,10 +92,33 @@ class Verdict:
         return self.reason.split(":", 1)[0]
 
 
+NETWORK_MEDIAN_MAX_N = 8
+"""Up to this many contributions the reference median comes from a sorting network over whole
+rows instead of a per-coordinate sort (see ``robust_reference``)."""
+
+
 def robust_reference(xs: Tensor | list[Tensor]) -> Tensor:
     """The reference to validate a round against: the coordinate median of its contributions,
-    (n, d) → (d,). Inside the honest per-coordinate range while attackers are a minority."""
-    return coordinate_median(xs)
+    (n, d) → (d,). Inside the honest per-coordinate range while attackers are a minority.
+
+    For n ≤ NETWORK_MEDIAN_MAX_N it is computed by odd–even transposition (n rounds of
+    element-wise min/max between neighbouring rows): the same values as ``coordinate_median``
+    up to the sign of a zero, which none of the statistics here can see, and contiguous passes
+    instead of a sort along the short axis — 29.5M values × 5 rows on one thread measured 8.2 s
+    with the sort. The values do not depend on the row order, so replicas agree.
+    """
+    rows = list(xs.unbind(0)) if isinstance(xs, Tensor) else list(xs)
+    if not 0 < len(rows) <= NETWORK_MEDIAN_MAX_N:
+        return coordinate_median(xs)
+    rows = [r.contiguous() for r in rows]
+    n = len(rows)
+    for step in range(n):
+        for i in range(step % 2, n - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    if n % 2 == 1:
+        return rows[n // 2].clone()
+    # In float64 the midpoint cannot overflow and rounds once (as coordinate_median does).
+    return ((rows[n // 2 - 1].double() + rows[n // 2].double()) / 2).to(rows[0].dtype)
 
 
 def contribution_stats(delta: Tensor, reference: Tensor) -> dict[str, float]:
@@ -159,21 +182,25 @@ def _check_reference(reference: Tensor) -> None:
         raise ValueError(f"reference of {reference.numel()} values is all zeros; nothing to compare against")
 
 
-def find_copies(deltas_by_wallet: Mapping[str, Tensor], tolerance: float = 0.05) -> list[frozenset[str]]:
+def find_copies(
+    deltas_by_wallet: Mapping[str, Tensor], tolerance: float = 0.05, center: Tensor | None = None
+) -> list[frozenset[str]]:
     """Groups (≥ 2 wallets) whose Δs are within ``tolerance`` relative L2 of each other in one round.
 
     Closeness is ‖a − b‖ ≤ tolerance·max(‖a‖, ‖b‖), grouped transitively. All-zero Δs are left
     to ``validate_contribution`` (free riders). Within one round, content cannot tell the
     original from the copy — both arrive signed, and arrival order is the network's, not the
     maths' — so every member of a group is flagged; the network's commit-then-reveal digests
-    are what can clear the original.
+    are what can clear the original. ``center``, when the caller holds the round's reference,
+    spares recomputing the median the distances are centred on (any centre gives the same
+    distances; a central one keeps the cancellation error small).
     """
     wallets = sorted(w for w, d in deltas_by_wallet.items() if bool(d.any()))
     if len(wallets) < 2:
         return []
     stack = torch.stack([deltas_by_wallet[w] for w in wallets])  # (n, d), wallet order
     norms = torch.linalg.vector_norm(stack.double(), dim=1)  # (n,)
-    dist = pairwise_sq_distances(stack).double().sqrt()  # (n, n), screening only
+    dist = pairwise_sq_distances(stack, center).double().sqrt()  # (n, n), screening only
     parent = list(range(len(wallets)))
 
     def root(i: int) -> int:
@@ -218,7 +245,7 @@ def screen_round(
     for wallet, delta in deltas_by_wallet.items():
         failure = structural[wallet]
         verdicts[wallet] = failure if failure is not None else validate_contribution(delta, reference, config)
-    for group in find_copies(valid, config.duplicate_tolerance):
+    for group in find_copies(valid, config.duplicate_tolerance, center=reference):
         for wallet in group:
             others = ", ".join(sorted(group - {wallet}))
             verdicts[wallet] = Verdict(
