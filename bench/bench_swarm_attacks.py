@@ -63,7 +63,7 @@ def summarise(lines: list[str], bad: str | None, rounds: int) -> str:
     for text in aggregated:
         if bad is None:
             continue
-        if m := re.search(rf"rejected {bad}: ([a-z_0-9]+):", text):
+        if m := re.search(rf"rejected {bad}: ([a-z_0-9]+)", text):
             caught[m[1]] += 1
         elif f"equivocator {bad}" in text:
             caught["equivocation"] += 1
