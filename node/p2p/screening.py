@@ -49,7 +49,12 @@ def screen(
     }
     kept = [_decoded(c, numel) for c in ordered if c.header.wallet not in banned]
     if config is not None and len(kept) >= MIN_SCREENED:
-        verdicts = screen_round({c.header.wallet: c.delta for c in kept}, (numel,), config)
+        try:
+            verdicts = screen_round({c.header.wallet: c.delta for c in kept}, (numel,), config)
+        except ValueError:
+            # The median is all zeros (most Δs are zero): nothing to judge content against. Every
+            # replica holding this set ends up here alike; the rule then sees the set unscreened.
+            return Screened(tuple(kept), tuple(sorted(rejected.items())))
         rejected.update({w: v.reason for w, v in verdicts.items() if not v.ok})
         kept = [c for c in kept if verdicts[c.header.wallet].ok]
     return Screened(tuple(kept), tuple(sorted(rejected.items())))

@@ -127,3 +127,10 @@ def test_an_equivocation_proven_in_any_kept_book_bans_the_wallet(make_contributi
         books[round_] = book
     assert new_bans(books, {}) == {liar.public_key_hex: "equivocated in round 2"}
     assert new_bans(books, {liar.public_key_hex: "equivocated in round 2"}) == {}  # only new ones
+
+
+def test_a_majority_of_zero_deltas_leaves_nothing_to_judge_against_but_does_not_fail(round_of) -> None:
+    contributions = round_of(5, {i: torch.zeros_like for i in (0, 1, 2)})
+    kept = screen(contributions, NUMEL, ValidationConfig(), {_key(4): "equivocated in round 0"})
+    assert kept.rejected == ((_key(4), "banned: equivocated in round 0"),)
+    assert [c.header.wallet for c in kept.accepted] == sorted(_key(i) for i in range(4))
