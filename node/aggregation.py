@@ -113,16 +113,16 @@ def _median(stack: Tensor) -> Tensor:
     return ((lo.double() + hi.double()) / 2).to(stack.dtype)
 
 
-def pairwise_sq_distances(stack: Tensor) -> Tensor:
+def pairwise_sq_distances(stack: Tensor, center: Tensor | None = None) -> Tensor:
     """Squared L2 distances between all rows, (n, d) → (n, n), without Python loops.
 
     ‖a − b‖² = ‖a‖² + ‖b‖² − 2⟨a, b⟩ from one Gram matrix. Rows are first centred on their
-    coordinate median: distances do not change, but the norms shrink to the spread of the
-    contributions, which keeps the cancellation error small. Non-finite entries (rows with NaN or
+    coordinate median (or `center`, when the caller already holds it): distances do not change,
+    but the norms shrink to the spread of the contributions, which keeps the cancellation error small. Non-finite entries (rows with NaN or
     inf) become +inf, so such rows are never anybody's near neighbour. Rows stay in the given
     order; pass ``canonical(stack)`` for values that do not depend on it.
     """
-    centred = stack - _median(stack)  # (n, d)
+    centred = stack - (_median(stack) if center is None else center)  # (n, d)
     gram = centred @ centred.T  # (n, n)
     sq = gram.diagonal()
     dist = (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0)

@@ -35,6 +35,7 @@ from .checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
+from .p2p import byzantine
 from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
 from .p2p.pipeline import PipelineConfig, PipelineUnavailable
 from .p2p.stages import PipelineLink, add_pipeline_arguments, pipeline_config_from_args, start_stage_replica
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="inner steps per progress line")
     add_network_arguments(p)
     add_pipeline_arguments(p)
+    byzantine.add_attack_arguments(p)
     # No --peers and no --port: the node trains alone and opens no port.
     p.set_defaults(port=None)
     return p
@@ -170,7 +172,10 @@ def _open_data(args: argparse.Namespace) -> tuple[Dataset, DatasetUpdates | None
 def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Event) -> PeerNetwork | None:
     """The peer server and round exchange, when the node was given peers or a port (or is a pipeline
     stage); None trains alone."""
+    attacker = byzantine.attacker_from_args(args)
     if args.port is None and not args.peers and args.stages == 1:
+        if attacker is not None:
+            raise ValueError("--attack needs the peer network (--peers or --port): there is nobody to attack")
         return None
     if args.port is None:
         args.port = NetworkConfig().port
@@ -182,7 +187,10 @@ def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Eve
         tokens_per_step=args.batch_size * args.seq_len,
         stop=stop,
         aggregate=partial(aggregation.aggregate, "default"),
+        attacker=attacker,
     )
+    if attacker is not None:
+        _log(byzantine.warning(attacker))
     network.start()
     return network
 

@@ -92,17 +92,55 @@ class Verdict:
         return self.reason.split(":", 1)[0]
 
 
+NETWORK_MEDIAN_MAX_N = 8
+"""Up to this many contributions the reference median comes from a sorting network over whole
+rows instead of a per-coordinate sort (see ``robust_reference``)."""
+
+
 def robust_reference(xs: Tensor | list[Tensor]) -> Tensor:
     """The reference to validate a round against: the coordinate median of its contributions,
-    (n, d) → (d,). Inside the honest per-coordinate range while attackers are a minority."""
-    return coordinate_median(xs)
+    (n, d) → (d,). Inside the honest per-coordinate range while attackers are a minority.
+
+    For n ≤ NETWORK_MEDIAN_MAX_N it is computed by odd–even transposition (n rounds of
+    element-wise min/max between neighbouring rows): the same values as ``coordinate_median``
+    up to the sign of a zero, which none of the statistics here can see, and contiguous passes
+    instead of a sort along the short axis — 29.5M values × 5 rows on one thread measured 8.2 s
+    with the sort. The values do not depend on the row order, so replicas agree.
+    """
+    rows = list(xs.unbind(0)) if isinstance(xs, Tensor) else list(xs)
+    if not 0 < len(rows) <= NETWORK_MEDIAN_MAX_N:
+        return coordinate_median(xs)
+    rows = [r.contiguous() for r in rows]
+    n = len(rows)
+    for step in range(n):
+        for i in range(step % 2, n - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    if n % 2 == 1:
+        return rows[n // 2].clone()
+    # In float64 the midpoint cannot overflow and rounds once (as coordinate_median does).
+    return ((rows[n // 2 - 1].double() + rows[n // 2].double()) / 2).to(rows[0].dtype)
 
 
-def contribution_stats(delta: Tensor, reference: Tensor) -> dict[str, float]:
+@dataclass(frozen=True)
+class _Reference:
+    """A reference in float64 with its norm and variance: computed once per round instead of once
+    per contribution (at 29.5M values that is 5 of a contribution's ~10 passes over memory)."""
+
+    r64: Tensor
+    norm: float
+    var: float
+
+    @classmethod
+    def of(cls, reference: Tensor) -> _Reference:
+        r64 = reference.double()  # float64: d up to 1e8 sums without drift
+        return cls(r64, float(r64.norm()), float(r64.var(correction=0)))
+
+
+def contribution_stats(delta: Tensor, reference: Tensor | _Reference) -> dict[str, float]:
     """norm, reference_norm, norm_ratio, cosine and variance_ratio of a finite Δ against the reference."""
-    d64, r64 = delta.double(), reference.double()  # float64: d up to 1e8 sums without drift
-    norm, ref_norm = float(d64.norm()), float(r64.norm())
-    ref_var = float(r64.var(correction=0))
+    ref = reference if isinstance(reference, _Reference) else _Reference.of(reference)
+    d64, r64, ref_norm, ref_var = delta.double(), ref.r64, ref.norm, ref.var
+    norm = float(d64.norm())
     return {
         "norm": norm,
         "reference_norm": ref_norm,
@@ -116,9 +154,15 @@ def validate_contribution(
     delta: object, reference: Tensor, config: ValidationConfig | None = None
 ) -> Verdict:
     """Accept or reject one contribution Δ (d,) against a robust reference (d,)."""
-    config = config or ValidationConfig()
     _check_reference(reference)
-    failure = _structural(delta, tuple(reference.shape), config)
+    return _validate(delta, _Reference.of(reference), config or ValidationConfig())
+
+
+def _validate(
+    delta: object, reference: _Reference, config: ValidationConfig, *, checked: bool = False
+) -> Verdict:
+    """`validate_contribution` against a prepared reference; `checked`: Δ already passed `_structural`."""
+    failure = None if checked else _structural(delta, tuple(reference.r64.shape), config)
     if failure is not None:
         return failure
     assert isinstance(delta, Tensor)  # _structural checked it; this narrows the type for mypy
@@ -159,21 +203,25 @@ def _check_reference(reference: Tensor) -> None:
         raise ValueError(f"reference of {reference.numel()} values is all zeros; nothing to compare against")
 
 
-def find_copies(deltas_by_wallet: Mapping[str, Tensor], tolerance: float = 0.05) -> list[frozenset[str]]:
+def find_copies(
+    deltas_by_wallet: Mapping[str, Tensor], tolerance: float = 0.05, center: Tensor | None = None
+) -> list[frozenset[str]]:
     """Groups (≥ 2 wallets) whose Δs are within ``tolerance`` relative L2 of each other in one round.
 
     Closeness is ‖a − b‖ ≤ tolerance·max(‖a‖, ‖b‖), grouped transitively. All-zero Δs are left
     to ``validate_contribution`` (free riders). Within one round, content cannot tell the
     original from the copy — both arrive signed, and arrival order is the network's, not the
     maths' — so every member of a group is flagged; the network's commit-then-reveal digests
-    are what can clear the original.
+    are what can clear the original. ``center``, when the caller holds the round's reference,
+    spares recomputing the median the distances are centred on (any centre gives the same
+    distances; a central one keeps the cancellation error small).
     """
     wallets = sorted(w for w, d in deltas_by_wallet.items() if bool(d.any()))
     if len(wallets) < 2:
         return []
     stack = torch.stack([deltas_by_wallet[w] for w in wallets])  # (n, d), wallet order
     norms = torch.linalg.vector_norm(stack.double(), dim=1)  # (n,)
-    dist = pairwise_sq_distances(stack).double().sqrt()  # (n, n), screening only
+    dist = pairwise_sq_distances(stack, center).double().sqrt()  # (n, n), screening only
     parent = list(range(len(wallets)))
 
     def root(i: int) -> int:
@@ -214,11 +262,15 @@ def screen_round(
             f"none of the {len(deltas_by_wallet)} contributions is a finite {config.dtype} tensor of shape {shape}"
         )
     reference = robust_reference(list(valid.values()))
+    _check_reference(reference)
+    prepared = _Reference.of(reference)
     verdicts: dict[str, Verdict] = {}
     for wallet, delta in deltas_by_wallet.items():
         failure = structural[wallet]
-        verdicts[wallet] = failure if failure is not None else validate_contribution(delta, reference, config)
-    for group in find_copies(valid, config.duplicate_tolerance):
+        verdicts[wallet] = (
+            failure if failure is not None else _validate(delta, prepared, config, checked=True)
+        )
+    for group in find_copies(valid, config.duplicate_tolerance, center=reference):
         for wallet in group:
             others = ", ".join(sorted(group - {wallet}))
             verdicts[wallet] = Verdict(

@@ -8,6 +8,8 @@ Layout (one idea per file):
 - ``auth``    signed requests: client signing, the server middleware, the nonce cache
 - ``peers``   the peer table: bootstrap, peer exchange, expiry, failure bans
 - ``rounds``  one round's contribution book, the aggregation order, majority votes
+- ``screening`` which contributions of a closed round get aggregated (validation, equivocator bans)
+- ``quorum``  which peer state a replica may adopt (f + 1 signed statuses must vouch for it)
 - ``state``   snapshots of θ_round and outer momentum, and adopting a peer's state
 - ``server``  the aiohttp routes over a node's state
 - ``exchange`` the asynchronous steps of a round (push, digests, pulls, status, state sync)
@@ -16,6 +18,7 @@ Layout (one idea per file):
 - ``pipeline_wire`` the pipeline's messages: activations forward, gradients back (signed headers, safetensors)
 - ``pipeline`` next-stage routing by measured throughput, the client that retries, the forward route
 - ``stages``  ``--stages/--stage`` wiring: the driver's link to stage 1, a whole stage > 0 replica
+- ``byzantine`` testing only: ``neuroshard-node --attack NAME``, forged contributions on the real wire
 
 The maths (DiLoCo, aggregation rules) stays in ``neuroshard.node``; this package only moves
 tensors between replicas and calls it.

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from . import wire
 from .auth import PeerClient, PeerReply, PeerUnreachable
 from .codec import decode_state, delta_size_bound, state_size_bound
 from .peers import PeerEntry
+from .quorum import backing, quorum, vouched
 from .rounds import Contribution, RoundBook, Vote, plurality
 from .server import NodeState
 from .state import theta_sha256
@@ -189,7 +189,15 @@ class Exchange:
 
     # --- one round ----------------------------------------------------------------------------
 
-    async def run_round(self, own: Contribution, timeout_s: float, stop: threading.Event) -> Closed | Late:
+    async def run_round(
+        self,
+        own: Contribution,
+        timeout_s: float,
+        stop: threading.Event,
+        outgoing: Callable[[str], Contribution] | None = None,
+    ) -> Closed | Late:
+        """One round (module docstring). `outgoing` picks what is pushed to each peer wallet; None
+        (every honest node) pushes `own` to all — only `neuroshard-node --attack equivocate` varies it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         r = own.header.round
@@ -206,7 +214,7 @@ class Exchange:
         # Pushes run in the background: a slow or hung peer must not hold up the digests. The own
         # copy is checked (decoded) while they are on the wire.
         for peer in self.stage_peers():
-            task = asyncio.create_task(self._push(peer, own))
+            task = asyncio.create_task(self._push(peer, own if outgoing is None else outgoing(peer.wallet)))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         await keep_own()
@@ -367,7 +375,10 @@ class Exchange:
         interval = MIN_POLL_S
         while True:
             infos = await self.statuses()
-            ahead = max((i.round for i in infos if i.round > new_round), default=None)
+            # Ahead only if a quorum vouches for a later state: one status claiming a far round must
+            # not send this replica hunting for a state nobody else holds (quorum.py).
+            later = vouched(infos, new_round + 1, len(infos) + 1)
+            ahead = None if later is None else later.round
             pending = {i.wallet for i in infos if i.wallet in waiting_for and i.round < new_round}
             if ahead is not None or not pending or loop.time() >= deadline or stop.is_set():
                 vote = plurality(infos, new_round, own_hash)
@@ -377,7 +388,8 @@ class Exchange:
             interval = min(interval * 1.5, self.timings.digest_interval_s)
 
     async def sync_state(self, min_round: int, numel: int, stop: threading.Event) -> Adopted | None:
-        """Adopt the state most peers hold at the highest round ≥ `min_round` they report.
+        """Adopt the state most peers hold at the highest round ≥ `min_round` a quorum of them
+        vouches for (quorum.py).
 
         Peers announce a closed round before they finish its outer step, so a late replica may
         ask before anyone reports `min_round`: keep asking until the hash-check timeout."""
@@ -386,10 +398,9 @@ class Exchange:
         interval = MIN_POLL_S
         while True:
             infos = [i for i in await self.statuses() if i.numel == numel]
-            top = max((i.round for i in infos if i.round >= min_round), default=None)
-            vote = None if top is None else plurality(infos, top, None)
+            vote = vouched(infos, min_round, len(infos) + 1)
             if vote is not None:
-                adopted = await self.fetch_from(vote)
+                adopted = await self.fetch_from(vote, need=quorum(len(infos) + 1))
                 if adopted is not None:
                     return adopted
                 # The holders moved on to the next round between status and download: ask again.
@@ -398,11 +409,16 @@ class Exchange:
             await asyncio.sleep(interval)
             interval = min(interval * 1.5, self.timings.digest_interval_s)
 
-    async def fetch_from(self, vote: Vote) -> Adopted | None:
-        """Download the voted state from one of its holders; θ (and momentum) verified by hash."""
-        momenta = Counter(h.momentum_hash for h in vote.holders)
-        best = max(momenta.values(), default=0)
-        momentum_hash = min(h for h, c in momenta.items() if c == best) if momenta else ""
+    async def fetch_from(self, vote: Vote, need: int = 1) -> Adopted | None:
+        """Download the voted state from one of its holders; θ (and momentum) verified by hash.
+        Refuses (None) unless at least `need` holders report the same θ and momentum hashes."""
+        momentum_hash, holders = backing(vote)
+        if holders < need:
+            self.log(
+                f"state θ {vote.theta_hash[:16]} of round {vote.round} is vouched for by {holders} peer(s), "
+                f"fewer than the quorum of {need}; not adopted"
+            )
+            return None
         for holder in vote.holders:
             peer = self.node.peers.get(holder.wallet)
             if peer is None or holder.momentum_hash != momentum_hash:

@@ -31,22 +31,28 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from aiohttp import web
 
 from ..diloco import DiLoCo
+from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .auth import REPLAY_WINDOW_S, Clock, NonceCache, PeerClient, Traffic
 from .codec import encode_delta, sha256_hex
 from .exchange import Adopted, Closed, Exchange, ExchangeTimings, Late
 from .peers import PeerTable
+from .quorum import quorum, vouched
 from .rounds import AggregationRule, Contribution, RoundReport, aggregate, ordered_mean, plurality
+from .screening import new_bans, screen
 from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, snapshot_of, theta_sha256
 from .wire import ENCODINGS, ContributionHeader, InvalidMessage, parse_address
+
+if TYPE_CHECKING:  # attack code stays out of the honest import path
+    from .byzantine import Attacker, Forged
 
 T = TypeVar("T")
 
@@ -73,6 +79,9 @@ class NetworkConfig:
     """How long to wait for the round's participants to report their new θ hash."""
     join_timeout_s: float = 15.0
     """How long `join_state` keeps asking the bootstrap peers before training alone."""
+    min_peers: int = 0
+    """Stage peers `join_state` waits for (up to join_timeout_s) before it starts: nodes launched
+    together on a loaded machine otherwise run their first rounds without the slow starters."""
     digest_interval_s: float = 0.5
     """Longest pause between digest swaps during a round (the first ones come faster)."""
     pull_grace_s: float = 1.0
@@ -95,6 +104,9 @@ class NetworkConfig:
     replay_window_s: float = REPLAY_WINDOW_S
     limits: ServerLimits | None = None
     """Body and store limits of the peer server; None takes ServerLimits' defaults."""
+    validation: ValidationConfig | None = field(default_factory=ValidationConfig)
+    """Thresholds of the content checks each closed round's contributions pass before aggregation
+    (screening.py); None skips them (bans of proven equivocators still apply)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -108,8 +120,10 @@ class NetworkConfig:
                      "replay_window_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"NetworkConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.join_timeout_s < 0 or self.ban_s < 0 or self.ban_after_failures < 1:
-            raise ValueError("NetworkConfig: join_timeout_s and ban_s must be >= 0, ban_after_failures >= 1")
+        if self.join_timeout_s < 0 or self.ban_s < 0 or self.ban_after_failures < 1 or self.min_peers < 0:
+            raise ValueError(
+                "NetworkConfig: join_timeout_s, ban_s and min_peers must be >= 0, ban_after_failures >= 1"
+            )
         try:
             for address in (*self.peers, *([self.announce] if self.announce else [])):
                 parse_address(address)
@@ -134,6 +148,12 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.round_timeout_s,
         help="seconds to wait for the other replicas' contributions",
     )
+    g.add_argument(
+        "--min-peers",
+        type=int,
+        default=d.min_peers,
+        help="stage peers to wait for (15 s at most) before training",
+    )
 
 
 def network_config_from_args(args: argparse.Namespace) -> NetworkConfig:
@@ -145,6 +165,7 @@ def network_config_from_args(args: argparse.Namespace) -> NetworkConfig:
         peers=peers,
         encoding=args.encoding,
         round_timeout_s=args.round_timeout,
+        min_peers=args.min_peers,
     )
 
 
@@ -163,6 +184,7 @@ class PeerNetwork:
         stop: threading.Event | None = None,
         clock: Clock = time.time,
         extensions: Sequence[ServerExtension] = (),
+        attacker: Attacker | None = None,
     ) -> None:
         self.config = config
         self._extensions = tuple(extensions)
@@ -173,6 +195,10 @@ class PeerNetwork:
         self._tokens_per_step = tokens_per_step
         self._stop = stop or threading.Event()
         self.reports: list[RoundReport] = []
+        self.banned: dict[str, str] = {}
+        """Wallet -> why: proven equivocators, whose contributions are refused in every later round."""
+        self._attacker = attacker
+        """Testing only (`neuroshard-node --attack`): forges this replica's contributions."""
         self._stack: torch.Tensor | None = None
         limits = config.limits or ServerLimits()
         peers = PeerTable(
@@ -375,18 +401,23 @@ class PeerNetwork:
         while True:
             await self._exchange.gossip_once()
             infos = [i for i in await self._exchange.statuses() if i.numel == numel]
-            if not infos and self.node.peers.bootstrap and loop.time() < deadline and not self._stop.is_set():
+            waiting = len(infos) < max(1, self.config.min_peers)
+            if waiting and self.node.peers.bootstrap and loop.time() < deadline and not self._stop.is_set():
                 await asyncio.sleep(min(0.5, self.config.gossip_interval_s))
                 continue
             if not infos:
                 self._log("no stage peers answered; starting from this replica's own state")
                 return None
-            top = max(i.round for i in infos)
-            vote = plurality(infos, top, own_hash if top == round_ else None)
-            assert vote is not None
-            if top < round_ or (top == round_ and vote.theta_hash == own_hash):
+            voters = len(infos) + 1
+            vote = vouched(infos, round_, voters)
+            if vote is None:
+                if max(i.round for i in infos) >= round_:
+                    self._log(f"peers report other states, none vouched for by a quorum of {quorum(voters)}")
                 return None
-            adopted = await self._exchange.fetch_from(vote)
+            with_own = plurality(infos, round_, own_hash)
+            if vote.round == round_ and with_own is not None and with_own.theta_hash == own_hash:
+                return None  # this replica's state wins its own round's vote
+            adopted = await self._exchange.fetch_from(vote, need=quorum(voters))
             if adopted is not None or loop.time() >= deadline or self._stop.is_set():
                 return adopted
             # The holders moved on to the next round between status and download: ask again.
@@ -407,43 +438,59 @@ class PeerNetwork:
             self._log(
                 f"round {r}: θ_round changed during the round ({self.node.snapshot.theta_hash[:16]} -> {own_hash[:16]})"
             )
-        payload = encode_delta(diloco.pseudo_gradient(), cfg.encoding)
-        header = ContributionHeader.create(
-            self.wallet,
-            stage=self.stage,
-            round=r,
-            base_hash=own_hash,
-            tokens=diloco.steps_in_round * self._tokens_per_step,
-            encoding=cfg.encoding,
-            numel=numel,
-            payload_sha256=sha256_hex(payload),
-        )
-        own = Contribution(header, payload)
+        delta = diloco.pseudo_gradient()
+        tokens = diloco.steps_in_round * self._tokens_per_step
+        forged = None if self._attacker is None else self._forge(diloco, delta, own_hash, tokens)
+        if forged is None:
+            payload = encode_delta(delta, cfg.encoding)
+            header = ContributionHeader.create(
+                self.wallet,
+                stage=self.stage,
+                round=r,
+                base_hash=own_hash,
+                tokens=tokens,
+                encoding=cfg.encoding,
+                numel=numel,
+                payload_sha256=sha256_hex(payload),
+            )
+            own = Contribution(header, payload)
+        else:
+            own = forged.own
         exchange_started = time.monotonic()
         slack = 2 * cfg.request_timeout_s + cfg.state_timeout_s
         try:
             outcome: Closed | Late = self._call(
-                self._exchange.run_round(own, cfg.round_timeout_s, self._stop),
+                self._exchange.run_round(
+                    own, cfg.round_timeout_s, self._stop, None if forged is None else forged.outgoing
+                ),
                 timeout=cfg.round_timeout_s + slack,
             )
         except Exception as exc:  # the hook must still leave the engine at the next round's start
             self._log(
                 f"round {r}: exchange failed ({type(exc).__name__}: {exc}); using this replica's Δ alone"
             )
-            outcome = Closed((own,))
+            outcome = Closed((own,) if forged is None else ())  # a forged one may not even decode
         step_started = time.monotonic()
         resynced_from: str | None = None
+        screened: tuple[tuple[str, str], ...] = ()
         if isinstance(outcome, Closed):
-            stack = self._stack_buffer(len(outcome.contributions), numel)
-            diloco.outer_step(aggregate(outcome.contributions, numel, self._rule, stack))
-            accepted = tuple(c.header.wallet for c in outcome.contributions)
+            self._call(self._update_bans(), timeout=10.0)
+            kept = screen(outcome.contributions, numel, cfg.validation, self.banned)
+            screened = kept.rejected
+            if kept.accepted:
+                stack = self._stack_buffer(len(kept.accepted), numel)
+                diloco.outer_step(aggregate(kept.accepted, numel, self._rule, stack))
+            else:  # every contribution refused: the same zero step on every replica holding this set
+                self._log(f"round {r}: every contribution was refused; stepping with Δ = 0")
+                diloco.outer_step(torch.zeros(numel))
+            accepted = tuple(c.header.wallet for c in kept.accepted)
         else:
             self._log(f"round {r}: late ({outcome.reason}); adopting the peers' state")
             accepted = ()
             adopted = self._call(self._exchange.sync_state(r + 1, numel, self._stop), timeout=slack)
             if adopted is None:
                 self._log(f"round {r}: no peer state to adopt; applying this replica's own Δ alone")
-                diloco.outer_step(aggregate([own], numel, self._rule))
+                diloco.outer_step(aggregate([own], numel, self._rule) if forged is None else delta)
             else:
                 adopt_state(diloco, adopted.theta, adopted.momentum, adopted.info.round)
                 resynced_from = adopted.info.wallet
@@ -462,7 +509,7 @@ class PeerNetwork:
             stage=self.stage,
             round=r,
             accepted=accepted,
-            rejected=rejected,
+            rejected=tuple(sorted({**dict(rejected), **dict(screened)}.items())),
             equivocators=equivocators,
             late=not isinstance(outcome, Closed),
             next_round=diloco.round,
@@ -474,9 +521,36 @@ class PeerNetwork:
             exchange_s=step_started - exchange_started,
             step_s=vote_started - step_started,
             vote_s=done - vote_started,
+            attack=None if forged is None else forged.note,
         )
         self.reports.append(report)
         self._log(report.line())
+
+    def _forge(self, diloco: DiLoCo, delta: torch.Tensor, own_hash: str, tokens: int) -> Forged:
+        """Testing only: the attacker's contribution(s) for this round (byzantine.py)."""
+        from .byzantine import HonestRound, observe_peers
+
+        assert self._attacker is not None
+        r = diloco.round
+        view = HonestRound(
+            wallet=self.wallet,
+            stage=self.stage,
+            round=r,
+            base_hash=own_hash,
+            theta_round=diloco.theta_round,
+            delta=delta,
+            encoding=self.config.encoding,
+            tokens=tokens,
+            peers=tuple(sorted(self.live_peers())),
+            observe=lambda s: self._call(observe_peers(self._exchange, r, s), timeout=s + 10.0),
+        )
+        return self._attacker.forge(view)
+
+    async def _update_bans(self) -> None:
+        """Ban the proven equivocators (screening.new_bans), read on the loop that fills the books."""
+        for wallet, reason in new_bans(self.node.books, self.banned).items():
+            self.banned[wallet] = reason
+            self._log(f"wallet {wallet[:12]} banned: signed two contributions ({reason})")
 
     def _stack_buffer(self, n: int, numel: int) -> torch.Tensor:
         """The (n, d) aggregation input, kept across rounds: at 4 × 29.5M values a fresh stack costs
@@ -522,7 +596,9 @@ class PeerNetwork:
                 f"after round {diloco.round - 1}: θ hash {own_hash[:16]} is in the minority "
                 f"({vote.votes}/{vote.voters} hold {vote.theta_hash[:16]}); re-syncing"
             )
-            adopted = self._call(self._exchange.fetch_from(vote), timeout=2 * cfg.state_timeout_s)
+            adopted = self._call(
+                self._exchange.fetch_from(vote, need=quorum(vote.voters)), timeout=2 * cfg.state_timeout_s
+            )
         if adopted is None:
             self._log(f"after round {diloco.round - 1}: re-sync failed (no holder sent a verified state)")
             return None, vote.counts.get(own_hash, 0), vote.voters

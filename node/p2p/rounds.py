@@ -276,7 +276,8 @@ class RoundReport:
     accepted: tuple[str, ...]
     """Wallets aggregated, sorted (empty when the replica was late and adopted state)."""
     rejected: tuple[tuple[str, str], ...]
-    """(wallet, reason) of contributions refused."""
+    """(wallet, reason) of contributions refused, sorted by wallet: on arrival (header, payload),
+    by screening the closed set (content checks, see screening.py), or because the wallet is banned."""
     equivocators: tuple[str, ...]
     late: bool
     """True when peers had closed the round without this replica: it adopted their result."""
@@ -298,6 +299,8 @@ class RoundReport:
     """Of which: decode, aggregate, outer step (or state adoption), publishing the new state."""
     vote_s: float = 0.0
     """Of which: comparing θ hashes with the peers (and re-syncing if in the minority)."""
+    attack: str | None = None
+    """Set only on a node run with `--attack` (testing): what it sent instead of its honest Δ."""
 
     def line(self) -> str:
         how = "late, adopted" if self.late else f"aggregated {len(self.accepted)}"
@@ -308,5 +311,5 @@ class RoundReport:
         return (
             f"p2p round={self.round} {how}; θ_{self.next_round} {self.theta_hash[:16]} agree={self.agree}/{self.voters} "
             f"({self.seconds:.2f} s: exchange {self.exchange_s:.2f}, step {self.step_s:.2f}, vote {self.vote_s:.2f})"
-            f"{rejected}{equivocated}"
+            f"{rejected}{equivocated}{f'; ATTACKER sent {self.attack}' if self.attack else ''}"
         )

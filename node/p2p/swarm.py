@@ -14,6 +14,12 @@ With ``--stages S`` the model is cut into S pipeline stages and node i holds sta
 Stage-0 nodes read data and drive (``--max-steps`` counts their inner steps); the later
 stages train on what arrives and are stopped (SIGTERM) once every stage-0 node is done.
 Round results are printed per stage.
+
+With --byzantine K --attack NAME the last K nodes run `neuroshard-node --attack NAME` (testing
+the defences): they are labelled ATTACKER in the output, and the per-round agreement line
+compares the honest nodes only, saying separately whether each attacker holds the same θ.
+
+    neuroshard-swarm --nodes 5 --byzantine 1 --attack sign_flip --inner-steps 20 --max-steps 200
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import IO
 
 from neuroshard.data import load_or_create_signing_key
 
+from ..attacks import ATTACKS
 from ..embedded import ensure_default_dataset
 from ..wallet import TOKEN_ENV, Wallet
 from .wire import ENCODINGS
@@ -71,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=shlex.quote(str(Path(sys.executable).with_name("neuroshard-node"))),
         help="command that starts one node (development and tests: e.g. 'python my_entry.py')",
     )
+    p.add_argument("--byzantine", type=int, default=0, help="make the last K nodes attackers (testing)")
+    p.add_argument(
+        "--attack", choices=ATTACKS, help="what the --byzantine nodes send (neuroshard-node --attack)"
+    )
+    p.add_argument("--attack-param", type=float, help="the attack's strength, passed to every attacker")
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: extra flags passed to every node")
     return p
 
@@ -86,6 +98,8 @@ class Node:
     stopped_by_us: bool = False
     rounds: dict[int, str] = field(default_factory=dict)
     stage: int = 0
+    attack: str | None = None
+    """Set on the --byzantine nodes: the attack they run."""
 
 
 def _log(line: str) -> None:
@@ -133,8 +147,16 @@ def node_argv(
         "--encoding", args.encoding,
         "--round-timeout", str(args.round_timeout),
         *(["--stages", str(args.stages), "--stage", str(node.stage)] if args.stages > 1 else []),
+        *_attack_flags(args, node),
         *extra,
     ]  # fmt: skip
+
+
+def _attack_flags(args: argparse.Namespace, node: Node) -> list[str]:
+    if node.attack is None:
+        return []
+    param = [] if args.attack_param is None else ["--attack-param", str(args.attack_param)]
+    return ["--attack", node.attack, "--attack-seed", str(node.index), *param]
 
 
 def _pump(index: int, stream: IO[str], lines: queue.Queue[tuple[int, str | None]]) -> None:
@@ -171,16 +193,32 @@ def _report_stage(
         # A node that adopted a later state skipped this round: it has nothing to report for it.
         if not final and any(r not in n.rounds and max(n.rounds, default=-1) < r for n in running):
             break
+        honest = [n for n in holders if n.attack is None]
         hashes: dict[str, list[int]] = {}
-        for n in holders:
+        for n in honest:
             hashes.setdefault(n.rounds[r], []).append(n.index)
+        who = "honest nodes" if len(honest) < len(holders) else "nodes"
         if len(hashes) == 1:
             (h,) = hashes
-            _log(f"[swarm] {label}round {r}: {len(holders)}/{len(holders)} nodes agree on θ hash {h}")
-        else:
+            _log(
+                f"[swarm] {label}round {r}: {len(honest)}/{len(honest)} {who} agree on θ hash {h}"
+                f"{_attackers(holders, r, h)}"
+            )
+        elif hashes:
             detail = "; ".join(f"{h}: nodes {ids}" for h, ids in hashes.items())
-            _log(f"[swarm] {label}round {r}: θ hashes DIFFER — {detail}")
+            _log(f"[swarm] {label}round {r}: θ hashes DIFFER — {detail}{_attackers(holders, r, None)}")
         printed.add((stage, r))
+
+
+def _attackers(holders: list[Node], round_: int, honest_hash: str | None) -> str:
+    """The attackers' side of a round line: whether each ended the round on the honest θ."""
+    parts = [
+        f"; ATTACKER node {n.index} ({n.attack}) "
+        + ("same θ" if n.rounds[round_] == honest_hash else f"θ hash {n.rounds[round_]}")
+        for n in holders
+        if n.attack is not None
+    ]
+    return "".join(parts)
 
 
 def terminate(nodes: list[Node]) -> None:
@@ -237,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--nodes must be >= 1, got {args.nodes}")
     if not 1 <= args.stages <= args.nodes:
         return _fail(f"--stages must lie in [1, --nodes {args.nodes}], got {args.stages}")
+    if not 0 <= args.byzantine < args.nodes or (args.byzantine > 0) != (args.attack is not None):
+        return _fail("--byzantine K needs 0 <= K < --nodes, and --attack NAME exactly when K > 0")
     if shutil.which(shlex.split(args.node_command)[0]) is None:
         return _fail(f"node command {args.node_command!r} not found")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
@@ -245,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     nodes = []
     for i, port in enumerate(ports):
         home = args.home / "swarm" / f"node{i}"
-        nodes.append(
-            Node(i, port, home, Wallet.from_token(node_token(home)).wallet_id, stage=i % args.stages)
-        )
+        attack = args.attack if i >= args.nodes - args.byzantine else None
+        wallet_id = Wallet.from_token(node_token(home)).wallet_id
+        nodes.append(Node(i, port, home, wallet_id, stage=i % args.stages, attack=attack))
 
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
@@ -299,9 +339,10 @@ def start_node(
     )
     assert node.process.stdout is not None
     threading.Thread(target=_pump, args=(node.index, node.process.stdout, lines), daemon=True).start()
+    role = "" if node.attack is None else f", ATTACKER ({node.attack})"
     _log(
         f"[swarm] node {node.index}: pid {node.process.pid}, port {node.port}, stage {node.stage}, "
-        f"wallet {node.wallet_id}"
+        f"wallet {node.wallet_id}{role}"
     )
 
 

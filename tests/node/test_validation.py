@@ -189,3 +189,16 @@ def test_bad_reference_and_config_raise() -> None:
         ValidationConfig(min_norm_ratio=2, max_norm_ratio=1)
     with pytest.raises(ValueError, match="none of the 1 contributions"):
         screen_round({"a": torch.ones(3)}, (4,))
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_reference_median_equals_the_sorted_median_whatever_the_order(n: int) -> None:
+    from neuroshard.node.aggregation import coordinate_median
+
+    gen = torch.Generator().manual_seed(n)
+    rows = [torch.randn(257, generator=gen) for _ in range(n)]
+    rows[0][:5] = rows[-1][:5]  # ties
+    expected = coordinate_median(rows)
+    for perm in (list(range(n)), list(reversed(range(n)))):
+        assert torch.equal(robust_reference([rows[i] for i in perm]), expected)
+    assert torch.equal(robust_reference(torch.stack(rows)), expected)

@@ -1,0 +1,136 @@
+"""Screening a closed round before aggregation: content checks, bans, determinism."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from neuroshard.node import aggregation
+from neuroshard.node.p2p.codec import decode_delta
+from neuroshard.node.p2p.rounds import Contribution, aggregate
+from neuroshard.node.p2p.screening import MIN_SCREENED, screen
+from neuroshard.node.validation import ValidationConfig
+from neuroshard.node.wallet import Wallet
+
+NUMEL = 1000
+MakeContribution = Callable[..., tuple[object, bytes]]
+
+
+@pytest.fixture
+def round_of(make_contribution: MakeContribution) -> Callable[..., list[Contribution]]:
+    """Contributions of n wallets whose Δs share one direction plus their own noise (honest-like);
+    `forge` maps a wallet index to a function replacing that wallet's Δ."""
+
+    def build(
+        n: int, forge: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
+    ) -> list[Contribution]:
+        gen = torch.Generator().manual_seed(7)
+        common = torch.randn(NUMEL, generator=gen) * 1e-2
+        out = []
+        for i in range(n):
+            delta = common + torch.randn(NUMEL, generator=gen) * 5e-3
+            if forge and i in forge:
+                delta = forge[i](delta)
+            header, payload = make_contribution(Wallet.from_token(f"screen-{i}"), delta=delta)
+            out.append(Contribution(header, payload, decode_delta(payload, "int8", NUMEL)))  # type: ignore[arg-type]
+        return out
+
+    return build
+
+
+def _key(i: int) -> str:
+    return Wallet.from_token(f"screen-{i}").public_key_hex
+
+
+def test_forged_contributions_are_refused_with_the_reason(round_of) -> None:
+    forge = {1: lambda d: -d, 3: lambda d: d * 10, 4: torch.zeros_like}
+    kept = screen(round_of(6, forge), NUMEL, ValidationConfig(), {})
+    reasons = dict(kept.rejected)
+    assert set(reasons) == {_key(1), _key(3), _key(4)}
+    assert reasons[_key(1)].startswith("cosine: ")
+    assert reasons[_key(3)].startswith("norm_ratio: ")
+    assert reasons[_key(4)].startswith("zero: ")
+    assert [c.header.wallet for c in kept.accepted] == sorted([_key(0), _key(2), _key(5)])
+
+
+def test_a_copy_is_refused_with_its_original(round_of) -> None:
+    contributions = round_of(5)
+    copied = contributions[0]
+    contributions[4] = Contribution(contributions[4].header, copied.payload, copied.delta)
+    kept = screen(contributions, NUMEL, ValidationConfig(), {})
+    # Content cannot tell the original from the copy (validation.find_copies): both go.
+    assert {w for w, r in kept.rejected if r.startswith("duplicate: ")} == {_key(0), _key(4)}
+
+
+def test_verdicts_and_aggregate_do_not_depend_on_arrival_order(round_of) -> None:
+    contributions = round_of(7, {2: lambda d: -d, 5: lambda d: d * 8})
+    results = []
+    for seed in range(4):
+        shuffled = contributions[:]
+        random.Random(seed).shuffle(shuffled)
+        kept = screen(shuffled, NUMEL, ValidationConfig(), {})
+        rule = lambda s: aggregation.aggregate("default", s)  # noqa: E731
+        results.append(
+            (kept.rejected, [c.header.wallet for c in kept.accepted], aggregate(kept.accepted, NUMEL, rule))
+        )
+    for rejected, accepted, theta in results[1:]:
+        assert rejected == results[0][0] and accepted == results[0][1]
+        assert torch.equal(theta, results[0][2])  # bit-identical
+
+
+def test_a_banned_wallet_is_refused_and_left_out_of_the_reference(round_of) -> None:
+    contributions = round_of(5)
+    banned = {_key(2): "equivocated in round 1"}
+    kept = screen(contributions, NUMEL, ValidationConfig(), banned)
+    assert kept.rejected == ((_key(2), "banned: equivocated in round 1"),)
+    assert _key(2) not in [c.header.wallet for c in kept.accepted] and len(kept.accepted) == 4
+    # Bans hold even with the content checks off.
+    assert screen(contributions, NUMEL, None, banned).rejected == kept.rejected
+
+
+def test_too_few_contributions_skip_the_content_checks(round_of) -> None:
+    # With two, the median is their mean: a sign flip would pull it to ~0 and get the honest one
+    # refused too, so nothing is judged on content below MIN_SCREENED.
+    assert MIN_SCREENED == 3
+    pair = round_of(2, {1: lambda d: -d})
+    assert screen(pair, NUMEL, ValidationConfig(), {}).rejected == ()
+    three = round_of(3, {1: lambda d: -d})
+    assert [w for w, _ in screen(three, NUMEL, ValidationConfig(), {}).rejected] == [_key(1)]
+
+
+def test_undecoded_contributions_are_decoded_from_their_payload(round_of) -> None:
+    contributions = [Contribution(c.header, c.payload) for c in round_of(4, {0: lambda d: -d})]
+    kept = screen(contributions, NUMEL, ValidationConfig(), {})
+    assert [w for w, _ in kept.rejected] == [_key(0)]
+    assert all(c.delta is not None and c.delta.shape == (NUMEL,) for c in kept.accepted)
+
+
+def test_an_equivocation_proven_in_any_kept_book_bans_the_wallet(make_contribution) -> None:
+    from neuroshard.node.p2p.rounds import RoundBook
+    from neuroshard.node.p2p.screening import new_bans
+    from neuroshard.node.p2p.wire import Rejected
+
+    liar, honest = Wallet.from_token("screen-liar"), Wallet.from_token("screen-honest")
+    books = {}
+    for round_ in (2, 3):
+        first, payload = make_contribution(liar, seed=1, round_=round_)
+        second, _ = make_contribution(liar, seed=2, round_=round_)
+        book = RoundBook(stage=0, round_=round_, base_hash=first.base_hash, numel=NUMEL)
+        for header, body in (make_contribution(honest, round_=round_), (first, payload)):
+            assert book.admit(header)
+            book.accept(Contribution(header, body))
+        with pytest.raises(Rejected, match="signed two different contributions"):
+            book.admit(second)
+        books[round_] = book
+    assert new_bans(books, {}) == {liar.public_key_hex: "equivocated in round 2"}
+    assert new_bans(books, {liar.public_key_hex: "equivocated in round 2"}) == {}  # only new ones
+
+
+def test_a_majority_of_zero_deltas_leaves_nothing_to_judge_against_but_does_not_fail(round_of) -> None:
+    contributions = round_of(5, {i: torch.zeros_like for i in (0, 1, 2)})
+    kept = screen(contributions, NUMEL, ValidationConfig(), {_key(4): "equivocated in round 0"})
+    assert kept.rejected == ((_key(4), "banned: equivocated in round 0"),)
+    assert [c.header.wallet for c in kept.accepted] == sorted(_key(i) for i in range(4))
