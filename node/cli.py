@@ -35,7 +35,9 @@ from .checkpoint import CheckpointMismatch
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
+from .network_definition import NetworkDefinition
 from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
+from .reporting import Reporting, add_verifier_arguments, embedded_definition, held_out_shards, join_network
 from .rotation import RotationConfig
 from .trainer import DatasetUpdates, Trainer, TrainerConfig
 from .wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
@@ -131,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-every", type=int, default=10, help="inner steps per progress line")
     add_network_arguments(p)
-    # No --peers and no --port: the node trains alone and opens no port.
+    add_verifier_arguments(p)
+    # No --peers and no --port: the node trains alone (and opens a free loopback port only to
+    # serve its verifier: node.reporting).
     p.set_defaults(port=None)
     return p
 
@@ -206,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     _install_stop_handlers(stop)
     network: PeerNetwork | None = None
+    reporting: Reporting | None = None
     try:
+        joined: NetworkDefinition | None = join_network(args, _log)
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         total = args.total_steps
@@ -219,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             outer_momentum=args.outer_momentum,
             outer_nesterov=args.outer_momentum > 0,
         )
+        if joined is not None:
+            model_config, diloco_config = joined.model, joined.diloco
+        args.held_out = held_out_shards(args, joined, dataset)
         trainer_config = TrainerConfig(
             batch_size=args.batch_size,
             seq_len=args.seq_len,
@@ -230,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 window=args.plateau_window,
                 enabled=not args.no_plateau_rotation,
             ),
+            held_out_shards=args.held_out,
         )
         trainer = Trainer(
             wallet_id=wallet.wallet_id,
@@ -242,13 +252,19 @@ def main(argv: list[str] | None = None) -> int:
             dataset_updates=updates,
             fresh=args.fresh,
         )
+        reporting = Reporting.open(
+            args, joined, lambda: embedded_definition(args, dataset, model_config, diloco_config), _log
+        )
         network = _start_network(args, wallet, stop)
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
+            reporting.attach(network, trainer, wallet, args.batch_size * args.seq_len)
             network.join_state(trainer.diloco)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
         if network is not None:
             network.stop()
+        if reporting is not None:
+            reporting.close()
         return _fail(str(exc))
 
     manifest = dataset.manifest
@@ -265,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.dataset.source.close()
         if network is not None:
             network.stop()
+        if reporting is not None:
+            reporting.close()
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(f"{how} at step={result.steps} round={result.rounds}; checkpoint {trainer.checkpoint_file}")
     _log(
