@@ -26,6 +26,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,11 @@ def _base(url: str) -> str:
 def _request(
     url: str, path: str, *, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None,
     timeout_s: float = 10.0, max_bytes: int = 1 << 20,
-) -> tuple[bytes, dict[str, str]]:  # fmt: skip
+) -> tuple[bytes, Message]:  # fmt: skip
     request = urllib.request.Request(url + path, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            return reply.read(max_bytes), dict(reply.headers.items())
+            return reply.read(max_bytes), reply.headers  # case-insensitive: servers lower-case names
     except urllib.error.HTTPError as exc:
         detail = exc.read(2000).decode("utf-8", "replace")
         retry = exc.headers.get("Retry-After")

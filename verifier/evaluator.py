@@ -26,6 +26,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from email.message import Message
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -235,7 +236,7 @@ class Evaluator:
 
     # --- the peer plane, as a client ----------------------------------------------------------
 
-    def _get(self, address: str, path: str, max_bytes: int) -> tuple[bytes, dict[str, str]] | None:
+    def _get(self, address: str, path: str, max_bytes: int) -> tuple[bytes, Message] | None:
         headers = sign_request(self.operator, "GET", path, b"", self._clock())
         request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
         try:
@@ -244,7 +245,7 @@ class Evaluator:
                 if len(body) > max_bytes:
                     self._log(f"evaluator: {address}{path} sent more than {max_bytes} bytes; ignored")
                     return None
-                return body, dict(reply.headers.items())
+                return body, reply.headers  # case-insensitive lookups
         except (OSError, ValueError) as exc:
             self._log(f"evaluator: {address}{path}: {exc}")
             return None
