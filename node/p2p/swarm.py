@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-verifier", action="store_true", help="start no verifier; nodes report to nobody")
     p.add_argument(
+        "--verifier-db", help="the verifier's database URL (default: SQLite under HOME/swarm/verifier)"
+    )
+    p.add_argument(
         "--eval-every", type=int, default=1, help="rounds between the verifier's held-out measurements"
     )
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: extra flags passed to every node")
@@ -277,7 +280,9 @@ def _start_verifier(args: argparse.Namespace, data: list[str]) -> SwarmVerifier:
         publisher_key=data[3],
         every_rounds=args.eval_every,
     )
-    verifier = start_swarm_verifier(args.home / "swarm" / "verifier", tables, args.verifier_port, _log)
+    verifier = start_swarm_verifier(
+        args.home / "swarm" / "verifier", tables, args.verifier_port, args.verifier_db
+    )
     _log(
         f"[swarm] verifier {verifier.url}/ (dashboard; API {verifier.url}/api/training/verify), log {verifier.log_path}"
     )

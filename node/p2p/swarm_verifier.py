@@ -95,7 +95,9 @@ def network_tables(
     }
 
 
-def start_swarm_verifier(home: Path, tables: dict[str, Any], port: int, log: Any) -> SwarmVerifier:
+def start_swarm_verifier(
+    home: Path, tables: dict[str, Any], port: int, database_url: str | None
+) -> SwarmVerifier:
     """Start the verifier process on 127.0.0.1:port; returns once it answers with a signed definition."""
     home.mkdir(parents=True, exist_ok=True)
     network = home / "network.toml"
@@ -109,6 +111,7 @@ def start_swarm_verifier(home: Path, tables: dict[str, Any], port: int, log: Any
         "--port", str(port),
         "--init-operator-key",
         "--log-level", "info",
+        *(["--db", database_url] if database_url else []),
     ]  # fmt: skip
     with log_path.open("ab") as out:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
