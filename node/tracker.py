@@ -89,22 +89,27 @@ def fetch_network(
 
     Returns (definition, operator public key hex). With neither a pinned key nor a
     remembered one, the served key is trusted and remembered (in `known_keys`, if given).
-    Raises NetworkError on a bad signature, a key that changed, or no answer.
+    The verified definition is saved there too: a node restarted while its verifier is
+    down trains by the saved copy (signature checked again) instead of not at all.
+    Raises NetworkError on a bad signature, a key that changed, or no answer and no copy.
     """
     base = _base(url)
+    remembered = _remembered_key(known_keys, base)
+    expected = operator_key or remembered
     try:
         body, headers = _request(base, "/api/network", timeout_s=timeout_s)
     except TrackerError as exc:
-        raise NetworkError(f"cannot fetch the network definition from {base}: {exc}") from None
+        saved = _saved_definition(known_keys, base, expected)
+        if saved is None:
+            raise NetworkError(f"cannot fetch the network definition from {base}: {exc}") from None
+        log(f"verifier {base} unreachable ({exc}); training by its definition saved in {known_keys}")
+        return saved, expected or ""
     served = headers.get(OPERATOR_HEADER, "")
-    remembered = _remembered_key(known_keys, base)
-    expected = operator_key or remembered
     if expected is None:
         if not _KEY.fullmatch(served):
             raise NetworkError(f"{base} sent no valid {OPERATOR_HEADER} header")
         expected = served
         log(f"verifier {base}: trusting operator key {served} on first use")
-        _remember_key(known_keys, base, served)
     elif served and served != expected:
         where = "pinned with --operator-key" if operator_key else f"remembered in {known_keys}"
         raise NetworkError(
@@ -112,8 +117,29 @@ def fetch_network(
         )
     if not _KEY.fullmatch(expected):
         raise NetworkError(f"operator key must be 64 lower-case hex characters, got {expected!r}")
-    definition = verify_network(body, headers.get(NETWORK_SIGNATURE_HEADER, ""), bytes.fromhex(expected))
+    signature = headers.get(NETWORK_SIGNATURE_HEADER, "")
+    definition = verify_network(body, signature, bytes.fromhex(expected))
+    if known_keys is not None:  # only once the signature verified: a forgery is never remembered
+        known_keys.mkdir(parents=True, exist_ok=True)
+        if remembered is None:
+            _key_file(known_keys, base).write_text(expected + "\n", encoding="ascii")
+        saved = {"body": body.decode("utf-8"), "signature": signature}
+        _definition_file(known_keys, base).write_text(json.dumps(saved), encoding="utf-8")
     return definition, expected
+
+
+def _saved_definition(known_keys: Path | None, base: str, key: str | None) -> NetworkDefinition | None:
+    if known_keys is None or key is None or not _definition_file(known_keys, base).exists():
+        return None
+    try:
+        saved = json.loads(_definition_file(known_keys, base).read_text(encoding="utf-8"))
+        return verify_network(saved["body"].encode("utf-8"), saved["signature"], bytes.fromhex(key))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or tampered with: as good as none
+
+
+def _definition_file(known_keys: Path, base: str) -> Path:
+    return _key_file(known_keys, base).with_suffix(".network.json")
 
 
 def _key_file(known_keys: Path, base: str) -> Path:
@@ -125,13 +151,6 @@ def _remembered_key(known_keys: Path | None, base: str) -> str | None:
         return None
     path = _key_file(known_keys, base)
     return path.read_text(encoding="ascii").strip() if path.exists() else None
-
-
-def _remember_key(known_keys: Path | None, base: str, key: str) -> None:
-    if known_keys is None:
-        return
-    known_keys.mkdir(parents=True, exist_ok=True)
-    _key_file(known_keys, base).write_text(key + "\n", encoding="ascii")
 
 
 @dataclass(kw_only=True)

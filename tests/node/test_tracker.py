@@ -48,7 +48,7 @@ def test_network_definition_trusted_on_first_use_then_pinned(
     definition, key = fetch_network(verifier.url, operator_key=None, known_keys=known, log=seen.append)
     assert key == verifier.operator_key_hex and definition == small_network()
     assert any("trusting operator key" in line for line in seen)
-    assert [p.read_text().strip() for p in known.iterdir()] == [key]
+    assert [p.read_text().strip() for p in known.glob("*.operator")] == [key]
     seen.clear()
     fetch_network(verifier.url, operator_key=None, known_keys=known, log=seen.append)
     assert seen == []  # remembered: no second "trusting"
@@ -74,6 +74,27 @@ def test_a_different_operator_at_a_remembered_url_is_refused(tmp_path: Path) -> 
             fetch_network(impostor.url, operator_key=None, known_keys=known, log=lambda s: None)
     finally:
         impostor.stop()
+
+
+def test_a_restart_while_the_verifier_is_down_trains_by_the_saved_definition(tmp_path: Path) -> None:
+    known, lines = tmp_path / "verifiers", []
+    server = start_embedded_verifier(
+        home=tmp_path / "v", network=small_network(), port=free_port(), log=print
+    )
+    try:
+        fetch_network(server.url, operator_key=None, known_keys=known, log=lines.append)
+    finally:
+        server.stop()
+    definition, key = fetch_network(server.url, operator_key=None, known_keys=known, log=lines.append)
+    assert definition == small_network() and key == server.operator_key_hex
+    assert "unreachable" in lines[-1]
+    # The saved copy is checked again: edited, it is worth nothing.
+    (saved,) = known.glob("*.network.json")
+    saved.write_text(saved.read_text().replace('"tiny"', '"small"').replace("test", "evil"))
+    with pytest.raises(NetworkError, match="cannot fetch"):
+        fetch_network(server.url, operator_key=None, known_keys=known, log=lines.append)
+    with pytest.raises(NetworkError, match="cannot fetch"):  # and never without a key to check it with
+        fetch_network(server.url, operator_key=None, known_keys=tmp_path / "elsewhere", log=lines.append)
 
 
 def test_registers_heartbeats_and_delivers_receipts(verifier: EmbeddedVerifier) -> None:
