@@ -123,8 +123,8 @@ def fetch_network(
         known_keys.mkdir(parents=True, exist_ok=True)
         if remembered is None:
             _key_file(known_keys, base).write_text(expected + "\n", encoding="ascii")
-        saved = {"body": body.decode("utf-8"), "signature": signature}
-        _definition_file(known_keys, base).write_text(json.dumps(saved), encoding="utf-8")
+        copy = {"body": body.decode("utf-8"), "signature": signature}
+        _definition_file(known_keys, base).write_text(json.dumps(copy), encoding="utf-8")
     return definition, expected
 
 
