@@ -88,6 +88,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
             config=config.live_evaluation,
             clock=config.clock,
             peer_ttl_s=config.peer_ttl_s,
+            reputation=config.reputation,
         )
 
     @asynccontextmanager

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         network = _start_network(args, wallet, stop)
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
-            reporting.attach(network, trainer, wallet, args.batch_size * args.seq_len)
+            reporting.attach(network, trainer, wallet)
             network.join_state(trainer.diloco)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
         if network is not None:

@@ -69,6 +69,7 @@ class Receipting:
         work: RoundWork,
         submit: Callable[[dict[str, Any]], None],
         *,
+        batch_size: int,
         tokens_per_step: int,
         log: Callable[[str], None],
     ) -> None:
@@ -76,6 +77,7 @@ class Receipting:
         self._reports = reports
         self._work = work
         self._submit = submit
+        self._batch_size = batch_size
         self._tokens_per_step = tokens_per_step
         self._log = log
 
@@ -90,8 +92,14 @@ class Receipting:
         if len(self._reports) == seen:
             self._log("receipt: the round hook produced no round report; nothing to send")
             return
-        if not self._work.spans or steps < 1:
-            self._log(f"receipt: round {self._reports[-1].round} has no recorded data (resumed mid-round?)")
+        windows = sum(end - start for _, start, end in self._work.spans)
+        if steps < 1 or windows != steps * self._batch_size:
+            # A round resumed from a mid-round checkpoint: the spans read before the restart are
+            # not known, and a receipt claiming the whole round would misstate its data.
+            self._log(
+                f"receipt: round {self._reports[-1].round}: {windows} windows recorded for {steps} steps "
+                f"of {self._batch_size} (resumed mid-round); no receipt"
+            )
             return
         self._submit(
             receipt_document(

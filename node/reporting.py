@@ -156,9 +156,7 @@ class Reporting:
             args.port = 0
         return reporting
 
-    def attach(
-        self, network: PeerNetwork | None, trainer: Trainer, wallet: Wallet, tokens_per_step: int
-    ) -> None:
+    def attach(self, network: PeerNetwork | None, trainer: Trainer, wallet: Wallet) -> None:
         """Register with the verifier, discover peers, and send a receipt after every round."""
         if self.url is None or network is None:
             return
@@ -179,7 +177,8 @@ class Reporting:
                 network.reports,
                 trainer.work,
                 tracker.submit,
-                tokens_per_step=tokens_per_step,
+                batch_size=trainer.config.batch_size,
+                tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
                 log=self.log,
             )
         )

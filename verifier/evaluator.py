@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.message import Message
 from pathlib import Path
 
@@ -45,9 +45,11 @@ from neuroshard.node.wallet import Wallet
 
 from . import ledger
 from . import models as m
+from .datacheck import DataCheckConfig, DataChecker
 from .db import Database
 from .evaluate import LossMeasurement, measure_loss, stage_hash
 from .network import NetworkDefinition
+from .reputation import ReputationConfig
 
 Log = Callable[[str], None]
 
@@ -65,6 +67,8 @@ class EvaluatorConfig:
     """Fetched states waiting for their round to settle; the oldest is dropped beyond."""
     cache_dir: Path | None = None
     """Shard cache when the data set is served over HTTP."""
+    data_checks: DataCheckConfig | None = field(default_factory=DataCheckConfig)
+    """Check the data spans of a sample of receipts on the same thread (verifier.datacheck); None: don't."""
 
     def __post_init__(self) -> None:
         if self.poll_s <= 0 or self.max_batches < 1 or self.timeout_s <= 0 or self.max_pending < 1:
@@ -114,6 +118,7 @@ class Evaluator:
         held_out: Callable[[], Tensor] | None = None,
         clock: Callable[[], float] = time.time,
         peer_ttl_s: float = 90.0,
+        reputation: ReputationConfig | None = None,
     ) -> None:
         self.config = config or EvaluatorConfig()
         self.db = db
@@ -130,6 +135,16 @@ class Evaluator:
         self.measured: list[tuple[int, LossMeasurement]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.checker: DataChecker | None = None
+        if self.config.data_checks is not None and reputation is not None:
+            self.checker = DataChecker(
+                db=db,
+                network=network,
+                reputation=reputation,
+                log=log,
+                config=self.config.data_checks,
+                clock=clock,
+            )
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -158,8 +173,12 @@ class Evaluator:
     # --- one pass -----------------------------------------------------------------------------
 
     def run_once(self) -> None:
-        self._maybe_fetch()
-        self._judge_pending()
+        try:
+            self._maybe_fetch()
+            self._judge_pending()
+        finally:
+            if self.checker is not None:
+                self.checker.run_once()
 
     def _maybe_fetch(self) -> None:
         every = self.network.evaluate_every_rounds
