@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neuroshard.data import open_dataset, parse_public_key
+from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
 
 from ..model import ModelConfig
 
@@ -100,6 +100,10 @@ def start_swarm_verifier(
 ) -> SwarmVerifier:
     """Start the verifier process on 127.0.0.1:port; returns once it answers with a signed definition."""
     home.mkdir(parents=True, exist_ok=True)
+    # The operator key is made here, so the swarm knows which key its own verifier signs with
+    # and cannot mistake another service on the port for it.
+    key, _ = load_or_create_signing_key(home / "operator.key")
+    operator = bytes(key.verify_key).hex()
     network = home / "network.toml"
     network.write_text(to_toml(tables), encoding="utf-8")
     log_path = home / "verifier.log"
@@ -109,7 +113,7 @@ def start_swarm_verifier(
         "--home", str(home),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--init-operator-key",
+        "--operator-key-file", str(home / "operator.key"),
         "--log-level", "info",
         *(["--db", database_url] if database_url else []),
     ]  # fmt: skip
@@ -122,10 +126,17 @@ def start_swarm_verifier(
             raise RuntimeError(f"the verifier exited with code {process.returncode}; see {log_path}")
         try:
             with urllib.request.urlopen(f"{url}/api/network", timeout=1.0) as reply:
-                key = reply.headers.get("X-NeuroShard-Operator", "")
-                return SwarmVerifier(process, url, key, log_path)
+                served = reply.headers.get("X-NeuroShard-Operator", "")
         except OSError:
             time.sleep(0.1)
+            continue
+        if served != operator:
+            process.kill()
+            process.wait()
+            raise RuntimeError(
+                f"port {port} is taken by another service (operator key {served[:16] or 'none'}); pick --verifier-port"
+            )
+        return SwarmVerifier(process, url, operator, log_path)
     process.kill()
     process.wait()
     raise RuntimeError(

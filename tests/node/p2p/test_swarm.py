@@ -29,6 +29,7 @@ class SwarmProcess:
             "--data", str(published.directory),
             "--publisher-key", published.public_key_hex,
             "--base-port", str(_free_base_port()),
+            "--verifier-port", str(_free_base_port()),
             "--threads", "1",
             *args,
             "--", "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", "1000",
