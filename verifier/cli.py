@@ -3,8 +3,9 @@
     neuroshard-verifier --network network.toml --db postgresql://db/neuroshard \\
         --host 0.0.0.0 --port 8000 --operator-key-file /etc/neuroshard/operator.key
 
-This is the composition root, the one module of the package allowed to import
-`neuroshard.api` (which depends on the verifier, never the other way round).
+This is a composition root, one of the two modules of the package allowed to import
+`neuroshard.api` (which depends on the verifier, never the other way round); the other is
+verifier.embedded, the same service inside a node process.
 """
 
 from __future__ import annotations
