@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if joined is not None:
             model_config, diloco_config = joined.model, joined.diloco
-        args.held_out = held_out_shards(args, joined, dataset)
+        held_out = held_out_shards(args, joined, dataset)
         trainer_config = TrainerConfig(
             batch_size=args.batch_size,
             seq_len=args.seq_len,
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 window=args.plateau_window,
                 enabled=not args.no_plateau_rotation,
             ),
-            held_out_shards=args.held_out,
+            held_out_shards=held_out,
         )
         trainer = Trainer(
             wallet_id=wallet.wallet_id,
@@ -253,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             fresh=args.fresh,
         )
         reporting = Reporting.open(
-            args, joined, lambda: embedded_definition(args, dataset, model_config, diloco_config), _log
+            args,
+            joined,
+            held_out,
+            lambda: embedded_definition(args, dataset, model_config, diloco_config),
+            _log,
         )
         network = _start_network(args, wallet, stop)
         if network is not None:

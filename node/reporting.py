@@ -20,6 +20,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Protocol
 
 from neuroshard.data import Dataset
 
@@ -113,6 +114,10 @@ def _version() -> str:
         return "0.0.0"
 
 
+class _Server(Protocol):
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Reporting:
     """The verifier side of one node run: maybe an embedded verifier, and the tracker thread."""
@@ -120,7 +125,7 @@ class Reporting:
     url: str | None
     operator_key: str | None
     log: Log
-    embedded: object | None = None
+    embedded: _Server | None = None
     tracker: Tracker | None = None
 
     @classmethod
@@ -128,6 +133,7 @@ class Reporting:
         cls,
         args: argparse.Namespace,
         joined: NetworkDefinition | None,
+        held_out: tuple[int, ...],
         embedded: Callable[[], NetworkDefinition],
         log: Log,
     ) -> Reporting:
@@ -137,7 +143,7 @@ class Reporting:
             reporting = cls(url=args.join, operator_key=None, log=log)
         elif args.no_verifier:
             return cls(url=None, operator_key=None, log=log)
-        elif args.held_out == ():
+        elif not held_out:
             log("embedded verifier off: the data set has a single shard, none to hold out for measuring")
             return cls(url=None, operator_key=None, log=log)
         else:
@@ -191,4 +197,4 @@ class Reporting:
                 f"{self.tracker.dropped} dropped"
             )
         if self.embedded is not None:
-            self.embedded.stop()  # type: ignore[attr-defined]
+            self.embedded.stop()
