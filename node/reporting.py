@@ -151,7 +151,7 @@ class Reporting:
 
             try:
                 server = start_embedded_verifier(
-                    home=args.home, network=embedded(), port=args.verifier_port, log=log
+                    home=args.home, network=embedded(), port=args.verifier_port, log=log, fresh=args.fresh
                 )
             except (OSError, ValueError) as exc:
                 log(f"embedded verifier not started: {exc}; training without one")

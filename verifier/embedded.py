@@ -9,6 +9,7 @@ stays cheap). The node imports it lazily too, only when it runs the embedded def
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -54,6 +55,7 @@ def start_embedded_verifier(
     network: NetworkDefinition,
     port: int,
     log: Callable[[str], None],
+    fresh: bool = False,
     host: str = "127.0.0.1",
     log_level: str = "warning",
 ) -> EmbeddedVerifier:
@@ -69,8 +71,15 @@ def start_embedded_verifier(
         logger.addHandler(_ToNodeLog(log))
         logger.setLevel(logging.INFO)
     operator = load_operator_key(home / "operator.key", create=True)
+    # One database per run definition: another model size or H is another run, whose rounds
+    # and measurements must not mix with this one's.
+    database = home / f"verifier-{hashlib.sha256(network.canonical_bytes()).hexdigest()[:12]}.sqlite3"
+    if fresh and database.exists():  # the node starts over at round 0: so does its verifier
+        kept = database.with_name(f"{database.stem}.{int(time.time())}.sqlite3")
+        database.rename(kept)
+        log(f"verifier: --fresh: the previous run's database is kept as {kept}")
     config = VerifierConfig(
-        database_url=f"sqlite:///{(home / 'verifier.sqlite3').expanduser()}",
+        database_url=f"sqlite:///{database.expanduser()}",
         network=network,
         operator=operator,
         live_evaluation=EvaluatorConfig(cache_dir=home / "cache"),

@@ -78,4 +78,4 @@ def test_no_verifier_opens_no_port(published: PublishedData, tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     assert "verifier (embedded)" not in out.stdout and "tracker:" not in out.stdout
     assert "peer server" not in out.stdout
-    assert not (tmp_path / "verifier.sqlite3").exists()
+    assert not list(tmp_path.glob("verifier*.sqlite3"))
