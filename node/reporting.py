@@ -17,6 +17,7 @@ logged, and the node trains on.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -29,11 +30,14 @@ from .model import ModelConfig
 from .network_definition import NetworkDefinition
 from .p2p.network import PeerNetwork
 from .receipt import Receipting
-from .tracker import Tracker, TrackerConfig, fetch_network
+from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
 from .trainer import Trainer
 from .wallet import Wallet
 
 Log = Callable[[str], None]
+JOIN_TIMEOUT_S = 30.0
+"""How long a node started with --join keeps asking for the network definition before it gives up
+(it cannot train without it, unless a verified copy was saved by an earlier run)."""
 EMBEDDED_EVERY_ROUNDS = 1
 """The embedded verifier measures every round: 16 held-out batches of the tiny model take ~0.5 s,
 small next to a round of 100 inner steps."""
@@ -62,9 +66,18 @@ def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None
     """With --join: the verified definition, with the flags it overrides set from it. Raises NetworkError."""
     if not args.join:
         return None
-    definition, key = fetch_network(
-        args.join, operator_key=args.operator_key, known_keys=args.home / "verifiers", log=log
-    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            definition, key = fetch_network(
+                args.join, operator_key=args.operator_key, known_keys=args.home / "verifiers", log=log
+            )
+            break
+        except VerifierUnreachable as exc:  # a verifier still starting, or busy: ask again
+            if time.monotonic() > deadline:
+                raise
+            log(f"{exc}; retrying")
+            time.sleep(2.0)
     if definition.num_stages != 1:
         raise ValueError(f"{args.join} runs {definition.num_stages} pipeline stages; this node trains one")
     args.data, args.publisher_key = definition.manifest_url, definition.publisher_key

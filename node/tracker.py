@@ -47,6 +47,10 @@ Progress = Callable[[], tuple[int, int]]
 _KEY = re.compile(r"[0-9a-f]{64}")
 
 
+class VerifierUnreachable(NetworkError):
+    """No answer from the verifier (and no saved definition to fall back on): worth retrying."""
+
+
 class TrackerError(Exception):
     """The verifier answered something other than a 2xx, or could not be reached."""
 
@@ -101,7 +105,7 @@ def fetch_network(
     except TrackerError as exc:
         saved = _saved_definition(known_keys, base, expected)
         if saved is None:
-            raise NetworkError(f"cannot fetch the network definition from {base}: {exc}") from None
+            raise VerifierUnreachable(f"cannot fetch the network definition from {base}: {exc}") from None
         log(f"verifier {base} unreachable ({exc}); training by its definition saved in {known_keys}")
         return saved, expected or ""
     served = headers.get(OPERATOR_HEADER, "")

@@ -137,3 +137,19 @@ def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> N
         assert time.monotonic() - stopped < 3.0
     assert not tracker.registered and tracker.delivered == 0
     assert sum("retrying every" in line for line in lines) == 1  # one line per outage, not per attempt
+
+
+def test_join_asks_again_until_the_verifier_answers_or_time_is_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from neuroshard.node import reporting
+    from neuroshard.node.tracker import VerifierUnreachable
+
+    monkeypatch.setattr(reporting, "JOIN_TIMEOUT_S", 0.1)
+    args = argparse.Namespace(join=f"http://127.0.0.1:{free_port()}", operator_key=None, home=tmp_path)
+    lines: list[str] = []
+    with pytest.raises(VerifierUnreachable, match="cannot fetch the network definition"):
+        reporting.join_network(args, lines.append)
+    assert any("retrying" in line for line in lines)
