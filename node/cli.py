@@ -140,8 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_LOG_LOCK = threading.Lock()
+"""print writes the text and the newline separately: without a lock, lines from the training,
+peer, tracker and embedded verifier threads can merge (and the swarm parses these lines)."""
+
+
 def _log(line: str) -> None:
-    print(line, flush=True)
+    with _LOG_LOCK:
+        print(line, flush=True)
 
 
 def _fail(message: str) -> int:
