@@ -35,6 +35,14 @@ def _get(url: str) -> Any:
         return json.loads(reply.read())
 
 
+def _node_ports_avoiding(port: int) -> int:
+    """A base port whose NODES ports do not include `port` (two free_port() calls can return
+    the same port, or neighbours)."""
+    while (base := free_port()) <= port < base + NODES:
+        pass
+    return base
+
+
 def _start_swarm(
     published: PublishedData, home: Path, database_url: str, verifier_port: int, *swarm_args: str
 ) -> subprocess.Popen[str]:
@@ -46,7 +54,7 @@ def _start_swarm(
         "--publisher-key", published.public_key_hex,
         "--inner-steps", "10",
         "--max-steps", "100000",  # stopped by the test once verified
-        "--base-port", str(free_port()),
+        "--base-port", str(_node_ports_avoiding(verifier_port)),
         "--verifier-port", str(verifier_port),
         "--verifier-db", database_url,
         "--threads", "1",
