@@ -140,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_LOG_LOCK = threading.Lock()
+_LOG_LOCK = threading.RLock()
 """print writes the text and the newline separately: without a lock, lines from the training,
-peer, tracker and embedded verifier threads can merge (and the swarm parses these lines)."""
+peer, tracker and embedded verifier threads can merge (and the swarm parses these lines).
+Re-entrant: the SIGTERM handler logs on the main thread, possibly in the middle of its print."""
 
 
 def _log(line: str) -> None:
