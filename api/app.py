@@ -8,6 +8,7 @@ database in place.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,11 +23,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuroshard.verifier import ledger
 from neuroshard.verifier.config import VerifierConfig
+from neuroshard.verifier.evaluator import Evaluator
 from neuroshard.verifier.ledger import WriteRefused
 
 from . import reads, writes
 from .metrics import CountRequests
 from .services import Services
+
+log = logging.getLogger("neuroshard.verifier")
 
 STATIC_DIR = Path(__file__).parent / "static"
 VERSION = "0.1.0"
@@ -74,10 +78,27 @@ def create_app(config: VerifierConfig) -> FastAPI:
         with services.db.write() as session:
             ledger.purge_nonces(session, now=services.now())
 
+    evaluator = None
+    if config.live_evaluation is not None:
+        evaluator = Evaluator(
+            db=services.db,
+            network=config.network,
+            operator=config.operator,
+            log=log.info,
+            config=config.live_evaluation,
+            clock=config.clock,
+            peer_ttl_s=config.peer_ttl_s,
+            reputation=config.reputation,
+        )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(start)
+        if evaluator is not None:
+            evaluator.start()  # its own thread: a measurement never holds up a request
         yield
+        if evaluator is not None:
+            await run_in_threadpool(evaluator.stop)
         services.db.dispose()
 
     app = FastAPI(
@@ -90,6 +111,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.services = services
+    app.state.evaluator = evaluator
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -35,11 +35,13 @@ from .checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
 from .model import MODEL_SIZES, ModelConfig
+from .network_definition import NetworkDefinition
 from .p2p import byzantine
 from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
 from .p2p.pipeline import PipelineConfig, PipelineUnavailable
 from .p2p.stages import PipelineLink, add_pipeline_arguments, pipeline_config_from_args, start_stage_replica
 from .pipeline import remote_loss, stage_fingerprint
+from .reporting import Reporting, add_verifier_arguments, embedded_definition, held_out_shards, join_network
 from .rotation import RotationConfig
 from .stage_worker import StageCheckpoint, WorkerConfig
 from .trainer import DatasetUpdates, Trainer, TrainerConfig
@@ -138,13 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_network_arguments(p)
     add_pipeline_arguments(p)
     byzantine.add_attack_arguments(p)
-    # No --peers and no --port: the node trains alone and opens no port.
+    add_verifier_arguments(p)
+    # No --peers and no --port: the node trains alone (and opens a free loopback port only to
+    # serve its verifier: node.reporting).
     p.set_defaults(port=None)
     return p
 
 
+_LOG_LOCK = threading.RLock()
+"""print writes the text and the newline separately: without a lock, lines from the training,
+peer, tracker and embedded verifier threads can merge (and the swarm parses these lines).
+Re-entrant: the SIGTERM handler logs on the main thread, possibly in the middle of its print."""
+
+
 def _log(line: str) -> None:
-    print(line, flush=True)
+    with _LOG_LOCK:
+        print(line, flush=True)
 
 
 def _fail(message: str) -> int:
@@ -259,6 +270,16 @@ def _install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _no_verifier_for_stages(args: argparse.Namespace) -> None:
+    """The verifier measures and tracks single-stage runs only (its evaluator assembles one
+    stage's θ); a pipeline replica trains without one rather than report half a model."""
+    if args.join:
+        raise ValueError("--join with --stages > 1: the verifier does not track pipeline runs yet")
+    if not args.no_verifier:
+        _log("pipeline stages: the embedded verifier measures single-stage runs only; not started")
+        args.no_verifier = True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -274,8 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     _install_stop_handlers(stop)
     network: PeerNetwork | None = None
     link: PipelineLink | None = None
+    reporting: Reporting | None = None
     try:
         pipeline = pipeline_config_from_args(args)
+        if args.stages > 1:
+            _no_verifier_for_stages(args)
+        joined: NetworkDefinition | None = join_network(args, _log)
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         total = args.total_steps
@@ -288,10 +313,13 @@ def main(argv: list[str] | None = None) -> int:
             outer_momentum=args.outer_momentum,
             outer_nesterov=args.outer_momentum > 0,
         )
+        if joined is not None:
+            model_config, diloco_config = joined.model, joined.diloco
         if args.stage > 0:
             dataset.source.close()
             sha = dataset.manifest.tokenizer.sha256
             return _run_stage_replica(args, wallet, model_config, diloco_config, pipeline, stop, sha)
+        held_out = held_out_shards(args, joined, dataset)
         trainer_config = TrainerConfig(
             batch_size=args.batch_size,
             seq_len=args.seq_len,
@@ -303,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 window=args.plateau_window,
                 enabled=not args.no_plateau_rotation,
             ),
+            held_out_shards=held_out,
         )
         trainer = Trainer(
             wallet_id=wallet.wallet_id,
@@ -319,9 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.stages > 1
             else None,
         )
+        reporting = Reporting.open(
+            args,
+            joined,
+            held_out,
+            lambda: embedded_definition(args, dataset, model_config, diloco_config),
+            _log,
+        )
         network = _start_network(args, wallet, stop)
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
+            reporting.attach(network, trainer, wallet)
             if args.stages > 1:
                 link = PipelineLink(
                     network, pipeline, stop=stop, round_of=lambda: trainer.diloco.round, log=_log
@@ -333,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             link.close()
         if network is not None:
             network.stop()
+        if reporting is not None:
+            reporting.close()
         return _fail(str(exc))
 
     manifest = dataset.manifest
@@ -351,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             link.close()
         if network is not None:
             network.stop()
+        if reporting is not None:
+            reporting.close()
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(f"{how} at step={result.steps} round={result.rounds}; checkpoint {trainer.checkpoint_file}")
     _log(

@@ -25,6 +25,7 @@ from .model import ModelConfig, build_stage, cross_entropy_loss
 from .pipeline import stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .vocab import grow_replica
+from .work import RoundWork
 
 RoundFinisher = Callable[[DiLoCo], None]
 """Completes a round on the engine: afterwards `diloco.round` has advanced and the model holds θ_{r+1}."""
@@ -49,6 +50,8 @@ class TrainerConfig:
     """Inner steps per progress line; the printed loss is the mean over those steps."""
     rotation: RotationConfig = field(default_factory=RotationConfig)
     """When to leave a shard whose loss has plateaued."""
+    held_out_shards: tuple[int, ...] = ()
+    """Shards this replica never trains on: the verifier's held-out evaluation data."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "checkpoint_every", "log_every"):
@@ -116,11 +119,13 @@ class Trainer:
         self.num_stages = num_stages
         checkpoint_dir.mkdir(parents=True, exist_ok=True)  # an unusable directory fails now, not 50 steps in
         self._writer = CheckpointWriter()
+        self.work = RoundWork()
+        """The current round's data spans and losses (read by the round hook, cleared after it)."""
         state = None if fresh else self._load_state(model_config)
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
         self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, num_stages)
         self.diloco = DiLoCo(self.model, diloco_config, loss_fn=loss_fn or cross_entropy_loss)
-        order = assign_shards(wallet_id, dataset.manifest)
+        order = assign_shards(wallet_id, dataset.manifest, exclude=config.held_out_shards)
         position = DataPosition()
         self._plateau = PlateauDetector(config.rotation)
         if state is not None:
@@ -190,7 +195,8 @@ class Trainer:
             return
         self.dataset = update
         self._grow_vocab(update.tokenizer.vocab_size)
-        self.batches.update(update.source, update.manifest, assign_shards(self.wallet_id, update.manifest))
+        order = assign_shards(self.wallet_id, update.manifest, exclude=self.config.held_out_shards)
+        self.batches.update(update.source, update.manifest, order)
         self._log(
             f"data set updated to manifest version {update.manifest.version} "
             f"({update.manifest.total_shards} shards, vocab {update.tokenizer.vocab_size})"
@@ -212,6 +218,7 @@ class Trainer:
 
     def _finish_round(self) -> None:
         self._finish_round_hook(self.diloco)
+        self.work.clear()
         self._apply_dataset_update()
         self.save(wait=False)
         self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
@@ -228,6 +235,8 @@ class Trainer:
                 break
             shard_before = self.batches.shard_id
             inputs, labels = self.batches.next_batch()
+            offset = self.batches.position.offset
+            self.work.read(self.batches.shard_id, offset - inputs.shape[0], offset)
             if self.batches.shard_id != shard_before:
                 self._plateau.reset()
             step_start = time.perf_counter()
@@ -239,6 +248,7 @@ class Trainer:
                 self._plateau.reset()
             window.append(loss)
             result.losses.append(loss)
+            self.work.losses.append(loss)
             step = self.diloco.step
             if self.diloco.round_complete:
                 self._finish_round()

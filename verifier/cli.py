@@ -3,19 +3,24 @@
     neuroshard-verifier --network network.toml --db postgresql://db/neuroshard \\
         --host 0.0.0.0 --port 8000 --operator-key-file /etc/neuroshard/operator.key
 
-This is the composition root, the one module of the package allowed to import
-`neuroshard.api` (which depends on the verifier, never the other way round).
+This is a composition root, one of the two modules of the package allowed to import
+`neuroshard.api` (which depends on the verifier, never the other way round); the other is
+verifier.embedded, the same service inside a node process.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import NoReturn
 
+import torch
+
 from .config import VerifierConfig
 from .db import DatabaseURLError, normalise_url
+from .evaluator import EvaluatorConfig
 from .network import NetworkError, load_network, load_operator_key
 
 PROG = "neuroshard-verifier"
@@ -53,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peer-ttl", type=float, default=90.0, help="seconds a heartbeat keeps a node live (default 90)"
     )
+    p.add_argument(
+        "--eval-threads",
+        type=int,
+        default=1,
+        help="torch threads of the live held-out evaluation (default 1: it must not starve the API)",
+    )
+    p.add_argument("--no-evaluation", action="store_true", help="do not fetch and measure the majority model")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -71,8 +83,14 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         args.operator_key_file or args.home / "operator.key", create=args.init_operator_key
     )
     url = args.db or f"sqlite:///{(args.home / 'verifier.sqlite3').expanduser()}"
+    if args.eval_threads < 1:
+        raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
     return VerifierConfig(
-        database_url=normalise_url(url), network=network, operator=operator, peer_ttl_s=args.peer_ttl
+        database_url=normalise_url(url),
+        network=network,
+        operator=operator,
+        peer_ttl_s=args.peer_ttl,
+        live_evaluation=None if args.no_evaluation else EvaluatorConfig(cache_dir=args.home / "cache"),
     )
 
 
@@ -84,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
 
     import uvicorn
+
+    torch.set_num_threads(args.eval_threads)  # the only torch work here is the live evaluation
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
 
     from neuroshard.api.app import create_app
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from neuroshard.node.wallet import Wallet
 
 from .auth import FRESHNESS_WINDOW_S
+from .evaluator import EvaluatorConfig
 from .network import NetworkDefinition
 from .ratelimit import RateLimitConfig
 from .reputation import ReputationConfig
@@ -40,6 +41,9 @@ class VerifierConfig:
     """(stage, round)s returned by /api/training/history and drawn on the dashboard."""
     clock: Callable[[], float] = time.time
     """Unix seconds; injected so tests can move time."""
+    live_evaluation: EvaluatorConfig | None = None
+    """Measure the held-out loss of the majority model in a background thread (verifier.evaluator);
+    None leaves the evaluations table to whoever calls ledger.record_evaluation (API tests)."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -365,6 +365,25 @@ class PeerNetwork:
 
         return self._call(read(), timeout=10.0)
 
+    def add_bootstrap(self, addresses: list[str]) -> None:
+        """Also dial these host:port addresses when gossiping (the verifier's peer list, node.tracker)."""
+
+        async def add() -> None:
+            known = self.node.peers.bootstrap
+            fresh = [a for a in addresses if a not in known and a != self.node.address]
+            if fresh:
+                self.node.peers.bootstrap = (*known, *fresh)
+
+        valid = []
+        for address in addresses:
+            try:
+                parse_address(address)
+                valid.append(address)
+            except InvalidMessage:
+                self._log(f"ignored peer address {address!r} from the verifier")
+        if valid and self._loop is not None:
+            self._call(add(), timeout=10.0)
+
     def _publish(self, diloco: DiLoCo, *, announce: bool = False) -> None:
         snapshot = snapshot_of(diloco)
 

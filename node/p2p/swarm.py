@@ -46,6 +46,7 @@ from neuroshard.data import load_or_create_signing_key
 from ..attacks import ATTACKS
 from ..embedded import ensure_default_dataset
 from ..wallet import TOKEN_ENV, Wallet
+from .swarm_verifier import SwarmVerifier, network_tables, start_swarm_verifier
 from .wire import ENCODINGS
 
 PROG = "neuroshard-swarm"
@@ -83,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--attack", choices=ATTACKS, help="what the --byzantine nodes send (neuroshard-node --attack)"
     )
     p.add_argument("--attack-param", type=float, help="the attack's strength, passed to every attacker")
+    p.add_argument(
+        "--verifier-port", type=int, default=8000, help="port of the swarm's verifier (API, dashboard)"
+    )
+    p.add_argument("--no-verifier", action="store_true", help="start no verifier; nodes report to nobody")
+    p.add_argument(
+        "--verifier-db", help="the verifier's database URL (default: SQLite under HOME/swarm/verifier)"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=1, help="rounds between the verifier's held-out measurements"
+    )
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: extra flags passed to every node")
     return p
 
@@ -281,6 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"node command {args.node_command!r} not found")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     data = _data_flags(args)
+    if args.stages > 1 and not args.no_verifier:
+        _log("[swarm] pipeline stages: the verifier tracks single-stage runs only; starting none")
+        args.no_verifier = True
+    try:
+        verifier = None if args.no_verifier else _start_verifier(args, data)
+    except (RuntimeError, ValueError, OSError) as exc:
+        return _fail(f"verifier: {exc}")
+    if verifier is not None:
+        data = [*data, *verifier.node_flags()]
     ports = [args.base_port + i for i in range(args.nodes)]
     nodes = []
     for i, port in enumerate(ports):
@@ -309,12 +329,35 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
         terminate(nodes)  # only reached with nodes alive if something above failed
         kill_stragglers(nodes)
+        if verifier is not None:
+            verifier.stop()
     report_rounds(nodes, printed, final=True)
     failed = [n.index for n in nodes if n.exit_code not in (0, None) and not n.stopped_by_us]
     if failed:
         _log(f"[swarm] nodes {failed} failed")
         return 1
     return 0
+
+
+def _start_verifier(args: argparse.Namespace, data: list[str]) -> SwarmVerifier:
+    """One verifier for the swarm, defined by what the nodes would train (swarm_verifier)."""
+    from ..cli import build_parser as node_parser  # the node's flags and defaults, one definition
+
+    node = node_parser().parse_args([a for a in args.node_args if a != "--"])
+    tables = network_tables(
+        node,
+        inner_steps=args.inner_steps,
+        data_dir=data[1],
+        publisher_key=data[3],
+        every_rounds=args.eval_every,
+    )
+    verifier = start_swarm_verifier(
+        args.home / "swarm" / "verifier", tables, args.verifier_port, args.verifier_db
+    )
+    _log(
+        f"[swarm] verifier {verifier.url}/ (dashboard; API {verifier.url}/api/training/verify), log {verifier.log_path}"
+    )
+    return verifier
 
 
 def start_node(

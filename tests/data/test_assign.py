@@ -6,6 +6,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from neuroshard.data import assign_shards
 
 
@@ -54,3 +56,17 @@ def test_assignment_is_identical_across_processes(published) -> None:
     ]
     here = [assign_shards(f"node-{i}", manifest) for i in range(10)]
     assert json.loads(outputs[0]) == json.loads(outputs[1]) == here
+
+
+def test_held_out_shards_are_never_assigned(published) -> None:
+    manifest = _manifest_with(published, 9)
+    firsts = set()
+    for i in range(60):
+        order = assign_shards(f"node-{i}", manifest, exclude={0})
+        assert sorted(order) == list(range(1, 9))
+        firsts.add(order[0])
+    assert firsts == set(range(1, 9))  # the remaining shards still spread evenly as first shards
+    # Excluding a shard the manifest does not have changes nothing.
+    assert assign_shards("n", manifest, exclude={42}) == assign_shards("n", manifest)
+    with pytest.raises(ValueError, match="nothing to train on"):
+        assign_shards("n", _manifest_with(published, 1), exclude={0})

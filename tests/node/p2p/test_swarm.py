@@ -28,7 +28,9 @@ class SwarmProcess:
             "--home", str(home),
             "--data", str(published.directory),
             "--publisher-key", published.public_key_hex,
-            "--base-port", str(_free_base_port()),
+            # base..base+3 were free; nodes take base+i (3 at most here), the verifier base+3.
+            "--base-port", str(base := _free_base_port()),
+            "--verifier-port", str(base + 3),
             "--threads", "1",
             *args,
             "--", "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", "1000",

@@ -1,0 +1,215 @@
+"""The run's definition as the verifier serves it signed at GET /api/network, and its checks.
+
+Lives in the node package because both sides need it: the verifier parses `network.toml`
+into it and signs its canonical JSON (neuroshard.verifier.network); a node started with
+`--join` fetches that JSON, checks the operator's signature and builds its stage from it
+(neuroshard.node.tracker). The file format is documented in neuroshard.verifier.network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .aggregation import RULES
+from .diloco import DiLoCoConfig
+from .model import MODEL_SIZES, ModelConfig
+from .wallet import Wallet, verify
+
+NETWORK_FORMAT = 1
+OPERATOR_HEADER = "X-NeuroShard-Operator"
+"""Response header of GET /api/network: the operator's public key (hex)."""
+NETWORK_SIGNATURE_HEADER = "X-NeuroShard-Signature"
+"""Response header of GET /api/network: hex Ed25519 signature of the exact body bytes."""
+
+_TABLES = {"model", "stages", "diloco", "training", "aggregation", "data", "evaluation"}
+
+
+class NetworkError(ValueError):
+    """A network.toml (or served definition) that is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkDefinition:
+    name: str
+    """Human name of the run, shown on the dashboard."""
+    model: ModelConfig
+    num_stages: int
+    """Pipeline stages the model is cut into (node.model.stage_layers)."""
+    diloco: DiLoCoConfig
+    batch_size: int
+    """Sequences per inner step; the spot checker replays batches of this size."""
+    seq_len: int
+    """Tokens per sequence (≤ model.max_seq_len)."""
+    aggregation_rule: str
+    aggregation_f: int
+    """Byzantine replicas per stage the rule must tolerate."""
+    manifest_url: str
+    publisher_key: str
+    """Hex Ed25519 public key that signs the data manifest."""
+    evaluate_every_rounds: int = 5
+    """The verifier measures the held-out loss every this many rounds."""
+    held_out_shard: int = 0
+    """The shard the verifier measures on; no node trains on it (data.assign_shards excludes it).
+    Shard 0 by default: it exists in every manifest and a newer manifest version never renumbers it."""
+
+    def to_document(self) -> dict[str, Any]:
+        diloco = dataclasses.asdict(self.diloco)
+        diloco["betas"] = list(self.diloco.betas)
+        return {
+            "format": NETWORK_FORMAT,
+            "name": self.name,
+            "model": self.model.to_dict(),
+            "stages": {"count": self.num_stages},
+            "diloco": diloco,
+            "training": {"batch_size": self.batch_size, "seq_len": self.seq_len},
+            "aggregation": {"rule": self.aggregation_rule, "f": self.aggregation_f},
+            "data": {"manifest_url": self.manifest_url, "publisher_key": self.publisher_key},
+            "evaluation": {"every_rounds": self.evaluate_every_rounds, "held_out_shard": self.held_out_shard},
+        }
+
+    def canonical_bytes(self) -> bytes:
+        return json.dumps(self.to_document(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _table(doc: dict[str, Any], name: str, source: str) -> dict[str, Any]:
+    value = doc.get(name, {})
+    if not isinstance(value, dict):
+        raise NetworkError(f"{source}: [{name}] must be a table, got {type(value).__name__}")
+    return dict(value)
+
+
+def _int(table: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = table.pop(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise NetworkError(f"{where}.{key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _no_leftovers(table: dict[str, Any], where: str) -> None:
+    if table:
+        raise NetworkError(f"{where}: unknown keys {sorted(table)}")
+
+
+def _model(table: dict[str, Any], source: str) -> ModelConfig:
+    size = table.pop("size", None)
+    try:
+        if size is None:
+            return ModelConfig.from_dict(table)
+        if size not in MODEL_SIZES:
+            raise NetworkError(f"{source}: [model] size {size!r} is not one of {sorted(MODEL_SIZES)}")
+        return ModelConfig.named(size, **table)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, NetworkError):
+            raise
+        raise NetworkError(f"{source}: [model]: {exc}") from None
+
+
+def _diloco(table: dict[str, Any], source: str) -> DiLoCoConfig:
+    if "betas" in table and isinstance(table["betas"], list):
+        table["betas"] = tuple(table["betas"])
+    names = {f.name for f in dataclasses.fields(DiLoCoConfig)}
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise NetworkError(f"{source}: [diloco]: unknown keys {unknown}; known: {sorted(names)}")
+    try:
+        return DiLoCoConfig(**table)
+    except (TypeError, ValueError) as exc:
+        raise NetworkError(f"{source}: [diloco]: {exc}") from None
+
+
+def _check_rule(rule: Any, source: str) -> str:
+    base = rule[len("nnm+") :] if isinstance(rule, str) and rule.startswith("nnm+") else rule
+    if not isinstance(rule, str) or (rule != "default" and base not in RULES):
+        raise NetworkError(
+            f"{source}: [aggregation] rule {rule!r} is not one of {sorted(RULES)}, 'default' or 'nnm+<rule>'"
+        )
+    return rule
+
+
+def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkDefinition:
+    """A validated NetworkDefinition from the parsed TOML (or the served JSON) document."""
+    doc = dict(doc)
+    doc.pop("format", None)
+    name = doc.pop("name", "neuroshard")
+    if not isinstance(name, str) or not name:
+        raise NetworkError(f"{source}: name must be a non-empty string, got {name!r}")
+    unknown = sorted(set(doc) - _TABLES)
+    if unknown:
+        raise NetworkError(f"{source}: unknown top-level keys {unknown}; known: {sorted(_TABLES)}")
+    model = _model(_table(doc, "model", source), source)
+    stages = _table(doc, "stages", source)
+    num_stages = _int(stages, "count", f"{source}: [stages]", 1)
+    _no_leftovers(stages, f"{source}: [stages]")
+    if not 1 <= num_stages <= model.n_layers:
+        raise NetworkError(f"{source}: [stages] count {num_stages} must be in 1..n_layers ({model.n_layers})")
+    diloco = _diloco(_table(doc, "diloco", source), source)
+    training = _table(doc, "training", source)
+    batch_size = _int(training, "batch_size", f"{source}: [training]", 8)
+    seq_len = _int(training, "seq_len", f"{source}: [training]", 128)
+    _no_leftovers(training, f"{source}: [training]")
+    if batch_size < 1 or not 1 <= seq_len <= model.max_seq_len:
+        raise NetworkError(
+            f"{source}: [training] batch_size {batch_size} must be ≥ 1 and seq_len {seq_len} "
+            f"in 1..max_seq_len ({model.max_seq_len})"
+        )
+    aggregation = _table(doc, "aggregation", source)
+    rule = _check_rule(aggregation.pop("rule", "default"), source)
+    f = _int(aggregation, "f", f"{source}: [aggregation]", 0)
+    _no_leftovers(aggregation, f"{source}: [aggregation]")
+    data = _table(doc, "data", source)
+    manifest_url = data.pop("manifest_url", "")
+    publisher_key = data.pop("publisher_key", "")
+    _no_leftovers(data, f"{source}: [data]")
+    if not isinstance(manifest_url, str) or not manifest_url:
+        raise NetworkError(f"{source}: [data] manifest_url must be a non-empty string")
+    if not isinstance(publisher_key, str) or not re.fullmatch(r"[0-9a-f]{64}", publisher_key):
+        raise NetworkError(f"{source}: [data] publisher_key must be 64 lower-case hex characters")
+    evaluation = _table(doc, "evaluation", source)
+    every = _int(evaluation, "every_rounds", f"{source}: [evaluation]", 5)
+    held_out = _int(evaluation, "held_out_shard", f"{source}: [evaluation]", 0)
+    _no_leftovers(evaluation, f"{source}: [evaluation]")
+    if every < 1:
+        raise NetworkError(f"{source}: [evaluation] every_rounds must be ≥ 1, got {every}")
+    return NetworkDefinition(
+        name=name,
+        model=model,
+        num_stages=num_stages,
+        diloco=diloco,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        aggregation_rule=rule,
+        aggregation_f=f,
+        manifest_url=manifest_url,
+        publisher_key=publisher_key,
+        evaluate_every_rounds=every,
+        held_out_shard=held_out,
+    )
+
+
+def sign_network(network: NetworkDefinition, operator: Wallet) -> tuple[bytes, str]:
+    """(body, hex signature): what GET /api/network serves."""
+    body = network.canonical_bytes()
+    return body, operator.sign(body).hex()
+
+
+def verify_network(body: bytes, signature_hex: str, operator_public_key: bytes) -> NetworkDefinition:
+    """What a joining node does with GET /api/network: check the signature, then parse."""
+    try:
+        signature = bytes.fromhex(signature_hex)
+    except ValueError:
+        raise NetworkError("network signature is not hex") from None
+    if not verify(operator_public_key, body, signature):
+        raise NetworkError(
+            f"network definition is not signed by the operator key {operator_public_key.hex()[:16]}…"
+        )
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise NetworkError(f"network definition is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != NETWORK_FORMAT:
+        raise NetworkError(f"network definition format is not {NETWORK_FORMAT}")
+    return parse_network(doc, "served network definition")

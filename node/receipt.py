@@ -1,0 +1,114 @@
+"""Round receipts: the signed work report a replica sends the verifier after every round.
+
+`Receipting` wraps the round hook (PeerNetwork.finish_round). Before the hook it reads
+what only the engine knows at the round's end — θ_r's hash, the inner steps, Δ's digest —
+and after it what the peer exchange decided (RoundReport: the result hash, accepted and
+rejected contributions, equivocators); with the trainer's RoundWork (data spans, losses)
+that is the whole receipt (the body neuroshard.verifier.wire.ReceiptRequest checks). The
+receipt goes to the Tracker's queue; the round never waits for the verifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .diloco import DiLoCo
+from .p2p.rounds import RoundReport
+from .p2p.state import theta_sha256
+from .trainer import RoundFinisher
+from .wallet import wallet_id_of
+from .work import RoundWork
+
+MAX_REASON_CHARS = 200
+"""verifier.wire.RejectedContribution.reason's limit."""
+
+
+def _wallet_id(public_key_hex: str) -> str:
+    return wallet_id_of(bytes.fromhex(public_key_hex))
+
+
+def receipt_document(
+    report: RoundReport,
+    work: RoundWork,
+    *,
+    inner_steps: int,
+    start_step: int,
+    tokens: int,
+    base_hash: str,
+    delta_digest: str,
+) -> dict[str, Any]:
+    """The JSON body of POST /api/receipts for one round (wallet ids, not public keys)."""
+    return {
+        "stage": report.stage,
+        "round": report.round,
+        "inner_steps": inner_steps,
+        "start_step": start_step,
+        "tokens": tokens,
+        "data": [{"shard_id": s, "offset_start": a, "offset_end": b} for s, a, b in work.spans],
+        "losses": [float(x) for x in work.losses[-inner_steps:]],
+        "base_hash": base_hash,
+        "result_hash": report.theta_hash,
+        "delta_digest": delta_digest,
+        "accepted": [{"wallet": _wallet_id(w)} for w in report.accepted],
+        "rejected": [
+            {"wallet": _wallet_id(w), "reason": (reason or "rejected")[:MAX_REASON_CHARS]}
+            for w, reason in report.rejected
+        ],
+        "equivocators": [_wallet_id(w) for w in report.equivocators],
+    }
+
+
+class Receipting:
+    """A round hook that runs `inner` and then hands the round's receipt to `submit`."""
+
+    def __init__(
+        self,
+        inner: RoundFinisher,
+        reports: list[RoundReport],
+        work: RoundWork,
+        submit: Callable[[dict[str, Any]], None],
+        *,
+        batch_size: int,
+        tokens_per_step: int,
+        log: Callable[[str], None],
+    ) -> None:
+        self._inner = inner
+        self._reports = reports
+        self._work = work
+        self._submit = submit
+        self._batch_size = batch_size
+        self._tokens_per_step = tokens_per_step
+        self._log = log
+
+    def __call__(self, diloco: DiLoCo) -> None:
+        steps = diloco.steps_in_round
+        base_hash = theta_sha256(diloco.theta_round.detach())
+        # Δ as the replica computed it, float32 before any wire encoding: what a spot check replays.
+        delta_digest = theta_sha256(diloco.pseudo_gradient())
+        start_step = diloco.step - steps
+        seen = len(self._reports)
+        self._inner(diloco)
+        if len(self._reports) == seen:
+            self._log("receipt: the round hook produced no round report; nothing to send")
+            return
+        windows = sum(end - start for _, start, end in self._work.spans)
+        if steps < 1 or windows != steps * self._batch_size:
+            # A round resumed from a mid-round checkpoint: the spans read before the restart are
+            # not known, and a receipt claiming the whole round would misstate its data.
+            self._log(
+                f"receipt: round {self._reports[-1].round}: {windows} windows recorded for {steps} steps "
+                f"of {self._batch_size} (resumed mid-round); no receipt"
+            )
+            return
+        self._submit(
+            receipt_document(
+                self._reports[-1],
+                self._work,
+                inner_steps=steps,
+                start_step=start_step,
+                tokens=steps * self._tokens_per_step,
+                base_hash=base_hash,
+                delta_digest=delta_digest,
+            )
+        )

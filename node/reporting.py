@@ -1,0 +1,213 @@
+"""Wiring a node to its verifier: `--join URL`, or the embedded default, or neither.
+
+- `--join http://host:port`: fetch the run's definition (signed by the operator, checked
+  by node.tracker.fetch_network) and train by it: its model, DiLoCo settings, batch
+  shape, data set and held-out shard override the corresponding flags.
+- no `--join`: start the verifier in this process on 127.0.0.1:--verifier-port (SQLite
+  under --home) with a definition made from this node's own flags, and report to it, so
+  `curl localhost:8000/api/training/verify` and the dashboard work on one machine.
+- `--no-verifier`: train with neither (the node reports to nobody).
+
+A node that reports also serves its peer plane (a free loopback port unless --port says
+otherwise): the verifier fetches the majority weights from there to measure them.
+None of this can stop training: a verifier that cannot start or cannot be reached is
+logged, and the node trains on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Protocol
+
+from neuroshard.data import Dataset
+
+from .diloco import DiLoCoConfig
+from .model import ModelConfig
+from .network_definition import NetworkDefinition
+from .p2p.network import PeerNetwork
+from .receipt import Receipting
+from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
+from .trainer import Trainer
+from .wallet import Wallet
+
+Log = Callable[[str], None]
+JOIN_TIMEOUT_S = 30.0
+"""How long a node started with --join keeps asking for the network definition before it gives up
+(it cannot train without it, unless a verified copy was saved by an earlier run)."""
+EMBEDDED_EVERY_ROUNDS = 1
+"""The embedded verifier measures every round: 16 held-out batches of the tiny model take ~0.5 s,
+small next to a round of 100 inner steps."""
+
+
+def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("verifier (tracker, work receipts, measured loss, dashboard)")
+    g.add_argument(
+        "--join",
+        metavar="URL",
+        help="verifier to join, e.g. http://203.0.113.7:8000: its signed network definition sets the model, "
+        "DiLoCo, batch shape and data (default: start one in this process on 127.0.0.1)",
+    )
+    g.add_argument(
+        "--operator-key",
+        help="hex public key that must sign the --join verifier's network definition "
+        "(default: trust the first key seen, remembered under HOME/verifiers/)",
+    )
+    g.add_argument(
+        "--verifier-port", type=int, default=8000, help="port of the embedded verifier (API and dashboard)"
+    )
+    g.add_argument("--no-verifier", action="store_true", help="no verifier at all: report to nobody")
+
+
+def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None:
+    """With --join: the verified definition, with the flags it overrides set from it. Raises NetworkError."""
+    if not args.join:
+        return None
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            definition, key = fetch_network(
+                args.join, operator_key=args.operator_key, known_keys=args.home / "verifiers", log=log
+            )
+            break
+        except VerifierUnreachable as exc:  # a verifier still starting, or busy: ask again
+            if time.monotonic() > deadline:
+                raise
+            log(f"{exc}; retrying")
+            time.sleep(2.0)
+    if definition.num_stages != 1:
+        raise ValueError(f"{args.join} runs {definition.num_stages} pipeline stages; this node trains one")
+    args.data, args.publisher_key = definition.manifest_url, definition.publisher_key
+    args.batch_size, args.seq_len = definition.batch_size, definition.seq_len
+    log(
+        f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
+        f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
+        f"held-out shard {definition.held_out_shard}"
+    )
+    return definition
+
+
+def held_out_shards(
+    args: argparse.Namespace, joined: NetworkDefinition | None, dataset: Dataset
+) -> tuple[int, ...]:
+    """The shards this node must not train on: the verifier's held-out shard, when there is a verifier."""
+    if joined is not None:
+        return (joined.held_out_shard,)
+    if args.no_verifier or dataset.manifest.total_shards < 2:
+        return ()  # nothing is measured, or one shard only: hold nothing back
+    return (0,)
+
+
+def embedded_definition(
+    args: argparse.Namespace, dataset: Dataset, model: ModelConfig, diloco: DiLoCoConfig
+) -> NetworkDefinition:
+    return NetworkDefinition(
+        name="embedded",
+        model=model,
+        num_stages=1,
+        diloco=diloco,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        aggregation_rule="default",
+        aggregation_f=0,
+        manifest_url=dataset.location,
+        publisher_key=dataset.manifest.publisher,
+        evaluate_every_rounds=EMBEDDED_EVERY_ROUNDS,
+        held_out_shard=0,
+    )
+
+
+def _version() -> str:
+    try:
+        return metadata.version("neuroshard")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+class _Server(Protocol):
+    def stop(self) -> None: ...
+
+
+@dataclass
+class Reporting:
+    """The verifier side of one node run: maybe an embedded verifier, and the tracker thread."""
+
+    url: str | None
+    operator_key: str | None
+    log: Log
+    embedded: _Server | None = None
+    tracker: Tracker | None = None
+
+    @classmethod
+    def open(
+        cls,
+        args: argparse.Namespace,
+        joined: NetworkDefinition | None,
+        held_out: tuple[int, ...],
+        embedded: Callable[[], NetworkDefinition],
+        log: Log,
+    ) -> Reporting:
+        """Pick the verifier (joined, embedded or none); start the embedded one. Leaves args.port
+        at a free port (0) when the node would otherwise open none: the verifier must reach it."""
+        if joined is not None:
+            reporting = cls(url=args.join, operator_key=None, log=log)
+        elif args.no_verifier:
+            return cls(url=None, operator_key=None, log=log)
+        elif not held_out:
+            log("embedded verifier off: the data set has a single shard, none to hold out for measuring")
+            return cls(url=None, operator_key=None, log=log)
+        else:
+            from neuroshard.verifier.embedded import start_embedded_verifier  # composition root, lazily
+
+            try:
+                server = start_embedded_verifier(
+                    home=args.home, network=embedded(), port=args.verifier_port, log=log, fresh=args.fresh
+                )
+            except (OSError, ValueError) as exc:
+                log(f"embedded verifier not started: {exc}; training without one")
+                return cls(url=None, operator_key=None, log=log)
+            log(f"verifier (embedded): {server.url}/ dashboard, {server.url}/api/training/verify")
+            reporting = cls(url=server.url, operator_key=server.operator_key_hex, log=log, embedded=server)
+        if args.port is None:
+            args.port = 0
+        return reporting
+
+    def attach(self, network: PeerNetwork | None, trainer: Trainer, wallet: Wallet) -> None:
+        """Register with the verifier, discover peers, and send a receipt after every round."""
+        if self.url is None or network is None:
+            return
+        tracker = Tracker(
+            TrackerConfig(
+                url=self.url, address=network.address, stage=network.stage, software_version=_version()
+            ),
+            wallet,
+            self.log,
+            progress=lambda: (trainer.diloco.round, trainer.diloco.steps_in_round),
+            on_peers=network.add_bootstrap,
+        )
+        tracker.start()
+        self.tracker = tracker
+        trainer.set_round_finisher(
+            Receipting(
+                network.finish_round,
+                network.reports,
+                trainer.work,
+                tracker.submit,
+                batch_size=trainer.config.batch_size,
+                tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
+                log=self.log,
+            )
+        )
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.stop()
+            self.log(
+                f"tracker: {self.tracker.delivered} receipt(s) acknowledged, {self.tracker.pending()} undelivered, "
+                f"{self.tracker.dropped} dropped"
+            )
+        if self.embedded is not None:
+            self.embedded.stop()

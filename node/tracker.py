@@ -1,0 +1,364 @@
+"""The node's side of the verifier: the signed run definition, registration, heartbeats, receipts.
+
+`neuroshard-node --join http://verifier:8000` first fetches GET /api/network and checks
+the operator's signature (`fetch_network`) against a pinned key (--operator-key) or, on
+first contact, trusts the served key and remembers it under HOME/verifiers/ so a later
+swap is refused (trust on first use). Then a `Tracker` thread registers the wallet,
+heartbeats, reads GET /api/peers?stage= for discovery and submits the round receipts
+(node.receipt) queued by the training thread.
+
+The verifier is a witness, not a dependency: every call here runs on the tracker's own
+thread, failures are logged once per outage and retried, receipts wait in a bounded queue
+(the oldest is dropped when it is full), and training never waits for any of it.
+
+Requests are signed exactly like peer requests (node.p2p.auth.sign_request; the verifier
+checks them with neuroshard.verifier.auth). The token is never sent: only signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.message import Message
+from pathlib import Path
+from typing import Any
+
+from .network_definition import (
+    NETWORK_SIGNATURE_HEADER,
+    OPERATOR_HEADER,
+    NetworkDefinition,
+    NetworkError,
+    verify_network,
+)
+from .p2p.auth import sign_request
+from .wallet import Wallet
+
+Log = Callable[[str], None]
+Progress = Callable[[], tuple[int, int]]
+"""(round, inner steps in the round): what a heartbeat reports."""
+
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+class VerifierUnreachable(NetworkError):
+    """No answer from the verifier (and no saved definition to fall back on): worth retrying."""
+
+
+class TrackerError(Exception):
+    """The verifier answered something other than a 2xx, or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+def _base(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise NetworkError(f"--join needs an http(s):// URL, got {url!r}")
+    return url.rstrip("/")
+
+
+def _request(
+    url: str, path: str, *, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None,
+    timeout_s: float = 10.0, max_bytes: int = 1 << 20,
+) -> tuple[bytes, Message]:  # fmt: skip
+    request = urllib.request.Request(url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.read(max_bytes), reply.headers  # case-insensitive: servers lower-case names
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(2000).decode("utf-8", "replace")
+        retry = exc.headers.get("Retry-After")
+        raise TrackerError(
+            f"{method} {path}: HTTP {exc.code}: {detail}",
+            status=exc.code,
+            retry_after_s=float(retry) if retry and retry.isdigit() else None,
+        ) from None
+    except (OSError, ValueError) as exc:  # URLError, timeouts, refused connections, bad URLs
+        raise TrackerError(f"{method} {path}: {exc}") from None
+
+
+def fetch_network(
+    url: str, *, operator_key: str | None, known_keys: Path | None, log: Log, timeout_s: float = 10.0
+) -> tuple[NetworkDefinition, str]:
+    """GET /api/network, checked against `operator_key` (hex) or the key remembered for this URL.
+
+    Returns (definition, operator public key hex). With neither a pinned key nor a
+    remembered one, the served key is trusted and remembered (in `known_keys`, if given).
+    The verified definition is saved there too: a node restarted while its verifier is
+    down trains by the saved copy (signature checked again) instead of not at all.
+    Raises NetworkError on a bad signature, a key that changed, or no answer and no copy.
+    """
+    base = _base(url)
+    remembered = _remembered_key(known_keys, base)
+    expected = operator_key or remembered
+    try:
+        body, headers = _request(base, "/api/network", timeout_s=timeout_s)
+    except TrackerError as exc:
+        saved = _saved_definition(known_keys, base, expected)
+        if saved is None:
+            raise VerifierUnreachable(f"cannot fetch the network definition from {base}: {exc}") from None
+        log(f"verifier {base} unreachable ({exc}); training by its definition saved in {known_keys}")
+        return saved, expected or ""
+    served = headers.get(OPERATOR_HEADER, "")
+    if expected is None:
+        if not _KEY.fullmatch(served):
+            raise NetworkError(f"{base} sent no valid {OPERATOR_HEADER} header")
+        expected = served
+        log(f"verifier {base}: trusting operator key {served} on first use")
+    elif served and served != expected:
+        where = "pinned with --operator-key" if operator_key else f"remembered in {known_keys}"
+        raise NetworkError(
+            f"{base} is signed by operator key {served[:16]}…, not the key {expected[:16]}… {where}"
+        )
+    if not _KEY.fullmatch(expected):
+        raise NetworkError(f"operator key must be 64 lower-case hex characters, got {expected!r}")
+    signature = headers.get(NETWORK_SIGNATURE_HEADER, "")
+    definition = verify_network(body, signature, bytes.fromhex(expected))
+    if known_keys is not None:  # only once the signature verified: a forgery is never remembered
+        known_keys.mkdir(parents=True, exist_ok=True)
+        if remembered is None:
+            _key_file(known_keys, base).write_text(expected + "\n", encoding="ascii")
+        copy = {"body": body.decode("utf-8"), "signature": signature}
+        _definition_file(known_keys, base).write_text(json.dumps(copy), encoding="utf-8")
+    return definition, expected
+
+
+def _saved_definition(known_keys: Path | None, base: str, key: str | None) -> NetworkDefinition | None:
+    if known_keys is None or key is None or not _definition_file(known_keys, base).exists():
+        return None
+    try:
+        saved = json.loads(_definition_file(known_keys, base).read_text(encoding="utf-8"))
+        return verify_network(saved["body"].encode("utf-8"), saved["signature"], bytes.fromhex(key))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or tampered with: as good as none
+
+
+def _definition_file(known_keys: Path, base: str) -> Path:
+    return _key_file(known_keys, base).with_suffix(".network.json")
+
+
+def _key_file(known_keys: Path, base: str) -> Path:
+    return known_keys / (re.sub(r"[^A-Za-z0-9.\-]+", "_", base.split("://", 1)[1]) + ".operator")
+
+
+def _remembered_key(known_keys: Path | None, base: str) -> str | None:
+    if known_keys is None:
+        return None
+    path = _key_file(known_keys, base)
+    return path.read_text(encoding="ascii").strip() if path.exists() else None
+
+
+@dataclass(kw_only=True)
+class TrackerConfig:
+    url: str
+    """Base URL of the verifier, e.g. http://127.0.0.1:8000."""
+    address: str
+    """host:port of this node's peer server (registered as http://host:port)."""
+    stage: int = 0
+    software_version: str = "0.1.0"
+    queue_size: int = 1024
+    """Receipts kept while the verifier is unreachable (~1 KB each); the oldest is dropped beyond."""
+    retry_s: float = 5.0
+    """Pause after a failed call before the next attempt."""
+    peers_every_s: float = 15.0
+    """Seconds between peer-list reads (GET /api/peers?stage=) for discovery."""
+    heartbeat_s: float = 30.0
+    """Seconds between heartbeats until the verifier says otherwise (its TTL / 3)."""
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.url = _base(self.url)
+        if (
+            self.queue_size < 1
+            or min(self.retry_s, self.peers_every_s, self.heartbeat_s, self.timeout_s) <= 0
+        ):
+            raise ValueError(f"TrackerConfig: queue_size must be ≥ 1 and every period > 0, got {self}")
+
+
+class Tracker:
+    """A thread that keeps this replica registered and its receipts delivered; never blocks training."""
+
+    def __init__(
+        self,
+        config: TrackerConfig,
+        wallet: Wallet,
+        log: Log,
+        *,
+        progress: Progress = lambda: (0, 0),
+        on_peers: Callable[[list[str]], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.wallet = wallet
+        self._log = log
+        self._progress = progress
+        self._on_peers = on_peers
+        self._clock = clock
+        self._queue: deque[dict[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registered = False
+        self.delivered = 0
+        """Receipts the verifier acknowledged (2xx: committed)."""
+        self.dropped = 0
+        """Receipts given up on: queue overflow, or refused by the verifier (4xx)."""
+        self._failing = False
+
+    # --- the training thread's side ---------------------------------------------------------
+
+    def submit(self, receipt: dict[str, Any]) -> None:
+        """Queue a receipt document (node.receipt) for delivery; returns at once."""
+        with self._lock:
+            if len(self._queue) >= self.config.queue_size:
+                old = self._queue.popleft()
+                self.dropped += 1
+                self._log(f"tracker: receipt queue full; dropped the receipt of round {old.get('round')}")
+            self._queue.append(receipt)
+        self._wake.set()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Tracker already started")
+        self._thread = threading.Thread(target=self._run, name="tracker", daemon=True)
+        self._thread.start()
+
+    def stop(self, flush_s: float = 5.0) -> None:
+        """Try to deliver what is queued for up to `flush_s`, then end the thread."""
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + flush_s
+        while self.pending() and self.registered and time.monotonic() < deadline and self._thread.is_alive():
+            self._wake.set()
+            time.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=self.config.timeout_s + 1.0)
+        self._thread = None
+
+    # --- the tracker thread -----------------------------------------------------------------
+
+    def _post(self, path: str, doc: dict[str, Any]) -> dict[str, Any]:
+        body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+        headers = sign_request(self.wallet, "POST", path, body, self._clock())
+        headers["Content-Type"] = "application/json"
+        raw, _ = _request(self.config.url, path, method="POST", body=body, headers=headers,
+                          timeout_s=self.config.timeout_s)  # fmt: skip
+        reply = json.loads(raw)
+        return reply if isinstance(reply, dict) else {}
+
+    def _register(self) -> None:
+        cfg = self.config
+        doc = {
+            "address": f"http://{cfg.address}",
+            "stage": cfg.stage,
+            "software_version": cfg.software_version,
+        }
+        ack = self._post("/api/register", doc)
+        interval = ack.get("heartbeat_interval_s")
+        if isinstance(interval, int | float) and interval > 0:
+            self.config.heartbeat_s = float(interval)
+        if not self.registered:
+            self._log(
+                f"tracker: registered with {cfg.url} as {self.wallet.wallet_id} (stage {cfg.stage}, "
+                f"reputation {ack.get('reputation')})"
+            )
+        self.registered = True
+
+    def _heartbeat(self) -> None:
+        round_, steps = self._progress()
+        self._post("/api/heartbeat", {"stage": self.config.stage, "round": round_, "steps_in_round": steps})
+
+    def _peers(self) -> None:
+        raw, _ = _request(
+            self.config.url, f"/api/peers?stage={self.config.stage}", timeout_s=self.config.timeout_s
+        )
+        peers = json.loads(raw)
+        own = f"http://{self.config.address}"
+        addresses = [
+            p["address"].split("://", 1)[1].rstrip("/")
+            for p in peers
+            if isinstance(p, dict) and isinstance(p.get("address"), str) and p["address"].rstrip("/") != own
+        ]
+        if self._on_peers is not None and addresses:
+            self._on_peers(addresses)
+
+    def _deliver(self) -> None:
+        """Send queued receipts oldest first until the queue is empty or a call fails."""
+        while not self._stop.is_set():
+            with self._lock:
+                if not self._queue:
+                    return
+                receipt = self._queue[0]
+            try:
+                self._post("/api/receipts", receipt)
+            except TrackerError as exc:
+                if exc.status in (401, 403, 409, 422):
+                    # Refused for good (or not registered: re-register, then the next receipts go).
+                    self.registered = self.registered and exc.status != 403
+                    with self._lock:
+                        if self._queue and self._queue[0] is receipt:
+                            self._queue.popleft()
+                            self.dropped += 1
+                    self._log(f"tracker: receipt of round {receipt.get('round')} refused: {exc}")
+                    if exc.status == 403:
+                        return
+                    continue
+                raise
+            with self._lock:
+                if self._queue and self._queue[0] is receipt:
+                    self._queue.popleft()
+            self.delivered += 1
+
+    def _ok(self) -> None:
+        if self._failing:
+            self._log(f"tracker: {self.config.url} reachable again")
+        self._failing = False
+
+    def _failed(self, exc: Exception) -> float:
+        if not self._failing:
+            self._log(f"tracker: {exc}; training goes on, retrying every {self.config.retry_s:.0f} s")
+        self._failing = True
+        retry = exc.retry_after_s if isinstance(exc, TrackerError) else None
+        return max(retry or 0.0, self.config.retry_s)
+
+    def _run(self) -> None:
+        next_beat = next_peers = 0.0
+        while not self._stop.is_set():
+            pause = 1.0
+            try:
+                now = time.monotonic()
+                if not self.registered:
+                    self._register()
+                    next_beat = now + self.config.heartbeat_s
+                elif now >= next_beat:
+                    self._heartbeat()
+                    next_beat = now + self.config.heartbeat_s
+                if now >= next_peers:
+                    self._peers()
+                    next_peers = now + self.config.peers_every_s
+                self._deliver()
+                self._ok()
+                pause = max(0.05, min(next_beat, next_peers) - time.monotonic())
+            except TrackerError as exc:
+                if exc.status == 403 and "not registered" in str(exc):
+                    self.registered = False
+                pause = self._failed(exc)
+            except Exception as exc:  # a bug here must not end reporting for good, nor training
+                pause = self._failed(exc)
+            self._wake.wait(pause)
+            self._wake.clear()

@@ -1,0 +1,155 @@
+"""The node's verifier client against a real verifier (uvicorn on loopback, SQLite)."""
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from neuroshard.api.testing import free_port, receipt_doc
+from neuroshard.node.network_definition import NetworkError
+from neuroshard.node.tracker import Tracker, TrackerConfig, fetch_network
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier.embedded import EmbeddedVerifier, start_embedded_verifier
+from neuroshard.verifier.testing import small_network
+
+NODE = Wallet.from_token("tracker-test-node")
+
+
+@pytest.fixture
+def verifier(tmp_path: Path) -> Iterator[EmbeddedVerifier]:
+    server = start_embedded_verifier(
+        home=tmp_path / "verifier", network=small_network(), port=free_port(), log=lambda line: None
+    )
+    yield server
+    server.stop()
+
+
+def _get(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return json.loads(reply.read())
+
+
+def _wait(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def test_network_definition_trusted_on_first_use_then_pinned(
+    verifier: EmbeddedVerifier, tmp_path: Path
+) -> None:
+    known = tmp_path / "node" / "verifiers"
+    seen: list[str] = []
+    definition, key = fetch_network(verifier.url, operator_key=None, known_keys=known, log=seen.append)
+    assert key == verifier.operator_key_hex and definition == small_network()
+    assert any("trusting operator key" in line for line in seen)
+    assert [p.read_text().strip() for p in known.glob("*.operator")] == [key]
+    seen.clear()
+    fetch_network(verifier.url, operator_key=None, known_keys=known, log=seen.append)
+    assert seen == []  # remembered: no second "trusting"
+    with pytest.raises(NetworkError, match="pinned with --operator-key"):
+        fetch_network(verifier.url, operator_key="ab" * 32, known_keys=None, log=seen.append)
+
+
+def test_a_different_operator_at_a_remembered_url_is_refused(tmp_path: Path) -> None:
+    port, known = free_port(), tmp_path / "verifiers"
+    first = start_embedded_verifier(
+        home=tmp_path / "v1", network=small_network(), port=port, log=lambda s: None
+    )
+    try:
+        fetch_network(first.url, operator_key=None, known_keys=known, log=lambda s: None)
+    finally:
+        first.stop()
+    impostor = start_embedded_verifier(
+        home=tmp_path / "v2", network=small_network(), port=port, log=lambda s: None
+    )
+    try:
+        assert impostor.operator_key_hex != first.operator_key_hex
+        with pytest.raises(NetworkError, match="remembered in"):
+            fetch_network(impostor.url, operator_key=None, known_keys=known, log=lambda s: None)
+    finally:
+        impostor.stop()
+
+
+def test_a_restart_while_the_verifier_is_down_trains_by_the_saved_definition(tmp_path: Path) -> None:
+    known, lines = tmp_path / "verifiers", []
+    server = start_embedded_verifier(
+        home=tmp_path / "v", network=small_network(), port=free_port(), log=print
+    )
+    try:
+        fetch_network(server.url, operator_key=None, known_keys=known, log=lines.append)
+    finally:
+        server.stop()
+    definition, key = fetch_network(server.url, operator_key=None, known_keys=known, log=lines.append)
+    assert definition == small_network() and key == server.operator_key_hex
+    assert "unreachable" in lines[-1]
+    # The saved copy is checked again: edited, it is worth nothing.
+    (saved,) = known.glob("*.network.json")
+    saved.write_text(saved.read_text().replace('"tiny"', '"small"').replace("test", "evil"))
+    with pytest.raises(NetworkError, match="cannot fetch"):
+        fetch_network(server.url, operator_key=None, known_keys=known, log=lines.append)
+    with pytest.raises(NetworkError, match="cannot fetch"):  # and never without a key to check it with
+        fetch_network(server.url, operator_key=None, known_keys=tmp_path / "elsewhere", log=lines.append)
+
+
+def test_registers_heartbeats_and_delivers_receipts(verifier: EmbeddedVerifier) -> None:
+    lines: list[str] = []
+    peers_seen: list[list[str]] = []
+    config = TrackerConfig(url=verifier.url, address="127.0.0.1:7999", peers_every_s=0.2)
+    tracker = Tracker(config, NODE, lines.append, progress=lambda: (2, 1), on_peers=peers_seen.append)
+    tracker.start()
+    try:
+        for r in range(3):
+            tracker.submit(receipt_doc(r, f"{r:064x}"))
+        _wait(lambda: tracker.delivered == 3)
+    finally:
+        tracker.stop()
+    node = _get(f"{verifier.url}/api/nodes/{NODE.wallet_id}")
+    assert isinstance(node, dict)
+    assert node["receipts"] == 3 and [r["round"] for r in node["recent_receipts"]] == [2, 1, 0]
+    peers = _get(f"{verifier.url}/api/peers?stage=0")
+    assert [p["address"] for p in peers] == ["http://127.0.0.1:7999"]  # type: ignore[index, union-attr]
+    assert peers_seen == []  # its own entry is not a peer to dial
+    assert tracker.dropped == 0 and any("registered" in line for line in lines)
+
+
+def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> None:
+    lines: list[str] = []
+    config = TrackerConfig(url=f"http://127.0.0.1:{free_port()}", address="127.0.0.1:7999", queue_size=5,
+                           retry_s=0.1, timeout_s=0.5)  # fmt: skip
+    tracker = Tracker(config, NODE, lines.append)
+    tracker.start()
+    try:
+        started = time.monotonic()
+        for r in range(12):
+            tracker.submit(receipt_doc(r, f"{r:064x}"))
+        assert time.monotonic() - started < 0.5  # the training thread is never held up
+        assert tracker.pending() == 5 and tracker.dropped == 7
+        _wait(lambda: any("retrying every" in line for line in lines), timeout_s=5)
+    finally:
+        stopped = time.monotonic()
+        tracker.stop(flush_s=0.5)
+        assert time.monotonic() - stopped < 3.0
+    assert not tracker.registered and tracker.delivered == 0
+    assert sum("retrying every" in line for line in lines) == 1  # one line per outage, not per attempt
+
+
+def test_join_asks_again_until_the_verifier_answers_or_time_is_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from neuroshard.node import reporting
+    from neuroshard.node.tracker import VerifierUnreachable
+
+    monkeypatch.setattr(reporting, "JOIN_TIMEOUT_S", 0.1)
+    args = argparse.Namespace(join=f"http://127.0.0.1:{free_port()}", operator_key=None, home=tmp_path)
+    lines: list[str] = []
+    with pytest.raises(VerifierUnreachable, match="cannot fetch the network definition"):
+        reporting.join_network(args, lines.append)
+    assert any("retrying" in line for line in lines)

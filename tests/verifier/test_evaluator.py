@@ -1,0 +1,128 @@
+"""The live evaluator: a real node's peer server serves θ, the verifier checks it against the
+settled majority hash, measures it on the held-out shard and records it (SQLite and PostgreSQL)."""
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import PublishedData
+from sqlalchemy import select
+
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import build_stage
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import models as m
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.evaluate import measure_loss
+from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig
+from neuroshard.verifier.network import NetworkDefinition
+from neuroshard.verifier.testing import small_network
+
+NODE = Wallet.from_token("evaluator-test-node")
+OPERATOR = Wallet.from_token("evaluator-test-operator")
+
+
+def _network() -> NetworkDefinition:
+    return small_network(
+        model={"size": "micro", "vocab_size": 512},
+        training={"batch_size": 4, "seq_len": 32},
+        evaluation={"every_rounds": 1},
+    )
+
+
+@pytest.fixture
+def node() -> Iterator[tuple[PeerNetwork, DiLoCo]]:
+    """A replica one round in (θ_1), serving its state on a loopback port."""
+    torch.manual_seed(0)
+    diloco = DiLoCo(build_stage(_network().model, 0, 1), DiLoCoConfig(inner_steps=2, warmup_steps=0))
+    net = PeerNetwork(NetworkConfig(port=0, join_timeout_s=0), NODE, stage=0, log=lambda line: None)
+    net.start()
+    net.join_state(diloco)
+    tokens = torch.randint(0, 512, (2, 4, 32), generator=torch.Generator().manual_seed(1))
+    diloco.inner_step(tokens[0], tokens[1])
+    diloco.inner_step(tokens[0], tokens[1])
+    net.finish_round(diloco)
+    assert diloco.round == 1
+    yield net, diloco
+    net.stop()
+
+
+def _seed_db(database_url: str, address: str, majority_hash: str) -> Database:
+    db = Database(database_url)
+    now = time.time()
+    with db.write() as s:
+        s.add(m.Wallet(wallet_id=NODE.wallet_id, public_key=NODE.public_key_hex, reputation=0.5,
+                       status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        s.add(
+            m.Peer(wallet_id=NODE.wallet_id, address=address, stage=0, registered_at=now, last_heartbeat=now)
+        )
+        s.add(
+            m.HashVote(stage=0, round=0, wallet_id=NODE.wallet_id, result_hash="1" * 64, base_hash="0" * 64)
+        )
+        s.add(m.Round(stage=0, round=0, majority_hash=majority_hash, votes=3, agreeing=3, synced=0,
+                      sync_checked=0, settled_at=now))  # fmt: skip
+    return db
+
+
+def _evaluator(db: Database, published: PublishedData, lines: list[str]) -> Evaluator:
+    held_out = published.dataset.source.fetch(published.dataset.manifest.shard(0))
+    return Evaluator(
+        db=db,
+        network=_network(),
+        operator=OPERATOR,
+        log=lines.append,
+        config=EvaluatorConfig(max_batches=3),
+        held_out=lambda: held_out,
+    )
+
+
+def test_the_majority_weights_are_fetched_measured_and_recorded(
+    node: tuple[PeerNetwork, DiLoCo], database_url: str, published: PublishedData
+) -> None:
+    net, diloco = node
+    db = _seed_db(database_url, f"http://{net.address}", diloco.weights_hash())
+    lines: list[str] = []
+    evaluator = _evaluator(db, published, lines)
+    evaluator.run_once()
+    with db.read() as s:
+        rows = s.scalars(select(m.Evaluation)).all()
+        assert [(r.round, r.tokens) for r in rows] == [(1, 3 * 4 * 32)]
+        # The number is the held-out loss of exactly the node's θ_1.
+        tokens = published.dataset.source.fetch(published.dataset.manifest.shard(0))
+        expected = measure_loss(diloco.model, tokens, 4, 32, max_batches=3)
+        assert rows[0].loss == pytest.approx(expected.loss, rel=1e-6)
+    evaluator.run_once()  # nothing newer: no second measurement of the same round
+    with db.read() as s:
+        assert len(s.scalars(select(m.Evaluation)).all()) == 1
+    db.dispose()
+
+
+def test_a_minority_state_is_not_measured(
+    node: tuple[PeerNetwork, DiLoCo], database_url: str, published: PublishedData
+) -> None:
+    net, _ = node
+    db = _seed_db(database_url, f"http://{net.address}", "f" * 64)
+    lines: list[str] = []
+    _evaluator(db, published, lines).run_once()
+    with db.read() as s:
+        assert s.scalars(select(m.Evaluation)).all() == []
+    assert any("is not the majority" in line for line in lines), lines
+    db.dispose()
+
+
+def test_an_unsettled_round_waits(
+    node: tuple[PeerNetwork, DiLoCo], database_url: str, published: PublishedData
+) -> None:
+    net, diloco = node
+    db = _seed_db(database_url, f"http://{net.address}", diloco.weights_hash())
+    with db.write() as s:
+        s.delete(s.get(m.Round, (0, 0)))
+    evaluator = _evaluator(db, published, [])
+    evaluator.run_once()
+    assert list(evaluator.pending) == [1]  # fetched and verified, waiting for round 0 to settle
+    with db.read() as s:
+        assert s.scalars(select(m.Evaluation)).all() == []
+    db.dispose()

@@ -1,0 +1,138 @@
+"""End to end on loopback: `neuroshard-swarm` starts a real verifier process and three real
+`neuroshard-node` processes that join it; the verifier's own measurements turn
+`training_verified` true while the nodes train, and receipts and agreeing hashes are stored
+(SQLite, and PostgreSQL when NEUROSHARD_TEST_DATABASE_URL is set).
+
+An attacker is one extra argument: `ATTACK = ("--byzantine", "1", "--attack", NAME)` passed to
+`_start_swarm` (the swarm's Byzantine flags) — see `test_honest_swarm_is_verified_by_measurement`.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import PublishedData
+from sqlalchemy import func, select
+
+from neuroshard.api.testing import free_port
+from neuroshard.verifier import models as m
+from neuroshard.verifier.db import Database
+
+SWARM = str(Path(sys.executable).parent / "neuroshard-swarm")
+NODES = 3
+VERIFY_TIMEOUT_S = 150.0
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return json.loads(reply.read())
+
+
+def _node_ports_avoiding(port: int) -> int:
+    """A base port whose NODES ports do not include `port` (two free_port() calls can return
+    the same port, or neighbours)."""
+    while (base := free_port()) <= port < base + NODES:
+        pass
+    return base
+
+
+def _start_swarm(
+    published: PublishedData, home: Path, database_url: str, verifier_port: int, *swarm_args: str
+) -> subprocess.Popen[str]:
+    argv = [
+        SWARM,
+        "--nodes", str(NODES),
+        "--home", str(home),
+        "--data", str(published.directory),
+        "--publisher-key", published.public_key_hex,
+        "--inner-steps", "10",
+        "--max-steps", "100000",  # stopped by the test once verified
+        "--base-port", str(_node_ports_avoiding(verifier_port)),
+        "--verifier-port", str(verifier_port),
+        "--verifier-db", database_url,
+        "--threads", "1",
+        *swarm_args,
+        "--", "--model-size", "micro", "--seq-len", "32", "--batch-size", "8", "--log-every", "50",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
+    with (home / "swarm.out").open("w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+
+
+def _wait_verified(url: str, swarm: subprocess.Popen[str], out: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + VERIFY_TIMEOUT_S
+    verdict: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if swarm.poll() is not None:
+            raise AssertionError(f"swarm exited with {swarm.returncode}:\n{out.read_text()[-4000:]}")
+        try:
+            verdict = _get(f"{url}/api/training/verify")
+        except OSError:
+            verdict = {}
+        if verdict.get("training_verified"):
+            return verdict
+        time.sleep(1.0)
+    raise AssertionError(f"not verified in {VERIFY_TIMEOUT_S:.0f} s: {verdict}\n{out.read_text()[-4000:]}")
+
+
+@pytest.mark.slow
+def test_honest_swarm_is_verified_by_measurement(
+    published: PublishedData, database_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    swarm = _start_swarm(published, tmp_path, database_url, port)
+    try:
+        verdict = _wait_verified(url, swarm, tmp_path / "swarm.out")
+        nodes = _get(f"{url}/api/nodes")
+        history = _get(f"{url}/api/training/history")
+    finally:
+        swarm.send_signal(signal.SIGINT)
+        code = swarm.wait(timeout=60)
+    out = (tmp_path / "swarm.out").read_text()
+    assert code == 0, out[-4000:]
+
+    # The verdict comes from the verifier's own held-out measurements, which fell.
+    assert verdict["evaluations"] >= 3 and verdict["loss_drop"] > verdict["required_drop"] > 0
+    assert verdict["global_loss"] < verdict["initial_loss"]
+    assert verdict["hash_agreement_rate"] == 1.0 and verdict["active_nodes"] == NODES
+    assert len(nodes) == NODES and all(n["status"] == "active" for n in nodes), nodes
+    assert all(n["reputation"] >= 0.5 for n in nodes), nodes  # honest nodes never lose reputation
+    assert history["evaluations"], history
+
+    db = Database(database_url)
+    try:
+        with db.read() as s:
+            receipts = s.scalar(select(func.count()).select_from(m.Receipt)) or 0
+            per_wallet = dict(
+                s.execute(select(m.Receipt.wallet_id, func.count()).group_by(m.Receipt.wallet_id)).all()
+            )
+            settled = s.scalars(select(m.Round).where(m.Round.stage == 0)).all()
+            evaluations = s.scalars(select(m.Evaluation).order_by(m.Evaluation.round)).all()
+            # Every receipt names the data it read and the majority it voted for.
+            spans = s.scalars(select(m.Receipt.data_spans)).all()
+    finally:
+        db.dispose()
+    assert set(per_wallet) == {n["wallet_id"] for n in nodes} and min(per_wallet.values()) >= 3
+    assert receipts == sum(per_wallet.values())
+    # The honest nodes' hashes agree in every settled round (the round cut short by the SIGINT
+    # that ends the test never settles: no later receipts). A round can settle on two votes
+    # while the third node is still registering; the late vote is then judged alone.
+    votes = [(r.round, r.votes, r.agreeing) for r in settled]
+    assert len(settled) >= 3 and all(r.agreeing == r.votes >= 2 for r in settled), votes
+    assert sum(r.votes == NODES for r in settled) >= len(settled) - 1, votes
+    # Every measured round's majority hash is one all three nodes voted for.
+    assert {e.round for e in evaluations} <= {r.round + 1 for r in settled}
+    # No node trained on the held-out shard (0): it is excluded from every assignment.
+    assert all(span[0] != 0 for spans_of_receipt in spans for span in spans_of_receipt)
+    before_stop = out[: out.index("[swarm] SIGINT")]
+    assert "[swarm] verifier http://127.0.0.1:" in before_stop and "DIFFER" not in before_stop

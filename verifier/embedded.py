@@ -1,0 +1,106 @@
+"""The verifier inside a node process: `neuroshard-node --token T` with no `--join`.
+
+uvicorn serves the API and dashboard from a thread on loopback, backed by SQLite under
+the node's home, with the live evaluator on (verifier.evaluator). Like verifier.cli, this
+is a composition root: it may import neuroshard.api (lazily, so importing this module
+stays cheap). The node imports it lazily too, only when it runs the embedded default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import VerifierConfig
+from .evaluator import EvaluatorConfig
+from .network import NetworkDefinition, load_operator_key
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+class _ToNodeLog(logging.Handler):
+    """The verifier's own lines (the evaluator's measurements) in the node's output."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self._log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._log(f"verifier: {record.getMessage()}")
+
+
+@dataclass
+class EmbeddedVerifier:
+    url: str
+    """http://127.0.0.1:PORT"""
+    operator_key_hex: str
+    """The key that signs GET /api/network: the node pins it (it made it)."""
+    _server: object
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._server.should_exit = True  # type: ignore[attr-defined]
+        self._thread.join(timeout=10.0)
+
+
+def start_embedded_verifier(
+    *,
+    home: Path,
+    network: NetworkDefinition,
+    port: int,
+    log: Callable[[str], None],
+    fresh: bool = False,
+    host: str = "127.0.0.1",
+    log_level: str = "warning",
+) -> EmbeddedVerifier:
+    """Serve the verifier on host:port from a daemon thread; returns once it accepts requests.
+    Raises OSError when it cannot start (the port is taken, most often)."""
+    import uvicorn
+
+    from neuroshard.api.app import create_app
+
+    home.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("neuroshard.verifier")
+    if not any(isinstance(h, _ToNodeLog) for h in logger.handlers):
+        logger.addHandler(_ToNodeLog(log))
+        logger.setLevel(logging.INFO)
+    operator = load_operator_key(home / "operator.key", create=True)
+    # One database per run definition: another model size or H is another run, whose rounds
+    # and measurements must not mix with this one's.
+    database = home / f"verifier-{hashlib.sha256(network.canonical_bytes()).hexdigest()[:12]}.sqlite3"
+    if fresh and database.exists():  # the node starts over at round 0: so does its verifier
+        kept = database.with_name(f"{database.stem}.{int(time.time())}.sqlite3")
+        database.rename(kept)
+        log(f"verifier: --fresh: the previous run's database is kept as {kept}")
+    config = VerifierConfig(
+        database_url=f"sqlite:///{database.expanduser()}",
+        network=network,
+        operator=operator,
+        live_evaluation=EvaluatorConfig(cache_dir=home / "cache"),
+    )
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level))
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        # uvicorn installs signal handlers only on the main thread; the node keeps its own.
+        try:
+            asyncio.run(server.serve())
+        except BaseException as exc:  # SystemExit(1) when the port is taken
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, name="embedded-verifier", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            reason = f"{type(failed[0]).__name__}" if failed else "no answer"
+            raise OSError(f"the embedded verifier could not listen on {host}:{port} ({reason})")
+        time.sleep(0.05)
+    return EmbeddedVerifier(f"http://{host}:{port}", operator.public_key_hex, server, thread)

@@ -1,0 +1,294 @@
+"""Live measured loss: fetch the majority weights from a node, check them, evaluate, record.
+
+A background thread (never the API's request path) does, every `poll_s`:
+
+1. **fetch** — once the stage has reported rounds at least `every_rounds` past the last
+   measured (or fetched) state, ask the live replicas of stage 0, best reputation first,
+   for their status and then their state over the peer plane (GET /p2p/status, GET
+   /p2p/state, signed with the operator wallet like any peer request; safetensors, never
+   pickle). The θ bytes are checked against the hash in the node's signed status, and the
+   pair (round R, hash h) is kept pending. A node serves the state it holds *now*, so the
+   verifier takes whatever round it is at.
+2. **judge** — a pending θ_R counts only once round R−1 is settled (verifier.ledger) and
+   its majority result hash is h: the weights then are the stage's majority model, not one
+   node's word. A minority θ is dropped. Then the held-out loss of θ_R on the held-out shard
+   (network.toml [evaluation] held_out_shard, which node shard assignment excludes) is
+   measured (verifier.evaluate) and stored with `ledger.record_evaluation`.
+
+Single-stage networks only: a pipeline's majority model needs every stage's weights,
+fetched the same way per stage (not built yet; the thread logs it and does nothing).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.message import Message
+from pathlib import Path
+
+from sqlalchemy import func, select
+from torch import Tensor
+
+from neuroshard.data import open_dataset
+from neuroshard.data.dataset import open_remote_dataset
+from neuroshard.data.fetch import FetchConfig
+from neuroshard.node.diloco import copy_into_parameters
+from neuroshard.node.model import build_stage
+from neuroshard.node.p2p import wire
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.p2p.codec import decode_state, state_size_bound
+from neuroshard.node.p2p.state import theta_sha256
+from neuroshard.node.wallet import Wallet
+
+from . import ledger
+from . import models as m
+from .datacheck import DataCheckConfig, DataChecker
+from .db import Database
+from .evaluate import LossMeasurement, measure_loss, stage_hash
+from .network import NetworkDefinition
+from .reputation import ReputationConfig
+
+Log = Callable[[str], None]
+
+
+@dataclass(kw_only=True)
+class EvaluatorConfig:
+    poll_s: float = 2.0
+    """Seconds between looks at the database for new rounds and settled ones."""
+    max_batches: int = 16
+    """Held-out batches (of the network's batch_size × seq_len) per measurement: 16 × 8 × 128 =
+    16k tokens by default, ~0.5 s for the tiny model on one CPU thread."""
+    timeout_s: float = 120.0
+    """Whole-request limit for one state download."""
+    max_pending: int = 4
+    """Fetched states waiting for their round to settle; the oldest is dropped beyond."""
+    cache_dir: Path | None = None
+    """Shard cache when the data set is served over HTTP."""
+    data_checks: DataCheckConfig | None = field(default_factory=DataCheckConfig)
+    """Check the data spans of a sample of receipts on the same thread (verifier.datacheck); None: don't."""
+
+    def __post_init__(self) -> None:
+        if self.poll_s <= 0 or self.max_batches < 1 or self.timeout_s <= 0 or self.max_pending < 1:
+            raise ValueError(f"EvaluatorConfig: periods must be > 0 and counts ≥ 1, got {self}")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    round: int
+    theta_hash: str
+    theta: Tensor
+    wallet_id: str
+
+
+def load_held_out(network: NetworkDefinition, cache_dir: Path | None, log: Log) -> Tensor:
+    """The held-out shard's tokens, verified against the publisher-signed manifest."""
+    key = bytes.fromhex(network.publisher_key)
+    url = network.manifest_url
+    if url.startswith(("http://", "https://")):
+        if cache_dir is None:
+            raise ValueError("the data set is served over HTTP: the evaluator needs a cache directory")
+        dataset = open_remote_dataset(url, key, cache_dir, config=FetchConfig(), log=log)
+    else:
+        dataset = open_dataset(Path(url), key)
+    try:
+        shard = network.held_out_shard
+        if shard >= dataset.manifest.total_shards:
+            raise ValueError(
+                f"held-out shard {shard} is not in the manifest ({dataset.manifest.total_shards} shards)"
+            )
+        return dataset.source.fetch(dataset.manifest.shard(shard))
+    finally:
+        dataset.source.close()
+
+
+class Evaluator:
+    """The verifier's own measurements of the majority model, on a background thread."""
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        network: NetworkDefinition,
+        operator: Wallet,
+        log: Log,
+        config: EvaluatorConfig | None = None,
+        held_out: Callable[[], Tensor] | None = None,
+        clock: Callable[[], float] = time.time,
+        peer_ttl_s: float = 90.0,
+        reputation: ReputationConfig | None = None,
+    ) -> None:
+        self.config = config or EvaluatorConfig()
+        self.db = db
+        self.network = network
+        self.operator = operator
+        self._log = log
+        self._clock = clock
+        self._peer_ttl_s = peer_ttl_s
+        self._load_held_out = held_out or (lambda: load_held_out(network, self.config.cache_dir, log))
+        self._held_out: Tensor | None = None
+        self._numel = sum(p.numel() for p in build_stage(network.model, 0, 1).parameters())
+        self.pending: dict[int, Fetched] = {}
+        self.last_fetched = -1
+        self.measured: list[tuple[int, LossMeasurement]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.checker: DataChecker | None = None
+        if self.config.data_checks is not None and reputation is not None:
+            self.checker = DataChecker(
+                db=db,
+                network=network,
+                reputation=reputation,
+                log=log,
+                config=self.config.data_checks,
+                clock=clock,
+            )
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.network.num_stages != 1:
+            self._log(
+                f"evaluator: {self.network.num_stages} stages; live measurement covers single-stage runs only"
+            )
+            return
+        self._thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            try:
+                self.run_once()
+            except Exception as exc:  # one bad fetch or a database hiccup must not end measuring
+                self._log(f"evaluator: {type(exc).__name__}: {exc}")
+
+    # --- one pass -----------------------------------------------------------------------------
+
+    def run_once(self) -> None:
+        try:
+            self._maybe_fetch()
+            self._judge_pending()
+        finally:
+            if self.checker is not None:
+                self.checker.run_once()
+
+    def _maybe_fetch(self) -> None:
+        every = self.network.evaluate_every_rounds
+        with self.db.read() as session:
+            latest = session.scalar(select(func.max(m.HashVote.round)).where(m.HashVote.stage == 0))
+            measured = session.scalar(select(func.max(m.Evaluation.round)))
+            peers = session.execute(
+                select(m.Peer.address, m.Wallet.wallet_id)
+                .join(m.Wallet, m.Wallet.wallet_id == m.Peer.wallet_id)
+                .where(
+                    m.Peer.stage == 0,
+                    m.Wallet.status == m.STATUS_ACTIVE,
+                    m.Peer.last_heartbeat >= self._clock() - self._peer_ttl_s,
+                )
+                .order_by(m.Wallet.reputation.desc(), m.Wallet.wallet_id)
+            ).all()
+        if latest is None:
+            return  # no receipt yet: no round result anyone voted on
+        done = max(self.last_fetched, -1 if measured is None else measured)
+        if done >= 0 and latest + 1 < done + every:
+            return
+        for address, wallet_id in peers:
+            fetched = self.fetch_state(address, wallet_id)
+            if fetched is None or fetched.round < 1 or fetched.round <= done:
+                continue
+            self.pending[fetched.round] = fetched
+            self.last_fetched = fetched.round
+            while len(self.pending) > self.config.max_pending:
+                dropped = min(self.pending)
+                del self.pending[dropped]
+                self._log(f"evaluator: round {dropped} never settled; dropped its fetched state")
+            return
+
+    def _judge_pending(self) -> None:
+        for round_ in sorted(self.pending):
+            fetched = self.pending[round_]
+            with self.db.read() as session:
+                settled = session.get(m.Round, (0, round_ - 1))
+                majority = None if settled is None else settled.majority_hash
+            if majority is None:
+                continue  # round R−1 is not settled yet: wait
+            del self.pending[round_]
+            if majority != fetched.theta_hash:
+                self._log(
+                    f"evaluator: θ_{round_} from {fetched.wallet_id} ({fetched.theta_hash[:16]}) is not the "
+                    f"majority ({majority[:16]}); not measured"
+                )
+                continue
+            result = self.measure(fetched)
+            with self.db.write() as session:
+                ledger.record_evaluation(
+                    session, round_, result.loss, result.tokens, stderr=result.stderr, now=self._clock()
+                )
+            self.measured.append((round_, result))
+            self._log(
+                f"evaluator: round {round_} held-out loss {result.loss:.4f} "
+                f"(± {result.stderr or 0.0:.4f}, {result.tokens} tokens) on the majority θ {majority[:16]}"
+            )
+
+    def measure(self, fetched: Fetched) -> LossMeasurement:
+        if self._held_out is None:
+            self._held_out = self._load_held_out()
+        model = build_stage(self.network.model, 0, 1)
+        copy_into_parameters(fetched.theta, model.parameters())
+        if stage_hash(model) != fetched.theta_hash:
+            raise ValueError(f"θ_{fetched.round} does not hash to {fetched.theta_hash[:16]} once loaded")
+        return measure_loss(
+            model,
+            self._held_out,
+            self.network.batch_size,
+            self.network.seq_len,
+            max_batches=self.config.max_batches,
+        )
+
+    # --- the peer plane, as a client ----------------------------------------------------------
+
+    def _get(self, address: str, path: str, max_bytes: int) -> tuple[bytes, Message] | None:
+        headers = sign_request(self.operator, "GET", path, b"", self._clock())
+        request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as reply:
+                body = reply.read(max_bytes + 1)
+                if len(body) > max_bytes:
+                    self._log(f"evaluator: {address}{path} sent more than {max_bytes} bytes; ignored")
+                    return None
+                return body, reply.headers  # case-insensitive lookups
+        except (OSError, ValueError) as exc:
+            self._log(f"evaluator: {address}{path}: {exc}")
+            return None
+
+    def fetch_state(self, address: str, wallet_id: str) -> Fetched | None:
+        """The node's current θ_round, checked against the hash in its signed state header."""
+        got = self._get(address, wire.STATE, state_size_bound(self._numel))
+        if got is None:
+            return None
+        body, headers = got
+        try:
+            info = wire.StateInfo.from_json(headers.get(wire.STATE_HEADER, ""))
+        except wire.WireError as exc:
+            self._log(f"evaluator: state header from {wallet_id}: {exc}")
+            return None
+        if not info.signature_valid() or info.numel != self._numel:
+            self._log(f"evaluator: state of {wallet_id} refused (bad signature or {info.numel} values)")
+            return None
+        try:
+            theta, _ = decode_state(body, info.numel, with_momentum=bool(info.momentum_hash))
+        except (wire.WireError, ValueError) as exc:
+            self._log(f"evaluator: state body from {wallet_id}: {exc}")
+            return None
+        if theta_sha256(theta) != info.theta_hash:
+            self._log(f"evaluator: state of {wallet_id} does not match its hash; refused")
+            return None
+        return Fetched(round=info.round, theta_hash=info.theta_hash, theta=theta, wallet_id=wallet_id)
