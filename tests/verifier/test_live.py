@@ -3,8 +3,10 @@
 `training_verified` true while the nodes train, and receipts and agreeing hashes are stored
 (SQLite, and PostgreSQL when NEUROSHARD_TEST_DATABASE_URL is set).
 
-An attacker is one extra argument: `ATTACK = ("--byzantine", "1", "--attack", NAME)` passed to
-`_start_swarm` (the swarm's Byzantine flags) — see `test_honest_swarm_is_verified_by_measurement`.
+`test_attacker_is_refused_while_the_honest_swarm_is_verified` adds a fourth node that sends
+sign-flipped pseudo-gradients (`neuroshard-swarm --byzantine 1 --attack sign_flip`): the
+honest replicas reject it every round and say so in their receipts, so its reputation falls
+until the verifier refuses it, while the honest nodes keep agreeing and get verified.
 """
 
 import json
@@ -35,20 +37,26 @@ def _get(url: str) -> Any:
         return json.loads(reply.read())
 
 
-def _node_ports_avoiding(port: int) -> int:
-    """A base port whose NODES ports do not include `port` (two free_port() calls can return
+def _node_ports_avoiding(port: int, nodes: int = NODES + 1) -> int:
+    """A base port whose node ports do not include `port` (two free_port() calls can return
     the same port, or neighbours)."""
-    while (base := free_port()) <= port < base + NODES:
+    while (base := free_port()) <= port < base + nodes:
         pass
     return base
 
 
 def _start_swarm(
-    published: PublishedData, home: Path, database_url: str, verifier_port: int, *swarm_args: str
+    published: PublishedData,
+    home: Path,
+    database_url: str,
+    verifier_port: int,
+    *swarm_args: str,
+    nodes: int = NODES,
+    node_args: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     argv = [
         SWARM,
-        "--nodes", str(NODES),
+        "--nodes", str(nodes),
         "--home", str(home),
         "--data", str(published.directory),
         "--publisher-key", published.public_key_hex,
@@ -60,6 +68,7 @@ def _start_swarm(
         "--threads", "1",
         *swarm_args,
         "--", "--model-size", "micro", "--seq-len", "32", "--batch-size", "8", "--log-every", "50",
+        *node_args,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
     with (home / "swarm.out").open("w") as log:  # the child keeps its own copy of the descriptor
@@ -136,3 +145,68 @@ def test_honest_swarm_is_verified_by_measurement(
     assert all(span[0] != 0 for spans_of_receipt in spans for span in spans_of_receipt)
     before_stop = out[: out.index("[swarm] SIGINT")]
     assert "[swarm] verifier http://127.0.0.1:" in before_stop and "DIFFER" not in before_stop
+
+
+def _wait_refused(url: str, wallet_id: str, swarm: subprocess.Popen[str], out: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + VERIFY_TIMEOUT_S
+    node: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if swarm.poll() is not None:
+            raise AssertionError(f"swarm exited with {swarm.returncode}:\n{out.read_text()[-4000:]}")
+        try:
+            node = _get(f"{url}/api/nodes/{wallet_id}")["node"]
+        except OSError:
+            node = {}
+        if node.get("status") == "refused":
+            return node
+        time.sleep(1.0)
+    raise AssertionError(
+        f"attacker not refused in {VERIFY_TIMEOUT_S:.0f} s: {node}\n{out.read_text()[-4000:]}"
+    )
+
+
+def _attacker_wallet(out: str) -> str:
+    line = next(x for x in out.splitlines() if x.startswith(f"[swarm] node {NODES}:") and "ATTACKER" in x)
+    return line.split("wallet ")[1].split(",")[0].strip()
+
+
+@pytest.mark.slow
+def test_attacker_is_refused_while_the_honest_swarm_is_verified(
+    published: PublishedData, database_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out_path = tmp_path / "swarm.out"
+    swarm = _start_swarm(
+        published,
+        tmp_path,
+        database_url,
+        port,
+        "--byzantine", "1", "--attack", "sign_flip",
+        nodes=NODES + 1,
+        # All four start in the same warm-up, and the first round waits for the others.
+        node_args=("--min-peers", str(NODES)),
+    )  # fmt: skip
+    try:
+        verdict = _wait_verified(url, swarm, out_path)
+        attacker = _attacker_wallet(out_path.read_text())
+        refused = _wait_refused(url, attacker, swarm, out_path)
+        nodes = _get(f"{url}/api/nodes")
+    finally:
+        swarm.send_signal(signal.SIGINT)
+        code = swarm.wait(timeout=60)
+    out = out_path.read_text()
+    assert code == 0, out[-4000:]
+
+    assert verdict["training_verified"] and verdict["global_loss"] < verdict["initial_loss"]
+    # Refused for what the honest majority reported about its contributions, not for its hash:
+    # it aggregates the honest set like everyone else and ends each round on the same θ.
+    assert refused["reputation"] < 0.2 and "rejected" in (refused["status_reason"] or ""), refused
+    honest = [n for n in nodes if n["wallet_id"] != attacker]
+    assert len(honest) == NODES and all(n["status"] == "active" for n in honest), nodes
+    assert all(n["reputation"] >= 0.5 for n in honest), nodes
+    # The swarm compares the honest nodes' θ every round: they never differed.
+    before_stop = out[: out.index("[swarm] SIGINT")]
+    assert "honest nodes agree on θ hash" in before_stop and "DIFFER" not in before_stop
+    # The verifier refuses the attacker's writes from then on, and the attacker's log says so.
+    assert f"[{NODES}] tracker: receipt of round" in out and f"wallet {attacker} is refused" in out
