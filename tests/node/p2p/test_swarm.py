@@ -21,20 +21,30 @@ import pytest
 AGREE = re.compile(r"^\[swarm\] round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
 
 
+MICRO_NODE_ARGS = ("--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", "1000")
+"""What every node of these swarms is given after `--`: a model small enough that rounds dominate."""
+
+
+def swarm_command(published, home: Path, *args: str, nodes: int = 3, node_args=MICRO_NODE_ARGS) -> list[str]:  # type: ignore[no-untyped-def]
+    """`neuroshard-swarm` on loopback with free ports: nodes take base+i, the verifier base+nodes."""
+    base = free_base_port(nodes + 1)
+    return [
+        sys.executable, "-m", "neuroshard.node.p2p.swarm",
+        "--home", str(home),
+        "--data", str(published.directory),
+        "--publisher-key", published.public_key_hex,
+        "--base-port", str(base),
+        "--verifier-port", str(base + nodes),
+        "--threads", "1",
+        *args,
+        "--", *node_args,
+    ]  # fmt: skip
+
+
 class SwarmProcess:
-    def __init__(self, published, home: Path, *args: str) -> None:  # type: ignore[no-untyped-def]
-        command = [
-            sys.executable, "-m", "neuroshard.node.p2p.swarm",
-            "--home", str(home),
-            "--data", str(published.directory),
-            "--publisher-key", published.public_key_hex,
-            # base..base+3 were free; nodes take base+i (3 at most here), the verifier base+3.
-            "--base-port", str(base := _free_base_port()),
-            "--verifier-port", str(base + 3),
-            "--threads", "1",
-            *args,
-            "--", "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", "1000",
-        ]  # fmt: skip
+    def __init__(self, published, home: Path, *args: str, nodes: int = 3, node_args=MICRO_NODE_ARGS) -> None:  # type: ignore[no-untyped-def]
+        """`args` go to the swarm and must include `--nodes N` with N ≤ `nodes` (ports are kept for `nodes`)."""
+        command = swarm_command(published, home, *args, nodes=nodes, node_args=node_args)
         env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -85,19 +95,19 @@ class SwarmProcess:
                 self.process.kill()
 
 
-def _free_base_port() -> int:
-    """A base port with the next few ports free too (the swarm uses base + i)."""
+def free_base_port(count: int) -> int:
+    """A base port with the next `count` ports free too (the swarm uses base + i)."""
     import socket
 
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + 4 > 65535:
+        if base + count > 65535:
             continue
+        socks: list[socket.socket] = []
         try:
-            socks = []
-            for i in range(4):
+            for i in range(count):
                 sock = socket.socket()
                 socks.append(sock)
                 sock.bind(("127.0.0.1", base + i))

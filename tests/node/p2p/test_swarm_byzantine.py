@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from neuroshard.node.wallet import Wallet
+from tests.node.p2p.test_swarm import swarm_command
 
 NODES, H, ROUNDS = 5, 10, 5
 ATTACKER = NODES - 1
@@ -27,46 +27,19 @@ ROUND_LINE = re.compile(r"^\[(\d)\] p2p round=(\d+) ")
 LOSS = re.compile(r"^\[(\d)\] step=\d+ round=\d+ loss=([0-9.]+) ")
 
 
-def _free_base_port() -> int:
-    """A base port with the next NODES ports free too (the swarm uses base + i)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + NODES > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for i in range(NODES):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports found")
-
-
 def run_swarm(published, home: Path, attack: str) -> list[str]:  # type: ignore[no-untyped-def]
-    command = [
-        sys.executable, "-m", "neuroshard.node.p2p.swarm",
-        "--home", str(home),
-        "--data", str(published.directory),
-        "--publisher-key", published.public_key_hex,
-        "--base-port", str(_free_base_port()),
-        "--threads", "1",
+    command = swarm_command(
+        published, home,
         "--nodes", str(NODES), "--byzantine", "1", "--attack", attack,
         "--inner-steps", str(H), "--max-steps", str(ROUNDS * H), "--round-timeout", "20",
+        nodes=NODES,
         # No warm-up: a node that starts last joins a round late with a fresh lr schedule, and its
         # warm-up Δ (measured 0.46× the median's norm) is refused as a near free rider (README).
-        "--", "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", str(H),
-        "--warmup-steps", "0", "--min-peers", str(NODES - 1),
-    ]  # fmt: skip
+        node_args=(
+            "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", str(H),
+            "--warmup-steps", "0", "--min-peers", str(NODES - 1),
+        ),
+    )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=150)
     lines = (done.stdout + done.stderr).splitlines()

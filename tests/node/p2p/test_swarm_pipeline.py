@@ -2,42 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import queue
 import re
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.node.p2p.test_swarm import SwarmProcess, _free_base_port
+from tests.node.p2p.test_swarm import SwarmProcess
 
 STAGE_AGREE = re.compile(r"^\[swarm\] stage (\d) round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
 LOSS = re.compile(r"^\[(\d+)\] step=(\d+) round=\d+ loss=([0-9.]+)")
-
-
-class PipelineSwarm(SwarmProcess):
-    def __init__(self, published, home: Path, *args: str, log_every: int) -> None:  # type: ignore[no-untyped-def]
-        command = [
-            sys.executable, "-m", "neuroshard.node.p2p.swarm",
-            "--home", str(home),
-            "--data", str(published.directory),
-            "--publisher-key", published.public_key_hex,
-            "--base-port", str(_free_base_port()),
-            "--threads", "1",
-            *args,
-            "--", "--model-size", "micro", "--batch-size", "4", "--seq-len", "32",
-            "--log-every", str(log_every), "--inner-lr", "1e-2", "--warmup-steps", "2",
-        ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
 
 
 @pytest.mark.slow
@@ -45,9 +18,14 @@ def test_swarm_with_two_stages_trains_through_the_pipeline_and_each_stage_agrees
     published, tmp_path: Path
 ) -> None:
     rounds, h = 6, 10
-    swarm = PipelineSwarm(
+    swarm = SwarmProcess(
         published, tmp_path, "--nodes", "4", "--stages", "2", "--inner-steps", str(h),
-        "--max-steps", str(rounds * h), "--round-timeout", "30", log_every=h,
+        "--max-steps", str(rounds * h), "--round-timeout", "30",
+        nodes=4,
+        node_args=(
+            "--model-size", "micro", "--batch-size", "4", "--seq-len", "32",
+            "--log-every", str(h), "--inner-lr", "1e-2", "--warmup-steps", "2",
+        ),
     )  # fmt: skip
     try:
         assert swarm.finish(timeout=150) == 0
