@@ -186,6 +186,8 @@ class ShardCache:
         for name in list(self._leftovers):
             if excess <= 0:
                 break
+            if self._pins[name[1 : -len(PARTIAL_SUFFIX)]]:
+                continue  # the shard about to be downloaded: its leftover is the head start
             excess -= self._leftovers.pop(name)
             (self.directory / name).unlink(missing_ok=True)
         for name in list(self._sizes):

@@ -463,6 +463,20 @@ def test_partials_an_earlier_run_left_are_evicted_first_when_the_cache_is_full(
     assert not partial.exists()
 
 
+def test_a_full_cache_keeps_the_partial_of_the_shard_it_is_about_to_download(
+    published, server: FileServer, tmp_path: Path
+) -> None:
+    s0, s1 = published.dataset.manifest.shards[:2]
+    with _source(server, published, tmp_path, Lines()) as source:
+        source.fetch(s0)
+    body = (published.directory / s1.file).read_bytes()
+    _leave_partial(tmp_path, s1, body[: len(body) // 2])
+    cap = (published.directory / s0.file).stat().st_size + len(body) // 2  # full before s1 arrives
+    with _source(server, published, tmp_path, Lines(), cache_bytes=cap) as source:
+        assert torch.equal(source.fetch(s1), _local(published, s1))
+    assert server.ranges(s1.file) == [f"bytes={len(body) // 2}-"]
+
+
 def test_a_cached_file_written_to_after_download_is_hashed_again(
     published, server: FileServer, tmp_path: Path
 ) -> None:
