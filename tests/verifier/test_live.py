@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,20 +78,34 @@ def _start_swarm(
         )
 
 
-def _wait_verified(url: str, swarm: subprocess.Popen[str], out: Path) -> dict[str, Any]:
+def _wait_for(
+    what: str,
+    read: Callable[[], dict[str, Any]],
+    done: Callable[[dict[str, Any]], bool],
+    swarm: subprocess.Popen[str],
+    out: Path,
+) -> dict[str, Any]:
+    """Poll the verifier with `read` every second until `done`, the swarm dies, or the timeout."""
     deadline = time.monotonic() + VERIFY_TIMEOUT_S
-    verdict: dict[str, Any] = {}
+    value: dict[str, Any] = {}
     while time.monotonic() < deadline:
         if swarm.poll() is not None:
             raise AssertionError(f"swarm exited with {swarm.returncode}:\n{out.read_text()[-4000:]}")
         try:
-            verdict = _get(f"{url}/api/training/verify")
+            value = read()
         except OSError:
-            verdict = {}
-        if verdict.get("training_verified"):
-            return verdict
+            value = {}
+        if done(value):
+            return value
         time.sleep(1.0)
-    raise AssertionError(f"not verified in {VERIFY_TIMEOUT_S:.0f} s: {verdict}\n{out.read_text()[-4000:]}")
+    raise AssertionError(f"{what} not within {VERIFY_TIMEOUT_S:.0f} s: {value}\n{out.read_text()[-4000:]}")
+
+
+def _wait_verified(url: str, swarm: subprocess.Popen[str], out: Path) -> dict[str, Any]:
+    return _wait_for(
+        "verified", lambda: _get(f"{url}/api/training/verify"),
+        lambda v: bool(v.get("training_verified")), swarm, out,
+    )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -148,21 +163,10 @@ def test_honest_swarm_is_verified_by_measurement(
 
 
 def _wait_refused(url: str, wallet_id: str, swarm: subprocess.Popen[str], out: Path) -> dict[str, Any]:
-    deadline = time.monotonic() + VERIFY_TIMEOUT_S
-    node: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        if swarm.poll() is not None:
-            raise AssertionError(f"swarm exited with {swarm.returncode}:\n{out.read_text()[-4000:]}")
-        try:
-            node = _get(f"{url}/api/nodes/{wallet_id}")["node"]
-        except OSError:
-            node = {}
-        if node.get("status") == "refused":
-            return node
-        time.sleep(1.0)
-    raise AssertionError(
-        f"attacker not refused in {VERIFY_TIMEOUT_S:.0f} s: {node}\n{out.read_text()[-4000:]}"
-    )
+    return _wait_for(
+        "attacker refused", lambda: _get(f"{url}/api/nodes/{wallet_id}")["node"],
+        lambda n: n.get("status") == "refused", swarm, out,
+    )  # fmt: skip
 
 
 def _attacker_wallet(out: str) -> str:
