@@ -193,7 +193,10 @@ def _driver(  # type: ignore[no-untyped-def]
     )
     network.start()
     holder: list[Trainer] = []
-    link = PipelineLink(network, pipe, stop=stop, round_of=lambda: holder[0].diloco.round, log=print)
+    link = PipelineLink(
+        network, pipe, stop=stop, round_of=lambda: holder[0].diloco.round,
+        step_of=lambda: holder[0].diloco.step, log=print,
+    )  # fmt: skip
     link.start()
     trainer = Trainer(
         wallet_id=wallet.wallet_id, dataset=dataset, model_config=model, diloco_config=diloco,

@@ -222,8 +222,10 @@ def _run_stage_replica(
     pipeline: PipelineConfig,
     stop: threading.Event,
     tokenizer_sha256: str,
+    joined: NetworkDefinition | None,
 ) -> int:
-    """A stage > 0 replica: no data of its own, it trains on the micro-batches stage S-1 sends."""
+    """A stage > 0 replica: no data of its own, it trains on the micro-batches stage i-1 sends,
+    and reports to the verifier it joined (if any)."""
     if args.port is None:
         args.port = NetworkConfig().port
     directory = args.checkpoint_dir or args.home / "checkpoints"
@@ -251,7 +253,14 @@ def _run_stage_replica(
         checkpoint=checkpoint,
         fresh=args.fresh,
     )
-    result = replica.run(stop)
+    # No embedded verifier for a stage replica (_no_embedded_verifier_for_stages): the joined one or none.
+    url = None if joined is None else args.join
+    reporting = Reporting(url=url, operator_key=None, log=_log, num_stages=args.stages)
+    reporting.attach_stage(replica, wallet)
+    try:
+        result = replica.run(stop)
+    finally:
+        reporting.close()
     how = "stopped by signal" if result.stopped_by_signal else "done"
     _log(
         f"{how} at step={result.steps} round={result.rounds} (stage {args.stage}); checkpoint {checkpoint.path}"
@@ -270,13 +279,16 @@ def _install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _no_verifier_for_stages(args: argparse.Namespace) -> None:
-    """The verifier measures and tracks single-stage runs only (its evaluator assembles one
-    stage's θ); a pipeline replica trains without one rather than report half a model."""
-    if args.join:
-        raise ValueError("--join with --stages > 1: the verifier does not track pipeline runs yet")
+def _no_embedded_verifier_for_stages(args: argparse.Namespace) -> None:
+    """A pipeline is several processes, one per stage replica, and none of them is the run: an
+    embedded verifier in each would define its own network from its own flags, and each would
+    see one stage only. A pipeline is tracked by one `neuroshard-verifier` that every stage
+    replica joins (`--join`; `neuroshard-swarm --stages S` starts one)."""
     if not args.no_verifier:
-        _log("pipeline stages: the embedded verifier measures single-stage runs only; not started")
+        _log(
+            "pipeline stages: no embedded verifier (it would see one stage of the run); "
+            "start neuroshard-verifier and --join it to have the run tracked and measured"
+        )
         args.no_verifier = True
 
 
@@ -297,10 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     link: PipelineLink | None = None
     reporting: Reporting | None = None
     try:
+        joined: NetworkDefinition | None = join_network(args, _log)  # sets --stages when it joins
         pipeline = pipeline_config_from_args(args)
-        if args.stages > 1:
-            _no_verifier_for_stages(args)
-        joined: NetworkDefinition | None = join_network(args, _log)
+        if args.stages > 1 and joined is None:
+            _no_embedded_verifier_for_stages(args)
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         total = args.total_steps
@@ -318,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage > 0:
             dataset.source.close()
             sha = dataset.manifest.tokenizer.sha256
-            return _run_stage_replica(args, wallet, model_config, diloco_config, pipeline, stop, sha)
+            return _run_stage_replica(args, wallet, model_config, diloco_config, pipeline, stop, sha, joined)
         held_out = held_out_shards(args, joined, dataset)
         trainer_config = TrainerConfig(
             batch_size=args.batch_size,
@@ -361,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             reporting.attach(network, trainer, wallet)
             if args.stages > 1:
                 link = PipelineLink(
-                    network, pipeline, stop=stop, round_of=lambda: trainer.diloco.round, log=_log
-                )
+                    network, pipeline, stop=stop, round_of=lambda: trainer.diloco.round,
+                    step_of=lambda: trainer.diloco.step, log=_log,
+                )  # fmt: skip
                 link.start()
             network.join_state(trainer.diloco)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:

@@ -69,10 +69,12 @@ class Receipting:
         work: RoundWork,
         submit: Callable[[dict[str, Any]], None],
         *,
-        batch_size: int,
+        batch_size: int | None,
         tokens_per_step: int,
         log: Callable[[str], None],
     ) -> None:
+        """`batch_size` None: a stage > 0 replica, which reads no data; its receipt claims no spans
+        and counts the tokens of the micro-batches it trained (RoundWork.tokens)."""
         self._inner = inner
         self._reports = reports
         self._work = work
@@ -92,23 +94,34 @@ class Receipting:
         if len(self._reports) == seen:
             self._log("receipt: the round hook produced no round report; nothing to send")
             return
-        windows = sum(end - start for _, start, end in self._work.spans)
-        if steps < 1 or windows != steps * self._batch_size:
-            # A round resumed from a mid-round checkpoint: the spans read before the restart are
-            # not known, and a receipt claiming the whole round would misstate its data.
-            self._log(
-                f"receipt: round {self._reports[-1].round}: {windows} windows recorded for {steps} steps "
-                f"of {self._batch_size} (resumed mid-round); no receipt"
-            )
+        if not self._whole_round(steps):
             return
+        tokens = steps * self._tokens_per_step if self._batch_size is not None else self._work.tokens
         self._submit(
             receipt_document(
                 self._reports[-1],
                 self._work,
                 inner_steps=steps,
                 start_step=start_step,
-                tokens=steps * self._tokens_per_step,
+                tokens=tokens,
                 base_hash=base_hash,
                 delta_digest=delta_digest,
             )
         )
+
+    def _whole_round(self, steps: int) -> bool:
+        """Whether the work record covers all `steps` of the round. A round resumed from a mid-round
+        checkpoint does not: what was read or trained before the restart is not known, and a receipt
+        claiming the whole round would misstate it."""
+        if self._batch_size is None:
+            recorded, wanted, what = len(self._work.losses), steps, "micro-batches"
+        else:
+            recorded = sum(end - start for _, start, end in self._work.spans)
+            wanted, what = steps * self._batch_size, f"windows (batches of {self._batch_size})"
+        if steps >= 1 and recorded == wanted:
+            return True
+        self._log(
+            f"receipt: round {self._reports[-1].round}: {recorded} {what} recorded for {steps} steps "
+            "(resumed mid-round); no receipt"
+        )
+        return False

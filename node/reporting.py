@@ -1,8 +1,9 @@
 """Wiring a node to its verifier: `--join URL`, or the embedded default, or neither.
 
 - `--join http://host:port`: fetch the run's definition (signed by the operator, checked
-  by node.tracker.fetch_network) and train by it: its model, DiLoCo settings, batch
-  shape, data set and held-out shard override the corresponding flags.
+  by node.tracker.fetch_network) and train by it: its model, stage count, DiLoCo
+  settings, batch shape, data set and held-out shard override the corresponding flags
+  (`--stage` still picks which stage this node holds).
 - no `--join`: start the verifier in this process on 127.0.0.1:--verifier-port (SQLite
   under --home) with a definition made from this node's own flags, and report to it, so
   `curl localhost:8000/api/training/verify` and the dashboard work on one machine.
@@ -25,10 +26,11 @@ from typing import Protocol
 
 from neuroshard.data import Dataset
 
-from .diloco import DiLoCoConfig
+from .diloco import DiLoCo, DiLoCoConfig
 from .model import ModelConfig
 from .network_definition import NetworkDefinition
 from .p2p.network import PeerNetwork
+from .p2p.stages import StageReplica
 from .receipt import Receipting
 from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
 from .trainer import Trainer
@@ -78,12 +80,17 @@ def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None
                 raise
             log(f"{exc}; retrying")
             time.sleep(2.0)
-    if definition.num_stages != 1:
-        raise ValueError(f"{args.join} runs {definition.num_stages} pipeline stages; this node trains one")
+    if not 0 <= args.stage < definition.num_stages:
+        raise ValueError(
+            f"--stage {args.stage}: {args.join} cuts the model into {definition.num_stages} stages "
+            f"(0..{definition.num_stages - 1})"
+        )
+    args.stages = definition.num_stages
     args.data, args.publisher_key = definition.manifest_url, definition.publisher_key
     args.batch_size, args.seq_len = definition.batch_size, definition.seq_len
     log(
         f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
+        f"stage {args.stage} of {definition.num_stages}, "
         f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
         f"held-out shard {definition.held_out_shard}"
     )
@@ -138,6 +145,7 @@ class Reporting:
     url: str | None
     operator_key: str | None
     log: Log
+    num_stages: int = 1
     embedded: _Server | None = None
     tracker: Tracker | None = None
 
@@ -153,7 +161,7 @@ class Reporting:
         """Pick the verifier (joined, embedded or none); start the embedded one. Leaves args.port
         at a free port (0) when the node would otherwise open none: the verifier must reach it."""
         if joined is not None:
-            reporting = cls(url=args.join, operator_key=None, log=log)
+            reporting = cls(url=args.join, operator_key=None, log=log, num_stages=joined.num_stages)
         elif args.no_verifier:
             return cls(url=None, operator_key=None, log=log)
         elif not held_out:
@@ -179,17 +187,7 @@ class Reporting:
         """Register with the verifier, discover peers, and send a receipt after every round."""
         if self.url is None or network is None:
             return
-        tracker = Tracker(
-            TrackerConfig(
-                url=self.url, address=network.address, stage=network.stage, software_version=_version()
-            ),
-            wallet,
-            self.log,
-            progress=lambda: (trainer.diloco.round, trainer.diloco.steps_in_round),
-            on_peers=network.add_bootstrap,
-        )
-        tracker.start()
-        self.tracker = tracker
+        tracker = self._track(network, trainer.diloco, wallet)
         trainer.set_round_finisher(
             Receipting(
                 network.finish_round,
@@ -201,6 +199,43 @@ class Reporting:
                 log=self.log,
             )
         )
+
+    def attach_stage(self, replica: StageReplica, wallet: Wallet) -> None:
+        """The same for a stage > 0 replica: its receipts claim no data, and count the micro-batches
+        it trained on (the verifier checks its hash agreement, not its data)."""
+        if self.url is None:
+            return
+        tracker = self._track(replica.network, replica.diloco, wallet)
+        replica.worker.set_round_finisher(
+            Receipting(
+                replica.network.finish_round,
+                replica.network.reports,
+                replica.worker.work,
+                tracker.submit,
+                batch_size=None,
+                tokens_per_step=0,
+                log=self.log,
+            )
+        )
+
+    def _track(self, network: PeerNetwork, diloco: DiLoCo, wallet: Wallet) -> Tracker:
+        assert self.url is not None
+        tracker = Tracker(
+            TrackerConfig(
+                url=self.url,
+                address=network.address,
+                stage=network.stage,
+                next_stage=network.stage < self.num_stages - 1,
+                software_version=_version(),
+            ),
+            wallet,
+            self.log,
+            progress=lambda: (diloco.round, diloco.steps_in_round),
+            on_peers=network.add_bootstrap,
+        )
+        tracker.start()
+        self.tracker = tracker
+        return tracker
 
     def close(self) -> None:
         if self.tracker is not None:

@@ -28,6 +28,7 @@ from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
 from .pipeline import Downstream, stage_inner_step
 from .trainer import RoundFinisher, TrainResult, lone_replica
+from .work import RoundWork
 
 
 @dataclass
@@ -57,6 +58,10 @@ class StageCheckpoint:
             self.writer.flush()
 
 
+Forward = Callable[[Tensor, Tensor, str], tuple[Tensor, float]]
+"""(hidden (B, T, C), labels (B, T), micro-batch id) -> (∂loss/∂hidden, loss): the stages after this
+one, sent the micro-batch under the id it arrived with (a `pipeline.Downstream` bound to one id)."""
+
 JobResult = tuple[Tensor, float, int] | BaseException
 """(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
 
@@ -71,6 +76,8 @@ class Job:
     """(B, T, C) float32, the previous stage's output."""
     labels: Tensor
     """(B, T) int64."""
+    micro_batch: str
+    """The driver's micro-batch id (`p2p.pipeline_wire.micro_batch_id`), forwarded to the next stage."""
     done: Callable[[JobResult], None]
     """Called exactly once, from the worker thread (or from `offer`'s caller when refused later)."""
 
@@ -108,7 +115,7 @@ class StageWorker:
         config: WorkerConfig,
         *,
         log: Callable[[str], None],
-        downstream: Downstream | None = None,
+        downstream: Forward | None = None,
         finish_round: RoundFinisher = lone_replica,
         checkpoint: StageCheckpoint | None = None,
     ) -> None:
@@ -123,6 +130,8 @@ class StageWorker:
         self._in_round = False
         self._stopping = False
         self.stats = WorkerStats()
+        self.work = RoundWork()
+        """This round's losses and tokens, for the round's receipt (node.receipt); cleared after each round."""
 
     def set_round_finisher(self, finish_round: RoundFinisher) -> None:
         self._finish_round = finish_round
@@ -170,13 +179,14 @@ class StageWorker:
             round_ = self.diloco.round
             step_start = time.perf_counter()
             try:
-                grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self.downstream)
+                grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self._onward(job))
             except Exception as exc:  # the sender retries elsewhere; this replica did not step
                 self.stats.failed += 1
                 job.done(exc)
                 continue
             result.inner_seconds += time.perf_counter() - step_start
             job.done((grad, loss, round_))
+            self.work.trained(job.labels.numel(), loss)
             window.append(loss)
             self.stats.losses.append(loss)
             result.losses.append(loss)
@@ -197,6 +207,13 @@ class StageWorker:
         result.wall_seconds = time.perf_counter() - start
         return result
 
+    def _onward(self, job: Job) -> Downstream | None:
+        """The next stage for this job (None on the last stage), reached under the job's id."""
+        forward = self.downstream
+        if forward is None:
+            return None
+        return lambda hidden, labels: forward(hidden, labels, job.micro_batch)
+
     def _outer_round(self) -> None:
         with self._lock:
             self._in_round = True
@@ -207,5 +224,6 @@ class StageWorker:
                 self.checkpoint.save(self.diloco, wait=False)
             self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
         finally:
+            self.work.clear()
             with self._lock:
                 self._in_round = False

@@ -164,6 +164,8 @@ class TrackerConfig:
     address: str
     """host:port of this node's peer server (registered as http://host:port)."""
     stage: int = 0
+    next_stage: bool = False
+    """Also discover the replicas of stage + 1: a pipeline stage sends its micro-batches there."""
     software_version: str = "0.1.0"
     queue_size: int = 1024
     """Receipts kept while the verifier is unreachable (~1 KB each); the oldest is dropped beyond."""
@@ -284,10 +286,11 @@ class Tracker:
         self._post("/api/heartbeat", {"stage": self.config.stage, "round": round_, "steps_in_round": steps})
 
     def _peers(self) -> None:
-        raw, _ = _request(
-            self.config.url, f"/api/peers?stage={self.config.stage}", timeout_s=self.config.timeout_s
-        )
-        peers = json.loads(raw)
+        stages = [self.config.stage, self.config.stage + 1] if self.config.next_stage else [self.config.stage]
+        peers: list[Any] = []
+        for stage in stages:
+            raw, _ = _request(self.config.url, f"/api/peers?stage={stage}", timeout_s=self.config.timeout_s)
+            peers += json.loads(raw)
         own = f"http://{self.config.address}"
         addresses = [
             p["address"].split("://", 1)[1].rstrip("/")

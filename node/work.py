@@ -18,6 +18,9 @@ class RoundWork:
     shard's window permutation (data.shards.window_order)."""
     losses: list[float] = field(default_factory=list)
     """Training loss of each inner step of the round (self-reported: never proof of anything)."""
+    tokens: int = 0
+    """Tokens of the micro-batches a stage > 0 replica trained on this round (their sizes vary by
+    sender); stage 0 reads fixed batches and its receipt counts steps × batch × seq instead."""
 
     def read(self, shard_id: int, offset_start: int, offset_end: int) -> None:
         """Record one batch; consecutive batches of the same shard merge into one span."""
@@ -28,6 +31,12 @@ class RoundWork:
                 return
         self.spans.append((shard_id, offset_start, offset_end))
 
+    def trained(self, tokens: int, loss: float) -> None:
+        """Record one micro-batch a stage > 0 replica stepped on."""
+        self.tokens += tokens
+        self.losses.append(loss)
+
     def clear(self) -> None:
         self.spans.clear()
         self.losses.clear()
+        self.tokens = 0

@@ -6,9 +6,9 @@ permutation: every evaluation of a run reads the same windows, so two measuremen
 only by the weights), grouped into batches of `batch` windows, the last partial batch
 dropped.
 
-Fetching the majority weights of every stage from the nodes (verified against the
-majority hash) comes with the peer network; `measure_state_dicts` is the entry point it
-will call, and `ledger.record_evaluation` stores the result.
+`measure_loss` takes a whole model or its pipeline stages in order (stage 0's embedding
+first, the last stage's head last): verifier.evaluator fetches every stage's majority θ
+from the nodes, loads each into its stage and measures the assembled model this way.
 """
 
 from __future__ import annotations

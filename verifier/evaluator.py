@@ -1,22 +1,25 @@
-"""Live measured loss: fetch the majority weights from a node, check them, evaluate, record.
+"""Live measured loss: fetch the majority weights from nodes, check them, evaluate, record.
 
 A background thread (never the API's request path) does, every `poll_s`:
 
-1. **fetch** — once the stage has reported rounds at least `every_rounds` past the last
-   measured (or fetched) state, ask the live replicas of stage 0, best reputation first,
+1. **fetch** — once stage 0 has reported rounds at least `every_rounds` past the last
+   measured (or fetched) state, ask the live replicas of every stage, best reputation first,
    for their status and then their state over the peer plane (GET /p2p/status, GET
    /p2p/state, signed with the operator wallet like any peer request; safetensors, never
-   pickle). The θ bytes are checked against the hash in the node's signed status, and the
-   pair (round R, hash h) is kept pending. A node serves the state it holds *now*, so the
-   verifier takes whatever round it is at.
-2. **judge** — a pending θ_R counts only once round R−1 is settled (verifier.ledger) and
-   its majority result hash is h: the weights then are the stage's majority model, not one
-   node's word. A minority θ is dropped. Then the held-out loss of θ_R on the held-out shard
-   (network.toml [evaluation] held_out_shard, which node shard assignment excludes) is
-   measured (verifier.evaluate) and stored with `ledger.record_evaluation`.
+   pickle). Each stage's θ bytes are checked against the hash in its node's signed status,
+   and the per-stage pairs (round R_s, hash h_s) are kept pending together. A node serves the
+   state it holds *now*, so the verifier takes whatever round each stage is at.
+2. **judge** — a pending model counts only once, for every stage s, round R_s−1 of s is
+   settled (verifier.ledger) and its majority result hash is h_s: each stage's weights are
+   then that stage's majority, not one node's word. A model with any minority stage is
+   dropped. Then the stages are run in order (stage 0's embedding to the last stage's head)
+   and the held-out loss on the held-out shard (network.toml [evaluation] held_out_shard,
+   which node shard assignment excludes) is measured (verifier.evaluate) and stored with
+   `ledger.record_evaluation` under stage 0's round.
 
-Single-stage networks only: a pipeline's majority model needs every stage's weights,
-fetched the same way per stage (not built yet; the thread logs it and does nothing).
+Pipeline runs: rounds are per stage and the stages' round counters need not move together,
+so the measured model is "each stage's latest settled majority", the model the network
+would hand a newcomer now. With one stage this is plain DiLoCo's majority θ.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from email.message import Message
 from pathlib import Path
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 from torch import Tensor
 
 from neuroshard.data import open_dataset
@@ -77,10 +81,17 @@ class EvaluatorConfig:
 
 @dataclass(frozen=True)
 class Fetched:
+    """One stage's θ_round from one replica, matching the hash in its signed state header."""
+
+    stage: int
     round: int
     theta_hash: str
     theta: Tensor
     wallet_id: str
+
+
+Model = tuple[Fetched, ...]
+"""Every stage's fetched θ, stage 0 first."""
 
 
 def load_held_out(network: NetworkDefinition, cache_dir: Path | None, log: Log) -> Tensor:
@@ -129,8 +140,13 @@ class Evaluator:
         self._peer_ttl_s = peer_ttl_s
         self._load_held_out = held_out or (lambda: load_held_out(network, self.config.cache_dir, log))
         self._held_out: Tensor | None = None
-        self._numel = sum(p.numel() for p in build_stage(network.model, 0, 1).parameters())
-        self.pending: dict[int, Fetched] = {}
+        stages = range(network.num_stages)
+        self._numel = [
+            sum(p.numel() for p in build_stage(network.model, s, network.num_stages).parameters())
+            for s in stages
+        ]
+        self.pending: dict[int, Model] = {}
+        """Fetched models waiting for their rounds to settle, by stage 0's round."""
         self.last_fetched = -1
         self.measured: list[tuple[int, LossMeasurement]] = []
         self._stop = threading.Event()
@@ -149,11 +165,6 @@ class Evaluator:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.network.num_stages != 1:
-            self._log(
-                f"evaluator: {self.network.num_stages} stages; live measurement covers single-stage runs only"
-            )
-            return
         self._thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
         self._thread.start()
 
@@ -185,68 +196,96 @@ class Evaluator:
         with self.db.read() as session:
             latest = session.scalar(select(func.max(m.HashVote.round)).where(m.HashVote.stage == 0))
             measured = session.scalar(select(func.max(m.Evaluation.round)))
-            peers = session.execute(
-                select(m.Peer.address, m.Wallet.wallet_id)
-                .join(m.Wallet, m.Wallet.wallet_id == m.Peer.wallet_id)
-                .where(
-                    m.Peer.stage == 0,
-                    m.Wallet.status == m.STATUS_ACTIVE,
-                    m.Peer.last_heartbeat >= self._clock() - self._peer_ttl_s,
-                )
-                .order_by(m.Wallet.reputation.desc(), m.Wallet.wallet_id)
-            ).all()
+            peers = [self._live_replicas(session, s) for s in range(self.network.num_stages)]
         if latest is None:
             return  # no receipt yet: no round result anyone voted on
         done = max(self.last_fetched, -1 if measured is None else measured)
         if done >= 0 and latest + 1 < done + every:
             return
-        for address, wallet_id in peers:
-            fetched = self.fetch_state(address, wallet_id)
-            if fetched is None or fetched.round < 1 or fetched.round <= done:
-                continue
-            self.pending[fetched.round] = fetched
-            self.last_fetched = fetched.round
-            while len(self.pending) > self.config.max_pending:
-                dropped = min(self.pending)
-                del self.pending[dropped]
-                self._log(f"evaluator: round {dropped} never settled; dropped its fetched state")
-            return
+        model = []
+        for stage, replicas in enumerate(peers):
+            fetched = self._fetch_stage(stage, replicas, after=done if stage == 0 else 0)
+            if fetched is None:
+                return  # a stage with no usable replica now: try again next pass
+            model.append(fetched)
+        round_ = model[0].round
+        self.pending[round_] = tuple(model)
+        self.last_fetched = round_
+        while len(self.pending) > self.config.max_pending:
+            dropped = min(self.pending)
+            del self.pending[dropped]
+            self._log(f"evaluator: round {dropped} never settled; dropped its fetched state")
+
+    def _live_replicas(self, session: Session, stage: int) -> list[tuple[str, str]]:
+        """(address, wallet id) of the stage's live, active replicas, best reputation first."""
+        rows = session.execute(
+            select(m.Peer.address, m.Wallet.wallet_id)
+            .join(m.Wallet, m.Wallet.wallet_id == m.Peer.wallet_id)
+            .where(
+                m.Peer.stage == stage,
+                m.Wallet.status == m.STATUS_ACTIVE,
+                m.Peer.last_heartbeat >= self._clock() - self._peer_ttl_s,
+            )
+            .order_by(m.Wallet.reputation.desc(), m.Wallet.wallet_id)
+        ).all()
+        return [(address, wallet_id) for address, wallet_id in rows]
+
+    def _fetch_stage(self, stage: int, replicas: list[tuple[str, str]], *, after: int) -> Fetched | None:
+        """The first replica's θ whose round is past `after` (and ≥ 1: round 0 has no vote to check)."""
+        for address, wallet_id in replicas:
+            fetched = self.fetch_state(address, wallet_id, stage)
+            if fetched is not None and fetched.round >= 1 and fetched.round > after:
+                return fetched
+        return None
+
+    def _majority(self, stage: int, round_: int) -> str | None:
+        with self.db.read() as session:
+            settled = session.get(m.Round, (stage, round_))
+            return None if settled is None else settled.majority_hash
 
     def _judge_pending(self) -> None:
         for round_ in sorted(self.pending):
-            fetched = self.pending[round_]
-            with self.db.read() as session:
-                settled = session.get(m.Round, (0, round_ - 1))
-                majority = None if settled is None else settled.majority_hash
-            if majority is None:
-                continue  # round R−1 is not settled yet: wait
+            model = self.pending[round_]
+            majorities = [self._majority(f.stage, f.round - 1) for f in model]
+            if any(h is None for h in majorities):
+                continue  # some stage's round R_s−1 is not settled yet: wait
             del self.pending[round_]
-            if majority != fetched.theta_hash:
-                self._log(
-                    f"evaluator: θ_{round_} from {fetched.wallet_id} ({fetched.theta_hash[:16]}) is not the "
-                    f"majority ({majority[:16]}); not measured"
-                )
+            minority = [(f, h) for f, h in zip(model, majorities, strict=True) if f.theta_hash != h]
+            if minority:
+                for f, h in minority:
+                    self._log(
+                        f"evaluator: stage {f.stage} θ_{f.round} from {f.wallet_id} ({f.theta_hash[:16]}) is not "
+                        f"the majority ({(h or '')[:16]}); not measured"
+                    )
                 continue
-            result = self.measure(fetched)
+            result = self.measure(model)
             with self.db.write() as session:
                 ledger.record_evaluation(
                     session, round_, result.loss, result.tokens, stderr=result.stderr, now=self._clock()
                 )
             self.measured.append((round_, result))
+            rounds = ", ".join(f"stage {f.stage} θ_{f.round} {f.theta_hash[:16]}" for f in model)
             self._log(
                 f"evaluator: round {round_} held-out loss {result.loss:.4f} "
-                f"(± {result.stderr or 0.0:.4f}, {result.tokens} tokens) on the majority θ {majority[:16]}"
+                f"(± {result.stderr or 0.0:.4f}, {result.tokens} tokens) on the majority model ({rounds})"
             )
 
-    def measure(self, fetched: Fetched) -> LossMeasurement:
+    def measure(self, model: Model) -> LossMeasurement:
+        """The held-out loss of the stages run in order, each loaded with its θ and re-hashed."""
         if self._held_out is None:
             self._held_out = self._load_held_out()
-        model = build_stage(self.network.model, 0, 1)
-        copy_into_parameters(fetched.theta, model.parameters())
-        if stage_hash(model) != fetched.theta_hash:
-            raise ValueError(f"θ_{fetched.round} does not hash to {fetched.theta_hash[:16]} once loaded")
+        num_stages = self.network.num_stages
+        stages = []
+        for fetched in model:
+            stage = build_stage(self.network.model, fetched.stage, num_stages)
+            copy_into_parameters(fetched.theta, stage.parameters())
+            if stage_hash(stage) != fetched.theta_hash:
+                raise ValueError(
+                    f"stage {fetched.stage} θ_{fetched.round} does not hash to {fetched.theta_hash[:16]} once loaded"
+                )
+            stages.append(stage)
         return measure_loss(
-            model,
+            stages,
             self._held_out,
             self.network.batch_size,
             self.network.seq_len,
@@ -269,9 +308,10 @@ class Evaluator:
             self._log(f"evaluator: {address}{path}: {exc}")
             return None
 
-    def fetch_state(self, address: str, wallet_id: str) -> Fetched | None:
-        """The node's current θ_round, checked against the hash in its signed state header."""
-        got = self._get(address, wire.STATE, state_size_bound(self._numel))
+    def fetch_state(self, address: str, wallet_id: str, stage: int = 0) -> Fetched | None:
+        """The node's current θ_round of `stage`, checked against the hash in its signed state header."""
+        numel = self._numel[stage]
+        got = self._get(address, wire.STATE, state_size_bound(numel))
         if got is None:
             return None
         body, headers = got
@@ -280,8 +320,11 @@ class Evaluator:
         except wire.WireError as exc:
             self._log(f"evaluator: state header from {wallet_id}: {exc}")
             return None
-        if not info.signature_valid() or info.numel != self._numel:
-            self._log(f"evaluator: state of {wallet_id} refused (bad signature or {info.numel} values)")
+        if not info.signature_valid() or info.numel != numel or info.stage != stage:
+            self._log(
+                f"evaluator: state of {wallet_id} refused (bad signature, or stage {info.stage} with "
+                f"{info.numel} values where stage {stage} has {numel})"
+            )
             return None
         try:
             theta, _ = decode_state(body, info.numel, with_momentum=bool(info.momentum_hash))
@@ -291,4 +334,6 @@ class Evaluator:
         if theta_sha256(theta) != info.theta_hash:
             self._log(f"evaluator: state of {wallet_id} does not match its hash; refused")
             return None
-        return Fetched(round=info.round, theta_hash=info.theta_hash, theta=theta, wallet_id=wallet_id)
+        return Fetched(
+            stage=stage, round=info.round, theta_hash=info.theta_hash, theta=theta, wallet_id=wallet_id
+        )

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from . import models as m
@@ -333,7 +333,9 @@ def totals(session: Session, *, now: float, ttl: float) -> Totals:
         select(
             func.count(m.Receipt.id),
             func.coalesce(func.sum(m.Receipt.inner_steps), 0),
-            func.coalesce(func.sum(m.Receipt.tokens), 0),
+            # Stage 0 reads every token once; a pipeline's later stages report the same
+            # micro-batches again (each replica's own work), so they would count them twice.
+            func.coalesce(func.sum(case((m.Receipt.stage == 0, m.Receipt.tokens), else_=0)), 0),
             func.max(m.Receipt.round),
         )
     ).one()

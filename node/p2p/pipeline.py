@@ -14,15 +14,34 @@
   It checks everything before handing the micro-batch to the `StageWorker`; a bad request is
   a 4xx and never reaches the model.
 
+Exactly once per replica. A micro-batch's id (`pipeline_wire.micro_batch_id`: driver wallet,
+round, inner step) stays the same across retries. A replica remembers the last
+`PipelineConfig.dedup_window` (sender, id) pairs it took, with their payload hash and their
+outcome: the same id and payload again (a retry whose first reply was lost, or sent while the
+first is still queued) gets the first outcome back — the same gradient and loss, not a second
+inner step; the same id with another payload is refused with 409 `micro_batch_reused` and
+changes nothing. A micro-batch that was not stepped (busy, failed) is forgotten, so a retry
+trains on it.
+
+What a retry on *another* replica means: the driver cannot know whether the replica that
+timed out trained on the micro-batch before its reply was lost. If it did, that replica keeps
+the step (its inner step and tokens count in its own round and receipt) and the retry's
+replica trains on the same data once too: both are honest work on their own replica, and the
+stage's outer round averages them like any two micro-batches. The driver steps once, with
+the gradient of the reply it got, and counts the micro-batch's tokens once. What the pipeline
+guarantees is that no replica steps twice on one micro-batch, not that exactly one replica of
+the next stage does.
+
 Route (every refusal is a JSON `ErrorReply`):
 
 | route                        | in -> out                                                        | ok  | refusals        |
 |------------------------------|------------------------------------------------------------------|-----|-----------------|
 | POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
-|                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     |                 |
+|                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
 
 422 also answers a micro-batch on which the layers overflow (non-finite loss or gradient: not
-stepped). 503 = busy (the replica is in its outer round or its queue is full; retry another);
+stepped). 409 = this replica already took the micro-batch's id from this sender with another
+payload (the sender moves on to another replica). 503 = busy (the replica is in its outer round or its queue is full; retry another);
 502 = this replica could not reach the stage after it (retry another); 500 = the step failed
 for another reason (a bug: the sender bans this replica for a while).
 """
@@ -32,9 +51,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -53,7 +72,6 @@ from .pipeline_wire import (
     ACTIVATION_DTYPES,
     ACTIVATION_HEADER,
     FORWARD,
-    MICRO_BATCH_BYTES,
     REPLY_HEADER,
     ActivationHeader,
     GradientReply,
@@ -95,6 +113,10 @@ class PipelineConfig:
     """Micro-batches a stage > 0 replica lets wait behind the one it computes."""
     throughput_ema: float = 0.3
     """Weight of the newest measurement in the throughput average."""
+    dedup_window: int = 64
+    """(sender, micro-batch id) pairs, with their outcomes, a replica remembers. A retry comes within
+    `deadline_s` of the first send, a few micro-batches later per driver; each outcome held costs
+    its gradient, B·T·C·4 bytes."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_stages <= wire.MAX_STAGE + 1:
@@ -103,7 +125,7 @@ class PipelineConfig:
             )
         if self.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"PipelineConfig.dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
-        for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s"):
+        for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s", "dedup_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.ban_s < 0 or self.busy_s < 0 or self.max_pending < 0:
@@ -229,13 +251,13 @@ class PipelineClient:
         await self.client.close()
 
     async def forward(
-        self, hidden: Tensor, labels: Tensor, *, round_: int, micro_batch: str | None = None
+        self, hidden: Tensor, labels: Tensor, *, round_: int, micro_batch: str
     ) -> tuple[Tensor, float]:
         """Send hidden (B, T, C) and labels (B, T) to a next-stage replica, retrying elsewhere;
-        returns (∂loss/∂hidden (B, T, C) float32, loss)."""
+        returns (∂loss/∂hidden (B, T, C) float32, loss). `micro_batch` is the driver's
+        `micro_batch_id`, the same on every attempt and every hop."""
         batch, seq_len, dim = hidden.shape
         dtype = self.config.dtype
-        micro_batch = micro_batch or secrets.token_hex(MICRO_BATCH_BYTES)
         body = await asyncio.get_running_loop().run_in_executor(
             None, encode_activations, hidden, labels, dtype
         )
@@ -246,17 +268,20 @@ class PipelineClient:
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
         reply_bound = batch * seq_len * dim * 2 + HEADER_SLACK
         deadline = time.monotonic() + self.config.deadline_s
+        refused: set[str] = set()
+        """Replicas that already took this id with another payload: never asked again for it."""
         while True:
             if self.stop.is_set():
                 raise PipelineUnavailable(f"micro-batch {micro_batch[:8]}: the node is stopping")
             now = self.clock()
-            live = {e.wallet: e for e in self.peers.live(now, self.stage + 1)}
+            live = {e.wallet: e for e in self.peers.live(now, self.stage + 1) if e.wallet not in refused}
             pick = self.router.choose(live, now)
             if pick is None:
                 if time.monotonic() > deadline:
                     raise PipelineUnavailable(
                         f"micro-batch {micro_batch[:8]}: no replica of stage {self.stage + 1} took it "
-                        f"within {self.config.deadline_s:.0f} s ({len(live)} known)"
+                        f"within {self.config.deadline_s:.0f} s ({len(live)} known, {len(refused)} "
+                        "had its id with another payload)"
                     )
                 await asyncio.sleep(self.config.retry_pause_s)
                 continue
@@ -268,6 +293,10 @@ class PipelineClient:
             self.retries += 1
             if outcome == "busy":
                 self.router.busy(pick, self.clock())
+            elif outcome == "reused":
+                refused.add(pick)
+                self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} already took micro-batch "
+                         f"{micro_batch[:8]} with another payload; sending it elsewhere")  # fmt: skip
             else:
                 self.router.failed(pick, self.clock())
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} failed ({outcome}); "
@@ -281,7 +310,8 @@ class PipelineClient:
         header: ActivationHeader,
         reply_bound: int,
     ) -> tuple[Tensor, float] | str:
-        """One attempt: the result, "busy", or why it failed."""
+        """One attempt: the result, "busy", "reused" (409: the replica holds this id with another
+        payload), or why it failed."""
         try:
             reply = await self.client.request(
                 "POST", peer.address, FORWARD, body=body, headers=headers, max_bytes=reply_bound
@@ -290,6 +320,8 @@ class PipelineClient:
             return str(exc)
         if reply.status in (502, 503):
             return "busy"
+        if reply.status == 409:
+            return "reused"
         if not reply.ok:
             return f"status {reply.status}: {reply.error()}"
         try:
@@ -316,6 +348,14 @@ class PipelineClient:
         return grad, answer.loss
 
 
+@dataclass
+class _Taken:
+    """A micro-batch handed to the worker: its payload hash and (eventually) its outcome."""
+
+    payload_sha256: str
+    outcome: asyncio.Future[JobResult]
+
+
 class PipelineService:
     """POST /p2p/pipeline/forward on a stage > 0 replica; a `server.ServerExtension`."""
 
@@ -340,6 +380,9 @@ class PipelineService:
         self.worker = worker
         self.reply_timeout_s = reply_timeout_s or config.request_timeout_s
         self.served = 0
+        self.duplicates = 0
+        """Requests answered from a micro-batch already taken (retries): no second inner step."""
+        self._taken: OrderedDict[tuple[str, str], _Taken] = OrderedDict()
         self.traffic = Traffic()
         """Answered micro-batches at the HTTP layer (as the middleware counts them): the pipeline's
         share of this server's traffic, so a bench can tell it from the round exchange's."""
@@ -385,24 +428,61 @@ class PipelineService:
             raise Rejected(400, "malformed", f"missing {ACTIVATION_HEADER} header")
         header = ActivationHeader.from_json(raw)
         self._check(header, request)
+        taken = self._known(header) or await self._take(header, request[BODY])
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(taken.outcome), self.reply_timeout_s)
+        except TimeoutError:
+            # Still queued or computing: the outcome stays here for a retry of the same id.
+            raise Rejected(503, "busy", f"no result within {self.reply_timeout_s:.0f} s") from None
+        return await self._reply(request, header, outcome)
+
+    def _known(self, header: ActivationHeader) -> _Taken | None:
+        """The micro-batch this sender already handed over under this id; 409 if its payload differs."""
+        taken = self._taken.get((header.wallet, header.micro_batch))
+        if taken is None:
+            return None
+        if taken.payload_sha256 != header.payload_sha256:
+            raise Rejected(
+                409, "micro_batch_reused",
+                f"micro-batch {header.micro_batch[:8]} was already taken from this sender with another payload",
+            )  # fmt: skip
+        self.duplicates += 1
+        return taken
+
+    async def _take(self, header: ActivationHeader, body: bytes) -> _Taken:
+        """Decode the micro-batch and queue it on the worker, remembering its id; Busy -> 503."""
         loop = asyncio.get_running_loop()
         hidden, labels = await loop.run_in_executor(
-            None, decode_activations, request[BODY], header, self.model_config.vocab_size
+            None, decode_activations, body, header, self.model_config.vocab_size
         )
-        result: asyncio.Future[JobResult] = loop.create_future()
+        key = (header.wallet, header.micro_batch)
+        taken = _Taken(header.payload_sha256, loop.create_future())
+
+        def settle(outcome: JobResult) -> None:
+            if not taken.outcome.done():
+                taken.outcome.set_result(outcome)
+            if isinstance(outcome, BaseException) and self._taken.get(key) is taken:
+                del self._taken[key]  # not stepped: a retry of this id may train on it
 
         def done(outcome: JobResult) -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed: the node is stopping, nobody waits
-                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_result(outcome))
+                loop.call_soon_threadsafe(settle, outcome)
 
+        known = self._known(header)  # the same id may have arrived while this one was decoding
+        if known is not None:
+            return known
         try:
-            self.worker.offer(Job(hidden, labels, done))
+            self.worker.offer(Job(hidden, labels, header.micro_batch, done))
         except Busy as exc:
             raise Rejected(503, "busy", str(exc)) from None
-        try:
-            outcome = await asyncio.wait_for(result, self.reply_timeout_s)
-        except TimeoutError:
-            raise Rejected(503, "busy", f"no result within {self.reply_timeout_s:.0f} s") from None
+        self._taken[key] = taken
+        while len(self._taken) > self.config.dedup_window:
+            self._taken.popitem(last=False)
+        return taken
+
+    async def _reply(
+        self, request: web.Request, header: ActivationHeader, outcome: JobResult
+    ) -> web.Response:
         if isinstance(outcome, Busy):
             raise Rejected(503, "busy", str(outcome))
         if isinstance(outcome, ConnectionError):
@@ -412,6 +492,7 @@ class PipelineService:
         if isinstance(outcome, BaseException):
             raise Rejected(500, "step_failed", f"{type(outcome).__name__}: {outcome}")
         grad, loss, round_ = outcome
+        loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(None, encode_gradient, grad, header.dtype)
         reply = GradientReply.create(
             self.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,

@@ -8,10 +8,16 @@ covers the body, not the HTTP headers, so the header signs itself like a contrib
 
 Activations and gradients travel in bf16 (default: fp32's exponent range, so small gradients
 do not underflow) or fp16; labels as int32 (-100 = ignored position).
+
+A micro-batch's id names it across retries and hops: the driver derives it from its wallet,
+its outer round and its inner step (`micro_batch_id`), every hop forwards it unchanged, and each
+sender signs it in its `ActivationHeader`. A receiver trains on an id at most once per sender
+(`p2p.pipeline.PipelineService`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +63,7 @@ class ActivationHeader(Signed):
     NAME = "activation header"
     DOMAIN = b"neuroshard/activation/v1"
     micro_batch: str
-    """Random id chosen by the driver (stage 0); kept by every hop, echoed in the reply."""
+    """`micro_batch_id` of the driver (stage 0); kept by every hop, echoed in the reply."""
     stage: int
     """The stage that must process it (the receiver's stage)."""
     round: int
@@ -107,6 +113,20 @@ class GradientReply(Signed):
         dtype=choice(ACTIVATION_DTYPES),
         payload_sha256=hex_bytes(32),
     )
+
+
+def micro_batch_id(driver_wallet_hex: str, round_: int, sequence: int) -> str:
+    """The id of the driver's micro-batch number `sequence` (its inner step) of outer round `round_`.
+
+    Derived, not random: a retry after a lost reply, and a driver resumed from a checkpoint that
+    redoes a step, send the same id, so a replica that already trained on it does not train again."""
+    if not (0 <= round_ < 1 << 63 and 0 <= sequence < 1 << 63):
+        raise ValueError(f"round {round_} and sequence {sequence} must lie in [0, 2**63)")
+    digest = hashlib.sha256(
+        b"neuroshard/micro-batch/v1" + bytes.fromhex(driver_wallet_hex)
+        + round_.to_bytes(8, "big") + sequence.to_bytes(8, "big")
+    )  # fmt: skip
+    return digest.hexdigest()[: 2 * MICRO_BATCH_BYTES]
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

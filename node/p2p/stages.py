@@ -27,7 +27,7 @@ from ..trainer import TrainResult
 from ..wallet import Wallet
 from .network import NetworkConfig, PeerNetwork
 from .pipeline import PipelineClient, PipelineConfig, PipelineService
-from .pipeline_wire import ACTIVATION_DTYPES
+from .pipeline_wire import ACTIVATION_DTYPES, micro_batch_id
 from .rounds import AggregationRule, ordered_mean
 
 
@@ -52,7 +52,7 @@ def pipeline_config_from_args(args: argparse.Namespace) -> PipelineConfig:
 
 
 class PipelineLink:
-    """This node's way to the next stage, as a blocking `Downstream` for the training thread."""
+    """This node's way to the next stage, as blocking calls for the training thread."""
 
     def __init__(
         self,
@@ -62,10 +62,12 @@ class PipelineLink:
         stop: threading.Event,
         round_of: Callable[[], int],
         log: Callable[[str], None],
+        step_of: Callable[[], int] | None = None,
     ) -> None:
         self.network = network
         self.config = config
         self.round_of = round_of
+        self.step_of = step_of
         self.client = PipelineClient(
             wallet=network.wallet,
             stage=network.stage,
@@ -83,8 +85,17 @@ class PipelineLink:
         self.network.call(self.client.close(), timeout=10.0)
 
     def downstream(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
-        """(hidden (B, T, C), labels (B, T)) -> (∂loss/∂hidden, loss) from the rest of the pipeline."""
-        coro = self.client.forward(hidden, labels, round_=self.round_of())
+        """The driver's `Downstream`: (hidden (B, T, C), labels (B, T)) -> (∂loss/∂hidden, loss), sent
+        as micro-batch number `step_of()` (the inner step it is for) of round `round_of()`."""
+        if self.step_of is None:
+            raise ValueError("only the driver (stage 0, built with step_of) names micro-batches")
+        round_ = self.round_of()
+        micro_batch = micro_batch_id(self.network.wallet.public_key_hex, round_, self.step_of())
+        return self.forward(hidden, labels, micro_batch)
+
+    def forward(self, hidden: Tensor, labels: Tensor, micro_batch: str) -> tuple[Tensor, float]:
+        """A `stage_worker.Forward`: send a micro-batch on under the id it already has."""
+        coro = self.client.forward(hidden, labels, round_=self.round_of(), micro_batch=micro_batch)
         return self.network.call(coro, timeout=self.config.deadline_s + self.config.request_timeout_s + 10.0)
 
 
@@ -144,7 +155,7 @@ def start_stage_replica(
         if stage < pipeline_config.num_stages - 1:
             link = PipelineLink(network, pipeline_config, stop=stop, round_of=lambda: diloco.round, log=log)
             link.start()
-            worker.downstream = link.downstream
+            worker.downstream = link.forward
         worker.set_round_finisher(network.finish_round)
         network.join_state(diloco)
     except BaseException:

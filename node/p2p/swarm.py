@@ -13,7 +13,9 @@ then SIGKILL for any still running after the grace period.
 With ``--stages S`` the model is cut into S pipeline stages and node i holds stage i mod S.
 Stage-0 nodes read data and drive (``--max-steps`` counts their inner steps); the later
 stages train on what arrives and are stopped (SIGTERM) once every stage-0 node is done.
-Round results are printed per stage.
+Round results are printed per stage. The swarm's verifier defines the run with S stages and
+every node joins it with its stage: hash agreement is judged per stage, and the measured
+loss is that of every stage's majority weights assembled into the whole model.
 
 With --byzantine K --attack NAME the last K nodes run `neuroshard-node --attack NAME` (testing
 the defences): they are labelled ATTACKER in the output, and the per-round agreement line
@@ -292,9 +294,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"node command {args.node_command!r} not found")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     data = _data_flags(args)
-    if args.stages > 1 and not args.no_verifier:
-        _log("[swarm] pipeline stages: the verifier tracks single-stage runs only; starting none")
-        args.no_verifier = True
     try:
         verifier = None if args.no_verifier else _start_verifier(args, data)
     except (RuntimeError, ValueError, OSError) as exc:
@@ -346,6 +345,7 @@ def _start_verifier(args: argparse.Namespace, data: list[str]) -> SwarmVerifier:
     node = node_parser().parse_args([a for a in args.node_args if a != "--"])
     tables = network_tables(
         node,
+        num_stages=args.stages,
         inner_steps=args.inner_steps,
         data_dir=data[1],
         publisher_key=data[3],

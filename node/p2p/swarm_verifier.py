@@ -71,7 +71,13 @@ def to_toml(tables: dict[str, Any]) -> str:
 
 
 def network_tables(
-    node: argparse.Namespace, *, inner_steps: int, data_dir: str, publisher_key: str, every_rounds: int
+    node: argparse.Namespace,
+    *,
+    num_stages: int,
+    inner_steps: int,
+    data_dir: str,
+    publisher_key: str,
+    every_rounds: int,
 ) -> dict[str, Any]:
     """The definition the nodes would train by on their own flags (`node` = the node parser's result)."""
     vocab = open_dataset(Path(data_dir), parse_public_key(publisher_key)).tokenizer.vocab_size
@@ -79,6 +85,7 @@ def network_tables(
     return {
         "name": "swarm",
         "model": model.to_dict(),
+        "stages": {"count": num_stages},
         "diloco": {
             # As node.cli builds DiLoCoConfig from the same flags.
             "inner_steps": inner_steps,

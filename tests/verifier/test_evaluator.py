@@ -126,3 +126,95 @@ def test_an_unsettled_round_waits(
     with db.read() as s:
         assert s.scalars(select(m.Evaluation)).all() == []
     db.dispose()
+
+
+# --- a pipeline: every stage's majority θ, assembled --------------------------------------
+
+STAGE_WALLETS = [Wallet.from_token(f"evaluator-test-stage-{s}") for s in range(2)]
+
+
+def _pipeline_network() -> NetworkDefinition:
+    return small_network(
+        model={"size": "micro", "vocab_size": 512},
+        stages={"count": 2},
+        training={"batch_size": 4, "seq_len": 32},
+        evaluation={"every_rounds": 1},
+    )
+
+
+@pytest.fixture
+def stages() -> Iterator[list[tuple[PeerNetwork, DiLoCo]]]:
+    """One replica per stage, each one round in and serving its stage's θ_1; stage 1 took a
+    different number of inner steps (rounds are per stage)."""
+    torch.manual_seed(0)
+    config = _pipeline_network().model
+    replicas = []
+    for s, wallet in enumerate(STAGE_WALLETS):
+        diloco = DiLoCo(build_stage(config, s, 2), DiLoCoConfig(inner_steps=2, warmup_steps=0))
+        net = PeerNetwork(NetworkConfig(port=0, join_timeout_s=0), wallet, stage=s, log=lambda line: None)
+        net.start()
+        net.join_state(diloco)
+        for p in diloco.params:  # a stand-in for inner steps: any move away from θ_0
+            p.data.add_(0.01 * (s + 1) * torch.randn_like(p))
+        net.finish_round(diloco)
+        assert diloco.round == 1
+        replicas.append((net, diloco))
+    yield replicas
+    for net, _ in replicas:
+        net.stop()
+
+
+def _seed_pipeline_db(
+    database_url: str, replicas: list[tuple[PeerNetwork, DiLoCo]], majorities: list[str]
+) -> Database:
+    db = Database(database_url)
+    now = time.time()
+    with db.write() as s:
+        for stage, ((net, _), wallet, majority) in enumerate(
+            zip(replicas, STAGE_WALLETS, majorities, strict=True)
+        ):
+            s.add(m.Wallet(wallet_id=wallet.wallet_id, public_key=wallet.public_key_hex, reputation=0.5,
+                           status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+            s.flush()
+            s.add(m.Peer(wallet_id=wallet.wallet_id, address=f"http://{net.address}", stage=stage,
+                         registered_at=now, last_heartbeat=now))  # fmt: skip
+            s.add(m.HashVote(stage=stage, round=0, wallet_id=wallet.wallet_id, result_hash="1" * 64,
+                             base_hash="0" * 64))  # fmt: skip
+            s.add(m.Round(stage=stage, round=0, majority_hash=majority, votes=3, agreeing=3, synced=0,
+                          sync_checked=0, settled_at=now))  # fmt: skip
+    return db
+
+
+def _pipeline_evaluator(db: Database, published: PublishedData, lines: list[str]) -> Evaluator:
+    held_out = published.dataset.source.fetch(published.dataset.manifest.shard(0))
+    return Evaluator(
+        db=db, network=_pipeline_network(), operator=OPERATOR, log=lines.append,
+        config=EvaluatorConfig(max_batches=3), held_out=lambda: held_out,
+    )  # fmt: skip
+
+
+def test_a_pipeline_is_measured_on_every_stage_majority_assembled(
+    stages: list[tuple[PeerNetwork, DiLoCo]], database_url: str, published: PublishedData
+) -> None:
+    db = _seed_pipeline_db(database_url, stages, [d.weights_hash() for _, d in stages])
+    lines: list[str] = []
+    _pipeline_evaluator(db, published, lines).run_once()
+    with db.read() as s:
+        rows = s.scalars(select(m.Evaluation)).all()
+    tokens = published.dataset.source.fetch(published.dataset.manifest.shard(0))
+    expected = measure_loss([d.model for _, d in stages], tokens, 4, 32, max_batches=3)
+    assert [(r.round, r.tokens) for r in rows] == [(1, 3 * 4 * 32)], lines
+    assert rows[0].loss == pytest.approx(expected.loss, rel=1e-6)
+    db.dispose()
+
+
+def test_a_pipeline_with_one_minority_stage_is_not_measured(
+    stages: list[tuple[PeerNetwork, DiLoCo]], database_url: str, published: PublishedData
+) -> None:
+    db = _seed_pipeline_db(database_url, stages, [stages[0][1].weights_hash(), "f" * 64])
+    lines: list[str] = []
+    _pipeline_evaluator(db, published, lines).run_once()
+    with db.read() as s:
+        assert s.scalars(select(m.Evaluation)).all() == []
+    assert any("stage 1" in line and "is not the majority" in line for line in lines), lines
+    db.dispose()

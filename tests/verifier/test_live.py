@@ -214,3 +214,50 @@ def test_attacker_is_refused_while_the_honest_swarm_is_verified(
     assert "honest nodes agree on θ hash" in before_stop and "DIFFER" not in before_stop
     # The verifier refuses the attacker's writes from then on, and the attacker's log says so.
     assert f"[{NODES}] tracker: receipt of round" in out and f"wallet {attacker} is refused" in out
+
+
+@pytest.mark.slow
+def test_pipeline_swarm_is_tracked_and_verified_on_the_assembled_model(
+    published: PublishedData, database_url: str, tmp_path: Path
+) -> None:
+    """`neuroshard-swarm --nodes 4 --stages 2`: two stages of two replicas join one verifier,
+    which judges hash agreement per stage and measures the model assembled from both stages'
+    majority weights; that measured loss falls."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    swarm = _start_swarm(published, tmp_path, database_url, port, "--stages", "2", nodes=4)
+    out = tmp_path / "swarm.out"
+    try:
+        verdict = _wait_verified(url, swarm, out)
+        both_settled = _wait_for(
+            "per-stage agreement", lambda: _get(f"{url}/api/training/global"),
+            lambda g: all(s["hash_agreement_rate"] is not None for s in g.get("stages", [])), swarm, out,
+        )  # fmt: skip
+        nodes = _get(f"{url}/api/nodes")
+    finally:
+        swarm.send_signal(signal.SIGINT)
+        code = swarm.wait(timeout=60)
+    text = out.read_text()
+    assert code == 0, text[-4000:]
+    assert verdict["evaluations"] >= 3 and verdict["loss_drop"] > verdict["required_drop"] > 0
+    assert verdict["global_loss"] < verdict["initial_loss"]
+    assert verdict["active_nodes"] == 4
+    stages = both_settled["stages"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert all(s["replicas_alive"] == 2 and s["hash_agreement_rate"] == 1.0 for s in stages), stages
+    assert stages[0]["majority_hash"] != stages[1]["majority_hash"]  # different layers, judged apart
+    assert sorted(n["stage"] for n in nodes) == [0, 0, 1, 1], nodes
+
+    db = Database(database_url)
+    try:
+        with db.read() as s:
+            by_stage = dict(s.execute(select(m.Receipt.stage, func.count()).group_by(m.Receipt.stage)).all())
+            later_spans = s.scalars(select(m.Receipt.data_spans).where(m.Receipt.stage == 1)).all()
+            evaluations = s.scalars(select(m.Evaluation)).all()
+    finally:
+        db.dispose()
+    # Both stages send receipts; only stage 0 reads data.
+    assert by_stage.get(0, 0) >= 4 and by_stage.get(1, 0) >= 4, by_stage
+    assert all(spans == [] for spans in later_spans)
+    assert len(evaluations) >= 3
+    assert "evaluator:" in (tmp_path / "swarm" / "verifier" / "verifier.log").read_text()

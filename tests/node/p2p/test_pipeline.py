@@ -8,6 +8,7 @@ own thread); requests are signed with the real signing code, then broken on purp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import random
 import socket
@@ -36,6 +37,7 @@ from neuroshard.node.p2p.pipeline_wire import (
     GradientReply,
     decode_gradient,
     encode_activations,
+    micro_batch_id,
 )
 from neuroshard.node.p2p.server import NodeState, build_app
 from neuroshard.node.p2p.wire import ErrorReply, PeerRecord
@@ -145,25 +147,37 @@ def _signed(sender: Wallet, body: bytes, **over: Any) -> ActivationHeader:
     return ActivationHeader.create(sender, **{**values, **over})
 
 
-@pytest_asyncio.fixture
-async def served(make_node, wallets) -> AsyncIterator[Served]:  # type: ignore[no-untyped-def]
+@contextlib.asynccontextmanager
+async def _serve(
+    node: NodeState, wallet: Wallet, *, config: PipelineConfig = PIPE, run: bool = True
+) -> AsyncIterator[tuple[Served, Callable[[], None]]]:
+    """A last-stage replica on loopback, and a function that starts its worker (already started if `run`)."""
     torch.manual_seed(0)
-    node: NodeState = make_node(wallets[0], stage=1)
     cfg = DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000)
     worker = StageWorker(
         DiLoCo(build_stage(MODEL, 1, 2), cfg), WorkerConfig(log_every=1000), log=lambda s: None
     )
-    service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=worker)
+    service = PipelineService(wallet=wallet, stage=1, model_config=MODEL, config=config, worker=worker)
     server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
     await server.start_server()
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop, 0.01), daemon=True)
-    thread.start()
-    async with ClientSession() as session:
-        yield Served(node, worker, service, server, session, wallets[0])
-    stop.set()
-    thread.join(10.0)
-    await server.close()
+    if run:
+        thread.start()
+    try:
+        async with ClientSession() as session:
+            yield Served(node, worker, service, server, session, wallet), thread.start
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(10.0)
+        await server.close()
+
+
+@pytest_asyncio.fixture
+async def served(make_node, wallets) -> AsyncIterator[Served]:  # type: ignore[no-untyped-def]
+    async with _serve(make_node(wallets[0], stage=1), wallets[0]) as (s, _):
+        yield s
 
 
 @pytest.mark.asyncio
@@ -304,15 +318,17 @@ async def test_a_replica_in_its_outer_round_answers_503_and_changes_nothing(make
         async with ClientSession() as session:
             s = Served(node, worker, service, server, session, wallets[0])
             body = _good_body()
-            assert (await s.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+            first, second = "01" * 16, "02" * 16
+            assert (await s.send(wallets[1], body, _signed(wallets[1], body, micro_batch=first)))[0] == 200
             assert await asyncio.to_thread(in_round.wait, 5.0)
             before = s.fingerprint()
-            status, _, reply = await s.send(wallets[1], body, _signed(wallets[1], body))
+            status, _, reply = await s.send(wallets[1], body, _signed(wallets[1], body, micro_batch=second))
             assert (status, ErrorReply.from_json(reply).error) == (503, "busy")
             assert _same(s.fingerprint(), before) and worker.stats.refused == 1
             release.set()
             await asyncio.sleep(0.1)
-            assert (await s.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+            # Refused, so not taken: the same id trains once the replica is back.
+            assert (await s.send(wallets[1], body, _signed(wallets[1], body, micro_batch=second)))[0] == 200
             for _ in range(100):  # H=1: the second step closes round 1 right after its reply
                 if worker.diloco.round == 2:
                     break
@@ -359,7 +375,7 @@ async def test_a_failed_peer_is_banned_and_the_micro_batch_retried_elsewhere(ser
     await client.start()
     try:
         hidden, labels = _micro_batch(3)
-        grad, loss = await client.forward(hidden, labels, round_=0)
+        grad, loss = await client.forward(hidden, labels, round_=0, micro_batch="03" * 16)
     finally:
         await client.close()
     assert grad.shape == hidden.shape and torch.isfinite(grad).all() and grad.abs().sum() > 0
@@ -388,7 +404,111 @@ async def test_with_no_reachable_next_stage_the_client_gives_up_at_its_deadline(
     started = time.monotonic()
     try:
         with pytest.raises(PipelineUnavailable, match="no replica of stage 1"):
-            await client.forward(*_micro_batch(), round_=0)
+            await client.forward(*_micro_batch(), round_=0, micro_batch="04" * 16)
     finally:
         await client.close()
     assert time.monotonic() - started < 5.0 and client.retries == 1
+
+
+# --- exactly once per replica ---------------------------------------------------------------
+
+
+def test_a_micro_batch_id_names_driver_round_and_step() -> None:
+    a, b = Wallet.from_token("driver-a").public_key_hex, Wallet.from_token("driver-b").public_key_hex
+    ids = {micro_batch_id(w, r, n) for w in (a, b) for r in (0, 1) for n in (0, 1)}
+    assert len(ids) == 8 and all(len(i) == 32 for i in ids)
+    assert micro_batch_id(a, 3, 7) == micro_batch_id(a, 3, 7)  # a retry or a resumed driver: the same id
+
+
+@pytest.mark.asyncio
+async def test_a_retried_micro_batch_is_trained_once_and_answered_the_same(served, wallets) -> None:
+    body = _good_body()
+    header = _signed(wallets[1], body, micro_batch="0a" * 16)
+    first = await served.send(wallets[1], body, header)
+    again = await served.send(wallets[1], body, header)  # a new request (nonce), the same micro-batch
+    assert first[0] == again[0] == 200
+    assert first[2] == again[2] and first[1][REPLY_HEADER] == again[1][REPLY_HEADER]
+    assert served.worker.diloco.step == 1 and served.service.duplicates == 1
+    # Sent twice at once (the retry overtakes the first attempt): still one step.
+    other = _signed(wallets[1], body, micro_batch="0b" * 16)
+    both = await asyncio.gather(served.send(wallets[1], body, other), served.send(wallets[1], body, other))
+    assert [r[0] for r in both] == [200, 200] and both[0][2] == both[1][2]
+    assert served.worker.diloco.step == 2
+    # The id is per sender: another driver's micro-batch with the same id is its own work.
+    theirs = await served.send(wallets[2], body, _signed(wallets[2], body, micro_batch="0a" * 16))
+    assert theirs[0] == 200 and served.worker.diloco.step == 3
+
+
+@pytest.mark.asyncio
+async def test_an_id_taken_with_another_payload_is_refused_409_and_changes_nothing(served, wallets) -> None:
+    body = _good_body()
+    assert (await served.send(wallets[1], body, _signed(wallets[1], body, micro_batch="0c" * 16)))[0] == 200
+    before = served.fingerprint()
+    other = encode_activations(*_micro_batch(seed=5), "bf16")
+    status, _, reply = await served.send(wallets[1], other, _signed(wallets[1], other, micro_batch="0c" * 16))
+    assert (status, ErrorReply.from_json(reply).error) == (409, "micro_batch_reused")
+    await asyncio.sleep(0.05)
+    assert _same(served.fingerprint(), before)
+
+
+@pytest.mark.asyncio
+async def test_a_micro_batch_whose_reply_was_lost_is_not_trained_again(make_node, wallets) -> None:
+    """The replica takes the micro-batch but answers 503 before it is stepped (its reply deadline
+    passes while the worker is held back); the step happens later. The retry gets that step's
+    gradient, and the replica stepped once."""
+    config = replace(PIPE, request_timeout_s=0.3)
+    async with _serve(make_node(wallets[0], stage=1), wallets[0], config=config, run=False) as (s, start):
+        body = _good_body()
+        header = _signed(wallets[1], body, micro_batch="0d" * 16)
+        status, _, reply = await s.send(wallets[1], body, header)
+        assert (status, ErrorReply.from_json(reply).error) == (503, "busy")
+        start()
+        for _ in range(200):
+            if s.worker.diloco.step == 1:
+                break
+            await asyncio.sleep(0.01)
+        status, headers, grad_body = await s.send(wallets[1], body, header)
+        assert status == 200 and GradientReply.from_json(headers[REPLY_HEADER]).micro_batch == "0d" * 16
+        assert decode_gradient(grad_body, (B, T, MODEL.dim), "bf16").abs().sum() > 0
+        await asyncio.sleep(0.05)
+        assert s.worker.diloco.step == 1 and s.service.duplicates == 1
+
+
+@pytest.mark.asyncio
+async def test_a_driver_refused_409_sends_the_micro_batch_elsewhere_without_a_ban(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    from neuroshard.node.p2p.peers import PeerTable
+
+    driver = wallets[1]
+    hidden, labels = _micro_batch(3)
+    id_ = micro_batch_id(driver.public_key_hex, 0, 0)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0]) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (b, _),
+    ):
+        # Replica a trained micro-batch 0 before the driver restarted and recomputed it differently.
+        earlier = encode_activations(*_micro_batch(4), "bf16")
+        assert (await a.send(driver, earlier, _signed(driver, earlier, micro_batch=id_)))[0] == 200
+        now = time.time()
+        table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+        table.merge(
+            [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in (a, b)], now
+        )
+        router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
+        router.succeeded(a.wallet.public_key_hex, tokens=10**9, seconds=1.0)  # drawn first
+        router.succeeded(b.wallet.public_key_hex, tokens=1, seconds=1.0)
+        client = PipelineClient(
+            wallet=driver, stage=0, peers=table, config=PIPE, clock=time.time, log=lambda s: None,
+            stop=threading.Event(), router=router,
+        )  # fmt: skip
+        await client.start()
+        try:
+            grad, _ = await client.forward(hidden, labels, round_=0, micro_batch=id_)
+        finally:
+            await client.close()
+    assert grad.abs().sum() > 0 and client.retries == 1
+    assert (a.worker.diloco.step, b.worker.diloco.step) == (1, 1)
+    # Not banned: a still ranks first for the next micro-batch.
+    assert (
+        router.ranking([a.wallet.public_key_hex, b.wallet.public_key_hex], time.time())[0]
+        == a.wallet.public_key_hex
+    )

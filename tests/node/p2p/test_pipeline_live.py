@@ -70,6 +70,7 @@ class Driver:
             pipe,
             stop=self.stop,
             round_of=lambda: self.trainer.diloco.round,
+            step_of=lambda: self.trainer.diloco.step,
             log=self.lines.append,
         )
         self.link.start()
