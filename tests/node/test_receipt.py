@@ -3,10 +3,14 @@
 import hashlib
 
 import pytest
+import torch
 from pydantic import ValidationError
 
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.rounds import RoundReport
-from neuroshard.node.receipt import receipt_document
+from neuroshard.node.pipeline import stage_inner_step
+from neuroshard.node.receipt import Receipting, receipt_document
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
 from neuroshard.verifier.wire import ReceiptRequest
@@ -78,3 +82,43 @@ def test_a_stage0_receipt_without_data_would_be_refused() -> None:
     )
     with pytest.raises(ValidationError, match="data is empty"):
         ReceiptRequest.model_validate(doc)
+
+
+def _stage1_round(micro_batches: int, recorded: int) -> tuple[list[dict[str, object]], list[str]]:
+    """A stage-1 replica steps on `micro_batches` micro-batches, `recorded` of them in its RoundWork,
+    then closes the round through Receipting; returns what it submitted and logged."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
+    diloco = DiLoCo(build_stage(config, 1, 2), DiLoCoConfig(inner_steps=micro_batches, warmup_steps=0))
+    work = RoundWork()
+    for i in range(micro_batches):
+        hidden, labels = torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))
+        _, loss = stage_inner_step(diloco, hidden, labels, None)
+        if i < recorded:
+            work.trained(labels.numel(), loss)
+    reports: list[RoundReport] = []
+
+    def finish(d: DiLoCo) -> None:
+        d.outer_step(d.pseudo_gradient())
+        reports.append(_report(stage=1, round=0, theta_hash=d.weights_hash()))
+
+    submitted: list[dict[str, object]] = []
+    lines: list[str] = []
+    hook = Receipting(
+        finish, reports, work, submitted.append, batch_size=None, tokens_per_step=0, log=lines.append
+    )
+    hook(diloco)
+    return submitted, lines
+
+
+def test_a_later_stage_receipt_claims_no_data_and_counts_the_micro_batches_it_trained() -> None:
+    submitted, _ = _stage1_round(3, 3)
+    [doc] = submitted
+    receipt = ReceiptRequest.model_validate(doc, strict=True)
+    assert (receipt.stage, receipt.inner_steps, receipt.data, receipt.tokens) == (1, 3, [], 3 * 2 * 8)
+    assert len(receipt.losses) == 3
+
+
+def test_a_later_stage_round_not_wholly_recorded_sends_no_receipt() -> None:
+    submitted, lines = _stage1_round(3, 2)  # resumed mid-round: one step's work is not known
+    assert submitted == [] and any("resumed mid-round" in line for line in lines)

@@ -79,3 +79,27 @@ def test_no_verifier_opens_no_port(published: PublishedData, tmp_path: Path) -> 
     assert "verifier (embedded)" not in out.stdout and "tracker:" not in out.stdout
     assert "peer server" not in out.stdout
     assert not list(tmp_path.glob("verifier*.sqlite3"))
+
+
+def _joined_args(stage: int, tmp_path: Path) -> Any:
+    from neuroshard.node.cli import build_parser
+
+    return build_parser().parse_args(
+        ["--join", "http://127.0.0.1:1", "--home", str(tmp_path), "--stage", str(stage)]
+    )
+
+
+def test_joining_a_pipeline_takes_its_stage_count_and_checks_the_stage(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from neuroshard.node import reporting
+    from neuroshard.verifier.testing import small_network
+
+    definition = small_network(stages={"count": 2})
+    monkeypatch.setattr(reporting, "fetch_network", lambda *a, **k: (definition, "ab" * 32))
+    args = _joined_args(1, tmp_path)
+    assert args.stages == 1  # the flag's default: the definition decides
+    assert reporting.join_network(args, lambda line: None) is definition
+    assert args.stages == 2 and args.stage == 1
+    with pytest.raises(ValueError, match=r"--stage 2: .* cuts the model into 2 stages"):
+        reporting.join_network(_joined_args(2, tmp_path), lambda line: None)

@@ -29,7 +29,7 @@ def _job(results: list[JobResult], seed: int) -> Job:
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, 8, MODEL.dim, generator=g)
     labels = torch.randint(0, MODEL.vocab_size, (2, 8), generator=g)
-    return Job(hidden, labels, results.append)
+    return Job(hidden, labels, f"{seed:032x}", results.append)
 
 
 def _identity(stage: int = 1, stages: int = 2) -> CheckpointIdentity:
