@@ -254,10 +254,20 @@ def test_pipeline_swarm_is_tracked_and_verified_on_the_assembled_model(
             by_stage = dict(s.execute(select(m.Receipt.stage, func.count()).group_by(m.Receipt.stage)).all())
             later_spans = s.scalars(select(m.Receipt.data_spans).where(m.Receipt.stage == 1)).all()
             evaluations = s.scalars(select(m.Evaluation)).all()
+            data_checks = s.execute(
+                select(m.ReputationEvent.stage, m.ReputationEvent.reason).where(
+                    m.ReputationEvent.reason.contains("data check")
+                )
+            ).all()
     finally:
         db.dispose()
-    # Both stages send receipts; only stage 0 reads data.
+    # Both stages send receipts; only stage 0 reads data, and only its data is checked (and holds).
     assert by_stage.get(0, 0) >= 4 and by_stage.get(1, 0) >= 4, by_stage
     assert all(spans == [] for spans in later_spans)
+    # A quarter of the receipts are sampled (datacheck.sampled); verification takes ~15 rounds of
+    # two drivers, so a run with no stage-0 check at all has odds of about 0.75**30.
+    assert data_checks and {stage for stage, _ in data_checks} == {0}, data_checks
+    assert all("passed" in reason for _, reason in data_checks), data_checks
+    assert all(n["reputation"] >= 0.5 for n in nodes), nodes
     assert len(evaluations) >= 3
     assert "evaluator:" in (tmp_path / "swarm" / "verifier" / "verifier.log").read_text()
