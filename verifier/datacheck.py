@@ -6,6 +6,8 @@ function of its wallet id, the manifest and the held-out shard: data.assign_shar
 cover exactly inner_steps × batch_size windows (verifier.spotcheck.check_data_spans). A
 replica that trains on shards it picked itself, on the held-out shard, or claims more or
 fewer batches than its steps fails and loses `spot_check_penalty` (ledger.record_spot_check).
+In a pipeline run only stage 0 reads data, so only stage-0 receipts are checked; a later
+stage's receipt claims no spans (its work is judged by its stage's hash agreement).
 
 What is not checked live: that the Δ is what those batches give (replaying the inner steps,
 verifier.spotcheck.replay_inner_steps). The replay is exact only from the replica's AdamW
