@@ -113,10 +113,11 @@ class PipelineConfig:
     """Micro-batches a stage > 0 replica lets wait behind the one it computes."""
     throughput_ema: float = 0.3
     """Weight of the newest measurement in the throughput average."""
-    dedup_window: int = 64
-    """(sender, micro-batch id) pairs, with their outcomes, a replica remembers. A retry comes within
-    `deadline_s` of the first send, a few micro-batches later per driver; each outcome held costs
-    its gradient, B·T·C·4 bytes."""
+    dedup_window: int = 32
+    """(sender, micro-batch id) pairs, with their outcomes, a replica remembers. A retry of a lost
+    reply comes right after the sender's `request_timeout_s`, when at most `max_pending` + 1 other
+    micro-batches per sender have been taken here since; each outcome held costs its gradient,
+    B·T·C·4 bytes (512 KiB for the tiny model at 8 × 128: 16 MiB for the window)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_stages <= wire.MAX_STAGE + 1:
