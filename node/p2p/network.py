@@ -479,7 +479,7 @@ class PeerNetwork:
         forged = None if self._attacker is None else self._forge(diloco, delta, header)
         if forged is not None:
             own = forged.own
-        exchange_started = time.monotonic()
+        exchange_started, exchange_clock = time.monotonic(), self.node.clock()
         slack = 2 * cfg.request_timeout_s + cfg.state_timeout_s
         try:
             outcome: Closed | Late = self._call(
@@ -528,7 +528,7 @@ class PeerNetwork:
             except Exception as exc:  # a later round's check (or its base-hash rejections) will catch up
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
         done = time.monotonic()
-        rejected, equivocators = self._call(self._verdicts(r), timeout=10.0)
+        rejected, equivocators, revealed_at = self._call(self._verdicts(r), timeout=10.0)
         report = RoundReport(
             stage=self.stage,
             round=r,
@@ -543,6 +543,7 @@ class PeerNetwork:
             resynced_from=resynced_from,
             seconds=done - started,
             exchange_s=step_started - exchange_started,
+            commit_s=0.0 if revealed_at is None else max(0.0, revealed_at - exchange_clock),
             step_s=vote_started - step_started,
             vote_s=done - vote_started,
             attack=None if forged is None else forged.note,
@@ -594,13 +595,15 @@ class PeerNetwork:
         book = self.node.books.get(round_)
         return {} if book is None else {w: reveal.holds() for w, reveal in book.reveals.items()}
 
-    async def _verdicts(self, round_: int) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-        """The round's rejections and equivocators, read on the loop that mutates the book."""
+    async def _verdicts(
+        self, round_: int
+    ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], float | None]:
+        """The round's rejections, equivocators and reveal time, read on the loop that mutates the book."""
         book = self.node.books.get(round_)
         if book is None:
-            return (), ()
+            return (), (), None
         rejected = tuple(sorted((w, rej.reason) for w, rej in book.rejected.items()))
-        return rejected, tuple(sorted(book.equivocators))
+        return rejected, tuple(sorted(book.equivocators)), book.revealed_at
 
     def _check_hash(self, diloco: DiLoCo, participants: tuple[str, ...]) -> tuple[str | None, int, int]:
         """Compare θ hashes with the peers after the round; adopt the majority's state if ours lost.

@@ -339,6 +339,8 @@ class RoundReport:
     """The whole of `finish_round` for this round."""
     exchange_s: float = 0.0
     """Of which: from the own contribution being ready to the aggregated set being fixed."""
+    commit_s: float = 0.0
+    """Of exchange_s: the commit phase, until this replica revealed its payload (exchange.py)."""
     step_s: float = 0.0
     """Of which: decode, aggregate, outer step (or state adoption), publishing the new state."""
     vote_s: float = 0.0
@@ -354,6 +356,6 @@ class RoundReport:
         equivocated = "".join(f"; equivocator {w[:12]}" for w in self.equivocators)
         return (
             f"p2p round={self.round} {how}; θ_{self.next_round} {self.theta_hash[:16]} agree={self.agree}/{self.voters} "
-            f"({self.seconds:.2f} s: exchange {self.exchange_s:.2f}, step {self.step_s:.2f}, vote {self.vote_s:.2f})"
+            f"({self.seconds:.2f} s: exchange {self.exchange_s:.2f} (commit {self.commit_s:.2f}), step {self.step_s:.2f}, vote {self.vote_s:.2f})"
             f"{rejected}{equivocated}{f'; ATTACKER sent {self.attack}' if self.attack else ''}"
         )
