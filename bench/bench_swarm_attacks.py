@@ -7,6 +7,7 @@ contributions were refused, whether the honest replicas agreed on θ every round
 loss in the first and last round — next to a clean run of the 4 honest nodes alone.
 
     .venv/bin/python bench/bench_swarm_attacks.py [--rounds 5] [--inner-steps 20] [--attacks sign_flip,scale]
+    .venv/bin/python bench/bench_swarm_attacks.py --rounds 1 --repeat 5 --attacks equivocate --no-clean  # round 0 only
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def run(dataset: str, attack: str | None, args: argparse.Namespace) -> str:
             str(swarm), "--nodes", str(nodes), "--home", home, "--threads", "1",
             "--inner-steps", str(args.inner_steps), "--max-steps", str(args.rounds * args.inner_steps),
             "--data", dataset, "--publisher-key", bytes(BENCH_KEY.verify_key).hex(),
-            "--base-port", str(args.base_port),
+            "--base-port", str(args.base_port), "--verifier-port", str(args.base_port - 1),
             *([] if attack is None else ["--byzantine", "1", "--attack", attack]),
             "--", "--model-size", "micro", "--batch-size", "4", "--seq-len", "64",
             "--log-every", str(args.inner_steps), "--min-peers", str(nodes - 1), "--warmup-steps", "0",
@@ -98,7 +99,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--attacks", default=",".join(ATTACKS))
-    parser.add_argument("--base-port", type=int, default=47300, help="first port of the swarm's nodes")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per attack (one table row each)")
+    parser.add_argument("--no-clean", action="store_true", help="skip the run of the 4 honest nodes alone")
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=47300,
+        help="first port of the swarm's nodes (its verifier: the one below)",
+    )
     args = parser.parse_args()
     dataset = bench_dataset(DEFAULT_TEXT).location
     print(f"micro model, batch 4x64, H={args.inner_steps}, {args.rounds} rounds, 1 thread per node")
@@ -107,9 +115,11 @@ def main() -> None:
         "| honest loss first → last round | exchange s, median (commit phase) |"
     )
     print("|---|---|---|---|---|---|---|")
-    print(f"| none (4 honest alone) {run(dataset, None, args)}", flush=True)
+    if not args.no_clean:
+        print(f"| none (4 honest alone) {run(dataset, None, args)}", flush=True)
     for attack in args.attacks.split(","):
-        print(f"| {attack} {run(dataset, attack, args)}", flush=True)
+        for _ in range(args.repeat):
+            print(f"| {attack} {run(dataset, attack, args)}", flush=True)
 
 
 if __name__ == "__main__":
