@@ -272,9 +272,12 @@ class Exchange:
     async def _commit_phase(self, book: RoundBook, commit_by: float, stop: threading.Event) -> Late | None:
         """Swap digests until every live stage peer's commitment is held (or `commit_by`, or stop)."""
         loop = asyncio.get_running_loop()
-        interval = MIN_POLL_S
+        interval, next_swap = MIN_POLL_S, loop.time()
         while not stop.is_set():
-            await self._swap_digests(book.round)
+            if loop.time() >= next_swap:  # a commitment pushed to this replica wakes it without a swap
+                await self._swap_digests(book.round)
+                next_swap = loop.time() + interval
+                interval = min(interval * 1.5, self.timings.digest_interval_s)
             late = self._late(book)
             if late is not None:
                 return late
@@ -287,8 +290,7 @@ class Exchange:
                         f"of {', '.join(w[:12] for w in missing)}"
                     )
                 return None
-            await self._wait(book, min(loop.time() + interval, commit_by))
-            interval = min(interval * 1.5, self.timings.digest_interval_s)
+            await self._wait(book, min(next_swap, commit_by))
         return None
 
     async def _wait(self, book: RoundBook, until: float) -> None:
