@@ -117,7 +117,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     if not args.no_clean:
         print(f"| none (4 honest alone) {run(dataset, None, args)}", flush=True)
-    for attack in args.attacks.split(","):
+    for attack in filter(None, args.attacks.split(",")):  # --attacks "": the clean run only
         for _ in range(args.repeat):
             print(f"| {attack} {run(dataset, attack, args)}", flush=True)
 
