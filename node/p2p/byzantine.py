@@ -98,7 +98,8 @@ class HonestRound:
     peers: tuple[str, ...]
     """Live stage peers' wallets, sorted (equivocate splits them in two halves)."""
     observe: Callable[[float], dict[str, Tensor]]
-    """Blocks up to the given seconds for every live peer's contribution; returns the Δs held."""
+    """Commits to the honest Δ's header (peers reveal payloads to committed wallets only), then
+    blocks up to the given seconds for every live peer's contribution; returns the Δs held."""
 
 
 @dataclass(frozen=True)
