@@ -7,6 +7,7 @@ contributions were refused, whether the honest replicas agreed on θ every round
 loss in the first and last round — next to a clean run of the 4 honest nodes alone.
 
     .venv/bin/python bench/bench_swarm_attacks.py [--rounds 5] [--inner-steps 20] [--attacks sign_flip,scale]
+    .venv/bin/python bench/bench_swarm_attacks.py --rounds 1 --repeat 5 --attacks equivocate --no-clean  # round 0 only
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from neuroshard.node.wallet import Wallet
 
 ROUND = re.compile(r"^\[(\d+)\] p2p round=(\d+) (.*)$")
 LOSS = re.compile(r"^\[(\d+)\] step=\d+ round=\d+ loss=([0-9.]+) ")
+EXCHANGE = re.compile(r"exchange ([0-9.]+)(?: \(commit ([0-9.]+)\))?")
+"""The round line's exchange seconds and, since commit-then-reveal, the commit phase's share."""
 AGREE = re.compile(r"^\[swarm\] round \d+: (\d+)/(\d+) (?:honest )?nodes agree")
 
 
@@ -38,7 +41,7 @@ def run(dataset: str, attack: str | None, args: argparse.Namespace) -> str:
             str(swarm), "--nodes", str(nodes), "--home", home, "--threads", "1",
             "--inner-steps", str(args.inner_steps), "--max-steps", str(args.rounds * args.inner_steps),
             "--data", dataset, "--publisher-key", bytes(BENCH_KEY.verify_key).hex(),
-            "--base-port", "47300",
+            "--base-port", str(args.base_port), "--verifier-port", str(args.base_port - 1),
             *([] if attack is None else ["--byzantine", "1", "--attack", attack]),
             "--", "--model-size", "micro", "--batch-size", "4", "--seq-len", "64",
             "--log-every", str(args.inner_steps), "--min-peers", str(nodes - 1), "--warmup-steps", "0",
@@ -80,9 +83,12 @@ def summarise(lines: list[str], bad: str | None, rounds: int) -> str:
     last = statistics.mean(v[-1] for v in losses.values())
     reasons = ", ".join(f"{k} {v}" for k, v in caught.most_common()) or "-"
     n = len(aggregated)
+    timings = [m for text in aggregated if (m := EXCHANGE.search(text))]
+    exchange = statistics.median(float(m[1]) for m in timings)
+    commit = statistics.median(float(m[2] or 0) for m in timings)
     return (
         f"| {sum(caught.values())}/{n} | {reasons} | {honest_refused} | {full}/{len(agreed)} | "
-        f"{first:.3f} → {last:.3f} |"
+        f"{first:.3f} → {last:.3f} | {exchange:.2f} ({commit:.2f}) |"
     )
 
 
@@ -93,16 +99,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs per attack (one table row each)")
+    parser.add_argument("--no-clean", action="store_true", help="skip the run of the 4 honest nodes alone")
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=47300,
+        help="first port of the swarm's nodes (its verifier: the one below)",
+    )
     args = parser.parse_args()
     dataset = bench_dataset(DEFAULT_TEXT).location
     print(f"micro model, batch 4x64, H={args.inner_steps}, {args.rounds} rounds, 1 thread per node")
     print(
-        "| attack | honest records refusing it | by reason | honest contributions refused | rounds honest agree | honest loss first → last round |"
+        "| attack | honest records refusing it | by reason | honest contributions refused | rounds honest agree "
+        "| honest loss first → last round | exchange s, median (commit phase) |"
     )
-    print("|---|---|---|---|---|---|")
-    print(f"| none (4 honest alone) {run(dataset, None, args)}", flush=True)
-    for attack in args.attacks.split(","):
-        print(f"| {attack} {run(dataset, attack, args)}", flush=True)
+    print("|---|---|---|---|---|---|---|")
+    if not args.no_clean:
+        print(f"| none (4 honest alone) {run(dataset, None, args)}", flush=True)
+    for attack in filter(None, args.attacks.split(",")):  # --attacks "": the clean run only
+        for _ in range(args.repeat):
+            print(f"| {attack} {run(dataset, attack, args)}", flush=True)
 
 
 if __name__ == "__main__":

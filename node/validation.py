@@ -13,7 +13,7 @@ checks by design and must be absorbed by the rule (bench/robustness.py measures 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -245,14 +245,19 @@ def find_copies(
 
 
 def screen_round(
-    deltas_by_wallet: Mapping[str, object], shape: tuple[int, ...], config: ValidationConfig | None = None
+    deltas_by_wallet: Mapping[str, object],
+    shape: tuple[int, ...],
+    config: ValidationConfig | None = None,
+    copiers: Callable[[frozenset[str]], Iterable[str]] | None = None,
 ) -> dict[str, Verdict]:
     """Verdicts for every wallet's contribution to one round of one stage.
 
     Structural checks (type, dtype, shape, finite) first; the reference is the coordinate median
     of the contributions that pass them; then each is validated against it, and members of a
-    copy group (``find_copies``) are rejected as duplicates. Raises if no contribution is
-    structurally valid (there is nothing to aggregate).
+    copy group (``find_copies``) are rejected as duplicates: all of them, or those `copiers`
+    names when the caller holds evidence of who copied whom (the network's signed reveals,
+    ``neuroshard.node.p2p.screening.copiers``). Raises if no contribution is structurally valid
+    (there is nothing to aggregate).
     """
     config = config or ValidationConfig()
     structural = {w: _structural(d, shape, config) for w, d in deltas_by_wallet.items()}
@@ -271,7 +276,7 @@ def screen_round(
             failure if failure is not None else _validate(delta, prepared, config, checked=True)
         )
     for group in find_copies(valid, config.duplicate_tolerance, center=reference):
-        for wallet in group:
+        for wallet in group if copiers is None else sorted(set(copiers(group)) & group):
             others = ", ".join(sorted(group - {wallet}))
             verdicts[wallet] = Verdict(
                 ok=False,

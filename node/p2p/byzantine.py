@@ -8,8 +8,12 @@ and puts the result on the wire the way a real attacker would:
 
 - ``sign_flip``, ``scale`` (×k), ``gaussian`` (σ = param · RMS of the honest Δ), ``zero``;
 - ``copy``, ``alie``, ``ipm`` use what the attacker observes: the contributions its peers
-  pushed to it this round (it waits for them before sending its own; colluding attackers each
-  see the same honest pushes, so they collude through what they observe);
+  revealed to it this round (it waits for them before sending its own; colluding attackers each
+  see the same honest pushes, so they collude through what they observe). Under
+  commit-then-reveal (exchange.py) peers reveal payloads only to wallets that committed first,
+  so the attacker commits to its honest Δ's header, observes, and then signs its forgery under
+  a second header: the strongest it can do, since a late commitment sees no payload at all. The
+  second header is an equivocation, and that is how it gets caught;
 - ``stale``: its own honest Δ from k rounds ago; ``wrong_base``: a Δ trained from θ of k rounds
   ago, signed against that old θ's hash (honest Δ for the first k rounds: no history yet);
 - ``nan``: encoded raw, as an attacker would (the honest codec refuses non-finite values);
@@ -37,7 +41,7 @@ from ..wallet import Wallet
 from .codec import encode_delta, quantize_int8, sha256_hex
 from .exchange import Exchange
 from .rounds import Contribution
-from .wire import ContributionHeader
+from .wire import ContributionHeader, Rejected
 
 DEFAULT_PARAMS: dict[str, float] = {
     "scale": 10.0,
@@ -94,7 +98,8 @@ class HonestRound:
     peers: tuple[str, ...]
     """Live stage peers' wallets, sorted (equivocate splits them in two halves)."""
     observe: Callable[[float], dict[str, Tensor]]
-    """Blocks up to the given seconds for every live peer's contribution; returns the Δs held."""
+    """Commits to the honest Δ's header (peers reveal payloads to committed wallets only), then
+    blocks up to the given seconds for every live peer's contribution; returns the Δs held."""
 
 
 @dataclass(frozen=True)
@@ -207,15 +212,21 @@ def _rms(x: Tensor) -> float:
     return float(x.double().pow(2).mean().sqrt())
 
 
-async def observe_peers(exchange: Exchange, round_: int, timeout_s: float) -> dict[str, Tensor]:
-    """The decoded Δs this replica holds for `round_` from its peers, after waiting (bounded) until
-    every live stage peer's contribution arrived. Runs on the network loop."""
+async def observe_peers(
+    exchange: Exchange, commitment: ContributionHeader, timeout_s: float
+) -> dict[str, Tensor]:
+    """The decoded Δs this replica holds for the round of `commitment` from its peers, after
+    committing to `commitment` (so peers reveal to it) and waiting (bounded) until every live stage
+    peer's contribution arrived. Runs on the network loop."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    book = exchange.node.books.get(round_)
+    book = exchange.node.books.get(commitment.round)
     if book is None:
         return {}
+    with contextlib.suppress(Rejected):
+        exchange.node.commit(commitment)
     while loop.time() < deadline:
+        await exchange.gossip_round(commitment.round)
         if {p.wallet for p in exchange.stage_peers()} <= set(book.accepted):
             break
         book.changed.clear()

@@ -87,6 +87,10 @@ class NetworkConfig:
     pull_grace_s: float = 1.0
     """How long a live contributor's own push may take to start before its contribution is pulled
     from a peer that listed it (earlier pulls mostly fetch what is already on its way)."""
+    commit_timeout_s: float = 30.0
+    """Longest wait for the live stage peers' commitments (signed headers) before this replica
+    reveals its payload anyway (capped at half of round_timeout_s). Headers are ~600 bytes, so
+    on a healthy network the commit phase ends in a digest swap or two."""
     gossip_interval_s: float = 5.0
     """Seconds between peer-list exchanges (and re-signing this node's own record)."""
     peer_ttl_s: float = 30.0
@@ -115,7 +119,7 @@ class NetworkConfig:
             raise ValueError(f"NetworkConfig.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         if self.pull_grace_s < 0:
             raise ValueError(f"NetworkConfig.pull_grace_s must be >= 0, got {self.pull_grace_s}")
-        for name in ("round_timeout_s", "hash_check_timeout_s", "digest_interval_s", "gossip_interval_s",
+        for name in ("round_timeout_s", "hash_check_timeout_s", "digest_interval_s", "commit_timeout_s", "gossip_interval_s",
                      "peer_ttl_s", "connect_timeout_s", "request_timeout_s", "control_timeout_s", "state_timeout_s",
                      "replay_window_s"):  # fmt: skip
             if getattr(self, name) <= 0:
@@ -231,6 +235,7 @@ class PeerNetwork:
                 hash_check_timeout_s=config.hash_check_timeout_s,
                 state_timeout_s=config.state_timeout_s,
                 pull_grace_s=config.pull_grace_s,
+                commit_timeout_s=config.commit_timeout_s,
                 control_timeout_s=config.control_timeout_s,
             ),
             log,
@@ -459,23 +464,22 @@ class PeerNetwork:
             )
         delta = diloco.pseudo_gradient()
         tokens = diloco.steps_in_round * self._tokens_per_step
-        forged = None if self._attacker is None else self._forge(diloco, delta, own_hash, tokens)
-        if forged is None:
-            payload = encode_delta(delta, cfg.encoding)
-            header = ContributionHeader.create(
-                self.wallet,
-                stage=self.stage,
-                round=r,
-                base_hash=own_hash,
-                tokens=tokens,
-                encoding=cfg.encoding,
-                numel=numel,
-                payload_sha256=sha256_hex(payload),
-            )
-            own = Contribution(header, payload)
-        else:
+        payload = encode_delta(delta, cfg.encoding)
+        header = ContributionHeader.create(
+            self.wallet,
+            stage=self.stage,
+            round=r,
+            base_hash=own_hash,
+            tokens=tokens,
+            encoding=cfg.encoding,
+            numel=numel,
+            payload_sha256=sha256_hex(payload),
+        )
+        own = Contribution(header, payload)
+        forged = None if self._attacker is None else self._forge(diloco, delta, header)
+        if forged is not None:
             own = forged.own
-        exchange_started = time.monotonic()
+        exchange_started, exchange_clock = time.monotonic(), self.node.clock()
         slack = 2 * cfg.request_timeout_s + cfg.state_timeout_s
         try:
             outcome: Closed | Late = self._call(
@@ -494,7 +498,8 @@ class PeerNetwork:
         screened: tuple[tuple[str, str], ...] = ()
         if isinstance(outcome, Closed):
             self._call(self._update_bans(), timeout=10.0)
-            kept = screen(outcome.contributions, numel, cfg.validation, self.banned)
+            held = self._call(self._reveal_lists(r), timeout=10.0)
+            kept = screen(outcome.contributions, numel, cfg.validation, self.banned, held)
             screened = kept.rejected
             if kept.accepted:
                 stack = self._stack_buffer(len(kept.accepted), numel)
@@ -523,7 +528,7 @@ class PeerNetwork:
             except Exception as exc:  # a later round's check (or its base-hash rejections) will catch up
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
         done = time.monotonic()
-        rejected, equivocators = self._call(self._verdicts(r), timeout=10.0)
+        rejected, equivocators, revealed_at = self._call(self._verdicts(r), timeout=10.0)
         report = RoundReport(
             stage=self.stage,
             round=r,
@@ -538,6 +543,7 @@ class PeerNetwork:
             resynced_from=resynced_from,
             seconds=done - started,
             exchange_s=step_started - exchange_started,
+            commit_s=0.0 if revealed_at is None else max(0.0, revealed_at - exchange_clock),
             step_s=vote_started - step_started,
             vote_s=done - vote_started,
             attack=None if forged is None else forged.note,
@@ -545,8 +551,9 @@ class PeerNetwork:
         self.reports.append(report)
         self._log(report.line())
 
-    def _forge(self, diloco: DiLoCo, delta: torch.Tensor, own_hash: str, tokens: int) -> Forged:
-        """Testing only: the attacker's contribution(s) for this round (byzantine.py)."""
+    def _forge(self, diloco: DiLoCo, delta: torch.Tensor, honest: ContributionHeader) -> Forged:
+        """Testing only: the attacker's contribution(s) for this round (byzantine.py); `honest` is the
+        header of its honest Δ, which observing attacks commit to so that peers reveal to them."""
         from .byzantine import HonestRound, observe_peers
 
         assert self._attacker is not None
@@ -555,13 +562,13 @@ class PeerNetwork:
             wallet=self.wallet,
             stage=self.stage,
             round=r,
-            base_hash=own_hash,
+            base_hash=honest.base_hash,
             theta_round=diloco.theta_round,
             delta=delta,
             encoding=self.config.encoding,
-            tokens=tokens,
+            tokens=honest.tokens,
             peers=tuple(sorted(self.live_peers())),
-            observe=lambda s: self._call(observe_peers(self._exchange, r, s), timeout=s + 10.0),
+            observe=lambda s: self._call(observe_peers(self._exchange, honest, s), timeout=s + 10.0),
         )
         return self._attacker.forge(view)
 
@@ -583,13 +590,20 @@ class PeerNetwork:
         assert self.node.snapshot is not None
         return self.node.snapshot.theta_hash
 
-    async def _verdicts(self, round_: int) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-        """The round's rejections and equivocators, read on the loop that mutates the book."""
+    async def _reveal_lists(self, round_: int) -> dict[str, dict[str, str]]:
+        """Wallet -> the commitments its reveal of `round_` lists, read on the loop that fills the book."""
+        book = self.node.books.get(round_)
+        return {} if book is None else {w: reveal.holds() for w, reveal in book.reveals.items()}
+
+    async def _verdicts(
+        self, round_: int
+    ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], float | None]:
+        """The round's rejections, equivocators and reveal time, read on the loop that mutates the book."""
         book = self.node.books.get(round_)
         if book is None:
-            return (), ()
+            return (), (), None
         rejected = tuple(sorted((w, rej.reason) for w, rej in book.rejected.items()))
-        return rejected, tuple(sorted(book.equivocators))
+        return rejected, tuple(sorted(book.equivocators)), book.revealed_at
 
     def _check_hash(self, diloco: DiLoCo, participants: tuple[str, ...]) -> tuple[str | None, int, int]:
         """Compare θ hashes with the peers after the round; adopt the majority's state if ours lost.

@@ -13,8 +13,12 @@ same rules apply however a contribution arrives:
 4. numel and base hash match this replica's θ_r (422, recorded against the wallet: the
    header is signed, so the claim is the wallet's own).
 
-Payload checks (sha256, safetensors layout, finite values) follow in the caller; a
-payload whose bytes match the signed sha256 but do not decode is recorded too.
+A header that passes 1–3 is the wallet's *commitment* for the round (`committed`), held
+before its payload: commit-then-reveal (exchange.py). Its payload is taken only together
+with the contributor's signed `Reveal` (`reveals`), the commitments it held before it
+started serving the payload. Payload checks (sha256, safetensors layout, finite values)
+follow in the caller; a payload whose bytes match the signed sha256 but do not decode is
+recorded too.
 
 Aggregation takes the accepted contributions sorted by wallet and applies the pluggable
 rule, so honest replicas holding the same set compute bit-identical results.
@@ -31,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .codec import all_finite, decode_delta
-from .wire import ContributionHeader, Rejected, StateInfo
+from .wire import ContributionHeader, Rejected, Reveal, StateInfo
 
 AggregationRule = Callable[[Tensor], Tensor]
 """(n, d) float32 contributions, rows sorted by wallet -> (d,) aggregate."""
@@ -70,11 +74,21 @@ class Rejection:
 class RoundBook:
     """What this replica holds for one (stage, round). Lives on the network's event loop."""
 
-    def __init__(self, *, stage: int, round_: int, base_hash: str, numel: int) -> None:
+    def __init__(
+        self, *, stage: int, round_: int, base_hash: str, numel: int, max_wallets: int = 256
+    ) -> None:
         self.stage = stage
         self.round = round_
         self.base_hash = base_hash
         self.numel = numel
+        self.max_wallets = max_wallets
+        """Distinct wallets (commitments and equivocators) the book takes; more is refused with 429."""
+        self.committed: dict[str, ContributionHeader] = {}
+        """Wallet -> its commitment: the first validly signed header of this stage and round seen."""
+        self.reveals: dict[str, Reveal] = {}
+        """Wallet -> its signed reveal statement (first seen), held before its payload is taken."""
+        self.revealed_at: float | None = None
+        """When this replica revealed its own payload (the clock of the node); None before."""
         self.accepted: dict[str, Contribution] = {}
         self.rejected: dict[str, Rejection] = {}
         self.equivocators: dict[str, tuple[ContributionHeader, ContributionHeader]] = {}
@@ -103,16 +117,16 @@ class RoundBook:
         """Wallets this replica has a decision on (accepted, rejected or equivocated)."""
         return set(self.accepted) | set(self.rejected) | set(self.equivocators)
 
+    def committed_from(self) -> set[str]:
+        """Wallets whose commitment this replica holds (equivocators included: they committed twice)."""
+        return set(self.committed) | set(self.equivocators)
+
     def header_of(self, wallet: str) -> ContributionHeader | None:
-        if wallet in self.accepted:
-            return self.accepted[wallet].header
-        if wallet in self.rejected:
-            return self.rejected[wallet].header
-        return None
+        return self.committed.get(wallet)
 
     def headers(self) -> list[ContributionHeader]:
-        """Every validly signed header held, with both halves of each equivocation proof (for digests)."""
-        held = [c.header for c in self.accepted.values()] + [r.header for r in self.rejected.values()]
+        """Every commitment held, with both halves of each equivocation proof (for digests)."""
+        held = list(self.committed.values())
         for first, second in self.equivocators.values():
             held += [first, second]
         return sorted(held, key=lambda h: (h.wallet, h.payload_sha256))
@@ -131,6 +145,8 @@ class RoundBook:
             return True
         self.accepted.pop(wallet, None)
         self.rejected.pop(wallet, None)
+        self.committed.pop(wallet, None)
+        self.reveals.pop(wallet, None)
         self.equivocators[wallet] = (known, header)
         self.changed.set()
         raise Rejected(
@@ -141,8 +157,9 @@ class RoundBook:
         )
 
     def admit(self, header: ContributionHeader) -> bool:
-        """Apply the header rules (module docstring). True: new, fetch and check its payload next.
-        False: already held, nothing to do. Raises Rejected otherwise."""
+        """Apply the header rules (module docstring) and hold the header as the wallet's commitment.
+        True: its payload is still to be fetched and checked. False: the payload was already
+        taken, nothing to do. Raises Rejected otherwise."""
         if not header.signature_valid():
             raise Rejected(
                 422, "bad_contribution_signature", "the contribution header's signature does not verify"
@@ -163,9 +180,17 @@ class RoundBook:
             rejection = self.rejected.get(header.wallet)
             if rejection is not None:
                 raise Rejected(422, "rejected", rejection.reason)
-            return False
+            if header.wallet in self.accepted:
+                return False
+            if self.closed:
+                raise Rejected(409, "round_closed", f"round {self.round} is already aggregated here")
+            return True
         if self.closed:
             raise Rejected(409, "round_closed", f"round {self.round} is already aggregated here")
+        if len(self.committed_from()) >= self.max_wallets:
+            raise Rejected(429, "round_full", f"round {self.round} already holds {self.max_wallets} wallets")
+        self.committed[header.wallet] = header
+        self.changed.set()
         if header.numel != self.numel:
             self.reject(header, f"numel {header.numel} != this stage's {self.numel}")
         if header.base_hash != self.base_hash:
@@ -178,9 +203,10 @@ class RoundBook:
     def reject(
         self, header: ContributionHeader, reason: str, status: int = 422, code: str = "rejected"
     ) -> None:
-        """Record a signed contribution as invalid and raise Rejected(status) with the reason."""
-        if not self._held(header) and not self.closed:
-            self.rejected[header.wallet] = Rejection(header.wallet, reason, header)
+        """Record a signed contribution (admitted: its commitment is held) as invalid and raise
+        Rejected(status) with the reason."""
+        if self._held(header) and not self.closed and header.wallet not in self.accepted:
+            self.rejected.setdefault(header.wallet, Rejection(header.wallet, reason, header))
             self.changed.set()
         raise Rejected(status, code, reason)
 
@@ -189,9 +215,27 @@ class RoundBook:
         for equivocation: two different headers may have been admitted concurrently."""
         if self.closed:
             raise Rejected(409, "round_closed", f"round {self.round} is already aggregated here")
-        if not self._held(contribution.header):
-            self.accepted[contribution.header.wallet] = contribution
+        wallet = contribution.header.wallet
+        if self._held(contribution.header) and wallet not in self.accepted and wallet not in self.rejected:
+            self.accepted[wallet] = contribution
             self.changed.set()
+
+    def add_reveal(self, reveal: Reveal) -> bool:
+        """Hold a contributor's reveal statement whose contribution header passed `admit`; True if new.
+        A second, different reveal of the same wallet is refused (409): the first one seen stands."""
+        held = self.reveals.get(reveal.wallet)
+        if held == reveal:
+            return False
+        if held is not None:
+            raise Rejected(
+                409,
+                "reveal_conflict",
+                f"wallet {reveal.wallet[:16]}… already revealed round {self.round} with another list",
+            )
+        self._held(reveal.contribution)
+        self.reveals[reveal.wallet] = reveal
+        self.changed.set()
+        return True
 
     def select(self, wallets: Iterable[str]) -> tuple[Contribution, ...]:
         """The given wallets' accepted contributions, sorted by wallet: the aggregation order."""
@@ -295,6 +339,8 @@ class RoundReport:
     """The whole of `finish_round` for this round."""
     exchange_s: float = 0.0
     """Of which: from the own contribution being ready to the aggregated set being fixed."""
+    commit_s: float = 0.0
+    """Of exchange_s: the commit phase, until this replica revealed its payload (exchange.py)."""
     step_s: float = 0.0
     """Of which: decode, aggregate, outer step (or state adoption), publishing the new state."""
     vote_s: float = 0.0
@@ -310,6 +356,6 @@ class RoundReport:
         equivocated = "".join(f"; equivocator {w[:12]}" for w in self.equivocators)
         return (
             f"p2p round={self.round} {how}; θ_{self.next_round} {self.theta_hash[:16]} agree={self.agree}/{self.voters} "
-            f"({self.seconds:.2f} s: exchange {self.exchange_s:.2f}, step {self.step_s:.2f}, vote {self.vote_s:.2f})"
+            f"({self.seconds:.2f} s: exchange {self.exchange_s:.2f} (commit {self.commit_s:.2f}), step {self.step_s:.2f}, vote {self.vote_s:.2f})"
             f"{rejected}{equivocated}{f'; ATTACKER sent {self.attack}' if self.attack else ''}"
         )

@@ -7,6 +7,10 @@ closed set is validated (``neuroshard.node.validation.screen_round``: norm ratio
 variance ratio against the coordinate median of the set, zero Δs, copies), and wallets this
 replica has banned (proven equivocators) are refused whatever they send.
 
+Copies are told apart by the contributors' signed reveals (`copiers`): content alone cannot say
+which of two equal Δs is the original, but a wallet that committed after the other's payload
+was revealed can only be the copier.
+
 Determinism: the verdicts are a pure function of the closed set (the same signed payloads,
 decoded to the same bits) and the ban set, computed in wallet order, so honest replicas that
 close on the same set refuse the same wallets and aggregate the same rows.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from itertools import combinations
 
 from ..validation import ValidationConfig, screen_round
 from .codec import decode_delta
@@ -35,14 +40,46 @@ class Screened:
     """(wallet, reason) of the refused ones, sorted by wallet."""
 
 
+def copiers(
+    group: Iterable[str], commitments: Mapping[str, str], held: Mapping[str, Mapping[str, str]]
+) -> set[str]:
+    """The members of a copy group (wallets with near-equal Δs in one round) to refuse.
+
+    `commitments` maps each wallet to the payload_sha256 it signed; `held[w]` is what w's signed
+    reveal lists, wallet -> payload_sha256 (a wallet without a reveal lists nothing). For each
+    pair A, B: B's commitment in A's list means B committed before A revealed, so B cannot have
+    copied A. If A lists B and B does not list A, A committed after B revealed — after it could
+    see B's payload: A is the copier, and only A is refused. If each lists the other (both
+    committed before either revealed: they agreed on the Δ beforehand) or neither does (nothing
+    tells who saw whom), both are refused. A member is refused if any of its pairs refuses it.
+    """
+    refused: set[str] = set()
+
+    def lists(a: str, b: str) -> bool:
+        return b in commitments and held.get(a, {}).get(b) == commitments[b]
+
+    for a, b in combinations(sorted(set(group)), 2):
+        a_lists_b, b_lists_a = lists(a, b), lists(b, a)
+        if a_lists_b and not b_lists_a:
+            refused.add(a)
+        elif b_lists_a and not a_lists_b:
+            refused.add(b)
+        else:
+            refused |= {a, b}
+    return refused
+
+
 def screen(
     contributions: Iterable[Contribution],
     numel: int,
     config: ValidationConfig | None,
     banned: Mapping[str, str],
+    held: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Screened:
     """Split a closed round's contributions into accepted and rejected (module docstring).
-    `config` None skips the content checks (bans still apply); `banned` maps wallet -> why."""
+    `config` None skips the content checks (bans still apply); `banned` maps wallet -> why; `held`
+    maps wallet -> the commitments its reveal lists (None: copies cannot be told apart, every
+    member of a copy group is refused)."""
     ordered = sorted(contributions, key=lambda c: c.header.wallet)
     rejected = {
         c.header.wallet: f"banned: {banned[c.header.wallet]}" for c in ordered if c.header.wallet in banned
@@ -50,7 +87,9 @@ def screen(
     kept = [_decoded(c, numel) for c in ordered if c.header.wallet not in banned]
     if config is not None and len(kept) >= MIN_SCREENED:
         try:
-            verdicts = screen_round({c.header.wallet: c.delta for c in kept}, (numel,), config)
+            commitments = {c.header.wallet: c.header.payload_sha256 for c in kept}
+            resolve = None if held is None else lambda group: copiers(group, commitments, held)
+            verdicts = screen_round({c.header.wallet: c.delta for c in kept}, (numel,), config, resolve)
         except ValueError:
             # The median is all zeros (most Δs are zero): nothing to judge content against. Every
             # replica holding this set ends up here alike; the rule then sees the set unscreened.

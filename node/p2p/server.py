@@ -4,8 +4,10 @@ Routes (every refusal is a JSON `ErrorReply`):
 
 | route                                   | in -> out                                             | ok  | refusals        |
 |-----------------------------------------|-------------------------------------------------------|-----|-----------------|
+| POST /p2p/reveal                        | Reveal JSON (the contributor's, with its header)      | 204 | 400 409 422 429 |
+| GET  /p2p/reveal/{round}/{wallet}       | -> that contributor's Reveal JSON                     | 200 | 400 403 404     |
 | POST /p2p/contribution                  | `X-NeuroShard-Contribution` header + safetensors Δ    | 204 | 400 409 422 429 |
-| GET  /p2p/contribution/{round}/{wallet} | -> the same header + safetensors Δ                    | 200 | 400 404         |
+| GET  /p2p/contribution/{round}/{wallet} | -> the same header + safetensors Δ                    | 200 | 400 403 404     |
 | POST /p2p/digest                        | Digest JSON -> this node's Digest for that round      | 200 | 400 422 503     |
 | GET  /p2p/peers                         | -> PeerList JSON                                      | 200 |                 |
 | POST /p2p/announce                      | the signer's own PeerRecord JSON                      | 204 | 400 422         |
@@ -17,7 +19,12 @@ unsigned / bad signature / stale timestamp, 413 body over the route's limit, 400
 short, 409 replayed nonce, 503 nonce cache full. 400 = malformed (schema, JSON, safetensors
 layout, pickle); 422 = well-formed but wrong (stage, base hash, numel, NaN/inf, signature
 of an embedded message); 409 = conflicts with this node's state (round not open or already
-closed, equivocation).
+closed, equivocation, a payload before its reveal); 403 = a reveal or payload asked for by
+a wallet whose commitment for that round this node does not hold.
+
+Commit-then-reveal: a payload is served only to wallets that committed to their own
+contribution for the round first, so no one can see a payload and then commit to a copy of
+it without signing a second header (equivocation, caught by the digests).
 
 The event loop owns `NodeState`; the training thread only hands it new snapshots
 through the loop (`PeerNetwork`), so handlers never see a half-updated state.
@@ -41,7 +48,7 @@ from .codec import decode_delta, delta_size_bound, encode_state, sha256_hex
 from .peers import PeerTable
 from .rounds import Contribution, RoundBook
 from .state import Snapshot
-from .wire import ContributionHeader, Digest, PeerList, PeerRecord, Rejected, StateInfo
+from .wire import ContributionHeader, Digest, PeerList, PeerRecord, Rejected, Reveal, StateInfo
 
 STREAM_CHUNK = 1 << 20
 
@@ -55,6 +62,8 @@ class ServerLimits:
     max_digest_bytes: int = 1 << 20
     """A digest holds ~600 bytes per header; 1 MiB fits the 1024-header maximum."""
     max_announce_bytes: int = 4096
+    max_reveal_bytes: int = 128 << 10
+    """A reveal holds ~130 bytes per commitment listed: 128 KiB fits the 512-wallet maximum."""
     max_contributors: int = 256
     """Distinct wallets per round a node keeps (accepted + rejected); more is refused with 429."""
     keep_rounds: int = 2
@@ -119,7 +128,11 @@ class NodeState:
             # A re-sync can change θ_r under an open book: its base-hash verdicts were against the
             # wrong hash, so start the round's book over (peers' digests bring the contributions back).
             self.books[snapshot.round] = RoundBook(
-                stage=self.stage, round_=snapshot.round, base_hash=snapshot.theta_hash, numel=snapshot.numel
+                stage=self.stage,
+                round_=snapshot.round,
+                base_hash=snapshot.theta_hash,
+                numel=snapshot.numel,
+                max_wallets=self.limits.max_contributors,
             )
         for old in [
             r for r in self.books if r < snapshot.round - self.limits.keep_rounds or r > snapshot.round
@@ -132,30 +145,53 @@ class NodeState:
 
     # --- contributions ------------------------------------------------------------------------
 
-    async def offer(self, header: ContributionHeader, payload: bytes) -> bool:
-        """Check and store a contribution however it arrived; True if it was new.
-        Raises Rejected or wire.WireError with the reason."""
+    def book_for(self, header: ContributionHeader) -> RoundBook:
+        """The open book of the header's round; Rejected (wrong stage or round) when there is none."""
         book = self.books.get(header.round)
-        if book is None:
-            current = "none yet" if self.snapshot is None else str(self.snapshot.round)
-            if header.stage != self.stage:
-                raise Rejected(
-                    422,
-                    "wrong_stage",
-                    f"contribution is for stage {header.stage}, this replica holds stage {self.stage}",
-                )
+        if book is not None:
+            return book
+        current = "none yet" if self.snapshot is None else str(self.snapshot.round)
+        if header.stage != self.stage:
+            raise Rejected(
+                422,
+                "wrong_stage",
+                f"contribution is for stage {header.stage}, this replica holds stage {self.stage}",
+            )
+        raise Rejected(
+            409,
+            "wrong_round",
+            f"round {header.round} is not open here (this replica is at round {current})",
+        )
+
+    def commit(self, header: ContributionHeader) -> None:
+        """Hold a validly signed header as its wallet's commitment (this replica's own, at the start of
+        its round). Raises Rejected with the reason."""
+        self.book_for(header).admit(header)
+
+    def offer_reveal(self, reveal: Reveal) -> bool:
+        """Check and hold a contributor's reveal statement (and its header, as its commitment); True if
+        new. Raises Rejected or wire.WireError with the reason."""
+        book = self.book_for(reveal.contribution)
+        if not reveal.signature_valid():
+            raise Rejected(422, "bad_reveal_signature", "the reveal's signature does not verify")
+        book.admit(reveal.contribution)
+        return book.add_reveal(reveal)
+
+    async def offer(self, header: ContributionHeader, payload: bytes) -> bool:
+        """Check and store a contribution however it arrived; True if it was new. Its contributor's
+        reveal must be held first (409 otherwise, nothing changes).
+        Raises Rejected or wire.WireError with the reason."""
+        book = self.book_for(header)
+        reveal = book.reveals.get(header.wallet)
+        if reveal is None or reveal.contribution != header:
             raise Rejected(
                 409,
-                "wrong_round",
-                f"round {header.round} is not open here (this replica is at round {current})",
+                "not_revealed",
+                f"no reveal of {header.wallet[:16]}… for this contribution is held here: send it first",
             )
         if not book.admit(header):
             self.duplicates += 1
             return False
-        if len(book.heard_from()) >= self.limits.max_contributors:
-            raise Rejected(
-                429, "round_full", f"round {book.round} already holds {self.limits.max_contributors} wallets"
-            )
         if sha256_hex(payload) != header.payload_sha256:
             # Not recorded against the wallet: the signed header does not cover these bytes.
             raise Rejected(
@@ -187,13 +223,12 @@ class NodeState:
             book.ahead.add(digest.wallet)
             book.changed.set()
         for header in digest.entries:
-            if book.header_of(header.wallet) == header:
-                continue  # already held: skip the signature check
-            try:
-                new = book.admit(header)
-            except Rejected:
-                continue  # recorded in the book where it is evidence (equivocation, bad base hash)
-            if new:
+            if book.header_of(header.wallet) != header:  # a held one skips the signature check
+                try:
+                    book.admit(header)
+                except Rejected:
+                    continue  # recorded in the book where it is evidence (equivocation, bad base hash)
+            if header.wallet not in book.heard_from() and book.header_of(header.wallet) == header:
                 book.wanted.setdefault(header.wallet, header)
                 book.wanted_at.setdefault(header.wallet, self.clock())
                 book.sources.setdefault(header.wallet, set()).add(digest.wallet)
@@ -266,6 +301,8 @@ class NodeState:
             return self.limits.max_digest_bytes
         if route == "announce":
             return self.limits.max_announce_bytes
+        if route == "reveal_push":
+            return self.limits.max_reveal_bytes
         return 0  # GET routes carry no body
 
 
@@ -315,12 +352,37 @@ def build_app(
         await node.offer(header, request[BODY])
         return web.Response(status=204)
 
-    async def pull(request: web.Request) -> web.StreamResponse:
+    def committed_book(request: web.Request) -> tuple[RoundBook | None, str]:
+        """(the book of the path's round or None, the path's wallet); 403 unless the requesting wallet
+        committed to that round here: payloads are revealed to committed wallets only."""
         round_text, wallet = request.match_info["round"], request.match_info["wallet"]
         if not round_text.isdigit() or len(round_text) > 16:
             raise Rejected(400, "malformed", f"round {round_text[:20]!r} is not a non-negative integer")
         wire.hex_bytes(32)(wallet, "wallet")
         book = node.books.get(int(round_text))
+        if book is not None and request[PEER_WALLET] not in book.committed:
+            raise Rejected(
+                403,
+                "not_committed",
+                f"wallet {request[PEER_WALLET][:16]}… holds no commitment for round {round_text} here: "
+                "commit (through a digest) before asking for payloads",
+            )
+        return book, wallet
+
+    async def reveal_push(request: web.Request) -> web.StreamResponse:
+        node.offer_reveal(Reveal.from_json(request[BODY]))
+        return web.Response(status=204)
+
+    async def reveal_pull(request: web.Request) -> web.StreamResponse:
+        book, wallet = committed_book(request)
+        held = book.reveals.get(wallet) if book is not None else None
+        if held is None:
+            raise Rejected(404, "not_held", f"no reveal of {wallet[:16]}… for that round here")
+        return _json(held)
+
+    async def pull(request: web.Request) -> web.StreamResponse:
+        book, wallet = committed_book(request)
+        round_text = request.match_info["round"]
         held = book.accepted.get(wallet) if book is not None else None
         if held is None:
             raise Rejected(
@@ -379,6 +441,8 @@ def build_app(
         await response.write_eof()
         return response
 
+    app.router.add_post(wire.REVEAL, reveal_push, name="reveal_push")
+    app.router.add_get(wire.REVEAL_PULL, reveal_pull, name="reveal_pull")
     app.router.add_post(wire.CONTRIBUTION, push, name="contribution_push")
     app.router.add_get(wire.CONTRIBUTION_PULL, pull, name="contribution_pull")
     app.router.add_post(wire.DIGEST, digest, name="digest")

@@ -30,6 +30,8 @@ from ..wallet import Wallet, verify
 CONTRIBUTION = "/p2p/contribution"
 CONTRIBUTION_PULL = "/p2p/contribution/{round}/{wallet}"
 DIGEST = "/p2p/digest"
+REVEAL = "/p2p/reveal"
+REVEAL_PULL = "/p2p/reveal/{round}/{wallet}"
 PEERS = "/p2p/peers"
 ANNOUNCE = "/p2p/announce"
 STATUS = "/p2p/status"
@@ -382,6 +384,54 @@ class Digest(Signed):
             raise InvalidMessage("digest.aggregated must be sorted and without repeats")
         if self.aggregated and not self.closed:
             raise InvalidMessage("digest.aggregated is only set once the round is closed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Commitment(Message):
+    """One contributor's commitment as a revealer held it: the wallet and its signed payload_sha256."""
+
+    NAME = "commitment"
+    wallet: str
+    payload_sha256: str
+
+    FIELDS = schema(wallet=hex_bytes(32), payload_sha256=hex_bytes(32))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reveal(Signed):
+    """Sent with a contribution's payload, signed by its contributor when it starts serving it: the
+    commitments (signed headers) the contributor held before anyone could see its payload.
+
+    A wallet listed here committed before the signer revealed, so it cannot have copied the signer's
+    payload; a copy group is resolved on that (screening.copiers). `contribution` is the signer's own
+    header, so a receiver can check the reveal belongs to the commitment it holds.
+    """
+
+    NAME = "reveal"
+    DOMAIN = b"neuroshard/reveal/v1"
+    contribution: ContributionHeader
+    held: tuple[Commitment, ...]
+    """Sorted by wallet, one per wallet, the signer's own included."""
+
+    FIELDS = schema(
+        _SIGNER,
+        contribution=message(ContributionHeader),
+        held=list_of(message(Commitment), MAX_DIGEST_ENTRIES // 2),
+    )
+
+    def check(self) -> None:
+        if self.contribution.wallet != self.wallet:
+            raise InvalidMessage("a reveal must be signed by the wallet of its contribution")
+        wallets = [c.wallet for c in self.held]
+        if wallets != sorted(set(wallets)):
+            raise InvalidMessage("reveal.held must be sorted by wallet, one commitment per wallet")
+        own = Commitment(wallet=self.wallet, payload_sha256=self.contribution.payload_sha256)
+        if own not in self.held:
+            raise InvalidMessage("reveal.held must list the signer's own commitment")
+
+    def holds(self) -> dict[str, str]:
+        """Wallet -> payload_sha256 of every commitment listed."""
+        return {c.wallet: c.payload_sha256 for c in self.held}
 
 
 @dataclass(frozen=True, kw_only=True)

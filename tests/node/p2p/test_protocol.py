@@ -26,7 +26,16 @@ from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.codec import decode_state, encode_delta, sha256_hex
 from neuroshard.node.p2p.server import NodeState, build_app
-from neuroshard.node.p2p.wire import ContributionHeader, Digest, ErrorReply, PeerList, PeerRecord, StateInfo
+from neuroshard.node.p2p.wire import (
+    Commitment,
+    ContributionHeader,
+    Digest,
+    ErrorReply,
+    PeerList,
+    PeerRecord,
+    Reveal,
+    StateInfo,
+)
 from neuroshard.node.wallet import Wallet
 
 NUMEL, ROUND = 1000, 3
@@ -37,6 +46,7 @@ class Served:
     node: NodeState
     server: test_utils.TestServer
     session: ClientSession
+    wallets: list[Wallet]
 
     async def send(
         self,
@@ -60,9 +70,28 @@ class Served:
         ) as r:
             return r.status, r.headers, await r.read()
 
+    async def reveal(self, header: ContributionHeader, **kw: Any) -> tuple[int, str]:
+        """POST the contributor's reveal of `header` (listing only itself), sent by the contributor."""
+        status, _, body = await self.send(
+            self.signer(header.wallet),
+            "POST",
+            wire.REVEAL,
+            _reveal(self.signer(header.wallet), header).to_json(),
+            **kw,
+        )
+        return status, _error(status, body)
+
+    def signer(self, wallet_hex: str) -> Wallet:
+        return next(w for w in self.wallets if w.public_key_hex == wallet_hex)
+
     async def push(
-        self, wallet: Wallet, header: ContributionHeader, payload: bytes, **kw: Any
+        self, wallet: Wallet, header: ContributionHeader, payload: bytes, *, reveal: bool = True, **kw: Any
     ) -> tuple[int, str]:
+        """Reveal (unless `reveal` is False), then push the payload; the first refusal is returned."""
+        if reveal:
+            revealed = await self.reveal(header)
+            if revealed[0] != 204:
+                return revealed
         status, _, body = await self.send(
             wallet,
             "POST",
@@ -72,6 +101,13 @@ class Served:
             **kw,
         )
         return status, _error(status, body)
+
+
+def _reveal(signer: Wallet, header: ContributionHeader, *others: ContributionHeader) -> Reveal:
+    listed = sorted((h.wallet, h.payload_sha256) for h in (header, *others))
+    return Reveal.create(
+        signer, contribution=header, held=tuple(Commitment(wallet=w, payload_sha256=p) for w, p in listed)
+    )
 
 
 def _error(status: int, body: bytes) -> str:
@@ -100,7 +136,7 @@ async def served(make_node, wallets) -> AsyncIterator[Served]:  # type: ignore[n
     server = test_utils.TestServer(build_app(node, window_s=60.0), host="127.0.0.1")
     await server.start_server()
     async with ClientSession() as session:
-        yield Served(node, server, session)
+        yield Served(node, server, session, wallets)
     await server.close()
 
 
@@ -110,29 +146,35 @@ async def test_valid_contribution_is_accepted_once(served, wallets, make_contrib
     assert await served.push(wallets[1], header, payload) == (204, "")
     assert await served.push(wallets[1], header, payload) == (204, "")  # idempotent
     assert list(served.node.books[ROUND].accepted) == [wallets[1].public_key_hex]
-    # Anyone may pull it back, byte for byte, with the signed header.
+    # A wallet that committed to the round may pull it back, byte for byte, with the signed header
+    # and the reveal (test_payloads_are_revealed_to_committed_wallets_only: the others may not).
+    served.node.commit(make_contribution(wallets[2], seed=5)[0])
     path = wire.CONTRIBUTION_PULL.format(round=ROUND, wallet=wallets[1].public_key_hex)
     status, headers, body = await served.send(wallets[2], "GET", path)
     assert status == 200 and body == payload
     assert ContributionHeader.from_json(headers[wire.CONTRIBUTION_HEADER]) == header
+    path = wire.REVEAL_PULL.format(round=ROUND, wallet=wallets[1].public_key_hex)
+    status, _, body = await served.send(wallets[2], "GET", path)
+    assert status == 200 and Reveal.from_json(body) == _reveal(wallets[1], header)
 
 
 @pytest.mark.asyncio
 async def test_forged_request_signature_is_401(served, wallets, make_contribution) -> None:
     header, payload = make_contribution(wallets[1])
+    assert await served.reveal(header) == (204, "")
     before, nonces = _fingerprint(served.node), len(served.node.nonces)
     # Signed by wallet 2 but claiming to be wallet 1.
     auth = sign_request(wallets[2], "POST", wire.CONTRIBUTION, payload, time.time())
     auth[wire.WALLET_HEADER] = wallets[1].public_key_hex
-    status, reason = await served.push(wallets[1], header, payload, auth=auth)
+    status, reason = await served.push(wallets[1], header, payload, auth=auth, reveal=False)
     assert status == 401 and "bad_signature" in reason
     # Signed over other bytes than those sent (a relay changed the body).
     other = encode_delta(torch.ones(NUMEL), "int8")
-    status, reason = await served.push(wallets[1], header, payload, signed_body=other)
+    status, reason = await served.push(wallets[1], header, payload, signed_body=other, reveal=False)
     assert status == 401 and "bad_signature" in reason
     # Signed for another path.
     auth = sign_request(wallets[1], "POST", wire.DIGEST, payload, time.time())
-    assert (await served.push(wallets[1], header, payload, auth=auth))[0] == 401
+    assert (await served.push(wallets[1], header, payload, auth=auth, reveal=False))[0] == 401
     assert _fingerprint(served.node) == before and len(served.node.nonces) == nonces
 
 
@@ -172,8 +214,9 @@ async def test_replayed_nonce_is_409_and_changes_nothing(served, wallets, make_c
 @pytest.mark.parametrize("offset", [-61.0, 61.0, -3600.0])
 async def test_stale_timestamp_is_401(served, wallets, make_contribution, offset) -> None:
     header, payload = make_contribution(wallets[1])
+    assert await served.reveal(header) == (204, "")
     before, nonces = _fingerprint(served.node), len(served.node.nonces)
-    status, reason = await served.push(wallets[1], header, payload, now=time.time() + offset)
+    status, reason = await served.push(wallets[1], header, payload, now=time.time() + offset, reveal=False)
     assert status == 401 and reason.startswith("stale")
     assert _fingerprint(served.node) == before and len(served.node.nonces) == nonces
 
@@ -395,6 +438,7 @@ async def test_state_download_matches_the_signed_status(served, wallets) -> None
 @pytest.mark.asyncio
 async def test_client_gone_mid_upload_changes_nothing(served, wallets, make_contribution) -> None:
     header, payload = make_contribution(wallets[1])
+    assert await served.reveal(header) == (204, "")
     before = _fingerprint(served.node)
     auth = sign_request(wallets[1], "POST", wire.CONTRIBUTION, payload, time.time())
     lines = [
@@ -413,3 +457,115 @@ async def test_client_gone_mid_upload_changes_nothing(served, wallets, make_cont
     assert _fingerprint(served.node) == before
     assert sha256_hex(payload) == header.payload_sha256  # the same upload, complete, is accepted
     assert (await served.push(wallets[1], header, payload))[0] == 204
+
+
+@pytest.mark.asyncio
+async def test_payload_before_its_reveal_is_409_and_changes_nothing(
+    served, wallets, make_contribution
+) -> None:
+    header, payload = make_contribution(wallets[1])
+    book = served.node.books[ROUND]
+    before = (_fingerprint(served.node), dict(book.committed), dict(book.reveals))
+    status, reason = await served.push(wallets[1], header, payload, reveal=False)
+    assert status == 409 and reason.startswith("not_revealed")
+    # A reveal of another contribution of the same wallet does not open the door either.
+    other, _ = make_contribution(wallets[2], seed=4)
+    assert await served.reveal(other) == (204, "")
+    status, reason = await served.push(wallets[2], header, payload, reveal=False)
+    assert status == 409 and reason.startswith("not_revealed")
+    assert (_fingerprint(served.node), dict(book.committed)) == (
+        before[0],
+        {**before[1], other.wallet: other},
+    )
+
+
+@pytest.mark.asyncio
+async def test_bad_reveals_are_refused_and_change_nothing(served, wallets, make_contribution) -> None:
+    header, _ = make_contribution(wallets[1])
+    book = served.node.books[ROUND]
+
+    def state() -> tuple[Any, ...]:
+        return (_fingerprint(served.node), dict(book.committed), dict(book.reveals))
+
+    before = state()
+    good = json.loads(_reveal(wallets[1], header).to_json())
+    other, _ = make_contribution(wallets[2], seed=2)
+    cases = [
+        (b"{", 400, "not JSON"),
+        (json.dumps({**good, "extra": 1}).encode(), 400, "unknown field"),
+        (json.dumps({**good, "held": []}).encode(), 422, "own commitment"),
+        (json.dumps({**good, "held": good["held"] * 2}).encode(), 422, "sorted by wallet"),
+        # Signed by wallet 1 over wallet 2's header: a reveal is its contributor's own.
+        (
+            json.dumps({**good, "contribution": json.loads(other.to_json())}).encode(),
+            422,
+            "signed by the wallet",
+        ),
+        # Someone changed the list after wallet 1 signed it.
+        (
+            json.dumps(
+                {**good, "held": [*good["held"], {"wallet": "ff" * 32, "payload_sha256": "00" * 32}]}
+            ).encode(),
+            422,
+            "bad_reveal_signature",
+        ),
+    ]
+    for body, expected, text in cases:
+        status, _, reply = await served.send(wallets[1], "POST", wire.REVEAL, body)
+        assert status == expected and text in _error(status, reply), (text, _error(status, reply))
+    for wrong in (
+        make_contribution(wallets[1], stage=1)[0],
+        make_contribution(wallets[1], round_=ROUND + 1)[0],
+    ):
+        status, reason = await served.reveal(wrong)
+        assert (status, reason.split(":")[0]) in ((422, "wrong_stage"), (409, "wrong_round"))
+    big = _reveal(wallets[1], header).to_json() + b" " * served.node.limits.max_reveal_bytes
+    status, _, reply = await served.send(wallets[1], "POST", wire.REVEAL, big)
+    assert status == 413
+    assert state() == before
+    # A second, different list of the same wallet for the same contribution: the first stands.
+    assert await served.reveal(header) == (204, "")
+    second = _reveal(wallets[1], header, other)
+    status, _, reply = await served.send(wallets[1], "POST", wire.REVEAL, second.to_json())
+    assert status == 409 and _error(status, reply).startswith("reveal_conflict")
+    assert book.reveals[wallets[1].public_key_hex] == _reveal(wallets[1], header)
+
+
+@pytest.mark.asyncio
+async def test_reveal_of_a_second_header_is_equivocation(served, wallets, make_contribution) -> None:
+    committed, _ = make_contribution(wallets[1], seed=1)
+    served.node.commit(committed)  # as a digest would have brought it in the commit phase
+    copy, _ = make_contribution(wallets[1], seed=2)  # a new header, signed after seeing payloads
+    status, reason = await served.reveal(copy)
+    assert status == 409 and reason.startswith("equivocation")
+    book = served.node.books[ROUND]
+    w = wallets[1].public_key_hex
+    assert book.equivocators[w] == (committed, copy) and w not in book.committed and w not in book.reveals
+
+
+@pytest.mark.asyncio
+async def test_payloads_are_revealed_to_committed_wallets_only(served, wallets, make_contribution) -> None:
+    header, payload = make_contribution(wallets[1])
+    assert await served.push(wallets[1], header, payload) == (204, "")
+    before = _fingerprint(served.node)
+    paths = [
+        wire.CONTRIBUTION_PULL.format(round=ROUND, wallet=wallets[1].public_key_hex),
+        wire.REVEAL_PULL.format(round=ROUND, wallet=wallets[1].public_key_hex),
+    ]
+    for path in paths:
+        status, _, body = await served.send(wallets[3], "GET", path)
+        assert status == 403 and _error(status, body).startswith("not_committed")
+    assert _fingerprint(served.node) == before
+    # Wallet 3 commits through a digest swap (as in the commit phase); then it may pull.
+    own, _ = make_contribution(wallets[3], seed=3)
+    digest = Digest.create(
+        wallets[3], stage=0, round=ROUND, current_round=ROUND, current_hash="ab" * 32, closed=False,
+        aggregated=(), entries=(own,),
+    )  # fmt: skip
+    assert (await served.send(wallets[3], "POST", wire.DIGEST, digest.to_json()))[0] == 200
+    for path in paths:
+        assert (await served.send(wallets[3], "GET", path))[0] == 200
+    status, _, body = await served.send(
+        wallets[3], "GET", wire.REVEAL_PULL.format(round=ROUND, wallet="ab" * 32)
+    )
+    assert status == 404

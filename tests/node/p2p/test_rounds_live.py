@@ -190,6 +190,13 @@ def test_three_replicas_agree_every_round(swarm) -> None:
     assert all(torch.equal(thetas[0], t) for t in thetas[1:])
     assert all(r.trainer.diloco.round == rounds for r in replicas)
     assert any("p2p round=3 aggregated 3" in line for line in replicas[0].lines)
+    # Commit-then-reveal: every replica held all three commitments before it revealed its payload,
+    # and every replica holds the same signed reveals (what copy resolution reads) for the last round.
+    books = [r.network.node.books[rounds - 1] for r in replicas]
+    for book in books:
+        assert sorted(book.reveals) == wallets
+        assert all(sorted(reveal.holds()) == wallets for reveal in book.reveals.values())
+        assert book.reveals == books[0].reveals
 
 
 def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:

@@ -11,7 +11,7 @@ import torch
 from neuroshard.node import aggregation
 from neuroshard.node.p2p.codec import decode_delta
 from neuroshard.node.p2p.rounds import Contribution, aggregate
-from neuroshard.node.p2p.screening import MIN_SCREENED, screen
+from neuroshard.node.p2p.screening import MIN_SCREENED, copiers, screen
 from neuroshard.node.validation import ValidationConfig
 from neuroshard.node.wallet import Wallet
 
@@ -63,6 +63,58 @@ def test_a_copy_is_refused_with_its_original(round_of) -> None:
     kept = screen(contributions, NUMEL, ValidationConfig(), {})
     # Content cannot tell the original from the copy (validation.find_copies): both go.
     assert {w for w, r in kept.rejected if r.startswith("duplicate: ")} == {_key(0), _key(4)}
+
+
+SHA = {"a": "0a" * 32, "b": "0b" * 32, "c": "0c" * 32}
+
+
+@pytest.mark.parametrize(
+    ("held", "refused"),
+    [
+        # b committed before a revealed; a is not in b's list: a committed after b revealed.
+        ({"a": {"a": SHA["a"], "b": SHA["b"]}, "b": {"b": SHA["b"]}}, {"a"}),
+        ({"a": {"a": SHA["a"]}, "b": {"a": SHA["a"], "b": SHA["b"]}}, {"b"}),
+        # Each committed before the other revealed: they agreed on the Δ beforehand.
+        ({"a": {"a": SHA["a"], "b": SHA["b"]}, "b": {"a": SHA["a"], "b": SHA["b"]}}, {"a", "b"}),
+        # Neither lists the other, or there is no reveal at all: nothing tells who saw whom.
+        ({"a": {"a": SHA["a"]}, "b": {"b": SHA["b"]}}, {"a", "b"}),
+        ({}, {"a", "b"}),
+        # A listed commitment with another payload_sha256 is not b's commitment.
+        ({"a": {"a": SHA["a"], "b": "ff" * 32}, "b": {"b": SHA["b"]}}, {"a", "b"}),
+    ],
+)
+def test_copiers_of_a_pair(held, refused) -> None:
+    assert copiers({"a", "b"}, SHA, held) == refused
+
+
+def test_copiers_of_a_group_keep_the_original_only() -> None:
+    # c revealed holding only its own commitment; a and b copied it later, each listing c; a also
+    # lists b (b committed before a revealed), b does not list a.
+    held = {
+        "c": {"c": SHA["c"]},
+        "a": {"a": SHA["a"], "b": SHA["b"], "c": SHA["c"]},
+        "b": {"b": SHA["b"], "c": SHA["c"]},
+    }
+    assert copiers({"a", "b", "c"}, SHA, held) == {"a", "b"}
+    assert copiers({"c", "b", "a"}, SHA, dict(reversed(held.items()))) == {"a", "b"}  # order-free
+
+
+def test_a_copy_is_refused_alone_when_the_reveals_tell_who_copied(round_of) -> None:
+    contributions = round_of(5)
+    original = contributions[0]
+    contributions[4] = Contribution(contributions[4].header, original.payload, original.delta)
+    commitments = {c.header.wallet: c.header.payload_sha256 for c in contributions}
+    # Every honest replica revealed after all five committed except the copier, which committed
+    # after the original's reveal (so no honest list holds it) and lists everyone.
+    honest = {w: h for w, h in commitments.items() if w != _key(4)}
+    held = {w: dict(honest) for w in honest} | {_key(4): dict(commitments)}
+    kept = screen(contributions, NUMEL, ValidationConfig(), {}, held)
+    assert [w for w, r in kept.rejected] == [_key(4)] and kept.rejected[0][1].startswith("duplicate: ")
+    assert _key(0) in [c.header.wallet for c in kept.accepted]
+    # The copier lists nobody but itself: unresolvable, both go (as without reveals).
+    held[_key(4)] = {_key(4): commitments[_key(4)]}
+    kept = screen(contributions, NUMEL, ValidationConfig(), {}, held)
+    assert {w for w, _ in kept.rejected} == {_key(0), _key(4)}
 
 
 def test_verdicts_and_aggregate_do_not_depend_on_arrival_order(round_of) -> None:

@@ -49,7 +49,7 @@ def run_swarm(published, home: Path, attack: str) -> list[str]:  # type: ignore[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attack", ["sign_flip", "scale", "nan", "equivocate"])
+@pytest.mark.parametrize("attack", ["sign_flip", "scale", "nan", "equivocate", "copy"])
 def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: Path, attack: str) -> None:
     lines = run_swarm(published, tmp_path, attack)
     keys = {
@@ -81,13 +81,18 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
         if attack in ("sign_flip", "scale"):
             # Screened out of the closed set: every replica judges the same set alike.
             assert all(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
+        elif attack == "copy":
+            # Payloads are revealed to committed wallets only: the copier commits to its honest Δ,
+            # and its copy needs a second signed header, which every replica sees as equivocation
+            # (round 0) and then a ban. The copied honest wallet is never refused (checked above).
+            assert all(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
         elif attack == "nan" or r > 0:
             # Refused on arrival, so never served on: a replica that closed on its peers' set
             # without the payload reaching it has nothing to record. An equivocator is seen when
             # its second signed header reaches a replica through a digest, which may come after
             # that replica closed round 0 (the hash vote then heals the split); then it is banned.
             assert any(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
-    if attack == "equivocate":
+    if attack in ("equivocate", "copy"):
         for node in HONEST:
             assert any(
                 line.startswith(
