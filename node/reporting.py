@@ -9,7 +9,9 @@
 - `--no-verifier`: train with neither (the node reports to nobody).
 
 A node that reports also serves its peer plane (a free loopback port unless --port says
-otherwise): the verifier fetches the majority weights from there to measure them.
+otherwise): the verifier fetches the majority weights from there to measure them, and the
+material of its replay spot checks (GET /p2p/replay/{round}, node.p2p.replay) for the last
+--replay-rounds rounds, committed to in each receipt.
 None of this can stop training: a verifier that cannot start or cannot be reached is
 logged, and the node trains on.
 """
@@ -29,9 +31,12 @@ from .diloco import DiLoCoConfig
 from .model import ModelConfig
 from .network_definition import NetworkDefinition
 from .p2p.network import PeerNetwork
+from .p2p.replay import ReplayService
+from .p2p.server import ServerExtension
 from .receipt import Receipting
+from .replay import ReplayArchive
 from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
-from .trainer import Trainer
+from .trainer import RoundFinisher, Trainer
 from .wallet import Wallet
 
 Log = Callable[[str], None]
@@ -60,6 +65,13 @@ def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
         "--verifier-port", type=int, default=8000, help="port of the embedded verifier (API and dashboard)"
     )
     g.add_argument("--no-verifier", action="store_true", help="no verifier at all: report to nobody")
+    g.add_argument(
+        "--replay-rounds",
+        type=int,
+        default=3,
+        help="recent rounds whose θ_round, Δ and inner optimizer state are kept for the verifier's replay "
+        "spot checks (memory: 4 × the model's size per round)",
+    )
 
 
 def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None:
@@ -80,11 +92,13 @@ def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None
             time.sleep(2.0)
     if definition.num_stages != 1:
         raise ValueError(f"{args.join} runs {definition.num_stages} pipeline stages; this node trains one")
+    args.operator_key = key  # only this key may ask for replay material (node.p2p.replay)
     args.data, args.publisher_key = definition.manifest_url, definition.publisher_key
     args.batch_size, args.seq_len = definition.batch_size, definition.seq_len
     log(
         f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
         f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
+        f"aggregation {definition.aggregation_rule} f={definition.aggregation_f}, "
         f"held-out shard {definition.held_out_shard}"
     )
     return definition
@@ -140,6 +154,8 @@ class Reporting:
     log: Log
     embedded: _Server | None = None
     tracker: Tracker | None = None
+    archive: ReplayArchive | None = None
+    """Recent rounds kept for replay spot checks; None when there is no verifier to ask."""
 
     @classmethod
     def open(
@@ -153,7 +169,7 @@ class Reporting:
         """Pick the verifier (joined, embedded or none); start the embedded one. Leaves args.port
         at a free port (0) when the node would otherwise open none: the verifier must reach it."""
         if joined is not None:
-            reporting = cls(url=args.join, operator_key=None, log=log)
+            reporting = cls(url=args.join, operator_key=args.operator_key, log=log)
         elif args.no_verifier:
             return cls(url=None, operator_key=None, log=log)
         elif not held_out:
@@ -173,10 +189,24 @@ class Reporting:
             reporting = cls(url=server.url, operator_key=server.operator_key_hex, log=log, embedded=server)
         if args.port is None:
             args.port = 0
+        reporting.archive = ReplayArchive(args.replay_rounds)
         return reporting
 
-    def attach(self, network: PeerNetwork | None, trainer: Trainer, wallet: Wallet) -> None:
-        """Register with the verifier, discover peers, and send a receipt after every round."""
+    def extensions(self) -> list[ServerExtension]:
+        """Peer routes the verifier calls: the replay material, to its operator key only."""
+        if self.archive is None:
+            return []
+        return [ReplayService(self.archive, allowed_wallet=self.operator_key)]
+
+    def attach(
+        self,
+        network: PeerNetwork | None,
+        trainer: Trainer,
+        wallet: Wallet,
+        wrap: Callable[[RoundFinisher], RoundFinisher] | None = None,
+    ) -> None:
+        """Register with the verifier, discover peers, and send a receipt after every round.
+        `wrap` goes around the receipting hook (testing only: node.p2p.byzantine's work lies)."""
         if self.url is None or network is None:
             return
         tracker = Tracker(
@@ -190,17 +220,18 @@ class Reporting:
         )
         tracker.start()
         self.tracker = tracker
-        trainer.set_round_finisher(
-            Receipting(
-                network.finish_round,
-                network.reports,
-                trainer.work,
-                tracker.submit,
-                batch_size=trainer.config.batch_size,
-                tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
-                log=self.log,
-            )
+        receipting = Receipting(
+            network.finish_round,
+            network.reports,
+            trainer.work,
+            tracker.submit,
+            batch_size=trainer.config.batch_size,
+            tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
+            log=self.log,
+            archive=self.archive,
         )
+        receipting.round_started(trainer.diloco)
+        trainer.set_round_finisher(wrap(receipting) if wrap is not None else receipting)
 
     def close(self) -> None:
         if self.tracker is not None:
