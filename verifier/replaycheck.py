@@ -10,8 +10,8 @@ process, verifier.cli) does, every `poll_s`:
 2. **fetch** — GET /p2p/replay/{round} from the replica, signed with the operator wallet
    (node.p2p.replay: safetensors of θ_round, Δ and the AdamW state at the round's start).
    Each part must hash to what the replica's signed receipt committed to (base_hash,
-   delta_digest, inner_state_digest); a replica that refuses, or serves something else,
-   fails. Fetched right after sampling: a node keeps only its last few rounds.
+   delta_digest, inner_state_digest); a replica that serves something else fails. Fetched
+   right after sampling: a node keeps only its last few rounds.
 3. **replay** — once round r−1 is settled, θ_round must be its majority weights (θ_0: the
    model the network definition builds); then the claimed batches are read exactly as the
    node reads them and the inner steps re-run from that θ and state
@@ -26,8 +26,10 @@ with (continuity across rounds; a replica could reset or doctor its moments betw
 and still pass, though it cannot pick them after it is challenged), that unsampled rounds
 were honest, or anything about pipeline stages (their gradients depend on other stages).
 A replica that cannot be reached is retried for `retry_s` and then skipped without a
-verdict (a dead node and a refusing one look the same from here); its peers stop
-aggregating a node they cannot reach either.
+verdict, and so is one that answers 404 (round no longer held): the verifier cannot tell a
+dead node, or an honest one whose receipt reached it late, from one that hides a round.
+So a liar can dodge a check by not serving; what it cannot do is serve a replay that fails.
+Counting unserved challenges per wallet against its receipts would close this; not built.
 """
 
 from __future__ import annotations
@@ -119,12 +121,17 @@ class Challenge:
 
 
 REFUSALS = (403, 404)
-"""The replica's own answers (node.p2p.replay): not the verifier's key, or the round not held.
-Others (401 clock skew, 409 nonce, 5xx) may be the verifier's or the network's fault: retried."""
+"""The replica's own answers (node.p2p.replay): not the verifier's key, or the round no longer
+held. Others (401 clock skew, 409 nonce, 5xx) may be the verifier's or the network's fault: retried."""
 
 
-class Unserved(Exception):
-    """The replica answered the replay request with a refusal (a verdict, unlike no answer)."""
+class Refused(Exception):
+    """The replica refused to serve a round (403, 404). No verdict: an honest node drops rounds
+    older than its --replay-rounds, and the verifier cannot tell when the round ended."""
+
+
+class Malformed(Exception):
+    """The replica served a body that is not replay material for the round (a verdict)."""
 
 
 class ReplayChecker:
@@ -247,9 +254,15 @@ class ReplayChecker:
         receipt = challenge.receipt
         try:
             record = self._get_replay(challenge.address, receipt.round)
-        except Unserved as exc:
+        except Refused as exc:
             self._drop(challenge)
-            self._record(receipt, False, f"did not serve its committed replay material: {exc}")
+            self._log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} not served ({exc}); skipped without a verdict"
+            )
+            return
+        except Malformed as exc:
+            self._drop(challenge)
+            self._record(receipt, False, f"served a malformed replay body: {exc}")
             return
         except (OSError, ValueError) as exc:
             if self._clock() - receipt.received_at > self.config.retry_s:
@@ -375,7 +388,7 @@ class ReplayChecker:
         self._log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
 
     def _get_replay(self, address: str, round_: int) -> ReplayRecord:
-        """The replica's replay material for `round_`; raises Unserved on a refusal, OSError or
+        """The replica's replay material for `round_`; raises Refused or Malformed, or OSError or
         ValueError when there is no usable answer."""
         path = wire.REPLAY.format(round=round_)
         limit = replay_size_bound(self._numel, self._n_tensors)
@@ -386,11 +399,11 @@ class ReplayChecker:
                 body = reply.read(limit + 1)
         except urllib.error.HTTPError as exc:
             if exc.code in REFUSALS:
-                raise Unserved(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
+                raise Refused(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
             raise
         if len(body) > limit:
-            raise Unserved(f"a body over {limit} bytes")
+            raise Malformed(f"a body over {limit} bytes")
         try:
             return decode_replay(body, round_, self._numel, self._n_tensors)
         except wire.WireError as exc:
-            raise Unserved(f"a malformed body ({exc})") from None
+            raise Malformed(str(exc)) from None
