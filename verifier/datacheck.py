@@ -7,10 +7,8 @@ cover exactly inner_steps × batch_size windows (verifier.spotcheck.check_data_s
 replica that trains on shards it picked itself, on the held-out shard, or claims more or
 fewer batches than its steps fails and loses `spot_check_penalty` (ledger.record_spot_check).
 
-What is not checked live: that the Δ is what those batches give (replaying the inner steps,
-verifier.spotcheck.replay_inner_steps). The replay is exact only from the replica's AdamW
-moments at the round's start, which no endpoint serves yet, and from θ_round, which the
-verifier holds only for the rounds it measured.
+That the Δ is what those batches give is the replay check's job (verifier.replaycheck), on
+its own sample: it costs a round of compute per receipt where this costs microseconds.
 """
 
 from __future__ import annotations
