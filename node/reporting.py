@@ -9,9 +9,10 @@
 - `--no-verifier`: train with neither (the node reports to nobody).
 
 A node that reports also serves its peer plane (a free loopback port unless --port says
-otherwise): the verifier fetches the majority weights from there to measure them, and the
-material of its replay spot checks (GET /p2p/replay/{round}, node.p2p.replay) for the last
---replay-rounds rounds, committed to in each receipt.
+otherwise): the verifier fetches the majority weights from there to measure them, and a
+joined node's replay spot-check material (GET /p2p/replay/{round}, node.p2p.replay) for its
+last --replay-rounds rounds, committed to in each receipt (the embedded verifier does not
+replay its own node).
 None of this can stop training: a verifier that cannot start or cannot be reached is
 logged, and the node trains on.
 """
@@ -69,8 +70,8 @@ def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
         "--replay-rounds",
         type=int,
         default=3,
-        help="recent rounds whose θ_round, Δ and inner optimizer state are kept for the verifier's replay "
-        "spot checks (memory: 4 × the model's size per round)",
+        help="with --join: recent rounds whose θ_round, Δ and inner optimizer state are kept for the "
+        "verifier's replay spot checks (memory: 4 × the model's size per round)",
     )
 
 
@@ -189,7 +190,8 @@ class Reporting:
             reporting = cls(url=server.url, operator_key=server.operator_key_hex, log=log, embedded=server)
         if args.port is None:
             args.port = 0
-        reporting.archive = ReplayArchive(args.replay_rounds)
+        if joined is not None:  # the embedded verifier does not replay its own node's rounds
+            reporting.archive = ReplayArchive(args.replay_rounds)
         return reporting
 
     def extensions(self) -> list[ServerExtension]:
