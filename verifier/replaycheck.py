@@ -82,6 +82,8 @@ class ReplayCheckConfig:
     """Whole-request limit of one fetch."""
     retry_s: float = 60.0
     """How long after its receipt an unreachable replica, or an unsettled round r−1, is waited for."""
+    max_per_pass: int = 500
+    """Receipts looked at per pass, so a backlog never holds the fetching thread for long."""
     max_queue: int = 4
     """Fetched rounds waiting for their replay (each holds 4 × the model's size); more are skipped."""
     tolerance: SpotCheckConfig = field(default_factory=SpotCheckConfig)
@@ -91,7 +93,12 @@ class ReplayCheckConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.sample_rate <= 1:
             raise ValueError(f"ReplayCheckConfig.sample_rate must lie in [0, 1], got {self.sample_rate}")
-        if self.poll_s <= 0 or self.timeout_s <= 0 or self.retry_s < 0 or self.max_queue < 1:
+        if (
+            self.poll_s <= 0
+            or self.timeout_s <= 0
+            or self.retry_s < 0
+            or min(self.max_queue, self.max_per_pass) < 1
+        ):
             raise ValueError(f"ReplayCheckConfig: periods must be > 0 and max_queue ≥ 1, got {self}")
 
 
@@ -225,6 +232,7 @@ class ReplayChecker:
                 .join(m.Peer, m.Peer.wallet_id == m.Receipt.wallet_id, isouter=True)
                 .where(m.Receipt.id > self.last_id, m.Receipt.stage == 0)
                 .order_by(m.Receipt.id)
+                .limit(self.config.max_per_pass)
             ).all()
             session.expunge_all()
         for receipt, address in rows:
