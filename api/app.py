@@ -25,6 +25,7 @@ from neuroshard.verifier import ledger
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import Evaluator
 from neuroshard.verifier.ledger import WriteRefused
+from neuroshard.verifier.replaycheck import ReplayChecker
 
 from . import reads, writes
 from .metrics import CountRequests
@@ -91,12 +92,28 @@ def create_app(config: VerifierConfig) -> FastAPI:
             reputation=config.reputation,
         )
 
+    replays = None
+    if config.replay_checks is not None:
+        replays = ReplayChecker(
+            db=services.db,
+            network=config.network,
+            operator=config.operator,
+            reputation=config.reputation,
+            log=log.info,
+            config=config.replay_checks,
+            clock=config.clock,
+        )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(start)
         if evaluator is not None:
             evaluator.start()  # its own thread: a measurement never holds up a request
+        if replays is not None:
+            replays.start()  # its own threads too
         yield
+        if replays is not None:
+            await run_in_threadpool(replays.stop)
         if evaluator is not None:
             await run_in_threadpool(evaluator.stop)
         services.db.dispose()
@@ -112,6 +129,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
     )
     app.state.services = services
     app.state.evaluator = evaluator
+    app.state.replays = replays
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

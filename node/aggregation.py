@@ -305,3 +305,31 @@ def aggregate(name: str, xs: Contributions, f: int = 0, **kw: Any) -> Tensor:
     if name not in ("mean",):
         _check_f(name, n, f, 2 * f + 1, "n > 2f")
     return RULES[name](stack, f, **kw)
+
+
+def min_contributions(name: str, f: int) -> int:
+    """The fewest contributions ``aggregate(name, ·, f)`` accepts (its breakdown bound)."""
+    if name == "default" or name == "mean":
+        return 1
+    if name.startswith("nnm+"):
+        return max(2 * f + 1, min_contributions(name[len("nnm+") :], f))
+    if name in ("krum", "multi_krum"):
+        return 2 * f + 3
+    return 2 * f + 1
+
+
+def network_rule(name: str, f: int) -> Callable[[Tensor], Tensor]:
+    """The stage's aggregation as a network definition names it ([aggregation] rule and f).
+
+    A round where fewer contributions arrived than the rule needs for f (replicas left, or were
+    refused) falls back to ``default_rule(n)`` rather than ending the round: with so few inputs
+    f attackers cannot be tolerated anyway, and the median is the best there is.
+    """
+    need = min_contributions(name, f)
+
+    def rule(xs: Tensor) -> Tensor:
+        if xs.shape[0] < need:
+            return aggregate("default", xs)
+        return aggregate(name, xs, f)
+
+    return rule

@@ -30,7 +30,7 @@ from neuroshard.data import (
 from neuroshard.data.dataset import open_remote_dataset, remote_updates
 from neuroshard.data.fetch import FetchConfig
 
-from . import aggregation
+from . import aggregation, work_lies
 from .checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
@@ -39,6 +39,8 @@ from .network_definition import NetworkDefinition
 from .p2p import byzantine
 from .p2p.network import NetworkConfig, PeerNetwork, add_network_arguments, network_config_from_args
 from .p2p.pipeline import PipelineConfig, PipelineUnavailable
+from .p2p.rounds import AggregationRule
+from .p2p.server import ServerExtension
 from .p2p.stages import PipelineLink, add_pipeline_arguments, pipeline_config_from_args, start_stage_replica
 from .pipeline import remote_loss, stage_fingerprint
 from .reporting import Reporting, add_verifier_arguments, embedded_definition, held_out_shards, join_network
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_network_arguments(p)
     add_pipeline_arguments(p)
     byzantine.add_attack_arguments(p)
+    work_lies.add_work_lie_arguments(p)
     add_verifier_arguments(p)
     # No --peers and no --port: the node trains alone (and opens a free loopback port only to
     # serve its verifier: node.reporting).
@@ -180,7 +183,30 @@ def _open_data(args: argparse.Namespace) -> tuple[Dataset, DatasetUpdates | None
     return dataset, remote_updates(dataset, _log)
 
 
-def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Event) -> PeerNetwork | None:
+def _aggregation_rule(joined: NetworkDefinition | None) -> AggregationRule:
+    """A joined node aggregates as the network definition says; its peers (and the verifier's
+    hash agreement) expect bit-identical rounds, which a different rule would break."""
+    if joined is None:
+        return partial(aggregation.aggregate, "default")
+    return aggregation.network_rule(joined.aggregation_rule, joined.aggregation_f)
+
+
+def _model_label(config: ModelConfig) -> str:
+    """The preset name of the model this node trains (from the network definition when joined),
+    or its shape when it matches no preset."""
+    for name, preset in MODEL_SIZES.items():
+        if all(getattr(config, key) == value for key, value in preset.items()):
+            return name
+    return f"custom (dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads)"
+
+
+def _start_network(
+    args: argparse.Namespace,
+    wallet: Wallet,
+    stop: threading.Event,
+    rule: AggregationRule,
+    extensions: list[ServerExtension],
+) -> PeerNetwork | None:
     """The peer server and round exchange, when the node was given peers or a port (or is a pipeline
     stage); None trains alone."""
     attacker = byzantine.attacker_from_args(args)
@@ -197,8 +223,9 @@ def _start_network(args: argparse.Namespace, wallet: Wallet, stop: threading.Eve
         log=_log,
         tokens_per_step=args.batch_size * args.seq_len,
         stop=stop,
-        aggregate=partial(aggregation.aggregate, "default"),
+        aggregate=rule,
         attacker=attacker,
+        extensions=extensions,
     )
     if attacker is not None:
         _log(byzantine.warning(attacker))
@@ -249,7 +276,7 @@ def _run_stage_replica(
         worker_config=WorkerConfig(max_steps=args.max_steps, log_every=args.log_every),
         stop=stop,
         log=_log,
-        aggregate=partial(aggregation.aggregate, "default"),
+        aggregate=_aggregation_rule(joined),
         checkpoint=checkpoint,
         fresh=args.fresh,
     )
@@ -367,10 +394,15 @@ def main(argv: list[str] | None = None) -> int:
             lambda: embedded_definition(args, dataset, model_config, diloco_config),
             _log,
         )
-        network = _start_network(args, wallet, stop)
+        if args.work_lie is not None:
+            _log(work_lies.warning(args.work_lie))
+            if args.work_lie == "data":
+                work_lies.read_unassigned_windows(trainer)
+        network = _start_network(args, wallet, stop, _aggregation_rule(joined), reporting.extensions())
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
-            reporting.attach(network, trainer, wallet)
+            wrap = work_lies.claim_scaled_delta if args.work_lie == "delta" else None
+            reporting.attach(network, trainer, wallet, wrap)
             if args.stages > 1:
                 link = PipelineLink(
                     network, pipeline, stop=stop, round_of=lambda: trainer.diloco.round,
@@ -389,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest = dataset.manifest
     _log(
-        f"model {args.model_size}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
+        f"model {_model_label(model_config)}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
         f"vocab {model_config.vocab_size}; data {dataset.location} ({manifest.total_shards} shards); "
         f"H={diloco_config.inner_steps}"
     )

@@ -157,9 +157,7 @@ class DiLoCo:
             raise ValueError("DiLoCo needs a model with at least one parameter")
         make_inner = inner_optimizer or (lambda ps: default_inner_optimizer(ps, config))
         self.inner_optimizer = make_inner(self.params)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.inner_optimizer, lambda step: lr_factor(step, config)
-        )
+        self._peak_lrs = [float(group["lr"]) for group in self.inner_optimizer.param_groups]
         # θ_round: the round's start, one flat float32 vector (d,), the outer optimizer's only parameter.
         self.theta_round = flat_parameters(self.params).clone().requires_grad_(True)
         self.outer_optimizer = torch.optim.SGD(
@@ -178,9 +176,17 @@ class DiLoCo:
         return self.steps_in_round >= self.config.inner_steps
 
     @property
+    def schedule_step(self) -> int:
+        """The network's inner step, round × H + inner steps in this round: where the inner lr
+        schedule is. A function of the round, not of this replica's history, so a replica that
+        joined mid-run (or adopted a later round's state) continues the schedule where its peers
+        are instead of warming up again with a short, refusable Δ."""
+        return self.round * self.config.inner_steps + self.steps_in_round
+
+    @property
     def current_lr(self) -> float:
         """Learning rate the next inner step will use (first parameter group)."""
-        return float(self.inner_optimizer.param_groups[0]["lr"])
+        return self._peak_lrs[0] * lr_factor(self.schedule_step, self.config)
 
     def inner_step(self, input_ids: Tensor, labels: Tensor) -> float:
         """One inner step on (B, T) input ids and labels; returns the loss before the update."""
@@ -194,8 +200,10 @@ class DiLoCo:
         elsewhere (the pipeline), call this after their gradients are in ``.grad``."""
         if self.config.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.params, self.config.grad_clip, foreach=True)
+        factor = lr_factor(self.schedule_step, self.config)
+        for group, peak in zip(self.inner_optimizer.param_groups, self._peak_lrs, strict=True):
+            group["lr"] = peak * factor
         self.inner_optimizer.step()
-        self.scheduler.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.steps_in_round += 1
@@ -239,7 +247,6 @@ class DiLoCo:
         return copy.deepcopy(
             {
                 "inner_optimizer": self.inner_optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "theta_round": self.theta_round.detach(),
                 "step": self.step,
@@ -255,7 +262,6 @@ class DiLoCo:
                 f"checkpoint θ_round has {theta.numel()} elements, this model {self.theta_round.numel()}"
             )
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         with torch.no_grad():
             self.theta_round.copy_(theta)

@@ -6,6 +6,10 @@ and after it what the peer exchange decided (RoundReport: the result hash, accep
 rejected contributions, equivocators); with the trainer's RoundWork (data spans, losses)
 that is the whole receipt (the body neuroshard.verifier.wire.ReceiptRequest checks). The
 receipt goes to the Tracker's queue; the round never waits for the verifier.
+
+With a ReplayArchive it also snapshots the inner AdamW state whenever a round starts,
+commits to its digest in the receipt (`inner_state_digest`), and keeps the round's
+(θ_round, inner state, Δ) for the verifier's replay spot checks (node.replay).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 from .diloco import DiLoCo
 from .p2p.rounds import RoundReport
 from .p2p.state import theta_sha256
+from .replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from .trainer import RoundFinisher
 from .wallet import wallet_id_of
 from .work import RoundWork
@@ -37,8 +42,10 @@ def receipt_document(
     tokens: int,
     base_hash: str,
     delta_digest: str,
+    inner_state_digest: str | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /api/receipts for one round (wallet ids, not public keys)."""
+    optional = {} if inner_state_digest is None else {"inner_state_digest": inner_state_digest}
     return {
         "stage": report.stage,
         "round": report.round,
@@ -56,6 +63,7 @@ def receipt_document(
             for w, reason in report.rejected
         ],
         "equivocators": [_wallet_id(w) for w in report.equivocators],
+        **optional,
     }
 
 
@@ -72,6 +80,7 @@ class Receipting:
         batch_size: int | None,
         tokens_per_step: int,
         log: Callable[[str], None],
+        archive: ReplayArchive | None = None,
     ) -> None:
         """`batch_size` None: a stage > 0 replica, which reads no data; its receipt claims no spans
         and counts the tokens of the micro-batches it trained (RoundWork.tokens)."""
@@ -82,15 +91,33 @@ class Receipting:
         self._batch_size = batch_size
         self._tokens_per_step = tokens_per_step
         self._log = log
+        self._archive = archive
+        self._round_start: tuple[int, InnerState] | None = None
+        """(diloco.step, inner state) when the current round started; None until a round starts here."""
+
+    def round_started(self, diloco: DiLoCo) -> None:
+        """Snapshot the inner state of a round about to start (called by the hook after each round;
+        call it once before training when the engine starts at a round boundary)."""
+        if self._archive is None or diloco.steps_in_round != 0:
+            return
+        inner = capture_inner_state(diloco)
+        self._round_start = None if inner is None else (diloco.step, inner)
 
     def __call__(self, diloco: DiLoCo) -> None:
         steps = diloco.steps_in_round
-        base_hash = theta_sha256(diloco.theta_round.detach())
+        theta_round = diloco.theta_round.detach().clone()
+        base_hash = theta_sha256(theta_round)
         # Δ as the replica computed it, float32 before any wire encoding: what a spot check replays.
-        delta_digest = theta_sha256(diloco.pseudo_gradient())
-        start_step = diloco.step - steps
+        delta = diloco.pseudo_gradient()
+        delta_digest = theta_sha256(delta)
+        start_step = diloco.schedule_step - steps
+        inner = self._inner_state_of_round(diloco, steps)
+        round_ = diloco.round
         seen = len(self._reports)
         self._inner(diloco)
+        self.round_started(diloco)
+        if inner is not None and self._archive is not None:
+            self._archive.add(ReplayRecord(round=round_, theta_round=theta_round, inner=inner, delta=delta))
         if len(self._reports) == seen:
             self._log("receipt: the round hook produced no round report; nothing to send")
             return
@@ -106,6 +133,7 @@ class Receipting:
                 tokens=tokens,
                 base_hash=base_hash,
                 delta_digest=delta_digest,
+                inner_state_digest=None if inner is None else inner.digest(),
             )
         )
 
@@ -125,3 +153,12 @@ class Receipting:
             "(resumed mid-round); no receipt"
         )
         return False
+
+    def _inner_state_of_round(self, diloco: DiLoCo, steps: int) -> InnerState | None:
+        """The snapshot taken when this round started, if it was (a round resumed from a mid-round
+        checkpoint, or entered before the hook was installed, has none)."""
+        if self._round_start is None:
+            return None
+        at_step, inner = self._round_start
+        self._round_start = None
+        return inner if diloco.step - at_step == steps else None

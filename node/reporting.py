@@ -10,7 +10,10 @@
 - `--no-verifier`: train with neither (the node reports to nobody).
 
 A node that reports also serves its peer plane (a free loopback port unless --port says
-otherwise): the verifier fetches the majority weights from there to measure them.
+otherwise): the verifier fetches the majority weights from there to measure them, and a
+joined node's replay spot-check material (GET /p2p/replay/{round}, node.p2p.replay) for its
+last --replay-rounds rounds, committed to in each receipt (the embedded verifier does not
+replay its own node).
 None of this can stop training: a verifier that cannot start or cannot be reached is
 logged, and the node trains on.
 """
@@ -30,10 +33,13 @@ from .diloco import DiLoCo, DiLoCoConfig
 from .model import ModelConfig
 from .network_definition import NetworkDefinition
 from .p2p.network import PeerNetwork
+from .p2p.replay import ReplayService
+from .p2p.server import ServerExtension
 from .p2p.stages import StageReplica
 from .receipt import Receipting
+from .replay import ReplayArchive
 from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
-from .trainer import Trainer
+from .trainer import RoundFinisher, Trainer
 from .wallet import Wallet
 
 Log = Callable[[str], None]
@@ -62,6 +68,13 @@ def add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
         "--verifier-port", type=int, default=8000, help="port of the embedded verifier (API and dashboard)"
     )
     g.add_argument("--no-verifier", action="store_true", help="no verifier at all: report to nobody")
+    g.add_argument(
+        "--replay-rounds",
+        type=int,
+        default=3,
+        help="with --join: recent rounds whose θ_round, Δ and inner optimizer state are kept for the "
+        "verifier's replay spot checks (memory: 4 × the model's size per round)",
+    )
 
 
 def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None:
@@ -86,12 +99,14 @@ def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None
             f"(0..{definition.num_stages - 1})"
         )
     args.stages = definition.num_stages
+    args.operator_key = key  # only this key may ask for replay material (node.p2p.replay)
     args.data, args.publisher_key = definition.manifest_url, definition.publisher_key
     args.batch_size, args.seq_len = definition.batch_size, definition.seq_len
     log(
         f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
         f"stage {args.stage} of {definition.num_stages}, "
         f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
+        f"aggregation {definition.aggregation_rule} f={definition.aggregation_f}, "
         f"held-out shard {definition.held_out_shard}"
     )
     return definition
@@ -148,6 +163,8 @@ class Reporting:
     num_stages: int = 1
     embedded: _Server | None = None
     tracker: Tracker | None = None
+    archive: ReplayArchive | None = None
+    """Recent rounds kept for replay spot checks; None when there is no verifier to ask."""
 
     @classmethod
     def open(
@@ -161,7 +178,9 @@ class Reporting:
         """Pick the verifier (joined, embedded or none); start the embedded one. Leaves args.port
         at a free port (0) when the node would otherwise open none: the verifier must reach it."""
         if joined is not None:
-            reporting = cls(url=args.join, operator_key=None, log=log, num_stages=joined.num_stages)
+            reporting = cls(
+                url=args.join, operator_key=args.operator_key, log=log, num_stages=joined.num_stages
+            )
         elif args.no_verifier:
             return cls(url=None, operator_key=None, log=log)
         elif not held_out:
@@ -181,24 +200,42 @@ class Reporting:
             reporting = cls(url=server.url, operator_key=server.operator_key_hex, log=log, embedded=server)
         if args.port is None:
             args.port = 0
+        if joined is not None and joined.num_stages == 1:
+            # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
+            # inner steps depend on the other stages' replicas: neither keeps replay material.
+            reporting.archive = ReplayArchive(args.replay_rounds)
         return reporting
 
-    def attach(self, network: PeerNetwork | None, trainer: Trainer, wallet: Wallet) -> None:
-        """Register with the verifier, discover peers, and send a receipt after every round."""
+    def extensions(self) -> list[ServerExtension]:
+        """Peer routes the verifier calls: the replay material, to its operator key only."""
+        if self.archive is None:
+            return []
+        return [ReplayService(self.archive, allowed_wallet=self.operator_key)]
+
+    def attach(
+        self,
+        network: PeerNetwork | None,
+        trainer: Trainer,
+        wallet: Wallet,
+        wrap: Callable[[RoundFinisher], RoundFinisher] | None = None,
+    ) -> None:
+        """Register with the verifier, discover peers, and send a receipt after every round.
+        `wrap` goes around the receipting hook (testing only: node.p2p.byzantine's work lies)."""
         if self.url is None or network is None:
             return
         tracker = self._track(network, trainer.diloco, wallet)
-        trainer.set_round_finisher(
-            Receipting(
-                network.finish_round,
-                network.reports,
-                trainer.work,
-                tracker.submit,
-                batch_size=trainer.config.batch_size,
-                tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
-                log=self.log,
-            )
+        receipting = Receipting(
+            network.finish_round,
+            network.reports,
+            trainer.work,
+            tracker.submit,
+            batch_size=trainer.config.batch_size,
+            tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
+            log=self.log,
+            archive=self.archive,
         )
+        receipting.round_started(trainer.diloco)
+        trainer.set_round_finisher(wrap(receipting) if wrap is not None else receipting)
 
     def attach_stage(self, replica: StageReplica, wallet: Wallet) -> None:
         """The same for a stage > 0 replica: its receipts claim no data, and count the micro-batches

@@ -53,11 +53,6 @@ def grow_replica(model: Transformer, diloco: DiLoCo, vocab_size: int) -> tuple[T
     new_diloco = DiLoCo(grown, diloco.config, loss_fn=diloco.loss_fn)
     _carry_inner_state(diloco, new_diloco, old_params, new_params)
     _carry_outer_state(diloco, new_diloco, old_params, new_params)
-    new_diloco.scheduler.load_state_dict(diloco.scheduler.state_dict())
-    for new_group, old_group in zip(
-        new_diloco.inner_optimizer.param_groups, diloco.inner_optimizer.param_groups, strict=True
-    ):
-        new_group["lr"] = old_group["lr"]  # the scheduler sets lr only on its next step
     new_diloco.step, new_diloco.round, new_diloco.steps_in_round = (
         diloco.step,
         diloco.round,

@@ -22,6 +22,7 @@ from .config import VerifierConfig
 from .db import DatabaseURLError, normalise_url
 from .evaluator import EvaluatorConfig
 from .network import NetworkError, load_network, load_operator_key
+from .replaycheck import ReplayCheckConfig
 
 PROG = "neuroshard-verifier"
 
@@ -62,9 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-threads",
         type=int,
         default=1,
-        help="torch threads of the live held-out evaluation (default 1: it must not starve the API)",
+        help="torch threads of the live held-out evaluation and the replay spot checks (default 1: they must not starve the API)",
     )
     p.add_argument("--no-evaluation", action="store_true", help="do not fetch and measure the majority model")
+    p.add_argument(
+        "--replay-rate",
+        type=float,
+        default=ReplayCheckConfig().sample_rate,
+        help="share of receipts whose inner steps are replayed (spot checks; 0: none). "
+        "A replay costs about what the round cost the node (default %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -91,6 +99,9 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         operator=operator,
         peer_ttl_s=args.peer_ttl,
         live_evaluation=None if args.no_evaluation else EvaluatorConfig(cache_dir=args.home / "cache"),
+        replay_checks=ReplayCheckConfig(sample_rate=args.replay_rate, cache_dir=args.home / "cache")
+        if args.replay_rate > 0
+        else None,
     )
 
 
@@ -103,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    torch.set_num_threads(args.eval_threads)  # the only torch work here is the live evaluation
+    # The only torch work here is the live evaluation and the replay spot checks (verifier.replaycheck).
+    torch.set_num_threads(args.eval_threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
 
     from neuroshard.api.app import create_app

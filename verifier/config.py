@@ -12,6 +12,7 @@ from .auth import FRESHNESS_WINDOW_S
 from .evaluator import EvaluatorConfig
 from .network import NetworkDefinition
 from .ratelimit import RateLimitConfig
+from .replaycheck import ReplayCheckConfig
 from .reputation import ReputationConfig
 from .verdict import VerdictConfig
 
@@ -44,6 +45,8 @@ class VerifierConfig:
     live_evaluation: EvaluatorConfig | None = None
     """Measure the held-out loss of the majority model in a background thread (verifier.evaluator);
     None leaves the evaluations table to whoever calls ledger.record_evaluation (API tests)."""
+    replay_checks: ReplayCheckConfig | None = None
+    """Replay a sample of receipts' inner steps in background threads (verifier.replaycheck); None: don't."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -9,10 +9,8 @@ fewer batches than its steps fails and loses `spot_check_penalty` (ledger.record
 In a pipeline run only stage 0 reads data, so only stage-0 receipts are checked; a later
 stage's receipt claims no spans (its work is judged by its stage's hash agreement).
 
-What is not checked live: that the Δ is what those batches give (replaying the inner steps,
-verifier.spotcheck.replay_inner_steps). The replay is exact only from the replica's AdamW
-moments at the round's start, which no endpoint serves yet, and from θ_round, which the
-verifier holds only for the rounds it measured.
+That the Δ is what those batches give is the replay check's job (verifier.replaycheck), on
+its own sample: it costs a round of compute per receipt where this costs microseconds.
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ def submit_receipt(
             base_hash=req.base_hash,
             result_hash=req.result_hash,
             delta_digest=req.delta_digest,
+            inner_state_digest=req.inner_state_digest,
             accepted=[c.model_dump() for c in req.accepted],
             rejected=[c.model_dump() for c in req.rejected],
             equivocators=list(req.equivocators),

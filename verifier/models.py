@@ -105,6 +105,9 @@ class Receipt(Base):
     base_hash: Mapped[str] = mapped_column(String(HASH_LEN))
     result_hash: Mapped[str] = mapped_column(String(HASH_LEN))
     delta_digest: Mapped[str] = mapped_column(String(HASH_LEN))
+    inner_state_digest: Mapped[str | None] = mapped_column(String(HASH_LEN), default=None)
+    """The replica's commitment to its inner optimizer state at the round's start (node.replay);
+    None from nodes that cannot be replayed (pipeline stages, older software)."""
     accepted: Mapped[list[Any]] = mapped_column(JSON)
     rejected: Mapped[list[Any]] = mapped_column(JSON)
     equivocators: Mapped[list[Any]] = mapped_column(JSON)

@@ -11,32 +11,30 @@ What replay can and cannot check:
 
 - Single-stage runs (plain DiLoCo data parallelism): the whole inner computation is local,
   so it can be replayed. It is exact (cosine 1) when the replay also starts from the
-  replica's inner optimizer state: DiLoCo keeps the AdamW moments across rounds, so a node
-  asked for a spot check must ship them (their hash belongs in a future receipt field) or
-  the run must reset the inner optimizer each round. Across machines, float reduction order
-  differs slightly; the tolerances below absorb that, not a different batch.
+  replica's inner optimizer state: DiLoCo keeps the AdamW moments across rounds, so the
+  replica commits to them in its receipt (`inner_state_digest`) and serves them when asked
+  (node.replay, node.p2p.replay; verifier.replaycheck does this live). Across machines,
+  float reduction order differs slightly; the tolerances below absorb that, not a different
+  batch.
 - Pipeline stages: a stage's gradients depend on activations and gradients from the other
   stages' replicas, so one stage cannot be replayed alone. What can be checked there is the
   data assignment (stage 0's spans, `check_data_spans`), hash agreement and contribution
   validity (verifier.reputation).
 
-Fetching Δ and the optimizer state from the node for a live receipt comes with the peer
-network; these functions are what it will call.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from neuroshard.data import BatchStream, DataPosition, Manifest, ShardSource
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, lr_factor
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters
 from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.replay import InnerState, install_inner_state
 
 from .wire import DataSpan
 
@@ -139,13 +137,14 @@ def replay_inner_steps(
     theta_round: Tensor,
     batches: Iterable[tuple[Tensor, Tensor]],
     *,
-    start_step: int = 0,
-    inner_optimizer_state: Mapping[str, Any] | None = None,
+    round_: int = 0,
+    inner_state: InnerState | None = None,
 ) -> Tensor:
     """Δ = θ_round − θ_local after one inner step per batch, from θ_round, single-stage model.
 
-    `start_step` puts the learning-rate schedule where the replica's was; with the replica's
-    `inner_optimizer_state` (AdamW moments at the round's start) the replay is exact.
+    `round_` puts the learning-rate schedule where the replica's was (it is a function of the
+    round: DiLoCo.schedule_step); with the replica's `inner_state` (AdamW moments at the
+    round's start) the replay is exact.
     """
     model = build_stage(model_config, 0, 1)
     n_params = sum(p.numel() for p in model.parameters())
@@ -153,17 +152,12 @@ def replay_inner_steps(
         raise SpotCheckError(f"θ_round has shape {tuple(theta_round.shape)}, the model needs ({n_params},)")
     copy_into_parameters(theta_round.float(), model.parameters())
     diloco = DiLoCo(model, diloco_config)
-    if inner_optimizer_state is not None:
-        # load_state_dict keeps the given tensors and the steps below update them in place:
-        # copy, so the caller's state (and a second replay from it) stays as it was.
-        diloco.inner_optimizer.load_state_dict(copy.deepcopy(dict(inner_optimizer_state)))
-    if start_step:
-        # Resume the schedule where the replica's was (LambdaLR's documented last_epoch counter).
-        diloco.scheduler.last_epoch = start_step
-        for group, base_lr in zip(
-            diloco.inner_optimizer.param_groups, diloco.scheduler.base_lrs, strict=True
-        ):
-            group["lr"] = base_lr * lr_factor(start_step, diloco_config)
+    diloco.round = round_
+    if inner_state is not None:
+        try:
+            install_inner_state(diloco, inner_state)
+        except ValueError as exc:
+            raise SpotCheckError(str(exc)) from None
     for inputs, labels in batches:
         diloco.inner_step(inputs, labels)
     return diloco.pseudo_gradient()

@@ -94,6 +94,11 @@ class ReceiptRequest(_Wire):
     base_hash: HexDigest = Field(description="sha256 of θ_round the replica started from.")
     result_hash: HexDigest = Field(description="sha256 of θ_{round+1} after the outer step.")
     delta_digest: HexDigest = Field(description="sha256 of this replica's own pseudo-gradient Δ.")
+    inner_state_digest: HexDigest | None = Field(
+        default=None,
+        description="sha256 of the replica's inner AdamW state at the round's start (node.replay.InnerState), "
+        "committed before any spot check asks for it; required for a replay spot check.",
+    )
     accepted: list[AcceptedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
     rejected: list[RejectedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
     equivocators: list[WalletId] = Field(

@@ -3,9 +3,10 @@
 What a late, diverged or joining replica takes from a peer is exactly what all honest
 replicas of a stage hold bit-identically after an outer step: θ_round (the outer SGD's
 only parameter), the outer momentum buffer and the round number. The inner AdamW state
-and the lr schedule stay local: they are per-replica by construction in DiLoCo (each
-replica's inner optimizer only ever saw its own data), the next round starts from θ_round
-whatever they hold, and a joiner's fresh AdamW gets the warm-up it needs anyway.
+stays local: it is per-replica by construction in DiLoCo (each replica's inner optimizer
+only ever saw its own data) and the next round starts from θ_round whatever it holds. The
+inner lr schedule comes with the round number (DiLoCo.schedule_step = round × H + inner
+steps), so an adopting replica continues it where the stage is rather than warming up again.
 """
 
 from __future__ import annotations

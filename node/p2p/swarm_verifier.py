@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def network_tables(
 
 
 def start_swarm_verifier(
-    home: Path, tables: dict[str, Any], port: int, database_url: str | None
+    home: Path, tables: dict[str, Any], port: int, database_url: str | None, extra_args: Sequence[str] = ()
 ) -> SwarmVerifier:
     """Start the verifier process on 127.0.0.1:port; returns once it answers with a signed definition."""
     home.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,7 @@ def start_swarm_verifier(
         "--operator-key-file", str(home / "operator.key"),
         "--log-level", "info",
         *(["--db", database_url] if database_url else []),
+        *extra_args,
     ]  # fmt: skip
     with log_path.open("ab") as out:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -36,6 +36,8 @@ PEERS = "/p2p/peers"
 ANNOUNCE = "/p2p/announce"
 STATUS = "/p2p/status"
 STATE = "/p2p/state"
+REPLAY = "/p2p/replay/{round}"
+"""θ_round, Δ and inner optimizer state of one of the node's recent rounds (node.p2p.replay)."""
 
 # HTTP headers that carry signed JSON next to a safetensors body.
 CONTRIBUTION_HEADER = "X-NeuroShard-Contribution"

@@ -235,3 +235,20 @@ def test_krum_is_fast_on_100_contributions_of_1e5() -> None:
     # ~1.2 s on one idle core (hashing, the centring median's sort, one 100×1e5 Gram matrix);
     # the bound leaves room for a loaded CI machine.
     assert elapsed < 10.0, f"krum on (100, 1e5) took {elapsed:.2f}s"
+
+
+def test_network_rule_applies_the_definitions_rule_and_f() -> None:
+    xs = torch.randn(7, 40, generator=torch.Generator().manual_seed(3))
+    krum = agg.network_rule("krum", 2)
+    assert torch.equal(krum(xs), agg.krum(xs, 2))
+    assert not torch.equal(krum(xs), agg.aggregate("default", xs))
+    assert torch.equal(agg.network_rule("nnm+trimmed_mean", 1)(xs), agg.aggregate("nnm+trimmed_mean", xs, 1))
+
+
+def test_network_rule_falls_back_to_the_default_below_its_bound() -> None:
+    xs = torch.randn(4, 40, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="n >= 2f \\+ 3"):
+        agg.aggregate("krum", xs, 1)  # 4 < 2·1 + 3
+    assert torch.equal(agg.network_rule("krum", 1)(xs), agg.aggregate("default", xs))
+    assert [agg.min_contributions(name, 2) for name in ("mean", "trimmed_mean", "multi_krum")] == [1, 5, 7]
+    assert agg.min_contributions("nnm+krum", 1) == 5

@@ -16,6 +16,7 @@ from neuroshard.node.diloco import (
     tensor_sha256,
 )
 from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
+from neuroshard.node.p2p.state import adopt_state
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -228,6 +229,25 @@ def test_inner_step_returns_the_loss_and_follows_the_schedule() -> None:
     assert diloco.inner_step(inputs, labels) == expected
     assert diloco.current_lr == pytest.approx(1e-2 * 0.5)
     assert all(p.grad is None for p in diloco.model.parameters())
+
+
+def test_a_replica_that_adopts_a_later_round_continues_the_network_schedule() -> None:
+    """A joiner's schedule is where the network's is (round × H), not at its own step 0: else
+    its warm-up Δ is short and its peers refuse it as a near free rider."""
+    config = DiLoCoConfig(inner_lr=1e-2, inner_steps=4, warmup_steps=8, total_steps=40)
+    veteran = DiLoCo(Transformer(MODEL), config)
+    for step in range(12):
+        veteran.inner_step(*batch(0, step))
+        if veteran.round_complete:
+            veteran.outer_step(veteran.pseudo_gradient())
+    joiner = DiLoCo(Transformer(MODEL), config)
+    adopt_state(joiner, veteran.theta_round.detach(), None, veteran.round)
+    assert joiner.step == 0 and joiner.schedule_step == veteran.schedule_step == 12
+    assert joiner.current_lr == veteran.current_lr == pytest.approx(1e-2 * lr_factor(12, config))
+    assert joiner.current_lr > 1e-2 * lr_factor(0, config) * 5  # not back in the warm-up
+    veteran.inner_step(*batch(0, 12))
+    joiner.inner_step(*batch(0, 12))
+    assert joiner.current_lr == veteran.current_lr == pytest.approx(1e-2 * lr_factor(13, config))
 
 
 def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:

@@ -2,7 +2,6 @@
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from conftest import PublishedData
 from neuroshard.data import BatchStream, assign_shards
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.replay import InnerState, capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier.spotcheck import (
     SpotCheckError,
@@ -42,8 +42,8 @@ class Round:
     """What a replica knows at the end of its second round, and what its receipt claims."""
 
     theta_round: torch.Tensor
-    start_step: int
-    optimizer_state: dict[str, Any]
+    round: int
+    inner_state: InnerState
     spans: list[DataSpan]
     delta: torch.Tensor
 
@@ -59,7 +59,8 @@ def train_two_rounds(published: PublishedData, order: list[int]) -> Round:
         diloco.inner_step(*stream.next_batch())
     diloco.outer_step(diloco.pseudo_gradient())
     theta = diloco.theta_round.detach().clone()
-    start, state = diloco.step, copy.deepcopy(diloco.inner_optimizer.state_dict())
+    state = capture_inner_state(diloco)
+    assert state is not None
     position = copy.copy(stream.position)
     for _ in range(H):
         diloco.inner_step(*stream.next_batch())
@@ -69,7 +70,7 @@ def train_two_rounds(published: PublishedData, order: list[int]) -> Round:
         offset_start=position.offset,
         offset_end=position.offset + H * B,
     )
-    return Round(theta, start, state, [span], diloco.pseudo_gradient())
+    return Round(theta, diloco.round, state, [span], diloco.pseudo_gradient())
 
 
 def replay(published: PublishedData, claim: Round) -> torch.Tensor:
@@ -83,8 +84,8 @@ def replay(published: PublishedData, claim: Round) -> torch.Tensor:
         DILOCO,
         claim.theta_round,
         batches,
-        start_step=claim.start_step,
-        inner_optimizer_state=claim.optimizer_state,
+        round_=claim.round,
+        inner_state=claim.inner_state,
     )
 
 
@@ -147,7 +148,7 @@ def test_replay_without_the_inner_optimizer_state_is_not_exact(
         source=ds.source, manifest=ds.manifest, wallet_id=WALLET, spans=honest.spans, batch_size=B, seq_len=T
     )
     replayed = replay_inner_steps(
-        model_config(published), DILOCO, honest.theta_round, batches, start_step=honest.start_step
+        model_config(published), DILOCO, honest.theta_round, batches, round_=honest.round
     )
     assert not compare_deltas(honest.delta, replayed).ok  # why nodes must ship their AdamW moments
 

@@ -25,6 +25,8 @@ from neuroshard.node.wallet import Wallet
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
 H = 4
 DILOCO = DiLoCoConfig(inner_steps=H, inner_lr=3e-3, warmup_steps=2, total_steps=200)
+WARMING_UP = DiLoCoConfig(inner_steps=H, inner_lr=3e-3, warmup_steps=60, total_steps=200)
+"""A warm-up longer than the whole join test: a joiner must continue it where the others are."""
 
 
 def _config(**over: object) -> NetworkConfig:
@@ -87,6 +89,7 @@ class Swarm:
         max_steps: int | None,
         hook: Hook | None = None,
         rule: AggregationRule = ordered_mean,
+        diloco: DiLoCoConfig = DILOCO,
         **config: object,
     ) -> Replica:
         index = len(self.replicas)
@@ -116,7 +119,7 @@ class Swarm:
             wallet_id=wallet.wallet_id,
             dataset=self.published.dataset,
             model_config=MODEL,
-            diloco_config=DILOCO,
+            diloco_config=diloco,
             config=TrainerConfig(
                 batch_size=2, seq_len=32, max_steps=max_steps, checkpoint_every=1000, log_every=1000
             ),
@@ -297,12 +300,12 @@ def test_a_replica_whose_outer_step_differs_is_in_the_minority_and_resyncs(swarm
 
 
 def test_a_node_started_later_joins_by_state_sync(swarm) -> None:
-    a, b = swarm.add(max_steps=10 * H), swarm.add(max_steps=10 * H)
+    a, b = swarm.add(max_steps=10 * H, diloco=WARMING_UP), swarm.add(max_steps=10 * H, diloco=WARMING_UP)
     swarm.join_all_and_wait_for_discovery()
     a.start()
     b.start()
     _wait(lambda: len(a.network.reports) >= 3, 30.0, "three rounds before the joiner starts")
-    joiner = swarm.add(max_steps=None)
+    joiner = swarm.add(max_steps=None, diloco=WARMING_UP)
     assert joiner.network.join_state(joiner.trainer.diloco)
     start_round = joiner.trainer.diloco.round
     assert start_round >= 3
@@ -321,3 +324,12 @@ def test_a_node_started_later_joins_by_state_sync(swarm) -> None:
     for rep in compared:
         assert rep.theta_hash == theirs[rep.next_round].theta_hash, f"θ_{rep.next_round}"
     assert any(len(rep.accepted) == 3 for rep in compared), "the joiner contributes in later rounds"
+    # In the warm-up: the joiner continues the schedule where the others are (round × H), so its
+    # Δ is as long as theirs; restarting its own warm-up, it was refused as a near free rider.
+    refused = [
+        reason
+        for rep in a.network.reports + b.network.reports
+        for w, reason in rep.rejected
+        if w == joiner.key
+    ]
+    assert refused == [], refused

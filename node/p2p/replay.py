@@ -1,0 +1,92 @@
+"""GET /p2p/replay/{round}: a replica serves what the verifier needs to replay one of its rounds.
+
+The body is safetensors (never pickle) of five float32 tensors: θ_round, Δ, AdamW's first and
+second moments at the round's start (each (d,)) and the per-parameter step counts (k,). No
+signed header rides along: every part is checked against the replica's signed receipt for
+that round (base_hash, delta_digest, inner_state_digest), so a replica cannot serve anything
+but what it committed to before it was asked. Served for the rounds the node's ReplayArchive
+still holds (node.replay), and only to the verifier's operator wallet when it is known: the
+moments are twice the model's size, not something to hand every peer that asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from ..replay import InnerState, ReplayArchive, ReplayRecord
+from .auth import PEER_WALLET
+from .codec import HEADER_SLACK, check_layout
+from .wire import REPLAY, MalformedMessage, Rejected
+
+THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"
+
+
+def replay_size_bound(numel: int, n_tensors: int) -> int:
+    """Largest replay body for a stage of `numel` values in `n_tensors` parameter tensors."""
+    return 4 * (4 * numel + n_tensors) + HEADER_SLACK
+
+
+def encode_replay(record: ReplayRecord) -> bytes:
+    return st_save(
+        {
+            THETA: record.theta_round.contiguous(),
+            DELTA: record.delta.contiguous(),
+            EXP_AVG: record.inner.exp_avg.contiguous(),
+            EXP_AVG_SQ: record.inner.exp_avg_sq.contiguous(),
+            STEPS: record.inner.steps.contiguous(),
+        }
+    )
+
+
+def decode_replay(body: bytes, round_: int, numel: int, n_tensors: int) -> ReplayRecord:
+    """Safetensors bytes -> ReplayRecord, with exactly the expected tensors and shapes; raises
+    MalformedMessage otherwise (values are judged by their digests, not here)."""
+    vector = ("F32", (numel,))
+    check_layout(
+        body,
+        {THETA: vector, DELTA: vector, EXP_AVG: vector, EXP_AVG_SQ: vector, STEPS: ("F32", (n_tensors,))},
+    )
+    try:
+        t: dict[str, Tensor] = st_load(body)
+    except (SafetensorError, ValueError) as exc:
+        raise MalformedMessage(f"replay body does not load: {exc}") from None
+    inner = InnerState(exp_avg=t[EXP_AVG], exp_avg_sq=t[EXP_AVG_SQ], steps=t[STEPS])
+    return ReplayRecord(round=round_, theta_round=t[THETA], inner=inner, delta=t[DELTA])
+
+
+class ReplayService:
+    """The route, as a ServerExtension of the node's peer server."""
+
+    ROUTE = "replay"
+
+    def __init__(self, archive: ReplayArchive, *, allowed_wallet: str | None = None) -> None:
+        self.archive = archive
+        self.allowed_wallet = allowed_wallet
+        """Hex public key allowed to ask (the verifier's operator); None: any signed peer."""
+
+    def body_limit(self, route: str) -> int | None:
+        return 0 if route == self.ROUTE else None  # a GET carries no body
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(REPLAY, self._serve, name=self.ROUTE)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
+            raise Rejected(
+                403, "not_verifier", "replay material is served to the verifier's operator key only"
+            )
+        text = request.match_info["round"]
+        if not text.isdigit() or len(text) > 16:
+            raise Rejected(400, "malformed", f"round {text[:20]!r} is not a non-negative integer")
+        record = self.archive.get(int(text))
+        if record is None:
+            held = self.archive.rounds()
+            raise Rejected(404, "not_held", f"round {text} is not held here (held: {held})")
+        body = await asyncio.get_running_loop().run_in_executor(None, encode_replay, record)
+        return web.Response(status=200, body=body, content_type="application/octet-stream")

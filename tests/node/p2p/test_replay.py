@@ -1,0 +1,80 @@
+"""GET /p2p/replay/{round}: the verifier's operator gets a round's θ_round, Δ and inner state as
+safetensors; anyone else gets 403, a round not held 404, and a body of the wrong layout is refused."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import torch
+from aiohttp import ClientSession, test_utils
+
+from neuroshard.node.p2p import wire
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.p2p.replay import ReplayService, decode_replay, encode_replay, replay_size_bound
+from neuroshard.node.p2p.server import build_app
+from neuroshard.node.replay import InnerState, ReplayArchive, ReplayRecord
+from neuroshard.node.wallet import Wallet
+
+NUMEL, TENSORS = 50, 3
+OPERATOR = Wallet.from_token("replay-route-operator")
+
+
+def _record(round_: int) -> ReplayRecord:
+    gen = torch.Generator().manual_seed(round_)
+    inner = InnerState(
+        exp_avg=torch.randn(NUMEL, generator=gen),
+        exp_avg_sq=torch.rand(NUMEL, generator=gen),
+        steps=torch.full((TENSORS,), 4.0),
+    )
+    return ReplayRecord(round_, torch.randn(NUMEL, generator=gen), inner, torch.randn(NUMEL, generator=gen))
+
+
+@pytest_asyncio.fixture
+async def served(make_node, wallets) -> AsyncIterator[tuple[test_utils.TestServer, ClientSession]]:  # type: ignore[no-untyped-def]
+    archive = ReplayArchive(keep_rounds=2)
+    for r in (5, 6):
+        archive.add(_record(r))
+    service = ReplayService(archive, allowed_wallet=OPERATOR.public_key_hex)
+    server = test_utils.TestServer(build_app(make_node(wallets[0]), window_s=60.0, extensions=[service]))
+    await server.start_server()
+    async with ClientSession() as session:
+        yield server, session
+    await server.close()
+
+
+async def _get(served, wallet: Wallet, round_: str) -> tuple[int, bytes]:  # type: ignore[no-untyped-def]
+    server, session = served
+    path = wire.REPLAY.format(round=round_)
+    async with session.get(
+        server.make_url(path), headers=sign_request(wallet, "GET", path, b"", time.time())
+    ) as r:
+        return r.status, await r.read()
+
+
+@pytest.mark.asyncio
+async def test_the_operator_gets_the_round_as_committed(served) -> None:  # type: ignore[no-untyped-def]
+    status, body = await _get(served, OPERATOR, "6")
+    assert status == 200 and len(body) <= replay_size_bound(NUMEL, TENSORS)
+    got, want = decode_replay(body, 6, NUMEL, TENSORS), _record(6)
+    assert torch.equal(got.theta_round, want.theta_round) and torch.equal(got.delta, want.delta)
+    assert got.inner.digest() == want.inner.digest()
+
+
+@pytest.mark.asyncio
+async def test_others_unheld_rounds_and_bad_rounds_are_refused(served, wallets) -> None:  # type: ignore[no-untyped-def]
+    assert (await _get(served, wallets[1], "6"))[0] == 403
+    status, body = await _get(served, OPERATOR, "4")
+    assert status == 404 and b"not_held" in body
+    assert (await _get(served, OPERATOR, "-1"))[0] in (400, 404)
+    assert (await _get(served, OPERATOR, "1" * 20))[0] == 400
+
+
+def test_a_body_of_another_layout_is_malformed() -> None:
+    body = encode_replay(_record(1))
+    with pytest.raises(wire.MalformedMessage):
+        decode_replay(body, 1, NUMEL + 1, TENSORS)  # the verifier's model is another size
+    with pytest.raises(wire.MalformedMessage):
+        decode_replay(body[:-4], 1, NUMEL, TENSORS)  # truncated

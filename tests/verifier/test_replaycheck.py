@@ -1,0 +1,133 @@
+"""The replay checker in-process: a node's peer server serves its committed round; the checker
+replays it (pass), refuses material other than the receipt committed to, and fails a receipt
+that commits to no inner state (SQLite, and PostgreSQL when configured)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import PublishedData
+from sqlalchemy import select
+
+from neuroshard.data import BatchStream, assign_shards
+from neuroshard.node.diloco import DiLoCo
+from neuroshard.node.model import build_stage
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.replay import ReplayService
+from neuroshard.node.p2p.state import theta_sha256
+from neuroshard.node.replay import ReplayArchive, ReplayRecord, capture_inner_state
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import models as m
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.network import NetworkDefinition
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
+from neuroshard.verifier.reputation import ReputationConfig
+from neuroshard.verifier.testing import small_network
+
+NODE = Wallet.from_token("replaycheck-node")
+OPERATOR = Wallet.from_token("replaycheck-operator")
+H, B, T = 4, 2, 32
+
+
+def _network(published: PublishedData) -> NetworkDefinition:
+    return small_network(
+        model={"size": "micro", "vocab_size": 512},
+        diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
+        training={"batch_size": B, "seq_len": T},
+        data={"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
+    )
+
+
+@pytest.fixture
+def node(published: PublishedData) -> Iterator[tuple[PeerNetwork, ReplayArchive, list[list[int]]]]:
+    """A replica that ran round 0 on its assigned data and serves it to the operator."""
+    network = _network(published)
+    manifest = published.dataset.manifest
+    order = assign_shards(NODE.wallet_id, manifest, exclude={network.held_out_shard})
+    stream = BatchStream(
+        source=published.dataset.source,
+        manifest=manifest,
+        order=order,
+        seed=NODE.wallet_id,
+        batch_size=B,
+        seq_len=T,
+    )
+    diloco = DiLoCo(build_stage(network.model, 0, 1), network.diloco)
+    inner, theta = capture_inner_state(diloco), diloco.theta_round.detach().clone()
+    assert inner is not None
+    for _ in range(H):
+        diloco.inner_step(*stream.next_batch())
+    archive = ReplayArchive()
+    archive.add(ReplayRecord(round=0, theta_round=theta, inner=inner, delta=diloco.pseudo_gradient()))
+    service = ReplayService(archive, allowed_wallet=OPERATOR.public_key_hex)
+    net = PeerNetwork(
+        NetworkConfig(port=0, join_timeout_s=0), NODE, stage=0, log=lambda line: None, extensions=[service]
+    )
+    net.start()
+    yield net, archive, [[order[0], 0, H * B]]
+    net.stop()
+
+
+def _receipt(round_: int, record: ReplayRecord, spans: list[list[int]], **overrides: object) -> m.Receipt:
+    fields: dict[str, object] = {
+        "wallet_id": NODE.wallet_id, "stage": 0, "round": round_, "inner_steps": H, "start_step": round_ * H,
+        "tokens": H * B * T, "shard_id": spans[0][0], "offset_start": spans[0][1], "offset_end": spans[0][2],
+        "data_spans": spans, "losses": [], "base_hash": theta_sha256(record.theta_round),
+        "result_hash": "1" * 64, "delta_digest": theta_sha256(record.delta),
+        "inner_state_digest": record.inner.digest(), "accepted": [], "rejected": [], "equivocators": [],
+        "body_sha256": f"{round_:064d}", "received_at": time.time(),
+    }  # fmt: skip
+    fields.update(overrides)
+    return m.Receipt(**fields)
+
+
+def _verdicts(db: Database) -> list[str]:
+    with db.read() as s:
+        return [e.reason for e in s.scalars(select(m.ReputationEvent).order_by(m.ReputationEvent.id))]
+
+
+def test_an_honest_round_passes_and_other_material_or_no_commitment_fails(
+    node: tuple[PeerNetwork, ReplayArchive, list[list[int]]], db: Database, published: PublishedData
+) -> None:
+    net, archive, spans = node
+    record = archive.get(0)
+    assert record is not None
+    now = time.time()
+    with db.write() as s:
+        s.add(m.Wallet(wallet_id=NODE.wallet_id, public_key=NODE.public_key_hex, reputation=0.5,
+                       status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        s.add(m.Peer(wallet_id=NODE.wallet_id, address=f"http://{net.address}", stage=0, registered_at=now,
+                     last_heartbeat=now))  # fmt: skip
+    lines: list[str] = []
+    checker = ReplayChecker(
+        db=db,
+        network=_network(published),
+        operator=OPERATOR,
+        reputation=ReputationConfig(),
+        log=lines.append,
+        config=ReplayCheckConfig(sample_rate=1.0),
+        dataset=lambda: published.dataset,
+    )
+    checker.run_once()  # the first pass only notes where the receipts end
+    with db.write() as s:
+        s.add(_receipt(0, record, spans))
+    checker.run_once()
+    assert checker.passed == 1 and checker.failed == 0, lines
+    assert "replay: cosine 1.0000" in _verdicts(db)[-1] and "spot check passed" in _verdicts(db)[-1]
+
+    # Round 0 again under other claims (as rounds 1 and 2): what the node serves is round 0's.
+    archive.add(ReplayRecord(round=1, theta_round=record.theta_round, inner=record.inner, delta=record.delta))
+    with db.write() as s:
+        s.add(_receipt(1, record, spans, delta_digest="d" * 64))
+        s.add(_receipt(2, record, spans, inner_state_digest=None))
+    checker.run_once()
+    failed = [v for v in _verdicts(db) if "spot check failed" in v]
+    assert any("round 1: replay: served Δ other than its receipt committed to" in v for v in failed), failed
+    assert any("round 2: replay: the receipt commits to no inner optimizer state" in v for v in failed), (
+        failed
+    )
+    with db.read() as s:
+        assert s.get(m.Wallet, NODE.wallet_id).reputation < 0.5  # type: ignore[union-attr]

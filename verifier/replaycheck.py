@@ -1,0 +1,417 @@
+"""Live replay spot checks: re-run a sampled receipt's inner steps and compare the replica's Δ.
+
+A background thread (never the API's request path; one torch thread in the verifier
+process, verifier.cli) does, every `poll_s`:
+
+1. **sample** — new stage-0 receipts, each with probability `sample_rate` picked by a hash of
+   (wallet, stage, round) a replica cannot predict. A receipt whose data spans do not follow
+   the wallet's shard order (verifier.datacheck.receipt_problems), or that commits to no
+   inner optimizer state, fails at once.
+2. **fetch** — GET /p2p/replay/{round} from the replica, signed with the operator wallet
+   (node.p2p.replay: safetensors of θ_round, Δ and the AdamW state at the round's start).
+   Each part must hash to what the replica's signed receipt committed to (base_hash,
+   delta_digest, inner_state_digest); a replica that serves something else fails. Fetched
+   right after sampling: a node keeps only its last few rounds.
+3. **replay** — once round r−1 is settled, θ_round must be its majority weights (θ_0: the
+   model the network definition builds); then the claimed batches are read exactly as the
+   node reads them and the inner steps re-run from that θ and state
+   (verifier.spotcheck.replay_inner_steps), and the Δs compared by cosine and norm. The
+   verdict is recorded like the other spot checks (ledger.record_spot_check: a failure costs
+   the wallet `spot_check_penalty`).
+
+What a pass proves: this Δ is what H inner steps of the run's DiLoCo give from the majority
+θ_round, from the committed optimizer state, on the data the wallet was assigned. What it
+does not: that the committed optimizer state is the one the replica's previous round ended
+with (continuity across rounds; a replica could reset or doctor its moments between rounds
+and still pass, though it cannot pick them after it is challenged), that unsampled rounds
+were honest, or anything about pipeline stages (their gradients depend on other stages).
+A replica that cannot be reached is retried for `retry_s` and then skipped without a
+verdict, and so is one that answers 404 (round no longer held): the verifier cannot tell a
+dead node, or an honest one whose receipt reached it late, from one that hides a round.
+So a liar can dodge a check by not serving; what it cannot do is serve a replay that fails.
+Counting unserved challenges per wallet against its receipts would close this; not built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from neuroshard.data import Dataset, open_dataset
+from neuroshard.data.dataset import open_remote_dataset
+from neuroshard.data.fetch import FetchConfig
+from neuroshard.node.diloco import flat_parameters
+from neuroshard.node.model import build_stage
+from neuroshard.node.p2p import wire
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.p2p.replay import decode_replay, replay_size_bound
+from neuroshard.node.p2p.state import theta_sha256
+from neuroshard.node.replay import ReplayRecord
+from neuroshard.node.wallet import Wallet
+
+from . import ledger
+from . import models as m
+from .datacheck import receipt_problems
+from .db import Database
+from .network import NetworkDefinition
+from .reputation import ReputationConfig
+from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
+from .wire import DataSpan
+
+Log = Callable[[str], None]
+
+
+@dataclass(kw_only=True)
+class ReplayCheckConfig:
+    sample_rate: float = 0.1
+    """Share of stage-0 receipts replayed. A replay costs the verifier about what the round cost
+    the replica (H inner steps, bench/RESULTS.md), so 0.1 checks one round in ten of every node
+    at a tenth of one replica's compute."""
+    poll_s: float = 2.0
+    """Seconds between looks for new receipts."""
+    timeout_s: float = 60.0
+    """Whole-request limit of one fetch."""
+    retry_s: float = 60.0
+    """How long after its receipt an unreachable replica, or an unsettled round r−1, is waited for."""
+    max_per_pass: int = 500
+    """Receipts looked at per pass, so a backlog never holds the fetching thread for long."""
+    max_queue: int = 4
+    """Fetched rounds waiting for their replay (each holds 4 × the model's size); more are skipped."""
+    tolerance: SpotCheckConfig = field(default_factory=SpotCheckConfig)
+    cache_dir: Path | None = None
+    """Shard cache when the data set is served over HTTP."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sample_rate <= 1:
+            raise ValueError(f"ReplayCheckConfig.sample_rate must lie in [0, 1], got {self.sample_rate}")
+        if (
+            self.poll_s <= 0
+            or self.timeout_s <= 0
+            or self.retry_s < 0
+            or min(self.max_queue, self.max_per_pass) < 1
+        ):
+            raise ValueError(f"ReplayCheckConfig: periods must be > 0 and max_queue ≥ 1, got {self}")
+
+
+def sampled(wallet_id: str, stage: int, round_: int, rate: float) -> bool:
+    digest = hashlib.sha256(f"replaycheck:{wallet_id}:{stage}:{round_}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < rate * 2**64
+
+
+def open_run_dataset(network: NetworkDefinition, cache_dir: Path | None, log: Log) -> Dataset:
+    """The run's data set, verified against the network's publisher key."""
+    key = bytes.fromhex(network.publisher_key)
+    url = network.manifest_url
+    if url.startswith(("http://", "https://")):
+        if cache_dir is None:
+            raise ValueError("the data set is served over HTTP: replay checks need a cache directory")
+        return open_remote_dataset(url, key, cache_dir, config=FetchConfig(), log=log)
+    return open_dataset(Path(url), key)
+
+
+@dataclass
+class Challenge:
+    """One sampled receipt on its way to a verdict."""
+
+    receipt: m.Receipt
+    address: str
+    material: ReplayRecord | None = None
+
+
+REFUSALS = (403, 404)
+"""The replica's own answers (node.p2p.replay): not the verifier's key, or the round no longer
+held. Others (401 clock skew, 409 nonce, 5xx) may be the verifier's or the network's fault: retried."""
+
+
+class Refused(Exception):
+    """The replica refused to serve a round (403, 404). No verdict: an honest node drops rounds
+    older than its --replay-rounds, and the verifier cannot tell when the round ended."""
+
+
+class Malformed(Exception):
+    """The replica served a body that is not replay material for the round (a verdict)."""
+
+
+class ReplayChecker:
+    def __init__(
+        self,
+        *,
+        db: Database,
+        network: NetworkDefinition,
+        operator: Wallet,
+        reputation: ReputationConfig,
+        log: Log,
+        config: ReplayCheckConfig | None = None,
+        dataset: Callable[[], Dataset] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.db = db
+        self.network = network
+        self.operator = operator
+        self.reputation = reputation
+        self.config = config or ReplayCheckConfig()
+        self._log = log
+        self._clock = clock
+        self._open_dataset = dataset or (lambda: open_run_dataset(network, self.config.cache_dir, log))
+        self._dataset: Dataset | None = None
+        model = build_stage(network.model, 0, 1)
+        self._numel = sum(p.numel() for p in model.parameters())
+        self._n_tensors = len(list(model.parameters()))
+        self._initial_hash = theta_sha256(flat_parameters(model.parameters()))
+        self.queue: list[Challenge] = []
+        self.last_id: int | None = None
+        """Receipts up to this id were looked at; None until the first pass, which starts at the newest."""
+        self.passed = 0
+        self.failed = 0
+        self.replay_seconds = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._replays: ThreadPoolExecutor | None = None
+        self._running: Future[None] | None = None
+        self._count_lock = threading.Lock()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Sample and fetch on one thread, replay on another: a replay takes about as long as the
+        replica's round, and meanwhile other sampled rounds must be fetched before nodes drop them."""
+        if self.network.num_stages != 1:
+            self._log(f"replay check: {self.network.num_stages} stages; replay covers single-stage runs only")
+            return
+        self._replays = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay")
+        self._thread = threading.Thread(target=self._run, name="replay-check", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.timeout_s)
+            self._thread = None
+        if self._replays is not None:
+            self._replays.shutdown(wait=True, cancel_futures=True)
+            self._replays = None
+        if self._dataset is not None:
+            self._dataset.source.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            try:
+                self.run_once()
+            except Exception as exc:  # one bad receipt or a database hiccup must not end checking
+                self._log(f"replay check: {type(exc).__name__}: {exc}")
+
+    # --- one pass -----------------------------------------------------------------------------
+
+    def run_once(self) -> None:
+        """Sample new receipts, fetch what they committed to, and start the next replay if none is
+        running (inline, when the checker was not started: tests)."""
+        self._collect()
+        for challenge in list(self.queue):
+            if challenge.material is None:
+                self._fetch(challenge)
+        if self._running is None or self._running.done():
+            self._running = None
+            self._replay_next()
+
+    def _collect(self) -> None:
+        with self.db.read() as session:
+            if self.last_id is None:
+                self.last_id = session.scalar(select(func.max(m.Receipt.id))) or 0
+                return
+            rows = session.execute(
+                select(m.Receipt, m.Peer.address)
+                .join(m.Peer, m.Peer.wallet_id == m.Receipt.wallet_id, isouter=True)
+                .where(m.Receipt.id > self.last_id, m.Receipt.stage == 0)
+                .order_by(m.Receipt.id)
+                .limit(self.config.max_per_pass)
+            ).all()
+            session.expunge_all()
+        for receipt, address in rows:
+            self.last_id = receipt.id
+            if not sampled(receipt.wallet_id, receipt.stage, receipt.round, self.config.sample_rate):
+                continue
+            if self._dataset is None:
+                self._dataset = self._open_dataset()
+            problems = receipt_problems(receipt, self._dataset.manifest, self.network)
+            if receipt.inner_state_digest is None:
+                problems.append("the receipt commits to no inner optimizer state, so it cannot be replayed")
+            if problems:
+                self._record(receipt, False, "; ".join(problems))
+            elif address is None:
+                self._log(
+                    f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
+                )
+            elif len(self.queue) >= self.config.max_queue:
+                self._log(
+                    f"replay check: {len(self.queue)} rounds already waiting; "
+                    f"{receipt.wallet_id} round {receipt.round} not checked"
+                )
+            else:
+                self.queue.append(Challenge(receipt, address))
+
+    def _fetch(self, challenge: Challenge) -> None:
+        receipt = challenge.receipt
+        try:
+            record = self._get_replay(challenge.address, receipt.round)
+        except Refused as exc:
+            self._drop(challenge)
+            self._log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} not served ({exc}); skipped without a verdict"
+            )
+            return
+        except Malformed as exc:
+            self._drop(challenge)
+            self._record(receipt, False, f"served a malformed replay body: {exc}")
+            return
+        except (OSError, ValueError) as exc:
+            if self._clock() - receipt.received_at > self.config.retry_s:
+                self._drop(challenge)
+                self._log(
+                    f"replay check: {receipt.wallet_id} round {receipt.round} unreachable for "
+                    f"{self.config.retry_s:.0f} s ({exc}); skipped without a verdict"
+                )
+            return
+        mismatched = [
+            what
+            for what, digest, committed in (
+                ("θ_round", theta_sha256(record.theta_round), receipt.base_hash),
+                ("Δ", theta_sha256(record.delta), receipt.delta_digest),
+                ("inner optimizer state", record.inner.digest(), receipt.inner_state_digest),
+            )
+            if digest != committed
+        ]
+        if mismatched:
+            self._drop(challenge)
+            self._record(
+                receipt, False, f"served {', '.join(mismatched)} other than its receipt committed to"
+            )
+            return
+        challenge.material = record
+
+    def _replay_next(self) -> None:
+        for challenge in self.queue:
+            if challenge.material is None:
+                continue
+            receipt = challenge.receipt
+            trusted = self._base_is_majority(receipt)
+            if trusted is None:
+                if self._clock() - receipt.received_at > self.config.retry_s:
+                    self._drop(challenge)
+                    self._log(
+                        f"replay check: round {receipt.round - 1} never settled; {receipt.wallet_id} skipped"
+                    )
+                continue
+            self._drop(challenge)
+            if not trusted:
+                # Hash agreement already judges a replica on a minority θ; replaying from it
+                # would check work against weights nobody else holds.
+                self._log(
+                    f"replay check: {receipt.wallet_id} round {receipt.round} started from a minority θ "
+                    f"({receipt.base_hash[:16]}); not replayed"
+                )
+                return
+            if self._replays is None:
+                self._replay(receipt, challenge.material)
+            else:
+                self._running = self._replays.submit(self._replay, receipt, challenge.material)
+            return
+
+    def _base_is_majority(self, receipt: m.Receipt) -> bool | None:
+        """Whether θ_round is the stage's majority θ_r; None while round r−1 is not settled."""
+        if receipt.round == 0:
+            return receipt.base_hash == self._initial_hash
+        with self.db.read() as session:
+            settled = session.get(m.Round, (0, receipt.round - 1))
+            majority = None if settled is None else settled.majority_hash
+            if settled is not None and majority is None:
+                return False  # a tie: no majority θ to replay from
+        return None if majority is None else majority == receipt.base_hash
+
+    def _replay(self, receipt: m.Receipt, material: ReplayRecord) -> None:
+        """Replay one round and record the verdict (on the replay thread when started)."""
+        assert self._dataset is not None  # opened when the receipt was sampled
+        started = time.perf_counter()
+        try:
+            batches = claimed_batches(
+                source=self._dataset.source,
+                manifest=self._dataset.manifest,
+                wallet_id=receipt.wallet_id,
+                spans=[DataSpan(shard_id=s, offset_start=a, offset_end=b) for s, a, b in receipt.data_spans],
+                batch_size=self.network.batch_size,
+                seq_len=self.network.seq_len,
+            )
+            replayed = replay_inner_steps(
+                self.network.model,
+                self.network.diloco,
+                material.theta_round,
+                batches,
+                round_=receipt.round,
+                inner_state=material.inner,
+            )
+        except SpotCheckError as exc:
+            self._record(receipt, False, f"cannot be replayed: {exc}")
+            return
+        seconds = time.perf_counter() - started
+        with self._count_lock:
+            self.replay_seconds += seconds
+        result = compare_deltas(material.delta, replayed, self.config.tolerance)
+        self._record(
+            receipt,
+            result.ok,
+            f"{result.reason}; {receipt.inner_steps} inner steps replayed in {seconds:.2f} s",
+        )
+
+    # --- verdicts and the peer plane ----------------------------------------------------------
+
+    def _drop(self, challenge: Challenge) -> None:
+        self.queue.remove(challenge)
+
+    def _record(self, receipt: m.Receipt, ok: bool, detail: str) -> None:
+        with self.db.write() as session:
+            ledger.record_spot_check(
+                session,
+                receipt.wallet_id,
+                stage=receipt.stage,
+                round_=receipt.round,
+                ok=ok,
+                detail=f"replay: {detail}"[:400],
+                now=self._clock(),
+                cfg=self.reputation,
+            )
+        with self._count_lock:
+            if ok:
+                self.passed += 1
+            else:
+                self.failed += 1
+        verdict = "passed" if ok else "FAILED"
+        self._log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
+
+    def _get_replay(self, address: str, round_: int) -> ReplayRecord:
+        """The replica's replay material for `round_`; raises Refused or Malformed, or OSError or
+        ValueError when there is no usable answer."""
+        path = wire.REPLAY.format(round=round_)
+        limit = replay_size_bound(self._numel, self._n_tensors)
+        headers = sign_request(self.operator, "GET", path, b"", self._clock())
+        request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as reply:
+                body = reply.read(limit + 1)
+        except urllib.error.HTTPError as exc:
+            if exc.code in REFUSALS:
+                raise Refused(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
+            raise
+        if len(body) > limit:
+            raise Malformed(f"a body over {limit} bytes")
+        try:
+            return decode_replay(body, round_, self._numel, self._n_tensors)
+        except wire.WireError as exc:
+            raise Malformed(str(exc)) from None
