@@ -15,7 +15,6 @@ its own sample: it costs a round of compute per receipt where this costs microse
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +24,14 @@ from sqlalchemy import func, select
 
 from neuroshard.data import Manifest, assign_shards, read_manifest
 from neuroshard.data.fetch import FetchConfig, fetch_manifest
+from neuroshard.node.wallet import Wallet
 
 from . import ledger
 from . import models as m
 from .db import Database
 from .network import NetworkDefinition
 from .reputation import ReputationConfig
+from .sampling import sampled
 from .spotcheck import check_data_spans
 from .wire import DataSpan
 
@@ -59,11 +60,6 @@ def load_manifest(network: NetworkDefinition, log: Log) -> Manifest:
     return read_manifest(Path(url), key)
 
 
-def sampled(wallet_id: str, stage: int, round_: int, rate: float) -> bool:
-    digest = hashlib.sha256(f"datacheck:{wallet_id}:{stage}:{round_}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < rate * 2**64
-
-
 def receipt_problems(receipt: m.Receipt, manifest: Manifest, network: NetworkDefinition) -> list[str]:
     """What is wrong with one stage-0 receipt's data claim (empty when nothing is)."""
     order = assign_shards(receipt.wallet_id, manifest, exclude={network.held_out_shard})
@@ -80,6 +76,7 @@ class DataChecker:
         *,
         db: Database,
         network: NetworkDefinition,
+        operator: Wallet,
         reputation: ReputationConfig,
         log: Log,
         config: DataCheckConfig | None = None,
@@ -88,6 +85,7 @@ class DataChecker:
     ) -> None:
         self.db = db
         self.network = network
+        self.operator = operator
         self.reputation = reputation
         self.config = config or DataCheckConfig()
         self._log = log
@@ -115,7 +113,14 @@ class DataChecker:
             session.expunge_all()
         for receipt in receipts:
             self.last_id = receipt.id
-            if sampled(receipt.wallet_id, receipt.stage, receipt.round, self.config.sample_rate):
+            if sampled(
+                self.operator,
+                "data",
+                receipt.wallet_id,
+                receipt.stage,
+                receipt.round,
+                self.config.sample_rate,
+            ):
                 self.check(receipt)
 
     def check(self, receipt: m.Receipt) -> None:

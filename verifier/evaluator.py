@@ -156,6 +156,7 @@ class Evaluator:
             self.checker = DataChecker(
                 db=db,
                 network=network,
+                operator=operator,
                 reputation=reputation,
                 log=log,
                 config=self.config.data_checks,

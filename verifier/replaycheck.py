@@ -3,8 +3,9 @@
 A background thread (never the API's request path; one torch thread in the verifier
 process, verifier.cli) does, every `poll_s`:
 
-1. **sample** — new stage-0 receipts, each with probability `sample_rate` picked by a hash of
-   (wallet, stage, round) a replica cannot predict. A receipt whose data spans do not follow
+1. **sample** — new stage-0 receipts, each with probability `sample_rate`, picked by the
+   operator's signature over (wallet, stage, round), which a replica cannot predict
+   (verifier.sampling). A receipt whose data spans do not follow
    the wallet's shard order (verifier.datacheck.receipt_problems), or that commits to no
    inner optimizer state, fails at once.
 2. **fetch** — GET /p2p/replay/{round} from the replica, signed with the operator wallet
@@ -34,7 +35,6 @@ Counting unserved challenges per wallet against its receipts would close this; n
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 import urllib.error
@@ -64,6 +64,7 @@ from .datacheck import receipt_problems
 from .db import Database
 from .network import NetworkDefinition
 from .reputation import ReputationConfig
+from .sampling import sampled
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
 from .wire import DataSpan
 
@@ -100,11 +101,6 @@ class ReplayCheckConfig:
             or min(self.max_queue, self.max_per_pass) < 1
         ):
             raise ValueError(f"ReplayCheckConfig: periods must be > 0 and max_queue ≥ 1, got {self}")
-
-
-def sampled(wallet_id: str, stage: int, round_: int, rate: float) -> bool:
-    digest = hashlib.sha256(f"replaycheck:{wallet_id}:{stage}:{round_}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < rate * 2**64
 
 
 def open_run_dataset(network: NetworkDefinition, cache_dir: Path | None, log: Log) -> Dataset:
@@ -237,7 +233,14 @@ class ReplayChecker:
             session.expunge_all()
         for receipt, address in rows:
             self.last_id = receipt.id
-            if not sampled(receipt.wallet_id, receipt.stage, receipt.round, self.config.sample_rate):
+            if not sampled(
+                self.operator,
+                "replay",
+                receipt.wallet_id,
+                receipt.stage,
+                receipt.round,
+                self.config.sample_rate,
+            ):
                 continue
             if self._dataset is None:
                 self._dataset = self._open_dataset()

@@ -9,13 +9,15 @@ from sqlalchemy import select
 from neuroshard.data import assign_shards
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import models as m
-from neuroshard.verifier.datacheck import DataCheckConfig, DataChecker, sampled
+from neuroshard.verifier.datacheck import DataCheckConfig, DataChecker
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.reputation import ReputationConfig
+from neuroshard.verifier.sampling import sampled
 from neuroshard.verifier.testing import small_network
 
 HONEST, LIAR = Wallet.from_token("datacheck-honest"), Wallet.from_token("datacheck-liar")
+OPERATOR = Wallet.from_token("datacheck-operator")
 STEPS, BATCH = 4, 2
 
 
@@ -47,7 +49,7 @@ def test_receipts_that_misstate_their_data_are_caught(database_url: str, publish
     liar = assign_shards(LIAR.wallet_id, manifest, exclude={0})
     lines: list[str] = []
     checker = DataChecker(
-        db=db, network=_network(published), reputation=ReputationConfig(), log=lines.append,
+        db=db, network=_network(published), operator=OPERATOR, reputation=ReputationConfig(), log=lines.append,
         config=DataCheckConfig(sample_rate=1.0),
     )  # fmt: skip
     checker.run_once()  # starts at the newest receipt: none yet
@@ -74,9 +76,16 @@ def test_receipts_that_misstate_their_data_are_caught(database_url: str, publish
     db.dispose()
 
 
-def test_sampling_is_a_fixed_share_a_replica_cannot_predict() -> None:
-    picks = [sampled("w", 0, r, 0.25) for r in range(4000)]
-    assert 0.22 < sum(picks) / len(picks) < 0.28
-    assert picks == [sampled("w", 0, r, 0.25) for r in range(4000)]  # the same on every verifier
-    assert not any(sampled("w", 0, r, 0.0) for r in range(100))
-    assert all(sampled("w", 0, r, 1.0) for r in range(100))
+def test_sampling_is_a_fixed_share_only_the_operator_can_predict() -> None:
+    def picks(operator: Wallet, check: str = "data", rate: float = 0.25) -> list[bool]:
+        return [sampled(operator, check, "w", 0, r, rate) for r in range(2000)]
+
+    ours = picks(OPERATOR)
+    assert 0.22 < sum(ours) / len(ours) < 0.28
+    assert ours == picks(OPERATOR)  # the same after a restart (Ed25519 signatures are deterministic)
+    # Anyone without the operator's key (the replica itself) guesses no better than chance, and the
+    # data and replay checks pick independently.
+    for other in (picks(Wallet.from_token("not-the-operator")), picks(OPERATOR, "replay")):
+        agree = sum(a == b for a, b in zip(ours, other, strict=True)) / len(ours)
+        assert 0.58 < agree < 0.67  # 0.25² + 0.75² = 0.625 for independent picks
+    assert not any(picks(OPERATOR, rate=0.0)) and all(picks(OPERATOR, rate=1.0))

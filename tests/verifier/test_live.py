@@ -264,7 +264,7 @@ def test_pipeline_swarm_is_tracked_and_verified_on_the_assembled_model(
     # Both stages send receipts; only stage 0 reads data, and only its data is checked (and holds).
     assert by_stage.get(0, 0) >= 4 and by_stage.get(1, 0) >= 4, by_stage
     assert all(spans == [] for spans in later_spans)
-    # A quarter of the receipts are sampled (datacheck.sampled); verification takes ~15 rounds of
+    # A quarter of the receipts are sampled (verifier.sampling); verification takes ~15 rounds of
     # two drivers, so a run with no stage-0 check at all has odds of about 0.75**30.
     assert data_checks and {stage for stage, _ in data_checks} == {0}, data_checks
     assert all("passed" in reason for _, reason in data_checks), data_checks
