@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,23 +94,91 @@ def trimmed_mean(xs: Contributions, f: int) -> Tensor:
 
 
 def coordinate_median(xs: Contributions) -> Tensor:
-    """Per-coordinate median; the midpoint of the two middle values when n is even (Yin et al. 2018)."""
-    return _median(canonical(xs))
+    """Per-coordinate median; the midpoint of the two middle values when n is even (Yin et al. 2018).
+
+    Up to NETWORK_MEDIAN_MAX_N rows the blocks of ``median_blocks`` need no canonical order (their
+    zeros are all +0.0), which spares hashing and copying the stack."""
+    stack = as_stack(xs)
+    return _median(stack if stack.shape[0] <= NETWORK_MEDIAN_MAX_N else canonical(stack))
+
+
+NETWORK_MEDIAN_MAX_N = 8
+"""Up to this many rows the median comes from a sorting network over blocks of whole rows
+(``median_blocks``) instead of a per-coordinate sort."""
+
+MEDIAN_BLOCK = 1 << 15
+"""Columns per block of ``median_blocks``: 8 rows × 32K float32 are 1 MB, so the network's
+n rounds of min/max stay in cache. At 29.5M × 5 on one thread (load average ~6, medians of 3):
+median alone 1.52 / 0.66 / 0.68 / 0.51 s with 8K / 32K / 64K / 256K columns; with validation's
+float64 moments taken from the same block, 2.59 / 1.06 / 1.31 / 1.40 s."""
 
 
 def _median(stack: Tensor) -> Tensor:
-    """coordinate_median of an already canonical (n, d) stack. The canonical order matters even
-    here: a stable sort keeps −0.0 and +0.0 (equal as values) in input order."""
+    """coordinate_median of an (n, d) stack, canonical when n > NETWORK_MEDIAN_MAX_N (a stable sort
+    keeps −0.0 and +0.0, equal as values, in input order)."""
     n = stack.shape[0]
+    if n <= NETWORK_MEDIAN_MAX_N:
+        out = torch.empty(stack.shape[1], dtype=stack.dtype, device=stack.device)
+        for start, median in median_blocks(list(stack.unbind(0))):
+            out[start : start + median.numel()] = median
+        return out
     ordered = torch.sort(stack, dim=0, stable=True).values  # (n, d)
+    return _middle(ordered, n)
+
+
+def _middle(ordered: Tensor, n: int) -> Tensor:
+    """The median row of a column-sorted (n, w) block: the middle row, or the midpoint of the two."""
     if n % 2 == 1:
         return ordered[n // 2].clone()
     lo, hi = ordered[n // 2 - 1], ordered[n // 2]
-    if stack.dtype == torch.float64:
+    if ordered.dtype == torch.float64:
         return lo / 2 + hi / 2
     # In float64, (lo + hi) / 2 cannot overflow and rounds once, so huge attacker values near the
     # float32 limit give the exact midpoint instead of inf.
-    return ((lo.double() + hi.double()) / 2).to(stack.dtype)
+    return ((lo.double() + hi.double()) / 2).to(ordered.dtype)
+
+
+def median_blocks(rows: Sequence[Tensor]) -> Iterator[tuple[int, Tensor]]:
+    """The coordinate median of n ≤ NETWORK_MEDIAN_MAX_N equal-length 1-D rows, block by block:
+    yields (first column, the median of the block's w ≤ MEDIAN_BLOCK columns).
+
+    Odd–even transposition (n rounds of element-wise min/max between neighbouring rows) sorts
+    each column of a cache-sized block; a block holding a NaN (seen as a NaN sum) is sorted
+    instead, so NaN sorts last as in ``torch.sort``. Zeros come out as +0.0, which makes the
+    median's bits independent of the row order. The yielded median may be scratch space reused
+    by the next block: use it before asking for the next. Validation computes its statistics of
+    the same columns while they are in cache.
+    """
+    n, d = len(rows), rows[0].numel()
+    if not 0 < n <= NETWORK_MEDIAN_MAX_N:
+        raise ValueError(f"median_blocks takes 1 to {NETWORK_MEDIAN_MAX_N} rows, got {n}")
+    width = max(1, min(MEDIAN_BLOCK, d))  # d = 0: one empty block
+    scratch = torch.empty(n + 1, width, dtype=rows[0].dtype, device=rows[0].device)  # n rows + 1 spare
+    for start in range(0, max(d, 1), width):
+        w = min(width, d - start)
+        block = scratch[:, :w]
+        for i, row in enumerate(rows):
+            block[i] = row[start : start + w]
+        if math.isnan(float(block[:n].sum())):  # inf − inf is NaN too: then sorting is merely slower
+            median = _middle(torch.sort(block[:n], dim=0, stable=True).values, n)
+        else:
+            median = _network_middle(block)
+        yield start, median.add_(0.0)  # −0.0 + 0.0 = +0.0
+
+
+def _network_middle(scratch: Tensor) -> Tensor:
+    """Median row of the first n rows of `scratch` (n + 1, w) by odd–even transposition in place."""
+    n = scratch.shape[0] - 1
+    slots = list(scratch.unbind(0))  # slots[i] holds sorted position i; slots[n] is spare
+    for step in range(n):
+        for i in range(step % 2, n - 1, 2):
+            lo, hi, spare = slots[i], slots[i + 1], slots[n]
+            torch.minimum(lo, hi, out=spare)
+            torch.maximum(lo, hi, out=hi)
+            slots[i], slots[n] = spare, lo
+    if n % 2 == 1:
+        return slots[n // 2]
+    return _middle(torch.stack([slots[n // 2 - 1], slots[n // 2]]), 2)
 
 
 def pairwise_sq_distances(stack: Tensor, center: Tensor | None = None) -> Tensor:

@@ -235,3 +235,23 @@ def test_krum_is_fast_on_100_contributions_of_1e5() -> None:
     # ~1.2 s on one idle core (hashing, the centring median's sort, one 100×1e5 Gram matrix);
     # the bound leaves room for a loaded CI machine.
     assert elapsed < 10.0, f"krum on (100, 1e5) took {elapsed:.2f}s"
+
+
+@pytest.mark.parametrize("n", range(1, agg.NETWORK_MEDIAN_MAX_N + 1))
+def test_blocked_median_equals_the_sorted_median(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small blocks, so the 103 columns span several full blocks and a short last one.
+    monkeypatch.setattr(agg, "MEDIAN_BLOCK", 16)
+    gen = torch.Generator().manual_seed(n)
+    xs = torch.randn(n, 103, generator=gen)
+    xs[:, 40:50] = -0.0
+    xs[0, 60], xs[-1, 61] = math.inf, -math.inf
+    xs[0, 90] = math.nan  # its block is sorted instead: NaN sorts last, as in torch.sort
+    ordered = torch.sort(xs, dim=0).values
+    mid = (
+        ordered[n // 2] if n % 2 else ((ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2).float()
+    )
+    out = agg.coordinate_median(xs)
+    torch.testing.assert_close(out, mid, rtol=0, atol=0, equal_nan=True)
+    zeros = out[40:50]
+    assert torch.equal(zeros, torch.zeros(10)) and not torch.signbit(zeros).any()  # +0.0 whatever the order
+    assert torch.equal(agg.coordinate_median(xs.flip(0)).view(torch.int32), out.view(torch.int32))
