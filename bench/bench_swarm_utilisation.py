@@ -21,6 +21,11 @@ from pathlib import Path
 from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset
 
 UTILISATION = re.compile(r"^\[(\d+)\] compute utilisation=([0-9.]+) \(([0-9.]+) s of ([0-9.]+) s")
+BREAKDOWN = re.compile(r"^\[(\d+)\] time breakdown: (.*)$")
+PART = re.compile(r"(\w+) (-?[0-9.]+) s")
+ROUND = re.compile(
+    r"^\[(\d+)\] p2p round=(\d+) .*\(([0-9.]+) s: exchange ([0-9.]+), step ([0-9.]+), vote ([0-9.]+)\)"
+)
 
 
 def main() -> None:
@@ -54,8 +59,32 @@ def main() -> None:
     )
     for node, util, inner, wall in sorted(rows):
         print(f"  node {node}: utilisation {float(util):.3f} ({inner} s of {wall} s wall in inner steps)")
+    print_breakdown(out.stdout)
     median = statistics.median(float(u) for _, u, _, _ in rows)
     print(f"median compute utilisation = {median:.3f} (target >= 0.95 at the default H)")
+
+
+def print_breakdown(stdout: str) -> None:
+    """Each node's time outside inner steps, by part (trainer.TrainResult.seconds), with its round
+    hook split by the round reports: exchange, of which waiting for the slowest replica (a node's
+    exchange time minus the shortest of that round, which is the exchange of the replica everyone
+    waited for), decode/screen/aggregate/outer step, hash vote, and the rest of the hook (receipt)."""
+    parts = {m[1]: dict(PART.findall(m[2])) for line in stdout.splitlines() if (m := BREAKDOWN.match(line))}
+    reports = [m.groups() for line in stdout.splitlines() if (m := ROUND.match(line))]
+    shortest: dict[str, float] = {}
+    for _, r, _, exchange, _, _ in reports:
+        shortest[r] = min(shortest.get(r, float("inf")), float(exchange))
+    print("where the time outside inner steps went (seconds over the run):")
+    for node, times in sorted(parts.items()):
+        mine = [x for x in reports if x[0] == node]
+        total, exchange, step, vote = (sum(float(x[i]) for x in mine) for i in (2, 3, 4, 5))
+        waiting = sum(float(x[3]) - shortest[x[1]] for x in mine)
+        receipt = float(times.get("round", 0.0)) - total
+        print(
+            f"  node {node}: {', '.join(f'{k} {float(v):.2f}' for k, v in times.items() if k != 'inner')}; "
+            f"round = exchange {exchange:.2f} (waiting for the slowest {waiting:.2f}) + step {step:.2f} "
+            f"+ vote {vote:.2f} + receipt/other {receipt:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         f"compute utilisation={result.utilisation:.3f} "
         f"({result.inner_seconds:.1f} s of {result.wall_seconds:.1f} s wall in inner steps)"
     )
+    _log(f"time breakdown: {result.breakdown()}")
     return 0
 
 
