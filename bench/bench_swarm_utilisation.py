@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset
+from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports
 
 UTILISATION = re.compile(r"^\[(\d+)\] compute utilisation=([0-9.]+) \(([0-9.]+) s of ([0-9.]+) s")
 BREAKDOWN = re.compile(r"^\[(\d+)\] time breakdown: (.*)$")
@@ -40,11 +40,13 @@ def main() -> None:
 
     dataset = bench_dataset(DEFAULT_TEXT)
     swarm = Path(sys.executable).with_name("neuroshard-swarm")
+    base = free_ports(args.nodes + 1)
     with tempfile.TemporaryDirectory() as home:
         command = [
             str(swarm), "--nodes", str(args.nodes), "--max-steps", str(args.max_steps),
             "--inner-steps", str(args.inner_steps), "--home", home, "--threads", "1",
             "--data", dataset.location, "--publisher-key", bytes(BENCH_KEY.verify_key).hex(),
+            "--base-port", str(base), "--verifier-port", str(base + args.nodes),
             "--", "--model-size", args.model_size, "--batch-size", "8", "--seq-len", "128",
         ]  # fmt: skip
         out = subprocess.run(command, capture_output=True, text=True, timeout=1800)

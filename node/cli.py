@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         network = _start_network(args, wallet, stop)
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
+            if args.stages == 1:  # stage 0 of a pipeline must run the steps its next stages expect
+                trainer.close_rounds_when(network.round_closing)
             reporting.attach(network, trainer, wallet)
             if args.stages > 1:
                 link = PipelineLink(

@@ -1,6 +1,8 @@
 """One replica's training loop: batches from its shards, DiLoCo inner steps, outer rounds, checkpoints.
 
-The loop knows nothing of the network. At the end of each round it hands its DiLoCo
+The loop knows nothing of the network. A round ends after H inner steps — or, when the
+caller wired `close_rounds_when` and the stage's majority has already contributed the round,
+after at least EARLY_CLOSE_FRACTION of them. It then hands its DiLoCo
 engine to `finish_round`, which must leave it at the next round's start: normally by
 `outer_step` with the aggregated pseudo-gradient of the stage's replicas, or — for a
 replica that fell behind or disagrees with the majority — by adopting a peer's state.
@@ -10,6 +12,7 @@ A lone node applies its own pseudo-gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +33,16 @@ from .work import RoundWork
 
 RoundFinisher = Callable[[DiLoCo], None]
 """Completes a round on the engine: afterwards `diloco.round` has advanced and the model holds θ_{r+1}."""
+
+RoundClosing = Callable[[int], bool]
+"""Whether the stage is already closing round r (PeerNetwork.round_closing): stop and contribute."""
+
+EARLY_CLOSE_FRACTION = 0.75
+"""A replica asked to close its round early does so only after this share of H inner steps. Its Δ
+must still pass validation against the round's median, whose norm-ratio floor is 0.5 (honest
+full-length Δs measured ≥ 0.87, validation.ValidationConfig): a Δ of ¾ of the steps keeps well
+clear of it (Δ grows with the steps, between √ and linearly), while a replica far behind keeps
+training and, if it misses the round, adopts the new state as a late replica does."""
 
 
 def lone_replica(diloco: DiLoCo) -> None:
@@ -126,6 +139,7 @@ class Trainer:
         self.config = config
         self._log = log
         self._finish_round_hook = finish_round
+        self._round_closing: RoundClosing | None = None
         self._dataset_updates = dataset_updates
         self.wallet_id = wallet_id
         self.dataset = dataset
@@ -169,6 +183,21 @@ class Trainer:
     def set_round_finisher(self, finish_round: RoundFinisher) -> None:
         """Who completes each round from now on (the peer network, once it is up)."""
         self._finish_round_hook = finish_round
+
+    def close_rounds_when(self, closing: RoundClosing | None) -> None:
+        """End a round before H inner steps when `closing(round)` says the stage's majority already
+        contributed it, once EARLY_CLOSE_FRACTION of H is done (None: always H steps)."""
+        self._round_closing = closing
+
+    def _round_done(self) -> bool:
+        d = self.diloco
+        if d.round_complete:
+            return True
+        return (
+            self._round_closing is not None
+            and d.steps_in_round >= math.ceil(EARLY_CLOSE_FRACTION * d.config.inner_steps)
+            and self._round_closing(d.round)
+        )
 
     @property
     def identity(self) -> CheckpointIdentity:
@@ -268,7 +297,7 @@ class Trainer:
             result.losses.append(loss)
             self.work.losses.append(loss)
             step = self.diloco.step
-            if self.diloco.round_complete:
+            if self._round_done():
                 self._finish_round(result.seconds)
             elif step % cfg.checkpoint_every == 0:
                 with _timed(result.seconds, "checkpoint"):

@@ -6,6 +6,7 @@ them; only the process boundary is missing (test_swarm.py has that).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.rounds import AggregationRule, RoundReport, ordered_mean
-from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
+from neuroshard.node.trainer import EARLY_CLOSE_FRACTION, Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
@@ -87,6 +88,7 @@ class Swarm:
         max_steps: int | None,
         hook: Hook | None = None,
         rule: AggregationRule = ordered_mean,
+        close_early: bool = False,
         **config: object,
     ) -> Replica:
         index = len(self.replicas)
@@ -124,6 +126,8 @@ class Swarm:
             log=lines.append,
             finish_round=finish,
         )
+        if close_early:
+            trainer.close_rounds_when(network.round_closing)
         replica = Replica(index, wallet, network, trainer, stop, lines)
         replica_ref.append(replica)
         self.replicas.append(replica)
@@ -190,6 +194,41 @@ def test_three_replicas_agree_every_round(swarm) -> None:
     assert all(torch.equal(thetas[0], t) for t in thetas[1:])
     assert all(r.trainer.diloco.round == rounds for r in replicas)
     assert any("p2p round=3 aggregated 3" in line for line in replicas[0].lines)
+
+
+def test_a_slow_replica_closes_its_round_early_once_the_majority_pushed(swarm) -> None:
+    steps: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def record(replica: Replica, diloco: DiLoCo) -> None:
+        steps[replica.index].append(diloco.steps_in_round)
+        replica.network.finish_round(diloco)
+        if replica.index == 2 and diloco.round == 2:
+            replica.stop.set()  # the slow replica counts fewer steps: end it after the same two rounds
+
+    replicas = [swarm.add(max_steps=2 * H, hook=record, close_early=True) for _ in range(2)]
+    slow = swarm.add(max_steps=None, hook=record, close_early=True)
+    inner_step = slow.trainer.diloco.inner_step
+
+    def slow_step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        time.sleep(0.5)  # the two others push each round while this one is in its first steps
+        return inner_step(inputs, labels)
+
+    slow.trainer.diloco.inner_step = slow_step  # type: ignore[method-assign]
+    replicas.append(slow)
+    swarm.join_all_and_wait_for_discovery()
+    for r in replicas:
+        r.start()
+    _join_threads(replicas, 60.0)
+    short = math.ceil(EARLY_CLOSE_FRACTION * H)
+    assert steps == {0: [H, H], 1: [H, H], 2: [short, short]}
+    wallets = sorted(r.key for r in replicas)
+    for round_ in range(2):
+        reports = [r.reports()[round_] for r in replicas]
+        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
+        for rep in reports:  # the short Δ is screened like the others and accepted
+            assert list(rep.accepted) == wallets and rep.rejected == () and not rep.late
+    thetas = [r.trainer.diloco.theta_round.detach() for r in replicas]
+    assert all(torch.equal(thetas[0], t) for t in thetas[1:])
 
 
 def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
