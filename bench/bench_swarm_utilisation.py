@@ -62,6 +62,11 @@ def main() -> None:
     for node, util, inner, wall in sorted(rows):
         print(f"  node {node}: utilisation {float(util):.3f} ({inner} s of {wall} s wall in inner steps)")
     print_breakdown(out.stdout)
+    early = re.findall(r"^\[(\d+)\] round=\d+ closed early after (\d+) of", out.stdout, re.MULTILINE)
+    print(
+        f"rounds closed early (a majority of the stage had pushed): {len(early)}"
+        + "".join(f"; node {node} after {steps} steps" for node, steps in early)
+    )
     median = statistics.median(float(u) for _, u, _, _ in rows)
     print(f"median compute utilisation = {median:.3f} (target >= 0.95 at the default H)")
 

@@ -260,6 +260,11 @@ class Trainer:
             self._writer.flush()
 
     def _finish_round(self, seconds: dict[str, float]) -> None:
+        steps, h = self.diloco.steps_in_round, self.diloco.config.inner_steps
+        if steps < h:
+            self._log(
+                f"round={self.diloco.round} closed early after {steps} of {h} inner steps (the stage's majority pushed)"
+            )
         with _timed(seconds, "round"):
             self._finish_round_hook(self.diloco)
             self.work.clear()
