@@ -255,3 +255,17 @@ def test_blocked_median_equals_the_sorted_median(n: int, monkeypatch: pytest.Mon
     zeros = out[40:50]
     assert torch.equal(zeros, torch.zeros(10)) and not torch.signbit(zeros).any()  # +0.0 whatever the order
     assert torch.equal(agg.coordinate_median(xs.flip(0)).view(torch.int32), out.view(torch.int32))
+
+
+@pytest.mark.parametrize("n", range(3, agg.NETWORK_MEDIAN_MAX_N + 1))
+def test_blocked_trimmed_mean_equals_the_sorted_one(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agg, "MEDIAN_BLOCK", 16)
+    gen = torch.Generator().manual_seed(n)
+    xs = torch.randn(n, 103, generator=gen)
+    xs[0, 60] = math.inf
+    xs[0, 90] = math.nan  # its block is sorted: NaN sorts last and is trimmed
+    f = (n - 1) // 2
+    expected = torch.sort(xs, dim=0).values[f : n - f].mean(dim=0)
+    out = agg.trimmed_mean(xs, f)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    assert torch.equal(agg.trimmed_mean(xs.flip(0), f).view(torch.int32), out.view(torch.int32))
