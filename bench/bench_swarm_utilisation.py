@@ -36,6 +36,12 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=100, help="H (neuroshard-node's default is 100)")
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--model-size", default="tiny")
+    parser.add_argument(
+        "--round-close",
+        default="majority",
+        choices=("majority", "full"),
+        help="the nodes' --round-close (full: every replica runs H steps, as before the majority rule)",
+    )
     args = parser.parse_args()
 
     dataset = bench_dataset(DEFAULT_TEXT)
@@ -48,6 +54,7 @@ def main() -> None:
             "--data", dataset.location, "--publisher-key", bytes(BENCH_KEY.verify_key).hex(),
             "--base-port", str(base), "--verifier-port", str(base + args.nodes),
             "--", "--model-size", args.model_size, "--batch-size", "8", "--seq-len", "128",
+            "--round-close", args.round_close,
         ]  # fmt: skip
         out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -56,7 +63,8 @@ def main() -> None:
     rows = [m.groups() for line in out.stdout.splitlines() if (m := UTILISATION.match(line))]
     print(
         f"{args.nodes} nodes x 1 thread on this machine's cores, model {args.model_size}, batch 8x128, "
-        f"H={args.inner_steps}, {args.max_steps} steps; rounds with full hash agreement: "
+        f"H={args.inner_steps}, {args.max_steps} steps, --round-close {args.round_close}; "
+        f"rounds with full hash agreement: "
         f"{sum(a == b for _, a, b in agreed)}/{len(agreed)}"
     )
     for node, util, inner, wall in sorted(rows):

@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     diloco.add_argument(
         "--inner-steps", type=int, default=100, help="H: inner steps per outer round (production: 500)"
     )
+    diloco.add_argument(
+        "--round-close",
+        choices=("majority", "full"),
+        default="majority",
+        help="majority: a replica stops a round early (after >= 3/4 of H) once most of its stage has "
+        "pushed it; full: always H steps",
+    )
     diloco.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak learning rate")
     diloco.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps of the inner lr")
     diloco.add_argument(
@@ -358,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         network = _start_network(args, wallet, stop)
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
-            if args.stages == 1:  # stage 0 of a pipeline must run the steps its next stages expect
+            # Not in a pipeline: its stage 0 must run the steps its next stages expect.
+            if args.stages == 1 and args.round_close == "majority":
                 trainer.close_rounds_when(network.round_closing)
             reporting.attach(network, trainer, wallet)
             if args.stages > 1:
