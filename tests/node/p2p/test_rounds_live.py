@@ -202,11 +202,10 @@ def test_a_slow_replica_closes_its_round_early_once_the_majority_pushed(swarm) -
     def record(replica: Replica, diloco: DiLoCo) -> None:
         steps[replica.index].append(diloco.steps_in_round)
         replica.network.finish_round(diloco)
-        if replica.index == 2 and diloco.round == 2:
-            replica.stop.set()  # the slow replica counts fewer steps: end it after the same two rounds
 
-    replicas = [swarm.add(max_steps=2 * H, hook=record, close_early=True) for _ in range(2)]
-    slow = swarm.add(max_steps=None, hook=record, close_early=True)
+    # The same max_steps: a round closed early counts as H, so the slow replica stops after round 1 too.
+    replicas = [swarm.add(max_steps=2 * H, hook=record, close_early=True) for _ in range(3)]
+    slow = replicas[2]
     inner_step = slow.trainer.diloco.inner_step
 
     def slow_step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -214,7 +213,6 @@ def test_a_slow_replica_closes_its_round_early_once_the_majority_pushed(swarm) -
         return inner_step(inputs, labels)
 
     slow.trainer.diloco.inner_step = slow_step  # type: ignore[method-assign]
-    replicas.append(slow)
     swarm.join_all_and_wait_for_discovery()
     for r in replicas:
         r.start()
@@ -229,6 +227,7 @@ def test_a_slow_replica_closes_its_round_early_once_the_majority_pushed(swarm) -
             assert list(rep.accepted) == wallets and rep.rejected == () and not rep.late
     thetas = [r.trainer.diloco.theta_round.detach() for r in replicas]
     assert all(torch.equal(thetas[0], t) for t in thetas[1:])
+    assert slow.result is not None and (slow.result.steps, slow.result.rounds) == (2 * short, 2)
 
 
 def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
