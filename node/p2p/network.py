@@ -67,6 +67,13 @@ if TYPE_CHECKING:  # attack code stays out of the honest import path
 
 T = TypeVar("T")
 
+
+def majority_pushed(pushed: int, replicas: int) -> bool:
+    """Whether `pushed` other replicas are a strict majority of a stage of `replicas` (this one
+    included, not yet pushed): with 4, all 3 others; with 5, 3 of the 4; never with 2."""
+    return 2 * pushed > replicas
+
+
 MAJORITY_POLL_S = 0.05
 """How often the loop checks whether a majority pushed the current round: a slow replica stops at
 most this much (plus one inner step) after it could have."""
@@ -325,9 +332,8 @@ class PeerNetwork:
             snapshot = self.node.snapshot
             book = None if snapshot is None else self.node.books.get(snapshot.round)
             if book is not None and book.round > self._majority_pushed:
-                replicas = len(self._exchange.stage_peers()) + 1
                 pushed = sum(w != self.wallet.public_key_hex for w in book.accepted)
-                if 2 * pushed > replicas:
+                if majority_pushed(pushed, replicas=len(self._exchange.stage_peers()) + 1):
                     self._majority_pushed = book.round
             await asyncio.sleep(MAJORITY_POLL_S)
 

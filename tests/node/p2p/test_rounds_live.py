@@ -18,7 +18,7 @@ import torch
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork, majority_pushed
 from neuroshard.node.p2p.rounds import AggregationRule, RoundReport, ordered_mean
 from neuroshard.node.trainer import EARLY_CLOSE_FRACTION, Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet
@@ -352,3 +352,15 @@ def test_a_node_started_later_joins_by_state_sync(swarm) -> None:
     for rep in compared:
         assert rep.theta_hash == theirs[rep.next_round].theta_hash, f"θ_{rep.next_round}"
     assert any(len(rep.accepted) == 3 for rep in compared), "the joiner contributes in later rounds"
+
+
+@pytest.mark.parametrize(
+    ("pushed", "replicas", "closing"),
+    [(1, 2, False), (1, 3, False), (2, 3, True), (2, 4, False), (3, 4, True), (2, 5, False), (3, 5, True)],
+)
+def test_only_a_strict_majority_of_the_stage_closes_a_round_early(
+    pushed: int, replicas: int, closing: bool
+) -> None:
+    # With 4 replicas, one attacker pushing at once plus one fast honest replica (2 of 4) is not
+    # enough to cut the other two honest replicas' rounds short.
+    assert majority_pushed(pushed, replicas) is closing
