@@ -35,9 +35,10 @@ def run_swarm(published, home: Path, attack: str) -> list[str]:  # type: ignore[
         nodes=NODES,
         # No warm-up: a node that starts last joins a round late with a fresh lr schedule, and its
         # warm-up Δ (measured 0.46× the median's norm) is refused as a near free rider (README).
+        # Full rounds: the loss check below reads one progress line per round (--log-every H).
         node_args=(
             "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", str(H),
-            "--warmup-steps", "0", "--min-peers", str(NODES - 1),
+            "--warmup-steps", "0", "--min-peers", str(NODES - 1), "--round-close", "full",
         ),
     )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
