@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 from pathlib import Path
 
@@ -33,3 +34,24 @@ def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 2
         publish_shards(text.split("\n\n"), out=directory, key=BENCH_KEY, shard_tokens=shard_tokens)
         print(f"(built bench data set {directory} in {time.perf_counter() - start:.1f}s)")
     return open_dataset(directory, bytes(BENCH_KEY.verify_key))
+
+
+def free_ports(count: int) -> int:
+    """A base port with base .. base + count − 1 free on 127.0.0.1: a swarm started by a benchmark
+    must not collide with another one on the same machine (default ports 7420+ and 8000)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports found")

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     diloco.add_argument(
         "--inner-steps", type=int, default=100, help="H: inner steps per outer round (production: 500)"
     )
+    diloco.add_argument(
+        "--round-close",
+        choices=("majority", "full"),
+        default="majority",
+        help="majority: a replica stops a round early (after >= 3/4 of H) once most of its stage has "
+        "pushed it; full: always H steps",
+    )
     diloco.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak learning rate")
     diloco.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps of the inner lr")
     diloco.add_argument(
@@ -401,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         network = _start_network(args, wallet, stop, _aggregation_rule(joined), reporting.extensions())
         if network is not None:
             trainer.set_round_finisher(network.finish_round)
+            # Not in a pipeline: its stage 0 must run the steps its next stages expect.
+            if args.stages == 1 and args.round_close == "majority":
+                trainer.close_rounds_when(network.round_closing)
             wrap = work_lies.claim_scaled_delta if args.work_lie == "delta" else None
             reporting.attach(network, trainer, wallet, wrap)
             if args.stages > 1:
@@ -443,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         f"compute utilisation={result.utilisation:.3f} "
         f"({result.inner_seconds:.1f} s of {result.wall_seconds:.1f} s wall in inner steps)"
     )
+    _log(f"time breakdown: {result.breakdown()}")
     return 0
 
 

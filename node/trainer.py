@@ -1,6 +1,8 @@
 """One replica's training loop: batches from its shards, DiLoCo inner steps, outer rounds, checkpoints.
 
-The loop knows nothing of the network. At the end of each round it hands its DiLoCo
+The loop knows nothing of the network. A round ends after H inner steps — or, when the
+caller wired `close_rounds_when` and the stage's majority has already contributed the round,
+after at least EARLY_CLOSE_FRACTION of them. It then hands its DiLoCo
 engine to `finish_round`, which must leave it at the next round's start: normally by
 `outer_step` with the aggregated pseudo-gradient of the stage's replicas, or — for a
 replica that fell behind or disagrees with the majority — by adopting a peer's state.
@@ -10,9 +12,11 @@ A lone node applies its own pseudo-gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,16 @@ from .work import RoundWork
 RoundFinisher = Callable[[DiLoCo], None]
 """Completes a round on the engine: afterwards `diloco.round` has advanced and the model holds θ_{r+1}."""
 
+RoundClosing = Callable[[int], bool]
+"""Whether the stage is already closing round r (PeerNetwork.round_closing): stop and contribute."""
+
+EARLY_CLOSE_FRACTION = 0.75
+"""A replica asked to close its round early does so only after this share of H inner steps. Its Δ
+must still pass validation against the round's median, whose norm-ratio floor is 0.5 (honest
+full-length Δs measured ≥ 0.87, validation.ValidationConfig): a Δ of ¾ of the steps keeps well
+clear of it (Δ grows with the steps, between √ and linearly), while a replica far behind keeps
+training and, if it misses the round, adopts the new state as a late replica does."""
+
 
 def lone_replica(diloco: DiLoCo) -> None:
     """A node alone in its stage applies its own pseudo-gradient."""
@@ -43,7 +57,9 @@ class TrainerConfig:
     seq_len: int = 128
     """Tokens per sequence (≤ the model's max_seq_len)."""
     max_steps: int | None = None
-    """Stop after this many inner steps in total (counted across restarts); None runs until stopped."""
+    """Stop after this many inner steps in total (counted across restarts); None runs until stopped.
+    A round closed early counts as its full H, so the replicas of a stage stop after the same round
+    (this run only: after a restart the steps are counted as done)."""
     checkpoint_every: int = 50
     """Inner steps between checkpoints (a checkpoint is also written after every outer step and on stop)."""
     log_every: int = 10
@@ -71,6 +87,19 @@ class TrainResult:
     """Time spent in inner steps (forward, backward, optimizer) during this run."""
     wall_seconds: float = 0.0
     """Wall time of this run, rounds and checkpoints included."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where the wall time outside inner steps went, by part: data (next batch), round (the round
+    hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (snapshots on this
+    thread and the final write), log (progress lines, the θ hash of the round line). What the
+    parts leave of the wall time is loop bookkeeping."""
+
+    def breakdown(self) -> str:
+        """'inner 51.20 s, round 2.31 s, ...; other 0.10 s': the parts of the wall time."""
+        parts = {"inner": self.inner_seconds, **self.seconds}
+        other = self.wall_seconds - sum(parts.values())
+        return (
+            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items()) + f"; other {other:.2f} s"
+        )
 
     @property
     def utilisation(self) -> float:
@@ -112,6 +141,9 @@ class Trainer:
         self.config = config
         self._log = log
         self._finish_round_hook = finish_round
+        self._round_closing: RoundClosing | None = None
+        self._skipped_steps = 0
+        """Steps of rounds closed early that this run did not do, counted towards max_steps."""
         self._dataset_updates = dataset_updates
         self.wallet_id = wallet_id
         self.dataset = dataset
@@ -155,6 +187,21 @@ class Trainer:
     def set_round_finisher(self, finish_round: RoundFinisher) -> None:
         """Who completes each round from now on (the peer network, once it is up)."""
         self._finish_round_hook = finish_round
+
+    def close_rounds_when(self, closing: RoundClosing | None) -> None:
+        """End a round before H inner steps when `closing(round)` says the stage's majority already
+        contributed it, once EARLY_CLOSE_FRACTION of H is done (None: always H steps)."""
+        self._round_closing = closing
+
+    def _round_done(self) -> bool:
+        d = self.diloco
+        if d.round_complete:
+            return True
+        return (
+            self._round_closing is not None
+            and d.steps_in_round >= math.ceil(EARLY_CLOSE_FRACTION * d.config.inner_steps)
+            and self._round_closing(d.round)
+        )
 
     @property
     def identity(self) -> CheckpointIdentity:
@@ -216,12 +263,21 @@ class Trainer:
         if wait:
             self._writer.flush()
 
-    def _finish_round(self) -> None:
-        self._finish_round_hook(self.diloco)
-        self.work.clear()
-        self._apply_dataset_update()
-        self.save(wait=False)
-        self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
+    def _finish_round(self, seconds: dict[str, float]) -> None:
+        steps, h = self.diloco.steps_in_round, self.diloco.config.inner_steps
+        if steps < h:
+            self._skipped_steps += h - steps
+            self._log(
+                f"round={self.diloco.round} closed early after {steps} of {h} inner steps (the stage's majority pushed)"
+            )
+        with _timed(seconds, "round"):
+            self._finish_round_hook(self.diloco)
+            self.work.clear()
+            self._apply_dataset_update()
+        with _timed(seconds, "checkpoint"):
+            self.save(wait=False)
+        with _timed(seconds, "log"):
+            self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
 
     def run(self, stop: threading.Event) -> TrainResult:
         """Train until `max_steps` or until `stop` is set; always leaves a checkpoint behind."""
@@ -229,12 +285,13 @@ class Trainer:
         result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
         window: list[float] = []
         window_start = run_start = time.perf_counter()
-        while cfg.max_steps is None or self.diloco.step < cfg.max_steps:
+        while cfg.max_steps is None or self.diloco.step + self._skipped_steps < cfg.max_steps:
             if stop.is_set():
                 result.stopped_by_signal = True
                 break
             shard_before = self.batches.shard_id
-            inputs, labels = self.batches.next_batch()
+            with _timed(result.seconds, "data"):
+                inputs, labels = self.batches.next_batch()
             offset = self.batches.position.offset
             self.work.read(self.batches.shard_id, offset - inputs.shape[0], offset)
             if self.batches.shard_id != shard_before:
@@ -250,20 +307,33 @@ class Trainer:
             result.losses.append(loss)
             self.work.losses.append(loss)
             step = self.diloco.step
-            if self.diloco.round_complete:
-                self._finish_round()
+            if self._round_done():
+                self._finish_round(result.seconds)
             elif step % cfg.checkpoint_every == 0:
-                self.save(wait=False)
+                with _timed(result.seconds, "checkpoint"):
+                    self.save(wait=False)
             if step % cfg.log_every == 0:
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = len(window) * self.batches.tokens_per_batch / max(elapsed, 1e-9)
-                self._log(
-                    f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} "
-                    f"lr={self.diloco.current_lr:.2e} tok/s={tokens_per_s:.0f} shard={self.batches.shard_id}"
-                )
+                with _timed(result.seconds, "log"):
+                    self._log(
+                        f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} "
+                        f"lr={self.diloco.current_lr:.2e} tok/s={tokens_per_s:.0f} shard={self.batches.shard_id}"
+                    )
                 window = []
                 window_start = time.perf_counter()
-        self.save()
+        with _timed(result.seconds, "checkpoint"):
+            self.save()
         result.steps, result.rounds = self.diloco.step, self.diloco.round
         result.wall_seconds = time.perf_counter() - run_start
         return result
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], part: str) -> Iterator[None]:
+    """Add the wall time of the block to seconds[part]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - start

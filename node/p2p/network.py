@@ -11,11 +11,22 @@ offers the trainer two blocking calls:
   aggregate and step (or, if late, adopt the peers' new state), then compare θ hashes
   and re-sync from the majority if this replica is in the minority.
 
+and one non-blocking query, ``round_closing(r)``: True once a strict majority of the stage's
+live replicas (this one counted, not yet pushed) have committed to a contribution for round r
+(a validly signed header this replica holds). A replica still in its inner loop then stops early and contributes the
+Δ of the steps it has done, with their token count (issue #4: "slow replicas contribute what
+they have"), instead of making the majority wait for its last steps. The rounds still agree
+exactly: the short Δ is pushed and exchanged like any other, and every replica waits for every
+live peer before it closes the set. A majority, so a minority — attackers pushing at once
+included — cannot cut the honest replicas' rounds short on its own. The trainer decides whether
+it has done enough steps to stop (``Trainer.close_rounds_when``); validation is unchanged.
+
 Wiring in a CLI::
 
     network = PeerNetwork(network_config_from_args(args), wallet, stage=0, log=log, stop=stop)
     network.start()
     trainer = Trainer(..., finish_round=network.finish_round)
+    trainer.close_rounds_when(network.round_closing)
     network.join_state(trainer.diloco)
     try: trainer.run(stop)
     finally: network.stop()
@@ -55,6 +66,17 @@ if TYPE_CHECKING:  # attack code stays out of the honest import path
     from .byzantine import Attacker, Forged
 
 T = TypeVar("T")
+
+
+def majority_pushed(pushed: int, replicas: int) -> bool:
+    """Whether `pushed` other replicas are a strict majority of a stage of `replicas` (this one
+    included, not yet pushed): with 4, all 3 others; with 5, 3 of the 4; never with 2."""
+    return 2 * pushed > replicas
+
+
+MAJORITY_POLL_S = 0.05
+"""How often the loop checks whether a majority pushed the current round: a slow replica stops at
+most this much (plus one inner step) after it could have."""
 
 
 @dataclass(kw_only=True)
@@ -244,6 +266,10 @@ class PeerNetwork:
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._gossip: asyncio.Task[None] | None = None
+        self._majority_watch: asyncio.Task[None] | None = None
+        self._majority_pushed = -1
+        """The latest round a majority of the stage has pushed (written on the loop, read by
+        `round_closing` on the training thread: a plain int)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -298,6 +324,25 @@ class PeerNetwork:
         await web.SockSite(self._runner, sock).start()
         await self._client.start()
         self._gossip = asyncio.create_task(self._gossip_forever())
+        self._majority_watch = asyncio.create_task(self._watch_majority())
+
+    def round_closing(self, round_: int) -> bool:
+        """True once a majority of the stage has pushed round `round_` (module docstring)."""
+        return self._majority_pushed >= round_
+
+    async def _watch_majority(self) -> None:
+        """Track whether a strict majority of the stage's live replicas have pushed the current round.
+        A poll, not a wake-up on `book.changed`: the round driver clears that event for its own waits."""
+        while True:
+            snapshot = self.node.snapshot
+            book = None if snapshot is None else self.node.books.get(snapshot.round)
+            if book is not None and book.round > self._majority_pushed:
+                # Commitments, not payloads: peers reveal only once every live peer has committed
+                # (commit-then-reveal), so a slow replica holds the others' headers long before their Δs.
+                pushed = sum(w != self.wallet.public_key_hex for w in book.committed_from())
+                if majority_pushed(pushed, replicas=len(self._exchange.stage_peers()) + 1):
+                    self._majority_pushed = book.round
+            await asyncio.sleep(MAJORITY_POLL_S)
 
     async def _gossip_forever(self) -> None:
         while True:
@@ -323,9 +368,10 @@ class PeerNetwork:
         self._loop = self._thread = None
 
     async def _shutdown(self) -> None:
-        if self._gossip is not None:
-            self._gossip.cancel()
-            await asyncio.gather(self._gossip, return_exceptions=True)
+        for task in (self._gossip, self._majority_watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self._exchange.close()
         await self._client.close()
         if self._runner is not None:

@@ -252,3 +252,37 @@ def test_network_rule_falls_back_to_the_default_below_its_bound() -> None:
     assert torch.equal(agg.network_rule("krum", 1)(xs), agg.aggregate("default", xs))
     assert [agg.min_contributions(name, 2) for name in ("mean", "trimmed_mean", "multi_krum")] == [1, 5, 7]
     assert agg.min_contributions("nnm+krum", 1) == 5
+
+
+@pytest.mark.parametrize("n", range(1, agg.NETWORK_MEDIAN_MAX_N + 1))
+def test_blocked_median_equals_the_sorted_median(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small blocks, so the 103 columns span several full blocks and a short last one.
+    monkeypatch.setattr(agg, "MEDIAN_BLOCK", 16)
+    gen = torch.Generator().manual_seed(n)
+    xs = torch.randn(n, 103, generator=gen)
+    xs[:, 40:50] = -0.0
+    xs[0, 60], xs[-1, 61] = math.inf, -math.inf
+    xs[0, 90] = math.nan  # its block is sorted instead: NaN sorts last, as in torch.sort
+    ordered = torch.sort(xs, dim=0).values
+    mid = (
+        ordered[n // 2] if n % 2 else ((ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2).float()
+    )
+    out = agg.coordinate_median(xs)
+    torch.testing.assert_close(out, mid, rtol=0, atol=0, equal_nan=True)
+    zeros = out[40:50]
+    assert torch.equal(zeros, torch.zeros(10)) and not torch.signbit(zeros).any()  # +0.0 whatever the order
+    assert torch.equal(agg.coordinate_median(xs.flip(0)).view(torch.int32), out.view(torch.int32))
+
+
+@pytest.mark.parametrize("n", range(3, agg.NETWORK_MEDIAN_MAX_N + 1))
+def test_blocked_trimmed_mean_equals_the_sorted_one(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agg, "MEDIAN_BLOCK", 16)
+    gen = torch.Generator().manual_seed(n)
+    xs = torch.randn(n, 103, generator=gen)
+    xs[0, 60] = math.inf
+    xs[0, 90] = math.nan  # its block is sorted: NaN sorts last and is trimmed
+    f = (n - 1) // 2
+    expected = torch.sort(xs, dim=0).values[f : n - f].mean(dim=0)
+    out = agg.trimmed_mean(xs, f)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    assert torch.equal(agg.trimmed_mean(xs.flip(0), f).view(torch.int32), out.view(torch.int32))

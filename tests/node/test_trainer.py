@@ -168,3 +168,19 @@ def test_restart_after_a_new_publish_resumes_on_the_same_shard(published, tmp_pa
     )
     second = _trainer_on(extended, tmp_path / "ck", 12, [])
     assert (second.batches.shard_id, second.batches.position.offset) == (shard, offset)
+
+
+def test_the_time_breakdown_charges_a_slow_round_hook_to_round(published, tmp_path: Path) -> None:
+    trainer = _trainer(published, tmp_path, 12, [])
+
+    def slow_round(diloco) -> None:  # type: ignore[no-untyped-def]
+        threading.Event().wait(0.2)
+        diloco.outer_step(diloco.pseudo_gradient())
+
+    trainer.set_round_finisher(slow_round)
+    result = trainer.run(threading.Event())
+    assert result.rounds == 2
+    assert 0.4 <= result.seconds["round"] < result.wall_seconds - result.inner_seconds
+    assert set(result.seconds) == {"data", "round", "checkpoint", "log"}
+    other = float(result.breakdown().rsplit("other ", 1)[1].removesuffix(" s"))
+    assert 0 <= other < 0.1 * result.wall_seconds

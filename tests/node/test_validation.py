@@ -202,3 +202,39 @@ def test_reference_median_equals_the_sorted_median_whatever_the_order(n: int) ->
     for perm in (list(range(n)), list(reversed(range(n)))):
         assert torch.equal(robust_reference([rows[i] for i in perm]), expected)
     assert torch.equal(robust_reference(torch.stack(rows)), expected)
+
+
+def test_blocked_statistics_equal_the_float64_formulas(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Blocks of 64 columns over 1,000: the sums run across many blocks and a short last one.
+    monkeypatch.setattr(aggregation, "MEDIAN_BLOCK", 64)
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randn(1000, generator=gen) + 0.3
+    deltas = {f"w{i}": common + 0.5 * torch.randn(1000, generator=gen) for i in range(4)}
+    deltas["copy"] = deltas["w1"] * (1 + 0.03 * torch.randn(1000, generator=gen))
+    verdicts = screen_round(deltas, (1000,))
+    reference = robust_reference(list(deltas.values())).double()
+    for wallet, delta in deltas.items():
+        d = delta.double()
+        stats = verdicts[wallet].stats
+        assert stats["norm"] == pytest.approx(float(d.norm()), rel=1e-12)
+        assert stats["reference_norm"] == pytest.approx(float(reference.norm()), rel=1e-12)
+        assert stats["cosine"] == pytest.approx(
+            float(d @ reference / (d.norm() * reference.norm())), rel=1e-12
+        )
+        expected_var = float(d.var(correction=0) / reference.var(correction=0))
+        assert stats["variance_ratio"] == pytest.approx(expected_var, rel=1e-12)
+    assert sorted(w for w, v in verdicts.items() if not v.ok) == ["copy", "w1"]
+    shuffled = dict(reversed(list(deltas.items())))
+    assert screen_round(shuffled, (1000,)) == verdicts  # the same stats, bit for bit
+
+
+def test_copies_are_told_apart_at_the_tolerance() -> None:
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(10_000, generator=gen, dtype=torch.float64)
+    noise = torch.randn(10_000, generator=gen, dtype=torch.float64)
+    noise -= (noise @ base) / (base @ base) * base  # orthogonal to base
+    noise *= base.norm() / noise.norm()  # and as long
+    # ‖b − a‖ = s·‖a‖ and ‖b‖ = √(1 + s²)·‖a‖: within 5% of max(‖a‖, ‖b‖) iff s ≤ 0.05·√(1 + s²), s ≲ 0.05006.
+    near, far = (base + 0.0500 * noise).float(), (base + 0.0501 * noise).float()
+    assert find_copies({"a": base.float(), "b": near}) == [frozenset({"a", "b"})]
+    assert find_copies({"a": base.float(), "b": far}) == []

@@ -6,6 +6,7 @@ them; only the process boundary is missing (test_swarm.py has that).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -17,9 +18,9 @@ import torch
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork, majority_pushed
 from neuroshard.node.p2p.rounds import AggregationRule, RoundReport, ordered_mean
-from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
+from neuroshard.node.trainer import EARLY_CLOSE_FRACTION, Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
@@ -90,6 +91,7 @@ class Swarm:
         hook: Hook | None = None,
         rule: AggregationRule = ordered_mean,
         diloco: DiLoCoConfig = DILOCO,
+        close_early: bool = False,
         **config: object,
     ) -> Replica:
         index = len(self.replicas)
@@ -127,6 +129,8 @@ class Swarm:
             log=lines.append,
             finish_round=finish,
         )
+        if close_early:
+            trainer.close_rounds_when(network.round_closing)
         replica = Replica(index, wallet, network, trainer, stop, lines)
         replica_ref.append(replica)
         self.replicas.append(replica)
@@ -200,6 +204,40 @@ def test_three_replicas_agree_every_round(swarm) -> None:
         assert sorted(book.reveals) == wallets
         assert all(sorted(reveal.holds()) == wallets for reveal in book.reveals.values())
         assert book.reveals == books[0].reveals
+
+
+def test_a_slow_replica_closes_its_round_early_once_the_majority_pushed(swarm) -> None:
+    steps: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def record(replica: Replica, diloco: DiLoCo) -> None:
+        steps[replica.index].append(diloco.steps_in_round)
+        replica.network.finish_round(diloco)
+
+    # The same max_steps: a round closed early counts as H, so the slow replica stops after round 1 too.
+    replicas = [swarm.add(max_steps=2 * H, hook=record, close_early=True) for _ in range(3)]
+    slow = replicas[2]
+    inner_step = slow.trainer.diloco.inner_step
+
+    def slow_step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        time.sleep(0.5)  # the two others push each round while this one is in its first steps
+        return inner_step(inputs, labels)
+
+    slow.trainer.diloco.inner_step = slow_step  # type: ignore[method-assign]
+    swarm.join_all_and_wait_for_discovery()
+    for r in replicas:
+        r.start()
+    _join_threads(replicas, 60.0)
+    short = math.ceil(EARLY_CLOSE_FRACTION * H)
+    assert steps == {0: [H, H], 1: [H, H], 2: [short, short]}
+    wallets = sorted(r.key for r in replicas)
+    for round_ in range(2):
+        reports = [r.reports()[round_] for r in replicas]
+        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
+        for rep in reports:  # the short Δ is screened like the others and accepted
+            assert list(rep.accepted) == wallets and rep.rejected == () and not rep.late
+    thetas = [r.trainer.diloco.theta_round.detach() for r in replicas]
+    assert all(torch.equal(thetas[0], t) for t in thetas[1:])
+    assert slow.result is not None and (slow.result.steps, slow.result.rounds) == (2 * short, 2)
 
 
 def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
@@ -333,3 +371,15 @@ def test_a_node_started_later_joins_by_state_sync(swarm) -> None:
         if w == joiner.key
     ]
     assert refused == [], refused
+
+
+@pytest.mark.parametrize(
+    ("pushed", "replicas", "closing"),
+    [(1, 2, False), (1, 3, False), (2, 3, True), (2, 4, False), (3, 4, True), (2, 5, False), (3, 5, True)],
+)
+def test_only_a_strict_majority_of_the_stage_closes_a_round_early(
+    pushed: int, replicas: int, closing: bool
+) -> None:
+    # With 4 replicas, one attacker pushing at once plus one fast honest replica (2 of 4) is not
+    # enough to cut the other two honest replicas' rounds short.
+    assert majority_pushed(pushed, replicas) is closing

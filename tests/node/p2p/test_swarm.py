@@ -6,6 +6,7 @@ training, dominate the run time.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -143,8 +144,9 @@ def test_swarm_agrees_every_round_and_survives_a_sigkilled_node(published, tmp_p
     assert sorted(agreed) == list(range(rounds)), text[-3000:]
     assert agreed[0] == agreed[1] == (3, 3)
     assert agreed[rounds - 1] == (2, 2)
-    for node in (0, 1):
-        assert f"[{node}] done at step={rounds * h} round={rounds}" in text
+    for node in (0, 1):  # a round closed early (--round-close majority) counts as h steps
+        done = re.search(rf"^\[{node}\] done at step=(\d+) round={rounds};", text, re.MULTILINE)
+        assert done is not None and rounds * math.ceil(0.75 * h) <= int(done.group(1)) <= rounds * h
 
 
 @pytest.mark.slow

@@ -36,9 +36,10 @@ def run_swarm(published, home: Path, attack: str) -> list[str]:  # type: ignore[
         # The default warm-up (30 steps, longer than the run's first rounds): a node that starts
         # last and joins by state sync continues the network's lr schedule (DiLoCo.schedule_step),
         # so its first Δ is no shorter than the others' and is not refused as a free rider.
+        # Full rounds: the loss check below reads one progress line per round (--log-every H).
         node_args=(
             "--model-size", "micro", "--batch-size", "2", "--seq-len", "32", "--log-every", str(H),
-            "--min-peers", str(NODES - 1),
+            "--min-peers", str(NODES - 1), "--round-close", "full",
         ),
     )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
