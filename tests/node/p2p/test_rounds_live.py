@@ -6,6 +6,8 @@ them; only the process boundary is missing (test_swarm.py has that).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -18,8 +20,12 @@ import torch
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.p2p import wire
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.p2p.codec import sha256_hex
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork, majority_pushed
-from neuroshard.node.p2p.rounds import AggregationRule, RoundReport, ordered_mean
+from neuroshard.node.p2p.peers import PeerEntry
+from neuroshard.node.p2p.rounds import AggregationRule, Contribution, RoundReport, ordered_mean
 from neuroshard.node.trainer import EARLY_CLOSE_FRACTION, Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet
 
@@ -262,6 +268,73 @@ def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
         ra, rb = a.reports()[round_], b.reports()[round_]
         assert ra.theta_hash == rb.theta_hash
         assert list(ra.accepted) == list(rb.accepted) == survivors
+
+
+def test_a_replica_killed_mid_upload_does_not_stop_the_others(swarm) -> None:
+    """The dying replica's payload upload stops half way: its TCP connection is reset after half
+    the body, as when the process is SIGKILLed during the POST, and the replica is gone at once.
+    The peers must refuse the torn body without a change of state and finish the round."""
+    rounds = 3
+    a, b = swarm.add(max_steps=rounds * H), swarm.add(max_steps=rounds * H)
+    torn: list[str] = []
+    all_torn = threading.Event()
+
+    async def torn_push(peer: PeerEntry, own: Contribution, reveal: wire.Reveal) -> None:
+        exchange = dying.network._exchange
+        await exchange.call(  # the reveal goes through whole: the peers now want the payload
+            peer, "POST", wire.REVEAL, body=reveal.to_json(), max_bytes=0,
+            timeout_s=exchange.timings.control_timeout_s,
+        )  # fmt: skip
+        body = own.payload
+        head = {
+            wire.CONTRIBUTION_HEADER: own.header.to_json().decode(),
+            **sign_request(dying.wallet, "POST", wire.CONTRIBUTION, body, time.time()),
+            "Host": peer.address,
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(len(body)),
+        }
+        host, port = peer.address.rsplit(":", 1)
+        _, writer = await asyncio.open_connection(host, int(port))
+        request = f"POST {wire.CONTRIBUTION} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        writer.write(request.encode() + b"\r\n" + body[: len(body) // 2])
+        await writer.drain()
+        writer.transport.abort()  # killed: a reset, no more bytes
+        torn.append(peer.wallet)
+        if len(torn) == 2:
+            all_torn.set()
+
+    def die_uploading_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
+        if diloco.round != 1:
+            replica.network.finish_round(diloco)
+            return
+        replica.network._exchange._push = torn_push  # type: ignore[method-assign]
+        def doomed_round() -> None:
+            with contextlib.suppress(Exception):  # the replica dies under it: what it raises is moot
+                replica.network.finish_round(diloco)
+
+        threading.Thread(target=doomed_round, daemon=True).start()
+        assert all_torn.wait(30.0), "the round never reached the upload"
+        replica.network.stop()  # the process is gone: its port refuses connections
+        raise SystemExit("killed mid-upload")
+
+    dying = swarm.add(max_steps=rounds * H, hook=die_uploading_in_round_1)
+    swarm.join_all_and_wait_for_discovery()
+    for r in (a, b, dying):
+        r.start()
+    _join_threads([a, b], 60.0)
+    assert isinstance(dying.error, SystemExit) and sorted(torn) == sorted([a.key, b.key])
+    survivors = sorted([a.key, b.key])
+    for round_ in range(rounds):
+        ra, rb = a.reports()[round_], b.reports()[round_]
+        assert ra.theta_hash == rb.theta_hash, f"round {round_} diverged"
+        assert list(ra.accepted) == list(rb.accepted)
+    # Round 1: the torn bodies were never taken; its Δ counts only if a peer pulled it whole from the
+    # dying replica before it went (both then hold the same signed bytes). Round 2: without it.
+    assert set(a.reports()[1].accepted) >= set(survivors)
+    assert list(a.reports()[2].accepted) == survivors
+    for replica in (a, b):
+        held = replica.network.node.books[1].accepted.get(dying.key)
+        assert held is None or held.header.payload_sha256 == sha256_hex(held.payload)
 
 
 def test_a_slow_replica_is_late_adopts_the_new_state_and_rejoins(swarm) -> None:
