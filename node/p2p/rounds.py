@@ -18,9 +18,9 @@ before its payload: commit-then-reveal (exchange.py). Its payload is taken only 
 with the contributor's signed `Reveal` (`reveals`), the commitments it held before it
 started serving the payload. A second, different, validly signed reveal of a wallet is
 equivocation too (409): the first reveal stands for this round, both are kept as the proof,
-and the wallet is banned from later rounds like a header equivocator (screening.new_bans). Payload checks (sha256, safetensors layout, finite values)
-follow in the caller; a payload whose bytes match the signed sha256 but do not decode is
-recorded too.
+and the wallet is banned from later rounds like a header equivocator (screening.new_bans).
+Payload checks (sha256, safetensors layout, finite values) follow in the caller; a payload
+whose bytes match the signed sha256 but do not decode is recorded too.
 
 Aggregation takes the accepted contributions sorted by wallet and applies the pluggable
 rule, so honest replicas holding the same set compute bit-identical results.
