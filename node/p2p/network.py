@@ -622,7 +622,7 @@ class PeerNetwork:
         """Ban the proven equivocators (screening.new_bans), read on the loop that fills the books."""
         for wallet, reason in new_bans(self.node.books, self.banned).items():
             self.banned[wallet] = reason
-            self._log(f"wallet {wallet[:12]} banned: signed two contributions ({reason})")
+            self._log(f"wallet {wallet[:12]} banned: {reason}")
 
     def _stack_buffer(self, n: int, numel: int) -> torch.Tensor:
         """The (n, d) aggregation input, kept across rounds: at 4 × 29.5M values a fresh stack costs
@@ -649,7 +649,7 @@ class PeerNetwork:
         if book is None:
             return (), (), None
         rejected = tuple(sorted((w, rej.reason) for w, rej in book.rejected.items()))
-        return rejected, tuple(sorted(book.equivocators)), book.revealed_at
+        return rejected, tuple(sorted(book.proven_equivocators())), book.revealed_at
 
     def _check_hash(self, diloco: DiLoCo, participants: tuple[str, ...]) -> tuple[str | None, int, int]:
         """Compare θ hashes with the peers after the round; adopt the majority's state if ours lost.

@@ -16,9 +16,11 @@ same rules apply however a contribution arrives:
 A header that passes 1–3 is the wallet's *commitment* for the round (`committed`), held
 before its payload: commit-then-reveal (exchange.py). Its payload is taken only together
 with the contributor's signed `Reveal` (`reveals`), the commitments it held before it
-started serving the payload. Payload checks (sha256, safetensors layout, finite values)
-follow in the caller; a payload whose bytes match the signed sha256 but do not decode is
-recorded too.
+started serving the payload. A second, different, validly signed reveal of a wallet is
+equivocation too (409): the first reveal stands for this round, both are kept as the proof,
+and the wallet is banned from later rounds like a header equivocator (screening.new_bans).
+Payload checks (sha256, safetensors layout, finite values) follow in the caller; a payload
+whose bytes match the signed sha256 but do not decode is recorded too.
 
 Aggregation takes the accepted contributions sorted by wallet and applies the pluggable
 rule, so honest replicas holding the same set compute bit-identical results.
@@ -92,6 +94,8 @@ class RoundBook:
         self.accepted: dict[str, Contribution] = {}
         self.rejected: dict[str, Rejection] = {}
         self.equivocators: dict[str, tuple[ContributionHeader, ContributionHeader]] = {}
+        self.reveal_equivocators: dict[str, tuple[Reveal, Reveal]] = {}
+        """Wallet -> two different reveals it signed for this round (the first one stands)."""
         self.aggregated: tuple[str, ...] | None = None
         """Set when this replica closed the round: the wallets it aggregated, sorted."""
         self.changed = asyncio.Event()
@@ -116,6 +120,10 @@ class RoundBook:
     def heard_from(self) -> set[str]:
         """Wallets this replica has a decision on (accepted, rejected or equivocated)."""
         return set(self.accepted) | set(self.rejected) | set(self.equivocators)
+
+    def proven_equivocators(self) -> set[str]:
+        """Wallets this book holds two signed, different statements of: headers or reveals."""
+        return set(self.equivocators) | set(self.reveal_equivocators)
 
     def committed_from(self) -> set[str]:
         """Wallets whose commitment this replica holds (equivocators included: they committed twice)."""
@@ -222,11 +230,16 @@ class RoundBook:
 
     def add_reveal(self, reveal: Reveal) -> bool:
         """Hold a contributor's reveal statement whose contribution header passed `admit`; True if new.
-        A second, different reveal of the same wallet is refused (409): the first one seen stands."""
+        A second, different reveal of the same wallet is refused (409): the first one seen stands,
+        and if the second is validly signed over other content the wallet is recorded as an
+        equivocator (a re-signature of the same content proves nothing)."""
         held = self.reveals.get(reveal.wallet)
         if held == reveal:
             return False
         if held is not None:
+            if held.signing_bytes() != reveal.signing_bytes() and reveal.signature_valid():
+                self.reveal_equivocators.setdefault(reveal.wallet, (held, reveal))
+                self.changed.set()
             raise Rejected(
                 409,
                 "reveal_conflict",

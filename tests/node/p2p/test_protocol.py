@@ -532,6 +532,34 @@ async def test_bad_reveals_are_refused_and_change_nothing(served, wallets, make_
 
 
 @pytest.mark.asyncio
+async def test_two_signed_reveals_of_one_wallet_are_equivocation(served, wallets, make_contribution) -> None:
+    from neuroshard.node.p2p.screening import new_bans
+
+    header, payload = make_contribution(wallets[1])
+    other, _ = make_contribution(wallets[2], seed=2)
+    assert await served.push(wallets[1], header, payload) == (204, "")
+    book = served.node.books[ROUND]
+    w = wallets[1].public_key_hex
+    first = book.reveals[w]
+    # Tampered after signing: no proof of anything, refused before the book sees it.
+    forged = json.loads(first.to_json()) | {
+        "held": json.loads(_reveal(wallets[1], header, other).to_json())["held"]
+    }
+    status, _, reply = await served.send(wallets[1], "POST", wire.REVEAL, json.dumps(forged).encode())
+    assert status == 422 and _error(status, reply).startswith("bad_reveal_signature")
+    assert book.reveal_equivocators == {} and new_bans(served.node.books, {}) == {}
+    # Validly signed over another list: refused, the first stands, and the wallet is proven to lie.
+    second = _reveal(wallets[1], header, other)
+    status, _, reply = await served.send(wallets[1], "POST", wire.REVEAL, second.to_json())
+    assert status == 409 and _error(status, reply).startswith("reveal_conflict")
+    assert book.reveals[w] == first and w in book.accepted
+    assert book.reveal_equivocators == {w: (first, second)} and book.proven_equivocators() == {w}
+    assert new_bans(served.node.books, {}) == {w: f"equivocated in round {ROUND} (two reveals)"}
+    # Sending the first again is a duplicate, not a conflict.
+    assert await served.reveal(header) == (204, "")
+
+
+@pytest.mark.asyncio
 async def test_reveal_of_a_second_header_is_equivocation(served, wallets, make_contribution) -> None:
     committed, _ = make_contribution(wallets[1], seed=1)
     served.node.commit(committed)  # as a digest would have brought it in the commit phase
