@@ -308,6 +308,7 @@ def test_a_replica_killed_mid_upload_does_not_stop_the_others(swarm) -> None:
             replica.network.finish_round(diloco)
             return
         replica.network._exchange._push = torn_push  # type: ignore[method-assign]
+
         def doomed_round() -> None:
             with contextlib.suppress(Exception):  # the replica dies under it: what it raises is moot
                 replica.network.finish_round(diloco)
