@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--batch-size", type=int, default=8, help="sequences per inner step")
     model.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     model.add_argument(
-        "--max-steps", type=int, help="stop after this many inner steps in total (default: run until Ctrl-C)"
+        "--max-steps",
+        type=int,
+        help="stop once the network reaches this inner step, round x H + steps in the round (default: run until Ctrl-C)",
     )
     model.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
 

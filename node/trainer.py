@@ -57,9 +57,11 @@ class TrainerConfig:
     seq_len: int = 128
     """Tokens per sequence (≤ the model's max_seq_len)."""
     max_steps: int | None = None
-    """Stop after this many inner steps in total (counted across restarts); None runs until stopped.
-    A round closed early counts as its full H, so the replicas of a stage stop after the same round
-    (this run only: after a restart the steps are counted as done)."""
+    """Stop once the network's inner step (`DiLoCo.schedule_step`: round × H + steps in the round)
+    reaches this; None runs until stopped. A function of the round, not of this replica's own
+    count: a round closed early counts as its full H and a replica that adopted a later round's
+    state (joined, late) is as far as its peers, so the replicas of a stage stop after the same
+    round, across restarts too."""
     checkpoint_every: int = 50
     """Inner steps between checkpoints (a checkpoint is also written after every outer step and on stop)."""
     log_every: int = 10
@@ -142,8 +144,6 @@ class Trainer:
         self._log = log
         self._finish_round_hook = finish_round
         self._round_closing: RoundClosing | None = None
-        self._skipped_steps = 0
-        """Steps of rounds closed early that this run did not do, counted towards max_steps."""
         self._dataset_updates = dataset_updates
         self.wallet_id = wallet_id
         self.dataset = dataset
@@ -266,7 +266,6 @@ class Trainer:
     def _finish_round(self, seconds: dict[str, float]) -> None:
         steps, h = self.diloco.steps_in_round, self.diloco.config.inner_steps
         if steps < h:
-            self._skipped_steps += h - steps
             self._log(
                 f"round={self.diloco.round} closed early after {steps} of {h} inner steps (the stage's majority pushed)"
             )
@@ -285,7 +284,7 @@ class Trainer:
         result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
         window: list[float] = []
         window_start = run_start = time.perf_counter()
-        while cfg.max_steps is None or self.diloco.step + self._skipped_steps < cfg.max_steps:
+        while cfg.max_steps is None or self.diloco.schedule_step < cfg.max_steps:
             if stop.is_set():
                 result.stopped_by_signal = True
                 break
