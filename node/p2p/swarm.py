@@ -160,6 +160,9 @@ def node_argv(
         "--encoding", args.encoding,
         "--round-timeout", str(args.round_timeout),
         *(["--stages", str(args.stages), "--stage", str(node.stage)] if args.stages > 1 else []),
+        # Launched together, the replicas of a stage start round 0 together: without the wait, one
+        # that starts a moment late finds round 0 under way and joins by state sync instead.
+        "--min-peers", str(sum(i % args.stages == node.stage for i in range(args.nodes)) - 1),
         *_attack_flags(args, node),
         *extra,
     ]  # fmt: skip
