@@ -1,11 +1,12 @@
-"""Peer network: sync traffic per round against synchronous data parallel, and outer-round latency.
+"""Peer network: sync traffic per round against synchronous data parallel, and outer-round latency,
+for several stage sizes (the partitioned round: a node's bytes should not grow with n).
 
 Replicas are real `PeerNetwork`s on loopback — each in its own process with its own event
 loop, aiohttp server, client and sockets — around real DiLoCo engines of one stage.
 Training is not what is measured: before each round every replica moves its weights by a
 seeded random step (a stand-in for H inner steps), then all replicas call `finish_round`
-at once and we time that call: encode Δ, push, digests, pulls, decode, aggregate, outer
-step, publish, hash vote.
+at once and we time that call: commit, scatter, reduce the owned part, gather, check,
+digests, outer step, publish, hash vote.
 
 Traffic is counted at the HTTP layer (bodies, request/status lines and headers; TCP/IP
 framing not counted), summed over what a node's client sent and what its server answered.
@@ -16,13 +17,14 @@ per step, ≈ 8·d for large n. Per round of H steps that is H times as much.
 The int8 error is measured on a real pseudo-gradient: the tiny model trained for one round
 of H_real inner steps on the bench text.
 
-    .venv/bin/python bench/bench_network.py                       # small model (29.5M), 4 replicas, int8
-    .venv/bin/python bench/bench_network.py --encoding fp16
+    .venv/bin/python bench/bench_network.py --model tiny --replicas 4,8,16,24 --json
+    .venv/bin/python bench/bench_network.py --quick        # CI: tiny model, n = 3, 2 rounds
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import statistics
 import tempfile
@@ -78,7 +80,9 @@ def fake_inner_steps(diloco: DiLoCo, seed: int, h: int) -> None:
     diloco.steps_in_round = h
 
 
-def replica_process(index: int, args: argparse.Namespace, bootstrap: str | None, conn: Connection) -> None:
+def replica_process(
+    index: int, args: argparse.Namespace, bootstrap: str | None, conn: Connection, replicas: int
+) -> None:
     """One replica in its own process, as on a real network: its own interpreter, heap and loop."""
     torch.set_num_threads(args.threads)
     config = NetworkConfig(
@@ -94,14 +98,13 @@ def replica_process(index: int, args: argparse.Namespace, bootstrap: str | None,
     model_cfg = ModelConfig.named(args.model, vocab_size=args.vocab)
     diloco = DiLoCo(build_stage(model_cfg, 0, 1), DiLoCoConfig(inner_steps=args.inner_steps, warmup_steps=1))
     network.join_state(diloco)
-    while len(network.live_peers()) < args.replicas - 1:
+    while len(network.live_peers()) < replicas - 1:
         time.sleep(0.1)
     conn.send("ready")
     try:
         while (command := conn.recv()) != "stop":
             fake_inner_steps(diloco, seed=1000 * command + index, h=args.inner_steps)
             client, server = network.traffic()
-            duplicates = network.node.duplicates  # an int written on the loop thread: a plain read is fine
             conn.send("prepared")
             conn.recv()  # "go": every replica enters finish_round at the same moment
             start = time.perf_counter()
@@ -109,36 +112,21 @@ def replica_process(index: int, args: argparse.Namespace, bootstrap: str | None,
             seconds = time.perf_counter() - start
             client2, server2 = network.traffic()
             sent = client2.bytes_sent + server2.bytes_sent - client.bytes_sent - server.bytes_sent
-            extra = network.node.duplicates - duplicates
-            conn.send((seconds, sent, diloco.weights_hash(), network.reports[-1], extra))
+            received = (
+                client2.bytes_received
+                + server2.bytes_received
+                - client.bytes_received
+                - server.bytes_received
+            )
+            messages = client2.requests - client.requests
+            conn.send((seconds, sent, diloco.weights_hash(), network.reports[-1], received, messages))
     finally:
         network.stop()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
-    p.add_argument("--model", default="small", help="named model size of the stage")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--encoding", default="int8", choices=["int8", "fp16"])
-    p.add_argument("--inner-steps", type=int, default=500, help="H for the data-parallel comparison")
-    p.add_argument(
-        "--real-delta-steps", type=int, default=100, help="H of the real Δ the int8 error is measured on"
-    )
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch threads (the replicas share this machine's cores)"
-    )
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-
-    delta = real_pseudo_gradient(args.real_delta_steps)
-    print(
-        f"int8 relative L2 error on a real Δ (tiny model, {delta.numel():,} values, H={args.real_delta_steps}): "
-        f"{int8_relative_error(delta):.5f}"
-    )
-
-    n, h = args.replicas, args.inner_steps
+def measure(n: int, args: argparse.Namespace) -> dict[str, float]:
+    """Start n replica processes, run the rounds, return this stage size's figures."""
+    h = args.inner_steps
     model_cfg = ModelConfig.named(args.model, vocab_size=args.vocab)
     d = model_cfg.num_params()
     payload = len(encode_delta(torch.zeros(d), args.encoding))
@@ -147,7 +135,7 @@ def main() -> None:
     bootstrap = None
     for i in range(n):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=replica_process, args=(i, args, bootstrap, child), daemon=True)
+        proc = ctx.Process(target=replica_process, args=(i, args, bootstrap, child, n), daemon=True)
         proc.start()
         conns.append(parent)
         procs.append(proc)
@@ -156,7 +144,9 @@ def main() -> None:
     for conn in conns:
         assert conn.recv() == "ready"
     latencies: list[float] = []
-    traffic: list[int] = []
+    sent: list[int] = []
+    received: list[int] = []
+    messages: list[int] = []
     try:
         for r in range(args.rounds + 1):  # round 0 warms up: first connections, first allocations
             for conn in conns:
@@ -170,47 +160,94 @@ def main() -> None:
             if len(hashes) != 1 or any(len(result[3].accepted) != n for result in results):
                 raise RuntimeError(f"round {r} did not agree: {[result[3].line() for result in results]}")
             seconds = [result[0] for result in results]
-            sent_bytes = [result[1] for result in results]
-            duplicates = sum(result[4] for result in results)
             phases = results[0][3]
             print(
-                f"round {r}{' (warm-up)' if r == 0 else ''}: finish_round {min(seconds):.2f}-{max(seconds):.2f} s "
+                f"n={n} round {r}{' (warm-up)' if r == 0 else ''}: finish_round {min(seconds):.2f}-{max(seconds):.2f} s "
                 f"(replica 0: exchange {phases.exchange_s:.2f}, step {phases.step_s:.2f}, vote {phases.vote_s:.2f}); "
-                f"sent per node {statistics.mean(sent_bytes) / 1e6:.2f} MB; "
-                f"payloads received twice: {duplicates}"
+                f"per node: sent {statistics.mean(x[1] for x in results) / 1e6:.2f} MB, "
+                f"received {statistics.mean(x[4] for x in results) / 1e6:.2f} MB, "
+                f"{statistics.mean(x[5] for x in results):.0f} requests",
+                flush=True,
             )
             if r > 0:
                 latencies += seconds
-                traffic += sent_bytes
+                sent += [x[1] for x in results]
+                received += [x[4] for x in results]
+                messages += [x[5] for x in results]
     finally:
         for conn in conns:
             conn.send("stop")
         for proc in procs:
             proc.join(timeout=30)
-
-    ours = statistics.mean(traffic)
+    ours = statistics.median(sent)
     ring = 2 * (n - 1) / n * 4 * d * h
-    simple = 2 * 4 * d * h
+    return {
+        "replicas": n,
+        "params": d,
+        "payload_bytes": payload,
+        "bytes_sent_per_node": ours,
+        "bytes_received_per_node": statistics.median(received),
+        "messages_per_node": statistics.median(messages),
+        "round_seconds_median": statistics.median(latencies),
+        "round_seconds_max": max(latencies),
+        "dp_ratio_h500": 2 * (n - 1) / n * 4 * d * 500 / ours,
+        f"dp_ratio_h{h}": ring / ours,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", default="4", help="stage sizes to measure, comma-separated (e.g. 4,8,16,24)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds per stage size (after one warm-up round)"
+    )
+    p.add_argument("--model", default="tiny", help="named model size of the stage")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--encoding", default="int8", choices=["int8", "fp16"])
+    p.add_argument("--inner-steps", type=int, default=500, help="H for the data-parallel comparison")
+    p.add_argument(
+        "--real-delta-steps", type=int, default=0, help="H of a real Δ to measure the int8 error on (0: skip)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the replicas share this machine's cores)"
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
+    p.add_argument("--quick", action="store_true", help="CI: tiny model, 3 replicas, 1 timed round")
+    args = p.parse_args()
+    if args.quick:
+        args.replicas, args.rounds, args.model = "3", 1, "tiny"
+    torch.set_num_threads(args.threads)
+
+    if args.real_delta_steps:
+        delta = real_pseudo_gradient(args.real_delta_steps)
+        print(
+            f"int8 relative L2 error on a real Δ (tiny model, {delta.numel():,} values, H={args.real_delta_steps}): "
+            f"{int8_relative_error(delta):.5f}"
+        )
+    sizes = [int(x) for x in args.replicas.split(",") if x.strip()]
+    rows = [measure(n, args) for n in sizes]
+    d, payload = rows[0]["params"], rows[0]["payload_bytes"]
     print()
+    print(f"stage: {args.model} model, d = {d:,} parameters; Δ {args.encoding} payload {payload / 1e6:.2f} MB; "
+          f"loopback, one process per replica, {args.threads} torch thread(s) each")  # fmt: skip
+    print(f"{'n':>4} {'sent/node MB':>13} {'recv/node MB':>13} {'requests/node':>14} {'round s (median)':>17} "
+          f"{'vs n=' + str(sizes[0]):>8} {'DP ratio H=500':>15}")  # fmt: skip
+    for row in rows:
+        print(
+            f"{row['replicas']:>4} {row['bytes_sent_per_node'] / 1e6:>13.2f} {row['bytes_received_per_node'] / 1e6:>13.2f} "
+            f"{row['messages_per_node']:>14.0f} {row['round_seconds_median']:>17.2f} "
+            f"{row['bytes_sent_per_node'] / rows[0]['bytes_sent_per_node']:>7.2f}x {row['dp_ratio_h500']:>14,.0f}x"
+        )
     print(
-        f"stage: {args.model} model, d = {d:,} parameters; {n} replicas; Δ {args.encoding} payload {payload / 1e6:.2f} MB"
+        "DP ratio: a ring all-reduce of fp32 gradients, 2(n-1)/n * 4d bytes sent per node per step, x 500 steps,"
     )
     print(
-        f"outer-round latency (finish_round, loopback, {n} replica processes, {args.threads} torch thread(s) each):"
+        "over the bytes a node sends per round here (its parts to their owners, its aggregate to every replica, checks)."
     )
-    print(
-        f"  median {statistics.median(latencies):.2f} s, min {min(latencies):.2f} s, max {max(latencies):.2f} s over {len(latencies)} calls"
-    )
-    print("sync traffic per node per round:")
-    print(
-        f"  ours, measured:                       {ours / 1e6:10.2f} MB  ({ours / payload:.2f} payloads; payload share {(n - 1) * payload / ours:.1%})"
-    )
-    print(
-        f"  data parallel, ring 2(n-1)/n*4d * H:  {ring / 1e6:10.2f} MB  (H={h})  -> {ring / ours:,.0f}x ours"
-    )
-    print(
-        f"  data parallel, 2*4d * H (large n):    {simple / 1e6:10.2f} MB  (H={h})  -> {simple / ours:,.0f}x ours"
-    )
+    if args.json:
+        print(json.dumps({"model": args.model, "encoding": args.encoding, "rows": rows,
+                          **{k: rows[-1][k] for k in ("replicas", "bytes_sent_per_node", "bytes_received_per_node",
+                                                      "round_seconds_median", "dp_ratio_h500")}}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Traffic is counted at the HTTP layer (bodies, request/status lines, headers), by
 by each node (its client's requests plus its server's replies), as in bench_network.py:
 
 - pipeline, driver: the hidden states it sent (client); stage 1: the gradients it answered.
-- sync: everything else the node sent (pushes, pulls, digests, statuses, peer lists).
+- sync: everything else the node sent (the round's objects served and fetched, statuses, peer lists).
 
 Synchronous data parallel over the same 2 data streams all-reduces the whole model's fp32
 gradient every step; a ring all-reduce with n = 2 sends 2·(n−1)/n·4·d = 4·d bytes per node

@@ -1,13 +1,16 @@
 """Every attack on the real wire: 4 honest `neuroshard-node` processes + 1 `--attack NAME`.
 
-For each attack this runs `neuroshard-swarm --nodes 5 --byzantine 1 --attack NAME` (signed
-protocol, int8, screening + the default robust rule) and reads the round lines: in how many
-honest round records the attacker was refused (and with which reason), how many honest
-contributions were refused, whether the honest replicas agreed on θ every round, and their
-loss in the first and last round — next to a clean run of the 4 honest nodes alone.
+For each attack this runs `neuroshard-swarm --nodes 5 --byzantine 1 --attack NAME` (the
+partitioned round over signed HTTP, int8, per-part screening + the default robust rule) and
+reads the round lines: in how many honest round records the attacker was refused (and with
+which reason: a part's screening verdict, a refused commitment, a proven cheat), how many
+honest contributions were refused, whether the honest replicas agreed on θ every round, and
+their loss in the first and last round — next to a clean run of the 4 honest nodes alone.
+copy, equivocate and nan are not mounted in the partitioned round (node/p2p/byzantine.py):
+their attacker sends its honest Δ.
 
     .venv/bin/python bench/bench_swarm_attacks.py [--rounds 5] [--inner-steps 20] [--attacks sign_flip,scale]
-    .venv/bin/python bench/bench_swarm_attacks.py --rounds 1 --repeat 5 --attacks equivocate --no-clean  # round 0 only
+    .venv/bin/python bench/bench_swarm_attacks.py --rounds 1 --repeat 5 --attacks sign_flip --no-clean  # round 0 only
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from neuroshard.node.wallet import Wallet
 ROUND = re.compile(r"^\[(\d+)\] p2p round=(\d+) (.*)$")
 LOSS = re.compile(r"^\[(\d+)\] step=\d+ round=\d+ loss=([0-9.]+) ")
 EXCHANGE = re.compile(r"exchange ([0-9.]+)(?: \(commit ([0-9.]+)\))?")
-"""The round line's exchange seconds and, since commit-then-reveal, the commit phase's share."""
+"""The round line's exchange seconds (the whole partitioned round) and the commit phase's share."""
 AGREE = re.compile(r"^\[swarm\] round \d+: (\d+)/(\d+) (?:honest )?nodes agree")
 
 
@@ -66,7 +69,8 @@ def summarise(lines: list[str], bad: str | None, rounds: int) -> str:
     for text in aggregated:
         if bad is None:
             continue
-        if m := re.search(rf"rejected {bad}: ([a-z_0-9]+)", text):
+        # A screening verdict names the part it was reached on: "part 3: norm_ratio: ...".
+        if m := re.search(rf"rejected {bad}: (?:part \d+: )?([a-z_0-9]+)", text):
             caught[m[1]] += 1
         elif f"equivocator {bad}" in text:
             caught["equivocation"] += 1

@@ -24,7 +24,7 @@ UTILISATION = re.compile(r"^\[(\d+)\] compute utilisation=([0-9.]+) \(([0-9.]+) 
 BREAKDOWN = re.compile(r"^\[(\d+)\] time breakdown: (.*)$")
 PART = re.compile(r"(\w+) (-?[0-9.]+) s")
 ROUND = re.compile(
-    # "exchange 0.17 (commit 0.05)": the commit phase's share of the exchange (commit-then-reveal)
+    # "exchange 0.17 (commit 0.05)": the commit phase's share of the partitioned round
     r"^\[(\d+)\] p2p round=(\d+) .*\(([0-9.]+) s: exchange ([0-9.]+)(?: \(commit [0-9.]+\))?, "
     r"step ([0-9.]+), vote ([0-9.]+)\)"
 )

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("majority", "full"),
         default="majority",
         help="majority: a replica stops a round early (after >= 3/4 of H) once most of its stage has "
-        "pushed it; full: always H steps",
+        "committed to it (not ported to the partitioned round yet: H steps for now); full: always H steps",
     )
     diloco.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak learning rate")
     diloco.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps of the inner lr")

@@ -253,8 +253,8 @@ def find_copies(deltas_by_wallet: Mapping[str, Tensor], tolerance: float = 0.05)
     Closeness is ‖a − b‖ ≤ tolerance·max(‖a‖, ‖b‖), grouped transitively. All-zero Δs are left
     to ``validate_contribution`` (free riders). Within one round, content cannot tell the
     original from the copy — both arrive signed, and arrival order is the network's, not the
-    maths' — so every member of a group is flagged; the network's commit-then-reveal digests
-    are what can clear the original.
+    maths' — so every member of a group is flagged. The partitioned round keeps copies from
+    arising: every member commits to its Δ before any Δ can be read.
     """
     wallets = sorted(deltas_by_wallet)
     moments = _Moments.of(_blocks([deltas_by_wallet[w] for w in wallets]), len(wallets))
@@ -293,8 +293,8 @@ def screen_round(
     Structural checks (type, dtype, shape, finite) first; the reference is the coordinate median
     of the contributions that pass them; then each is validated against it, and members of a
     copy group (``find_copies``) are rejected as duplicates: all of them, or those `copiers`
-    names when the caller holds evidence of who copied whom (the network's signed reveals,
-    ``neuroshard.node.p2p.screening.copiers``). Raises if no contribution is structurally valid
+    names when the caller holds evidence of who copied whom (the partitioned round passes none:
+    every member commits before any Δ can be read). Raises if no contribution is structurally valid
     (there is nothing to aggregate) or if the reference is all zeros.
 
     The median and every statistic come from one blocked pass over the rows (``_with_reference``),

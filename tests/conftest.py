@@ -1,4 +1,5 @@
-"""Shared pytest set-up: a deliberate thread count, a small signed data set, and database URLs.
+"""Shared pytest set-up: a deliberate thread count, a small signed data set, database URLs, and a
+real S3-compatible endpoint (moto in server mode) on loopback with dummy credentials.
 
 Tests that take `database_url` run on SQLite and, when NEUROSHARD_TEST_DATABASE_URL is set
 (CI sets it), again on a fresh schema of that PostgreSQL."""
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from moto.server import ThreadedMotoServer
 from nacl.signing import SigningKey
 from tests_support import small_corpus
 
@@ -64,3 +66,30 @@ def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterat
     """A database with no tables at all (for migration tests)."""
     with scratch_database(request.param, tmp_path, os.environ) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def endpoint() -> Iterator[str]:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Dummy credentials, and nothing from the developer's ~/.aws or an instance role."""
+    for name in (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))

@@ -25,7 +25,6 @@ import heapq
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +57,6 @@ BODY = web.RequestKey("neuroshard_body", bytes)
 Clock = Callable[[], float]
 BodyLimit = Callable[[str], int]
 """Route name -> the largest body in bytes that route accepts (0 for GET routes)."""
-Receiving = Callable[[str, str], AbstractContextManager[None]]
-"""(route name, claimed sender wallet) -> a context held while that request's body is read."""
 
 
 @dataclass
@@ -201,7 +198,6 @@ def auth_middleware(
     clock: Clock,
     window_s: float = REPLAY_WINDOW_S,
     traffic: Traffic | None = None,
-    receiving: Receiving | None = None,
 ) -> Middleware:
     """aiohttp middleware: route check, auth headers, window, size, signature, nonce — then the handler."""
 
@@ -237,10 +233,7 @@ def auth_middleware(
                     f"(allowed ±{window_s:.0f} s)",
                 )
             route = request.match_info.route.name or ""
-            # The wallet is only claimed until the signature below is checked; a forger can at most
-            # delay pulls of that wallet's contribution for as long as its upload lasts.
-            with receiving(route, auth.wallet) if receiving is not None else nullcontext():
-                body = await read_capped(request, body_limit(route))
+            body = await read_capped(request, body_limit(route))
             message = request_signing_bytes(
                 request.method,
                 request.raw_path,

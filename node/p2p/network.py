@@ -7,19 +7,19 @@ offers the trainer two blocking calls:
 - ``join_state(diloco)`` once before training: find the stage's peers; if they are ahead
   (a joiner, or a restart after a long pause) or agree on a different θ, adopt their
   state (hash-verified); then publish this replica's state and announce it.
-- ``finish_round(diloco)`` as the trainer's round hook: contribute Δ, run the exchange,
-  aggregate and step (or, if late, adopt the peers' new state), then compare θ hashes
-  and re-sync from the majority if this replica is in the minority.
+- ``finish_round(diloco)`` as the trainer's round hook: run the partitioned round
+  (``neuroshard.node.outer.round``) over the HTTP object store (objects.py: each replica
+  serves its own objects, GET /p2p/obj/{name}) with this replica's Δ and the stage's live
+  replicas as members, step with its aggregate, then compare θ hashes (exchange.py) and
+  re-sync from the majority if this replica is in the minority or behind; then ban the
+  wallets it proved to cheat, unless it lost the vote (its own arithmetic is then the
+  suspect). If the round fails, the replica steps with its own Δ and the vote
+  re-syncs it.
 
-and one non-blocking query, ``round_closing(r)``: True once a strict majority of the stage's
-live replicas (this one counted, not yet pushed) have committed to a contribution for round r
-(a validly signed header this replica holds). A replica still in its inner loop then stops early and contributes the
-Δ of the steps it has done, with their token count (issue #4: "slow replicas contribute what
-they have"), instead of making the majority wait for its last steps. The rounds still agree
-exactly: the short Δ is pushed and exchanged like any other, and every replica waits for every
-live peer before it closes the set. A majority, so a minority — attackers pushing at once
-included — cannot cut the honest replicas' rounds short on its own. The trainer decides whether
-it has done enough steps to stop (``Trainer.close_rounds_when``); validation is unchanged.
+and one non-blocking query, ``round_closing(r)``, for ``Trainer.close_rounds_when``: always
+False for now. The majority early close ("slow replicas contribute what they have", issue #4)
+counted commitments in the old all-to-all exchange and is not ported to the partitioned round
+yet, so every replica runs its full H inner steps.
 
 Wiring in a CLI::
 
@@ -45,38 +45,27 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from aiohttp import web
 
 from ..diloco import DiLoCo
+from ..outer.port import RoundStore
+from ..outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
 from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .auth import REPLAY_WINDOW_S, Clock, NonceCache, PeerClient, Traffic
-from .codec import encode_delta, sha256_hex
-from .exchange import Adopted, Closed, Exchange, ExchangeTimings, Late
-from .peers import PeerTable
+from .exchange import Adopted, Exchange, ExchangeTimings
+from .objects import HttpRoundStore, ObjectRoutes, ObjectShelf
+from .peers import PeerEntry, PeerTable
 from .quorum import quorum, vouched
-from .rounds import AggregationRule, Contribution, RoundReport, aggregate, ordered_mean, plurality
-from .screening import new_bans, screen
+from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, snapshot_of, theta_sha256
-from .wire import ENCODINGS, ContributionHeader, InvalidMessage, parse_address
+from .wire import ENCODINGS, InvalidMessage, parse_address
 
 if TYPE_CHECKING:  # attack code stays out of the honest import path
-    from .byzantine import Attacker, Forged
+    from .byzantine import Attacker
 
 T = TypeVar("T")
-
-
-def majority_pushed(pushed: int, replicas: int) -> bool:
-    """Whether `pushed` other replicas are a strict majority of a stage of `replicas` (this one
-    included, not yet pushed): with 4, all 3 others; with 5, 3 of the 4; never with 2."""
-    return 2 * pushed > replicas
-
-
-MAJORITY_POLL_S = 0.05
-"""How often the loop checks whether a majority pushed the current round: a slow replica stops at
-most this much (plus one inner step) after it could have."""
 
 
 @dataclass(kw_only=True)
@@ -96,7 +85,8 @@ class NetworkConfig:
     "fp16" (2 bytes/value). Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512)
     trains without loss with outer gradients at 4 bits, so 8 is comfortable."""
     round_timeout_s: float = 120.0
-    """How long a replica waits, after its own H steps, for the stage's other contributions."""
+    """How long a replica waits, after its own H steps, for the stage's other contributions: the
+    round's part and gather deadlines are half of it each (the commit deadline at most half)."""
     hash_check_timeout_s: float = 15.0
     """How long to wait for the round's participants to report their new θ hash."""
     join_timeout_s: float = 15.0
@@ -104,15 +94,13 @@ class NetworkConfig:
     min_peers: int = 0
     """Stage peers `join_state` waits for (up to join_timeout_s) before it starts: nodes launched
     together on a loaded machine otherwise run their first rounds without the slow starters."""
-    digest_interval_s: float = 0.5
-    """Longest pause between digest swaps during a round (the first ones come faster)."""
-    pull_grace_s: float = 1.0
-    """How long a live contributor's own push may take to start before its contribution is pulled
-    from a peer that listed it (earlier pulls mostly fetch what is already on its way)."""
+    poll_interval_s: float = 0.5
+    """Longest pause between status polls while waiting for the peers' θ hashes or a state to sync
+    (the first ones come faster)."""
     commit_timeout_s: float = 30.0
-    """Longest wait for the live stage peers' commitments (signed headers) before this replica
-    reveals its payload anyway (capped at half of round_timeout_s). Headers are ~600 bytes, so
-    on a healthy network the commit phase ends in a digest swap or two."""
+    """Longest wait for the members' round commitments (capped at half of round_timeout_s).
+    A commitment is < 2 KB, read by long poll the moment it is published, so on a healthy network
+    the commit phase ends as soon as the slowest member has finished its inner steps."""
     gossip_interval_s: float = 5.0
     """Seconds between peer-list exchanges (and re-signing this node's own record)."""
     peer_ttl_s: float = 30.0
@@ -131,17 +119,15 @@ class NetworkConfig:
     limits: ServerLimits | None = None
     """Body and store limits of the peer server; None takes ServerLimits' defaults."""
     validation: ValidationConfig | None = field(default_factory=ValidationConfig)
-    """Thresholds of the content checks each closed round's contributions pass before aggregation
-    (screening.py); None skips them (bans of proven equivocators still apply)."""
+    """Thresholds of the per-part content checks an owner runs before aggregating a part
+    (``outer.reduce``); None skips them (bans of proven cheats still apply)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"NetworkConfig.port must lie in [0, 65535], got {self.port}")
         if self.encoding not in ENCODINGS:
             raise ValueError(f"NetworkConfig.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
-        if self.pull_grace_s < 0:
-            raise ValueError(f"NetworkConfig.pull_grace_s must be >= 0, got {self.pull_grace_s}")
-        for name in ("round_timeout_s", "hash_check_timeout_s", "digest_interval_s", "commit_timeout_s", "gossip_interval_s",
+        for name in ("round_timeout_s", "hash_check_timeout_s", "poll_interval_s", "commit_timeout_s", "gossip_interval_s",
                      "peer_ttl_s", "connect_timeout_s", "request_timeout_s", "control_timeout_s", "state_timeout_s",
                      "replay_window_s"):  # fmt: skip
             if getattr(self, name) <= 0:
@@ -217,15 +203,13 @@ class PeerNetwork:
         self.wallet = wallet
         self.stage = stage
         self._log = log
-        self._rule = aggregate
         self._tokens_per_step = tokens_per_step
         self._stop = stop or threading.Event()
         self.reports: list[RoundReport] = []
         self.banned: dict[str, str] = {}
-        """Wallet -> why: proven equivocators, whose contributions are refused in every later round."""
+        """Wallet -> why: proven cheats (fraud, equivocation), refused as members' inputs in every later round."""
         self._attacker = attacker
         """Testing only (`neuroshard-node --attack`): forges this replica's contributions."""
-        self._stack: torch.Tensor | None = None
         limits = config.limits or ServerLimits()
         peers = PeerTable(
             own_wallet=wallet.public_key_hex,
@@ -253,25 +237,52 @@ class PeerNetwork:
             self.node,
             self._client,
             ExchangeTimings(
-                digest_interval_s=config.digest_interval_s,
+                poll_interval_s=config.poll_interval_s,
                 hash_check_timeout_s=config.hash_check_timeout_s,
                 state_timeout_s=config.state_timeout_s,
-                pull_grace_s=config.pull_grace_s,
-                commit_timeout_s=config.commit_timeout_s,
                 control_timeout_s=config.control_timeout_s,
             ),
             log,
         )
+        # The round's objects: published on this replica's shelf (served by GET /p2p/obj/...), read
+        # from each author's own server. A round holds ~2 Δ objects of the current and the previous
+        # round: 8 bytes per parameter at fp16, bounded by the contribution limit.
+        self._shelf = ObjectShelf(max_bytes=4 * limits.max_contribution_bytes, max_objects=64 * 1024)
+        self._extensions = (*self._extensions, ObjectRoutes(self._shelf))
+        http = HttpRoundStore(
+            wallet=wallet.public_key_hex,
+            shelf=self._shelf,
+            client=self._client,
+            locate=self._locate,
+            transfer_timeout_s=config.request_timeout_s,
+        )
+        # Every author is read over HTTP. A stage with replicas behind NAT would read those from a
+        # bucket (p2p/bucket.py) through outer.port.RoutedStore; that relay is not wired here yet.
+        self._store: RoundStore = http
+        self._round_config = RoundConfig(
+            encoding=config.encoding,
+            commit_timeout_s=min(config.commit_timeout_s, config.round_timeout_s / 2),
+            part_timeout_s=config.round_timeout_s / 2,
+            gather_timeout_s=config.round_timeout_s / 2,
+            agree_timeout_s=config.hash_check_timeout_s,
+            validation=config.validation,
+        )
+        self._outer = OuterRound(self._store, wallet, aggregate, self._round_config, log)
+        self.last_round: RoundResult | None = None
+        self._last_vote: tuple[float, frozenset[str]] | None = None
+        """(peer-clock time the last θ-hash vote began, stage peers that answered it): members()."""
+        """The last round's full result (claims, checks, refusals), for tests and benchmarks."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._gossip: asyncio.Task[None] | None = None
-        self._majority_watch: asyncio.Task[None] | None = None
-        self._majority_pushed = -1
-        """The latest round a majority of the stage has pushed (written on the loop, read by
-        `round_closing` on the training thread: a plain int)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
+
+    def _locate(self, wallet: str) -> str | None:
+        """host:port of a known replica (the round's reads go to its author's own server)."""
+        entry = self.node.peers.get(wallet)
+        return None if entry is None else entry.address
 
     @property
     def address(self) -> str:
@@ -324,25 +335,12 @@ class PeerNetwork:
         await web.SockSite(self._runner, sock).start()
         await self._client.start()
         self._gossip = asyncio.create_task(self._gossip_forever())
-        self._majority_watch = asyncio.create_task(self._watch_majority())
 
     def round_closing(self, round_: int) -> bool:
-        """True once a majority of the stage has pushed round `round_` (module docstring)."""
-        return self._majority_pushed >= round_
-
-    async def _watch_majority(self) -> None:
-        """Track whether a strict majority of the stage's live replicas have pushed the current round.
-        A poll, not a wake-up on `book.changed`: the round driver clears that event for its own waits."""
-        while True:
-            snapshot = self.node.snapshot
-            book = None if snapshot is None else self.node.books.get(snapshot.round)
-            if book is not None and book.round > self._majority_pushed:
-                # Commitments, not payloads: peers reveal only once every live peer has committed
-                # (commit-then-reveal), so a slow replica holds the others' headers long before their Δs.
-                pushed = sum(w != self.wallet.public_key_hex for w in book.committed_from())
-                if majority_pushed(pushed, replicas=len(self._exchange.stage_peers()) + 1):
-                    self._majority_pushed = book.round
-            await asyncio.sleep(MAJORITY_POLL_S)
+        """Whether the stage is already closing round `round_` (``Trainer.close_rounds_when``):
+        always False. The majority early close is not ported to the partitioned round yet (module
+        docstring): the old one counted commitments in the all-to-all exchange's round books."""
+        return False
 
     async def _gossip_forever(self) -> None:
         while True:
@@ -368,11 +366,9 @@ class PeerNetwork:
         self._loop = self._thread = None
 
     async def _shutdown(self) -> None:
-        for task in (self._gossip, self._majority_watch):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        await self._exchange.close()
+        if self._gossip is not None:
+            self._gossip.cancel()
+            await asyncio.gather(self._gossip, return_exceptions=True)
         await self._client.close()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -494,94 +490,92 @@ class PeerNetwork:
 
     # --- the round hook -----------------------------------------------------------------------
 
+    def members(self) -> tuple[str, ...]:
+        """This round's member list: this replica and the live replicas of its stage, sorted.
+
+        Replicas that see the same live peers derive the same partition; one that sees another list
+        signs another `members_sha256`, its commitments are refused by the rest, and the θ-hash vote
+        after the round re-syncs it (a signed member list from the verifier is the next step)."""
+
+        async def read() -> tuple[str, ...]:
+            wallets = {e.wallet for e in self._exchange.stage_peers() if self._counts_as_member(e)}
+            return tuple(sorted(wallets | {self.wallet.public_key_hex}))
+
+        return self._call(read(), timeout=10.0)
+
+    def _counts_as_member(self, peer: PeerEntry) -> bool:
+        """A live stage peer is a member if it answered the last θ-hash vote, or was first seen
+        after that vote began (a joiner). A replica that died in the last round answered no vote,
+        so every survivor leaves it out at once, whether or not its own peer table has banned the
+        dead address yet (the tables of two survivors ban it after different numbers of failures)."""
+        if self._last_vote is None:
+            return True
+        began, answered = self._last_vote
+        return peer.wallet in answered or peer.first_seen >= began
+
     def finish_round(self, diloco: DiLoCo) -> None:
-        """The trainer's `finish_round`: afterwards diloco is at the next round's start."""
+        """The trainer's `finish_round`: run the partitioned round (``neuroshard.node.outer.round``),
+        step with its aggregate, then vote on θ hashes; afterwards diloco is at the next round's start."""
         started = time.monotonic()
-        cfg = self.config
         if self.node.snapshot is None or self.node.snapshot.round != diloco.round:
             # join_state was not called, or the engine was replaced (vocabulary growth).
             self._publish(diloco, announce=True)
         assert self.node.snapshot is not None
-        r, numel = diloco.round, diloco.theta_round.numel()
+        r = diloco.round
+        # θ_r hashed again, not the published snapshot's hash: a replica whose θ_r changed in memory
+        # since it published it (a bit flip) commits to the hash it really computed Δ from, and the
+        # members refuse it by base hash instead of aggregating a Δ off another θ.
         own_hash = theta_sha256(diloco.theta_round)
-        if own_hash != self.node.snapshot.theta_hash:
-            self._log(
-                f"round {r}: θ_round changed during the round ({self.node.snapshot.theta_hash[:16]} -> {own_hash[:16]})"
-            )
         delta = diloco.pseudo_gradient()
-        tokens = diloco.steps_in_round * self._tokens_per_step
-        payload = encode_delta(delta, cfg.encoding)
-        header = ContributionHeader.create(
-            self.wallet,
+        inp = RoundInput(
             stage=self.stage,
             round=r,
             base_hash=own_hash,
-            tokens=tokens,
-            encoding=cfg.encoding,
-            numel=numel,
-            payload_sha256=sha256_hex(payload),
+            members=self.members(),
+            delta=delta,
+            tokens=diloco.steps_in_round * self._tokens_per_step,
+            banned=frozenset(self.banned),
         )
-        own = Contribution(header, payload)
-        forged = None if self._attacker is None else self._forge(diloco, delta, header)
-        if forged is not None:
-            own = forged.own
-        exchange_started, exchange_clock = time.monotonic(), self.node.clock()
-        slack = 2 * cfg.request_timeout_s + cfg.state_timeout_s
+        note = None
+        if self._attacker is not None:
+            inp, note = self._attacker.forge_input(inp, diloco.theta_round)
+        exchange_started = time.monotonic()
+        result: RoundResult | None
         try:
-            outcome: Closed | Late = self._call(
-                self._exchange.run_round(
-                    own, cfg.round_timeout_s, self._stop, None if forged is None else forged.outgoing
-                ),
-                timeout=cfg.round_timeout_s + slack,
-            )
+            result = self._call(self._outer.run(inp), timeout=self._round_budget_s())
         except Exception as exc:  # the hook must still leave the engine at the next round's start
             self._log(
-                f"round {r}: exchange failed ({type(exc).__name__}: {exc}); using this replica's Δ alone"
+                f"round {r}: the round failed ({type(exc).__name__}: {exc}); stepping with this replica's Δ alone"
             )
-            outcome = Closed((own,) if forged is None else ())  # a forged one may not even decode
+            result = None
         step_started = time.monotonic()
-        resynced_from: str | None = None
-        screened: tuple[tuple[str, str], ...] = ()
-        if isinstance(outcome, Closed):
-            self._call(self._update_bans(), timeout=10.0)
-            held = self._call(self._reveal_lists(r), timeout=10.0)
-            kept = screen(outcome.contributions, numel, cfg.validation, self.banned, held)
-            screened = kept.rejected
-            if kept.accepted:
-                stack = self._stack_buffer(len(kept.accepted), numel)
-                diloco.outer_step(aggregate(kept.accepted, numel, self._rule, stack))
-            else:  # every contribution refused: the same zero step on every replica holding this set
-                self._log(f"round {r}: every contribution was refused; stepping with Δ = 0")
-                diloco.outer_step(torch.zeros(numel))
-            accepted = tuple(c.header.wallet for c in kept.accepted)
+        if result is None:
+            diloco.outer_step(delta)
+            accepted: tuple[str, ...] = (self.wallet.public_key_hex,)
         else:
-            self._log(f"round {r}: late ({outcome.reason}); adopting the peers' state")
-            accepted = ()
-            adopted = self._call(self._exchange.sync_state(r + 1, numel, self._stop), timeout=slack)
-            if adopted is None:
-                self._log(f"round {r}: no peer state to adopt; applying this replica's own Δ alone")
-                diloco.outer_step(aggregate([own], numel, self._rule) if forged is None else delta)
-            else:
-                adopt_state(diloco, adopted.theta, adopted.momentum, adopted.info.round)
-                resynced_from = adopted.info.wallet
+            diloco.outer_step(result.aggregate)
+            accepted = result.committed
         self._publish(diloco)
+        self._call(self._store.retire(self.stage, r - 1), timeout=30.0)
         vote_started = time.monotonic()
-        agree, voters = 1, 1
+        agree, voters, resynced_from = 1, 1, None
         if not self._stop.is_set():
             try:
-                resynced, agree, voters = self._check_hash(diloco, accepted)
-                resynced_from = resynced or resynced_from
-            except Exception as exc:  # a later round's check (or its base-hash rejections) will catch up
+                resynced_from, agree, voters = self._check_hash(diloco, accepted)
+            except Exception as exc:  # a later round's check (or its base-hash refusals) will catch up
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
+        if result is not None:
+            self._ban(r, result.cheats, lost_vote=resynced_from is not None)
         done = time.monotonic()
-        rejected, equivocators, revealed_at = self._call(self._verdicts(r), timeout=10.0)
+        refused = {} if result is None else {**result.silent, **result.refused, **result.cheats}
+        seconds = {} if result is None else result.seconds
         report = RoundReport(
             stage=self.stage,
             round=r,
             accepted=accepted,
-            rejected=tuple(sorted({**dict(rejected), **dict(screened)}.items())),
-            equivocators=equivocators,
-            late=not isinstance(outcome, Closed),
+            rejected=tuple(sorted(refused.items())),
+            equivocators=tuple(sorted(w for w, why in refused.items() if why.startswith("equivocation"))),
+            late=False,
             next_round=diloco.round,
             theta_hash=self._published_hash(),
             agree=agree,
@@ -589,67 +583,46 @@ class PeerNetwork:
             resynced_from=resynced_from,
             seconds=done - started,
             exchange_s=step_started - exchange_started,
-            commit_s=0.0 if revealed_at is None else max(0.0, revealed_at - exchange_clock),
+            commit_s=seconds.get("commit", 0.0),
             step_s=vote_started - step_started,
             vote_s=done - vote_started,
-            attack=None if forged is None else forged.note,
+            attack=note,
         )
         self.reports.append(report)
+        self.last_round = result
         self._log(report.line())
 
-    def _forge(self, diloco: DiLoCo, delta: torch.Tensor, honest: ContributionHeader) -> Forged:
-        """Testing only: the attacker's contribution(s) for this round (byzantine.py); `honest` is the
-        header of its honest Δ, which observing attacks commit to so that peers reveal to them."""
-        from .byzantine import HonestRound, observe_peers
+    def _ban(self, round_: int, cheats: dict[str, str], *, lost_vote: bool) -> None:
+        """Ban the owners this replica proved to cheat, unless its own state then lost the θ-hash vote.
 
-        assert self._attacker is not None
-        r = diloco.round
-        view = HonestRound(
-            wallet=self.wallet,
-            stage=self.stage,
-            round=r,
-            base_hash=honest.base_hash,
-            theta_round=diloco.theta_round,
-            delta=delta,
-            encoding=self.config.encoding,
-            tokens=honest.tokens,
-            peers=tuple(sorted(self.live_peers())),
-            observe=lambda s: self._call(observe_peers(self._exchange, honest, s), timeout=s + 10.0),
-        )
-        return self._attacker.forge(view)
-
-    async def _update_bans(self) -> None:
-        """Ban the proven equivocators (screening.new_bans), read on the loop that fills the books."""
-        for wallet, reason in new_bans(self.node.books, self.banned).items():
+        A fraud verdict is this replica's own recomputation. When the stage's majority ended the round
+        on another θ, that arithmetic is the first suspect (a faulty replica finds every honest owner
+        "cheating"), so its verdicts of this round are dropped rather than turned into bans that would
+        cut it off from the majority it just re-synced from."""
+        for wallet, reason in sorted(cheats.items()):
+            if wallet in self.banned or wallet == self.wallet.public_key_hex:
+                continue
+            if lost_vote:
+                self._log(f"round {round_}: not banning {wallet[:12]}: this replica lost the θ-hash vote")
+                continue
             self.banned[wallet] = reason
             self._log(f"wallet {wallet[:12]} banned: {reason}")
 
-    def _stack_buffer(self, n: int, numel: int) -> torch.Tensor:
-        """The (n, d) aggregation input, kept across rounds: at 4 × 29.5M values a fresh stack costs
-        ~0.3 s of page faults per round on the bench machine, a reused one none."""
-        if self._stack is None or self._stack.shape[0] < n or self._stack.shape[1] != numel:
-            self._stack = torch.empty(n, numel, dtype=torch.float32)
-        return self._stack
+    def _round_budget_s(self) -> float:
+        """The longest a round can take: every phase's deadline, the backups' and the checks' reads."""
+        c = self._round_config
+        return (
+            c.commit_timeout_s
+            + c.part_timeout_s
+            + (c.backups + 1) * (c.gather_timeout_s + c.part_timeout_s)
+            + c.agree_timeout_s
+            + 60.0
+        )
 
     def _published_hash(self) -> str:
         """θ hash of the snapshot just published (hashing θ again would cost ~0.1 s per 25M values)."""
         assert self.node.snapshot is not None
         return self.node.snapshot.theta_hash
-
-    async def _reveal_lists(self, round_: int) -> dict[str, dict[str, str]]:
-        """Wallet -> the commitments its reveal of `round_` lists, read on the loop that fills the book."""
-        book = self.node.books.get(round_)
-        return {} if book is None else {w: reveal.holds() for w, reveal in book.reveals.items()}
-
-    async def _verdicts(
-        self, round_: int
-    ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], float | None]:
-        """The round's rejections, equivocators and reveal time, read on the loop that mutates the book."""
-        book = self.node.books.get(round_)
-        if book is None:
-            return (), (), None
-        rejected = tuple(sorted((w, rej.reason) for w, rej in book.rejected.items()))
-        return rejected, tuple(sorted(book.proven_equivocators())), book.revealed_at
 
     def _check_hash(self, diloco: DiLoCo, participants: tuple[str, ...]) -> tuple[str | None, int, int]:
         """Compare θ hashes with the peers after the round; adopt the majority's state if ours lost.
@@ -657,10 +630,12 @@ class PeerNetwork:
         cfg = self.config
         own_hash = self._published_hash()
         numel = diloco.theta_round.numel()
+        began = self.node.clock()
         check = self._call(
             self._exchange.agree(diloco.round, own_hash, participants, self._stop),
             timeout=cfg.hash_check_timeout_s + 2 * cfg.request_timeout_s,
         )
+        self._last_vote = (began, check.answered)
         vote = check.vote
         if check.ahead is None and vote.theta_hash == own_hash:
             return None, vote.votes, vote.voters

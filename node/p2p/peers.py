@@ -25,6 +25,9 @@ CLOCK_SKEW_S = 60.0
 @dataclass
 class PeerEntry:
     record: PeerRecord
+    first_seen: float = 0.0
+    """When this table first took a record of the wallet (the round's member list counts peers
+    first seen after the last θ-hash vote as joiners)."""
     failures: int = 0
     banned_until: float = 0.0
 
@@ -74,7 +77,7 @@ class PeerTable:
             if not record.signature_valid():
                 continue
             if known is None:
-                self._entries[record.wallet] = PeerEntry(record)
+                self._entries[record.wallet] = PeerEntry(record, first_seen=now)
             else:
                 known.record = record
             taken += 1

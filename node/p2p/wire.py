@@ -1,4 +1,7 @@
-"""Every message that crosses the peer network, defined once for sender and receiver.
+"""The peer network's message machinery and its own messages (peer records, statuses, errors).
+
+The outer round's messages (``neuroshard.node.outer.messages``) and the pipeline's
+(``pipeline_wire``) are built from the same pieces here, defined once for sender and receiver.
 
 JSON metadata has a fixed schema: parsing rejects unknown and missing fields, wrong
 types (a bool is not an int, 1.0 is not an int), duplicate keys, NaN/Infinity and
@@ -8,9 +11,9 @@ parses but cannot be right (a stage out of range, a bad address) raises `Invalid
 
 Signed messages carry the signer's wallet (Ed25519 public key, hex) and a signature over
 ``domain + "\\n" + canonical JSON of every other field``. The domain string differs per
-message type, so a signature made for a peer record can never pass as a contribution.
-Tensors never travel as JSON: they are safetensors bodies (see `codec`), bound to their
-signed header by ``payload_sha256``.
+message type, so a signature made for a peer record can never pass as a round commitment.
+Tensors never travel as JSON: they are safetensors bodies (see `codec`), bound to a signed
+message by their sha256 (a state by `StateInfo.theta_hash`, a Δ by its commitment's Merkle root).
 """
 
 from __future__ import annotations
@@ -26,12 +29,8 @@ from typing import Any, ClassVar, Self
 
 from ..wallet import Wallet, verify
 
-# Route paths (server and client build them from here).
-CONTRIBUTION = "/p2p/contribution"
-CONTRIBUTION_PULL = "/p2p/contribution/{round}/{wallet}"
-DIGEST = "/p2p/digest"
-REVEAL = "/p2p/reveal"
-REVEAL_PULL = "/p2p/reveal/{round}/{wallet}"
+# Route paths (server and client build them from here; the outer round's object route is
+# objects.OBJECT, the pipeline's is in pipeline_wire).
 PEERS = "/p2p/peers"
 ANNOUNCE = "/p2p/announce"
 STATUS = "/p2p/status"
@@ -39,8 +38,7 @@ STATE = "/p2p/state"
 REPLAY = "/p2p/replay/{round}"
 """θ_round, Δ and inner optimizer state of one of the node's recent rounds (node.p2p.replay)."""
 
-# HTTP headers that carry signed JSON next to a safetensors body.
-CONTRIBUTION_HEADER = "X-NeuroShard-Contribution"
+# HTTP header that carries signed JSON next to a safetensors body.
 STATE_HEADER = "X-NeuroShard-State"
 
 ENCODINGS = ("fp16", "int8")
@@ -48,8 +46,6 @@ MAX_STAGE = 1023
 MAX_COUNT = 2**53 - 1
 """Largest round or token count: the largest integer a JSON parser in any language keeps exact."""
 MAX_NUMEL = 2**40
-MAX_DIGEST_ENTRIES = 1024
-"""Headers per digest: two per wallet at most (an equivocation proof), so 512 replicas per stage."""
 MAX_PEER_RECORDS = 512
 MAX_ADDRESS_CHARS = 261
 """A 253-character DNS name, a colon and a 5-digit port, plus brackets for IPv6."""
@@ -142,12 +138,6 @@ def number(lo: float, hi: float) -> Validator:
         return float(value)
 
     return check
-
-
-def boolean(value: Any, where: str) -> bool:
-    if type(value) is not bool:
-        raise MalformedMessage(f"{where} must be true or false, got {type(value).__name__}")
-    return value
 
 
 def hex_bytes(nbytes: int, *, empty_ok: bool = False) -> Validator:
@@ -304,136 +294,6 @@ class Signed(Message):
         unsigned = cls(wallet=signer.public_key_hex, signature=SIGNATURE_PLACEHOLDER, **values)
         signed = dataclasses.replace(unsigned, signature=signer.sign(unsigned.signing_bytes()).hex())
         return cls.from_obj(parse_json(signed.to_json(), cls.NAME))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ContributionHeader(Signed):
-    """One replica's pseudo-gradient for (stage, round): the metadata of a safetensors payload."""
-
-    NAME = "contribution header"
-    DOMAIN = b"neuroshard/contribution/v1"
-    stage: int
-    round: int
-    base_hash: str
-    """sha256 of θ_round the pseudo-gradient was computed from (h_r); must equal the receiver's."""
-    tokens: int
-    """Tokens the replica trained on this round (for tokens-weighted rules and receipts)."""
-    encoding: str
-    """"fp16" or "int8" (blockwise, see codec)."""
-    numel: int
-    """Number of values in Δ: the stage's parameter count."""
-    payload_sha256: str
-    """sha256 of the safetensors body: binds the payload to this signature."""
-
-    FIELDS = schema(
-        _SIGNER,
-        stage=integer(0, MAX_STAGE),
-        round=integer(0, MAX_COUNT),
-        base_hash=hex_bytes(32),
-        tokens=integer(0, MAX_COUNT),
-        encoding=choice(ENCODINGS),
-        numel=integer(1, MAX_NUMEL),
-        payload_sha256=hex_bytes(32),
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Digest(Signed):
-    """What the signer holds for (stage, round), and where the signer is now.
-
-    `entries` are the contributors' own signed headers (so a receiver checks each
-    contributor's signature itself and never trusts the digest's signer about it), at
-    most two per wallet: two different ones are the proof of equivocation.
-    """
-
-    NAME = "digest"
-    DOMAIN = b"neuroshard/digest/v1"
-    stage: int
-    round: int
-    current_round: int
-    """The round the signer is at now: a higher one tells a late replica to adopt state."""
-    current_hash: str
-    """sha256 of the signer's θ_round at `current_round`."""
-    closed: bool
-    """The signer has aggregated `round`; `aggregated` is then exactly the set it used."""
-    aggregated: tuple[str, ...]
-    """Wallets whose contributions the signer aggregated (sorted), empty until closed."""
-    entries: tuple[ContributionHeader, ...]
-
-    FIELDS = schema(
-        _SIGNER,
-        stage=integer(0, MAX_STAGE),
-        round=integer(0, MAX_COUNT),
-        current_round=integer(0, MAX_COUNT),
-        current_hash=hex_bytes(32),
-        closed=boolean,
-        aggregated=list_of(hex_bytes(32), MAX_DIGEST_ENTRIES // 2),
-        entries=list_of(message(ContributionHeader), MAX_DIGEST_ENTRIES),
-    )
-
-    def check(self) -> None:
-        per_wallet: dict[str, int] = {}
-        for entry in self.entries:
-            if (entry.stage, entry.round) != (self.stage, self.round):
-                raise InvalidMessage(
-                    f"digest for stage {self.stage} round {self.round} holds a header for "
-                    f"stage {entry.stage} round {entry.round}"
-                )
-            per_wallet[entry.wallet] = per_wallet.get(entry.wallet, 0) + 1
-            if per_wallet[entry.wallet] > 2:
-                raise InvalidMessage(f"digest holds more than two headers of wallet {entry.wallet[:16]}")
-        if list(self.aggregated) != sorted(set(self.aggregated)):
-            raise InvalidMessage("digest.aggregated must be sorted and without repeats")
-        if self.aggregated and not self.closed:
-            raise InvalidMessage("digest.aggregated is only set once the round is closed")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Commitment(Message):
-    """One contributor's commitment as a revealer held it: the wallet and its signed payload_sha256."""
-
-    NAME = "commitment"
-    wallet: str
-    payload_sha256: str
-
-    FIELDS = schema(wallet=hex_bytes(32), payload_sha256=hex_bytes(32))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reveal(Signed):
-    """Sent with a contribution's payload, signed by its contributor when it starts serving it: the
-    commitments (signed headers) the contributor held before anyone could see its payload.
-
-    A wallet listed here committed before the signer revealed, so it cannot have copied the signer's
-    payload; a copy group is resolved on that (screening.copiers). `contribution` is the signer's own
-    header, so a receiver can check the reveal belongs to the commitment it holds.
-    """
-
-    NAME = "reveal"
-    DOMAIN = b"neuroshard/reveal/v1"
-    contribution: ContributionHeader
-    held: tuple[Commitment, ...]
-    """Sorted by wallet, one per wallet, the signer's own included."""
-
-    FIELDS = schema(
-        _SIGNER,
-        contribution=message(ContributionHeader),
-        held=list_of(message(Commitment), MAX_DIGEST_ENTRIES // 2),
-    )
-
-    def check(self) -> None:
-        if self.contribution.wallet != self.wallet:
-            raise InvalidMessage("a reveal must be signed by the wallet of its contribution")
-        wallets = [c.wallet for c in self.held]
-        if wallets != sorted(set(wallets)):
-            raise InvalidMessage("reveal.held must be sorted by wallet, one commitment per wallet")
-        own = Commitment(wallet=self.wallet, payload_sha256=self.contribution.payload_sha256)
-        if own not in self.held:
-            raise InvalidMessage("reveal.held must list the signer's own commitment")
-
-    def holds(self) -> dict[str, str]:
-        """Wallet -> payload_sha256 of every commitment listed."""
-        return {c.wallet: c.payload_sha256 for c in self.held}
 
 
 @dataclass(frozen=True, kw_only=True)

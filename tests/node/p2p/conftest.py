@@ -1,4 +1,4 @@
-"""Shared pieces of the peer-network tests: wallets, a node state with a published snapshot, signed headers."""
+"""Shared pieces of the peer-network tests: wallets, a settable clock, a node state with a published snapshot."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import torch
 
 from neuroshard.node.diloco import tensor_sha256
 from neuroshard.node.p2p.auth import NonceCache
-from neuroshard.node.p2p.codec import encode_delta, sha256_hex
 from neuroshard.node.p2p.peers import PeerTable
 from neuroshard.node.p2p.server import NodeState, ServerLimits
 from neuroshard.node.p2p.state import Snapshot
-from neuroshard.node.p2p.wire import ContributionHeader
 from neuroshard.node.wallet import Wallet
 
 NUMEL = 1000
@@ -68,43 +66,7 @@ def make_node(clock: Clock) -> Callable[..., NodeState]:
     return make
 
 
-def _contribution(
-    wallet: Wallet,
-    *,
-    delta: torch.Tensor | None = None,
-    payload: bytes | None = None,
-    base_hash: str | None = None,
-    round_: int = ROUND,
-    stage: int = 0,
-    encoding: str = "int8",
-    numel: int = NUMEL,
-    seed: int = 1,
-) -> tuple[ContributionHeader, bytes]:
-    """A validly signed (header, payload) pair; override any part to make it wrong."""
-    if payload is None:
-        if delta is None:
-            delta = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-2
-        payload = encode_delta(delta, encoding)
-    header = ContributionHeader.create(
-        wallet,
-        stage=stage,
-        round=round_,
-        base_hash=base_hash or _snapshot().theta_hash,
-        tokens=1024,
-        encoding=encoding,
-        numel=numel,
-        payload_sha256=sha256_hex(payload),
-    )
-    return header, payload
-
-
 @pytest.fixture
 def make_snapshot() -> Callable[..., Snapshot]:
     """Snapshot(round, θ (numel,) seeded, no momentum); the default is what `make_node` publishes."""
     return _snapshot
-
-
-@pytest.fixture
-def make_contribution() -> Callable[..., tuple[ContributionHeader, bytes]]:
-    """A validly signed (header, payload) for the default node's round and base hash."""
-    return _contribution

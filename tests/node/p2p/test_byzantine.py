@@ -1,65 +1,60 @@
-"""The attacker of `neuroshard-node --attack`: what it signs and sends, per attack, without a network."""
+"""The attacker of `neuroshard-node --attack`: the round input it forges, per attack, without a network."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from neuroshard.node import attacks
 from neuroshard.node.cli import build_parser
-from neuroshard.node.p2p.byzantine import (
-    AttackConfig,
-    Attacker,
-    Forged,
-    HonestRound,
-    attacker_from_args,
-    encode_unchecked,
-    warning,
-)
-from neuroshard.node.p2p.codec import decode_delta, encode_delta, sha256_hex
+from neuroshard.node.outer.round import RoundInput
+from neuroshard.node.p2p.byzantine import AttackConfig, Attacker, attacker_from_args, warning
 from neuroshard.node.p2p.swarm import Node, report_rounds
-from neuroshard.node.p2p.wire import InvalidMessage
 from neuroshard.node.wallet import Wallet
 
 NUMEL = 512
 WALLET = Wallet.from_token("byzantine-test")
-PEERS = tuple(sorted(Wallet.from_token(f"byzantine-peer-{i}").public_key_hex for i in range(4)))
+MEMBERS = tuple(
+    sorted(
+        [WALLET.public_key_hex, *(Wallet.from_token(f"byzantine-peer-{i}").public_key_hex for i in range(4))]
+    )
+)
 
 
 def _delta(seed: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * 1e-2
 
 
-def _view(
-    round_: int = 3, *, seen: dict[str, torch.Tensor] | None = None, theta_seed: int = 0
-) -> HonestRound:
-    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 + theta_seed))
-    return HonestRound(
-        wallet=WALLET,
+def _theta(seed: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 + seed))
+
+
+def _honest(round_: int = 3) -> RoundInput:
+    return RoundInput(
         stage=0,
         round=round_,
         base_hash=f"{round_:064x}",
-        theta_round=theta,
+        members=MEMBERS,
         delta=_delta(round_),
-        encoding="fp16",
         tokens=640,
-        peers=PEERS,
-        observe=lambda timeout_s: dict(seen or {}),
+        banned=frozenset({"ee" * 32}),
     )
 
 
-def _sent(forged: Forged) -> torch.Tensor:
-    header = forged.own.header
-    assert header.signature_valid() and header.wallet == WALLET.public_key_hex
-    assert header.payload_sha256 == sha256_hex(forged.own.payload)
-    return decode_delta(forged.own.payload, header.encoding, NUMEL)
+def _forge(attacker: Attacker, round_: int = 3) -> tuple[RoundInput, RoundInput, str]:
+    """(honest input, forged input, note) for `round_`, θ_round seeded by the round."""
+    honest = _honest(round_)
+    kept = honest.delta.clone()
+    forged, note = attacker.forge_input(honest, _theta(round_))
+    assert torch.equal(honest.delta, kept), "the honest Δ must not be changed in place"
+    return honest, forged, note
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.allclose(a, b, rtol=1e-2, atol=1e-5))  # fp16 on the wire
+def _only_delta_differs(honest: RoundInput, forged: RoundInput) -> bool:
+    return replace(forged, delta=honest.delta) == honest
 
 
 @pytest.mark.parametrize(
@@ -68,81 +63,53 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         ("sign_flip", lambda d: -d),
         ("scale", lambda d: d * 10),
         ("zero", torch.zeros_like),
+        ("ipm", lambda d: -0.5 * d),  # −ε · the mean of what it holds when committing: its own Δ
+        ("alie", lambda d: d),  # mean + z·σ of its own Δ alone: σ = 0, so its Δ
     ],
 )
-def test_transform_attacks_sign_the_transformed_delta(name: str, expected) -> None:  # type: ignore[no-untyped-def]
-    view = _view()
-    forged = Attacker(AttackConfig(name=name)).forge(view)
-    assert forged.outgoing is None and forged.note == name
-    assert forged.own.header.base_hash == view.base_hash and forged.own.header.round == view.round
-    assert _close(_sent(forged), expected(view.delta))
+def test_transform_attacks_commit_to_the_transformed_delta(name: str, expected) -> None:  # type: ignore[no-untyped-def]
+    honest, forged, note = _forge(Attacker(AttackConfig(name=name)))
+    assert note == name and _only_delta_differs(honest, forged)
+    assert forged.delta.shape == (NUMEL,) and forged.delta.dtype == torch.float32
+    assert torch.allclose(forged.delta, expected(honest.delta), rtol=1e-6, atol=1e-7)
 
 
 def test_gaussian_is_noise_of_the_honest_scale() -> None:
-    view = _view()
-    sent = _sent(Attacker(AttackConfig(name="gaussian", param=2.0)).forge(view))
-    rms = float(view.delta.pow(2).mean().sqrt())
-    assert float(sent.pow(2).mean().sqrt()) == pytest.approx(2 * rms, rel=0.1)
-    assert abs(float(torch.nn.functional.cosine_similarity(sent, view.delta, dim=0))) < 0.2
-
-
-def test_nan_goes_on_the_wire_and_the_wire_refuses_it() -> None:
-    forged = Attacker(AttackConfig(name="nan", param=3)).forge(_view())
-    with pytest.raises(InvalidMessage, match="non-finite"):
-        decode_delta(forged.own.payload, "fp16", NUMEL)
-    with pytest.raises(ValueError, match="non-finite"):
-        encode_delta(attacks.nan(_delta(0)), "fp16")  # the honest encoder refuses what the attacker sends
-    int8 = encode_unchecked(attacks.nan(_delta(0)), "int8")
-    with pytest.raises(InvalidMessage, match="scales must be finite"):
-        decode_delta(int8, "int8", NUMEL)
-
-
-def test_equivocate_sends_two_signed_payloads_to_the_two_halves() -> None:
-    forged = Attacker(AttackConfig(name="equivocate")).forge(_view())
-    assert forged.outgoing is not None
-    sent = [forged.outgoing(peer) for peer in PEERS]
-    assert sent[0] == sent[1] == forged.own and sent[2] == sent[3] != forged.own
-    first, second = forged.own.header, sent[2].header
-    assert first.signature_valid() and second.signature_valid()
-    assert (first.wallet, first.round) == (second.wallet, second.round)
-    assert first.payload_sha256 != second.payload_sha256
+    honest, forged, note = _forge(Attacker(AttackConfig(name="gaussian", param=2.0)))
+    assert note == "gaussian" and _only_delta_differs(honest, forged)
+    rms = float(honest.delta.pow(2).mean().sqrt())
+    assert float(forged.delta.pow(2).mean().sqrt()) == pytest.approx(2 * rms, rel=0.1)
+    assert abs(float(torch.nn.functional.cosine_similarity(forged.delta, honest.delta, dim=0))) < 0.2
+    # Seeded: the same attack config forges the same noise.
+    assert torch.equal(_forge(Attacker(AttackConfig(name="gaussian", param=2.0)))[1].delta, forged.delta)
 
 
 def test_stale_replays_its_delta_from_k_rounds_ago_once_it_has_one() -> None:
     attacker = Attacker(AttackConfig(name="stale", param=2))
-    sent = []
-    for r in range(4):
-        forged = attacker.forge(_view(r))
-        sent.append(_sent(forged))
-        assert ("no history yet" in forged.note) == (r < 2)
-    assert _close(sent[0], _delta(0)) and _close(sent[1], _delta(1))
-    assert _close(sent[2], _delta(0)) and _close(sent[3], _delta(1))
+    for r in range(5):
+        honest, forged, note = _forge(attacker, r)
+        assert _only_delta_differs(honest, forged)
+        if r < 2:
+            assert "no history yet" in note and torch.equal(forged.delta, honest.delta)
+        else:
+            assert note == "stale" and torch.equal(forged.delta, _delta(r - 2))
 
 
-def test_wrong_base_signs_an_old_base_hash() -> None:
+def test_wrong_base_commits_against_an_old_base_hash() -> None:
     attacker = Attacker(AttackConfig(name="wrong_base"))
-    old = _view(4, theta_seed=4)
-    first = attacker.forge(old)
-    assert first.own.header.base_hash == old.base_hash and "honest" in first.note
-    now = _view(5, theta_seed=5)
-    forged = attacker.forge(now)
-    assert forged.own.header.base_hash == old.base_hash != now.base_hash
-    assert _close(_sent(forged), now.delta + (now.theta_round - old.theta_round))
+    old, first, note = _forge(attacker, 4)
+    assert first is old and "honest" in note
+    now, forged, note = _forge(attacker, 5)
+    assert note == "wrong_base"
+    assert forged.base_hash == old.base_hash != now.base_hash
+    assert replace(forged, delta=now.delta, base_hash=now.base_hash) == now
+    assert torch.allclose(forged.delta, now.delta + (_theta(5) - _theta(4)))
 
 
-def test_observing_attacks_use_the_peers_contributions() -> None:
-    seen = {PEERS[i]: _delta(10 + i) for i in range(3)}
-    honest = torch.stack([seen[w] for w in sorted(seen)])
-    copy = Attacker(AttackConfig(name="copy")).forge(_view(seen=seen))
-    assert copy.note == "copy (observed 3)"
-    sent = _sent(copy)
-    assert float((sent - honest[0]).norm() / honest[0].norm()) == pytest.approx(0.01, abs=0.005)
-    assert _close(_sent(Attacker(AttackConfig(name="ipm")).forge(_view(seen=seen))), -0.5 * honest.mean(0))
-    z = 0.3
-    alie = _sent(Attacker(AttackConfig(name="alie", param=z)).forge(_view(seen=seen)))
-    assert _close(alie, honest.mean(0) + z * honest.std(0))
-    alone = Attacker(AttackConfig(name="ipm")).forge(_view())
-    assert "nothing observed" in alone.note and _close(_sent(alone), _view().delta)
+@pytest.mark.parametrize("name", ["copy", "equivocate", "nan"])
+def test_attacks_not_mounted_in_the_partitioned_round_send_the_honest_input(name: str) -> None:
+    honest, forged, note = _forge(Attacker(AttackConfig(name=name)))
+    assert forged is honest and note == f"{name} (not mounted in the partitioned round: honest Δ)"
 
 
 def test_unknown_attack_and_bad_params_fail_at_construction() -> None:

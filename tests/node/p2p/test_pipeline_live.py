@@ -35,7 +35,7 @@ PIPE = PipelineConfig(num_stages=2, request_timeout_s=10.0, deadline_s=30.0, ban
 def _net(**over: object) -> NetworkConfig:
     values: dict[str, object] = dict(
         host="127.0.0.1", port=0, round_timeout_s=15.0, hash_check_timeout_s=5.0, join_timeout_s=3.0,
-        digest_interval_s=0.1, gossip_interval_s=0.2, peer_ttl_s=10.0, request_timeout_s=5.0, connect_timeout_s=2.0,
+        poll_interval_s=0.1, gossip_interval_s=0.2, peer_ttl_s=10.0, request_timeout_s=5.0, connect_timeout_s=2.0,
     )  # fmt: skip
     return NetworkConfig(**{**values, **over})  # type: ignore[arg-type]
 

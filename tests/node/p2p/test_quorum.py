@@ -134,11 +134,9 @@ def test_fetch_refuses_a_state_with_fewer_holders_than_the_quorum(make_node, wal
 
     logged: list[str] = []
     timings = ExchangeTimings(
-        digest_interval_s=0.1,
+        poll_interval_s=0.1,
         hash_check_timeout_s=1.0,
         state_timeout_s=1.0,
-        pull_grace_s=0.1,
-        commit_timeout_s=1.0,
         control_timeout_s=1.0,
     )
     exchange = Exchange(make_node(wallets[0]), None, timings, logged.append)  # type: ignore[arg-type]

@@ -1,56 +1,21 @@
-"""Round bookkeeping and the choices every replica must make alike."""
+"""The choices every replica must make alike around a round, and the round line it logs."""
 
-import pytest
 import torch
 
-from neuroshard.node.p2p.codec import encode_delta, sha256_hex
-from neuroshard.node.p2p.rounds import Contribution, RoundBook, aggregate, ordered_mean, plurality
-from neuroshard.node.p2p.wire import ContributionHeader, Rejected, StateInfo
-
-BASE = "ab" * 32
+from neuroshard.node.p2p.rounds import RoundReport, ordered_mean, plurality
+from neuroshard.node.p2p.wire import StateInfo
 
 
-def _contribution(wallet, seed: int, numel: int = 300) -> Contribution:  # type: ignore[no-untyped-def]
-    payload = encode_delta(torch.randn(numel, generator=torch.Generator().manual_seed(seed)), "int8")
-    header = ContributionHeader.create(
-        wallet, stage=0, round=2, base_hash=BASE, tokens=1, encoding="int8", numel=numel,
-        payload_sha256=sha256_hex(payload),
-    )  # fmt: skip
-    return Contribution(header, payload)
-
-
-def test_aggregation_order_is_by_wallet_whatever_the_arrival_order(wallets) -> None:
-    contributions = [_contribution(w, seed=i) for i, w in enumerate(wallets)]
-    books = [RoundBook(stage=0, round_=2, base_hash=BASE, numel=300) for _ in range(2)]
-    for book, order in zip(books, (contributions, contributions[::-1]), strict=True):
-        for c in order:
-            assert book.admit(c.header)
-            book.accept(c)
-    closed = [book.close(book.accepted) for book in books]
-    assert [c.header.wallet for c in closed[0]] == sorted(w.public_key_hex for w in wallets)
-    results = [aggregate(c, 300, ordered_mean) for c in closed]
-    assert torch.equal(results[0], results[1])
-    # Closing publishes the set and lets go of the decoded tensors the book held.
-    assert books[0].aggregated == tuple(sorted(w.public_key_hex for w in wallets))
-    with pytest.raises(Rejected, match="already aggregated"):
-        books[0].accept(_contribution(wallets[0], seed=9))
-
-
-def test_aggregate_refuses_a_rule_that_returns_garbage(wallets) -> None:
-    contributions = [_contribution(wallets[0], seed=0)]
-    with pytest.raises(ValueError, match="expected \\(300,\\) finite float32"):
-        aggregate(contributions, 300, lambda stack: stack[0] * float("nan"))
-    with pytest.raises(ValueError, match="nothing to aggregate"):
-        aggregate([], 300, ordered_mean)
-    buffer = torch.empty(4, 300)
-    assert torch.equal(
-        aggregate(contributions, 300, ordered_mean, buffer), aggregate(contributions, 300, ordered_mean)
-    )
-
-
-def test_ordered_mean_is_the_mean() -> None:
+def test_ordered_mean_is_the_mean_and_the_same_bits_whatever_the_thread_count() -> None:
     stack = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(ordered_mean(stack), stack.mean(dim=0), atol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ordered_mean(stack)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, ordered_mean(stack))
 
 
 def test_plurality_majority_and_deterministic_tie_break(wallets) -> None:
@@ -67,3 +32,19 @@ def test_plurality_majority_and_deterministic_tie_break(wallets) -> None:
     assert plurality([info(wallets[1], b)], 4, a).theta_hash == a  # type: ignore[union-attr]
     assert plurality([info(wallets[1], a)], 4, b).theta_hash == a  # type: ignore[union-attr]
     assert plurality([info(wallets[1], a)], 5, None) is None
+
+
+def test_the_round_line_names_every_refusal_and_the_attack() -> None:
+    good, bad, cheat = "a1" * 32, "b2" * 32, "c3" * 32
+    report = RoundReport(
+        stage=0, round=7, accepted=(good, bad, cheat),
+        rejected=((bad, "part 1: norm_ratio 9.8 > 5"), (cheat, "equivocation: signed two commitments for round 7")),
+        equivocators=(cheat,), late=False, next_round=8, theta_hash="ef" * 32, agree=2, voters=3,
+        resynced_from=good, seconds=1.5, exchange_s=1.0, commit_s=0.25, attack="scale",
+    )  # fmt: skip
+    line = report.line()
+    assert line.startswith(f"p2p round=7 aggregated 3, minority: re-synced; θ_8 {'ef' * 8} agree=2/3 ")
+    assert "exchange 1.00 (commit 0.25)" in line
+    assert f"; rejected {bad[:12]}: part 1: norm_ratio 9.8 > 5" in line
+    assert f"; rejected {cheat[:12]}: equivocation" in line and f"; equivocator {cheat[:12]}" in line
+    assert line.endswith("; ATTACKER sent scale")

@@ -7,7 +7,6 @@ them; only the process boundary is missing (test_swarm.py has that).
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -16,16 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from aiohttp import web
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
-from neuroshard.node.p2p.codec import sha256_hex
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork, majority_pushed
-from neuroshard.node.p2p.peers import PeerEntry
-from neuroshard.node.p2p.rounds import AggregationRule, Contribution, RoundReport, ordered_mean
-from neuroshard.node.trainer import EARLY_CLOSE_FRACTION, Trainer, TrainerConfig, TrainResult
+from neuroshard.node.outer.port import object_name
+from neuroshard.node.outer.round import RoundResult
+from neuroshard.node.p2p.auth import PEER_WALLET
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.objects import ObjectRoutes
+from neuroshard.node.p2p.rounds import AggregationRule, RoundReport, ordered_mean
+from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
@@ -42,7 +42,7 @@ def _config(**over: object) -> NetworkConfig:
         round_timeout_s=4.0,
         hash_check_timeout_s=3.0,
         join_timeout_s=5.0,
-        digest_interval_s=0.1,
+        poll_interval_s=0.1,
         gossip_interval_s=0.2,
         peer_ttl_s=10.0,
         request_timeout_s=5.0,
@@ -62,6 +62,8 @@ class Replica:
     thread: threading.Thread | None = None
     result: TrainResult | None = None
     error: BaseException | None = None
+    rounds: dict[int, RoundResult] = field(default_factory=dict)
+    """Round -> the partitioned round's full result (claims, checks, refusals), when it ran."""
 
     @property
     def key(self) -> str:
@@ -97,8 +99,11 @@ class Swarm:
         rule: AggregationRule = ordered_mean,
         diloco: DiLoCoConfig = DILOCO,
         close_early: bool = False,
+        checks: int | None = None,
         **config: object,
     ) -> Replica:
+        """A replica; `checks` fixes how many parts it re-checks per round (None: the default
+        check probability, which leaves a part unchecked now and then)."""
         index = len(self.replicas)
         wallet = Wallet.from_token(f"p2p-live-{index}")
         stop = threading.Event()
@@ -113,14 +118,19 @@ class Swarm:
             tokens_per_step=64,
             stop=stop,
         )
+        network._round_config.checks = checks
         network.start()
         replica_ref: list[Replica] = []
 
         def finish(diloco: DiLoCo) -> None:
+            round_ = diloco.round
+            network.last_round = None
             if hook is not None:
                 hook(replica_ref[0], diloco)
             else:
                 network.finish_round(diloco)
+            if network.last_round is not None:
+                replica_ref[0].rounds[round_] = network.last_round
 
         trainer = Trainer(
             wallet_id=wallet.wallet_id,
@@ -202,47 +212,49 @@ def test_three_replicas_agree_every_round(swarm) -> None:
     assert all(torch.equal(thetas[0], t) for t in thetas[1:])
     assert all(r.trainer.diloco.round == rounds for r in replicas)
     assert any("p2p round=3 aggregated 3" in line for line in replicas[0].lines)
-    # Commit-then-reveal: every replica held all three commitments before it revealed its payload,
-    # and every replica holds the same signed reveals (what copy resolution reads) for the last round.
-    books = [r.network.node.books[rounds - 1] for r in replicas]
-    for book in books:
-        assert sorted(book.reveals) == wallets
-        assert all(sorted(reveal.holds()) == wallets for reveal in book.reveals.values())
-        assert book.reveals == books[0].reveals
+    # The partitioned round: three parts, each reduced by one member, and every replica stepped
+    # with the same three signed claims, each aggregating all three contributions.
+    for round_ in range(rounds):
+        results = [r.rounds[round_] for r in replicas]
+        claims = results[0].claims
+        assert sorted(claims) == [0, 1, 2] and sorted(c.wallet for c in claims.values()) == wallets
+        assert all(c.accepted == 3 and c.replaces == "" for c in claims.values())
+        for result in results:
+            assert result.claims == claims and result.committed == tuple(wallets)
+            assert (result.refused, result.cheats, result.silent, result.missing_parts) == ({}, {}, {}, ())
 
 
-def test_a_slow_replica_closes_its_round_early_once_the_majority_pushed(swarm) -> None:
+def test_a_slow_replica_runs_its_whole_round_and_is_waited_for(swarm) -> None:
+    """The majority early close is not ported to the partitioned round: `round_closing` says no, so
+    a slow replica wired to close early still runs H steps, and the others wait for its commitment."""
     steps: dict[int, list[int]] = {0: [], 1: [], 2: []}
 
     def record(replica: Replica, diloco: DiLoCo) -> None:
         steps[replica.index].append(diloco.steps_in_round)
         replica.network.finish_round(diloco)
 
-    # The same max_steps: a round closed early counts as H, so the slow replica stops after round 1 too.
     replicas = [swarm.add(max_steps=2 * H, hook=record, close_early=True) for _ in range(3)]
     slow = replicas[2]
     inner_step = slow.trainer.diloco.inner_step
 
     def slow_step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
-        time.sleep(0.5)  # the two others push each round while this one is in its first steps
+        time.sleep(0.25)  # 1 s a round behind the others: inside the 2 s commit deadline
         return inner_step(inputs, labels)
 
     slow.trainer.diloco.inner_step = slow_step  # type: ignore[method-assign]
     swarm.join_all_and_wait_for_discovery()
+    assert not any(r.network.round_closing(0) for r in replicas)
     for r in replicas:
         r.start()
     _join_threads(replicas, 60.0)
-    short = math.ceil(EARLY_CLOSE_FRACTION * H)
-    assert steps == {0: [H, H], 1: [H, H], 2: [short, short]}
+    assert steps == {0: [H, H], 1: [H, H], 2: [H, H]}
     wallets = sorted(r.key for r in replicas)
     for round_ in range(2):
         reports = [r.reports()[round_] for r in replicas]
         assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
-        for rep in reports:  # the short Δ is screened like the others and accepted
-            assert list(rep.accepted) == wallets and rep.rejected == () and not rep.late
-    thetas = [r.trainer.diloco.theta_round.detach() for r in replicas]
-    assert all(torch.equal(thetas[0], t) for t in thetas[1:])
-    assert slow.result is not None and (slow.result.steps, slow.result.rounds) == (2 * short, 2)
+        for rep in reports:
+            assert list(rep.accepted) == wallets and rep.rejected == () and rep.resynced_from is None
+    assert slow.result is not None and (slow.result.steps, slow.result.rounds) == (2 * H, 2)
 
 
 def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
@@ -269,49 +281,52 @@ def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
         assert list(ra.accepted) == list(rb.accepted) == survivors
 
 
-def test_a_replica_killed_mid_upload_does_not_stop_the_others(swarm) -> None:
-    """The dying replica's payload upload stops half way: its TCP connection is reset after half
-    the body, as when the process is SIGKILLed during the POST, and the replica is gone at once.
-    The peers must refuse the torn body without a change of state and finish the round."""
+def test_a_replica_killed_while_its_delta_is_read_does_not_stop_the_others(swarm) -> None:
+    """Round 1: the dying replica commits and publishes its Δ, then every read of that Δ is cut half
+    way (the TCP connection reset after half the body, as when the process is SIGKILLed while it
+    serves the object), and once both peers were cut off it is gone at once. The owners must refuse
+    the torn parts, take the dying replica's own part from its backup, and finish the round alike."""
     rounds = 3
     a, b = swarm.add(max_steps=rounds * H), swarm.add(max_steps=rounds * H)
     torn: list[str] = []
+    gone: list[asyncio.Future[None]] = []
 
-    async def torn_push(peer: PeerEntry, own: Contribution, reveal: wire.Reveal) -> None:
-        exchange = dying.network._exchange
-        await exchange.call(  # the reveal goes through whole: the peers now want the payload
-            peer, "POST", wire.REVEAL, body=reveal.to_json(), max_bytes=0,
-            timeout_s=exchange.timings.control_timeout_s,
-        )  # fmt: skip
-        body = own.payload
-        head = {
-            wire.CONTRIBUTION_HEADER: own.header.to_json().decode(),
-            **sign_request(dying.wallet, "POST", wire.CONTRIBUTION, body, time.time()),
-            "Host": peer.address,
-            "Content-Type": "application/octet-stream",
-            "Content-Length": str(len(body)),
-        }
-        host, port = peer.address.rsplit(":", 1)
-        _, writer = await asyncio.open_connection(host, int(port))
-        request = f"POST {wire.CONTRIBUTION} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
-        writer.write(request.encode() + b"\r\n" + body[: len(body) // 2])
-        await writer.drain()
-        writer.transport.abort()  # killed: a reset, no more bytes
-        torn.append(peer.wallet)
-        if len(torn) == 2:  # the process is gone: its port refuses connections, it sends nothing more
-            await dying.network._runner.cleanup()  # type: ignore[union-attr]
-            await exchange.client.close()
+    def die_serving_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
+        if diloco.round != 1:
+            replica.network.finish_round(diloco)
+            return
+        network = replica.network
+        routes = next(e for e in network._extensions if isinstance(e, ObjectRoutes))
+        answer = routes._answer
 
-    def die_uploading_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
-        dying_round = diloco.round == 1
-        if dying_round:
-            replica.network._exchange._push = torn_push  # type: ignore[method-assign]
-        replica.network.finish_round(diloco)  # round 1: its exchange fails once it is "dead"
-        if dying_round:
-            replica.network.stop()
-            raise SystemExit("killed mid-upload")
+        async def torn_answer(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            if name != object_name(0, 1, "delta") or len(torn) >= 2:
+                return await answer(request)
+            whole = await answer(request)  # 200 or 206 with exactly the bytes asked for
+            assert isinstance(whole.body, bytes)
+            cut = web.StreamResponse(status=whole.status, headers=whole.headers)
+            cut.content_length = len(whole.body)
+            await cut.prepare(request)
+            await cut.write(whole.body[: len(whole.body) // 2])
+            assert request.transport is not None
+            request.transport.abort()  # killed: a reset, no more bytes
+            torn.append(request[PEER_WALLET])
+            if len(torn) == 2:  # the process is gone: its port refuses connections, it reads nothing
+                gone.append(asyncio.ensure_future(die()))  # not awaited here: cleanup waits for handlers
+            raise ConnectionResetError("killed while serving its Δ")
 
-    dying = swarm.add(max_steps=rounds * H, hook=die_uploading_in_round_1)
+        async def die() -> None:
+            assert network._runner is not None
+            await network._runner.cleanup()
+            await network._client.close()
+
+        routes._answer = torn_answer  # type: ignore[method-assign]
+        network.finish_round(diloco)  # its own round fails or runs alone once it is "dead"
+        network.stop()
+        raise SystemExit("killed while serving")
+
+    dying = swarm.add(max_steps=rounds * H, hook=die_serving_in_round_1)
     swarm.join_all_and_wait_for_discovery()
     for r in (a, b, dying):
         r.start()
@@ -322,16 +337,18 @@ def test_a_replica_killed_mid_upload_does_not_stop_the_others(swarm) -> None:
         ra, rb = a.reports()[round_], b.reports()[round_]
         assert ra.theta_hash == rb.theta_hash, f"round {round_} diverged"
         assert list(ra.accepted) == list(rb.accepted)
-    # Round 1: the torn bodies were never taken; its Δ counts only if a peer pulled it whole from the
-    # dying replica before it went (both then hold the same signed bytes). Round 2: without it.
-    assert set(a.reports()[1].accepted) >= set(survivors)
-    assert list(a.reports()[2].accepted) == survivors
+    # Round 1: it committed, so it counts as a contributor, but no torn byte was aggregated: each
+    # owner refused its part, and its own part came from the backup chain. Round 2: without it.
+    assert list(a.reports()[1].accepted) == sorted([*survivors, dying.key])
     for replica in (a, b):
-        held = replica.network.node.books[1].accepted.get(dying.key)
-        assert held is None or held.header.payload_sha256 == sha256_hex(held.payload)
+        result = replica.rounds[1]
+        assert "could not be read" in result.refused[dying.key]
+        assert result.missing_parts == () and dying.key in result.silent
+        assert all(c.accepted == 2 and c.wallet in survivors for c in result.claims.values())
+    assert list(a.reports()[2].accepted) == survivors
 
 
-def test_a_slow_replica_is_late_adopts_the_new_state_and_rejoins(swarm) -> None:
+def test_a_replica_past_the_commit_deadline_is_resynced_and_rejoins(swarm) -> None:
     rounds = 3
     timeout = 2.0
 
@@ -346,10 +363,13 @@ def test_a_slow_replica_is_late_adopts_the_new_state_and_rejoins(swarm) -> None:
     for r in (a, b, slow):
         r.start()
     _join_threads([a, b, slow], 60.0)
+    # The others close round 1's commit phase without it; its own round then runs on what it reads
+    # and ends off the others' θ, so the vote after it re-syncs it to their state.
     late = slow.reports()[1]
-    assert late.late and late.accepted == () and late.resynced_from in (a.key, b.key)
+    assert late.resynced_from in (a.key, b.key) and not late.late
     assert late.theta_hash == a.reports()[1].theta_hash == b.reports()[1].theta_hash
     assert list(a.reports()[1].accepted) == sorted([a.key, b.key])
+    assert dict(a.reports()[1].rejected)[slow.key] == "no commitment before the commit deadline"
     # Next round the slow replica contributes again and everyone agrees.
     final = [r.reports()[2] for r in (a, b, slow)]
     assert {rep.theta_hash for rep in final} == {final[0].theta_hash}
@@ -373,34 +393,47 @@ def test_corrupted_weights_are_detected_by_hash_and_resynced(swarm) -> None:
     _join_threads([a, b, bad], 60.0)
     healthy = a.reports()[1]
     assert [w for w, _ in healthy.rejected] == [bad.key]
-    assert "base_hash" in healthy.rejected[0][1]
+    assert healthy.rejected[0][1].startswith("base hash ")
+    assert list(healthy.accepted) == sorted([a.key, b.key])
+    # It refuses the others alike (their base hash is not its θ_r's), steps alone, and the vote
+    # after the round puts it in the minority: it ends the round on the majority's θ.
     fixed = bad.reports()[1]
-    # Whether it sees the others' closed set first (late) or compares hashes after its own
-    # step (minority) depends on timing; either way it ends the round on the majority's θ.
-    assert fixed.resynced_from in (a.key, b.key)
+    assert fixed.resynced_from in (a.key, b.key) and (fixed.agree, fixed.voters) == (2, 3)
     assert fixed.theta_hash == healthy.theta_hash == b.reports()[1].theta_hash
     final = [r.reports()[2] for r in (a, b, bad)]
     assert {rep.theta_hash for rep in final} == {final[0].theta_hash} and len(final[0].accepted) == 3
 
 
-def test_a_replica_whose_outer_step_differs_is_in_the_minority_and_resyncs(swarm) -> None:
+def test_a_replica_whose_arithmetic_differs_is_caught_and_ends_on_the_majoritys_state(swarm) -> None:
+    """Its aggregation rule is off by 0.1%: the parts it owns are claimed wrong, and the honest
+    replicas, re-checking every part (checks=2 of 3), prove the fraud from the signed inputs and ban
+    it. Its own checks claim fraud on the honest parts, which the honest replicas re-check and
+    refuse. Every round it ends off the majority's θ and re-syncs."""
     rounds = 2
 
     def off_by_a_little(stack: torch.Tensor) -> torch.Tensor:
         return ordered_mean(stack) * 1.001  # faulty arithmetic: same inputs, different θ
 
-    a, b = swarm.add(rounds * H), swarm.add(rounds * H)
-    odd = swarm.add(rounds * H, rule=off_by_a_little)
+    a, b = swarm.add(rounds * H, checks=2), swarm.add(rounds * H, checks=2)
+    odd = swarm.add(rounds * H, rule=off_by_a_little, checks=2)
     swarm.join_all_and_wait_for_discovery()
     for r in (a, b, odd):
         r.start()
     _join_threads([a, b, odd], 60.0)
+    honest = sorted([a.key, b.key])
     for round_ in range(rounds):
         reports = [r.reports()[round_] for r in (a, b, odd)]
-        assert all(len(rep.accepted) == 3 for rep in reports)  # its contribution is fine
-        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}
-        assert reports[2].resynced_from in (a.key, b.key) and not reports[2].late
-        assert (reports[2].agree, reports[2].voters) == (2, 3)
+        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
+        for rep in reports[:2]:
+            # Round 0 its Δ is fine and aggregated; from round 1 it is banned and its Δ refused.
+            assert list(rep.accepted) == (sorted([*honest, odd.key]) if round_ == 0 else honest)
+            assert [w for w, _ in rep.rejected] == [odd.key] and rep.resynced_from is None
+            assert (
+                rep.rejected[0][1].startswith("fraud on part ") and f"of round {round_}" in rep.rejected[0][1]
+            )
+        assert reports[2].resynced_from in honest and (reports[2].agree, reports[2].voters) == (2, 3)
+    for replica in (a, b):
+        assert list(replica.network.banned) == [odd.key]
     assert sum("is in the minority" in line for line in odd.lines) == rounds
 
 
@@ -423,30 +456,19 @@ def test_a_node_started_later_joins_by_state_sync(swarm) -> None:
     ours = joiner.network.reports
     assert ours and ours[0].round == start_round, "the joiner finishes the round it joined in"
     # Every state the joiner ends a round with is the one the others hold for that round
-    # (if it was slow it may skip ahead: late, adopting a later round's state).
+    # (if it was slow it may skip ahead, re-syncing to a later round's state).
     compared = [rep for rep in ours if rep.next_round in theirs]
     assert len(compared) >= 2
     for rep in compared:
         assert rep.theta_hash == theirs[rep.next_round].theta_hash, f"θ_{rep.next_round}"
     assert any(len(rep.accepted) == 3 for rep in compared), "the joiner contributes in later rounds"
     # In the warm-up: the joiner continues the schedule where the others are (round × H), so its
-    # Δ is as long as theirs; restarting its own warm-up, it was refused as a near free rider.
-    refused = [
+    # Δ is as long as theirs; restarting its own warm-up, the screening refused it as a near free
+    # rider. (Silence is another matter: the others may count it a member before its first commit.)
+    screened = [
         reason
         for rep in a.network.reports + b.network.reports
         for w, reason in rep.rejected
-        if w == joiner.key
+        if w == joiner.key and reason.startswith("part ") and "could not be read" not in reason
     ]
-    assert refused == [], refused
-
-
-@pytest.mark.parametrize(
-    ("pushed", "replicas", "closing"),
-    [(1, 2, False), (1, 3, False), (2, 3, True), (2, 4, False), (3, 4, True), (2, 5, False), (3, 5, True)],
-)
-def test_only_a_strict_majority_of_the_stage_closes_a_round_early(
-    pushed: int, replicas: int, closing: bool
-) -> None:
-    # With 4 replicas, one attacker pushing at once plus one fast honest replica (2 of 4) is not
-    # enough to cut the other two honest replicas' rounds short.
-    assert majority_pushed(pushed, replicas) is closing
+    assert screened == [], screened

@@ -1,7 +1,9 @@
 """`neuroshard-swarm --byzantine 1 --attack NAME`: 4 honest node processes and one attacker on loopback.
 
-Real processes, the real wire: the attacker signs its forged contributions and pushes them
-like any node. Each run is short (micro model, H=10, 5 rounds) so four attacks fit in CI.
+Real processes, the real wire: the attacker commits to its forged Δ and publishes it like any
+member of the partitioned round, and owns a part like any member. Each run is short (micro
+model, H=10, 5 rounds) so four attacks fit in CI. copy, equivocate and nan are not mounted in
+the partitioned round (node/p2p/byzantine.py) and are not run here.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def run_swarm(published, home: Path, attack: str) -> list[str]:  # type: ignore[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attack", ["sign_flip", "scale", "nan", "equivocate", "copy"])
+@pytest.mark.parametrize("attack", ["sign_flip", "scale", "zero", "wrong_base"])
 def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: Path, attack: str) -> None:
     lines = run_swarm(published, tmp_path, attack)
     keys = {
@@ -68,37 +70,33 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
     agreed = sorted(int(m.group(1)) for m in map(AGREE.match, lines) if m)
     assert agreed == list(range(ROUNDS)), agreed
 
-    # Every honest replica that aggregated a round left the attacker out, and no honest wallet.
-    # (One that started last may be late in round 0 and adopt the others' result instead.)
+    # Every honest replica refused the attacker's Δ every round (from round 1 for wrong_base, which
+    # has no old θ to train from in round 0), and no honest wallet.
     rounds = [(int(m.group(1)), int(m.group(2)), line) for line in lines if (m := ROUND_LINE.match(line))]
     for r in range(ROUNDS):
-        aggregated = [
-            line for n, rr, line in rounds if rr == r and n in HONEST and " late, adopted" not in line
-        ]
+        aggregated = [line for n, rr, line in rounds if rr == r and n in HONEST]
         assert len(aggregated) >= (3 if r == 0 else 4), f"round {r}: {aggregated}"
-        flagged = [f"rejected {bad}: " in line or f"equivocator {bad}" in line for line in aggregated]
         for line in aggregated:
             assert not any(f"rejected {h}" in line for h in honest), line
-            assert "ATTACKER" not in line
-        if attack in ("sign_flip", "scale"):
-            # Screened out of the closed set: every replica judges the same set alike.
-            assert all(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
-        elif attack == "copy":
-            # Payloads are revealed to committed wallets only: the copier commits to its honest Δ,
-            # and its copy needs a second signed header, which every replica sees as equivocation
-            # (round 0) and then a ban. The copied honest wallet is never refused (checked above).
-            assert all(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
-        elif attack == "nan" or r > 0:
-            # Refused on arrival, so never served on: a replica that closed on its peers' set
-            # without the payload reaching it has nothing to record. An equivocator is seen when
-            # its second signed header reaches a replica through a digest, which may come after
-            # that replica closed round 0 (the hash vote then heals the split); then it is banned.
-            assert any(flagged) and all(" aggregated 4" in line for line in aggregated), aggregated
-    if attack in ("equivocate", "copy"):
-        for node in HONEST:
-            assert any(
-                line.startswith(f"[{node}] wallet {bad} banned: equivocated in round") for line in lines
-            )
+            assert "ATTACKER" not in line and "equivocator" not in line
+        if attack == "wrong_base":
+            if r == 0:  # its honest Δ: a contributor like the others
+                assert all(f"rejected {bad}" not in line for line in aggregated), aggregated
+            else:
+                # Its commitment names an old θ's hash: refused before any of its parts is read. Its
+                # own round then waits out every owner's deadline (it refuses their base hash), so
+                # in later rounds it may also commit too late: silent rather than refused.
+                for line in aggregated:
+                    m = re.search(
+                        rf"rejected {bad}: (base hash |no commitment before the commit deadline)", line
+                    )
+                    assert m is not None and (r > 1 or m.group(1) == "base hash "), line
+                assert all(" aggregated 4" in line for line in aggregated), aggregated
+        else:
+            # Committed (a contributor), then refused by each owner's screening of its own part:
+            # every honest replica reports it for the part it reduced.
+            assert all(re.search(rf"rejected {bad}: part \d+: ", line) for line in aggregated), aggregated
+            assert all(" aggregated 5" in line for line in aggregated), aggregated
     assert all("ATTACKER sent " + attack in line for n, _, line in rounds if n == ATTACKER)
 
     # And the honest replicas learn: the loss of the last round is well below the first's.

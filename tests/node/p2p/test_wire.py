@@ -5,8 +5,6 @@ import json
 import pytest
 
 from neuroshard.node.p2p.wire import (
-    ContributionHeader,
-    Digest,
     InvalidMessage,
     MalformedMessage,
     PeerList,
@@ -18,24 +16,22 @@ from neuroshard.node.p2p.wire import (
 HASH = "ab" * 32
 
 
-def _header(wallet, **over):  # type: ignore[no-untyped-def]
-    values = dict(
-        stage=0, round=5, base_hash=HASH, tokens=100, encoding="int8", numel=10, payload_sha256=HASH
-    )
-    return ContributionHeader.create(wallet, **{**values, **over})
+def _status(wallet, **over):  # type: ignore[no-untyped-def]
+    values = dict(stage=0, round=5, theta_hash=HASH, momentum_hash="", numel=10)
+    return StateInfo.create(wallet, **{**values, **over})
 
 
-def test_header_round_trips_and_verifies(wallets) -> None:
-    header = _header(wallets[0])
-    again = ContributionHeader.from_json(header.to_json())
-    assert again == header and again.signature_valid()
-    assert header.to_json() == canonical_json(json.loads(header.to_json()))
+def test_status_round_trips_and_verifies(wallets) -> None:
+    status = _status(wallets[0])
+    again = StateInfo.from_json(status.to_json())
+    assert again == status and again.signature_valid()
+    assert status.to_json() == canonical_json(json.loads(status.to_json()))
 
 
 def test_changed_field_breaks_the_signature(wallets) -> None:
-    obj = json.loads(_header(wallets[0]).to_json())
-    obj["tokens"] = 101
-    assert not ContributionHeader.from_obj(obj).signature_valid()
+    obj = json.loads(_status(wallets[0]).to_json())
+    obj["round"] = 6
+    assert not StateInfo.from_obj(obj).signature_valid()
 
 
 def test_signature_of_one_message_type_does_not_pass_as_another(wallets) -> None:
@@ -58,16 +54,16 @@ def test_signature_of_one_message_type_does_not_pass_as_another(wallets) -> None
         (lambda o: o.update(round=-1), InvalidMessage, "outside"),
         (lambda o: o.update(stage=5000), InvalidMessage, "outside"),
         (lambda o: o.update(numel=0), InvalidMessage, "outside"),
-        (lambda o: o.update(encoding="pickle"), InvalidMessage, "not one of fp16, int8"),
-        (lambda o: o.update(base_hash="AB" * 32), MalformedMessage, "lowercase hex"),
+        (lambda o: o.update(theta_hash="AB" * 32), MalformedMessage, "lowercase hex"),
+        (lambda o: o.update(momentum_hash="ab"), MalformedMessage, "64 lowercase hex"),
         (lambda o: o.update(wallet="00"), MalformedMessage, "64 lowercase hex"),
     ],
 )
-def test_header_schema_is_strict(wallets, mutate, error, message) -> None:
-    obj = json.loads(_header(wallets[0]).to_json())
+def test_schema_is_strict(wallets, mutate, error, message) -> None:
+    obj = json.loads(_status(wallets[0]).to_json())
     mutate(obj)
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ContributionHeader.from_obj(obj)
+        StateInfo.from_obj(obj)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +78,7 @@ def test_header_schema_is_strict(wallets, mutate, error, message) -> None:
 )
 def test_json_parsing_is_strict(raw, message) -> None:
     with pytest.raises(MalformedMessage, match=message):
-        ContributionHeader.from_json(raw)
+        StateInfo.from_json(raw)
 
 
 @pytest.mark.parametrize("address", ["nohost", "h:0", "h:65536", "h:x", ":80", "a b:80", "h:-1"])
@@ -94,21 +90,6 @@ def test_bad_addresses_are_refused(wallets, address) -> None:
 def test_addresses_accept_names_ipv4_ipv6(wallets) -> None:
     for address in ("node.example.org:7420", "10.0.0.1:1", "[::1]:65535"):
         assert PeerRecord.create(wallets[0], address=address, stage=0, last_seen=1.0).signature_valid()
-
-
-def test_digest_cross_field_rules(wallets) -> None:
-    entry = _header(wallets[1])
-    base = dict(
-        stage=0, round=5, current_round=5, current_hash=HASH, closed=False, aggregated=(), entries=(entry,)
-    )
-    assert Digest.create(wallets[0], **base).signature_valid()
-    with pytest.raises(InvalidMessage, match="holds a header for stage 0 round 6"):
-        Digest.create(wallets[0], **{**base, "entries": (_header(wallets[1], round=6),)})
-    with pytest.raises(InvalidMessage, match="only set once the round is closed"):
-        Digest.create(wallets[0], **{**base, "aggregated": (wallets[1].public_key_hex,)})
-    three = tuple(_header(wallets[1], tokens=t) for t in (1, 2, 3))
-    with pytest.raises(InvalidMessage, match="more than two headers"):
-        Digest.create(wallets[0], **{**base, "entries": three})
 
 
 def test_peer_list_nests_records_strictly(wallets) -> None:

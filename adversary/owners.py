@@ -1,0 +1,101 @@
+"""Owners and contributors that cheat the partitioned round (module docstring of the package).
+
+- ``WrongAggregate``: signs an aggregate of its own making for the parts it owns (a scaled one).
+- ``Equivocator``: publishes one claim, then replaces it with a second, different signed claim
+  once some replicas have read the first (an S3 object overwritten; an HTTP server answering
+  differently): two signed claims for one part.
+- ``Withholder``: commits and contributes, but never publishes the aggregates it owns.
+- ``MismatchedPart``: publishes a Δ object whose parts do not match the root it signed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from neuroshard.node.outer.messages import AggregateClaim, sha256_hex
+from neuroshard.node.outer.reduce import encode_part
+from neuroshard.node.outer.round import OuterRound, _Held
+
+
+class WrongAggregate(OuterRound):
+    """Honest everywhere but in the parts it owns: it publishes -3 × the true aggregate."""
+
+    scale = -3.0
+
+    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+        await super()._reduce(held, j, replaces)
+        honest = held.claims[j]
+        a, b = held.bounds[j]
+        from neuroshard.node.outer.reduce import decode_part
+
+        forged = encode_part(
+            decode_part(held.aggregates[j], honest.encoding, b - a) * self.scale, honest.encoding
+        )
+        claim = AggregateClaim.create(
+            self.wallet,
+            **{
+                k: v
+                for k, v in honest.to_obj().items()
+                if k not in ("wallet", "signature", "aggregate_sha256")
+            },
+            aggregate_sha256=sha256_hex(forged),
+        )
+        await self.store.publish(self._name(held.inp, "agg", j), forged)
+        await self.store.publish(self._name(held.inp, "claim", j), claim.to_json())
+        held.claims[j], held.aggregates[j] = claim, forged
+
+
+class Equivocator(OuterRound):
+    """Publishes its honest claim, waits `delay_s`, then overwrites it with a forged one."""
+
+    delay_s = 0.05
+
+    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+        await super()._reduce(held, j, replaces)
+        honest = held.claims[j]
+        a, b = held.bounds[j]
+        from neuroshard.node.outer.reduce import decode_part
+
+        forged = encode_part(decode_part(held.aggregates[j], honest.encoding, b - a) * 2.0, honest.encoding)
+        second = AggregateClaim.create(
+            self.wallet,
+            **{
+                k: v
+                for k, v in honest.to_obj().items()
+                if k not in ("wallet", "signature", "aggregate_sha256")
+            },
+            aggregate_sha256=sha256_hex(forged),
+        )
+
+        async def switch() -> None:
+            await asyncio.sleep(self.delay_s)
+            await self.store.publish(self._name(held.inp, "agg", j), forged)
+            await self.store.publish(self._name(held.inp, "claim", j), second.to_json())
+
+        held.tasks = getattr(held, "tasks", [])
+        held.tasks.append(asyncio.create_task(switch()))
+
+
+class Withholder(OuterRound):
+    """Never publishes the aggregates of the parts it owns (its own contribution stays honest)."""
+
+    async def _reduce_owned(self, held: _Held) -> None:
+        return None
+
+
+class MismatchedPart(OuterRound):
+    """Signs the root of its honest Δ, then publishes a Δ object with every part negated."""
+
+    async def _scatter(self, held: _Held) -> None:
+        from neuroshard.node.outer.reduce import delta_object
+
+        forged, _ = delta_object(-held.inp.delta, held.bounds, self.config.encoding)
+        held.delta_bytes = forged
+        await self.store.publish(self._name(held.inp, "delta"), forged)
+
+
+def flip_sign(delta: torch.Tensor) -> torch.Tensor:
+    """A contribution attack for the simulator: -4 × the honest Δ (caught by per-part screening)."""
+    return -4.0 * delta

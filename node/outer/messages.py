@@ -1,0 +1,258 @@
+"""The signed objects of a partitioned round (schemas and checks in the style of ``p2p.wire``).
+
+| object (name)              | signed by   | what it binds                                                  |
+|----------------------------|-------------|----------------------------------------------------------------|
+| ``commit``  RoundCommitment | contributor | its Δ for (stage, round, h_r, members): Merkle root of n parts  |
+| ``delta``   bytes           | —           | per part: ⌈log2 n⌉ proof hashes, then the part's safetensors    |
+| ``inputs/j`` InputList      | —           | what part j's owner reduced (sha256 in the claim)              |
+| ``agg/j``   bytes           | —           | the aggregated part j, encoded (sha256 in the claim)           |
+| ``claim/j`` AggregateClaim  | owner       | part j's inputs and aggregate, by hash                          |
+| ``digest``  RoundDigest     | replica     | the claims it accepted (one hash) and the frauds it found      |
+| ``view``    ClaimView       | replica     | the claims themselves (read only when digests disagree)         |
+| ``fraud/j`` bytes           | —           | FraudProof: a claim, its inputs and their parts: checkable alone |
+
+Every message is small and of fixed size in n except ``InputList``, ``ClaimView`` and fraud proofs,
+which a replica reads only for the parts it checks or when something went wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+from ..p2p.wire import (
+    _SIGNER,
+    ENCODINGS,
+    MAX_COUNT,
+    MAX_NUMEL,
+    MAX_STAGE,
+    InvalidMessage,
+    MalformedMessage,
+    Message,
+    Signed,
+    choice,
+    hex_bytes,
+    integer,
+    list_of,
+    message,
+    parse_json,
+    schema,
+    text,
+)
+
+MAX_MEMBERS = 4096
+"""Replicas per stage a round takes (the partition has one part per member)."""
+MAX_REASON_CHARS = 300
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_ROUND = schema(
+    stage=integer(0, MAX_STAGE),
+    round=integer(0, MAX_COUNT),
+    base_hash=hex_bytes(32),
+    members_sha256=hex_bytes(32),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundCommitment(Signed):
+    """A contributor's Δ for one round, bound before any part of it can be read: the Merkle root over
+    the sha256 of its n encoded parts (``partition.merkle_root``)."""
+
+    NAME = "round commitment"
+    DOMAIN = b"neuroshard/round-commitment/v1"
+    stage: int
+    round: int
+    base_hash: str
+    """sha256 of θ_round the Δ was computed from (h_r)."""
+    members_sha256: str
+    """sha256 of the round's sorted member list: the partition the parts follow."""
+    tokens: int
+    encoding: str
+    numel: int
+    parts_root: str
+
+    FIELDS = schema(
+        _SIGNER,
+        _ROUND,
+        tokens=integer(0, MAX_COUNT),
+        encoding=choice(ENCODINGS),
+        numel=integer(1, MAX_NUMEL),
+        parts_root=hex_bytes(32),
+    )
+
+    def sha256(self) -> str:
+        return sha256_hex(self.to_json())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dropped(Message):
+    NAME = "dropped input"
+    wallet: str
+    reason: str
+
+    FIELDS = schema(wallet=hex_bytes(32), reason=text(MAX_REASON_CHARS))
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputList(Message):
+    """What an owner reduced for one part: the commitments of the parts it screened and aggregated
+    (wallet order), and the members it left out with why (no commitment, no part, hash mismatch,
+    banned). Its sha256 is in the owner's signed claim, so the list is the owner's statement."""
+
+    NAME = "input list"
+    part: int
+    considered: tuple[RoundCommitment, ...]
+    dropped: tuple[Dropped, ...]
+
+    FIELDS = schema(
+        part=integer(0, MAX_MEMBERS - 1),
+        considered=list_of(message(RoundCommitment), MAX_MEMBERS),
+        dropped=list_of(message(Dropped), MAX_MEMBERS),
+    )
+
+    def check(self) -> None:
+        wallets = [c.wallet for c in self.considered]
+        if wallets != sorted(set(wallets)):
+            raise InvalidMessage("input list: considered commitments must be in wallet order, one per wallet")
+
+    def sha256(self) -> str:
+        return sha256_hex(self.to_json())
+
+
+@dataclass(frozen=True, kw_only=True)
+class AggregateClaim(Signed):
+    """An owner's statement about part j: it reduced the inputs whose list hashes to `inputs_sha256`
+    into the encoded aggregate whose sha256 is `aggregate_sha256`. Two different claims of one signer
+    for one part are equivocation; a claim whose recomputation differs is fraud."""
+
+    NAME = "aggregate claim"
+    DOMAIN = b"neuroshard/aggregate-claim/v1"
+    stage: int
+    round: int
+    base_hash: str
+    members_sha256: str
+    part: int
+    encoding: str
+    replaces: str
+    """The wallet whose part this backup took over ("" when the signer is the part's first owner)."""
+    inputs_sha256: str
+    accepted: int
+    """How many inputs the screening kept (a count, so the claim stays small)."""
+    aggregate_sha256: str
+
+    FIELDS = schema(
+        _SIGNER,
+        _ROUND,
+        part=integer(0, MAX_MEMBERS - 1),
+        encoding=choice(ENCODINGS),
+        replaces=hex_bytes(32, empty_ok=True),
+        inputs_sha256=hex_bytes(32),
+        accepted=integer(0, MAX_MEMBERS),
+        aggregate_sha256=hex_bytes(32),
+    )
+
+    def sha256(self) -> str:
+        return sha256_hex(self.to_json())
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundDigest(Signed):
+    """After the gather and the checks: one hash over the claims this replica will step with, and the
+    parts where it holds a fraud proof. Replicas compare digests (O(1) each) and read each other's
+    full ``ClaimView`` only when two differ."""
+
+    NAME = "round digest"
+    DOMAIN = b"neuroshard/round-digest/v1"
+    stage: int
+    round: int
+    base_hash: str
+    members_sha256: str
+    claims_sha256: str
+    frauds: tuple[int, ...]
+
+    FIELDS = schema(
+        _SIGNER,
+        _ROUND,
+        claims_sha256=hex_bytes(32),
+        frauds=list_of(integer(0, MAX_MEMBERS - 1), 64),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimView(Signed):
+    """The claims a replica accepted, in part order (parts it could not get are absent)."""
+
+    NAME = "claim view"
+    DOMAIN = b"neuroshard/claim-view/v1"
+    stage: int
+    round: int
+    base_hash: str
+    members_sha256: str
+    claims: tuple[AggregateClaim, ...]
+
+    FIELDS = schema(_SIGNER, _ROUND, claims=list_of(message(AggregateClaim), MAX_MEMBERS))
+
+
+def claims_sha256(claims: dict[int, AggregateClaim]) -> str:
+    """The digest's hash: sha256 over "part:claim sha256" lines in part order."""
+    return sha256_hex("\n".join(f"{j}:{claims[j].sha256()}" for j in sorted(claims)).encode())
+
+
+@dataclass(frozen=True)
+class FraudProof:
+    """Evidence that an owner's signed aggregate is not what its signed inputs give.
+
+    Holds the claim, the input list the claim hashes, and for every considered input its part bytes
+    and Merkle proof. Anyone re-checks it alone (``reduce.check_fraud``): signatures, hashes, the
+    recomputed aggregate. Encoded as an 8-byte length, a JSON header, then the parts' bytes."""
+
+    claim: AggregateClaim
+    inputs: InputList
+    parts: tuple[tuple[bytes, bytes], ...]
+    """(proof, part bytes) per considered input, in the input list's order."""
+
+    def encode(self) -> bytes:
+        header = {
+            "claim": self.claim.to_obj(),
+            "inputs": self.inputs.to_obj(),
+            "sizes": [[len(proof), len(part)] for proof, part in self.parts],
+        }
+        raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        return struct.pack("<Q", len(raw)) + raw + b"".join(p + b for p, b in self.parts)
+
+    @classmethod
+    def decode(cls, data: bytes, max_header: int = 16 << 20) -> FraudProof:
+        if len(data) < 8:
+            raise MalformedMessage("fraud proof is truncated")
+        (size,) = struct.unpack("<Q", data[:8])
+        if size > min(max_header, len(data) - 8):
+            raise MalformedMessage(f"fraud proof header of {size} bytes does not fit")
+        header = parse_json(data[8 : 8 + size], "fraud proof")
+        if not isinstance(header, dict) or set(header) != {"claim", "inputs", "sizes"}:
+            raise MalformedMessage("fraud proof header must hold exactly claim, inputs and sizes")
+        claim = AggregateClaim.from_obj(header["claim"], "fraud proof claim")
+        inputs = InputList.from_obj(header["inputs"], "fraud proof inputs")
+        sizes = header["sizes"]
+        if not isinstance(sizes, list) or len(sizes) != len(inputs.considered):
+            raise MalformedMessage("fraud proof sizes must list one (proof, part) size per considered input")
+        parts, at = [], 8 + size
+        for entry in sizes:
+            if not (
+                isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)
+            ):
+                raise MalformedMessage("fraud proof sizes must be pairs of non-negative integers")
+            proof_len, part_len = entry
+            end = at + proof_len + part_len
+            if end > len(data):
+                raise MalformedMessage("fraud proof is shorter than its sizes say")
+            parts.append((data[at : at + proof_len], data[at + proof_len : end]))
+            at = end
+        if at != len(data):
+            raise MalformedMessage("fraud proof has trailing bytes")
+        return cls(claim, inputs, tuple(parts))

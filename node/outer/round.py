@@ -1,0 +1,682 @@
+"""One partitioned outer round of one stage, step by step, over a `RoundStore`.
+
+The algorithm (BTARD's butterfly all-reduce with a robust rule per part, Gorbunov et al., ICML
+2022), for n sorted members, d values and this replica's Δ:
+
+1. COMMIT   cut Δ into n parts (``partition.part_bounds``), encode each, sign one
+            ``RoundCommitment`` over their Merkle root, publish it, and read every member's.
+2. SCATTER  publish the Δ object (each part behind its Merkle proof). Only now: a member that
+            has not committed can no longer commit to a copy of what it reads.
+3. REDUCE   for each part this replica owns (``partition.owners``): read that part of every
+            committed member's Δ (one ranged read each), check it against the member's root,
+            screen and aggregate it (``reduce.reduce_part``), publish the input list, the encoded
+            aggregate and a signed ``AggregateClaim`` over both hashes.
+4. GATHER   read every part's claim and aggregate from its owner and check the hash. A part whose
+            owner is silent past the deadline is reduced by the next member of its backup chain
+            (``partition.backup_chain``), which every replica derives alike.
+5. CHECK    recompute parts chosen by a seed fixed only after the gather (this replica's wallet
+            and the hash of every claim it holds), each with `check_probability`, from their
+            signed inputs. A difference
+            is a ``FraudProof``: published, the part replaced by its correct aggregate, the owner
+            reported for a ban.
+6. AGREE    publish a ``RoundDigest`` (one hash over the claims held, the parts found wrong) and
+            read every member's; check the fraud proofs others found; where digests differ, read
+            the other ``ClaimView`` and look for an owner that signed two claims for one part
+            (equivocation: the part is zero this round, the owner reported).
+7. DONE     the (d,) aggregate to step with, and who was refused, banned, silent and why.
+
+The module knows no carrier: HTTP, S3 and the simulator each implement ``port.RoundStore``.
+It knows no DiLoCo either: the caller steps its engine with the result (``neuroshard.node.p2p.
+network``; the simulator). Per replica and round it moves about 2·d encoded bytes — its parts out
+to their owners, every aggregated part in — plus ≈ 1.6–1.9·d for the checks (each re-reads one
+part's n inputs) and O(n) small signed objects: nothing grows with n but the small objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..p2p.wire import WireError
+from ..validation import ValidationConfig
+from ..wallet import Wallet
+from .messages import (
+    AggregateClaim,
+    ClaimView,
+    Dropped,
+    FraudProof,
+    InputList,
+    RoundCommitment,
+    RoundDigest,
+    claims_sha256,
+    sha256_hex,
+)
+from .partition import backup_chain, members_sha256, owners, part_bounds
+from .port import RoundStore, object_name
+from .reduce import (
+    AggregationRule,
+    FraudCheck,
+    check_fraud,
+    decode_part,
+    delta_object,
+    encode_part,
+    encoded_size,
+    part_matches,
+    part_spans,
+    recompute,
+    split_slot,
+)
+
+SMALL_OBJECT_BYTES = 64 << 10
+"""Cap on a commitment, claim or digest read (each is < 2 KB)."""
+LIST_BYTES_PER_MEMBER = 2048
+"""Cap per member on an input list or claim view read (an entry is < 1 KB)."""
+
+
+class Phase(enum.Enum):
+    COMMIT = "commit"
+    SCATTER = "scatter"
+    REDUCE = "reduce"
+    GATHER = "gather"
+    CHECK = "check"
+    AGREE = "agree"
+    DONE = "done"
+
+
+@dataclass(kw_only=True)
+class RoundConfig:
+    """Deadlines and knobs of one round. Defaults suit a stage on the open internet at production H;
+    tests and the simulator shorten the deadlines."""
+
+    encoding: str = "int8"
+    """Encoding of this replica's parts and of the aggregates it owns (``p2p.codec``)."""
+    commit_timeout_s: float = 30.0
+    """How long to wait for the members' commitments before closing the commit phase."""
+    part_timeout_s: float = 60.0
+    """How long an owner waits for a committed member's part (a ranged read of its Δ)."""
+    gather_timeout_s: float = 60.0
+    """How long to wait for an owner's claim and aggregate before turning to its backup."""
+    agree_timeout_s: float = 15.0
+    """How long to wait for the members' digests."""
+    check_miss: float = 0.2
+    """Target probability that a cheating owner's part goes unchecked in one round, with 80% of the
+    members honest: 0.2 catches it within 3 rounds with probability ≥ 0.992. Each replica checks
+    each part it does not own with probability p = 1 − miss^(1/(0.8·n − 1)) (`check_probability`):
+    ~1.6 parts at n = 4, ~1.9 at n ≥ 24 — the fewest checks (each costs ≈ d·(n−1)/n bytes in) that
+    hold the target at every n."""
+    checks: int | None = None
+    """Check exactly this many parts instead (tests, benchmarks); None: `check_miss` decides."""
+    backups: int = 2
+    """How far down the backup chain a missing part is looked for before it is taken as zero."""
+    validation: ValidationConfig | None = field(default_factory=ValidationConfig)
+    """Per-part content screening (``reduce`` module docstring); None skips it."""
+
+    def __post_init__(self) -> None:
+        for name in ("commit_timeout_s", "part_timeout_s", "gather_timeout_s", "agree_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RoundConfig.{name} must be > 0, got {getattr(self, name)}")
+        if (self.checks is not None and self.checks < 0) or self.backups < 0:
+            raise ValueError(
+                f"RoundConfig.checks and backups must be >= 0, got {self.checks}, {self.backups}"
+            )
+        if not 0 < self.check_miss < 1:
+            raise ValueError(f"RoundConfig.check_miss must lie in (0, 1), got {self.check_miss}")
+
+
+HONEST_SHARE = 0.8
+"""The share of honest members the check rate is sized for (the simulator's 20% Byzantine)."""
+
+
+def check_probability(n: int, miss: float) -> float:
+    """Probability with which a replica checks each part it does not own, so that a part goes
+    unchecked by all ≈ 0.8·n − 1 other honest replicas with probability ≤ `miss`."""
+    checkers = max(1.0, HONEST_SHARE * n - 1)
+    return min(1.0, 1.0 - miss ** (1.0 / checkers))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundInput:
+    stage: int
+    round: int
+    base_hash: str
+    """sha256 of θ_round (h_r): every member's Δ must be computed from it."""
+    members: tuple[str, ...]
+    """The round's member wallets, sorted; this replica among them."""
+    delta: Tensor
+    """This replica's Δ (d,) float32, on the CPU."""
+    tokens: int
+    banned: frozenset[str] = frozenset()
+    """Wallets this replica refuses as inputs (proven cheats of earlier rounds)."""
+
+
+@dataclass(kw_only=True)
+class RoundResult:
+    aggregate: Tensor
+    """Δ_agg (d,) float32: every part's aggregate, zero where no valid one was found."""
+    committed: tuple[str, ...] = ()
+    """Members whose valid commitment this replica held when it closed the commit phase."""
+    claims: dict[int, AggregateClaim] = field(default_factory=dict)
+    """Part -> the claim this replica stepped with."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Wallet -> why a part (or its commitment) of it was refused, in the parts this replica saw."""
+    cheats: dict[str, str] = field(default_factory=dict)
+    """Wallet -> proof-backed reason to ban it (fraud, equivocation): the caller bans these."""
+    silent: dict[str, str] = field(default_factory=dict)
+    """Wallet -> what it did not deliver (no commitment, an owner without its aggregate)."""
+    missing_parts: tuple[int, ...] = ()
+    checked: tuple[int, ...] = ()
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Phase -> wall seconds spent in it."""
+
+
+@dataclass
+class _Held:
+    """What one round holds while it runs (one instance per `run`)."""
+
+    inp: RoundInput
+    members_sha: str
+    bounds: list[tuple[int, int]]
+    owners: list[str]
+    commitment: RoundCommitment
+    delta_bytes: bytes
+    commitments: dict[str, RoundCommitment] = field(default_factory=dict)
+    claims: dict[int, AggregateClaim] = field(default_factory=dict)
+    aggregates: dict[int, bytes] = field(default_factory=dict)
+    """Part -> encoded aggregate to step with (the claim's, or a fraud proof's recomputation)."""
+    encodings: dict[int, str] = field(default_factory=dict)
+    frauds: set[int] = field(default_factory=set)
+    """Parts whose owner this replica holds a checked fraud proof against."""
+    result: RoundResult | None = None
+
+
+class OuterRound:
+    """Runs rounds for one replica: `await OuterRound(store, wallet, rule, config).run(inp)`."""
+
+    def __init__(
+        self,
+        store: RoundStore,
+        wallet: Wallet,
+        rule: AggregationRule,
+        config: RoundConfig | None = None,
+        log: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.store = store
+        self.wallet = wallet
+        self.me = wallet.public_key_hex
+        self.rule = rule
+        self.config = config or RoundConfig()
+        self.log = log
+        self.phase = Phase.DONE
+
+    # --- the steps ---------------------------------------------------------------------------
+
+    async def run(self, inp: RoundInput) -> RoundResult:
+        if list(inp.members) != sorted(set(inp.members)) or self.me not in inp.members:
+            raise ValueError("RoundInput.members must be sorted, without repeats, and include this replica")
+        held = await self._commit(inp)
+        clock = time.monotonic()
+        held.result = RoundResult(aggregate=torch.zeros(inp.delta.numel()))
+        steps = ((Phase.COMMIT, self._read_commitments), (Phase.SCATTER, self._scatter),
+                 (Phase.REDUCE, self._reduce_owned), (Phase.GATHER, self._gather),
+                 (Phase.CHECK, self._check), (Phase.AGREE, self._agree))  # fmt: skip
+        for phase, step in steps:
+            self.phase = phase
+            await step(held)
+            now = time.monotonic()
+            held.result.seconds[phase.value] = now - clock
+            clock = now
+        self.phase = Phase.DONE
+        return self._finish(held)
+
+    async def _commit(self, inp: RoundInput) -> _Held:
+        self.phase = Phase.COMMIT
+        n, d = len(inp.members), inp.delta.numel()
+        bounds = part_bounds(d, n)
+        delta_bytes, root = await asyncio.to_thread(delta_object, inp.delta, bounds, self.config.encoding)
+        members_sha = members_sha256(inp.members)
+        commitment = RoundCommitment.create(
+            self.wallet,
+            stage=inp.stage,
+            round=inp.round,
+            base_hash=inp.base_hash,
+            members_sha256=members_sha,
+            tokens=inp.tokens,
+            encoding=self.config.encoding,
+            numel=d,
+            parts_root=root,
+        )
+        await self.store.publish(self._name(inp, "commit"), commitment.to_json())
+        held = _Held(
+            inp=inp,
+            members_sha=members_sha,
+            bounds=bounds,
+            owners=owners(inp.stage, inp.round, inp.base_hash, inp.members),
+            commitment=commitment,
+            delta_bytes=delta_bytes,
+        )
+        held.commitments[self.me] = commitment
+        return held
+
+    async def _read_commitments(self, held: _Held) -> None:
+        inp, result = held.inp, held.result
+        assert result is not None
+
+        async def read(member: str) -> None:
+            raw = await self.store.fetch(
+                member,
+                self._name(inp, "commit"),
+                max_bytes=SMALL_OBJECT_BYTES,
+                wait_s=self.config.commit_timeout_s,
+            )
+            if raw is None:
+                result.silent[member] = "no commitment before the commit deadline"
+                return
+            try:
+                commitment = RoundCommitment.from_json(raw)
+            except WireError as exc:
+                result.refused[member] = f"commitment: {exc}"
+                return
+            reason = self._commitment_problem(held, member, commitment)
+            if reason is not None:
+                result.refused[member] = reason
+            elif member in inp.banned:
+                result.refused[member] = "banned in an earlier round"
+            else:
+                held.commitments[member] = commitment
+
+        await asyncio.gather(*(read(m) for m in inp.members if m != self.me))
+        result.committed = tuple(sorted(held.commitments))
+
+    def _commitment_problem(self, held: _Held, author: str, c: RoundCommitment) -> str | None:
+        inp = held.inp
+        if c.wallet != author or not c.signature_valid():
+            return "commitment not signed by its author"
+        if (c.stage, c.round, c.members_sha256) != (inp.stage, inp.round, held.members_sha):
+            return "commitment for another stage, round or member list"
+        if c.base_hash != inp.base_hash:
+            return f"base hash {c.base_hash[:16]} is not this round's θ hash {inp.base_hash[:16]}"
+        if c.numel != inp.delta.numel():
+            return f"numel {c.numel} is not the stage's {inp.delta.numel()}"
+        return None
+
+    async def _scatter(self, held: _Held) -> None:
+        await self.store.publish(self._name(held.inp, "delta"), held.delta_bytes)
+
+    async def _reduce_owned(self, held: _Held) -> None:
+        mine = [j for j, owner in enumerate(held.owners) if owner == self.me]
+        await asyncio.gather(*(self._reduce(held, j, replaces="") for j in mine))
+
+    async def _read_part(self, held: _Held, author: str, j: int, wait_s: float) -> tuple[bytes, bytes] | str:
+        """(proof, part bytes) of `author`'s part j checked against its commitment, or why not."""
+        commitment = held.commitments[author]
+        n = len(held.inp.members)
+        span = part_spans(held.bounds, commitment.encoding)[j]
+        if author == self.me:
+            raw: bytes | None = held.delta_bytes[span[0] : span[1]]
+        else:
+            raw = await self.store.fetch(
+                author, self._name(held.inp, "delta"), max_bytes=span[1] - span[0], span=span, wait_s=wait_s
+            )
+        if raw is None or len(raw) != span[1] - span[0]:
+            return "its part could not be read before the deadline"
+        proof, data = split_slot(raw, n)
+        if not part_matches(commitment, j, n, proof, data):
+            return f"part {j} does not match its signed commitment"
+        return proof, data
+
+    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+        """Reduce part j as its owner (or as the backup of `replaces`) and publish the claim."""
+        inp = held.inp
+        a, b = held.bounds[j]
+        authors = sorted(held.commitments)
+        reads = await asyncio.gather(
+            *(self._read_part(held, w, j, self.config.part_timeout_s) for w in authors)
+        )
+        parts, dropped = {}, []
+        assert held.result is not None
+        for author, got in zip(authors, reads, strict=True):
+            if isinstance(got, str):
+                dropped.append(Dropped(wallet=author, reason=got))
+                held.result.refused.setdefault(author, f"part {j}: {got}")
+            else:
+                parts[author] = got[1]
+        for member in inp.members:
+            if member not in held.commitments:
+                dropped.append(Dropped(wallet=member, reason="no valid commitment held by the owner"))
+        inputs = InputList(
+            part=j,
+            considered=tuple(held.commitments[w] for w in sorted(parts)),
+            dropped=tuple(sorted(dropped, key=lambda x: x.wallet)),
+        )
+        try:
+            aggregate, accepted, refused = await asyncio.to_thread(
+                recompute, inputs, parts, b - a, self.config.encoding, self.rule, self.config.validation
+            )
+        except (WireError, ValueError) as exc:  # a part that matches its hash but does not decode
+            self.log(f"round {inp.round}: part {j}: an input does not decode ({exc}); reducing without it")
+            bad = {w for w, data in parts.items() if not _decodes(data, held.commitments[w].encoding, b - a)}
+            for w in bad:
+                del parts[w]
+            inputs = InputList(
+                part=j,
+                considered=tuple(held.commitments[w] for w in sorted(parts)),
+                dropped=tuple(sorted([*dropped, *(Dropped(wallet=w, reason="part does not decode") for w in bad)],
+                                     key=lambda x: x.wallet)),
+            )  # fmt: skip
+            aggregate, accepted, refused = await asyncio.to_thread(
+                recompute, inputs, parts, b - a, self.config.encoding, self.rule, self.config.validation
+            )
+        claim = AggregateClaim.create(
+            self.wallet,
+            stage=inp.stage,
+            round=inp.round,
+            base_hash=inp.base_hash,
+            members_sha256=held.members_sha,
+            part=j,
+            encoding=self.config.encoding,
+            replaces=replaces,
+            inputs_sha256=inputs.sha256(),
+            accepted=accepted,
+            aggregate_sha256=sha256_hex(aggregate),
+        )
+        # The claim goes last: whoever reads it can read what it names.
+        await self.store.publish(self._name(inp, "inputs", j), inputs.to_json())
+        await self.store.publish(self._name(inp, "agg", j), aggregate)
+        await self.store.publish(self._name(inp, "claim", j), claim.to_json())
+        held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
+        assert held.result is not None
+        for wallet, reason in refused.items():
+            held.result.refused.setdefault(wallet, f"part {j}: {reason}")
+
+    async def _read_claim(self, held: _Held, j: int, owner: str, replaces: str, wait_s: float) -> bool:
+        """Read part j's claim and aggregate from `owner`; True when both check out (then held)."""
+        if owner == self.me:
+            return j in held.claims and held.claims[j].wallet == self.me
+        inp = held.inp
+        raw = await self.store.fetch(
+            owner, self._name(inp, "claim", j), max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s
+        )
+        if raw is None:
+            return False
+        try:
+            claim = AggregateClaim.from_json(raw)
+        except WireError:
+            return False
+        expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, j, owner, replaces)
+        got = (claim.stage, claim.round, claim.base_hash, claim.members_sha256, claim.part, claim.wallet,
+               claim.replaces)  # fmt: skip
+        if got != expected or not claim.signature_valid():
+            return False
+        a, b = held.bounds[j]
+        size = encoded_size(claim.encoding, b - a)
+        aggregate = await self.store.fetch(owner, self._name(inp, "agg", j), max_bytes=size, wait_s=wait_s)
+        if aggregate is None or sha256_hex(aggregate) != claim.aggregate_sha256:
+            return False
+        try:
+            decode_part(aggregate, claim.encoding, b - a)
+        except WireError:
+            return False  # signed but undecodable: as good as withheld
+        held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
+        return True
+
+    async def _gather(self, held: _Held) -> None:
+        await asyncio.gather(*(self._gather_part(held, j) for j in range(len(held.bounds))))
+
+    async def _gather_part(self, held: _Held, j: int) -> None:
+        result = held.result
+        assert result is not None
+        chain = backup_chain(held.owners, j, self.config.backups)
+        for k, owner in enumerate(chain):
+            replaces = "" if k == 0 else chain[0]
+            if owner == self.me and k > 0:
+                await self._reduce(held, j, replaces=replaces)
+            if await self._read_claim(held, j, owner, replaces, self.config.gather_timeout_s):
+                return
+            result.silent.setdefault(owner, f"no valid aggregate of part {j} before the deadline")
+        self.log(f"round {held.inp.round}: no valid aggregate of part {j} from {len(chain)} owner(s); zero")
+
+    def _check_seed(self, held: _Held) -> random.Random:
+        seed = hashlib.sha256(
+            f"neuroshard/check/v1\n{self.me}\n{held.inp.round}\n{claims_sha256(held.claims)}".encode()
+        ).digest()
+        return random.Random(seed)
+
+    async def _check(self, held: _Held) -> None:
+        result = held.result
+        assert result is not None
+        others = sorted(
+            j for j, c in held.claims.items() if c.wallet != self.me and held.bounds[j][1] > held.bounds[j][0]
+        )
+        rng = self._check_seed(held)
+        if self.config.checks is not None:
+            picked = sorted(rng.sample(others, min(self.config.checks, len(others))))
+        else:
+            p = check_probability(len(held.inp.members), self.config.check_miss)
+            picked = [j for j in others if rng.random() < p]
+        result.checked = tuple(picked)
+        await asyncio.gather(*(self._check_part(held, j) for j in picked))
+
+    async def _check_part(self, held: _Held, j: int) -> None:
+        result, inp, claim = held.result, held.inp, held.claims[j]
+        assert result is not None
+        n = len(inp.members)
+        raw = await self.store.fetch(
+            claim.wallet, self._name(inp, "inputs", j), max_bytes=LIST_BYTES_PER_MEMBER * n + 4096, wait_s=5.0
+        )
+        try:
+            inputs = InputList.from_json(raw) if raw is not None else None
+        except WireError:
+            inputs = None
+        if inputs is None or inputs.sha256() != claim.inputs_sha256:
+            self.log(
+                f"round {inp.round}: part {j}: owner {claim.wallet[:12]} does not serve the inputs it signed"
+            )
+            result.silent.setdefault(claim.wallet, f"did not serve the inputs of part {j} for a check")
+            return
+        for c in inputs.considered:  # a member with two signed commitments is an equivocator
+            mine = held.commitments.get(c.wallet)
+            if mine is not None and mine != c and c.signature_valid() and c.round == inp.round:
+                result.cheats[c.wallet] = f"equivocation: signed two commitments for round {inp.round}"
+        reads = await asyncio.gather(*(self._read_input(held, c, j) for c in inputs.considered))
+        if any(r is None for r in reads):
+            self.log(f"round {inp.round}: part {j}: an input of the claim could not be read; not checked")
+            return
+        proof = FraudProof(claim, inputs, tuple(r for r in reads if r is not None))
+        verdict = await self._verify(held, proof)
+        if verdict.fraud:
+            self.log(f"round {inp.round}: part {j}: owner {claim.wallet[:12]} cheated: {verdict.reason}")
+            await self.store.publish(self._name(inp, "fraud", j), proof.encode())
+            self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
+
+    async def _verify(self, held: _Held, proof: FraudProof) -> FraudCheck:
+        """`reduce.check_fraud` of `proof` against this round, on a worker thread."""
+        inp = held.inp
+        return await asyncio.to_thread(
+            check_fraud,
+            proof,
+            owner=proof.claim.wallet,
+            members=inp.members,
+            bounds=held.bounds,
+            stage=inp.stage,
+            round_=inp.round,
+            base_hash=inp.base_hash,
+            members_sha256=held.members_sha,
+            rule=self.rule,
+            validation=self.config.validation,
+        )
+
+    async def _read_input(self, held: _Held, c: RoundCommitment, j: int) -> tuple[bytes, bytes] | None:
+        saved = held.commitments.get(c.wallet)
+        held.commitments[c.wallet] = c  # read it against the commitment the owner used
+        try:
+            got = await self._read_part(held, c.wallet, j, wait_s=5.0)
+        finally:
+            if saved is None:
+                del held.commitments[c.wallet]
+            else:
+                held.commitments[c.wallet] = saved
+        return None if isinstance(got, str) else got
+
+    def _apply_fraud(
+        self, held: _Held, j: int, claim: AggregateClaim, reason: str, aggregate: bytes | None
+    ) -> None:
+        """Replace part j by the aggregate its signed inputs give (what a backup owner would compute
+        from the same inputs, so every replica holding the proof steps alike) and report the owner.
+        When the inputs themselves convict the owner (a junk or undecodable input it took), there is
+        no correct aggregate of them: the part is zero this round, on every replica alike."""
+        assert held.result is not None
+        if aggregate is None:
+            a, b = held.bounds[j]
+            aggregate = encode_part(torch.zeros(b - a), claim.encoding)
+        held.result.cheats[claim.wallet] = f"fraud on part {j} of round {held.inp.round}: {reason}"
+        held.aggregates[j], held.encodings[j] = aggregate, claim.encoding
+        held.claims.pop(j, None)
+        held.frauds.add(j)
+
+    async def _agree(self, held: _Held) -> None:
+        inp, result = held.inp, held.result
+        assert result is not None
+        frauds = set(held.frauds)
+        digest = RoundDigest.create(
+            self.wallet,
+            stage=inp.stage,
+            round=inp.round,
+            base_hash=inp.base_hash,
+            members_sha256=held.members_sha,
+            claims_sha256=claims_sha256(held.claims),
+            frauds=tuple(sorted(frauds)),
+        )
+        view = ClaimView.create(
+            self.wallet,
+            stage=inp.stage,
+            round=inp.round,
+            base_hash=inp.base_hash,
+            members_sha256=held.members_sha,
+            claims=tuple(held.claims[j] for j in sorted(held.claims)),
+        )
+        await self.store.publish(self._name(inp, "view"), view.to_json())
+        await self.store.publish(self._name(inp, "digest"), digest.to_json())
+        digests = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
+        for peer_digest in digests:
+            if peer_digest is None:
+                continue
+            for j in peer_digest.frauds:
+                if j not in frauds and j < len(held.bounds):
+                    await self._take_fraud_proof(held, peer_digest.wallet, j)
+                    frauds = set(held.frauds)
+        own = claims_sha256(held.claims)
+        for peer_digest in digests:
+            if peer_digest is not None and peer_digest.claims_sha256 != own:
+                await self._compare_views(held, peer_digest.wallet)
+
+    async def _read_digest(self, held: _Held, member: str) -> RoundDigest | None:
+        inp = held.inp
+        raw = await self.store.fetch(
+            member,
+            self._name(inp, "digest"),
+            max_bytes=SMALL_OBJECT_BYTES,
+            wait_s=self.config.agree_timeout_s,
+        )
+        try:
+            digest = RoundDigest.from_json(raw) if raw is not None else None
+        except WireError:
+            return None
+        if digest is None or digest.wallet != member or not digest.signature_valid():
+            return None
+        if (digest.stage, digest.round, digest.base_hash, digest.members_sha256) != (
+            inp.stage, inp.round, inp.base_hash, held.members_sha):  # fmt: skip
+            return None
+        return digest
+
+    async def _take_fraud_proof(self, held: _Held, finder: str, j: int) -> None:
+        """Check the fraud proof `finder` published for part j; apply it if it holds."""
+        inp = held.inp
+        a, b = held.bounds[j]
+        bound = LIST_BYTES_PER_MEMBER * len(inp.members) * 2 + len(inp.members) * (
+            encoded_size("fp16", b - a) + 4096
+        )
+        raw = await self.store.fetch(finder, self._name(inp, "fraud", j), max_bytes=bound, wait_s=5.0)
+        if raw is None:
+            return
+        try:
+            proof = FraudProof.decode(raw)
+        except WireError:
+            return
+        claimed_owner = proof.claim.wallet
+        verdict = await self._verify(held, proof)
+        if verdict.fraud and proof.claim.part == j:
+            self.log(f"round {inp.round}: part {j}: {finder[:12]} proved owner {claimed_owner[:12]} cheated")
+            self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
+
+    async def _compare_views(self, held: _Held, member: str) -> None:
+        """Find an owner that signed two different claims for one part: its part is zero this round."""
+        inp, result = held.inp, held.result
+        assert result is not None
+        raw = await self.store.fetch(
+            member,
+            self._name(inp, "view"),
+            max_bytes=LIST_BYTES_PER_MEMBER * len(inp.members) + 4096,
+            wait_s=2.0,
+        )
+        try:
+            view = ClaimView.from_json(raw) if raw is not None else None
+        except WireError:
+            return
+        if view is None or view.wallet != member or not view.signature_valid():
+            return
+        for theirs in view.claims:
+            mine = held.claims.get(theirs.part)
+            if mine is None or mine == theirs or mine.wallet != theirs.wallet or not theirs.signature_valid():
+                continue
+            if (theirs.stage, theirs.round, theirs.replaces) != (mine.stage, mine.round, mine.replaces):
+                continue
+            result.cheats[mine.wallet] = (
+                f"equivocation: signed two aggregates for part {mine.part} of round {inp.round}"
+            )
+            self.log(
+                f"round {inp.round}: part {mine.part}: owner {mine.wallet[:12]} signed two aggregates; zero"
+            )
+            del held.claims[mine.part]
+            held.aggregates.pop(mine.part, None)
+
+    def _finish(self, held: _Held) -> RoundResult:
+        result = held.result
+        assert result is not None
+        out = result.aggregate
+        missing = []
+        for j, (a, b) in enumerate(held.bounds):
+            if b == a:
+                continue
+            data = held.aggregates.get(j)
+            if data is None:
+                missing.append(j)
+                continue
+            out[a:b] = decode_part(data, held.encodings[j], b - a)
+        result.claims = dict(held.claims)
+        result.missing_parts = tuple(missing)
+        return result
+
+    @staticmethod
+    def _name(inp: RoundInput, kind: str, part: int | None = None) -> str:
+        return object_name(inp.stage, inp.round, kind, part)
+
+
+def _decodes(data: bytes, encoding: str, length: int) -> bool:
+    try:
+        decode_part(data, encoding, length)
+    except (WireError, ValueError):
+        return False
+    return True
+
+
+def refused_reasons(result: RoundResult) -> Mapping[str, str]:
+    """Every wallet the round refused or reported, with the first reason (for round lines)."""
+    return {**result.silent, **result.refused, **result.cheats}

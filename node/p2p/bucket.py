@@ -1,0 +1,277 @@
+"""The S3 carrier of the outer round's port: every replica's objects under its prefix of one bucket.
+
+Layout: ``s3://BUCKET/PREFIX/{author wallet}/{stage}/{round}/{kind}[/{part}]`` — the port's object
+name (``neuroshard.node.outer.port.object_name``) under its author's wallet.
+
+Why a bucket: a replica behind NAT accepts no connections, but it can make them. Here every replica
+only PUTs its own objects and GETs (ranged) the others', so outbound HTTPS is all it needs. Any
+S3-compatible store works: AWS S3, Cloudflare R2, MinIO, GCS through its S3 (XML) API.
+
+Nothing read from the bucket is trusted. The round checks every byte against hashes its author
+signed; an object that someone else with write access overwrote is refused like any bad object,
+and its author is then treated as absent for that step. A bucket is a carrier, not an authority.
+
+Operator set-up (once per stage, outside NeuroShard):
+
+- one party (the stage's organiser) owns the bucket and pays for it;
+- each wallet should get write credentials scoped to its own prefix — an IAM policy allowing
+  ``s3:PutObject``/``s3:DeleteObject`` on ``arn:aws:s3:::BUCKET/PREFIX/{wallet}/*`` only, or an R2
+  token limited the same way — so a replica cannot overwrite another's objects (it would only make
+  them absent, see above, but scoped keys keep that from happening at all);
+- every replica gets read access to the stage: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:ListBucket``
+  on the bucket with that prefix (without ListBucket, S3 answers 403 rather than 404 for an object
+  not yet published, and a reader cannot wait for it);
+- a lifecycle rule deleting round objects older than N days (``bucket_lifecycle_rule``), as the
+  backstop for replicas that vanish without calling ``retire``. We never install it ourselves.
+
+Credentials come from boto3's usual chain (environment, ~/.aws, instance role); they are never flags
+of ours and never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ..outer.port import Traffic, check_name, check_wallet
+
+T = TypeVar("T")
+BUCKET_PATTERN = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+ABSENT_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+"""Error codes meaning 'not published yet' (NoSuchBucket is a 404 too, but waiting will not fix it)."""
+DELETE_BATCH = 1000
+"""DeleteObjects takes at most 1000 keys per call (S3 API reference)."""
+
+
+class RelayError(RuntimeError):
+    """A publish that did not reach the bucket (after botocore's retries): no credentials, endpoint
+    down, request refused. The message names the key and the reason, never a credential."""
+
+
+@dataclass(kw_only=True)
+class RelayConfig:
+    """Where a stage's bucket is and how this replica talks to it (credentials: boto3's chain, not here)."""
+
+    url: str
+    """``s3://BUCKET/PREFIX`` holding the stage's objects (the prefix may be empty)."""
+    endpoint_url: str | None = None
+    """An S3-compatible endpoint instead of AWS (MinIO, R2's ``https://ACCOUNT.r2.cloudflarestorage.com``, moto)."""
+    region: str | None = None
+    """The bucket's region; None takes boto3's default (AWS_DEFAULT_REGION, ~/.aws/config)."""
+    poll_interval_s: float = 0.5
+    """Seconds before the first re-read of an object not published yet; each wait grows x1.5."""
+    max_poll_s: float = 5.0
+    """Cap on the wait between polls: a GET is cheap but billed (S3: $0.0004 per 1000)."""
+    request_timeout_s: float = 10.0
+    """Connect and read timeout of one HTTP request, seconds (per socket operation, not per body)."""
+    max_workers: int = 16
+    """Threads running boto3 calls (boto3 is synchronous); also the client's connection pool size."""
+    bucket: str = field(init=False)
+    """Parsed from `url`."""
+    prefix: str = field(init=False)
+    """Parsed from `url`, without slashes at its ends; may be empty."""
+
+    def __post_init__(self) -> None:
+        self.bucket, self.prefix = parse_url(self.url)
+        if not 0 < self.poll_interval_s <= self.max_poll_s:
+            raise ValueError(
+                f"need 0 < poll_interval_s ({self.poll_interval_s}) <= max_poll_s ({self.max_poll_s})"
+            )
+        if self.request_timeout_s <= 0 or self.max_workers < 1:
+            raise ValueError(
+                f"need request_timeout_s > 0 and max_workers >= 1, got {self.request_timeout_s}, {self.max_workers}"
+            )
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """(bucket, prefix without slashes at its ends) of ``s3://BUCKET/PREFIX``; ValueError saying why not."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"relay URL {url!r} does not start with s3:// (expected s3://BUCKET/PREFIX)")
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    if not BUCKET_PATTERN.match(bucket):
+        raise ValueError(f"relay URL {url!r}: bucket {bucket!r} is not 3-63 characters of [a-z0-9.-]")
+    prefix = prefix.strip("/")
+    if prefix and (not PREFIX_PATTERN.match(prefix) or any(s in (".", "..") for s in prefix.split("/"))):
+        raise ValueError(
+            f"relay URL {url!r}: prefix {prefix!r} is not /-separated segments of [A-Za-z0-9_.-]"
+        )
+    return bucket, prefix
+
+
+def make_s3_client(config: RelayConfig) -> Any:
+    """A thread-safe boto3 S3 client for `config` (credentials from boto3's usual chain)."""
+    botocore_config = Config(
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=config.request_timeout_s,
+        read_timeout=config.request_timeout_s,
+        max_pool_connections=max(10, config.max_workers),
+        # Since boto3 1.36 every PutObject carries a CRC32 trailer by default, which several
+        # S3-compatible stores reject (as in neuroshard.data.storage); the round hashes bytes itself.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    session = boto3.session.Session()
+    return session.client(
+        "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=botocore_config
+    )
+
+
+def bucket_lifecycle_rule(prefix: str, days: int) -> dict[str, Any]:
+    """The ``LifecycleConfiguration`` for PutBucketLifecycleConfiguration expiring objects under
+    `prefix` `days` after they were written. The operator installs it (a replica never needs to):
+    ``client.put_bucket_lifecycle_configuration(Bucket=b, LifecycleConfiguration=rule)``."""
+    if days < 1:
+        raise ValueError(f"lifecycle days must be >= 1, got {days}")
+    prefix = prefix.strip("/")
+    return {
+        "Rules": [
+            {
+                "ID": f"neuroshard-rounds-{prefix or 'all'}"[:255],
+                "Filter": {"Prefix": f"{prefix}/" if prefix else ""},
+                "Status": "Enabled",
+                "Expiration": {"Days": days},
+            }
+        ]
+    }
+
+
+class BucketStore:
+    """`RoundStore` over an S3-compatible bucket: publish = PutObject under this wallet's prefix,
+    fetch = (ranged) GetObject under the author's, polled until it appears."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        wallet: str,
+        *,
+        client: Any = None,
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self.config = config
+        self.wallet = check_wallet(wallet)
+        self.client = client if client is not None else make_s3_client(config)
+        self.traffic = Traffic()
+        self.log = log
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="bucket")
+        self._root = f"{config.prefix}/" if config.prefix else ""
+        self._warned_forbidden = False
+
+    def key(self, author: str, name: str) -> str:
+        return f"{self._root}{check_wallet(author)}/{check_name(name)}"
+
+    def close(self) -> None:
+        """Stop the worker threads (requests in flight finish in the background)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, fn: Callable[..., T], **kwargs: Any) -> T:
+        self.traffic.requests += 1
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(**kwargs))
+
+    async def publish(self, name: str, data: bytes) -> None:
+        key = self.key(self.wallet, name)
+        body = bytes(data)
+        try:
+            await self._call(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=body)
+        except (BotoCoreError, ClientError) as exc:
+            raise RelayError(f"cannot publish s3://{self.config.bucket}/{key}: {exc}") from None
+        self.traffic.bytes_sent += len(body)
+
+    async def fetch(
+        self,
+        author: str,
+        name: str,
+        *,
+        max_bytes: int,
+        span: tuple[int, int] | None = None,
+        wait_s: float = 0.0,
+    ) -> bytes | None:
+        key = self.key(author, name)
+        if span is not None:
+            start, end = span
+            if not 0 <= start <= end or end - start > max_bytes:
+                return None
+            if start == end:
+                return b""
+        deadline = time.monotonic() + wait_s
+        interval = self.config.poll_interval_s
+        while True:
+            try:
+                return await self._get(key, max_bytes, span)
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if code in ("403", "AccessDenied") and not self._warned_forbidden:
+                    self._warned_forbidden = True
+                    self.log(
+                        f"bucket: GET {key} forbidden ({code}); readers need s3:GetObject and s3:ListBucket"
+                    )
+                if code not in ABSENT_CODES:
+                    return None
+            except BotoCoreError:  # endpoint down, timeouts, a body cut short
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            await asyncio.sleep(min(interval, remaining))
+            interval = min(interval * 1.5, self.config.max_poll_s)
+
+    async def _get(self, key: str, max_bytes: int, span: tuple[int, int] | None) -> bytes | None:
+        """The object's bytes, None if too large or not the length asked for; raises botocore errors."""
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": key}
+        if span is not None:
+            kwargs["Range"] = f"bytes={span[0]}-{span[1] - 1}"
+        response = await self._call(self.client.get_object, **kwargs)
+        body = response["Body"]
+        try:
+            length = int(response.get("ContentLength", -1))
+            want = length if span is None else span[1] - span[0]
+            if length > max_bytes or length != want:  # a span past the object's end comes back short
+                return None
+            loop = asyncio.get_running_loop()
+            data: bytes = await loop.run_in_executor(self._pool, body.read, max_bytes + 1)
+        finally:
+            body.close()
+        self.traffic.bytes_received += len(data)
+        return data if len(data) == length else None
+
+    async def retire(self, stage: int, before_round: int) -> None:
+        """Delete this wallet's objects of rounds < `before_round` of `stage`. Failures are logged, not
+        raised: what is left behind costs storage only, and the lifecycle rule removes it later."""
+        prefix = f"{self._root}{self.wallet}/{stage}/"
+        try:
+            old = await self._list_old(prefix, before_round)
+            for i in range(0, len(old), DELETE_BATCH):
+                batch = [{"Key": k} for k in old[i : i + DELETE_BATCH]]
+                response = await self._call(
+                    self.client.delete_objects,
+                    Bucket=self.config.bucket,
+                    Delete={"Objects": batch, "Quiet": True},
+                )
+                if response.get("Errors"):
+                    self.log(
+                        f"bucket: {len(response['Errors'])} of {len(batch)} deletes under {prefix} refused"
+                    )
+        except (BotoCoreError, ClientError) as exc:
+            self.log(f"bucket: cannot retire rounds < {before_round} of stage {stage}: {exc}")
+
+    async def _list_old(self, prefix: str, before_round: int) -> list[str]:
+        old: list[str] = []
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
+        while True:
+            page = await self._call(self.client.list_objects_v2, **kwargs)
+            for obj in page.get("Contents", []):
+                round_ = obj["Key"].removeprefix(prefix).split("/", 1)[0]
+                if round_.isdigit() and int(round_) < before_round:
+                    old.append(obj["Key"])
+            if not page.get("IsTruncated"):
+                return old
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
