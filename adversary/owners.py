@@ -4,6 +4,9 @@
 - ``Equivocator``: publishes one claim, then replaces it with a second, different signed claim
   once some replicas have read the first (an S3 object overwritten; an HTTP server answering
   differently): two signed claims for one part.
+- ``SplitEquivocator``: signs an honest and a forged claim for each part it owns and publishes
+  both (the forged one as ``claim-b``) for a carrier that answers each reader with one or the
+  other, or with nothing (an HTTP server picking by who asks; tests route readers).
 - ``Withholder``: commits and contributes, but never publishes the aggregates it owns.
 - ``MismatchedPart``: publishes a Δ object whose parts do not match the root it signed.
 """
@@ -42,7 +45,7 @@ class WrongAggregate(OuterRound):
             },
             aggregate_sha256=sha256_hex(forged),
         )
-        await self.store.publish(self._name(held.inp, "agg", j), forged)
+        await self.store.publish(self._agg_name(held.inp, j, claim.aggregate_sha256), forged)
         await self.store.publish(self._name(held.inp, "claim", j), claim.to_json())
         held.claims[j], held.aggregates[j] = claim, forged
 
@@ -71,11 +74,35 @@ class Equivocator(OuterRound):
 
         async def switch() -> None:
             await asyncio.sleep(self.delay_s)
-            await self.store.publish(self._name(held.inp, "agg", j), forged)
+            await self.store.publish(self._agg_name(held.inp, j, second.aggregate_sha256), forged)
             await self.store.publish(self._name(held.inp, "claim", j), second.to_json())
 
         held.tasks = getattr(held, "tasks", [])
         held.tasks.append(asyncio.create_task(switch()))
+
+
+class SplitEquivocator(OuterRound):
+    """Two signed claims per owned part, both aggregates published (by hash); which claim a reader
+    gets is the carrier's choice: ``claim/j`` is the honest one, ``claim-b/j`` the forged one."""
+
+    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+        await super()._reduce(held, j, replaces)
+        honest = held.claims[j]
+        a, b = held.bounds[j]
+        from neuroshard.node.outer.reduce import decode_part
+
+        forged = encode_part(decode_part(held.aggregates[j], honest.encoding, b - a) * 2.0, honest.encoding)
+        second = AggregateClaim.create(
+            self.wallet,
+            **{
+                k: v
+                for k, v in honest.to_obj().items()
+                if k not in ("wallet", "signature", "aggregate_sha256")
+            },
+            aggregate_sha256=sha256_hex(forged),
+        )
+        await self.store.publish(self._agg_name(held.inp, j, second.aggregate_sha256), forged)
+        await self.store.publish(self._name(held.inp, "claim-b", j), second.to_json())
 
 
 class Withholder(OuterRound):

@@ -25,8 +25,9 @@ scale. Byzantine replicas (20%, seeded) take turns among seven kinds: the four c
 forged Δ (``neuroshard.node.attacks``): sign flip ×−4; ALIE and IPM (ε = 0.5), whose colluders
 estimate the honest mean and spread from their own honest Δs (commit-then-reveal shows them no
 one else's before they commit) and add 10% noise each so they are not copies of one another.
-Wallets reported in any honest replica's ``RoundResult.cheats`` are banned in later rounds
-(``RoundInput.banned``), as a node does on a fraud proof that spreads to the whole stage.
+Wallets reported in any honest replica's ``RoundResult.cheats`` are banned in later rounds and
+leave the member list (``RoundInput.banned``, ``PeerNetwork.members``), as a node does on a fraud
+proof that spreads to the whole stage.
 
 Measured per n, over honest replicas and rounds: bytes fetched (received) and served (sent) per
 replica per round, and by object kind; requests; signature verifications; whether all honest
@@ -187,7 +188,7 @@ class LatencyStore(MemoryStore):
         await asyncio.sleep(self.rng.uniform(0.0, 2.0 * self.latency_s))
         data = await super().fetch(author, name, max_bytes=max_bytes, span=span, wait_s=wait_s)
         if data is not None:
-            self.by_kind[name.split("/")[2]] += len(data)
+            self.by_kind[name.split("/")[2].split("-")[0]] += len(data)
         return data
 
 
@@ -368,7 +369,7 @@ def round_inputs(
 ) -> tuple[list[RoundInput], Tensor]:
     """Every replica's input to `round_`, and the mean of the honest Δs (d,) (what a perfect rule gives)."""
     direction = direction_of(config)
-    members = tuple(r.key for r in replicas)
+    members = tuple(r.key for r in replicas if r.key not in banned)  # as PeerNetwork.members()
     owns = [own_delta(config, direction, round_, r.index) for r in replicas]
     byzantine = [i for i, r in enumerate(replicas) if r.role != "honest"]
     colluders = torch.stack([owns[i] for i in byzantine]) if byzantine else torch.zeros(0, config.d)

@@ -5,10 +5,10 @@
 | ``commit``  RoundCommitment | contributor | its Δ for (stage, round, h_r, members): Merkle root of n parts  |
 | ``delta``   bytes           | —           | per part: ⌈log2 n⌉ proof hashes, then the part's safetensors    |
 | ``inputs/j`` InputList      | —           | what part j's owner reduced (sha256 in the claim)              |
-| ``agg/j``   bytes           | —           | the aggregated part j, encoded (sha256 in the claim)           |
+| ``agg-{sha}/j`` bytes       | —           | the aggregated part j, encoded, named by its sha256 (in the claim) |
 | ``claim/j`` AggregateClaim  | owner       | part j's inputs and aggregate, by hash                          |
-| ``digest``  RoundDigest     | replica     | the claims it accepted (one hash) and the frauds it found      |
-| ``view``    ClaimView       | replica     | the claims themselves (read only when digests disagree)         |
+| ``digest``  RoundDigest     | replica     | the claims it gathered (one hash) and the frauds it found      |
+| ``view``    ClaimView       | replica     | the claims themselves (one read per other claims hash)          |
 | ``fraud/j`` bytes           | —           | FraudProof: a claim, its inputs and their parts: checkable alone |
 
 Every message is small and of fixed size in n except ``InputList``, ``ClaimView`` and fraud proofs,

@@ -14,15 +14,17 @@ The algorithm (BTARD's butterfly all-reduce with a robust rule per part, Gorbuno
 4. GATHER   read every part's claim and aggregate from its owner and check the hash. A part whose
             owner is silent past the deadline is reduced by the next member of its backup chain
             (``partition.backup_chain``), which every replica derives alike.
-5. CHECK    recompute parts chosen by a seed fixed only after the gather (this replica's wallet
-            and the hash of every claim it holds), each with `check_probability`, from their
-            signed inputs. A difference
+5. CHECK    recompute parts chosen by a seed fixed only after the gather and known to this
+            replica alone (a hash of its signature over every claim it holds), each with
+            `check_probability`, from their signed inputs. A difference
             is a ``FraudProof``: published, the part replaced by its correct aggregate, the owner
             reported for a ban.
-6. AGREE    publish a ``RoundDigest`` (one hash over the claims held, the parts found wrong) and
-            read every member's; check the fraud proofs others found; where digests differ, read
-            the other ``ClaimView`` and look for an owner that signed two claims for one part
-            (equivocation: the part is zero this round, the owner reported).
+6. AGREE    publish a ``RoundDigest`` (one hash over the claims as gathered, the parts found
+            wrong) and read every member's; check the fraud proofs others found; for each other
+            claims hash, read one ``ClaimView`` that has it and settle every part alike: an owner
+            that signed two claims for one part equivocated (the part is zero this round, the
+            owner reported); a part this replica lacks, or holds only from a backup, is taken
+            from the earliest owner of its chain that a view shows a claim of.
 7. DONE     the (d,) aggregate to step with, and who was refused, banned, silent and why.
 
 The module knows no carrier: HTTP, S3 and the simulator each implement ``port.RoundStore``.
@@ -79,6 +81,8 @@ SMALL_OBJECT_BYTES = 64 << 10
 """Cap on a commitment, claim or digest read (each is < 2 KB)."""
 LIST_BYTES_PER_MEMBER = 2048
 """Cap per member on an input list or claim view read (an entry is < 1 KB)."""
+MAX_VIEW_GROUPS = 8
+"""At most this many claim views (one per distinct claims hash among the digests) read per round."""
 
 
 class Phase(enum.Enum):
@@ -194,6 +198,9 @@ class _Held:
     encodings: dict[int, str] = field(default_factory=dict)
     frauds: set[int] = field(default_factory=set)
     """Parts whose owner this replica holds a checked fraud proof against."""
+    gathered: dict[int, AggregateClaim] = field(default_factory=dict)
+    """The claims as gathered, before any fraud proof replaced a part: what the digest and the view
+    sign, so a fraud found by some replicas only does not make every pair of digests differ."""
     result: RoundResult | None = None
 
 
@@ -389,7 +396,7 @@ class OuterRound:
         )
         # The claim goes last: whoever reads it can read what it names.
         await self.store.publish(self._name(inp, "inputs", j), inputs.to_json())
-        await self.store.publish(self._name(inp, "agg", j), aggregate)
+        await self.store.publish(self._agg_name(inp, j, claim.aggregate_sha256), aggregate)
         await self.store.publish(self._name(inp, "claim", j), claim.to_json())
         held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
         assert held.result is not None
@@ -415,9 +422,17 @@ class OuterRound:
                claim.replaces)  # fmt: skip
         if got != expected or not claim.signature_valid():
             return False
+        return await self._take_claim(held, claim, wait_s)
+
+    async def _take_claim(self, held: _Held, claim: AggregateClaim, wait_s: float) -> bool:
+        """Read the aggregate `claim` names (by its hash, so an owner that signs two claims cannot
+        tear a reader between one claim and the other's bytes); True when it checks out (then held)."""
+        j = claim.part
         a, b = held.bounds[j]
         size = encoded_size(claim.encoding, b - a)
-        aggregate = await self.store.fetch(owner, self._name(inp, "agg", j), max_bytes=size, wait_s=wait_s)
+        aggregate = await self.store.fetch(
+            claim.wallet, self._agg_name(held.inp, j, claim.aggregate_sha256), max_bytes=size, wait_s=wait_s
+        )
         if aggregate is None or sha256_hex(aggregate) != claim.aggregate_sha256:
             return False
         try:
@@ -429,6 +444,7 @@ class OuterRound:
 
     async def _gather(self, held: _Held) -> None:
         await asyncio.gather(*(self._gather_part(held, j) for j in range(len(held.bounds))))
+        held.gathered = dict(held.claims)
 
     async def _gather_part(self, held: _Held, j: int) -> None:
         result = held.result
@@ -444,10 +460,12 @@ class OuterRound:
         self.log(f"round {held.inp.round}: no valid aggregate of part {j} from {len(chain)} owner(s); zero")
 
     def _check_seed(self, held: _Held) -> random.Random:
-        seed = hashlib.sha256(
-            f"neuroshard/check/v1\n{self.me}\n{held.inp.round}\n{claims_sha256(held.claims)}".encode()
-        ).digest()
-        return random.Random(seed)
+        """The checks' seed: a hash of this replica's own signature over the round and the claims it
+        gathered. Fixed only after every claim is in (an owner cannot re-sign after seeing it), and
+        unpredictable to everyone else (Ed25519 signatures are deterministic but need the secret key),
+        so an owner cannot grind its claim until no replica's seed picks its part."""
+        message = f"neuroshard/check/v2\n{held.inp.stage}\n{held.inp.round}\n{claims_sha256(held.gathered)}"
+        return random.Random(hashlib.sha256(self.wallet.sign(message.encode())).digest())
 
     async def _check(self, held: _Held) -> None:
         result = held.result
@@ -542,17 +560,16 @@ class OuterRound:
         held.frauds.add(j)
 
     async def _agree(self, held: _Held) -> None:
-        inp, result = held.inp, held.result
-        assert result is not None
-        frauds = set(held.frauds)
+        inp = held.inp
+        own = claims_sha256(held.gathered)
         digest = RoundDigest.create(
             self.wallet,
             stage=inp.stage,
             round=inp.round,
             base_hash=inp.base_hash,
             members_sha256=held.members_sha,
-            claims_sha256=claims_sha256(held.claims),
-            frauds=tuple(sorted(frauds)),
+            claims_sha256=own,
+            frauds=tuple(sorted(held.frauds)),
         )
         view = ClaimView.create(
             self.wallet,
@@ -560,22 +577,108 @@ class OuterRound:
             round=inp.round,
             base_hash=inp.base_hash,
             members_sha256=held.members_sha,
-            claims=tuple(held.claims[j] for j in sorted(held.claims)),
+            claims=tuple(held.gathered[j] for j in sorted(held.gathered)),
         )
         await self.store.publish(self._name(inp, "view"), view.to_json())
         await self.store.publish(self._name(inp, "digest"), digest.to_json())
-        digests = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
+        read = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
+        digests = [d for d in read if d is not None]
         for peer_digest in digests:
-            if peer_digest is None:
-                continue
             for j in peer_digest.frauds:
-                if j not in frauds and j < len(held.bounds):
+                if j not in held.frauds and j < len(held.bounds):
                     await self._take_fraud_proof(held, peer_digest.wallet, j)
-                    frauds = set(held.frauds)
-        own = claims_sha256(held.claims)
+        # One view per distinct claims hash: honest replicas fall into a few groups (an equivocating
+        # owner splits them into those holding each of its claims and those holding none), so this
+        # reads O(groups · n) bytes, not O(n²).
+        by_hash: dict[str, list[str]] = {}
         for peer_digest in digests:
-            if peer_digest is not None and peer_digest.claims_sha256 != own:
-                await self._compare_views(held, peer_digest.wallet)
+            if peer_digest.claims_sha256 != own:
+                by_hash.setdefault(peer_digest.claims_sha256, []).append(peer_digest.wallet)
+        views = []
+        for claims_hash in sorted(by_hash)[:MAX_VIEW_GROUPS]:
+            for member in by_hash[claims_hash]:
+                other = await self._read_view(held, member, claims_hash)
+                if other is not None:
+                    views.append(other)
+                    break
+        if len(by_hash) > MAX_VIEW_GROUPS:
+            self.log(
+                f"round {inp.round}: {len(by_hash)} different claim sets; compared the first {MAX_VIEW_GROUPS}"
+            )
+        if views:
+            await self._settle(held, views)
+
+    async def _read_view(self, held: _Held, member: str, claims_hash: str) -> ClaimView | None:
+        """`member`'s claim view, if it is signed, of this round, and hashes to its digest's claims hash."""
+        inp = held.inp
+        raw = await self.store.fetch(
+            member,
+            self._name(inp, "view"),
+            max_bytes=LIST_BYTES_PER_MEMBER * len(inp.members) + 4096,
+            wait_s=2.0,
+        )
+        try:
+            view = ClaimView.from_json(raw) if raw is not None else None
+        except WireError:
+            return None
+        if view is None or view.wallet != member or not view.signature_valid():
+            return None
+        if (view.stage, view.round, view.base_hash, view.members_sha256) != (
+            inp.stage, inp.round, inp.base_hash, held.members_sha):  # fmt: skip
+            return None
+        if len({c.part for c in view.claims}) != len(view.claims):
+            return None
+        if claims_sha256({c.part: c for c in view.claims}) != claims_hash:
+            return None
+        return view
+
+    async def _settle(self, held: _Held, views: list[ClaimView]) -> None:
+        """Decide every part from the claims this replica gathered and those the views show.
+
+        A claim counts only if its signer is the owner, or a backup in the part's chain naming the
+        owner it replaces. Of the chain positions that have a claim, the earliest decides: two
+        different claims there are equivocation (zero, the signer reported); one claim this replica
+        does not hold is taken, its aggregate read from its signer by hash. A part a fraud proof
+        decided keeps the proof's aggregate. Every replica that sees the same claims settles alike."""
+        inp, result = held.inp, held.result
+        assert result is not None
+        candidates: dict[int, dict[int, set[AggregateClaim]]] = {}
+        chains = {j: backup_chain(held.owners, j, self.config.backups) for j in range(len(held.bounds))}
+        for claim in [*held.gathered.values(), *(c for v in views for c in v.claims)]:
+            j = claim.part
+            if not 0 <= j < len(held.bounds) or claim.wallet not in chains[j]:
+                continue
+            k = chains[j].index(claim.wallet)
+            expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, "" if k == 0 else chains[j][0])
+            if (claim.stage, claim.round, claim.base_hash, claim.members_sha256, claim.replaces) != expected:
+                continue
+            if claim in candidates.get(j, {}).get(k, set()) or (
+                held.gathered.get(j) != claim and not claim.signature_valid()
+            ):
+                continue
+            candidates.setdefault(j, {}).setdefault(k, set()).add(claim)
+        for j in sorted(candidates):
+            k = min(candidates[j])
+            at = candidates[j][k]
+            if len(at) > 1:
+                signer = chains[j][k]
+                result.cheats[signer] = (
+                    f"equivocation: signed two aggregates for part {j} of round {inp.round}"
+                )
+                self.log(f"round {inp.round}: part {j}: {signer[:12]} signed two aggregates; zero")
+                if j not in held.frauds:
+                    held.claims.pop(j, None)
+                    held.aggregates.pop(j, None)
+                continue
+            (claim,) = at
+            if j in held.frauds or held.claims.get(j) == claim:
+                continue
+            if await self._take_claim(held, claim, wait_s=2.0):
+                self.log(f"round {inp.round}: part {j}: took {claim.wallet[:12]}'s claim from a peer's view")
+            else:
+                self.log(
+                    f"round {inp.round}: part {j}: a peer holds {claim.wallet[:12]}'s claim; its aggregate did not come"
+                )
 
     async def _read_digest(self, held: _Held, member: str) -> RoundDigest | None:
         inp = held.inp
@@ -616,37 +719,6 @@ class OuterRound:
             self.log(f"round {inp.round}: part {j}: {finder[:12]} proved owner {claimed_owner[:12]} cheated")
             self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
 
-    async def _compare_views(self, held: _Held, member: str) -> None:
-        """Find an owner that signed two different claims for one part: its part is zero this round."""
-        inp, result = held.inp, held.result
-        assert result is not None
-        raw = await self.store.fetch(
-            member,
-            self._name(inp, "view"),
-            max_bytes=LIST_BYTES_PER_MEMBER * len(inp.members) + 4096,
-            wait_s=2.0,
-        )
-        try:
-            view = ClaimView.from_json(raw) if raw is not None else None
-        except WireError:
-            return
-        if view is None or view.wallet != member or not view.signature_valid():
-            return
-        for theirs in view.claims:
-            mine = held.claims.get(theirs.part)
-            if mine is None or mine == theirs or mine.wallet != theirs.wallet or not theirs.signature_valid():
-                continue
-            if (theirs.stage, theirs.round, theirs.replaces) != (mine.stage, mine.round, mine.replaces):
-                continue
-            result.cheats[mine.wallet] = (
-                f"equivocation: signed two aggregates for part {mine.part} of round {inp.round}"
-            )
-            self.log(
-                f"round {inp.round}: part {mine.part}: owner {mine.wallet[:12]} signed two aggregates; zero"
-            )
-            del held.claims[mine.part]
-            held.aggregates.pop(mine.part, None)
-
     def _finish(self, held: _Held) -> RoundResult:
         result = held.result
         assert result is not None
@@ -667,6 +739,11 @@ class OuterRound:
     @staticmethod
     def _name(inp: RoundInput, kind: str, part: int | None = None) -> str:
         return object_name(inp.stage, inp.round, kind, part)
+
+    @staticmethod
+    def _agg_name(inp: RoundInput, part: int, aggregate_sha256: str) -> str:
+        """An aggregate is named by its hash: a name is never bound to two different bodies."""
+        return object_name(inp.stage, inp.round, f"agg-{aggregate_sha256}", part)
 
 
 def _decodes(data: bytes, encoding: str, length: int) -> bool:

@@ -491,11 +491,13 @@ class PeerNetwork:
     # --- the round hook -----------------------------------------------------------------------
 
     def members(self) -> tuple[str, ...]:
-        """This round's member list: this replica and the live replicas of its stage, sorted.
+        """This round's member list, sorted: this replica and the stage peers `_counts_as_member` keeps.
 
-        Replicas that see the same live peers derive the same partition; one that sees another list
+        Replicas that hold the same list derive the same partition; one that holds another list
         signs another `members_sha256`, its commitments are refused by the rest, and the θ-hash vote
-        after the round re-syncs it (a signed member list from the verifier is the next step)."""
+        after the round re-syncs it. The list is each replica's own view, made to agree in the common
+        cases (a crash, a join, a proven cheat); an agreed, signed member list is issue #19's
+        Sybil-resistant membership."""
 
         async def read() -> tuple[str, ...]:
             wallets = {e.wallet for e in self._exchange.stage_peers() if self._counts_as_member(e)}
@@ -504,10 +506,13 @@ class PeerNetwork:
         return self._call(read(), timeout=10.0)
 
     def _counts_as_member(self, peer: PeerEntry) -> bool:
-        """A live stage peer is a member if it answered the last θ-hash vote, or was first seen
-        after that vote began (a joiner). A replica that died in the last round answered no vote,
+        """A live stage peer is a member unless banned (a proven cheat owns no part; every replica
+        that applied the proof agrees) if it answered the last θ-hash vote, or was first seen after
+        that vote began (a joiner). A replica that died in the last round answered no vote,
         so every survivor leaves it out at once, whether or not its own peer table has banned the
         dead address yet (the tables of two survivors ban it after different numbers of failures)."""
+        if peer.wallet in self.banned:
+            return False
         if self._last_vote is None:
             return True
         began, answered = self._last_vote

@@ -4,14 +4,21 @@ equals the whole-vector rule where it decomposes, and each kind of cheating owne
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
 
-from neuroshard.adversary.owners import Equivocator, MismatchedPart, Withholder, WrongAggregate
+from neuroshard.adversary.owners import (
+    Equivocator,
+    MismatchedPart,
+    SplitEquivocator,
+    Withholder,
+    WrongAggregate,
+)
 from neuroshard.node.aggregation import aggregate as whole_vector
-from neuroshard.node.outer.partition import part_bounds
-from neuroshard.node.outer.port import MemoryHub
+from neuroshard.node.outer.partition import owners, part_bounds
+from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import decode_part, encode_part
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
 from neuroshard.node.wallet import Wallet
@@ -123,3 +130,127 @@ async def test_an_owner_that_signs_two_aggregates_is_caught_as_an_equivocator() 
     # Replicas read the first or the second claim; the digests expose the two signatures.
     caught = [r for r in honest if r is not None and bad in r.cheats]
     assert caught, "no honest replica saw the two claims"
+
+
+class ClaimRouter(MemoryStore):
+    """A reader's view of a carrier that answers it as `cheat` chooses: for part claims of `cheat`,
+    "a" reads the claim the cheat published, "b" its ``claim-b`` twin, "none" nothing at all."""
+
+    def __init__(self, hub: MemoryHub, wallet: str, cheat: str, answer: str) -> None:
+        super().__init__(hub, wallet)
+        self.cheat, self.answer = cheat, answer
+
+    async def fetch(self, author: str, name: str, **kw: Any) -> bytes | None:
+        if author == self.cheat and name.split("/")[2] == "claim":
+            if self.answer == "none":
+                return None
+            if self.answer == "b":
+                name = name.replace("/claim/", "/claim-b/")
+        return await super().fetch(author, name, **kw)
+
+
+async def run_split(answers: dict[int, str], cheat_at: int = 2, n: int = 6) -> tuple[str, list[RoundResult]]:
+    wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    cheat = members[cheat_at]
+    hub = MemoryHub()
+    rounds: list[OuterRound] = []
+    for i, wallet in enumerate(wallets):
+        store = hub.stores[wallet.public_key_hex] = ClaimRouter(
+            hub, wallet.public_key_hex, cheat, answers.get(i, "a")
+        )
+        cls = SplitEquivocator if i == cheat_at else OuterRound
+        rounds.append(cls(store, wallet, median_rule, fast_config(checks=0)))
+    ds = deltas(n)
+    inputs = [
+        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
+        for i in range(n)
+    ]
+    results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    return cheat, [r for i, r in enumerate(results) if i != cheat_at]
+
+
+def parts_owned_by(cheat: str, n: int) -> list[int]:
+    members = tuple(sorted(Wallet.from_token(f"replica-{i}").public_key_hex for i in range(n)))
+    return [j for j, w in enumerate(owners(0, 1, BASE, members)) if w == cheat]
+
+
+@pytest.mark.asyncio
+async def test_an_owner_that_shows_each_reader_another_claim_is_caught_by_every_honest_replica() -> None:
+    """Readers 0-1 get one claim, 3-4 the other, 5 none: every honest replica sees both signatures
+    through the claim views, zeroes the part and reports the owner, and all end bit-identical."""
+    cheat, honest = await run_split({0: "a", 1: "a", 3: "b", 4: "b", 5: "none"})
+    owned = parts_owned_by(cheat, 6)
+    assert owned
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert r.cheats.get(cheat, "").startswith("equivocation"), r.cheats
+        for j in owned:
+            assert j not in r.claims
+            a, b = part_bounds(D, 6)[j]
+            assert torch.count_nonzero(r.aggregate[a:b]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_replica_the_owner_ignored_takes_the_claim_others_hold() -> None:
+    """The owner answers replica 5 with nothing: 5 does not fall back to zero alone, it takes the
+    signed claim from the others' views and reads its aggregate by hash; all end bit-identical."""
+    cheat, honest = await run_split({5: "none"})
+    owned = parts_owned_by(cheat, 6)
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert r.cheats == {}
+        assert all(j in r.claims and r.claims[j].wallet == cheat for j in owned)
+
+
+@pytest.mark.asyncio
+async def test_a_fraud_found_by_one_checker_reads_no_claim_views() -> None:
+    """Digests hash the claims as gathered, so a fraud proof held by some replicas only does not make
+    the digests differ: nobody reads a claim view (O(n) bytes each) for it."""
+    n = 6
+    wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    hub = MemoryHub()
+    stores = [hub.store(w.public_key_hex) for w in wallets]
+    rounds = [
+        (WrongAggregate if i == 2 else OuterRound)(
+            stores[i], w, median_rule, fast_config(checks=n if i == 0 else 0)
+        )
+        for i, w in enumerate(wallets)
+    ]
+    ds = deltas(n)
+    inputs = [
+        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
+        for i in range(n)
+    ]
+    views_read = 0
+    original = MemoryStore.fetch
+
+    async def counting(self: MemoryStore, author: str, name: str, **kw: Any) -> bytes | None:
+        nonlocal views_read
+        views_read += name.endswith("/view")
+        return await original(self, author, name, **kw)
+
+    MemoryStore.fetch = counting  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    finally:
+        MemoryStore.fetch = original  # type: ignore[method-assign]
+    honest = [r for i, r in enumerate(results) if i != 2]
+    assert wallets[2].public_key_hex in honest[0].cheats  # replica 0 checked every part
+    assert views_read == 0
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+
+
+def test_the_check_seed_is_the_checkers_own_and_not_computable_without_its_key() -> None:
+    """Two replicas holding the same claims draw different checks; the same replica draws the same."""
+    import types
+
+    held = types.SimpleNamespace(inp=types.SimpleNamespace(stage=0, round=3), gathered={})
+    hub = MemoryHub()
+    a, b = (Wallet.from_token(t) for t in ("checker-a", "checker-b"))
+    ra = OuterRound(hub.store(a.public_key_hex), a, median_rule)
+    rb = OuterRound(hub.store(b.public_key_hex), b, median_rule)
+    draws = [r._check_seed(held).random() for r in (ra, ra, rb)]  # type: ignore[arg-type]
+    assert draws[0] == draws[1] != draws[2]
