@@ -219,11 +219,13 @@ def _start_network(
     """The peer server and round exchange, when the node was given peers or a port (or is a pipeline
     stage); None trains alone."""
     attacker = byzantine.attacker_from_args(args)
-    if args.port is None and not args.peers and args.stages == 1:
+    if args.port is None and not args.peers and not args.relay and args.stages == 1:
         if attacker is not None:
             raise ValueError("--attack needs the peer network (--peers or --port): there is nobody to attack")
         return None
-    if args.port is None:
+    if args.relay and args.stages > 1:
+        raise ValueError("--relay takes a data-parallel stage (--stages 1): pipeline stages need open ports")
+    if args.port is None and not args.relay:
         args.port = NetworkConfig().port
     network = PeerNetwork(
         network_config_from_args(args),

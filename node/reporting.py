@@ -198,8 +198,8 @@ class Reporting:
                 return cls(url=None, operator_key=None, log=log)
             log(f"verifier (embedded): {server.url}/ dashboard, {server.url}/api/training/verify")
             reporting = cls(url=server.url, operator_key=server.operator_key_hex, log=log, embedded=server)
-        if args.port is None:
-            args.port = 0
+        if args.port is None and not getattr(args, "relay", None):
+            args.port = 0  # a --relay node opens no port: the verifier cannot call it (README)
         if joined is not None and joined.num_stages == 1:
             # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
             # inner steps depend on the other stages' replicas: neither keeps replay material.

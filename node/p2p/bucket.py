@@ -186,6 +186,33 @@ class BucketStore:
             raise RelayError(f"cannot publish s3://{self.config.bucket}/{key}: {exc}") from None
         self.traffic.bytes_sent += len(body)
 
+    async def put_shared(self, path: str, data: bytes) -> None:
+        """PUT `data` at PREFIX/`path`, outside any wallet's prefix (the relay's state requests,
+        ``relay.py``); raises RelayError like `publish`."""
+        key = f"{self._root}{path}"
+        try:
+            await self._call(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=bytes(data))
+        except (BotoCoreError, ClientError) as exc:
+            raise RelayError(f"cannot write s3://{self.config.bucket}/{key}: {exc}") from None
+        self.traffic.bytes_sent += len(data)
+
+    async def list_under(
+        self, path: str, *, delimiter: str | None = None, max_keys: int = 1000
+    ) -> tuple[list[str], list[str]]:
+        """One LIST page under PREFIX/`path`: (object keys, common prefixes), both relative to
+        PREFIX/`path` and without trailing slashes; raises RelayError when the bucket refuses."""
+        base = f"{self._root}{path}"
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": base, "MaxKeys": max_keys}
+        if delimiter is not None:
+            kwargs["Delimiter"] = delimiter
+        try:
+            page = await self._call(self.client.list_objects_v2, **kwargs)
+        except (BotoCoreError, ClientError) as exc:
+            raise RelayError(f"cannot list s3://{self.config.bucket}/{base}: {exc}") from None
+        keys = [str(o["Key"]).removeprefix(base) for o in page.get("Contents", [])]
+        prefixes = [str(p["Prefix"]).removeprefix(base).rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return keys, prefixes
+
     async def fetch(
         self,
         author: str,

@@ -5,6 +5,9 @@ The outer round runs in ``neuroshard.node.outer.round`` over the object store (o
 `PeerNetwork.finish_round` steps with its aggregate, then calls `agree` here to collect the
 peers' θ hashes for the new round, and re-syncs (`fetch_from`, `sync_state`) if this replica is
 in the minority or behind. `join_state` uses `statuses` and `fetch_from` the same way.
+
+A peer whose record carries a relay address (``relay.is_relay``: a replica behind NAT) is never
+dialled: what its server would answer is read from the stage bucket instead (``relay.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .auth import PeerClient, PeerReply, PeerUnreachable
 from .codec import decode_state, state_size_bound
 from .peers import PeerEntry
 from .quorum import backing, quorum, vouched
+from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, decode_state_object, is_relay
 from .rounds import Vote, plurality
 from .server import NodeState
 from .state import theta_sha256
@@ -63,12 +67,19 @@ class Agreement:
 
 class Exchange:
     def __init__(
-        self, node: NodeState, client: PeerClient, timings: ExchangeTimings, log: Callable[[str], None]
+        self,
+        node: NodeState,
+        client: PeerClient,
+        timings: ExchangeTimings,
+        log: Callable[[str], None],
+        relay: RelayControl | None = None,
     ) -> None:
         self.node = node
         self.client = client
         self.timings = timings
         self.log = log
+        self.relay = relay
+        """The stage bucket, when this replica was given one: relay peers are read there."""
 
     @property
     def own(self) -> str:
@@ -88,7 +99,10 @@ class Exchange:
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> PeerReply | None:
-        """A request to a known peer, with failure counting; None when it did not answer."""
+        """A request to a known peer, with failure counting; None when it did not answer. A relay
+        peer's peer list and status are read from the bucket; nothing else can be asked of one."""
+        if is_relay(peer.address):
+            return await self._relay_get(peer.wallet, method, path, max_bytes)
         try:
             reply = await self.client.request(
                 method,
@@ -106,6 +120,13 @@ class Exchange:
         self.node.peers.succeeded(peer.wallet)
         return reply
 
+    async def _relay_get(self, wallet: str, method: str, path: str, max_bytes: int) -> PeerReply | None:
+        objects = {wire.PEERS: PEERS_OBJECT, wire.STATUS: STATUS_OBJECT}
+        if self.relay is None or method != "GET" or path not in objects:
+            return None
+        body = await self.relay.read(wallet, objects[path], max_bytes)
+        return None if body is None else PeerReply(200, {}, body)
+
     # --- discovery ----------------------------------------------------------------------------
 
     async def gossip_once(self) -> None:
@@ -118,8 +139,34 @@ class Exchange:
             targets[entry.address] = entry.wallet
         targets.pop(self.node.address or "", None)
         await asyncio.gather(*(self._swap_peers(address, wallet) for address, wallet in targets.items()))
+        if self.relay is not None:  # relay replicas find each other in the bucket, not by gossip alone
+            known = {e.wallet for e in self.node.peers.live(now)} | {self.own}
+            fresh = [w for w in await self.relay.wallets() if w not in known]
+            await asyncio.gather(*(self._swap_relay_peers(w) for w in fresh))
+
+    async def _swap_relay_peers(self, wallet: str) -> None:
+        """Take the peer list a relay replica keeps in the bucket (its own record first)."""
+        if self.relay is None:
+            return
+        body = await self.relay.read(wallet, PEERS_OBJECT, PEER_LIST_BYTES)
+        if body is None:
+            return
+        try:
+            listed = PeerList.from_json(body)
+        except WireError:
+            return
+        now = self.node.clock()
+        known = {e.wallet for e in self.node.peers.live(now)}
+        self.node.peers.merge(listed.peers, now)
+        for entry in self.node.peers.live(now):
+            if entry.wallet not in known:
+                self.log(f"peer {entry.wallet[:12]} (stage {entry.record.stage}) at {entry.address}")
 
     async def _swap_peers(self, address: str, wallet: str | None) -> None:
+        if is_relay(address):
+            if wallet is not None:
+                await self._swap_relay_peers(wallet)
+            return
         now = self.node.clock()
         try:
             reply = await self.client.request(
@@ -244,16 +291,29 @@ class Exchange:
         return None
 
     async def _fetch_state(self, peer: PeerEntry, expected: StateInfo) -> Adopted | None:
-        reply = await self.call(
-            peer,
-            "GET",
-            wire.STATE,
-            max_bytes=state_size_bound(expected.numel),
-            timeout_s=self.timings.state_timeout_s,
-        )
-        if reply is None or not reply.ok:
-            return None
         loop = asyncio.get_running_loop()
+        bound = state_size_bound(expected.numel)
+        if is_relay(peer.address):
+            raw = None
+            if self.relay is not None:
+                raw = await self.relay.fetch_state(
+                    peer.wallet, expected.round, bound + 64 * 1024, self.timings.state_timeout_s
+                )
+            if raw is None:
+                return None
+            try:
+                info, body = decode_state_object(raw)
+            except WireError as exc:
+                self.log(f"state from {peer.wallet[:12]} refused: {exc}")
+                return None
+            reply = PeerReply(200, {wire.STATE_HEADER: info.to_json().decode()}, body)
+        else:
+            http = await self.call(
+                peer, "GET", wire.STATE, max_bytes=bound, timeout_s=self.timings.state_timeout_s
+            )
+            if http is None or not http.ok:
+                return None
+            reply = http
         try:
             info = StateInfo.from_json(reply.headers.get(wire.STATE_HEADER, ""))
             if info != expected:

@@ -48,15 +48,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from ..diloco import DiLoCo
-from ..outer.port import RoundStore
+from ..outer.port import RoundStore, RoutedStore
 from ..outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
 from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .auth import REPLAY_WINDOW_S, Clock, NonceCache, PeerClient, Traffic
+from .bucket import BucketStore, RelayConfig
 from .exchange import Adopted, Exchange, ExchangeTimings
 from .objects import HttpRoundStore, ObjectRoutes, ObjectShelf
 from .peers import PeerEntry, PeerTable
 from .quorum import quorum, vouched
+from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, is_relay, relay_address
 from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, snapshot_of, theta_sha256
@@ -78,6 +80,10 @@ class NetworkConfig:
     """TCP port of the peer server; 0 picks a free one (tests, several nodes on one machine)."""
     announce: str | None = None
     """host:port peers should dial (NAT, port forwarding); default host:port as bound."""
+    relay: RelayConfig | None = None
+    """The stage bucket (``--relay s3://BUCKET/PREFIX``): relay replicas' objects are read there."""
+    listen: bool = True
+    """False: open no port and publish everything through `relay` (a replica behind NAT, relay.py)."""
     peers: tuple[str, ...] = ()
     """Bootstrap host:port addresses; the rest is learned by peer exchange."""
     encoding: str = "int8"
@@ -132,6 +138,10 @@ class NetworkConfig:
                      "replay_window_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"NetworkConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not self.listen and self.relay is None:
+            raise ValueError(
+                "NetworkConfig.listen=False needs a relay bucket: nobody could read this replica"
+            )
         if self.join_timeout_s < 0 or self.ban_s < 0 or self.ban_after_failures < 1 or self.min_peers < 0:
             raise ValueError(
                 "NetworkConfig: join_timeout_s, ban_s and min_peers must be >= 0, ban_after_failures >= 1"
@@ -152,6 +162,14 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--announce", help="host:port peers should dial, if not --host:--port (NAT)")
     g.add_argument("--peers", default="", help="comma-separated bootstrap host:port list")
     g.add_argument(
+        "--relay",
+        metavar="s3://BUCKET/PREFIX",
+        help="the stage's S3-compatible bucket; without --port this node opens no port and takes part "
+        "through the bucket alone (outbound connections only). Credentials: boto3's usual chain",
+    )
+    g.add_argument("--relay-endpoint", help="S3-compatible endpoint URL (MinIO, R2, ...); default AWS")
+    g.add_argument("--relay-region", help="the bucket's region; default boto3's")
+    g.add_argument(
         "--encoding", choices=ENCODINGS, default=d.encoding, help="pseudo-gradient encoding on the wire"
     )
     g.add_argument(
@@ -170,11 +188,16 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def network_config_from_args(args: argparse.Namespace) -> NetworkConfig:
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    relay = None
+    if getattr(args, "relay", None):
+        relay = RelayConfig(url=args.relay, endpoint_url=args.relay_endpoint, region=args.relay_region)
     return NetworkConfig(
         host=args.host,
-        port=args.port,
+        port=args.port if args.port is not None else 0,
         announce=args.announce,
         peers=peers,
+        relay=relay,
+        listen=relay is None or args.port is not None,
         encoding=args.encoding,
         round_timeout_s=args.round_timeout,
         min_peers=args.min_peers,
@@ -256,9 +279,17 @@ class PeerNetwork:
             locate=self._locate,
             transfer_timeout_s=config.request_timeout_s,
         )
-        # Every author is read over HTTP. A stage with replicas behind NAT would read those from a
-        # bucket (p2p/bucket.py) through outer.port.RoutedStore; that relay is not wired here yet.
         self._store: RoundStore = http
+        self._relay: RelayControl | None = None
+        if config.relay is not None:
+            # A stage with replicas behind NAT: theirs are read from the bucket, the others' over
+            # HTTP; this replica publishes on its own server, or on the bucket if it opens no port.
+            bucket = BucketStore(config.relay, wallet.public_key_hex, log=log)
+            self._relay = self._exchange.relay = RelayControl(bucket, stage, log)
+            self._store = RoutedStore(
+                http if config.listen else bucket,
+                lambda author: bucket if is_relay(self._locate(author)) else http,
+            )
         self._round_config = RoundConfig(
             encoding=config.encoding,
             commit_timeout_s=min(config.commit_timeout_s, config.round_timeout_s / 2),
@@ -304,13 +335,22 @@ class PeerNetwork:
         except BaseException:
             self.stop()
             raise
-        self._log(
-            f"peer server on {self.config.host}:{self.address.rpartition(':')[2]}, announcing {self.address}"
-        )
+        if self.config.listen:
+            self._log(
+                f"peer server on {self.config.host}:{self.address.rpartition(':')[2]}, announcing {self.address}"
+            )
+        else:
+            assert self.config.relay is not None
+            self._log(f"no listening port: taking part through {self.config.relay.url} (outbound only)")
         return self.address
 
     async def _start(self) -> None:
         cfg = self.config
+        if not cfg.listen:
+            self.node.address = relay_address(self.wallet.public_key_hex)
+            await self._client.start()
+            self._gossip = asyncio.create_task(self._gossip_forever())
+            return
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -345,10 +385,22 @@ class PeerNetwork:
     async def _gossip_forever(self) -> None:
         while True:
             try:
+                await self._relay_heartbeat()
                 await self._exchange.gossip_once()
             except Exception as exc:  # a gossip bug must not kill discovery for good
                 self._log(f"peer gossip failed: {type(exc).__name__}: {exc}")
             await asyncio.sleep(self.config.gossip_interval_s)
+
+    async def _relay_heartbeat(self) -> None:
+        """A replica with no port: put what its server would answer into the bucket (relay.py)."""
+        if self.config.listen or self._relay is None:
+            return
+        if self.node.announced:
+            await self._relay.put(PEERS_OBJECT, self.node.peer_list().to_json())
+        status = self.node.status
+        if status is not None:
+            await self._relay.put(STATUS_OBJECT, status.to_json())
+            await self._relay.serve_wanted(status.round, self.node.state_body)
 
     def stop(self) -> None:
         """Stop gossip, close the client and server, end the loop thread. Idempotent."""
@@ -372,6 +424,8 @@ class PeerNetwork:
         await self._client.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._relay is not None:
+            self._relay.store.close()
 
     def __enter__(self) -> PeerNetwork:
         self.start()
@@ -437,6 +491,7 @@ class PeerNetwork:
         async def publish() -> None:
             self.node.set_snapshot(snapshot)
             self.node.announced = self.node.announced or announce
+            await self._relay_heartbeat()
 
         self._call(publish(), timeout=30.0)
 
@@ -513,6 +568,8 @@ class PeerNetwork:
         dead address yet (the tables of two survivors ban it after different numbers of failures)."""
         if peer.wallet in self.banned:
             return False
+        if is_relay(peer.address) and self._relay is None:
+            return False  # a replica behind NAT is read through the stage bucket, which this one lacks
         if self._last_vote is None:
             return True
         began, answered = self._last_vote

@@ -11,6 +11,7 @@ until the verifier refuses it, while the honest nodes keep agreeing and get veri
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +102,16 @@ def _wait_for(
     raise AssertionError(f"{what} not within {VERIFY_TIMEOUT_S:.0f} s: {value}\n{out.read_text()[-4000:]}")
 
 
+def _failure_report(out: str) -> str:
+    """The swarm's last lines, and every non-step line of the nodes it says failed (their own error
+    is otherwise cut off by the others' progress lines)."""
+    failed = re.findall(r"nodes \[([0-9, ]+)\] failed", out)
+    nodes = {n.strip() for group in failed for n in group.split(",")}
+    own = [line for line in out.splitlines() if any(line.startswith(f"[{n}] ") for n in nodes)]
+    own = [line for line in own if " step=" not in line and "] step=" not in line]
+    return "\n".join([*own[-80:], "--- last lines ---", out[-3000:]])
+
+
 def _wait_verified(url: str, swarm: subprocess.Popen[str], out: Path) -> dict[str, Any]:
     return _wait_for(
         "verified", lambda: _get(f"{url}/api/training/verify"),
@@ -123,7 +134,7 @@ def test_honest_swarm_is_verified_by_measurement(
         swarm.send_signal(signal.SIGINT)
         code = swarm.wait(timeout=60)
     out = (tmp_path / "swarm.out").read_text()
-    assert code == 0, out[-4000:]
+    assert code == 0, _failure_report(out)
 
     # The verdict comes from the verifier's own held-out measurements, which fell.
     assert verdict["evaluations"] >= 3 and verdict["loss_drop"] > verdict["required_drop"] > 0
@@ -200,7 +211,7 @@ def test_attacker_is_refused_while_the_honest_swarm_is_verified(
         swarm.send_signal(signal.SIGINT)
         code = swarm.wait(timeout=60)
     out = out_path.read_text()
-    assert code == 0, out[-4000:]
+    assert code == 0, _failure_report(out)
 
     assert verdict["training_verified"] and verdict["global_loss"] < verdict["initial_loss"]
     # Refused for what the honest majority reported about its contributions, not for its hash:
@@ -238,7 +249,7 @@ def test_pipeline_swarm_is_tracked_and_verified_on_the_assembled_model(
         swarm.send_signal(signal.SIGINT)
         code = swarm.wait(timeout=60)
     text = out.read_text()
-    assert code == 0, text[-4000:]
+    assert code == 0, _failure_report(text)
     assert verdict["evaluations"] >= 3 and verdict["loss_drop"] > verdict["required_drop"] > 0
     assert verdict["global_loss"] < verdict["initial_loss"]
     assert verdict["active_nodes"] == 4

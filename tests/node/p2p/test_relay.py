@@ -1,0 +1,52 @@
+"""The relay's small pieces: the never-dialled address, the state object's framing, the CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from neuroshard.node.p2p.network import NetworkConfig, add_network_arguments, network_config_from_args
+from neuroshard.node.p2p.relay import decode_state_object, encode_state_object, is_relay, relay_address
+from neuroshard.node.p2p.wire import StateInfo, WireError
+from neuroshard.node.wallet import Wallet
+
+
+def test_a_relay_address_parses_as_an_address_but_is_never_a_dialable_one() -> None:
+    wallet = Wallet.from_token("nat").public_key_hex
+    address = relay_address(wallet)
+    assert address.endswith(".relay.invalid:1") and is_relay(address)
+    assert (
+        not is_relay("127.0.0.1:7420") and not is_relay("relay.invalid.example.com:80") and not is_relay(None)
+    )
+
+
+def test_the_state_object_round_trips_and_refuses_bad_framing() -> None:
+    wallet = Wallet.from_token("holder")
+    info = StateInfo.create(wallet, stage=0, round=3, theta_hash="a" * 64, momentum_hash="", numel=10)
+    body = b"\x00" * 40
+    got_info, got_body = decode_state_object(encode_state_object(info, body))
+    assert got_info == info and got_body == body
+    for bad in (b"", b"\x00\x00", b"\x00\x00\xff\xff" + b"{}", b"\x00\x00\x00\x02{}" + body):
+        with pytest.raises(WireError):
+            decode_state_object(bad)
+
+
+def parse(*argv: str) -> NetworkConfig:
+    parser = argparse.ArgumentParser()
+    add_network_arguments(parser)
+    parser.set_defaults(port=None)
+    return network_config_from_args(parser.parse_args(list(argv)))
+
+
+def test_relay_without_a_port_listens_nowhere_and_with_one_serves_as_well() -> None:
+    behind_nat = parse("--relay", "s3://stage/run1", "--relay-endpoint", "http://127.0.0.1:9000")
+    assert not behind_nat.listen and behind_nat.relay is not None
+    assert (behind_nat.relay.bucket, behind_nat.relay.prefix) == ("stage", "run1")
+    direct = parse("--relay", "s3://stage/run1", "--port", "7421")
+    assert direct.listen and direct.port == 7421
+    assert parse("--port", "7421").relay is None
+    with pytest.raises(ValueError, match="s3://"):
+        parse("--relay", "https://stage/run1")
+    with pytest.raises(ValueError, match="relay bucket"):
+        NetworkConfig(listen=False)
