@@ -19,6 +19,11 @@ of H_real inner steps on the bench text.
 
     .venv/bin/python bench/bench_network.py --model tiny --replicas 4,8,16,24 --json
     .venv/bin/python bench/bench_network.py --quick        # CI: tiny model, n = 3, 2 rounds
+    .venv/bin/python bench/bench_network.py --transport s3 --replicas 4,8 --json
+
+`--transport s3`: every replica opens no port (`--relay`, behind NAT) and takes part through
+a moto S3 server on loopback; a node's bytes are then the bodies of its PUTs and GETs (boto3's
+request heads are not counted).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from common import DEFAULT_TEXT, bench_dataset
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.node.p2p.codec import encode_delta, int8_relative_error
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.trainer import Trainer, TrainerConfig
@@ -85,13 +91,20 @@ def replica_process(
 ) -> None:
     """One replica in its own process, as on a real network: its own interpreter, heap and loop."""
     torch.set_num_threads(args.threads)
+    relay = None
+    if args.transport == "s3":
+        relay = RelayConfig(
+            url=args.bucket_url, endpoint_url=args.endpoint, poll_interval_s=0.05, max_poll_s=0.5
+        )
     config = NetworkConfig(
         port=0,
-        peers=(bootstrap,) if bootstrap else (),
+        peers=(bootstrap,) if bootstrap and relay is None else (),
         encoding=args.encoding,
         round_timeout_s=600.0,
         gossip_interval_s=0.5,
         hash_check_timeout_s=120.0,
+        relay=relay,
+        listen=relay is None,
     )
     network = PeerNetwork(config, Wallet.from_token(f"bench-network-{index}"), 0, lambda line: None)
     conn.send(network.start())
@@ -195,6 +208,27 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def start_bucket(args: argparse.Namespace) -> object:
+    """A moto S3 server on loopback with bucket "bench"; dummy credentials in the environment
+    (the spawned replicas inherit it). Sets args.endpoint."""
+    import logging
+    import os
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):  # fmt: skip
+        os.environ[name] = value
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    args.endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=args.endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+    return server
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", default="4", help="stage sizes to measure, comma-separated (e.g. 4,8,16,24)")
@@ -211,6 +245,12 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (the replicas share this machine's cores)"
     )
+    p.add_argument(
+        "--transport",
+        choices=["http", "s3"],
+        default="http",
+        help="s3: every replica behind NAT, through a moto bucket",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
     p.add_argument("--quick", action="store_true", help="CI: tiny model, 3 replicas, 1 timed round")
     args = p.parse_args()
@@ -225,11 +265,22 @@ def main() -> None:
             f"{int8_relative_error(delta):.5f}"
         )
     sizes = [int(x) for x in args.replicas.split(",") if x.strip()]
-    rows = [measure(n, args) for n in sizes]
+    server = None
+    if args.transport == "s3":
+        server = start_bucket(args)
+    try:
+        rows = []
+        for n in sizes:
+            if server is not None:
+                args.bucket_url = f"s3://bench/n{n}-{time.monotonic_ns()}"
+            rows.append(measure(n, args))
+    finally:
+        if server is not None:
+            server.stop()
     d, payload = rows[0]["params"], rows[0]["payload_bytes"]
     print()
     print(f"stage: {args.model} model, d = {d:,} parameters; Δ {args.encoding} payload {payload / 1e6:.2f} MB; "
-          f"loopback, one process per replica, {args.threads} torch thread(s) each")  # fmt: skip
+          f"loopback ({args.transport}), one process per replica, {args.threads} torch thread(s) each")  # fmt: skip
     print(f"{'n':>4} {'sent/node MB':>13} {'recv/node MB':>13} {'requests/node':>14} {'round s (median)':>17} "
           f"{'vs n=' + str(sizes[0]):>8} {'DP ratio H=500':>15}")  # fmt: skip
     for row in rows:
@@ -245,7 +296,7 @@ def main() -> None:
         "over the bytes a node sends per round here (its parts to their owners, its aggregate to every replica, checks)."
     )
     if args.json:
-        print(json.dumps({"model": args.model, "encoding": args.encoding, "rows": rows,
+        print(json.dumps({"model": args.model, "encoding": args.encoding, "transport": args.transport, "rows": rows,
                           **{k: rows[-1][k] for k in ("replicas", "bytes_sent_per_node", "bytes_received_per_node",
                                                       "round_seconds_median", "dp_ratio_h500")}}))  # fmt: skip
 

@@ -20,8 +20,9 @@ screening), and every check recomputes a claim from its signed inputs. What is s
   checked against the original on planted copies before every run.
 
 Honest Δs are a shared random direction (the same every round) plus fresh noise of half its
-scale. Byzantine replicas (20%, seeded) take turns among seven kinds: the four cheating owners of
-``neuroshard.adversary.owners`` and three contribution attacks that run the honest round with a
+scale. Byzantine replicas (20%, seeded) take turns among eight kinds: the five cheating owners of
+``neuroshard.adversary.owners`` (a SplitEquivocator's claims reach each reader as one of its two
+signed claims or not at all, a third each) and three contribution attacks that run the honest round with a
 forged Δ (``neuroshard.node.attacks``): sign flip ×−4; ALIE and IPM (ε = 0.5), whose colluders
 estimate the honest mean and spread from their own honest Δs (commit-then-reveal shows them no
 one else's before they commit) and add 10% noise each so they are not copies of one another.
@@ -66,7 +67,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from neuroshard.adversary.owners import Equivocator, MismatchedPart, Withholder, WrongAggregate
+from neuroshard.adversary.owners import (
+    Equivocator,
+    MismatchedPart,
+    SplitEquivocator,
+    Withholder,
+    WrongAggregate,
+)
 from neuroshard.node import aggregation, attacks, validation
 from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import encoded_size
@@ -79,10 +86,11 @@ OWNER_CHEATS: dict[str, type[OuterRound]] = {
     "equivocator": Equivocator,
     "withholder": Withholder,
     "mismatched_part": MismatchedPart,
+    "split_equivocator": SplitEquivocator,
 }
 CONTRIBUTION_CHEATS = ("sign_flip", "alie", "ipm")
 KINDS = (*OWNER_CHEATS, *CONTRIBUTION_CHEATS)
-"""Byzantine replica i of k gets KINDS[i mod 7]: at n = 16 (3 Byzantine) only the first three."""
+"""Byzantine replica i of k gets KINDS[i mod 8]: at n = 16 (3 Byzantine) only the first three."""
 
 DIRECTION_SCALE = 0.01
 """Per-coordinate std of the shared direction (the 'true' Δ every honest replica estimates)."""
@@ -166,9 +174,14 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 class LatencyStore(MemoryStore):
     """`MemoryStore` whose every fetch first waits a seeded random latency (virtual seconds)."""
 
-    def __init__(self, hub: MemoryHub, wallet: str, latency_s: float, rng: random.Random) -> None:
+    def __init__(
+        self, hub: MemoryHub, wallet: str, latency_s: float, rng: random.Random, splitters: set[str]
+    ) -> None:
         super().__init__(hub, wallet)
         self.latency_s, self.rng = latency_s, rng
+        self.splitters = splitters
+        """SplitEquivocator wallets: each of their claims reaches this reader as one of the two it
+        signed, or not at all (a third each, seeded), as a server choosing by who asks would."""
         self.by_kind: Counter[str] = Counter()
         """Bytes received by object kind (commit, delta, claim, agg, inputs, digest, view, fraud)."""
         self.on_fetch: Callable[[], None] = lambda: None
@@ -186,6 +199,12 @@ class LatencyStore(MemoryStore):
     ) -> bytes | None:
         self.on_fetch()
         await asyncio.sleep(self.rng.uniform(0.0, 2.0 * self.latency_s))
+        if author in self.splitters and name.split("/")[2] == "claim":
+            pick = self.rng.randrange(3)
+            if pick == 2:
+                return None
+            if pick == 1:
+                name = name.replace("/claim/", "/claim-b/")
         data = await super().fetch(author, name, max_bytes=max_bytes, span=span, wait_s=wait_s)
         if data is not None:
             self.by_kind[name.split("/")[2].split("-")[0]] += len(data)
@@ -330,9 +349,13 @@ def build_stage(config: SimConfig, hub: MemoryHub, log: Callable[[str], None]) -
     )
     rng = random.Random(_seed("latency", config.seed, config.n))
     rule = partial(aggregation.aggregate, "default")
+    roles = assign_roles(config)
+    splitters = {
+        w.public_key_hex for w, role in zip(wallets, roles, strict=True) if role == "split_equivocator"
+    }
     replicas = []
-    for i, (wallet, role) in enumerate(zip(wallets, assign_roles(config), strict=True)):
-        store = LatencyStore(hub, wallet.public_key_hex, config.latency_s, rng)
+    for i, (wallet, role) in enumerate(zip(wallets, roles, strict=True)):
+        store = LatencyStore(hub, wallet.public_key_hex, config.latency_s, rng, splitters)
         cls = OWNER_CHEATS.get(role, OuterRound)
         outer = cls(
             store, wallet, rule, round_config(config), log=log if role == "honest" else lambda line: None

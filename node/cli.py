@@ -219,8 +219,9 @@ def _start_network(
     """The peer server and round exchange, when the node was given peers or a port (or is a pipeline
     stage); None trains alone."""
     attacker = byzantine.attacker_from_args(args)
+    round_class = byzantine.owner_round_from_args(args)
     if args.port is None and not args.peers and not args.relay and args.stages == 1:
-        if attacker is not None:
+        if attacker is not None or args.owner_attack is not None:
             raise ValueError("--attack needs the peer network (--peers or --port): there is nobody to attack")
         return None
     if args.relay and args.stages > 1:
@@ -237,9 +238,15 @@ def _start_network(
         aggregate=rule,
         attacker=attacker,
         extensions=extensions,
+        round_class=round_class,
     )
     if attacker is not None:
         _log(byzantine.warning(attacker))
+    if args.owner_attack is not None:
+        _log(
+            f"WARNING: ATTACK MODE owner {args.owner_attack}: this node cheats in the parts it owns, "
+            "for testing the round's fraud proofs"
+        )
     network.start()
     return network
 

@@ -17,7 +17,8 @@ Operator set-up (once per stage, outside NeuroShard):
 - each wallet should get write credentials scoped to its own prefix — an IAM policy allowing
   ``s3:PutObject``/``s3:DeleteObject`` on ``arn:aws:s3:::BUCKET/PREFIX/{wallet}/*`` only, or an R2
   token limited the same way — so a replica cannot overwrite another's objects (it would only make
-  them absent, see above, but scoped keys keep that from happening at all);
+  them absent, see above, but scoped keys keep that from happening at all), plus ``PREFIX/_want/*``
+  where readers ask a relay replica for its state (``relay.py``);
 - every replica gets read access to the stage: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:ListBucket``
   on the bucket with that prefix (without ListBucket, S3 answers 403 rather than 404 for an object
   not yet published, and a reader cannot wait for it);

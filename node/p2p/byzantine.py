@@ -18,6 +18,10 @@ this module only decides what to feed it:
   needs a Δ the round reveals only after everyone committed; a second commitment or a NaN
   part is refused before any owner aggregates it, and forging them needs hooks inside the
   round rather than a different input.
+
+``--owner-attack NAME`` instead runs one of the cheating owners of ``neuroshard.adversary.owners``
+(wrong_aggregate, equivocator, withholder, mismatched_part) as this node's round: those cheat
+inside the round, in the parts the node owns, not in its contribution.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch import Tensor
 from .. import attacks
 from ..aggregation import default_rule
 from ..attacks import ATTACKS
-from ..outer.round import RoundInput
+from ..outer.round import OuterRound, RoundInput
 
 DEFAULT_PARAMS: dict[str, float] = {
     "scale": 10.0,
@@ -134,6 +138,31 @@ def add_attack_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attack", choices=ATTACKS, help="send forged contributions of this kind")
     g.add_argument("--attack-param", type=float, help="the attack's strength (see node/p2p/byzantine.py)")
     g.add_argument("--attack-seed", type=int, default=0, help="seed of the attack's noise")
+    g.add_argument(
+        "--owner-attack",
+        choices=OWNER_ATTACKS,
+        help="cheat as an owner of parts instead (neuroshard.adversary.owners): a wrong aggregate, "
+        "two signed aggregates, a withheld part, or a Δ object that does not match its signed root",
+    )
+
+
+OWNER_ATTACKS = ("wrong_aggregate", "equivocator", "withholder", "mismatched_part")
+
+
+def owner_round_from_args(args: argparse.Namespace) -> type[OuterRound]:
+    """The round class `--owner-attack` names (the adversary package is imported only then)."""
+    name = getattr(args, "owner_attack", None)
+    if name is None:
+        return OuterRound
+    from neuroshard.adversary import owners
+
+    classes: dict[str, type[OuterRound]] = {
+        "wrong_aggregate": owners.WrongAggregate,
+        "equivocator": owners.Equivocator,
+        "withholder": owners.Withholder,
+        "mismatched_part": owners.MismatchedPart,
+    }
+    return classes[name]
 
 
 def attacker_from_args(args: argparse.Namespace) -> Attacker | None:

@@ -16,7 +16,13 @@ offers the trainer two blocking calls:
   suspect). If the round fails, the replica steps with its own Δ and the vote
   re-syncs it.
 
-and one non-blocking query, ``round_closing(r)``, for ``Trainer.close_rounds_when``: always
+With ``NetworkConfig.relay`` (``--relay s3://BUCKET/PREFIX``) the round's objects of relay
+replicas are read from the stage bucket (``outer.port.RoutedStore``); with ``listen=False`` too
+(no ``--port``) this replica opens no port and puts everything its server would answer into
+the bucket instead (``relay.py``).
+
+The network also answers one non-blocking query, ``round_closing(r)``, for
+``Trainer.close_rounds_when``: always
 False for now. The majority early close ("slow replicas contribute what they have", issue #4)
 counted commitments in the old all-to-all exchange and is not ported to the partitioned round
 yet, so every replica runs its full H inner steps.
@@ -220,6 +226,7 @@ class PeerNetwork:
         clock: Clock = time.time,
         extensions: Sequence[ServerExtension] = (),
         attacker: Attacker | None = None,
+        round_class: type[OuterRound] = OuterRound,
     ) -> None:
         self.config = config
         self._extensions = tuple(extensions)
@@ -298,7 +305,8 @@ class PeerNetwork:
             agree_timeout_s=config.hash_check_timeout_s,
             validation=config.validation,
         )
-        self._outer = OuterRound(self._store, wallet, aggregate, self._round_config, log)
+        # round_class: a cheating owner from neuroshard.adversary.owners in tests and benchmarks.
+        self._outer = round_class(self._store, wallet, aggregate, self._round_config, log)
         self.last_round: RoundResult | None = None
         self._last_vote: tuple[float, frozenset[str]] | None = None
         """(peer-clock time the last θ-hash vote began, stage peers that answered it): members()."""
@@ -451,10 +459,17 @@ class PeerNetwork:
         return self._call(coro, timeout)
 
     def traffic(self) -> tuple[Traffic, Traffic]:
-        """(client, server) byte counters so far, copied on the network loop."""
+        """(client, server) byte counters so far, copied on the network loop. With a relay bucket,
+        its requests count as the client's (bodies only: boto3's heads are not counted)."""
 
         async def read() -> tuple[Traffic, Traffic]:
-            return dataclasses.replace(self._client.traffic), dataclasses.replace(self.node.traffic)
+            client = dataclasses.replace(self._client.traffic)
+            if self._relay is not None:
+                bucket = self._relay.store.traffic
+                client.bytes_sent += bucket.bytes_sent
+                client.bytes_received += bucket.bytes_received
+                client.requests += bucket.requests
+            return client, dataclasses.replace(self.node.traffic)
 
         return self._call(read(), timeout=10.0)
 

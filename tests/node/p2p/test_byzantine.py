@@ -143,3 +143,19 @@ def test_the_swarm_labels_attackers_and_compares_honest_hashes(capsys: pytest.Ca
     argv = node_argv(args, nodes[2], [7420, 7421, 7422], [], threads=1)
     assert argv[argv.index("--attack") + 1] == "nan"
     assert "--attack" not in node_argv(args, nodes[0], [7420, 7421, 7422], [], threads=1)
+
+
+def test_owner_attack_flag_mounts_the_adversary_round_and_nothing_else_does() -> None:
+    import argparse
+
+    from neuroshard.adversary.owners import MismatchedPart, Withholder
+    from neuroshard.node.outer.round import OuterRound
+    from neuroshard.node.p2p.byzantine import add_attack_arguments, owner_round_from_args
+
+    parser = argparse.ArgumentParser()
+    add_attack_arguments(parser)
+    assert owner_round_from_args(parser.parse_args([])) is OuterRound
+    assert owner_round_from_args(parser.parse_args(["--owner-attack", "withholder"])) is Withholder
+    assert owner_round_from_args(parser.parse_args(["--owner-attack", "mismatched_part"])) is MismatchedPart
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--owner-attack", "bribe"])

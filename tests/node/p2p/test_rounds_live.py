@@ -20,7 +20,7 @@ from aiohttp import web
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.port import object_name
-from neuroshard.node.outer.round import RoundResult
+from neuroshard.node.outer.round import OuterRound, RoundResult
 from neuroshard.node.p2p.auth import PEER_WALLET
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.objects import ObjectRoutes
@@ -100,6 +100,7 @@ class Swarm:
         diloco: DiLoCoConfig = DILOCO,
         close_early: bool = False,
         checks: int | None = None,
+        round_class: type[OuterRound] = OuterRound,
         **config: object,
     ) -> Replica:
         """A replica; `checks` fixes how many parts it re-checks per round (None: the default
@@ -117,6 +118,7 @@ class Swarm:
             aggregate=rule,
             tokens_per_step=64,
             stop=stop,
+            round_class=round_class,
         )
         network._round_config.checks = checks
         network.start()
@@ -558,3 +560,53 @@ def test_replicas_all_behind_nat_find_each_other_and_a_joiner_syncs_through_the_
     theirs = {rep.next_round: rep.theta_hash for rep in a.network.reports}
     compared = [rep for rep in joiner.network.reports if rep.next_round in theirs]
     assert compared and all(rep.theta_hash == theirs[rep.next_round] for rep in compared)
+
+
+@pytest.mark.parametrize("cheat", ["wrong_aggregate", "equivocator", "withholder", "mismatched_part"])
+def test_a_cheating_owner_on_the_wire_is_caught_and_the_honest_replicas_agree(swarm, cheat: str) -> None:
+    """Four replicas on real sockets, one running a cheating owner of `neuroshard.adversary.owners`;
+    every honest replica checks every part (checks=3). The honest replicas end every round on one
+    θ, none of them is refused or banned, and the cheat is caught the way its kind allows: a wrong
+    aggregate or two signed claims are proven (reported, then banned), a withheld part is taken
+    over by the backup owner, a part that does not match its root is refused by its owner."""
+    from neuroshard.adversary.owners import MismatchedPart, SplitEquivocator, Withholder, WrongAggregate
+
+    kinds: dict[str, type[OuterRound]] = {
+        "wrong_aggregate": WrongAggregate,
+        "equivocator": SplitEquivocator,
+        "withholder": Withholder,
+        "mismatched_part": MismatchedPart,
+    }
+    rounds = 3
+    honest = [swarm.add(rounds * H, checks=3) for _ in range(3)]
+    bad = swarm.add(rounds * H, checks=3, round_class=kinds[cheat])
+    if cheat == "equivocator":  # its server answers every other reader of a claim with its second one
+        original = bad.network._shelf.wait
+        readers = iter(range(10**6))
+
+        async def split(name: str, timeout_s: float) -> bytes | None:
+            if name.split("/")[2] == "claim" and next(readers) % 2:
+                name = name.replace("/claim/", "/claim-b/")
+            return await original(name, timeout_s)
+
+        bad.network._shelf.wait = split  # type: ignore[method-assign]
+    swarm.join_all_and_wait_for_discovery()
+    for r in (*honest, bad):
+        r.start()
+    _join_threads([*honest, bad], 90.0)
+    keys = sorted(r.key for r in honest)
+    for round_ in range(rounds):
+        reports = [r.reports()[round_] for r in honest]
+        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
+        for rep in reports:
+            assert set(keys) <= set(rep.accepted), rep
+            assert all(w == bad.key for w, _ in rep.rejected), rep.rejected
+    for r in honest:
+        assert set(r.network.banned) <= {bad.key}
+        lines = "\n".join(r.lines)
+        if cheat in ("wrong_aggregate", "equivocator"):
+            assert bad.key in r.network.banned, lines
+        elif cheat == "withholder":
+            assert any(c.replaces == bad.key for res in r.rounds.values() for c in res.claims.values()), lines
+        else:
+            assert any(bad.key in res.refused for res in r.rounds.values()), lines
