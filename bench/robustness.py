@@ -45,6 +45,8 @@ from torch import Tensor
 from neuroshard.node import aggregation, attacks
 from neuroshard.node.diloco import DiLoCoConfig, tensor_sha256
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.outer.partition import part_bounds
+from neuroshard.node.outer.reduce import reduce_part
 from neuroshard.node.simulate import simulate
 from neuroshard.node.validation import ValidationConfig, Verdict, screen_round
 
@@ -60,9 +62,18 @@ RULES = (
     "default",
     "val+default",
     "val+mean",
+    "part:default",
+    "part:mean",
+    "part:krum",
+    "part:geometric_median",
+    "part:centered_clip",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
-which picks f from n alone (trimmed mean, f = ⌈0.2·n⌉). "val+" screens the round first."""
+which picks f from n alone (trimmed mean, f = ⌈0.2·n⌉). "val+" screens the round first.
+"part:" is the partitioned round's version (``neuroshard.node.outer.reduce.reduce_part``): Δ cut
+into n = M + K parts (``partition.part_bounds``), each part screened on its own statistics and
+aggregated with the rule alone, as the round's owners do; compare it with "val+" (the default
+rule, the mean) or with the whole-vector rule (Krum, geometric median, centered clipping)."""
 
 ATTACKS = ("none", *attacks.ATTACKS)
 
@@ -200,7 +211,9 @@ class AttackedAggregate:
         wallets = [f"h{i:02d}" for i in range(M)] + [f"b{j:02d}" for j in range(len(rows) - M)]
         verdicts = screen_round(dict(zip(wallets, rows, strict=True)), (stack.shape[1],), VALIDATION)
         self._record(wallets, verdicts, active, honest, equivocated)
-        if self.job.rule.startswith("val+"):
+        if self.job.rule.startswith("part:"):
+            result = self._partitioned(self.job.rule[len("part:") :], wallets, rows)
+        elif self.job.rule.startswith("val+"):
             accepted = [row for w, row in zip(wallets, rows, strict=True) if verdicts[w].ok]
             result = self._apply(self.job.rule[len("val+") :], torch.stack(accepted))
         else:
@@ -273,11 +286,25 @@ class AttackedAggregate:
             rows = list(honest)  # no attackers at all: the rule's clean cost
         return rows, active, equivocated
 
-    def _apply(self, rule: str, stack: Tensor) -> Tensor:
+    def _partitioned(self, rule: str, wallets: list[str], rows: list[Tensor]) -> Tensor:
+        """The rule as the partitioned round applies it: per part, after that part's screening."""
+        d = rows[0].numel()
+        out = torch.zeros(d)
+        for a, b in part_bounds(d, len(rows)):
+            if b == a:
+                continue
+            part = {w: row[a:b].contiguous() for w, row in zip(wallets, rows, strict=True)}
+            out[a:b], _ = reduce_part(part, functools.partial(self._apply, rule, span=(a, b)), VALIDATION)
+        return out
+
+    def _apply(self, rule: str, stack: Tensor, span: tuple[int, int] | None = None) -> Tensor:
         f = self.job.byzantine
         if rule == "centered_clip":
             # Karimireddy et al. 2021: center = the previous aggregate; 3 iterations as in their experiments.
-            return aggregation.centered_clip(stack, self.previous, None, iters=3)
+            previous = self.previous
+            if previous is not None and span is not None:
+                previous = previous[span[0] : span[1]]
+            return aggregation.centered_clip(stack, previous, None, iters=3)
         if rule in ("mean", "median", "geometric_median", "default"):
             return aggregation.aggregate(rule, stack)
         return aggregation.aggregate(rule, stack, f)
