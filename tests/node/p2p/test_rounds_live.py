@@ -610,3 +610,22 @@ def test_a_cheating_owner_on_the_wire_is_caught_and_the_honest_replicas_agree(sw
             assert any(c.replaces == bad.key for res in r.rounds.values() for c in res.claims.values()), lines
         else:
             assert any(bad.key in res.refused for res in r.rounds.values()), lines
+
+
+def test_six_replicas_agree_every_round_each_owning_a_part(swarm) -> None:
+    rounds = 3
+    replicas = [swarm.add(max_steps=rounds * H) for _ in range(6)]
+    swarm.join_all_and_wait_for_discovery()
+    for r in replicas:
+        r.start()
+    _join_threads(replicas, 90.0)
+    wallets = sorted(r.key for r in replicas)
+    for round_ in range(rounds):
+        reports = [r.reports()[round_] for r in replicas]
+        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
+        assert all(list(rep.accepted) == wallets and rep.rejected == () for rep in reports)
+        # Six parts, each claimed by a different member (no backup needed).
+        claims = replicas[0].rounds[round_].claims
+        assert sorted(c.wallet for c in claims.values()) == wallets and not any(
+            c.replaces for c in claims.values()
+        )
