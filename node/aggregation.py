@@ -1,10 +1,12 @@
 """Robust aggregation of one round's contributions: an (n, d) stack of pseudo-gradients → one (d,) Δ.
 
 Every rule is a pure function: it never modifies its input, returns a new 1-D tensor of the
-input's dtype, and depends only on the *multiset* of contributions. Rows are first put in a
-canonical order (by a hash of their bytes), so sums are taken in the same order on every
-replica whatever order the messages arrived in: results are bit-identical under permutation,
-which the weight-hash agreement after each round relies on.
+input's dtype, and depends only on the *multiset* of contributions, bit for bit, whatever order
+the messages arrived in: the weight-hash agreement after each round relies on it. The
+coordinate-wise rules (mean, trimmed mean, median) sort each column and sum it one row at a time,
+so a column's result depends on that column alone (a partitioned round's part equals the same
+columns of the whole-vector rule). The whole-vector rules first put the rows in a canonical order
+(by a hash of their bytes) so that their sums are taken in the same order on every replica.
 
 Breakdown bounds (f = number of Byzantine contributions tolerated) are checked up front and
 violations raise ``ValueError`` naming n, f and the bound.
@@ -79,8 +81,13 @@ def _check_f(rule: str, n: int, f: int, need: int, bound: str) -> None:
 
 
 def mean(xs: Contributions) -> Tensor:
-    """Plain average (Douillard et al. 2023's DiLoCo outer gradient): (n, d) → (d,). Breaks with one attacker."""
-    return canonical(xs).mean(dim=0)
+    """Plain average (Douillard et al. 2023's DiLoCo outer gradient): (n, d) → (d,). Breaks with one attacker.
+
+    Each coordinate sums its own values in ascending order, one element-wise add per row, so the
+    result depends only on that column's multiset: any slice of columns averages to the same bits
+    as inside the whole stack (a partitioned round's parts), on any hardware. That costs a
+    per-column sort, which the network's rules (trimmed mean, median) pay anyway."""
+    return trimmed_mean(xs, 0)
 
 
 def trimmed_mean(xs: Contributions, f: int) -> Tensor:
@@ -89,14 +96,17 @@ def trimmed_mean(xs: Contributions, f: int) -> Tensor:
 
     Up to NETWORK_MEDIAN_MAX_N rows by ``sorted_blocks`` (5 × 29.5M on one thread: 12–16 s with
     the per-coordinate sort at load 4–6), summing the kept rows in sorted order with zeros made
-    +0.0, so no canonical order is needed."""
+    +0.0, so no canonical order is needed. Above that, a per-coordinate sort and the same
+    row-by-row sum: never torch's ``mean(dim=0)``, whose summation order depends on the width of
+    the slice it is given, so a part of a partitioned round would differ from the same columns of
+    the whole stack in the last bits."""
     stack = as_stack(xs)
     n = stack.shape[0]
     _check_f("trimmed_mean", n, f, 2 * f + 1, "n > 2f")
     if n <= NETWORK_MEDIAN_MAX_N:
         return _by_block(stack, lambda ordered: _mean_of(ordered[f : n - f]))
-    ordered = torch.sort(canonical(stack), dim=0, stable=True).values  # (n, d), ascending per coordinate
-    return ordered[f : n - f].mean(dim=0)
+    ordered = torch.sort(stack, dim=0, stable=True).values  # (n, d), ascending per coordinate
+    return _mean_of(ordered[f : n - f].unbind(0)).add_(0.0)  # −0.0 + 0.0 = +0.0
 
 
 def coordinate_median(xs: Contributions) -> Tensor:

@@ -7,11 +7,8 @@ differs is a fraud proof anyone can verify (`check_fraud`).
 Per-part rules. The aggregation rule and the content screening run on each part alone:
 
 - coordinate-wise rules (mean, trimmed mean, median, the default rule) decompose: the aggregate
-  of part j is coordinates [a_j, b_j) of the whole-vector aggregate of the same inputs — bit for
-  bit for the median and for the trimmed mean and default rule up to 8 rows (sorting networks);
-  the mean and the trimmed mean above 8 rows agree to a few float32 ulps, because their summation
-  order depends on the row bytes or on torch's reduction of a narrow slice (every replica still
-  computes the same bits for the same part: the round's agreement does not depend on it);
+  of part j is coordinates [a_j, b_j) of the whole-vector aggregate of the same inputs, bit for
+  bit at every n (each column is sorted and summed row by row on its own: ``aggregation``);
 - whole-vector rules (Krum, multi-Krum, geometric median, centered clipping, NNM) and the
   screening statistics (norm ratio, cosine, variance ratio against the coordinate median,
   near-copies) become per-part variants: a contribution is judged, selected or weighted on each

@@ -217,44 +217,20 @@ def test_the_median_decomposes_beyond_the_sorting_network(n: int) -> None:
             assert torch.equal(per_part(stack, part_bounds(d, k), rule_of("median")), whole), (n, d, k)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Documents a known limit (reduce.py docstring): the mean does not decompose bit for bit: "
-    "aggregation.mean sums rows in canonical order, a hash of each row's bytes, and a part's "
-    "slice of a row hashes differently from the whole row, so a part sums its rows in another "
-    "order (e.g. n=3, d=1000, k=2: up to 1.2e-7 off). torch's mean(dim=0) over a narrow last part "
-    "(width 1..8) also takes another summation path. All replicas still agree (each part is "
-    "computed alike), but the partitioned mean is not the whole-vector mean bit for bit.",
-)
 def test_the_mean_decomposes_bit_for_bit() -> None:
-    for n in range(2, 10):
-        for d in (257, 1000, 3000):
-            stack = rows_for(n, d, seed=n * 1000 + d)
-            whole = aggregate("mean", stack)
-            for k in (2, 3, n):
-                got = per_part(stack, part_bounds(d, k), rule_of("mean"))
-                assert torch.equal(got, whole), (n, d, k, (got - whole).abs().max())
-
-
-def test_the_mean_decomposes_up_to_rounding() -> None:
-    for n in range(1, 10):
-        for d in (257, 1000, 3000):
+    """Each column sums its own sorted values row by row: no order from the row bytes, no
+    width-dependent reduction of torch's (a narrow last part used to differ by ~1e-7)."""
+    for n in (*range(1, 10), 12, 17):
+        for d in (1, 7, 257, 1000, 3000):
             stack = rows_for(n, d, seed=n * 1000 + d)
             whole = aggregate("mean", stack)
             for k in (1, 2, 3, n):
                 got = per_part(stack, part_bounds(d, k), rule_of("mean"))
-                torch.testing.assert_close(got, whole, rtol=0, atol=4 * torch.finfo(torch.float32).eps)
+                assert torch.equal(got, whole), (n, d, k, (got - whole).abs().max())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Documents a known limit (reduce.py docstring): the trimmed mean and the default rule "
-    "decompose bit for bit only up to 8 rows. Above NETWORK_MEDIAN_MAX_N = 8 rows aggregation.trimmed_mean averages with torch's "
-    "mean(dim=0), whose summation over a narrow last part differs from the same columns inside "
-    "the whole stack (e.g. trimmed_mean f=1 with n=12, d=257: part (256, 257) is off by ~3e-8; "
-    "default rule at n=16, d=257).",
-)
 def test_the_trimmed_mean_decomposes_bit_for_bit_above_eight_rows() -> None:
+    """Above the sorting network's 8 rows: a per-column sort, then the same row-by-row sum."""
     for name, f in (("trimmed_mean", 1), ("trimmed_mean", 2), ("default", 0)):
         for n in (12, 14, 16, 18, 20):
             for d in (257, 513):
