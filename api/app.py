@@ -28,6 +28,7 @@ from neuroshard.verifier.ledger import WriteRefused
 from neuroshard.verifier.replaycheck import ReplayChecker
 
 from . import reads, writes
+from .cache import HeadAsGet
 from .metrics import CountRequests
 from .services import Services
 
@@ -116,6 +117,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
             await run_in_threadpool(replays.stop)
         if evaluator is not None:
             await run_in_threadpool(evaluator.stop)
+        await run_in_threadpool(services.reads.close)
         services.db.dispose()
 
     app = FastAPI(
@@ -154,6 +156,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
     # Added last = outermost: sizes are checked before anything else, every request is counted.
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(CountRequests, counter=services.requests)
     return app

@@ -1,15 +1,24 @@
-"""The read-only endpoints: tracker, training status, history, nodes, network, metrics."""
+"""The read-only endpoints: tracker, training status, history, nodes, network, metrics.
+
+Each renders its JSON through the read cache (api.cache): computed from the database when
+the data changed (at most every few seconds), served from memory with an ETag otherwise.
+HEAD is answered wherever GET is (api.cache.HeadAsGet). Lists that grow with the network
+(nodes, history) are paged with limit/offset; the total is in X-Total-Count and the next
+page in a Link header (RFC 8288).
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from pydantic import BaseModel, TypeAdapter
 from sqlalchemy.orm import Session
 
 from neuroshard.verifier import summary
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER
 
+from .cache import Rendered, cached_response, etag_of
 from .metrics import CONTENT_TYPE, Exposition
 from .schemas import (
     DiLoCoOut,
@@ -28,6 +37,52 @@ from .services import Services, get_services
 
 router = APIRouter()
 ServicesDep = Annotated[Services, Depends(get_services)]
+
+MAX_PAGE = 1000
+"""Largest limit a paged endpoint accepts: a page stays a few hundred KB at most."""
+Headers = tuple[tuple[str, str], ...]
+_NODE_LIST = TypeAdapter(list[NodeOut])
+_PEER_LIST = TypeAdapter(list[PeerOut])
+
+_PAGE_HEADERS = {
+    "X-Total-Count": {"description": "Items in the whole list.", "schema": {"type": "integer"}},
+    "Link": {"description": 'The next page, if any: <URL>; rel="next".', "schema": {"type": "string"}},
+    "ETag": {
+        "description": "Validator for If-None-Match (304 when unchanged).",
+        "schema": {"type": "string"},
+    },
+}
+_CACHED = {
+    "ETag": {
+        "description": "Validator for If-None-Match (304 when unchanged).",
+        "schema": {"type": "string"},
+    },
+    "Cache-Control": {
+        "description": "public, max-age=N: proxies may serve it N seconds.",
+        "schema": {"type": "string"},
+    },
+}
+_NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
+    304: {"description": "Not modified: the If-None-Match ETag is current."}
+}
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"Items per page (1..{MAX_PAGE}).")]
+Offset = Annotated[int, Query(ge=0, le=10_000_000, description="Items to skip from the start of the list.")]
+
+
+def _json(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+def _serve(request: Request, services: Services, entry: Rendered) -> Response:
+    return cached_response(request, entry, max_age_s=services.config.reads.max_age_s)
+
+
+def _page_headers(request: Request, total: int, limit: int, offset: int) -> Headers:
+    headers: list[tuple[str, str]] = [("X-Total-Count", str(total))]
+    if offset + limit < total:
+        url = request.url.include_query_params(limit=limit, offset=offset + limit)
+        headers.append(("Link", f'<{url.path}?{url.query}>; rel="next"'))
+    return tuple(headers)
 
 
 def _verify(session: Session, services: Services) -> VerifyOut:
@@ -55,11 +110,20 @@ def _verify(session: Session, services: Services) -> VerifyOut:
     )
 
 
-@router.get("/api/training/verify", response_model=VerifyOut, tags=["training"])
-def training_verify(services: ServicesDep) -> VerifyOut:
+@router.get(
+    "/api/training/verify",
+    response_model=VerifyOut,
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
+    tags=["training"],
+)
+def training_verify(request: Request, services: ServicesDep) -> Response:
     """Is the global model really learning? Judged from the verifier's own held-out measurements only."""
-    with services.db.read() as session:
-        return _verify(session, services)
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            return _json(_verify(session, services)), ()
+
+    return _serve(request, services, services.reads.get("verify", render))
 
 
 def _stages(
@@ -86,9 +150,18 @@ def _stages(
     return out
 
 
-@router.get("/api/training/global", response_model=GlobalOut, tags=["training"])
-def training_global(services: ServicesDep) -> GlobalOut:
+@router.get(
+    "/api/training/global",
+    response_model=GlobalOut,
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
+    tags=["training"],
+)
+def training_global(request: Request, services: ServicesDep) -> Response:
     """The full picture: nodes, measured and reported loss, work done, agreement per stage, DiLoCo status."""
+    return _serve(request, services, services.reads.get("global", lambda: (_json(_global(services)), ())))
+
+
+def _global(services: Services) -> GlobalOut:
     cfg, net = services.config, services.config.network
     now = services.now()
     with services.db.read() as session:
@@ -124,52 +197,109 @@ def training_global(services: ServicesDep) -> GlobalOut:
     )
 
 
-@router.get("/api/training/history", response_model=HistoryOut, tags=["training"])
-def training_history(services: ServicesDep) -> HistoryOut:
-    """Measured loss per evaluation; agreement, sync and reported loss per (stage, round)."""
-    with services.db.read() as session:
-        evals = summary.evaluations(session)
-        rounds = summary.recent_rounds(session, limit=services.config.history_rounds)
-    return HistoryOut(
-        evaluations=[EvaluationOut.model_validate(e) for e in evals],
-        rounds=[RoundOut.model_validate(r) for r in rounds],
-    )
-
-
-@router.get("/api/peers", response_model=list[PeerOut], tags=["tracker"])
-def peers(
+@router.get(
+    "/api/training/history",
+    response_model=HistoryOut,
+    responses={200: {"headers": _PAGE_HEADERS}, **_NOT_MODIFIED},
+    tags=["training"],
+)
+def training_history(
+    request: Request,
     services: ServicesDep,
-    stage: Annotated[int | None, Query(ge=0, lt=1024, description="Only replicas of this stage.")] = None,
-) -> list[PeerOut]:
-    """Live peers: registered, not refused, heartbeat within the TTL."""
-    with services.db.read() as session:
-        live = summary.live_peers(session, now=services.now(), ttl=services.config.peer_ttl_s, stage=stage)
-    return [PeerOut.model_validate(n) for n in live]
+    limit: Annotated[
+        int | None,
+        Query(
+            ge=1, le=MAX_PAGE, description="(stage, round)s per page; default: the configured history length."
+        ),
+    ] = None,
+    offset: Annotated[int, Query(ge=0, le=10_000_000, description="Newest (stage, round)s to skip.")] = 0,
+) -> Response:
+    """Measured loss per evaluation; agreement, sync and reported loss per (stage, round), a page
+    of the newest ones (returned oldest first). X-Total-Count counts (stage, round)s."""
+    rows = limit or services.config.history_rounds
 
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            evals = summary.evaluations(session)
+            rounds = summary.recent_rounds(session, limit=rows, offset=offset)
+            total = summary.round_count(session)
+        out = HistoryOut(
+            evaluations=[EvaluationOut.model_validate(e) for e in evals],
+            rounds=[RoundOut.model_validate(r) for r in rounds],
+        )
+        return _json(out), _page_headers(request, total, rows, offset)
 
-@router.get("/api/nodes", response_model=list[NodeOut], tags=["nodes"])
-def nodes(services: ServicesDep) -> list[NodeOut]:
-    """Every registered wallet with its status, reputation and last heartbeat."""
-    with services.db.read() as session:
-        records = summary.nodes(session, now=services.now(), ttl=services.config.peer_ttl_s)
-    return [NodeOut.model_validate(n) for n in records]
+    return _serve(request, services, services.reads.get(f"history:{rows}:{offset}", render))
 
 
 @router.get(
-    "/api/nodes/{wallet}", response_model=NodeDetailOut, responses={404: {"model": ErrorOut}}, tags=["nodes"]
+    "/api/peers",
+    response_model=list[PeerOut],
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
+    tags=["tracker"],
+)
+def peers(
+    request: Request,
+    services: ServicesDep,
+    stage: Annotated[int | None, Query(ge=0, lt=1024, description="Only replicas of this stage.")] = None,
+) -> Response:
+    """Live peers: registered, not refused, heartbeat within the TTL."""
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            live = summary.live_peers(
+                session, now=services.now(), ttl=services.config.peer_ttl_s, stage=stage
+            )
+        return _PEER_LIST.dump_json([PeerOut.model_validate(n) for n in live]), ()
+
+    return _serve(request, services, services.reads.get(f"peers:{stage}", render))
+
+
+@router.get(
+    "/api/nodes",
+    response_model=list[NodeOut],
+    responses={200: {"headers": _PAGE_HEADERS}, **_NOT_MODIFIED},
+    tags=["nodes"],
+)
+def nodes(request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0) -> Response:
+    """Registered wallets by wallet id, a page at a time, with status, reputation and last heartbeat.
+    X-Total-Count is the number of wallets; Link names the next page."""
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            records = summary.nodes(
+                session, now=services.now(), ttl=services.config.peer_ttl_s, limit=limit, offset=offset
+            )
+            total = summary.wallet_count(session)
+        body = _NODE_LIST.dump_json([NodeOut.model_validate(n) for n in records])
+        return body, _page_headers(request, total, limit, offset)
+
+    return _serve(request, services, services.reads.get(f"nodes:{limit}:{offset}", render))
+
+
+@router.get(
+    "/api/nodes/{wallet}",
+    response_model=NodeDetailOut,
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED, 404: {"model": ErrorOut}},
+    tags=["nodes"],
 )
 def node(
+    request: Request,
     services: ServicesDep,
     wallet: Annotated[
         str, Path(pattern=r"^([0-9a-f]{20}|[0-9a-f]{64})$", description="Wallet id or full public key (hex).")
     ],
-) -> NodeDetailOut:
+) -> Response:
     """One node: status, reputation, recent receipts and the verdicts that moved its reputation."""
-    with services.db.read() as session:
-        detail = summary.node_detail(session, wallet, now=services.now(), ttl=services.config.peer_ttl_s)
-    if detail is None:
-        raise HTTPException(404, f"wallet {wallet} is not registered")
-    return NodeDetailOut.model_validate(detail)
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            detail = summary.node_detail(session, wallet, now=services.now(), ttl=services.config.peer_ttl_s)
+        if detail is None:
+            raise HTTPException(404, f"wallet {wallet} is not registered")
+        return _json(NodeDetailOut.model_validate(detail)), ()
+
+    return _serve(request, services, services.reads.get(f"node:{wallet}", render))
 
 
 @router.get(
@@ -185,23 +315,48 @@ def node(
         }
     },
 )
-def network(services: ServicesDep) -> Response:
+def network(request: Request, services: ServicesDep) -> Response:
     """The run's definition (model, stages, DiLoCo, aggregation, data), signed by the operator key."""
-    return Response(
-        content=services.network_body,
-        media_type="application/json",
-        headers={
-            NETWORK_SIGNATURE_HEADER: services.network_signature,
-            OPERATOR_HEADER: services.config.operator.public_key_hex,
-        },
+    body = services.network_body
+    entry = Rendered(
+        body,
+        etag_of(body),
+        0.0,
+        0,
+        (
+            (NETWORK_SIGNATURE_HEADER, services.network_signature),
+            (OPERATOR_HEADER, services.config.operator.public_key_hex),
+        ),
     )
+    return _serve(request, services, entry)
 
 
 @router.get(
     "/metrics", tags=["metrics"], response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}}
 )
 def metrics(services: ServicesDep) -> Response:
-    """Prometheus text format."""
+    """Prometheus text format. The database-derived gauges come through the read cache; the
+    process's own counters are read live."""
+    gauges = services.reads.get("metrics", lambda: (_gauges(services), ())).body
+    out = Exposition()
+    out.family(
+        "neuroshard_http_requests_total",
+        "counter",
+        "HTTP requests by method, route template and status since the process started.",
+        [
+            ({"method": method, "route": route, "status": str(status)}, count)
+            for (method, route, status), count in sorted(services.requests.snapshot().items())
+        ],
+    )
+    out.gauge(
+        "neuroshard_read_renders",
+        "Read responses rendered from the database by this process.",
+        services.reads.renders,
+    )
+    return Response(content=gauges + out.render().encode(), media_type=CONTENT_TYPE)
+
+
+def _gauges(services: Services) -> bytes:
     with services.db.read() as session:
         verify = _verify(session, services)
         totals = summary.totals(session, now=services.now(), ttl=services.config.peer_ttl_s)
@@ -244,13 +399,4 @@ def metrics(services: ServicesDep) -> Response:
         [({}, totals.inner_steps)],
     )
     out.family("neuroshard_tokens_total", "counter", "Tokens reported in receipts.", [({}, totals.tokens)])
-    out.family(
-        "neuroshard_http_requests_total",
-        "counter",
-        "HTTP requests by method, route template and status since the process started.",
-        [
-            ({"method": method, "route": route, "status": str(status)}, count)
-            for (method, route, status), count in sorted(services.requests.snapshot().items())
-        ],
-    )
-    return Response(content=out.render(), media_type=CONTENT_TYPE)
+    return out.render().encode()

@@ -12,7 +12,12 @@ from neuroshard.verifier.ledger import LedgerConfig
 from neuroshard.verifier.network import sign_network
 from neuroshard.verifier.ratelimit import RateLimiter
 
+from .cache import ReadCache
 from .metrics import RequestCounter
+
+BACKGROUND_CONNECTIONS = 4
+"""Connections beyond the request threads: the read-cache refresher, the evaluator, the replay
+checker and the leader lease (verifier.leader) each hold at most one."""
 
 
 @dataclass
@@ -25,13 +30,15 @@ class Services:
     """Canonical JSON of the network definition, exactly the bytes the signature covers."""
     network_signature: str
     requests: RequestCounter
+    reads: ReadCache
 
     @classmethod
     def build(cls, config: VerifierConfig) -> Services:
         body, signature = sign_network(config.network, config.operator)
+        db = Database(config.database_url, pool_size=config.request_threads + BACKGROUND_CONNECTIONS)
         return cls(
             config=config,
-            db=Database(config.database_url),
+            db=db,
             limiter=RateLimiter(config.rate_limit, config.clock),
             ledger=LedgerConfig(
                 reputation=config.reputation,
@@ -43,6 +50,7 @@ class Services:
             network_body=body,
             network_signature=signature,
             requests=RequestCounter(),
+            reads=ReadCache(config.reads, clock=config.clock, generation=lambda: db.generation),
         )
 
     def now(self) -> float:

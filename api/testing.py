@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import sign_request
-from neuroshard.verifier.config import VerifierConfig
+from neuroshard.verifier.config import ReadCacheConfig, VerifierConfig
 from neuroshard.verifier.ratelimit import RateLimitConfig
 from neuroshard.verifier.testing import ManualClock, signed_json, small_network
 
@@ -33,13 +33,15 @@ ADDRESS = "http://127.0.0.1:9000"
 
 
 def test_config(database_url: str, clock: ManualClock, **overrides: Any) -> VerifierConfig:
-    """A verifier on `database_url` with the small test network; rate limits out of the way."""
+    """A verifier on `database_url` with the small test network; rate limits out of the way, and
+    reads re-rendered by the request that finds them stale, so a test reads its own writes."""
     fields: dict[str, Any] = {
         "database_url": database_url,
         "network": small_network(),
         "operator": OPERATOR,
         "clock": clock,
         "rate_limit": RateLimitConfig(capacity=1000, refill_per_s=1000),
+        "reads": ReadCacheConfig(background=False, min_interval_s=0.0),
         **overrides,
     }
     return VerifierConfig(**fields)

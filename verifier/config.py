@@ -18,6 +18,32 @@ from .verdict import VerdictConfig
 
 
 @dataclass(kw_only=True)
+class ReadCacheConfig:
+    """How the API serves rendered read responses (neuroshard.api.cache)."""
+
+    max_age_s: float = 2.0
+    """A rendered body is re-rendered once it is this old (seconds), written to or not; also the
+    Cache-Control max-age a proxy is told (rounded down to whole seconds)."""
+    min_interval_s: float = 0.5
+    """After a local write, wait at least this long since the last rendering before the next:
+    caps recomputation under a steady write load at 1/min_interval_s per key."""
+    background: bool = True
+    """Serve a stale body while one background thread re-renders it (False: the request that
+    finds it stale re-renders it before answering, which tests use to read their own writes)."""
+    max_entries: int = 512
+    """Keys kept (pages × parameters); the least recently used one is dropped beyond this."""
+
+    def __post_init__(self) -> None:
+        if self.max_age_s < 0 or self.min_interval_s < 0:
+            raise ValueError(
+                f"ReadCacheConfig: max_age_s ({self.max_age_s}) and min_interval_s "
+                f"({self.min_interval_s}) must be ≥ 0"
+            )
+        if self.max_entries < 1:
+            raise ValueError(f"ReadCacheConfig: max_entries must be ≥ 1, got {self.max_entries}")
+
+
+@dataclass(kw_only=True)
 class VerifierConfig:
     database_url: str
     """SQLAlchemy URL: sqlite:///PATH (default) or postgresql://… (normalised to psycopg 3)."""
@@ -40,6 +66,11 @@ class VerifierConfig:
     """Settled rounds the headline hash-agreement and sync rates are computed over."""
     history_rounds: int = 200
     """(stage, round)s returned by /api/training/history and drawn on the dashboard."""
+    reads: ReadCacheConfig = field(default_factory=ReadCacheConfig)
+    """How long rendered read responses are served before re-rendering (api.cache)."""
+    request_threads: int = 16
+    """Threads serving this process's requests (the database pool is sized to match). Issue 15:
+    PostgreSQL's default 100 connections must hold every worker's threads plus its background ones."""
     clock: Callable[[], float] = time.time
     """Unix seconds; injected so tests can move time."""
     live_evaluation: EvaluatorConfig | None = None
@@ -62,6 +93,7 @@ class VerifierConfig:
                 f"agreement_window_rounds must be ≥ 1, got {self.agreement_window_rounds}",
             ),
             (self.history_rounds >= 1, f"history_rounds must be ≥ 1, got {self.history_rounds}"),
+            (self.request_threads >= 1, f"request_threads must be ≥ 1, got {self.request_threads}"),
         ]
         for ok, message in checks:
             if not ok:

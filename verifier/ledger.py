@@ -195,6 +195,8 @@ def submit_receipt(
             offset_end=first.offset_end if first else None,
             data_spans=[[s.shard_id, s.offset_start, s.offset_end] for s in req.data],
             losses=list(req.losses),
+            loss_sum=float(sum(req.losses)),
+            loss_count=len(req.losses),
             base_hash=req.base_hash,
             result_hash=req.result_hash,
             delta_digest=req.delta_digest,
@@ -202,6 +204,8 @@ def submit_receipt(
             accepted=[c.model_dump() for c in req.accepted],
             rejected=[c.model_dump() for c in req.rejected],
             equivocators=list(req.equivocators),
+            accepted_count=len(req.accepted),
+            rejected_count=len(req.rejected),
             body_sha256=body_sha256,
             received_at=now,
         )

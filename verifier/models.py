@@ -102,6 +102,9 @@ class Receipt(Base):
     """[[shard_id, offset_start, offset_end], ...] in reading order; offsets count windows."""
     losses: Mapped[list[Any]] = mapped_column(JSON)
     """Self-reported inner-step losses: shown, never used for the verdict."""
+    loss_sum: Mapped[float] = mapped_column(Double, default=0.0)
+    loss_count: Mapped[int] = mapped_column(Integer, default=0)
+    """Sum and number of `losses`: a round's reported loss is averaged in SQL, not from the JSON."""
     base_hash: Mapped[str] = mapped_column(String(HASH_LEN))
     result_hash: Mapped[str] = mapped_column(String(HASH_LEN))
     delta_digest: Mapped[str] = mapped_column(String(HASH_LEN))
@@ -111,6 +114,9 @@ class Receipt(Base):
     accepted: Mapped[list[Any]] = mapped_column(JSON)
     rejected: Mapped[list[Any]] = mapped_column(JSON)
     equivocators: Mapped[list[Any]] = mapped_column(JSON)
+    accepted_count: Mapped[int] = mapped_column(Integer, default=0)
+    rejected_count: Mapped[int] = mapped_column(Integer, default=0)
+    """len(accepted) and len(rejected), summed per round in SQL by summary.recent_rounds."""
     body_sha256: Mapped[str] = mapped_column(String(HASH_LEN))
     """sha256 of the signed body: an identical resubmission is acknowledged, a different one refused."""
     received_at: Mapped[float] = mapped_column(Double)

@@ -138,13 +138,22 @@ def _node(wallet: m.Wallet, peer: m.Peer | None, *, now: float, ttl: float) -> N
     )
 
 
-def nodes(session: Session, *, now: float, ttl: float) -> list[NodeRecord]:
+def nodes(
+    session: Session, *, now: float, ttl: float, limit: int | None = None, offset: int = 0
+) -> list[NodeRecord]:
+    """Registered wallets by wallet id; a page of `limit` after `offset` (None: all)."""
     rows = session.execute(
         select(m.Wallet, m.Peer)
         .outerjoin(m.Peer, m.Peer.wallet_id == m.Wallet.wallet_id)
         .order_by(m.Wallet.wallet_id)
+        .limit(limit)
+        .offset(offset)
     ).all()
     return [_node(w, p, now=now, ttl=ttl) for w, p in rows]
+
+
+def wallet_count(session: Session) -> int:
+    return session.scalar(select(func.count()).select_from(m.Wallet)) or 0
 
 
 def live_peers(session: Session, *, now: float, ttl: float, stage: int | None = None) -> list[NodeRecord]:
@@ -223,43 +232,84 @@ def verdict(session: Session, cfg: VerdictConfig) -> tuple[Verdict, list[Evaluat
     return judge_training([LossPoint(e.round, e.loss, e.stderr) for e in evals], cfg), evals
 
 
-def recent_rounds(session: Session, *, limit: int) -> list[RoundRecord]:
-    """The latest `limit` (stage, round)s that have votes, settled or not, oldest first."""
-    keys = session.execute(
+def round_count(session: Session) -> int:
+    """(stage, round)s that have votes: the total that history pages through."""
+    keys = select(m.HashVote.stage, m.HashVote.round).group_by(m.HashVote.stage, m.HashVote.round).subquery()
+    return session.scalar(select(func.count()).select_from(keys)) or 0
+
+
+def recent_rounds(session: Session, *, limit: int, offset: int = 0) -> list[RoundRecord]:
+    """The latest `limit` (stage, round)s that have votes, settled or not, after skipping the
+    `offset` newest; oldest first.
+
+    Aggregated in SQL from per-receipt sums (loss_sum, loss_count, accepted_count,
+    rejected_count): no receipt row or JSON list is loaded, so a page costs the same whatever
+    the number of nodes (issue 15: loading 200,000 receipts took 3.3 s and 1.2 GB).
+    """
+    keys = (
         select(m.HashVote.stage, m.HashVote.round)
         .group_by(m.HashVote.stage, m.HashVote.round)
         .order_by(m.HashVote.round.desc(), m.HashVote.stage.desc())
         .limit(limit)
+        .offset(offset)
+        .subquery()
+    )
+    on_key = (m.Receipt.stage == keys.c.stage) & (m.Receipt.round == keys.c.round)
+    sums = session.execute(
+        select(
+            keys.c.stage,
+            keys.c.round,
+            func.count(m.Receipt.id),
+            func.coalesce(func.sum(m.Receipt.loss_sum), 0.0),
+            func.coalesce(func.sum(m.Receipt.loss_count), 0),
+            func.coalesce(func.sum(m.Receipt.accepted_count), 0),
+            func.coalesce(func.sum(m.Receipt.rejected_count), 0),
+        )
+        .select_from(keys)
+        .outerjoin(m.Receipt, on_key)
+        .group_by(keys.c.stage, keys.c.round)
     ).all()
-    if not keys:
+    if not sums:
         return []
-    low = min(r for _, r in keys)
-    receipts = session.scalars(select(m.Receipt).where(m.Receipt.round >= low)).all()
-    settled = {(r.stage, r.round): r for r in session.scalars(select(m.Round).where(m.Round.round >= low))}
-    by_key: dict[tuple[int, int], list[m.Receipt]] = {}
-    for r in receipts:
-        by_key.setdefault((r.stage, r.round), []).append(r)
+    per_hash = (
+        select(keys.c.stage, keys.c.round, func.count().label("n"))
+        .select_from(keys)
+        .join(m.Receipt, on_key)
+        .group_by(keys.c.stage, keys.c.round, m.Receipt.result_hash)
+        .subquery()
+    )
+    agreeing = {
+        (stage, round_): n
+        for stage, round_, n in session.execute(
+            select(per_hash.c.stage, per_hash.c.round, func.max(per_hash.c.n)).group_by(
+                per_hash.c.stage, per_hash.c.round
+            )
+        )
+    }
+    settled = {
+        (r.stage, r.round): r
+        for r in session.scalars(
+            select(m.Round).join(keys, (m.Round.stage == keys.c.stage) & (m.Round.round == keys.c.round))
+        )
+    }
     out = []
-    for stage, round_ in sorted(keys, key=lambda k: (k[1], k[0])):
-        group = by_key.get((stage, round_), [])
+    for stage, round_, votes, loss_sum, loss_count, accepted, rejected in sorted(
+        sums, key=lambda row: (row[1], row[0])
+    ):
         done = settled.get((stage, round_))
-        counts: dict[str, int] = {}
-        for r in group:
-            counts[r.result_hash] = counts.get(r.result_hash, 0) + 1
-        losses = [x for r in group for x in r.losses]
         out.append(
             RoundRecord(
                 stage=stage,
                 round=round_,
                 settled=done is not None,
-                votes=len(group),
-                agreeing=max(counts.values(), default=0),
+                votes=votes,
+                agreeing=agreeing.get((stage, round_), 0),
                 majority_hash=done.majority_hash if done else None,
                 synced=done.synced if done else 0,
                 sync_checked=done.sync_checked if done else 0,
-                accepted=sum(len(r.accepted) for r in group),
-                rejected=sum(len(r.rejected) for r in group),
-                reported_loss=_mean(losses),
+                accepted=int(accepted),
+                rejected=int(rejected),
+                reported_loss=float(loss_sum) / int(loss_count) if loss_count else None,
             )
         )
     return out
@@ -315,8 +365,12 @@ def headline(session: Session, *, now: float, ttl: float, window: int) -> Headli
     ).one()
     reported = None
     if latest is not None:
-        losses = session.scalars(select(m.Receipt.losses).where(m.Receipt.round == latest)).all()
-        reported = _mean([x for group in losses for x in group])
+        loss_sum, loss_count = session.execute(
+            select(func.sum(m.Receipt.loss_sum), func.sum(m.Receipt.loss_count)).where(
+                m.Receipt.round == latest
+            )
+        ).one()
+        reported = float(loss_sum) / int(loss_count) if loss_count else None
     return Headline(
         active_nodes=active or 0,
         latest_round=latest,

@@ -32,6 +32,20 @@ async function getJSON(path) {
   return response.json();
 }
 
+// The node table is paged by the server (/api/nodes?limit&offset, total in X-Total-Count):
+// a thousand rows would make a 33,000-pixel page and a 430 KB poll.
+const NODES_PER_PAGE = 50;
+let nodeOffset = 0;
+let nodeTotal = 0;
+
+async function getNodes() {
+  const path = `/api/nodes?limit=${NODES_PER_PAGE}&offset=${nodeOffset}`;
+  const response = await fetch(path, { headers: { Accept: "application/json" } });
+  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  nodeTotal = Number(response.headers.get("X-Total-Count") || 0);
+  return response.json();
+}
+
 // A line chart on a canvas: series = [{points: [[x, y], ...], color, label}], y range from the data.
 function drawChart(canvas, series, opts) {
   const ctx = canvas.getContext("2d");
@@ -144,8 +158,7 @@ function renderHistory(h) {
 function renderNodes(nodes) {
   const body = $("nodes-table").querySelector("tbody");
   body.replaceChildren();
-  const shown = nodes.filter((n) => n.alive || n.status === "refused");
-  for (const n of shown) {
+  for (const n of nodes) {
     const row = document.createElement("tr");
     row.dataset.wallet = n.wallet_id;
     cell(row, n.wallet_id, "mono");
@@ -161,6 +174,10 @@ function renderNodes(nodes) {
     cell(row, n.software_version);
     body.appendChild(row);
   }
+  const last = Math.min(nodeOffset + nodes.length, nodeTotal);
+  $("nodes-page").textContent = nodeTotal ? `${nodeOffset + 1}–${last} of ${count(nodeTotal)}` : "none";
+  $("nodes-prev").disabled = nodeOffset === 0;
+  $("nodes-next").disabled = nodeOffset + NODES_PER_PAGE >= nodeTotal;
 }
 
 async function refresh() {
@@ -169,7 +186,7 @@ async function refresh() {
       getJSON("/api/training/verify"),
       getJSON("/api/training/global"),
       getJSON("/api/training/history"),
-      getJSON("/api/nodes"),
+      getNodes(),
     ]);
     renderVerdict(verify);
     renderTrend(verify);
@@ -183,5 +200,13 @@ async function refresh() {
   }
 }
 
+$("nodes-prev").addEventListener("click", () => {
+  nodeOffset = Math.max(0, nodeOffset - NODES_PER_PAGE);
+  refresh();
+});
+$("nodes-next").addEventListener("click", () => {
+  if (nodeOffset + NODES_PER_PAGE < nodeTotal) nodeOffset += NODES_PER_PAGE;
+  refresh();
+});
 refresh();
 setInterval(refresh, POLL_MS);

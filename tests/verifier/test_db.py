@@ -70,3 +70,42 @@ def test_url_normalisation(given: str, expected: str) -> None:
 def test_bad_urls_are_named(given: str, message: str) -> None:
     with pytest.raises(DatabaseURLError, match=message):
         normalise_url(given)
+
+
+def test_receipt_sums_are_backfilled_by_the_0003_upgrade(db: Database) -> None:
+    """Receipts stored before revision 0003 get loss and contribution counts from their JSON."""
+    from alembic import command
+
+    from neuroshard.verifier.db import alembic_config
+
+    with db.write() as s:
+        s.add(
+            m.Wallet(
+                wallet_id="a" * 20,
+                public_key="b" * 64,
+                reputation=1.0,
+                registered_at=0.0,
+                software_version="x",
+            )
+        )
+    with db.write() as s:
+        for r in range(3):
+            s.add(
+                m.Receipt(
+                    wallet_id="a" * 20, stage=0, round=r, inner_steps=2, start_step=0, tokens=1,
+                    shard_id=None, offset_start=None, offset_end=None, data_spans=[],
+                    losses=[1.5, 2.5 + r], base_hash="0" * 64, result_hash="1" * 64, delta_digest="2" * 64,
+                    accepted=[{"wallet": "c" * 20}] * r, rejected=[{"wallet": "d" * 20, "reason": "x"}],
+                    equivocators=[], body_sha256=f"{r:064x}", received_at=0.0,
+                )
+            )  # fmt: skip
+    with db.engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "0002")
+    db.upgrade()
+    with db.read() as s:
+        rows = s.execute(
+            select(
+                m.Receipt.loss_sum, m.Receipt.loss_count, m.Receipt.accepted_count, m.Receipt.rejected_count
+            ).order_by(m.Receipt.round)
+        ).all()
+    assert [tuple(row) for row in rows] == [(4.0 + r, 2, r, 1) for r in range(3)]
