@@ -9,10 +9,11 @@ database in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from neuroshard.verifier import ledger
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import Evaluator
+from neuroshard.verifier.leader import Job, LeaderLease
 from neuroshard.verifier.ledger import WriteRefused
 from neuroshard.verifier.replaycheck import ReplayChecker
 
@@ -80,43 +82,48 @@ def create_app(config: VerifierConfig) -> FastAPI:
         with services.db.write() as session:
             ledger.purge_nonces(session, now=services.now())
 
-    evaluator = None
+    jobs: list[Callable[[], Job]] = []
     if config.live_evaluation is not None:
-        evaluator = Evaluator(
-            db=services.db,
-            network=config.network,
-            operator=config.operator,
-            log=log.info,
-            config=config.live_evaluation,
-            clock=config.clock,
-            peer_ttl_s=config.peer_ttl_s,
-            reputation=config.reputation,
+        live_evaluation = config.live_evaluation
+        jobs.append(
+            lambda: Evaluator(
+                db=services.db,
+                network=config.network,
+                operator=config.operator,
+                log=log.info,
+                config=live_evaluation,
+                clock=config.clock,
+                peer_ttl_s=config.peer_ttl_s,
+                reputation=config.reputation,
+            )
         )
-
-    replays = None
     if config.replay_checks is not None:
-        replays = ReplayChecker(
-            db=services.db,
-            network=config.network,
-            operator=config.operator,
-            reputation=config.reputation,
-            log=log.info,
-            config=config.replay_checks,
-            clock=config.clock,
+        replay_checks = config.replay_checks
+        jobs.append(
+            lambda: ReplayChecker(
+                db=services.db,
+                network=config.network,
+                operator=config.operator,
+                reputation=config.reputation,
+                log=log.info,
+                config=replay_checks,
+                clock=config.clock,
+            )
         )
+    # Evaluations and replay spot checks run in one process of all that share the database;
+    # each job has its own threads, so a measurement never holds up a request.
+    lease = LeaderLease(services.db, jobs, config=config.lease, log=log.info)
+    services.lease = lease
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Sync routes run on anyio's thread pool (40 threads by default); the database pool is
+        # sized to this number (api.services), so no request thread waits for a connection.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = config.request_threads
         await run_in_threadpool(start)
-        if evaluator is not None:
-            evaluator.start()  # its own thread: a measurement never holds up a request
-        if replays is not None:
-            replays.start()  # its own threads too
+        await run_in_threadpool(lease.start)
         yield
-        if replays is not None:
-            await run_in_threadpool(replays.stop)
-        if evaluator is not None:
-            await run_in_threadpool(evaluator.stop)
+        await run_in_threadpool(lease.stop)
         await run_in_threadpool(services.reads.close)
         services.db.dispose()
 
@@ -130,8 +137,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.services = services
-    app.state.evaluator = evaluator
-    app.state.replays = replays
+    app.state.lease = lease
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -9,6 +9,7 @@ page in a Link header (RFC 8288).
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
@@ -347,6 +348,13 @@ def metrics(services: ServicesDep) -> Response:
             ({"method": method, "route": route, "status": str(status)}, count)
             for (method, route, status), count in sorted(services.requests.snapshot().items())
         ],
+    )
+    lease = services.lease
+    out.gauge("neuroshard_worker_pid", "This worker process's id (workers share the port).", os.getpid())
+    out.gauge(
+        "neuroshard_background_leader",
+        "1 when this process runs the evaluations and spot checks (verifier.leader).",
+        int(lease is not None and lease.is_leader),
     )
     out.gauge(
         "neuroshard_read_renders",

@@ -8,6 +8,7 @@ from fastapi import Request
 
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.db import Database
+from neuroshard.verifier.leader import LeaderLease
 from neuroshard.verifier.ledger import LedgerConfig
 from neuroshard.verifier.network import sign_network
 from neuroshard.verifier.ratelimit import RateLimiter
@@ -31,6 +32,8 @@ class Services:
     network_signature: str
     requests: RequestCounter
     reads: ReadCache
+    lease: LeaderLease | None = None
+    """Set by create_app: whether this process runs the background work (shown in /metrics)."""
 
     @classmethod
     def build(cls, config: VerifierConfig) -> Services:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ def start_verifier_process(
     *,
     network_toml: str = SMALL_NETWORK_TOML,
     timeout_s: float = 60.0,
+    extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """`python -m neuroshard.verifier.cli` on loopback, returned once it answers; output in
     directory/verifier-PORT.log. The caller stops it (terminate, or kill for crash tests)."""
@@ -160,6 +162,7 @@ def start_verifier_process(
         "--init-operator-key",
         "--log-level",
         "warning",
+        *extra_args,
     ]
     log_path = directory / f"verifier-{port}.log"
     with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor

@@ -1,7 +1,10 @@
 """`neuroshard-verifier`: run the verification service (API + dashboard) with uvicorn.
 
     neuroshard-verifier --network network.toml --db postgresql://db/neuroshard \\
-        --host 0.0.0.0 --port 8000 --operator-key-file /etc/neuroshard/operator.key
+        --host 0.0.0.0 --port 8000 --operator-key-file /etc/neuroshard/operator.key --workers 4
+
+--workers N > 1 runs N processes on one port (verifier.workers), PostgreSQL only; one of them
+at a time runs the evaluations and spot checks (verifier.leader).
 
 This is a composition root, one of the two modules of the package allowed to import
 `neuroshard.api` (which depends on the verifier, never the other way round); the other is
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -23,6 +27,7 @@ from .db import DatabaseURLError, normalise_url
 from .evaluator import EvaluatorConfig
 from .network import NetworkError, load_network, load_operator_key
 from .replaycheck import ReplayCheckConfig
+from .workers import Supervisor, SupervisorConfig, listen
 
 PROG = "neuroshard-verifier"
 
@@ -73,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of receipts whose inner steps are replayed (spot checks; 0: none). "
         "A replay costs about what the round cost the node (default %(default)s)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes serving the port (default 1; more than 1 needs PostgreSQL)",
+    )
+    p.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)  # set by the parent for its workers
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -90,11 +102,18 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
     operator = load_operator_key(
         args.operator_key_file or args.home / "operator.key", create=args.init_operator_key
     )
-    url = args.db or f"sqlite:///{(args.home / 'verifier.sqlite3').expanduser()}"
+    url = normalise_url(args.db or f"sqlite:///{(args.home / 'verifier.sqlite3').expanduser()}")
+    if not 1 <= args.workers <= 64:
+        raise ValueError(f"--workers must be in 1..64, got {args.workers}")
+    if args.workers > 1 and not url.startswith("postgresql"):
+        raise ValueError(
+            f"--workers {args.workers} needs PostgreSQL (--db postgresql://HOST/DB): SQLite lets one "
+            "process write at a time, so extra workers would only wait on its lock; use --workers 1"
+        )
     if args.eval_threads < 1:
         raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
     return VerifierConfig(
-        database_url=normalise_url(url),
+        database_url=url,
         network=network,
         operator=operator,
         peer_ttl_s=args.peer_ttl,
@@ -120,13 +139,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from neuroshard.api.app import create_app
 
+    if args.worker_fd is not None:  # one of the parent's workers: serve the inherited socket
+        server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
+        server.run(sockets=[socket.socket(fileno=args.worker_fd)])
+        return 0
     print(
         f"{PROG}: network {config.network.name!r}, {config.network.num_stages} stage(s); "
-        f"operator key {config.operator.public_key_hex}; listening on http://{args.host}:{args.port}",
+        f"operator key {config.operator.public_key_hex}; listening on http://{args.host}:{args.port}"
+        + (f" with {args.workers} workers" if args.workers > 1 else ""),
         flush=True,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    if args.workers == 1:
+        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
+    given = list(sys.argv[1:] if argv is None else argv)
+
+    def worker_argv(fd: int) -> list[str]:
+        return [sys.executable, "-m", "neuroshard.verifier.cli", *given, "--worker-fd", str(fd)]
+
+    supervisor = Supervisor(
+        SupervisorConfig(workers=args.workers), worker_argv, lambda line: print(f"{PROG}: {line}", flush=True)
+    )
+    with sock:
+        return supervisor.run(sock)
 
 
 if __name__ == "__main__":

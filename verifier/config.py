@@ -10,6 +10,7 @@ from neuroshard.node.wallet import Wallet
 
 from .auth import FRESHNESS_WINDOW_S
 from .evaluator import EvaluatorConfig
+from .leader import LeaseConfig
 from .network import NetworkDefinition
 from .ratelimit import RateLimitConfig
 from .replaycheck import ReplayCheckConfig
@@ -71,6 +72,8 @@ class VerifierConfig:
     request_threads: int = 16
     """Threads serving this process's requests (the database pool is sized to match). Issue 15:
     PostgreSQL's default 100 connections must hold every worker's threads plus its background ones."""
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """How the process that runs background work is chosen among workers (verifier.leader)."""
     clock: Callable[[], float] = time.time
     """Unix seconds; injected so tests can move time."""
     live_evaluation: EvaluatorConfig | None = None

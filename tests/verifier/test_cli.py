@@ -95,3 +95,16 @@ def test_flags_become_the_config(network_file: Path, tmp_path: Path) -> None:
     assert (tmp_path / "operator.key").stat().st_mode & 0o777 == 0o600
     again = build_config(build_parser().parse_args(["--network", str(network_file), "--home", str(tmp_path)]))
     assert again.operator.public_key_hex == config.operator.public_key_hex
+
+
+def test_sqlite_refuses_several_workers(
+    network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key", "--workers", "2"]
+    code, err = run(argv, capsys)
+    assert code == 2
+    line = one_line(err)
+    assert "--workers 2 needs PostgreSQL" in line and "SQLite" in line
+    assert not (tmp_path / "verifier.sqlite3").exists(), "refused before touching the database"
+    code, err = run([*argv[:-1], "0"], capsys)
+    assert code == 2 and "--workers must be in 1..64, got 0" in one_line(err)
