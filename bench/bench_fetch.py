@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import torch
 from aiohttp import web
-from common import DEFAULT_TEXT, bench_dataset
+from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.data import ShardInfo
 from neuroshard.data.fetch import FetchConfig, HttpShardSource
@@ -236,9 +236,10 @@ def main() -> None:
         default=1000.0,
         help="also measure behind a server paced to this many Mbit/s (0: skip); 1000 = a fast home fibre link",
     )
-    args = parser.parse_args()
+    args = parse_with_quick(parser, repeats=1, synthetic_shards=2, synthetic_tokens=200_000, link_mbps=0.0)
 
-    dataset = bench_dataset(args.text, vocab_size=args.vocab)
+    dataset = quick_dataset() if args.quick else bench_dataset(args.text, vocab_size=args.vocab)
+    print(f"text: {dataset.location} built from {'the quick text' if args.quick else args.text}")
     sets = [
         ShardSet("austen", Path(dataset.location), dataset.manifest.shards, dataset.tokenizer.vocab_size),
         synthetic_set(args.synthetic_shards, args.synthetic_tokens),

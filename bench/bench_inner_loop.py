@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import DEFAULT_TEXT, bench_dataset
+from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.data import DataPosition
 from neuroshard.node.diloco import DiLoCoConfig
@@ -84,12 +84,13 @@ def main() -> None:
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, steps=8, repeats=1, model_size="micro", batch_size=2, seq_len=32)
     torch.set_num_threads(args.threads)
 
-    dataset = bench_dataset(args.text)
+    dataset = quick_dataset() if args.quick else bench_dataset(args.text)
+    print(f"text: {'the quick text' if args.quick else args.text}")
     model_cfg = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
-    diloco_cfg = DiLoCoConfig(inner_steps=100, warmup_steps=20, total_steps=args.steps)
+    diloco_cfg = DiLoCoConfig(inner_steps=100, warmup_steps=min(20, args.steps), total_steps=args.steps)
     probe = Trainer(
         wallet_id="bench",
         dataset=dataset,

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import DEFAULT_TEXT, bench_dataset
+from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
@@ -68,10 +68,11 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--encoding", default="int8", choices=["int8", "fp16"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    args = p.parse_args()
+    args = parse_with_quick(p, model="micro", inner_steps=4, rounds=1, batch_size=2, seq_len=32)
     torch.set_num_threads(1)  # four replicas share this process; one intra-op thread each
 
-    dataset = bench_dataset(DEFAULT_TEXT)
+    dataset = quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)
+    print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
     model = ModelConfig.named(args.model, vocab_size=dataset.tokenizer.vocab_size)
     h, steps = args.inner_steps, args.inner_steps * args.rounds
     diloco = DiLoCoConfig(inner_steps=h, warmup_steps=min(20, h), total_steps=max(steps, 1000))

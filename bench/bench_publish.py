@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-from common import BENCH_KEY, DEFAULT_TEXT
+from common import BENCH_KEY, DEFAULT_TEXT, parse_with_quick, quick_text
 
 from neuroshard.data.files import file_sha256
 from neuroshard.data.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest
@@ -51,7 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
     p.add_argument("--shard-tokens", type=int, default=250_000, help="tokens per shard (4 bytes each)")
-    return p.parse_args()
+    p.add_argument(
+        "--vocab-size", type=int, default=4096, help="vocabulary of the tokenizer the text is published with"
+    )
+    return parse_with_quick(p, text=quick_text(), copies=1, repeats=1, shard_tokens=20_000, vocab_size=512)
 
 
 def cached_tokenizer(text_path: Path, vocab_size: int = 4096) -> bytes:
@@ -139,7 +142,7 @@ def timed(run: Callable[[], object]) -> float:
 
 def main() -> int:
     args = parse_args()
-    tokenizer_json = cached_tokenizer(args.text)
+    tokenizer_json = cached_tokenizer(args.text, args.vocab_size)
     # One document per paragraph, so EOS marks real boundaries (as bench/common.py does).
     documents = args.text.read_text(encoding="utf-8").split("\n\n") * args.copies
     session = boto3.session.Session(

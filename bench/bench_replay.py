@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import DEFAULT_TEXT, bench_dataset
+from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
@@ -66,11 +66,12 @@ def main() -> None:
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, inner_steps=4, rounds=1, model_size="micro", batch_size=2, seq_len=32)
     torch.set_num_threads(args.threads)
     h = args.inner_steps
 
-    dataset = bench_dataset(args.text)
+    dataset = quick_dataset() if args.quick else bench_dataset(args.text)
+    print(f"text: {'the quick text' if args.quick else args.text}")
     model_cfg = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
     diloco_cfg = DiLoCoConfig(inner_steps=h, warmup_steps=20, total_steps=20_000)
     trainer = Trainer(

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from common import parse_with_quick
 
 from neuroshard.node.aggregation import aggregate
 from neuroshard.node.validation import screen_round
@@ -47,7 +48,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=5, help="contributions in the round")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    args = parse_with_quick(p, numel=200_000, repeats=1)
     torch.set_num_threads(args.threads)
     deltas = round_of(args.numel, args.rows, seed=0)
     stack = torch.stack(list(deltas.values()))

@@ -24,7 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset
+from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.node.attacks import ATTACKS
 from neuroshard.node.wallet import Wallet
@@ -111,8 +111,9 @@ def main() -> None:
         default=47300,
         help="first port of the swarm's nodes (its verifier: the one below)",
     )
-    args = parser.parse_args()
-    dataset = bench_dataset(DEFAULT_TEXT).location
+    args = parse_with_quick(parser, rounds=2, inner_steps=3, attacks="sign_flip", no_clean=True)
+    dataset = (quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)).location
+    print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
     print(f"micro model, batch 4x64, H={args.inner_steps}, {args.rounds} rounds, 1 thread per node")
     print(
         "| attack | honest records refusing it | by reason | honest contributions refused | rounds honest agree "

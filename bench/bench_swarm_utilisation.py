@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports
+from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports, parse_with_quick, quick_dataset
 
 UTILISATION = re.compile(r"^\[(\d+)\] compute utilisation=([0-9.]+) \(([0-9.]+) s of ([0-9.]+) s")
 BREAKDOWN = re.compile(r"^\[(\d+)\] time breakdown: (.*)$")
@@ -44,9 +44,10 @@ def main() -> None:
         choices=("majority", "full"),
         help="the nodes' --round-close (full: every replica runs H steps, as before the majority rule)",
     )
-    args = parser.parse_args()
+    args = parse_with_quick(parser, nodes=2, inner_steps=4, max_steps=8)
 
-    dataset = bench_dataset(DEFAULT_TEXT)
+    dataset = quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)
+    print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
     swarm = Path(sys.executable).with_name("neuroshard-swarm")
     base = free_ports(args.nodes + 1)
     with tempfile.TemporaryDirectory() as home:

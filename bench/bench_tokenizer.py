@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# common imports the tokenizers package, which is fine: the engine's pool size is read when it
+# first runs (main sets RAYON_NUM_THREADS before that), not at import.
+from common import CACHE_DIR, DEFAULT_TEXT, parse_with_quick, quick_text
+
 if TYPE_CHECKING:  # imported for real inside main(), after the thread settings are in place
     from tokenizers import Tokenizer
 
     from neuroshard.tokenizer import BPETokenizer
-
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen.txt"
-CACHE_DIR = Path("/tmp/neuroshard-bench")
 
 
 @dataclass
@@ -52,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per encoder (after one warm-up)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="HF engine thread pool size")
-    return p.parse_args()
+    return parse_with_quick(p, text=quick_text(), vocab_size=512, repeats=1)
 
 
 def main() -> int:
@@ -111,7 +112,7 @@ def main() -> int:
     median_ratio = statistics.median(hf_t.wall) / statistics.median(ours_t.wall)
     best_ratio = min(hf_t.wall) / min(ours_t.wall)
     print(f"ratio ours/HF: {median_ratio:.2f}x (median), {best_ratio:.2f}x (best)  [target >= 1.0]")
-    return 0 if median_ratio >= 1.0 else 1
+    return 0 if median_ratio >= 1.0 or args.quick else 1  # --quick's text is too small to judge
 
 
 def cached_tokenizer(text: str, vocab_size: int) -> BPETokenizer:

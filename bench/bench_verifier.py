@@ -1,17 +1,22 @@
 """Verifier benchmarks, each printed as a ratio measured side by side in one run.
 
-1. GET /api/training/verify under a loopback load generator (asyncio + httpx, C concurrent
-   connections) against a uvicorn verifier on PostgreSQL seeded with a realistic history,
-   vs the same load on a bare FastAPI app returning a constant JSON under the same uvicorn
-   settings: requests/s and p50/p99 latency of both, and the ratio.
+1. Reads under a loopback load generator (asyncio + httpx, C concurrent connections) against
+   a uvicorn verifier on PostgreSQL seeded with a run's history (W wallets x R rounds), vs the
+   same load on a bare FastAPI app returning a constant JSON under the same uvicorn settings.
+   The two servers take turns (verifier, bare, bare, verifier, ...) for --repeats turns each;
+   req/s and p50/p99 are medians over the turns. Then every read endpoint alone, a paced
+   load of --rate req/s on /api/training/verify (latency from each request's scheduled
+   start, so queueing counts), and the bytes of one dashboard poll, fresh and when unchanged.
 2. Spot-check cost relative to the work it checks: a replica's H inner steps vs the
    verifier's replay of them (claimed batches read from the shards + the same H steps).
 
-    .venv/bin/python bench/bench_verifier.py [--db postgresql://127.0.0.1:5432/test]
-        [--seconds 10] [--concurrency 16] [--threads 2]
+    .venv/bin/python bench/bench_verifier.py [--db postgresql://127.0.0.1:5432/test | --db sqlite]
+        [--wallets 20] [--rounds 200] [--seconds 5] [--repeats 3] [--concurrency 16]
+        [--rate 200] [--workers 1] [--threads 2] [--quick]
 
-The database named by --db gets a scratch schema, dropped afterwards. Server and load
-generator share the machine's cores, so absolute numbers understate a dedicated host.
+The database named by --db gets a scratch schema, dropped afterwards (--db sqlite: a scratch
+file). Server and load generator share the machine's cores, so absolute numbers understate
+a dedicated host.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from pathlib import Path
 
 import httpx
 import torch
-from common import BENCH_KEY, DEFAULT_TEXT
+from common import BENCH_KEY, DEFAULT_TEXT, parse_with_quick, quick_text
 
 from neuroshard.data import BatchStream, Dataset, assign_shards, open_dataset
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.replay import capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import ledger
@@ -147,22 +153,67 @@ async def load(url: str, seconds: float, concurrency: int) -> tuple[float, list[
         return time.perf_counter() - start, latencies
 
 
+async def paced(url: str, rate: float, seconds: float, max_in_flight: int = 256) -> list[float]:
+    """Requests started at a fixed rate (open loop); each latency counts from its scheduled start."""
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        gate = asyncio.Semaphore(max_in_flight)
+        begin = time.perf_counter() + 0.05
+
+        async def one(i: int) -> None:
+            due = begin + i / rate
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            async with gate:
+                response = await client.get(url)
+            latencies.append(time.perf_counter() - due)
+            response.raise_for_status()
+
+        await asyncio.gather(*(one(i) for i in range(int(rate * seconds))))
+    return latencies
+
+
 def p(latencies: list[float], q: float) -> float:
     return statistics.quantiles(latencies, n=100)[int(q) - 1] * 1000
 
 
-def bench_http(db_url: str, seconds: float, concurrency: int, tmp: Path) -> None:
-    with scratch_database("postgresql", tmp, {TEST_DATABASE_ENV: db_url}) as url:
+READS = ("/api/training/verify", "/api/training/global", "/api/training/history", "/api/nodes")
+"""What the dashboard polls (and /api/training/verify is what `curl` users poll)."""
+
+
+def poll_bytes(base: str) -> tuple[int, int, int]:
+    """One dashboard poll: bytes on the wire (bodies + headers) fresh, then with the ETags it got
+    (unchanged data), and how many of those answered 304."""
+    fresh, again, not_modified = 0, 0, 0
+    with httpx.Client(timeout=30) as client:
+        tags = {}
+        for path in READS:
+            r = client.get(base + path)
+            fresh += len(r.content) + sum(len(k) + len(v) + 4 for k, v in r.headers.items())
+            tags[path] = r.headers.get("etag", "")
+        for path in READS:
+            r = client.get(base + path, headers={"If-None-Match": tags[path]})
+            again += len(r.content) + sum(len(k) + len(v) + 4 for k, v in r.headers.items())
+            not_modified += r.status_code == 304
+    return fresh, again, not_modified
+
+
+def bench_http(args: argparse.Namespace, tmp: Path) -> None:
+    backend = "sqlite" if args.db == "sqlite" else "postgresql"
+    with scratch_database(backend, tmp, {TEST_DATABASE_ENV: args.db}) as url:
         start = time.perf_counter()
-        seed(url, wallets=20, rounds=200, evaluations=40)
+        evaluations = max(1, args.rounds // 5)
+        seed(url, wallets=args.wallets, rounds=args.rounds, evaluations=evaluations)
         print(
-            f"seeded 20 wallets x 200 rounds (4,000 receipts, 40 evaluations) in {time.perf_counter() - start:.1f}s"
+            f"seeded {args.wallets} wallets x {args.rounds} rounds ({args.wallets * args.rounds:,} receipts, "
+            f"{evaluations} evaluations) on {backend} in {time.perf_counter() - start:.1f}s"
         )
         (tmp / "network.toml").write_text(NETWORK_TOML)
         port = free_port()
         verifier = serve(
             [sys.executable, "-m", "neuroshard.verifier.cli", "--network", str(tmp / "network.toml"), "--db", url,
-             "--port", str(port), "--home", str(tmp), "--init-operator-key", "--log-level", "warning"],
+             "--port", str(port), "--home", str(tmp), "--init-operator-key", "--log-level", "warning",
+             "--no-evaluation", "--workers", str(args.workers)],
             port,
             tmp / "verifier.log",
         )  # fmt: skip
@@ -175,46 +226,74 @@ def bench_http(db_url: str, seconds: float, concurrency: int, tmp: Path) -> None
             tmp / "baseline.log",
         )  # fmt: skip
         try:
-            rows = []
-            for name, port_ in (
-                ("verifier /api/training/verify (PostgreSQL)", port),
-                ("bare FastAPI, constant JSON", base_port),
-            ):
-                asyncio.run(
-                    load(f"http://127.0.0.1:{port_}/api/training/verify", 1.0, concurrency)
-                )  # warm-up
-                elapsed, lat = asyncio.run(
-                    load(f"http://127.0.0.1:{port_}/api/training/verify", seconds, concurrency)
-                )
-                rows.append((name, len(lat) / elapsed, p(lat, 50), p(lat, 99)))
+            _compare(args, port, base_port)
         finally:
             for process in (verifier, baseline):
                 process.terminate()
-                process.wait(timeout=10)
+                process.wait(timeout=30)
+
+
+def _compare(args: argparse.Namespace, port: int, base_port: int) -> None:
+    sides = {
+        f"verifier /api/training/verify ({args.workers} worker(s))": f"http://127.0.0.1:{port}/api/training/verify",
+        "bare FastAPI, constant JSON": f"http://127.0.0.1:{base_port}/api/training/verify",
+    }
+    for target in sides.values():
+        asyncio.run(load(target, 1.0, args.concurrency))  # warm-up
+    turns: dict[str, list[tuple[float, float, float]]] = {name: [] for name in sides}
+    for i in range(args.repeats):
+        for name in list(sides) if i % 2 == 0 else reversed(sides):
+            elapsed, lat = asyncio.run(load(sides[name], args.seconds, args.concurrency))
+            turns[name].append((len(lat) / elapsed, p(lat, 50), p(lat, 99)))
     print(
-        f"\nload: {concurrency} concurrent connections, {seconds:.0f}s per server, loopback, one uvicorn worker each"
+        f"\nload: {args.concurrency} concurrent connections, {args.repeats} alternating turns of "
+        f"{args.seconds:.0f}s per server, loopback; medians over the turns"
     )
     print("| server | req/s | p50 ms | p99 ms |\n|---|---|---|---|")
-    for name, rps, p50, p99 in rows:
+    medians = {}
+    for name, rows in turns.items():
+        medians[name] = [statistics.median(r[k] for r in rows) for k in range(3)]
+        rps, p50, p99 = medians[name]
         print(f"| {name} | {rps:,.0f} | {p50:.1f} | {p99:.1f} |")
-    print(f"ratio verifier/bare req/s = {rows[0][1] / rows[1][1]:.2f}")
+    ours, bare = (medians[name][0] for name in sides)
+    print(f"ratio verifier/bare req/s = {ours / bare:.2f} (per turn: "
+          + ", ".join(f"{a[0] / b[0]:.2f}" for a, b in zip(*turns.values(), strict=True)) + ")")  # fmt: skip
+
+    print(f"\nevery read endpoint, {args.concurrency} connections, {args.seconds:.0f}s each:")
+    print("| endpoint | req/s | p50 ms | p99 ms | body bytes |\n|---|---|---|---|---|")
+    for path in (*READS, "/api/peers?stage=0", "/metrics"):
+        target = f"http://127.0.0.1:{port}{path}"
+        size = len(httpx.get(target, timeout=30).content)
+        elapsed, lat = asyncio.run(load(target, args.seconds, args.concurrency))
+        print(f"| {path} | {len(lat) / elapsed:,.0f} | {p(lat, 50):.1f} | {p(lat, 99):.1f} | {size:,} |")
+
+    lat = asyncio.run(paced(sides[next(iter(sides))], args.rate, args.seconds))
+    print(
+        f"\npaced: {args.rate:.0f} req/s on /api/training/verify for {args.seconds:.0f}s: "
+        f"p50 {p(lat, 50):.1f} ms, p99 {p(lat, 99):.1f} ms (from each request's scheduled start)"
+    )
+    fresh, again, not_modified = poll_bytes(f"http://127.0.0.1:{port}")
+    print(
+        f"dashboard poll ({len(READS)} GETs): {fresh:,} bytes fresh, {again:,} bytes when unchanged "
+        f"({not_modified}/{len(READS)} answered 304)"
+    )
 
 
-def spot_check_dataset(directory: Path) -> Dataset:
-    """A small data set of its own (vocab 1024, 100k-token shards) from the shared English text."""
-    text = DEFAULT_TEXT.read_text(encoding="utf-8")[:1_000_000]
-    BPETokenizer.train([text[:300_000]], 1024).save(directory / TOKENIZER_NAME)
+def spot_check_dataset(directory: Path, text_path: Path, vocab_size: int) -> Dataset:
+    """A small data set of its own (100k-token shards) from the benchmarks' text."""
+    text = text_path.read_text(encoding="utf-8")[:1_000_000]
+    BPETokenizer.train([text[:300_000]], vocab_size).save(directory / TOKENIZER_NAME)
     publish_shards(text.split("\n\n"), out=directory, key=BENCH_KEY, shard_tokens=100_000)
     return open_dataset(directory, bytes(BENCH_KEY.verify_key))
 
 
-def bench_spot_check(threads: int, inner_steps: int, tmp: Path) -> None:
+def bench_spot_check(threads: int, inner_steps: int, tmp: Path, quick: bool) -> None:
     torch.set_num_threads(threads)
-    dataset = spot_check_dataset(tmp)
-    config = ModelConfig.named("tiny", vocab_size=dataset.tokenizer.vocab_size)
+    dataset = spot_check_dataset(tmp, quick_text() if quick else DEFAULT_TEXT, 300 if quick else 1024)
+    config = ModelConfig.named("micro" if quick else "tiny", vocab_size=dataset.tokenizer.vocab_size)
     diloco_cfg = DiLoCoConfig(inner_steps=inner_steps, warmup_steps=10, total_steps=10_000)
     wallet = Wallet.from_token("bench-spot").wallet_id
-    batch, seq = 8, 128
+    batch, seq = (2, 32) if quick else (8, 128)
     work, replay = [], []
     for _ in range(3):
         diloco = DiLoCo(build_stage(config, 0, 1), diloco_cfg)
@@ -230,7 +309,7 @@ def bench_spot_check(threads: int, inner_steps: int, tmp: Path) -> None:
         stream.next_batch()  # shard loaded outside the timed region, for both sides
         stream.position = copy.copy(stream.position)
         start_offset = stream.position.offset
-        theta, state = diloco.theta_round.detach().clone(), copy.deepcopy(diloco.inner_optimizer.state_dict())
+        theta, state = diloco.theta_round.detach().clone(), capture_inner_state(diloco)
         t0 = time.perf_counter()
         for _ in range(inner_steps):
             diloco.inner_step(*stream.next_batch())
@@ -248,13 +327,15 @@ def bench_spot_check(threads: int, inner_steps: int, tmp: Path) -> None:
             batch_size=batch,
             seq_len=seq,
         )
-        replayed = replay_inner_steps(config, diloco_cfg, theta, batches, inner_optimizer_state=state)
+        replayed = replay_inner_steps(
+            config, diloco_cfg, theta, batches, round_=diloco.round, inner_state=state
+        )
         result = compare_deltas(delta, replayed)
         replay.append(time.perf_counter() - t0)
         assert result.ok, result.reason
     w, r = statistics.median(work), statistics.median(replay)
     print(
-        f"\nspot check: tiny model, H={inner_steps} inner steps of {batch}x{seq}, {threads} threads, median of 3"
+        f"\nspot check: {'micro' if quick else 'tiny'} model, H={inner_steps} inner steps of {batch}x{seq}, {threads} threads, median of 3"
     )
     print(
         f"| | seconds |\n|---|---|\n| replica's inner steps (the work) | {w:.2f} |\n| verifier's replay (read claimed data + same steps + compare) | {r:.2f} |"
@@ -266,16 +347,27 @@ def bench_spot_check(threads: int, inner_steps: int, tmp: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--db", default=os.environ.get(TEST_DATABASE_ENV, "postgresql://127.0.0.1:5432/test"))
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--db",
+        default=os.environ.get(TEST_DATABASE_ENV, "postgresql://127.0.0.1:5432/test"),
+        help="PostgreSQL URL (a scratch schema is made in it), or 'sqlite' for a scratch file",
+    )
+    ap.add_argument("--wallets", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each load turn")
+    ap.add_argument("--repeats", type=int, default=3, help="turns per server, alternating")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=200.0, help="req/s of the paced run")
+    ap.add_argument("--workers", type=int, default=1, help="neuroshard-verifier --workers (PostgreSQL)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=50)
-    args = ap.parse_args()
+    args = parse_with_quick(
+        ap, wallets=4, rounds=10, seconds=0.5, repeats=1, rate=50.0, inner_steps=3, threads=1
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        bench_http(args.db, args.seconds, args.concurrency, Path(tmp))
+        bench_http(args, Path(tmp))
     with tempfile.TemporaryDirectory() as tmp:
-        bench_spot_check(args.threads, args.inner_steps, Path(tmp))
+        bench_spot_check(args.threads, args.inner_steps, Path(tmp), args.quick)
 
 
 if __name__ == "__main__":
