@@ -24,7 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
+from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports, parse_with_quick, quick_dataset
 
 from neuroshard.node.attacks import ATTACKS
 from neuroshard.node.wallet import Wallet
@@ -111,7 +111,11 @@ def main() -> None:
         default=47300,
         help="first port of the swarm's nodes (its verifier: the one below)",
     )
-    args = parse_with_quick(parser, rounds=2, inner_steps=3, attacks="sign_flip", no_clean=True)
+    # --quick (CI) takes free ports: the fixed default may be held by another run on the machine.
+    quick_ports = free_ports(7)
+    args = parse_with_quick(
+        parser, rounds=2, inner_steps=3, attacks="sign_flip", no_clean=True, base_port=quick_ports + 1
+    )
     dataset = (quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)).location
     print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
     print(f"micro model, batch 4x64, H={args.inner_steps}, {args.rounds} rounds, 1 thread per node")
