@@ -480,6 +480,23 @@ async def run_round(replicas: Sequence[Replica], inputs: Sequence[RoundInput]) -
     )
 
 
+def explain_disagreement(results: Sequence[RoundResult]) -> None:
+    """Print, for every part on which honest replicas ended apart, who held which claim (--verbose)."""
+    if not results:
+        return
+    for j in sorted(
+        {j for res in results for j in res.claims} | {j for res in results for j in res.missing_parts}
+    ):
+        held = Counter(
+            f"{c.wallet[:8]}{'(backup)' if c.replaces else ''}:{c.aggregate_sha256[:8]}"
+            if (c := res.claims.get(j)) is not None
+            else ("missing" if j in res.missing_parts else "replaced")
+            for res in results
+        )
+        if len(held) > 1:
+            print(f"    part {j}: honest replicas hold {dict(held)}", flush=True)
+
+
 def measure_round(
     loop: VirtualClockLoop,
     config: SimConfig,
@@ -488,6 +505,7 @@ def measure_round(
     round_: int,
     base_hash: str,
     banned: frozenset[str],
+    verbose: bool = False,
 ) -> tuple[RoundFigures, list[RoundResult]]:
     inputs, honest_mean = round_inputs(config, replicas, round_, base_hash, banned)
     before = {
@@ -504,6 +522,8 @@ def measure_round(
     outcomes = loop.run_until_complete(run_round(replicas, inputs))
     wall, virtual = time.monotonic() - wall, loop.now - virtual
     honest = [r for r in replicas if r.role == "honest"]
+    if verbose:
+        explain_disagreement([o for r in honest if isinstance(o := outcomes[r.index], RoundResult)])
     results: list[RoundResult] = []
     failures = 0
     for r in honest:
@@ -671,13 +691,19 @@ def run_stage(
     counter = VerifyCounter(memo)
     counter.install()
     hub = MemoryHub()
-    replicas = build_stage(config, hub, partial(print, "   ", flush=True) if verbose else lambda line: None)
+    replicas = build_stage(
+        config,
+        hub,
+        (lambda line: print(f"    [{_REPLICA.get()}] {line}", flush=True)) if verbose else lambda line: None,
+    )
     banned: frozenset[str] = frozenset()
     base_hash = hashlib.sha256(f"sim/{config.seed}/theta/0".encode()).hexdigest()
     rounds: list[RoundFigures] = []
     try:
         for round_ in range(1, config.rounds + 1):
-            figures, results = measure_round(loop, config, replicas, counter, round_, base_hash, banned)
+            figures, results = measure_round(
+                loop, config, replicas, counter, round_, base_hash, banned, verbose=verbose
+            )
             rounds.append(figures)
             if config.carry_bans:
                 banned = banned | frozenset(figures.reported)

@@ -7,12 +7,13 @@
 | ``inputs/j`` InputList      | —           | what part j's owner reduced (sha256 in the claim)              |
 | ``agg-{sha}/j`` bytes       | —           | the aggregated part j, encoded, named by its sha256 (in the claim) |
 | ``claim/j`` AggregateClaim  | owner       | part j's inputs and aggregate, by hash                          |
-| ``digest``  RoundDigest     | replica     | the claims it gathered (one hash) and the frauds it found      |
-| ``view``    ClaimView       | replica     | the claims themselves (one read per other claims hash)          |
+| ``echo/j``  Echo            | witness     | the claim of part j it gathered, or none (a backup of part j)   |
+| ``digest``  RoundDigest     | replica     | the claims it holds (one hash), the frauds and equivocations it proved |
 | ``fraud/j`` bytes           | —           | FraudProof: a claim, its inputs and their parts: checkable alone |
+| ``equivocation/j`` EquivocationProof | — | two claims of one signer for part j: checkable alone    |
 
-Every message is small and of fixed size in n except ``InputList``, ``ClaimView`` and fraud proofs,
-which a replica reads only for the parts it checks or when something went wrong.
+Every message is small and of fixed size in n except ``InputList`` and fraud proofs, which a
+replica reads only for the parts it checks or when something went wrong.
 """
 
 from __future__ import annotations
@@ -162,41 +163,66 @@ class AggregateClaim(Signed):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Echo(Signed):
+    """A witness of part j (a member of its backup chain after the owner) shows every replica the
+    claim of part j it gathered, or that it gathered none. Replicas decide part j from the echoes,
+    which honest witnesses show alike to everyone, rather than each from what the owner showed it:
+    an owner that shows readers different claims (or some readers none) cannot split them, and a
+    reader whose own claim differs from an echo holds two signatures of the owner (equivocation)."""
+
+    NAME = "echo"
+    DOMAIN = b"neuroshard/echo/v1"
+    stage: int
+    round: int
+    base_hash: str
+    members_sha256: str
+    part: int
+    claims: tuple[AggregateClaim, ...]
+    """The claim the witness gathered for the part, or () when it gathered none."""
+
+    FIELDS = schema(
+        _SIGNER,
+        _ROUND,
+        part=integer(0, MAX_MEMBERS - 1),
+        claims=list_of(message(AggregateClaim), 1),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundDigest(Signed):
-    """After the gather and the checks: one hash over the claims this replica will step with, and the
-    parts where it holds a fraud proof. Replicas compare digests (O(1) each) and read each other's
-    full ``ClaimView`` only when two differ."""
+    """After the gather, the echoes and the checks: one hash over the claims this replica holds, the
+    parts where it holds a fraud proof and those where it holds an equivocation proof. Every replica
+    reads every member's digest (O(1) each) and checks the proofs it lacks, so one honest replica's
+    proof settles the part alike everywhere."""
 
     NAME = "round digest"
-    DOMAIN = b"neuroshard/round-digest/v1"
+    DOMAIN = b"neuroshard/round-digest/v2"
     stage: int
     round: int
     base_hash: str
     members_sha256: str
     claims_sha256: str
     frauds: tuple[int, ...]
+    equivocations: tuple[int, ...]
 
     FIELDS = schema(
         _SIGNER,
         _ROUND,
         claims_sha256=hex_bytes(32),
         frauds=list_of(integer(0, MAX_MEMBERS - 1), 64),
+        equivocations=list_of(integer(0, MAX_MEMBERS - 1), 64),
     )
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClaimView(Signed):
-    """The claims a replica accepted, in part order (parts it could not get are absent)."""
+class EquivocationProof(Message):
+    """Two different claims signed by one wallet for one part of one round: checkable alone (the
+    round module checks that both are valid claims of the same chain position)."""
 
-    NAME = "claim view"
-    DOMAIN = b"neuroshard/claim-view/v1"
-    stage: int
-    round: int
-    base_hash: str
-    members_sha256: str
+    NAME = "equivocation proof"
     claims: tuple[AggregateClaim, ...]
 
-    FIELDS = schema(_SIGNER, _ROUND, claims=list_of(message(AggregateClaim), MAX_MEMBERS))
+    FIELDS = schema(claims=list_of(message(AggregateClaim), 2))
 
 
 def claims_sha256(claims: dict[int, AggregateClaim]) -> str:

@@ -41,8 +41,9 @@ import enum
 import hashlib
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,8 +53,9 @@ from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .messages import (
     AggregateClaim,
-    ClaimView,
     Dropped,
+    Echo,
+    EquivocationProof,
     FraudProof,
     InputList,
     RoundCommitment,
@@ -80,9 +82,7 @@ from .reduce import (
 SMALL_OBJECT_BYTES = 64 << 10
 """Cap on a commitment, claim or digest read (each is < 2 KB)."""
 LIST_BYTES_PER_MEMBER = 2048
-"""Cap per member on an input list or claim view read (an entry is < 1 KB)."""
-MAX_VIEW_GROUPS = 8
-"""At most this many claim views (one per distinct claims hash among the digests) read per round."""
+"""Cap per member on an input list read (an entry is < 1 KB)."""
 
 
 class Phase(enum.Enum):
@@ -90,6 +90,7 @@ class Phase(enum.Enum):
     SCATTER = "scatter"
     REDUCE = "reduce"
     GATHER = "gather"
+    ECHO = "echo"
     CHECK = "check"
     AGREE = "agree"
     DONE = "done"
@@ -109,7 +110,8 @@ class RoundConfig:
     gather_timeout_s: float = 60.0
     """How long to wait for an owner's claim and aggregate before turning to its backup."""
     agree_timeout_s: float = 15.0
-    """How long to wait for the members' digests."""
+    """How long to wait for the members' digests, and for a witness's echo of a part (a witness
+    publishes each echo as soon as it holds the part)."""
     check_miss: float = 0.2
     """Target probability that a cheating owner's part goes unchecked in one round, with 80% of the
     members honest: 0.2 catches it within 3 rounds with probability ≥ 0.992. Each replica checks
@@ -119,7 +121,8 @@ class RoundConfig:
     checks: int | None = None
     """Check exactly this many parts instead (tests, benchmarks); None: `check_miss` decides."""
     backups: int = 2
-    """How far down the backup chain a missing part is looked for before it is taken as zero."""
+    """How far down the backup chain a missing part is looked for before it is taken as zero; the
+    same members witness the part (``Echo``)."""
     validation: ValidationConfig | None = field(default_factory=ValidationConfig)
     """Per-part content screening (``reduce`` module docstring); None skips it."""
 
@@ -198,9 +201,11 @@ class _Held:
     encodings: dict[int, str] = field(default_factory=dict)
     frauds: set[int] = field(default_factory=set)
     """Parts whose owner this replica holds a checked fraud proof against."""
+    equivocations: set[int] = field(default_factory=set)
+    """Parts whose deciding signer this replica holds two claims of (zero this round)."""
     gathered: dict[int, AggregateClaim] = field(default_factory=dict)
-    """The claims as gathered, before any fraud proof replaced a part: what the digest and the view
-    sign, so a fraud found by some replicas only does not make every pair of digests differ."""
+    """The claims as decided from the echoes, before any fraud proof replaced a part: what the
+    check seed and the digest hash, so a fraud found by some replicas only changes neither."""
     result: RoundResult | None = None
 
 
@@ -233,7 +238,8 @@ class OuterRound:
         held.result = RoundResult(aggregate=torch.zeros(inp.delta.numel()))
         steps = ((Phase.COMMIT, self._read_commitments), (Phase.SCATTER, self._scatter),
                  (Phase.REDUCE, self._reduce_owned), (Phase.GATHER, self._gather),
-                 (Phase.CHECK, self._check), (Phase.AGREE, self._agree))  # fmt: skip
+                 (Phase.ECHO, self._echo), (Phase.CHECK, self._check),
+                 (Phase.AGREE, self._agree))  # fmt: skip
         for phase, step in steps:
             self.phase = phase
             await step(held)
@@ -424,40 +430,220 @@ class OuterRound:
             return False
         return await self._take_claim(held, claim, wait_s)
 
-    async def _take_claim(self, held: _Held, claim: AggregateClaim, wait_s: float) -> bool:
+    async def _take_claim(
+        self, held: _Held, claim: AggregateClaim, wait_s: float, holders: tuple[str, ...] = ()
+    ) -> bool:
         """Read the aggregate `claim` names (by its hash, so an owner that signs two claims cannot
-        tear a reader between one claim and the other's bytes); True when it checks out (then held)."""
+        tear a reader between one claim and the other's bytes) from its signer, else from `holders`
+        (witnesses that echoed the claim keep a copy); True when it checks out (then held)."""
         j = claim.part
         a, b = held.bounds[j]
         size = encoded_size(claim.encoding, b - a)
-        aggregate = await self.store.fetch(
-            claim.wallet, self._agg_name(held.inp, j, claim.aggregate_sha256), max_bytes=size, wait_s=wait_s
-        )
-        if aggregate is None or sha256_hex(aggregate) != claim.aggregate_sha256:
-            return False
-        try:
-            decode_part(aggregate, claim.encoding, b - a)
-        except WireError:
-            return False  # signed but undecodable: as good as withheld
-        held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
-        return True
+        name = self._agg_name(held.inp, j, claim.aggregate_sha256)
+        for holder in dict.fromkeys((claim.wallet, *holders)):
+            if holder == self.me:
+                continue
+            aggregate = await self.store.fetch(holder, name, max_bytes=size, wait_s=wait_s)
+            if aggregate is None or sha256_hex(aggregate) != claim.aggregate_sha256:
+                continue
+            try:
+                decode_part(aggregate, claim.encoding, b - a)
+            except WireError:
+                return False  # signed but undecodable: as good as withheld (and hash-bound: no copy differs)
+            held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
+            return True
+        return False
 
     async def _gather(self, held: _Held) -> None:
+        """Witnesses gather the parts they witness; nobody else reads an owner's claim (see `_echo`),
+        except where a part has no witness (one member, or ``backups`` = 0)."""
         await asyncio.gather(*(self._gather_part(held, j) for j in range(len(held.bounds))))
-        held.gathered = dict(held.claims)
+
+    def _chain(self, held: _Held, j: int) -> list[str]:
+        return backup_chain(held.owners, j, self.config.backups)
 
     async def _gather_part(self, held: _Held, j: int) -> None:
+        chain = self._chain(held, j)
+        if len(chain) == 1:
+            if chain[0] != self.me and not await self._read_claim(
+                held, j, chain[0], "", self.config.gather_timeout_s
+            ):
+                assert held.result is not None
+                held.result.silent.setdefault(chain[0], f"no valid aggregate of part {j} before the deadline")
+            return
+        if self.me in chain[1:]:
+            await self._witness(held, j, chain)
+            await self._publish_echo(held, j)
+
+    async def _witness(self, held: _Held, j: int, chain: list[str]) -> None:
+        """Gather part j as one of its witnesses: down the chain, owner first, taking at each step
+        the first valid claim to come, from the member at that step or from another witness's echo
+        (so an owner that answers some witnesses only does not split them). When this replica's
+        turn in the chain comes, it reduces the part itself as the backup."""
         result = held.result
         assert result is not None
-        chain = backup_chain(held.owners, j, self.config.backups)
-        for k, owner in enumerate(chain):
+        for k, signer in enumerate(chain):
             replaces = "" if k == 0 else chain[0]
-            if owner == self.me and k > 0:
+            if signer == self.me:
                 await self._reduce(held, j, replaces=replaces)
-            if await self._read_claim(held, j, owner, replaces, self.config.gather_timeout_s):
                 return
-            result.silent.setdefault(owner, f"no valid aggregate of part {j} before the deadline")
+            others = [w for w in chain[1:] if w not in (self.me, signer) and w in held.commitments]
+            if await self._first_of(
+                self._read_claim(held, j, signer, replaces, self.config.gather_timeout_s),
+                *(self._take_echo(held, j, chain, w, self.config.gather_timeout_s) for w in others),
+            ):
+                return
+            result.silent.setdefault(signer, f"no valid aggregate of part {j} before the deadline")
         self.log(f"round {held.inp.round}: no valid aggregate of part {j} from {len(chain)} owner(s); zero")
+
+    @staticmethod
+    async def _first_of(*reads: Coroutine[Any, Any, bool]) -> bool:
+        """True as soon as one read succeeds (the others are cancelled); False if none does."""
+        pending = {asyncio.ensure_future(r) for r in reads}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(task.result() for task in done):
+                    return True
+            return False
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _take_echo(self, held: _Held, j: int, chain: list[str], witness: str, wait_s: float) -> bool:
+        """Take the claim `witness` echoes for part j (its aggregate from the signer or the witness)."""
+        echo = await self._read_echo(held, j, witness, wait_s)
+        if echo is None or not echo.claims or self._position(held, chain, echo.claims[0]) is None:
+            return False
+        return await self._take_claim(held, echo.claims[0], wait_s=2.0, holders=(witness,))
+
+    async def _publish_echo(self, held: _Held, j: int) -> None:
+        """As a witness of part j: publish the claim gathered for it (or none), and a copy of its
+        aggregate for readers the signer does not serve."""
+        inp, claim = held.inp, held.claims.get(j)
+        if claim is not None and claim.wallet != self.me:  # this replica's own claims are published already
+            await self.store.publish(self._agg_name(inp, j, claim.aggregate_sha256), held.aggregates[j])
+        echo = Echo.create(
+            self.wallet,
+            stage=inp.stage,
+            round=inp.round,
+            base_hash=inp.base_hash,
+            members_sha256=held.members_sha,
+            part=j,
+            claims=() if claim is None else (claim,),
+        )
+        await self.store.publish(self._name(inp, "echo", j), echo.to_json())
+
+    async def _read_echo(self, held: _Held, j: int, witness: str, wait_s: float) -> Echo | None:
+        """`witness`'s echo of part j, if it is signed by it and of this round and part."""
+        inp = held.inp
+        raw = await self.store.fetch(
+            witness, self._name(inp, "echo", j), max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s
+        )
+        try:
+            echo = Echo.from_json(raw) if raw is not None else None
+        except WireError:
+            return None
+        if echo is None or echo.wallet != witness:
+            return None
+        if (echo.stage, echo.round, echo.base_hash, echo.members_sha256, echo.part) != (
+            inp.stage, inp.round, inp.base_hash, held.members_sha, j):  # fmt: skip
+            return None
+        return echo if echo.signature_valid() else None
+
+    async def _echo(self, held: _Held) -> None:
+        """Decide every part from its witnesses' echoes (``Echo``), which honest witnesses show alike
+        to every replica, owners and witnesses included: an owner that shows different readers
+        different claims, or some of them none, cannot split them. Of the chain positions the echoes
+        show a claim at, the earliest decides: two different claims there are equivocation (the
+        part is zero, the signer reported, the proof published for the digests); one claim is taken,
+        its aggregate read by hash from its signer or a witness; no claim at all leaves the part
+        zero. The wait covers a witness's slowest gather (every step of the chain timing out), so
+        honest replicas leave this phase together. Per replica: ``backups`` small reads per part."""
+        wait = (self.config.backups + 1) * self.config.gather_timeout_s + self.config.agree_timeout_s
+        chains = [self._chain(held, j) for j in range(len(held.bounds))]
+        # Only members that committed (to this round's base hash and member list) can sign an echo
+        # that counts; waiting on the others would only stall a replica whose θ went astray.
+        targets = [
+            (j, w)
+            for j, chain in enumerate(chains)
+            if len(chain) > 1
+            for w in chain[1:]
+            if w != self.me and w in held.commitments
+        ]
+        echoes = await asyncio.gather(*(self._read_echo(held, j, w, wait) for j, w in targets))
+        echoed: dict[int, list[tuple[str, AggregateClaim]]] = {}
+        for (j, witness), echo in zip(targets, echoes, strict=True):
+            if echo is not None and echo.claims:
+                echoed.setdefault(j, []).append((witness, echo.claims[0]))
+        for j, chain in enumerate(chains):
+            if self.me in chain[1:] and j in held.claims:
+                echoed.setdefault(j, []).append((self.me, held.claims[j]))  # what this replica echoed
+        for j, chain in enumerate(chains):
+            if len(chain) > 1:
+                await self._decide(held, j, chain, echoed.get(j, []))
+        held.gathered = dict(held.claims)
+
+    def _position(self, held: _Held, chain: list[str], claim: AggregateClaim) -> int | None:
+        """The chain position `claim` is valid at (its signer's, naming the owner it replaces), or None."""
+        inp = held.inp
+        if claim.wallet not in chain:
+            return None
+        k = chain.index(claim.wallet)
+        expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, "" if k == 0 else chain[0])
+        if (claim.stage, claim.round, claim.base_hash, claim.members_sha256, claim.replaces) != expected:
+            return None
+        if held.claims.get(claim.part) != claim and not claim.signature_valid():
+            return None
+        return k
+
+    async def _decide(
+        self, held: _Held, j: int, chain: list[str], echoed: list[tuple[str, AggregateClaim]]
+    ) -> None:
+        result = held.result
+        assert result is not None
+        at: dict[int, dict[AggregateClaim, list[str]]] = {}
+        for witness, claim in echoed:
+            k = self._position(held, chain, claim) if claim.part == j else None
+            if k is not None:
+                at.setdefault(k, {}).setdefault(claim, []).append(witness)
+        if not at:
+            held.claims.pop(j, None)  # an owner's own claim no witness holds: zero, like every reader
+            held.aggregates.pop(j, None)
+            result.silent.setdefault(chain[0], f"no witness of part {j} holds a claim of it")
+            return
+        k = min(at)
+        if k > 0:
+            result.silent.setdefault(
+                chain[0], f"no valid aggregate of part {j}: its witnesses took a backup's"
+            )
+        if len(at[k]) > 1:
+            first, second = sorted(at[k], key=lambda c: c.sha256())[:2]
+            proof = EquivocationProof(claims=(first, second))
+            await self.store.publish(self._name(held.inp, "equivocation", j), proof.to_json())
+            self._apply_equivocation(held, j, chain[k])
+            return
+        ((claim, witnesses),) = at[k].items()
+        if held.claims.get(j) == claim:
+            return
+        if not await self._take_claim(held, claim, wait_s=2.0, holders=tuple(witnesses)):
+            held.claims.pop(j, None)
+            held.aggregates.pop(j, None)
+            self.log(
+                f"round {held.inp.round}: part {j}: witnesses hold {claim.wallet[:12]}'s claim; its aggregate did not come"
+            )
+
+    def _apply_equivocation(self, held: _Held, j: int, signer: str) -> None:
+        """Zero part j this round (every replica holding the proof alike) and report its signer."""
+        assert held.result is not None
+        if j not in held.equivocations:
+            self.log(f"round {held.inp.round}: part {j}: {signer[:12]} signed two aggregates; zero")
+        held.result.cheats[signer] = (
+            f"equivocation: signed two aggregates for part {j} of round {held.inp.round}"
+        )
+        held.claims.pop(j, None)
+        held.aggregates.pop(j, None)
+        held.equivocations.add(j)
 
     def _check_seed(self, held: _Held) -> random.Random:
         """The checks' seed: a hash of this replica's own signature over the round and the claims it
@@ -555,130 +741,74 @@ class OuterRound:
             a, b = held.bounds[j]
             aggregate = encode_part(torch.zeros(b - a), claim.encoding)
         held.result.cheats[claim.wallet] = f"fraud on part {j} of round {held.inp.round}: {reason}"
-        held.aggregates[j], held.encodings[j] = aggregate, claim.encoding
         held.claims.pop(j, None)
         held.frauds.add(j)
+        if j not in held.equivocations:  # an equivocated part is zero, whatever else was proven
+            held.aggregates[j], held.encodings[j] = aggregate, claim.encoding
 
     async def _agree(self, held: _Held) -> None:
+        """Publish this replica's digest, read every member's, and check the fraud and equivocation
+        proofs others hold and this replica lacks: one honest replica's proof settles a part alike
+        on every honest replica."""
         inp = held.inp
-        own = claims_sha256(held.gathered)
         digest = RoundDigest.create(
             self.wallet,
             stage=inp.stage,
             round=inp.round,
             base_hash=inp.base_hash,
             members_sha256=held.members_sha,
-            claims_sha256=own,
-            frauds=tuple(sorted(held.frauds)),
+            claims_sha256=claims_sha256(held.gathered),
+            frauds=tuple(sorted(held.frauds))[:64],
+            equivocations=tuple(sorted(held.equivocations))[:64],
         )
-        view = ClaimView.create(
-            self.wallet,
-            stage=inp.stage,
-            round=inp.round,
-            base_hash=inp.base_hash,
-            members_sha256=held.members_sha,
-            claims=tuple(held.gathered[j] for j in sorted(held.gathered)),
-        )
-        await self.store.publish(self._name(inp, "view"), view.to_json())
         await self.store.publish(self._name(inp, "digest"), digest.to_json())
         read = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
         digests = [d for d in read if d is not None]
         for peer_digest in digests:
+            for j in peer_digest.equivocations:
+                if j not in held.equivocations and j < len(held.bounds):
+                    await self._take_equivocation_proof(held, peer_digest.wallet, j)
+        for peer_digest in digests:
             for j in peer_digest.frauds:
                 if j not in held.frauds and j < len(held.bounds):
                     await self._take_fraud_proof(held, peer_digest.wallet, j)
-        # One view per distinct claims hash: honest replicas fall into a few groups (an equivocating
-        # owner splits them into those holding each of its claims and those holding none), so this
-        # reads O(groups · n) bytes, not O(n²).
-        by_hash: dict[str, list[str]] = {}
-        for peer_digest in digests:
-            if peer_digest.claims_sha256 != own:
-                by_hash.setdefault(peer_digest.claims_sha256, []).append(peer_digest.wallet)
-        views = []
-        for claims_hash in sorted(by_hash)[:MAX_VIEW_GROUPS]:
-            for member in by_hash[claims_hash]:
-                other = await self._read_view(held, member, claims_hash)
-                if other is not None:
-                    views.append(other)
-                    break
-        if len(by_hash) > MAX_VIEW_GROUPS:
+        differ = sum(d.claims_sha256 != digest.claims_sha256 for d in digests)
+        if differ * 2 > len(digests):
             self.log(
-                f"round {inp.round}: {len(by_hash)} different claim sets; compared the first {MAX_VIEW_GROUPS}"
+                f"round {inp.round}: {differ} of {len(digests)} digests name other claims than this replica's"
             )
-        if views:
-            await self._settle(held, views)
 
-    async def _read_view(self, held: _Held, member: str, claims_hash: str) -> ClaimView | None:
-        """`member`'s claim view, if it is signed, of this round, and hashes to its digest's claims hash."""
-        inp = held.inp
+    async def _take_equivocation_proof(self, held: _Held, finder: str, j: int) -> None:
+        """Check the equivocation proof `finder` published for part j; apply it if it holds: two
+        different claims, valid at the same chain position, by the signer there."""
         raw = await self.store.fetch(
-            member,
-            self._name(inp, "view"),
-            max_bytes=LIST_BYTES_PER_MEMBER * len(inp.members) + 4096,
-            wait_s=2.0,
+            finder, self._name(held.inp, "equivocation", j), max_bytes=2 * SMALL_OBJECT_BYTES, wait_s=5.0
         )
         try:
-            view = ClaimView.from_json(raw) if raw is not None else None
+            proof = EquivocationProof.from_json(raw) if raw is not None else None
         except WireError:
-            return None
-        if view is None or view.wallet != member or not view.signature_valid():
-            return None
-        if (view.stage, view.round, view.base_hash, view.members_sha256) != (
-            inp.stage, inp.round, inp.base_hash, held.members_sha):  # fmt: skip
-            return None
-        if len({c.part for c in view.claims}) != len(view.claims):
-            return None
-        if claims_sha256({c.part: c for c in view.claims}) != claims_hash:
-            return None
-        return view
-
-    async def _settle(self, held: _Held, views: list[ClaimView]) -> None:
-        """Decide every part from the claims this replica gathered and those the views show.
-
-        A claim counts only if its signer is the owner, or a backup in the part's chain naming the
-        owner it replaces. Of the chain positions that have a claim, the earliest decides: two
-        different claims there are equivocation (zero, the signer reported); one claim this replica
-        does not hold is taken, its aggregate read from its signer by hash. A part a fraud proof
-        decided keeps the proof's aggregate. Every replica that sees the same claims settles alike."""
-        inp, result = held.inp, held.result
-        assert result is not None
-        candidates: dict[int, dict[int, set[AggregateClaim]]] = {}
-        chains = {j: backup_chain(held.owners, j, self.config.backups) for j in range(len(held.bounds))}
-        for claim in [*held.gathered.values(), *(c for v in views for c in v.claims)]:
-            j = claim.part
-            if not 0 <= j < len(held.bounds) or claim.wallet not in chains[j]:
-                continue
-            k = chains[j].index(claim.wallet)
-            expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, "" if k == 0 else chains[j][0])
-            if (claim.stage, claim.round, claim.base_hash, claim.members_sha256, claim.replaces) != expected:
-                continue
-            if claim in candidates.get(j, {}).get(k, set()) or (
-                held.gathered.get(j) != claim and not claim.signature_valid()
-            ):
-                continue
-            candidates.setdefault(j, {}).setdefault(k, set()).add(claim)
-        for j in sorted(candidates):
-            k = min(candidates[j])
-            at = candidates[j][k]
-            if len(at) > 1:
-                signer = chains[j][k]
-                result.cheats[signer] = (
-                    f"equivocation: signed two aggregates for part {j} of round {inp.round}"
-                )
-                self.log(f"round {inp.round}: part {j}: {signer[:12]} signed two aggregates; zero")
-                if j not in held.frauds:
-                    held.claims.pop(j, None)
-                    held.aggregates.pop(j, None)
-                continue
-            (claim,) = at
-            if j in held.frauds or held.claims.get(j) == claim:
-                continue
-            if await self._take_claim(held, claim, wait_s=2.0):
-                self.log(f"round {inp.round}: part {j}: took {claim.wallet[:12]}'s claim from a peer's view")
-            else:
-                self.log(
-                    f"round {inp.round}: part {j}: a peer holds {claim.wallet[:12]}'s claim; its aggregate did not come"
-                )
+            return
+        if proof is None or len(proof.claims) != 2:
+            return
+        first, second = proof.claims
+        chain = backup_chain(held.owners, j, self.config.backups)
+        if first == second or first.part != j or second.part != j or first.wallet != second.wallet:
+            return
+        k = self._position(held, chain, first)
+        if k is None or k != self._position(held, chain, second):
+            return
+        if not (first.signature_valid() and second.signature_valid()):
+            return  # _position trusts a claim this replica holds; a proof must show both signatures
+        self.log(f"round {held.inp.round}: part {j}: {finder[:12]} proved {first.wallet[:12]} equivocated")
+        current = held.claims.get(j)
+        if current is not None and current.wallet in chain and chain.index(current.wallet) < k:
+            # The part was decided at an earlier position: a backup's second claim does not undo it.
+            assert held.result is not None
+            held.result.cheats[first.wallet] = (
+                f"equivocation: signed two aggregates for part {j} of round {held.inp.round}"
+            )
+            return
+        self._apply_equivocation(held, j, first.wallet)
 
     async def _read_digest(self, held: _Held, member: str) -> RoundDigest | None:
         inp = held.inp
@@ -727,7 +857,7 @@ class OuterRound:
         for j, (a, b) in enumerate(held.bounds):
             if b == a:
                 continue
-            data = held.aggregates.get(j)
+            data = None if j in held.equivocations else held.aggregates.get(j)
             if data is None:
                 missing.append(j)
                 continue

@@ -13,8 +13,9 @@ import pytest
 
 from neuroshard.node.outer.messages import (
     AggregateClaim,
-    ClaimView,
     Dropped,
+    Echo,
+    EquivocationProof,
     FraudProof,
     InputList,
     RoundCommitment,
@@ -62,11 +63,13 @@ def claim(i: int, part: int = 2, **over: Any) -> AggregateClaim:
 
 
 def digest(i: int) -> RoundDigest:
-    return RoundDigest.create(wallet(i), **ROUND_FIELDS, claims_sha256="23" * 32, frauds=(1, 3))
+    return RoundDigest.create(
+        wallet(i), **ROUND_FIELDS, claims_sha256="23" * 32, frauds=(1, 3), equivocations=(2,)
+    )
 
 
-def view(i: int) -> ClaimView:
-    return ClaimView.create(wallet(i), **ROUND_FIELDS, claims=(claim(1, part=0), claim(2, part=1)))
+def echo(i: int, *claims: AggregateClaim) -> Echo:
+    return Echo.create(wallet(i), **ROUND_FIELDS, part=2, claims=claims)
 
 
 def input_list(part: int = 1) -> InputList:
@@ -81,9 +84,10 @@ SIGNED: dict[str, Any] = {
     "claim of a backup": lambda: claim(0, replaces=wallet(5).public_key_hex),
     "digest": lambda: digest(0),
     "digest without frauds": lambda: RoundDigest.create(
-        wallet(0), **ROUND_FIELDS, claims_sha256="23" * 32, frauds=()
+        wallet(0), **ROUND_FIELDS, claims_sha256="23" * 32, frauds=(), equivocations=()
     ),
-    "view": lambda: view(0),
+    "echo of a claim": lambda: echo(0, claim(1)),
+    "echo of none": lambda: echo(0),
 }
 
 
@@ -121,7 +125,8 @@ def test_changing_any_field_breaks_the_signature(name: str) -> None:
     for field in obj:
         if field == "signature":
             continue
-        changed = dict(obj, **{field: altered(obj[field])})
+        value = [claim(1).to_obj()] if field == "claims" and not obj[field] else altered(obj[field])
+        changed = dict(obj, **{field: value})
         forged = cls.from_obj(changed)  # a well-formed message ...
         assert not forged.signature_valid(), field  # ... whose signature no longer verifies
     other = cls.from_obj(dict(obj, wallet=wallet(9).public_key_hex))
@@ -131,13 +136,30 @@ def test_changing_any_field_breaks_the_signature(name: str) -> None:
     assert not flipped.signature_valid()
 
 
-def test_changing_a_claim_inside_a_view_breaks_the_views_signature() -> None:
-    obj = view(0).to_obj()
-    obj["claims"][1] = dict(obj["claims"][1], aggregate_sha256="77" * 32)
-    assert not ClaimView.from_obj(obj).signature_valid()
-    obj = view(0).to_obj()
-    obj["claims"] = list(reversed(obj["claims"]))
-    assert not ClaimView.from_obj(obj).signature_valid()
+def test_changing_the_claim_inside_an_echo_breaks_the_echos_signature() -> None:
+    obj = echo(0, claim(1)).to_obj()
+    obj["claims"][0] = dict(obj["claims"][0], aggregate_sha256="77" * 32)
+    assert not Echo.from_obj(obj).signature_valid()
+    obj = echo(0, claim(1)).to_obj()
+    obj["claims"] = []
+    assert not Echo.from_obj(obj).signature_valid()
+
+
+def test_an_echo_holds_at_most_one_claim() -> None:
+    obj = echo(0, claim(1)).to_obj()
+    obj["claims"] = [obj["claims"][0], claim(2).to_obj()]
+    with pytest.raises(InvalidMessage, match="at most 1"):
+        Echo.from_obj(obj)
+
+
+def test_an_equivocation_proof_round_trips_and_holds_at_most_two_claims() -> None:
+    proof = EquivocationProof(claims=(claim(1), claim(1, aggregate_sha256="55" * 32)))
+    back = EquivocationProof.from_json(proof.to_json())
+    assert back == proof and all(c.signature_valid() for c in back.claims)
+    obj = proof.to_obj()
+    obj["claims"].append(claim(2).to_obj())
+    with pytest.raises(InvalidMessage, match="at most 2"):
+        EquivocationProof.from_obj(obj)
 
 
 def test_a_signature_is_bound_to_its_message_type() -> None:
@@ -146,7 +168,7 @@ def test_a_signature_is_bound_to_its_message_type() -> None:
     body = d.signing_bytes()[len(RoundDigest.DOMAIN) :]
     signature = bytes.fromhex(d.signature)
     assert verify(wallet(0).public_key, RoundDigest.DOMAIN + body, signature)
-    others = (RoundCommitment, AggregateClaim, ClaimView)
+    others = (RoundCommitment, AggregateClaim, Echo)
     assert len({RoundDigest.DOMAIN, *(cls.DOMAIN for cls in others)}) == 4
     for cls in others:
         assert not verify(wallet(0).public_key, cls.DOMAIN + body, signature), cls.NAME
@@ -204,9 +226,11 @@ def test_a_claim_names_a_replaced_wallet_or_none() -> None:
 
 def test_a_digest_names_at_most_64_fraud_parts() -> None:
     fields = {**ROUND_FIELDS, "claims_sha256": "23" * 32}
-    assert len(RoundDigest.create(wallet(0), **fields, frauds=tuple(range(64))).frauds) == 64
+    assert (
+        len(RoundDigest.create(wallet(0), **fields, frauds=tuple(range(64)), equivocations=()).frauds) == 64
+    )
     with pytest.raises(InvalidMessage, match="at most 64"):
-        RoundDigest.create(wallet(0), **fields, frauds=tuple(range(65)))
+        RoundDigest.create(wallet(0), **fields, frauds=tuple(range(65)), equivocations=())
 
 
 def test_an_input_list_round_trips() -> None:

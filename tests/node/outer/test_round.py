@@ -4,6 +4,7 @@ equals the whole-vector rule where it decomposes, and each kind of cheating owne
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from neuroshard.adversary.owners import (
     WrongAggregate,
 )
 from neuroshard.node.aggregation import aggregate as whole_vector
-from neuroshard.node.outer.partition import owners, part_bounds
+from neuroshard.node.outer.partition import backup_chain, owners, part_bounds
 from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import decode_part, encode_part
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
@@ -175,26 +176,66 @@ def parts_owned_by(cheat: str, n: int) -> list[int]:
     return [j for j, w in enumerate(owners(0, 1, BASE, members)) if w == cheat]
 
 
+def witnesses_of(cheat: str, n: int) -> list[int]:
+    """Indices (in sorted wallet order) of the witnesses of the parts `cheat` owns."""
+    members = tuple(sorted(Wallet.from_token(f"replica-{i}").public_key_hex for i in range(n)))
+    chains = [backup_chain(owners(0, 1, BASE, members), j, 2) for j in parts_owned_by(cheat, n)]
+    return sorted({members.index(w) for chain in chains for w in chain[1:]})
+
+
 @pytest.mark.asyncio
-async def test_an_owner_that_shows_each_reader_another_claim_is_caught_by_every_honest_replica() -> None:
-    """Readers 0-1 get one claim, 3-4 the other, 5 none: every honest replica sees both signatures
-    through the claim views, zeroes the part and reports the owner, and all end bit-identical."""
-    cheat, honest = await run_split({0: "a", 1: "a", 3: "b", 4: "b", 5: "none"})
-    owned = parts_owned_by(cheat, 6)
+async def test_an_owner_that_shows_its_witnesses_two_claims_is_caught_by_every_honest_replica() -> None:
+    """One witness gets one claim, the other witness the other: every replica reads both echoes,
+    holds both signatures, zeroes the part and reports the owner, and all end bit-identical."""
+    n = 6
+    members = tuple(sorted(Wallet.from_token(f"replica-{i}").public_key_hex for i in range(n)))
+    first, second = witnesses_of(members[2], n)[:2]
+    cheat, honest = await run_split({first: "a", second: "b"}, cheat_at=2, n=n)
+    owned = parts_owned_by(cheat, n)
     assert owned
     for r in honest:
         assert torch.equal(r.aggregate, honest[0].aggregate)
         assert r.cheats.get(cheat, "").startswith("equivocation"), r.cheats
         for j in owned:
             assert j not in r.claims
-            a, b = part_bounds(D, 6)[j]
+            a, b = part_bounds(D, n)[j]
             assert torch.count_nonzero(r.aggregate[a:b]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_claim_shown_only_to_readers_is_never_used() -> None:
+    """The witnesses get one claim, every other reader the other: readers decide from the echoes,
+    so all take the witnesses' claim and end bit-identical (the other claim reaches no aggregate)."""
+    n = 6
+    members = tuple(sorted(Wallet.from_token(f"replica-{i}").public_key_hex for i in range(n)))
+    hidden = witnesses_of(members[2], n)
+    cheat, honest = await run_split({i: "a" if i in hidden else "b" for i in range(n) if i != 2}, n=n)
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert all(r.claims[j].wallet == cheat for j in parts_owned_by(cheat, n))
+
+
+@pytest.mark.asyncio
+async def test_an_owner_that_hides_from_its_witnesses_cannot_split_the_readers() -> None:
+    """The owner shows its witnesses nothing and the other readers one claim or the other: the
+    witnesses echo the backup's claim, every replica takes that, and all end bit-identical."""
+    n = 8
+    members = tuple(sorted(Wallet.from_token(f"replica-{i}").public_key_hex for i in range(n)))
+    cheat_at = 2
+    hidden = witnesses_of(members[cheat_at], n)
+    answers = {i: ("none" if i in hidden else "ab"[i % 2]) for i in range(n) if i != cheat_at}
+    assert {"a", "b"} <= set(answers.values())
+    cheat, honest = await run_split(answers, cheat_at=cheat_at, n=n)
+    for j in parts_owned_by(cheat, n):
+        assert all(r.claims[j].wallet != cheat for r in honest)
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
 
 
 @pytest.mark.asyncio
 async def test_a_replica_the_owner_ignored_takes_the_claim_others_hold() -> None:
     """The owner answers replica 5 with nothing: 5 does not fall back to zero alone, it takes the
-    signed claim from the others' views and reads its aggregate by hash; all end bit-identical."""
+    signed claim its witnesses echo and reads its aggregate by hash; all end bit-identical."""
     cheat, honest = await run_split({5: "none"})
     owned = parts_owned_by(cheat, 6)
     for r in honest:
@@ -204,18 +245,18 @@ async def test_a_replica_the_owner_ignored_takes_the_claim_others_hold() -> None
 
 
 @pytest.mark.asyncio
-async def test_a_fraud_found_by_one_checker_reads_no_claim_views() -> None:
-    """Digests hash the claims as gathered, so a fraud proof held by some replicas only does not make
-    the digests differ: nobody reads a claim view (O(n) bytes each) for it."""
+async def test_a_replica_reads_one_echo_per_witness_and_part_and_a_fraud_needs_no_more() -> None:
+    """Deciding parts costs `backups` small echo reads per part, O(n) per replica, whatever the
+    others hold (no replica reads a claim it does not witness); a fraud proof found by one checker
+    reaches the rest through the digests."""
     n = 6
     wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
     members = tuple(w.public_key_hex for w in wallets)
     hub = MemoryHub()
     stores = [hub.store(w.public_key_hex) for w in wallets]
+    config = [fast_config(checks=n if i == 0 else 0) for i in range(n)]
     rounds = [
-        (WrongAggregate if i == 2 else OuterRound)(
-            stores[i], w, median_rule, fast_config(checks=n if i == 0 else 0)
-        )
+        (WrongAggregate if i == 2 else OuterRound)(stores[i], w, median_rule, config[i])
         for i, w in enumerate(wallets)
     ]
     ds = deltas(n)
@@ -223,12 +264,11 @@ async def test_a_fraud_found_by_one_checker_reads_no_claim_views() -> None:
         RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
         for i in range(n)
     ]
-    views_read = 0
+    reads: Counter[str] = Counter()
     original = MemoryStore.fetch
 
     async def counting(self: MemoryStore, author: str, name: str, **kw: Any) -> bytes | None:
-        nonlocal views_read
-        views_read += name.endswith("/view")
+        reads[name.split("/")[2]] += 1
         return await original(self, author, name, **kw)
 
     MemoryStore.fetch = counting  # type: ignore[method-assign]
@@ -238,7 +278,13 @@ async def test_a_fraud_found_by_one_checker_reads_no_claim_views() -> None:
         MemoryStore.fetch = original  # type: ignore[method-assign]
     honest = [r for i, r in enumerate(results) if i != 2]
     assert wallets[2].public_key_hex in honest[0].cheats  # replica 0 checked every part
-    assert views_read == 0
+    assert all(wallets[2].public_key_hex in r.cheats for r in honest)  # the others took its proof
+    witnessed = sum(len(backup_chain(owners(0, 1, BASE, members), j, 2)) - 1 for j in range(n))
+    # Every replica reads each echo but its own; each witness also watches the other witness's echo
+    # while it reads the owner's claim, and only witnesses read claims.
+    assert reads["echo"] == (n - 1) * witnessed + witnessed
+    assert reads["claim"] == witnessed
+    assert reads["equivocation"] == 0
     for r in honest:
         assert torch.equal(r.aggregate, honest[0].aggregate)
 
