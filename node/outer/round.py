@@ -11,27 +11,31 @@ The algorithm (BTARD's butterfly all-reduce with a robust rule per part, Gorbuno
             committed member's Δ (one ranged read each), check it against the member's root,
             screen and aggregate it (``reduce.reduce_part``), publish the input list, the encoded
             aggregate and a signed ``AggregateClaim`` over both hashes.
-4. GATHER   read every part's claim and aggregate from its owner and check the hash. A part whose
-            owner is silent past the deadline is reduced by the next member of its backup chain
-            (``partition.backup_chain``), which every replica derives alike.
-5. CHECK    recompute parts chosen by a seed fixed only after the gather and known to this
+4. GATHER   the witnesses of each part (``partition.backup_chain``: the members after its owner)
+            read its claim and aggregate from the owner, or from another witness's echo if that
+            comes first, and check the hash; past the deadline the next member of the chain
+            reduces the part as a backup. Each witness publishes a signed ``Echo`` (the claim it
+            holds, or none) and a copy of the aggregate. Nobody else reads owners' claims.
+5. ECHO     every replica decides every part from its witnesses' echoes, which an honest witness
+            shows alike to all: the earliest chain position with a claim decides; two claims
+            there are equivocation (the part is zero this round, the signer reported, an
+            ``EquivocationProof`` published); one claim is taken, its aggregate read by hash.
+6. CHECK    recompute parts chosen by a seed fixed only after the echoes and known to this
             replica alone (a hash of its signature over every claim it holds), each with
             `check_probability`, from their signed inputs. A difference
             is a ``FraudProof``: published, the part replaced by its correct aggregate, the owner
             reported for a ban.
-6. AGREE    publish a ``RoundDigest`` (one hash over the claims as gathered, the parts found
-            wrong) and read every member's; check the fraud proofs others found; for each other
-            claims hash, read one ``ClaimView`` that has it and settle every part alike: an owner
-            that signed two claims for one part equivocated (the part is zero this round, the
-            owner reported); a part this replica lacks, or holds only from a backup, is taken
-            from the earliest owner of its chain that a view shows a claim of.
-7. DONE     the (d,) aggregate to step with, and who was refused, banned, silent and why.
+7. AGREE    publish a ``RoundDigest`` (one hash over the claims decided, the parts it holds fraud
+            and equivocation proofs for) and read every member's; check and apply the proofs
+            others hold, so one honest replica's proof settles a part alike everywhere.
+8. DONE     the (d,) aggregate to step with, and who was refused, banned, silent and why.
 
 The module knows no carrier: HTTP, S3 and the simulator each implement ``port.RoundStore``.
 It knows no DiLoCo either: the caller steps its engine with the result (``neuroshard.node.p2p.
 network``; the simulator). Per replica and round it moves about 2·d encoded bytes — its parts out
 to their owners, every aggregated part in — plus ≈ 1.6–1.9·d for the checks (each re-reads one
-part's n inputs) and O(n) small signed objects: nothing grows with n but the small objects.
+part's n inputs) and O(n) small signed objects (n commitments, ~``backups``·n echoes, n
+digests): nothing grows with n but the small objects.
 """
 
 from __future__ import annotations
