@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import torch
 from common import BENCH_KEY, DEFAULT_TEXT, parse_with_quick, quick_text
+from sqlalchemy import insert
 
 from neuroshard.data import BatchStream, Dataset, assign_shards, open_dataset
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
@@ -46,6 +47,7 @@ from neuroshard.node.replay import capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import ledger
+from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.reputation import ReputationConfig
@@ -116,6 +118,57 @@ def seed(url: str, wallets: int, rounds: int, evaluations: int) -> None:
                 )
                 ledger.submit_receipt(s, signed(w), req, body_sha256=f"{r}-{i}", now=now, cfg=cfg)
             ledger.settle_rounds(s, 0, now=now, cfg=cfg)
+            if r % max(1, rounds // evaluations) == 0:
+                ledger.record_evaluation(s, r, 6.0 - r * 0.01, 65_536, stderr=0.01, now=now)
+    db.dispose()
+
+
+def seed_bulk(url: str, wallets: int, rounds: int, evaluations: int, stages: int = 4) -> None:
+    """The same shape of history written straight into the tables (no signatures, no settlement
+    logic): 1,000 wallets x 200 rounds through the ledger would take the better part of an hour.
+    Wallets are spread over `stages`; every round of every stage is settled; one in ten disagrees."""
+    db = Database(url)
+    db.upgrade()
+    now = time.time()
+    ids = [f"{i:020x}" for i in range(wallets)]
+    with db.write() as s:
+        s.execute(insert(m.Wallet), [
+            {"wallet_id": w, "public_key": f"{i:064x}", "reputation": 0.5, "status": m.STATUS_ACTIVE,
+             "registered_at": now, "software_version": "0.1.0"} for i, w in enumerate(ids)
+        ])  # fmt: skip
+        s.execute(insert(m.Peer), [
+            {"wallet_id": w, "address": "http://127.0.0.1:9000", "stage": i % stages, "registered_at": now,
+             "last_heartbeat": now + 3600, "round": rounds, "steps_in_round": 10} for i, w in enumerate(ids)
+        ])  # fmt: skip
+    for r in range(rounds):
+        receipts, votes = [], []
+        for i, w in enumerate(ids):
+            result = f"{r:064x}" if (i + r) % 10 else f"f{r:063x}"
+            receipts.append({
+                "wallet_id": w, "stage": i % stages, "round": r, "inner_steps": 100, "start_step": 100 * r,
+                "tokens": 102_400, "shard_id": (i + r) % 40, "offset_start": 0, "offset_end": 800,
+                "data_spans": [[(i + r) % 40, 0, 800]], "losses": [6.0 - r * 0.01] * 100,
+                "loss_sum": (6.0 - r * 0.01) * 100, "loss_count": 100, "base_hash": "0" * 64,
+                "result_hash": result, "delta_digest": "d" * 64, "accepted": [], "rejected": [],
+                "equivocators": [], "accepted_count": 0, "rejected_count": 0, "body_sha256": f"{r:032x}{i:032x}",
+                "received_at": now,
+            })  # fmt: skip
+            votes.append(
+                {
+                    "stage": i % stages,
+                    "round": r,
+                    "wallet_id": w,
+                    "result_hash": result,
+                    "base_hash": "0" * 64,
+                }
+            )
+        with db.write() as s:
+            s.execute(insert(m.Receipt), receipts)
+            s.execute(insert(m.HashVote), votes)
+            for stage in range(stages):
+                n = sum(1 for i in range(wallets) if i % stages == stage)
+                s.add(m.Round(stage=stage, round=r, majority_hash=f"{r:064x}", votes=n, agreeing=n - n // 10,
+                              synced=n, sync_checked=n, settled_at=now))  # fmt: skip
             if r % max(1, rounds // evaluations) == 0:
                 ledger.record_evaluation(s, r, 6.0 - r * 0.01, 65_536, stderr=0.01, now=now)
     db.dispose()
@@ -203,12 +256,13 @@ def bench_http(args: argparse.Namespace, tmp: Path) -> None:
     with scratch_database(backend, tmp, {TEST_DATABASE_ENV: args.db}) as url:
         start = time.perf_counter()
         evaluations = max(1, args.rounds // 5)
-        seed(url, wallets=args.wallets, rounds=args.rounds, evaluations=evaluations)
+        (seed_bulk if args.bulk_seed else seed)(url, args.wallets, args.rounds, evaluations)
         print(
             f"seeded {args.wallets} wallets x {args.rounds} rounds ({args.wallets * args.rounds:,} receipts, "
-            f"{evaluations} evaluations) on {backend} in {time.perf_counter() - start:.1f}s"
+            f"{evaluations} evaluations{', 4 stages, written in bulk' if args.bulk_seed else ''}) on {backend} "
+            f"in {time.perf_counter() - start:.1f}s"
         )
-        (tmp / "network.toml").write_text(NETWORK_TOML)
+        (tmp / "network.toml").write_text(NETWORK_TOML + ("[stages]\ncount = 4\n" if args.bulk_seed else ""))
         port = free_port()
         verifier = serve(
             [sys.executable, "-m", "neuroshard.verifier.cli", "--network", str(tmp / "network.toml"), "--db", url,
@@ -226,11 +280,23 @@ def bench_http(args: argparse.Namespace, tmp: Path) -> None:
             tmp / "baseline.log",
         )  # fmt: skip
         try:
+            before = rss_mb(verifier.pid)
             _compare(args, port, base_port)
+            print(
+                f"verifier resident memory: {before:.0f} MB after start, {rss_mb(verifier.pid):.0f} MB after the loads"
+            )
         finally:
             for process in (verifier, baseline):
                 process.terminate()
                 process.wait(timeout=30)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process (Linux /proc), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _compare(args: argparse.Namespace, port: int, base_port: int) -> None:
@@ -260,12 +326,24 @@ def _compare(args: argparse.Namespace, port: int, base_port: int) -> None:
           + ", ".join(f"{a[0] / b[0]:.2f}" for a, b in zip(*turns.values(), strict=True)) + ")")  # fmt: skip
 
     print(f"\nevery read endpoint, {args.concurrency} connections, {args.seconds:.0f}s each:")
-    print("| endpoint | req/s | p50 ms | p99 ms | body bytes |\n|---|---|---|---|---|")
-    for path in (*READS, "/api/peers?stage=0", "/metrics"):
+    print(
+        "| endpoint | first GET ms (renders) | req/s | p50 ms | p99 ms | body bytes |\n|---|---|---|---|---|---|"
+    )
+    for path in (
+        *READS,
+        "/api/training/history?limit=1000",
+        "/api/nodes?limit=1000",
+        "/api/peers?stage=0",
+        "/metrics",
+    ):
         target = f"http://127.0.0.1:{port}{path}"
+        start = time.perf_counter()
         size = len(httpx.get(target, timeout=30).content)
+        first = (time.perf_counter() - start) * 1000
         elapsed, lat = asyncio.run(load(target, args.seconds, args.concurrency))
-        print(f"| {path} | {len(lat) / elapsed:,.0f} | {p(lat, 50):.1f} | {p(lat, 99):.1f} | {size:,} |")
+        print(
+            f"| {path} | {first:.0f} | {len(lat) / elapsed:,.0f} | {p(lat, 50):.1f} | {p(lat, 99):.1f} | {size:,} |"
+        )
 
     lat = asyncio.run(paced(sides[next(iter(sides))], args.rate, args.seconds))
     print(
@@ -361,11 +439,19 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="neuroshard-verifier --workers (PostgreSQL)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--inner-steps", type=int, default=50)
+    ap.add_argument("--no-spot-check", action="store_true", help="only the HTTP part")
+    ap.add_argument(
+        "--bulk-seed",
+        action="store_true",
+        help="write the history straight into the tables, over 4 stages (fast)",
+    )
     args = parse_with_quick(
         ap, wallets=4, rounds=10, seconds=0.5, repeats=1, rate=50.0, inner_steps=3, threads=1
     )
     with tempfile.TemporaryDirectory() as tmp:
         bench_http(args, Path(tmp))
+    if args.no_spot_check:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         bench_spot_check(args.threads, args.inner_steps, Path(tmp), args.quick)
 

@@ -124,6 +124,7 @@ class Receipt(Base):
     __table_args__ = (
         UniqueConstraint("wallet_id", "stage", "round", name="uq_receipts_wallet_stage_round"),
         Index("ix_receipts_stage_round", "stage", "round"),
+        Index("ix_receipts_round", "round"),
     )
 
 
@@ -161,6 +162,8 @@ class HashVote(Base):
     wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), primary_key=True)
     result_hash: Mapped[str] = mapped_column(String(HASH_LEN))
     base_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+
+    __table_args__ = (Index("ix_hash_votes_round_stage", "round", "stage"),)
 
 
 class Round(Base):
