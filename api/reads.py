@@ -16,12 +16,13 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Res
 from pydantic import BaseModel, TypeAdapter
 from sqlalchemy.orm import Session
 
-from neuroshard.verifier import summary
+from neuroshard.verifier import coverage, summary
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER
 
 from .cache import Rendered, cached_response, etag_of
 from .metrics import CONTENT_TYPE, Exposition
 from .schemas import (
+    CoverageOut,
     DiLoCoOut,
     ErrorOut,
     EvaluationOut,
@@ -32,7 +33,9 @@ from .schemas import (
     PeerOut,
     RoundOut,
     StageOut,
+    UnnoticedOut,
     VerifyOut,
+    WalletCoverageOut,
 )
 from .services import Services, get_services
 
@@ -231,6 +234,49 @@ def training_history(
         return _json(out), _page_headers(request, total, rows, offset)
 
     return _serve(request, services, services.reads.get(f"history:{rows}:{offset}", render))
+
+
+@router.get(
+    "/api/training/spot-checks",
+    response_model=CoverageOut,
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
+    tags=["training"],
+)
+def spot_checks(
+    request: Request,
+    services: ServicesDep,
+    window: Annotated[int, Query(ge=1, le=1000, description="Rounds the coverage counts over.")] = 20,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> Response:
+    """Replay spot-check coverage: wallets checked in the last `window` rounds, each wallet's last
+    check and chance of being drawn, and how likely a wallet lying in a fraction of its rounds
+    has gone unnoticed."""
+    replays = services.config.replay_checks
+    budget = replays.budget if replays is not None else None
+    rate = replays.sample_rate if replays is not None and budget is None else None
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            c = coverage.coverage(
+                session, window=window, sample_rate=rate, budget=budget, limit=limit, offset=offset
+            )
+        out = CoverageOut(
+            mode="off" if replays is None else "budget" if budget is not None else "rate",
+            budget_replicas=budget.replicas if budget is not None else None,
+            sample_rate=rate,
+            latest_round=c.latest_round,
+            window_rounds=c.window_rounds,
+            wallets_reporting=c.wallets_reporting,
+            wallets_checked=c.wallets_checked,
+            max_gap_rounds=c.max_gap_rounds,
+            mean_check_probability=c.mean_check_probability,
+            unnoticed=[UnnoticedOut.model_validate(u) for u in c.unnoticed],
+            wallets=[WalletCoverageOut.model_validate(w) for w in c.wallets],
+        )
+        return _json(out), ()
+
+    return _serve(request, services, services.reads.get(f"spot-checks:{window}:{limit}:{offset}", render))
 
 
 @router.get(

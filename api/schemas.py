@@ -179,3 +179,40 @@ class HistoryOut(_Out):
     rounds: list[RoundOut] = Field(
         description="Recent (stage, round)s: agreement and reported loss, oldest first."
     )
+
+
+class UnnoticedOut(_Out):
+    lie_fraction: float = Field(description="Share of its rounds a wallet lies in.")
+    rounds: int
+    probability: float = Field(
+        description="Upper bound on the chance it is still uncaught after that many rounds."
+    )
+
+
+class WalletCoverageOut(_Out):
+    wallet_id: str
+    check_probability: float = Field(description="Chance one of its rounds is drawn at random for a replay.")
+    last_check_round: int | None = Field(
+        description="Round of its latest replay verdict; None: never checked."
+    )
+    last_check_at: float | None
+
+
+class CoverageOut(_Out):
+    mode: Literal["off", "rate", "budget"] = Field(
+        description="--replay-rate, --replay-budget, or no replays."
+    )
+    budget_replicas: float | None
+    sample_rate: float | None
+    latest_round: int | None
+    window_rounds: int
+    wallets_reporting: int = Field(description="Wallets with a stage-0 receipt in the window.")
+    wallets_checked: int = Field(
+        description="Of those, wallets with a replay verdict for a round in the window."
+    )
+    max_gap_rounds: int | None = Field(
+        description="Budget mode: every wallet is checked at least once in this many rounds."
+    )
+    mean_check_probability: float
+    unnoticed: list[UnnoticedOut] = Field(description="For the mean wallet, by lie fraction and horizon.")
+    wallets: list[WalletCoverageOut] = Field(description="A page of wallets by id (limit/offset).")

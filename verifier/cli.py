@@ -22,6 +22,7 @@ from typing import NoReturn
 
 import torch
 
+from .budget import ReplayBudget
 from .config import VerifierConfig
 from .db import DatabaseURLError, normalise_url
 from .evaluator import EvaluatorConfig
@@ -85,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes serving the port (default 1; more than 1 needs PostgreSQL)",
     )
     p.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)  # set by the parent for its workers
+    p.add_argument(
+        "--replay-budget",
+        type=float,
+        help="replays per round the verifier can afford, in replicas' worth of compute (e.g. 1 = one "
+        "replica's CPU); replaces --replay-rate: every wallet checked within a bounded number of rounds, "
+        "new and low-reputation wallets more often (verifier.budget)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -110,6 +118,9 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
             f"--workers {args.workers} needs PostgreSQL (--db postgresql://HOST/DB): SQLite lets one "
             "process write at a time, so extra workers would only wait on its lock; use --workers 1"
         )
+    if args.replay_budget is not None and not args.replay_budget > 0:
+        raise ValueError(f"--replay-budget must be > 0 replicas, got {args.replay_budget}")
+    budget = None if args.replay_budget is None else ReplayBudget(replicas=args.replay_budget)
     if args.eval_threads < 1:
         raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
     return VerifierConfig(
@@ -118,8 +129,10 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         operator=operator,
         peer_ttl_s=args.peer_ttl,
         live_evaluation=None if args.no_evaluation else EvaluatorConfig(cache_dir=args.home / "cache"),
-        replay_checks=ReplayCheckConfig(sample_rate=args.replay_rate, cache_dir=args.home / "cache")
-        if args.replay_rate > 0
+        replay_checks=ReplayCheckConfig(
+            sample_rate=args.replay_rate, cache_dir=args.home / "cache", budget=budget
+        )
+        if args.replay_rate > 0 or budget is not None
         else None,
     )
 

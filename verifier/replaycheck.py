@@ -5,7 +5,9 @@ process, verifier.cli) does, every `poll_s`:
 
 1. **sample** — new stage-0 receipts, each with probability `sample_rate`, picked by the
    operator's signature over (wallet, stage, round), which a replica cannot predict
-   (verifier.sampling). A receipt whose data spans do not follow
+   (verifier.sampling); or, with a `budget`, about `budget.replicas` a round whatever the
+   number of wallets: overdue wallets first, the rest drawn with per-wallet probabilities
+   that favour new and low-reputation wallets (verifier.budget). A receipt whose data spans do not follow
    the wallet's shard order (verifier.datacheck.receipt_problems), or that commits to no
    inner optimizer state, fails at once.
 2. **fetch** — GET /p2p/replay/{round} from the replica, signed with the operator wallet
@@ -35,16 +37,18 @@ Counting unserved challenges per wallet against its receipts would close this; n
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.dataset import open_remote_dataset
@@ -60,6 +64,8 @@ from neuroshard.node.wallet import Wallet
 
 from . import ledger
 from . import models as m
+from .budget import ReplayBudget, Standing, check_rates, overdue
+from .coverage import standings
 from .datacheck import receipt_problems
 from .db import Database
 from .network import NetworkDefinition
@@ -90,6 +96,10 @@ class ReplayCheckConfig:
     tolerance: SpotCheckConfig = field(default_factory=SpotCheckConfig)
     cache_dir: Path | None = None
     """Shard cache when the data set is served over HTTP."""
+    budget: ReplayBudget | None = None
+    """Draw by a compute budget instead of `sample_rate` (verifier.budget): about
+    `budget.replicas` replays per round whatever the number of wallets, every wallet at least
+    once in a bounded number of rounds, new and low-reputation wallets more often."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.sample_rate <= 1:
@@ -164,6 +174,10 @@ class ReplayChecker:
         self._n_tensors = len(list(model.parameters()))
         self._initial_hash = theta_sha256(flat_parameters(model.parameters()))
         self.queue: list[Challenge] = []
+        self._overdue_picks: dict[int, int] = {}
+        """Round → receipts drawn for being overdue (at most the budget's coverage share)."""
+        self._picked: dict[str, int] = {}
+        """Wallet → round of its latest receipt drawn here (its verdict may not be recorded yet)."""
         self.last_id: int | None = None
         """Receipts up to this id were looked at; None until the first pass, which starts at the newest."""
         self.passed = 0
@@ -231,17 +245,12 @@ class ReplayChecker:
                 .limit(self.config.max_per_pass)
             ).all()
             session.expunge_all()
+            draw = self._budget_draw(session) if rows and self.config.budget is not None else None
         for receipt, address in rows:
             self.last_id = receipt.id
-            if not sampled(
-                self.operator,
-                "replay",
-                receipt.wallet_id,
-                receipt.stage,
-                receipt.round,
-                self.config.sample_rate,
-            ):
+            if not (self._drawn(receipt) if draw is None else draw(receipt)):
                 continue
+            self._picked[receipt.wallet_id] = max(receipt.round, self._picked.get(receipt.wallet_id, -1))
             if self._dataset is None:
                 self._dataset = self._open_dataset()
             problems = receipt_problems(receipt, self._dataset.manifest, self.network)
@@ -260,6 +269,51 @@ class ReplayChecker:
                 )
             else:
                 self.queue.append(Challenge(receipt, address))
+
+    def _drawn(self, receipt: m.Receipt) -> bool:
+        rate = self.config.sample_rate
+        return sampled(self.operator, "replay", receipt.wallet_id, receipt.stage, receipt.round, rate)
+
+    def _budget_draw(self, session: Session) -> Callable[[m.Receipt], bool]:
+        """This pass's draw under the budget: overdue wallets, else q_w by the operator's signature."""
+        assert self.config.budget is not None
+        budget = self.config.budget
+        latest = session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == 0)) or 0
+        merged: dict[str, Standing] = {}
+        for standing in standings(session):
+            last = max(standing.last_checked_round or -1, self._picked.get(standing.wallet_id, -1))
+            merged[standing.wallet_id] = replace(standing, last_checked_round=None if last < 0 else last)
+        rates = check_rates(list(merged.values()), latest, budget)
+        gap = budget.max_gap(len(merged))
+        # Overdue wallets get the coverage share of each round and no more, so the budget holds
+        # when many fall due at once (all that joined together); the rest wait a round or two.
+        per_round = math.ceil(budget.coverage_share * budget.replicas)
+        for old in [r for r in self._overdue_picks if r < latest - 10]:
+            del self._overdue_picks[old]
+
+        def draw(receipt: m.Receipt) -> bool:
+            standing = merged.get(receipt.wallet_id)
+            if standing is None:
+                return False
+            picked = self._picked.get(receipt.wallet_id)
+            if picked is not None and picked >= receipt.round:
+                return False
+            if (
+                overdue(standing, receipt.round, gap)
+                and self._overdue_picks.get(receipt.round, 0) < per_round
+            ):
+                self._overdue_picks[receipt.round] = self._overdue_picks.get(receipt.round, 0) + 1
+                return True
+            return sampled(
+                self.operator,
+                "replay",
+                receipt.wallet_id,
+                receipt.stage,
+                receipt.round,
+                rates[receipt.wallet_id],
+            )
+
+        return draw
 
     def _fetch(self, challenge: Challenge) -> None:
         receipt = challenge.receipt

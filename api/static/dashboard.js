@@ -180,6 +180,21 @@ function renderNodes(nodes) {
   $("nodes-next").disabled = nodeOffset + NODES_PER_PAGE >= nodeTotal;
 }
 
+// Replay coverage under the node table: who was checked lately and what a liar's odds are.
+function renderSpotChecks(c) {
+  if (c.mode === "off") {
+    $("spot-checks").textContent = "replay spot checks: off";
+    return;
+  }
+  const bound = c.unnoticed.find((u) => u.lie_fraction === 0.1 && u.rounds === 100);
+  const drawn = c.mode === "budget" ? `budget ${c.budget_replicas} replays/round` : `rate ${c.sample_rate}`;
+  $("spot-checks").textContent =
+    `replay spot checks (${drawn}): ${count(c.wallets_checked)} of ${count(c.wallets_reporting)} wallets ` +
+    `checked in the last ${c.window_rounds} rounds` +
+    (c.max_gap_rounds === null ? "" : `; every wallet within ${count(c.max_gap_rounds)} rounds`) +
+    (bound ? `; a wallet lying in 10% of its rounds goes 100 rounds unnoticed with p ≤ ${fmt(bound.probability, 3)}` : "");
+}
+
 async function refresh() {
   try {
     const [verify, global, history, nodes] = await Promise.all([
@@ -188,6 +203,8 @@ async function refresh() {
       getJSON("/api/training/history"),
       getNodes(),
     ]);
+    // Optional: a failure here must not blank the rest of the page.
+    getJSON("/api/training/spot-checks?limit=1").then(renderSpotChecks, () => {});
     renderVerdict(verify);
     renderTrend(verify);
     renderGlobal(global);

@@ -123,5 +123,6 @@ def test_dashboard_renders_the_run(tmp_path: Path) -> None:
     assert re.search(r'id="agreement-chart"[^>]*data-points="6"', dom)
     rows = re.findall(r'<tr data-wallet="([0-9a-f]{20})">', dom)
     assert len(rows) == 4
+    assert text_of(dom, "nodes-page") == "1–4 of 4", "the node table is a page of /api/nodes"
     assert dom.count('class="status-refused"') == 1
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000

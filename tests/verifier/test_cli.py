@@ -108,3 +108,13 @@ def test_sqlite_refuses_several_workers(
     assert not (tmp_path / "verifier.sqlite3").exists(), "refused before touching the database"
     code, err = run([*argv[:-1], "0"], capsys)
     assert code == 2 and "--workers must be in 1..64, got 0" in one_line(err)
+
+
+def test_replay_budget_flag(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
+    config = build_config(build_parser().parse_args([*base, "--replay-budget", "2.5", "--replay-rate", "0"]))
+    assert config.replay_checks is not None and config.replay_checks.budget is not None
+    assert config.replay_checks.budget.replicas == 2.5
+    assert build_config(build_parser().parse_args(base)).replay_checks.budget is None  # type: ignore[union-attr]
+    code, err = run([*base, "--replay-budget", "0"], capsys)
+    assert code == 2 and "--replay-budget must be > 0 replicas, got 0.0" in one_line(err)
