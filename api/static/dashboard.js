@@ -134,6 +134,8 @@ function renderTrend(v) {
   $("loss-trend").textContent = `${v.evaluations} evaluations · ${v.loss_trend}${slope}`;
 }
 
+const STAGE_COLORS = ["#3fb950", "#58a6ff", "#f0883e", "#d2a8ff", "#ff7b72", "#79c0ff", "#e3b341", "#8b949e"];
+
 function renderHistory(h) {
   const measured = h.evaluations.map((e) => [e.round, e.loss]);
   const reportedByRound = new Map();
@@ -150,9 +152,22 @@ function renderHistory(h) {
     { points: measured, color: "#58a6ff", label: "measured" },
     { points: reported, color: "#d2a8ff", label: "reported" },
   ], { empty: "no losses yet" });
-  const agreement = h.rounds.filter((r) => r.agreement_rate !== null).map((r) => [r.round, r.agreement_rate]);
-  drawChart($("agreement-chart"), [{ points: agreement, color: "#3fb950", label: "agreement" }],
+  // One line per stage (never per node): a thousand replicas are a handful of stages.
+  const byStage = new Map();
+  for (const r of h.rounds) {
+    if (r.agreement_rate === null) continue;
+    if (!byStage.has(r.stage)) byStage.set(r.stage, []);
+    byStage.get(r.stage).push([r.round, r.agreement_rate]);
+  }
+  const series = [...byStage.entries()].sort((a, b) => a[0] - b[0]).map(([stage, points], i) => ({
+    points, color: STAGE_COLORS[i % STAGE_COLORS.length], label: `stage ${stage}`,
+  }));
+  drawChart($("agreement-chart"), series,
     { yRange: [0, 1], yFormat: (y) => `${(100 * y).toFixed(0)}%`, empty: "no rounds yet" });
+  $("agreement-chart").dataset.series = String(series.length);
+  $("agreement-legend").textContent = series.length > 1
+    ? `one line per stage: ${series.map((s) => s.label).join(", ")} (colours in order: green, blue, orange, purple, …)`
+    : "votes agreeing with the round's most common θ hash";
 }
 
 function renderNodes(nodes) {
@@ -211,6 +226,7 @@ async function refresh() {
     renderHistory(history);
     renderNodes(nodes);
     $("updated").textContent = new Date().toLocaleTimeString();
+    if (!document.body.dataset.loaded) document.body.dataset.loadMs = String(Math.round(performance.now()));
     document.body.dataset.loaded = "true";
   } catch (err) {
     $("updated").textContent = `failed: ${err.message}`;
