@@ -1,0 +1,251 @@
+"""Write load on the verifier from a simulated network: N nodes, signed, on loopback.
+
+Each of N wallets (distinct keys) registers, then for --seconds sends a signed heartbeat
+every 10 s (each at its own phase) and, every --round-s, a signed receipt for the round
+(which carries its θ hash vote), spread over the first quarter of the round; the wallets are
+spread over 4 stages. The verifier runs `neuroshard-verifier --workers W` on PostgreSQL.
+Printed: p50/p99 per endpoint, measured from when each request was due (queueing counts)
+and from when it was sent; status counts (no 5xx expected); PostgreSQL backends seen
+(distinct pids, sampled each second: the pool should keep a fixed set); and, with
+--kill-after, receipts acknowledged vs stored after one worker is SIGKILLed mid-load.
+
+    .venv/bin/python bench/bench_verifier_writes.py [--nodes 1000] [--workers 4] [--seconds 60]
+        [--round-s 20] [--kill-after 30] [--db postgresql://127.0.0.1:5432/test] [--quick]
+
+The load generator (asyncio + httpx, one process) shares the machine's cores with the
+verifier and PostgreSQL, so it also measures what is left of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+from bench_verifier import NETWORK_TOML, free_port, serve
+from common import parse_with_quick
+from sqlalchemy import func, select, text
+
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import models as m
+from neuroshard.verifier.auth import sign_request
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.testing import TEST_DATABASE_ENV, scratch_database
+
+STAGES = 4
+HEARTBEAT_S = 10.0
+
+
+def signed_post(wallet: Wallet, path: str, doc: object) -> tuple[bytes, dict[str, str]]:
+    body = json.dumps(doc).encode()
+    headers = sign_request(wallet, "POST", path, body, now=time.time())
+    headers["Content-Type"] = "application/json"
+    return body, headers
+
+
+def receipt(stage: int, round_: int) -> dict[str, object]:
+    return {
+        "stage": stage, "round": round_, "inner_steps": 100, "start_step": 100 * round_, "tokens": 102_400,
+        "data": [{"shard_id": round_ % 40, "offset_start": 0, "offset_end": 100}] if stage == 0 else [],
+        "losses": [6.0 - round_ / 100] * 100, "base_hash": f"{round_ - 1:064x}" if round_ else "0" * 64,
+        "result_hash": f"{round_:064x}", "delta_digest": "d" * 64,
+    }  # fmt: skip
+
+
+class Load:
+    """The simulated network's requests and what came back."""
+
+    def __init__(self, base: str, wallets: list[Wallet], connections: int) -> None:
+        self.base = base
+        self.wallets = wallets
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.client = httpx.AsyncClient(limits=limits, timeout=60)
+        self.due_ms: dict[str, list[float]] = {}
+        self.sent_ms: dict[str, list[float]] = {}
+        self.status: Counter[tuple[str, int | str]] = Counter()
+        self.acknowledged: set[tuple[str, int, int]] = set()
+
+    async def post(self, wallet: Wallet, path: str, doc: Mapping[str, object], due: float) -> int | None:
+        await asyncio.sleep(max(0.0, due - time.time()))
+        body, headers = signed_post(wallet, path, doc)
+        sent = time.time()
+        try:
+            response = await self.client.post(self.base + path, content=body, headers=headers)
+        except httpx.TransportError as exc:  # a killed worker's connections
+            self.status[(path, type(exc).__name__)] += 1
+            return None
+        done = time.time()
+        self.due_ms.setdefault(path, []).append((done - due) * 1000)
+        self.sent_ms.setdefault(path, []).append((done - sent) * 1000)
+        self.status[(path, response.status_code)] += 1
+        return response.status_code
+
+    async def register(self) -> None:
+        now = time.time()
+        docs = [{"address": "http://127.0.0.1:9000", "stage": i % STAGES, "software_version": "0.1.0"}
+                for i in range(len(self.wallets))]  # fmt: skip
+        codes = await asyncio.gather(
+            *(self.post(w, "/api/register", d, now) for w, d in zip(self.wallets, docs, strict=True))
+        )
+        if any(c != 200 for c in codes):
+            raise SystemExit(f"registration failed: {Counter(codes)}")
+
+    async def run(self, seconds: float, round_s: float, rng: random.Random) -> None:
+        start = time.time()
+        tasks = []
+        for i, w in enumerate(self.wallets):
+            phase = rng.uniform(0, HEARTBEAT_S)
+            beats = int((seconds - phase) // HEARTBEAT_S) + 1
+            for k in range(max(0, beats)):
+                at = start + phase + k * HEARTBEAT_S
+                doc = {"stage": i % STAGES, "round": int((at - start) // round_s), "steps_in_round": 10}
+                tasks.append(self.post(w, "/api/heartbeat", doc, at))
+            for r in range(int(seconds // round_s)):
+                at = start + r * round_s + rng.uniform(0, round_s / 4)
+                tasks.append(self._receipt(w, i % STAGES, r, at))
+        await asyncio.gather(*tasks)
+
+    async def _receipt(self, wallet: Wallet, stage: int, round_: int, due: float) -> None:
+        code = await self.post(wallet, "/api/receipts", receipt(stage, round_), due)
+        if code in (200, 201):
+            self.acknowledged.add((wallet.wallet_id, stage, round_))
+
+
+def backends_seen(db: Database, seen: set[int], stop: asyncio.Event) -> asyncio.Task[None]:
+    async def sample() -> None:
+        while not stop.is_set():
+            with db.engine.connect() as conn:
+                pids = conn.execute(
+                    text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+                )
+                seen.update(int(p) for (p,) in pids)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+    return asyncio.create_task(sample())
+
+
+def worker_pids(parent: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+
+
+async def main_async(args: argparse.Namespace, url: str, base: str, parent: int) -> Load:
+    wallets = [Wallet.from_token(f"bench-load-{i}") for i in range(args.nodes)]
+    load = Load(base, wallets, args.connections)
+    db = Database(url)
+    seen: set[int] = set()
+    stop = asyncio.Event()
+    sampler = backends_seen(db, seen, stop) if db.dialect == "postgresql" else None
+    try:
+        await load.register()
+        killer = None
+        if args.kill_after is not None:
+
+            async def kill() -> None:
+                await asyncio.sleep(args.kill_after)
+                victim = worker_pids(parent)[0]
+                os.kill(victim, signal.SIGKILL)
+                print(f"SIGKILL worker {victim} at {args.kill_after:.0f} s", flush=True)
+
+            killer = asyncio.create_task(kill())
+        await load.run(args.seconds, args.round_s, random.Random(0))
+        if killer is not None:
+            await killer
+    finally:
+        stop.set()
+        if sampler is not None:
+            await sampler
+        await load.client.aclose()
+    with db.read() as session:
+        stored = {
+            (w, s, r)
+            for w, s, r in session.execute(select(m.Receipt.wallet_id, m.Receipt.stage, m.Receipt.round))
+        }
+        settled = session.scalar(select(func.count()).select_from(m.Round))
+    db.dispose()
+    lost = load.acknowledged - stored
+    print(
+        f"\nreceipts acknowledged {len(load.acknowledged):,}, stored {len(stored):,}, acknowledged but not stored {len(lost)}"
+    )
+    print(f"(stage, round)s settled: {settled}")
+    if sampler is not None:
+        print(f"PostgreSQL backends seen (distinct pids, sampled every second): {len(seen)}")
+    return load
+
+
+def q(values: list[float], percent: int) -> float:
+    return statistics.quantiles(values, n=100)[percent - 1] if len(values) > 1 else values[0]
+
+
+def report(load: Load, args: argparse.Namespace) -> None:
+    print(
+        f"\n{args.nodes} nodes over {STAGES} stages, heartbeat every {HEARTBEAT_S:.0f} s, a receipt per "
+        f"{args.round_s:.0f} s round, {args.seconds:.0f} s, {args.workers} verifier worker(s), "
+        f"{args.connections} client connections"
+    )
+    print(
+        "| endpoint | requests | p50 ms (sent) | p99 ms (sent) | p50 ms (due) | p99 ms (due) |\n|---|---|---|---|---|---|"
+    )
+    for path in sorted(load.sent_ms):
+        sent, due = load.sent_ms[path], load.due_ms[path]
+        print(
+            f"| {path} | {len(sent):,} | {q(sent, 50):.0f} | {q(sent, 99):.0f} | {q(due, 50):.0f} | {q(due, 99):.0f} |"
+        )
+    print("statuses:", ", ".join(f"{p} {s}: {n}" for (p, s), n in sorted(load.status.items(), key=str)))
+    errors = sum(n for (_, s), n in load.status.items() if isinstance(s, int) and s >= 500)
+    print(f"5xx: {errors}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--db",
+        default=os.environ.get(TEST_DATABASE_ENV, "postgresql://127.0.0.1:5432/test"),
+        help="PostgreSQL URL (a scratch schema is made in it), or 'sqlite' (then --workers 1)",
+    )
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--round-s", type=float, default=20.0)
+    ap.add_argument("--connections", type=int, default=200)
+    ap.add_argument("--kill-after", type=float, help="SIGKILL one worker this many seconds into the load")
+    args = parse_with_quick(ap, nodes=40, seconds=8.0, round_s=4.0, connections=20)
+    if args.quick and args.db == "sqlite":
+        args.workers = 1
+    backend = "sqlite" if args.db == "sqlite" else "postgresql"
+    with (
+        tempfile.TemporaryDirectory() as tmp_name,
+        scratch_database(backend, Path(tmp_name), {TEST_DATABASE_ENV: args.db}) as url,
+    ):
+        tmp = Path(tmp_name)
+        (tmp / "network.toml").write_text(NETWORK_TOML + f"[stages]\ncount = {STAGES}\n")
+        port = free_port()
+        verifier = serve(
+            [sys.executable, "-m", "neuroshard.verifier.cli", "--network", str(tmp / "network.toml"), "--db", url,
+             "--port", str(port), "--home", str(tmp), "--init-operator-key", "--log-level", "warning",
+             "--no-evaluation", "--replay-rate", "0", "--workers", str(args.workers)],
+            port,
+            tmp / "verifier.log",
+        )  # fmt: skip
+        try:
+            load = asyncio.run(main_async(args, url, f"http://127.0.0.1:{port}", verifier.pid))
+        finally:
+            verifier.terminate()
+            verifier.wait(timeout=60)
+        report(load, args)
+
+
+if __name__ == "__main__":
+    main()
