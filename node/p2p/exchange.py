@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -73,11 +74,16 @@ class Exchange:
         timings: ExchangeTimings,
         log: Callable[[str], None],
         relay: RelayControl | None = None,
+        gossip_fanout: int = 3,
     ) -> None:
+        if gossip_fanout < 1:
+            raise ValueError(f"gossip_fanout must be >= 1, got {gossip_fanout}")
         self.node = node
         self.client = client
         self.timings = timings
         self.log = log
+        self.gossip_fanout = gossip_fanout
+        self._gossip_rng = random.Random()
         self.relay = relay
         """The stage bucket, when this replica was given one: relay peers are read there."""
 
@@ -130,12 +136,15 @@ class Exchange:
     # --- discovery ----------------------------------------------------------------------------
 
     async def gossip_once(self) -> None:
-        """Expire silent peers, then swap peer lists with every bootstrap address and live peer."""
+        """Expire silent peers, then swap peer lists with every bootstrap address and `gossip_fanout`
+        live peers drawn at random (epidemic spread: every record reaches every node in O(log n)
+        intervals, and a node's cost per interval does not grow with n beyond the list itself)."""
         now = self.node.clock()
         for wallet in self.node.peers.expire(now):
             self.log(f"peer {wallet[:12]} expired: no fresh record for {self.node.peers.ttl_s:.0f} s")
         targets: dict[str, str | None] = dict.fromkeys(self.node.peers.bootstrap)
-        for entry in self.node.peers.live(now):
+        live = self.node.peers.live(now)
+        for entry in self._gossip_rng.sample(live, min(self.gossip_fanout, len(live))):
             targets[entry.address] = entry.wallet
         targets.pop(self.node.address or "", None)
         await asyncio.gather(*(self._swap_peers(address, wallet) for address, wallet in targets.items()))

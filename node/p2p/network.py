@@ -115,6 +115,10 @@ class NetworkConfig:
     the commit phase ends as soon as the slowest member has finished its inner steps."""
     gossip_interval_s: float = 5.0
     """Seconds between peer-list exchanges (and re-signing this node's own record)."""
+    gossip_fanout: int = 3
+    """Live peers (chosen at random) a node swaps peer lists with per interval, besides its bootstrap
+    addresses: a record spreads epidemically in O(log n) intervals, and a node's gossip costs
+    O(fanout · n) bytes per interval instead of O(n²) (every peer, each list n records long)."""
     peer_ttl_s: float = 30.0
     """A peer whose self-signed record was not refreshed for this long is dropped."""
     ban_after_failures: int = 3
@@ -273,6 +277,7 @@ class PeerNetwork:
                 control_timeout_s=config.control_timeout_s,
             ),
             log,
+            gossip_fanout=config.gossip_fanout,
         )
         # The round's objects: published on this replica's shelf (served by GET /p2p/obj/...), read
         # from each author's own server. A round holds ~2 Δ objects of the current and the previous
