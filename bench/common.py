@@ -91,6 +91,13 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no run of {count} free ports found")
 
 
+def fresh_clone_text(max_bytes: int = CORPUS_BYTES) -> Path:
+    """The text every checkout can build, with or without ../shared/data: the standard library's
+    source (the embedded default's corpus). For benchmarks whose numbers must not depend on what
+    sits beside the checkout."""
+    return _stdlib_text(max_bytes)
+
+
 def quick_text() -> Path:
     """The --quick modes' text: the first QUICK_BYTES of the standard library's source."""
     return _stdlib_text(QUICK_BYTES)

@@ -121,9 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=20_000,
         help="inner step where the cosine lr decay ends; keep it fixed across restarts (the schedule follows it)",
     )
-    diloco.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer SGD learning rate")
     diloco.add_argument(
-        "--outer-momentum", type=float, default=d.outer_momentum, help="outer Nesterov momentum"
+        "--outer-lr", type=float, default=d.outer_lr, help="outer SGD learning rate (tuned: bench/RESULTS.md)"
+    )
+    diloco.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=d.outer_momentum,
+        help="outer Nesterov momentum (0: plain SGD)",
     )
 
     rot = p.add_argument_group("shard rotation (on exhaustion, or when the loss plateaus on a shard)")
@@ -163,6 +168,20 @@ _LOG_LOCK = threading.RLock()
 """print writes the text and the newline separately: without a lock, lines from the training,
 peer, tracker and embedded verifier threads can merge (and the swarm parses these lines).
 Re-entrant: the SIGTERM handler logs on the main thread, possibly in the middle of its print."""
+
+
+def diloco_config_from_args(args: argparse.Namespace) -> DiLoCoConfig:
+    """The DiLoCoConfig the flags ask for; the outer step's defaults are DiLoCoConfig's own
+    (tuned by bench/bench_convergence.py), Nesterov whenever the momentum is > 0."""
+    return DiLoCoConfig(
+        inner_steps=args.inner_steps,
+        inner_lr=args.inner_lr,
+        warmup_steps=min(args.warmup_steps, args.total_steps),
+        total_steps=args.total_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        outer_nesterov=args.outer_momentum > 0,
+    )
 
 
 def _log(line: str) -> None:
@@ -360,16 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             _no_embedded_verifier_for_stages(args)
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
-        total = args.total_steps
-        diloco_config = DiLoCoConfig(
-            inner_steps=args.inner_steps,
-            inner_lr=args.inner_lr,
-            warmup_steps=min(args.warmup_steps, total),
-            total_steps=total,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            outer_nesterov=args.outer_momentum > 0,
-        )
+        diloco_config = diloco_config_from_args(args)
         if joined is not None:
             model_config, diloco_config = joined.model, joined.diloco
         if args.stage > 0:

@@ -18,6 +18,7 @@ TIMEOUT_S = 180
 
 def test_every_benchmark_is_listed() -> None:
     assert "bench_verifier.py" in BENCHMARKS and len(BENCHMARKS) >= 10
+    assert "bench_convergence.py" in BENCHMARKS  # DiLoCo vs data parallel (issue 18)
 
 
 @pytest.mark.slow

@@ -1,11 +1,15 @@
 import hashlib
 import io
+import json
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+from neuroshard.node.cli import build_parser, diloco_config_from_args
 from neuroshard.node.diloco import (
     DiLoCo,
     DiLoCoConfig,
@@ -16,6 +20,7 @@ from neuroshard.node.diloco import (
     tensor_sha256,
 )
 from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
+from neuroshard.node.network_definition import parse_network
 from neuroshard.node.p2p.state import adopt_state
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
@@ -310,3 +315,26 @@ def test_weights_hash_is_sha256_of_little_endian_float32() -> None:
     assert a.weights_hash() == b.weights_hash()
     a.outer_step(torch.full_like(a.theta_round.detach(), 1e-3))
     assert a.weights_hash() != b.weights_hash()
+
+
+# The outer step's tuned defaults (bench/bench_convergence.py, bench/RESULTS.md "DiLoCo against
+# synchronous data parallel"): pinned here so that changing them is a decision, not an accident.
+TUNED_OUTER = (1.0, 0.5, True)  # Nesterov, lr 1.0, momentum 0.5
+
+
+@pytest.mark.parametrize("inner_steps", [1, 10, 50, 100, 500])
+def test_a_bare_config_carries_the_tuned_outer_defaults(inner_steps: int) -> None:
+    config = DiLoCoConfig(inner_steps=inner_steps)
+    assert (config.outer_lr, config.outer_momentum, config.outer_nesterov) == TUNED_OUTER
+    assert (config.outer_lr, config.outer_momentum) != (0.7, 0.9)  # not the paper's H = 500 values
+
+
+def test_the_network_definition_and_the_node_take_the_config_defaults() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "network.toml"
+    net = parse_network(tomllib.loads(example.read_text()))
+    node = diloco_config_from_args(build_parser().parse_args([]))
+    for config in (net.diloco, node):
+        assert (config.outer_lr, config.outer_momentum, config.outer_nesterov) == TUNED_OUTER
+    # A definition that leaves the outer step out serves the same values to every joining node.
+    served = parse_network(json.loads(json.dumps(net.to_document())))
+    assert served.diloco == net.diloco
