@@ -172,7 +172,10 @@ def _global(services: Services) -> GlobalOut:
         verify = _verify(session, services)
         totals = summary.totals(session, now=now, ttl=cfg.peer_ttl_s)
         live = summary.live_peers(session, now=now, ttl=cfg.peer_ttl_s)
-        rounds = summary.recent_rounds(session, limit=4 * net.num_stages)
+        # Per stage: stages need not keep pace (a lone pipeline replica runs ahead), so the
+        # newest rounds overall may all be one stage's.
+        rounds = [r for s in range(net.num_stages) for r in summary.recent_rounds(session, limit=4, stage=s)]
+        rounds.sort(key=lambda r: (r.round, r.stage))
     progress = [n.steps_in_round / net.diloco.inner_steps for n in live if n.steps_in_round is not None]
     return GlobalOut(
         network=net.name,

@@ -10,7 +10,7 @@ from neuroshard.api.testing import OPERATOR, Harness, receipt_doc, test_config
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import ledger
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER, verify_network
-from neuroshard.verifier.testing import ManualClock
+from neuroshard.verifier.testing import ManualClock, small_network
 
 HONEST = [Wallet.from_token(f"honest-{i}") for i in range(3)]
 ATTACKER = Wallet.from_token("attacker")
@@ -223,3 +223,20 @@ def test_app_migrates_an_empty_database_at_start(empty_database_url: str) -> Non
         create_app(test_config(empty_database_url, clock))
     ) as client:  # second start: no-op upgrade
         assert [n["wallet_id"] for n in client.get("/api/nodes").json()] == [HONEST[0].wallet_id]
+
+
+def test_every_stage_shows_its_own_latest_round_when_one_runs_ahead(database_url: str) -> None:
+    """A lone stage-1 replica can finish many rounds while stage 0 does a few; the picture per
+    stage must not come from the newest rounds overall (they would all be stage 1's)."""
+    clock = ManualClock()
+    config = test_config(database_url, clock, network=small_network(stages={"count": 2}))
+    with TestClient(create_app(config)) as client:
+        h = Harness(client, clock, config)
+        h.register(HONEST[0], stage=0)
+        h.register(HONEST[1], stage=1)
+        assert h.post(HONEST[0], "/api/receipts", receipt_doc(0, theta(0), stage=0)).status_code == 201
+        for r in range(12):
+            doc = receipt_doc(r, theta(r), stage=1, data=[])
+            assert h.post(HONEST[1], "/api/receipts", doc).status_code == 201
+        stages = client.get("/api/training/global").json()["stages"]
+    assert [(s["stage"], s["latest_round"]) for s in stages] == [(0, 0), (1, 11)]
