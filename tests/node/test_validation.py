@@ -23,9 +23,16 @@ if TYPE_CHECKING:  # the fixture's type only; importing conftest at run time wou
     from conftest import PublishedData
 
 REPLICAS = 6
-# Plain outer SGD, so θ₁ − θ₀ = −outer_lr · (round 0's aggregate) exactly, for wrong_base.
+# Plain outer SGD, so θ₁ − θ₀ = −outer_lr · (round 0's aggregate) exactly, for wrong_base. The lr is
+# pinned (0.7, the old default): wrong_base's expected verdicts were calibrated on it.
 DILOCO = DiLoCoConfig(
-    inner_steps=5, inner_lr=1e-2, warmup_steps=2, total_steps=15, outer_momentum=0.0, outer_nesterov=False
+    inner_steps=5,
+    inner_lr=1e-2,
+    warmup_steps=2,
+    total_steps=15,
+    outer_lr=0.7,
+    outer_momentum=0.0,
+    outer_nesterov=False,
 )
 
 
