@@ -96,11 +96,14 @@ class Load:
         now = time.time()
         docs = [{"address": "http://127.0.0.1:9000", "stage": i % STAGES, "software_version": "0.1.0"}
                 for i in range(len(self.wallets))]  # fmt: skip
-        codes = await asyncio.gather(
-            *(self.post(w, "/api/register", d, now) for w, d in zip(self.wallets, docs, strict=True))
-        )
-        if any(c != 200 for c in codes):
-            raise SystemExit(f"registration failed: {Counter(codes)}")
+        pending = list(zip(self.wallets, docs, strict=True))
+        for _ in range(3):  # a node retries a registration the network lost; so does this one
+            codes = await asyncio.gather(*(self.post(w, "/api/register", d, now) for w, d in pending))
+            if any(c not in (200, None) for c in codes):
+                raise SystemExit(f"registration refused: {Counter(codes)}")
+            pending = [p for p, code in zip(pending, codes, strict=True) if code is None]
+        if pending:
+            raise SystemExit(f"{len(pending)} registrations failed three times")
 
     async def run(self, seconds: float, round_s: float, rng: random.Random) -> None:
         start = time.time()
