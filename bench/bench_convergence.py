@@ -280,6 +280,9 @@ def table(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
             row["curves"]["one replica"] = alone[0]["curve"]
             cells = [str(m), str(h), f"{dp_loss:.4f}", f"{alone_loss:.4f} ({alone_loss / dp_loss:.3f}×)"]
             for spec in args.outer:
+                if spec != "defaults" and m not in args.compare_at:
+                    cells.append("—")
+                    continue
                 outer = Outer.parse(spec, h)
                 got = [
                     runs.get(kind="diloco", replicas=m, seed=s, inner_steps=h, outer=outer)
@@ -320,15 +323,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         print("(matplotlib not installed: no plot; pip install -e '.[bench]')")
         return
-    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.5), squeeze=False, sharey=True)
-    for ax, row in zip(axes[0], rows, strict=True):
+    ms = sorted({row["M"] for row in rows})
+    hs = sorted({row["H"] for row in rows})
+    fig, axes = plt.subplots(len(ms), len(hs), figsize=(4 * len(hs), 3 * len(ms)), squeeze=False, sharey=True)
+    for row in rows:
+        ax = axes[ms.index(row["M"])][hs.index(row["H"])]
+        top = 0.0
         for label, curve in row["curves"].items():
             steps, losses = zip(*curve[1:], strict=True)
             ax.plot(steps, losses, label=label)
-        ax.set_title(f"M={row['M']} H={row['H']} (seed 0)")
+            top = max(top, *(loss for step, loss in curve if step >= steps[-1] / 5))
+        ax.set_ylim(top=top)  # past the first fifth: the start's steep fall would flatten the rest
+        ax.set_title(f"M={row['M']} H={row['H']} (seed 0)", fontsize=9)
         ax.set_xlabel("inner steps per replica")
-    axes[0][0].set_ylabel("held-out loss")
-    axes[0][-1].legend(fontsize=7)
+        ax.legend(fontsize=6)
+    for ax_row in axes:
+        ax_row[0].set_ylabel("held-out loss")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     print(f"(plot: {path})")
@@ -340,6 +350,13 @@ def main() -> None:
     p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50, 100, 500], help="H values")
     p.add_argument(
         "--outer", nargs="+", default=["defaults", "0.7:0.9:n", "1:0:s"], help="outer settings (columns)"
+    )
+    p.add_argument(
+        "--compare-at",
+        type=int,
+        nargs="*",
+        default=[4],
+        help="M values that run the --outer columns besides defaults",
     )
     p.add_argument(
         "--robust-at", type=int, nargs="*", default=[4], help="M values that also run the default rule"
@@ -365,6 +382,7 @@ def main() -> None:
     args = parse_with_quick(
         p, replicas=[2], inner_steps=[5], seeds=[0], steps=10, dim=32, layers=1, vocab=300, seq_len=16,
         batch=2, warmup_steps=2, eval_batches=2, eval_every=5, cache="", outer=["defaults", "1:0:s"], robust_at=[2],
+        compare_at=[2],
     )  # fmt: skip
     torch.set_num_threads(args.threads)
     text = quick_text() if args.quick else fresh_clone_text(args.text_bytes)
