@@ -47,7 +47,7 @@ import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -82,6 +82,9 @@ from .reduce import (
     recompute,
     split_slot,
 )
+
+_RoundSigned = TypeVar("_RoundSigned", Echo, RoundDigest)
+"""The small signed objects a replica reads by `OuterRound._read_signed`."""
 
 SMALL_OBJECT_BYTES = 64 << 10
 """Cap on a commitment, claim or digest read (each is < 2 KB)."""
@@ -540,20 +543,26 @@ class OuterRound:
 
     async def _read_echo(self, held: _Held, j: int, witness: str, wait_s: float) -> Echo | None:
         """`witness`'s echo of part j, if it is signed by it and of this round and part."""
+        echo = await self._read_signed(held, witness, self._name(held.inp, "echo", j), Echo, wait_s)
+        return echo if echo is not None and echo.part == j else None
+
+    async def _read_signed(
+        self, held: _Held, author: str, name: str, kind: type[_RoundSigned], wait_s: float
+    ) -> _RoundSigned | None:
+        """`author`'s small signed object `name`, if it parses as `kind`, is signed by `author` and
+        belongs to this round (stage, round, base hash and member list); else None."""
         inp = held.inp
-        raw = await self.store.fetch(
-            witness, self._name(inp, "echo", j), max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s
-        )
+        raw = await self.store.fetch(author, name, max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s)
         try:
-            echo = Echo.from_json(raw) if raw is not None else None
+            msg = kind.from_json(raw) if raw is not None else None
         except WireError:
             return None
-        if echo is None or echo.wallet != witness:
+        if msg is None or msg.wallet != author:
             return None
-        if (echo.stage, echo.round, echo.base_hash, echo.members_sha256, echo.part) != (
-            inp.stage, inp.round, inp.base_hash, held.members_sha, j):  # fmt: skip
+        if (msg.stage, msg.round, msg.base_hash, msg.members_sha256) != (
+            inp.stage, inp.round, inp.base_hash, held.members_sha):  # fmt: skip
             return None
-        return echo if echo.signature_valid() else None
+        return msg if msg.signature_valid() else None
 
     async def _echo(self, held: _Held) -> None:
         """Decide every part from its witnesses' echoes (``Echo``), which honest witnesses show alike
@@ -815,23 +824,9 @@ class OuterRound:
         self._apply_equivocation(held, j, first.wallet)
 
     async def _read_digest(self, held: _Held, member: str) -> RoundDigest | None:
-        inp = held.inp
-        raw = await self.store.fetch(
-            member,
-            self._name(inp, "digest"),
-            max_bytes=SMALL_OBJECT_BYTES,
-            wait_s=self.config.agree_timeout_s,
+        return await self._read_signed(
+            held, member, self._name(held.inp, "digest"), RoundDigest, self.config.agree_timeout_s
         )
-        try:
-            digest = RoundDigest.from_json(raw) if raw is not None else None
-        except WireError:
-            return None
-        if digest is None or digest.wallet != member or not digest.signature_valid():
-            return None
-        if (digest.stage, digest.round, digest.base_hash, digest.members_sha256) != (
-            inp.stage, inp.round, inp.base_hash, held.members_sha):  # fmt: skip
-            return None
-        return digest
 
     async def _take_fraud_proof(self, held: _Held, finder: str, j: int) -> None:
         """Check the fraud proof `finder` published for part j; apply it if it holds."""

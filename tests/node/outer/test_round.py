@@ -137,11 +137,15 @@ class ClaimRouter(MemoryStore):
     """A reader's view of a carrier that answers it as `cheat` chooses: for part claims of `cheat`,
     "a" reads the claim the cheat published, "b" its ``claim-b`` twin, "none" nothing at all."""
 
-    def __init__(self, hub: MemoryHub, wallet: str, cheat: str, answer: str) -> None:
+    def __init__(
+        self, hub: MemoryHub, wallet: str, cheat: str, answer: str, echo_delay_s: float = 0.0
+    ) -> None:
         super().__init__(hub, wallet)
-        self.cheat, self.answer = cheat, answer
+        self.cheat, self.answer, self.echo_delay_s = cheat, answer, echo_delay_s
 
     async def fetch(self, author: str, name: str, **kw: Any) -> bytes | None:
+        if name.split("/")[2] == "echo":
+            await asyncio.sleep(self.echo_delay_s)
         if author == self.cheat and name.split("/")[2] == "claim":
             if self.answer == "none":
                 return None
@@ -150,7 +154,9 @@ class ClaimRouter(MemoryStore):
         return await super().fetch(author, name, **kw)
 
 
-async def run_split(answers: dict[int, str], cheat_at: int = 2, n: int = 6) -> tuple[str, list[RoundResult]]:
+async def run_split(
+    answers: dict[int, str], cheat_at: int = 2, n: int = 6, echo_delay_s: float = 0.0
+) -> tuple[str, list[RoundResult]]:
     wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
     members = tuple(w.public_key_hex for w in wallets)
     cheat = members[cheat_at]
@@ -158,7 +164,7 @@ async def run_split(answers: dict[int, str], cheat_at: int = 2, n: int = 6) -> t
     rounds: list[OuterRound] = []
     for i, wallet in enumerate(wallets):
         store = hub.stores[wallet.public_key_hex] = ClaimRouter(
-            hub, wallet.public_key_hex, cheat, answers.get(i, "a")
+            hub, wallet.public_key_hex, cheat, answers.get(i, "a"), echo_delay_s
         )
         cls = SplitEquivocator if i == cheat_at else OuterRound
         rounds.append(cls(store, wallet, median_rule, fast_config(checks=0)))
@@ -190,7 +196,9 @@ async def test_an_owner_that_shows_its_witnesses_two_claims_is_caught_by_every_h
     n = 6
     members = tuple(sorted(Wallet.from_token(f"replica-{i}").public_key_hex for i in range(n)))
     first, second = witnesses_of(members[2], n)[:2]
-    cheat, honest = await run_split({first: "a", second: "b"}, cheat_at=2, n=n)
+    # Echoes come late enough that each witness reads the owner's claim before the other's echo
+    # (else the later witness takes the first one's claim, and the second claim reaches nobody).
+    cheat, honest = await run_split({first: "a", second: "b"}, cheat_at=2, n=n, echo_delay_s=0.5)
     owned = parts_owned_by(cheat, n)
     assert owned
     for r in honest:
