@@ -165,6 +165,7 @@ def train(
     inner_steps: int = 0,
     outer: Outer | None = None,
     rule: str = "mean",
+    delayed: bool = False,
 ) -> dict[str, Any]:
     """One run; returns its held-out curve [(inner step, loss)] and final held-out loss."""
     model = ModelConfig(
@@ -217,6 +218,7 @@ def train(
         batches=batches,
         aggregate=rule_fn,
         eval_batches=evals,
+        delayed_outer=delayed,
     )
     curve = [(0, result.initial_eval_loss)] + [
         ((r + 1) * every, loss) for r, loss in enumerate(result.eval_loss)
@@ -260,6 +262,7 @@ def table(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     head = ["M", "H", "data parallel", "one replica"]
     head += [f"DiLoCo {spec}" for spec in args.outer] + ["robust rule (defaults)"]
+    head += ["overlapped (one-round-delayed outer step)"] if args.overlap else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for m in args.replicas:
         dp = [runs.get(kind="dp", replicas=m, seed=s) for s in args.seeds]
@@ -309,6 +312,16 @@ def table(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
                 row["robust"] = loss
                 robust = f"{loss:.4f} ({loss / mean_rule:.3f}× mean)"
             cells.append(robust)
+            if args.overlap and m in args.compare_at:
+                outer = Outer.parse("defaults", h)
+                got = [
+                    runs.get(kind="diloco", replicas=m, seed=s, inner_steps=h, outer=outer, delayed=True)
+                    for s in args.seeds
+                ]
+                loss = mean_final(got)
+                row["curves"]["DiLoCo defaults, overlapped"] = got[0]["curve"]
+                base = row["diloco"].get("defaults")
+                cells.append(f"{loss:.4f}" + (f" ({loss / base:.3f}× defaults)" if base else ""))
             print("| " + " | ".join(cells) + " |", flush=True)
             rows.append(row)
     return rows
@@ -362,6 +375,11 @@ def main() -> None:
         "--robust-at", type=int, nargs="*", default=[4], help="M values that also run the default rule"
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also run the defaults with a one-round-delayed outer step (--compare-at M)",
+    )
     p.add_argument("--steps", type=int, default=500, help="inner steps per replica (and for both baselines)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -382,7 +400,7 @@ def main() -> None:
     args = parse_with_quick(
         p, replicas=[2], inner_steps=[5], seeds=[0], steps=10, dim=32, layers=1, vocab=300, seq_len=16,
         batch=2, warmup_steps=2, eval_batches=2, eval_every=5, cache="", outer=["defaults", "1:0:s"], robust_at=[2],
-        compare_at=[2],
+        compare_at=[2], overlap=True,
     )  # fmt: skip
     torch.set_num_threads(args.threads)
     text = quick_text() if args.quick else fresh_clone_text(args.text_bytes)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .diloco import DiLoCo, DiLoCoConfig, InnerOptimizerFactory, flat_parameters
+from .diloco import DiLoCo, DiLoCoConfig, InnerOptimizerFactory, copy_into_parameters, flat_parameters
 from .model import ModelConfig, Transformer, cross_entropy_loss
 
 Batch = tuple[Tensor, Tensor]
@@ -65,8 +65,17 @@ def simulate(
     contribution_hook: ContributionHook | None = None,
     inner_optimizer: InnerOptimizerFactory | None = None,
     log: Callable[[str], None] | None = None,
+    delayed_outer: bool = False,
 ) -> SimulationResult:
-    """Run ``rounds`` DiLoCo rounds of ``replicas`` replicas that all start from θ₀(init_seed)."""
+    """Run ``rounds`` DiLoCo rounds of ``replicas`` replicas that all start from θ₀(init_seed).
+
+    ``delayed_outer``: the round overlaps the next round's inner steps (the one-round-delayed
+    outer update of eager updates, Kale et al. 2025, and streaming DiLoCo's overlap, Douillard
+    et al. 2025). A replica contributes its own progress over the round and trains on at once;
+    the aggregate lands one round later on θ_round, and the replica goes on from the new θ_round
+    plus its own progress since (``_run_delayed``). Same number of outer steps: the last
+    aggregate is applied after the last round.
+    """
     if replicas < 1 or rounds < 0:
         raise ValueError(f"need replicas >= 1 and rounds >= 0, got replicas={replicas} rounds={rounds}")
     if eval_batches is not None and len(eval_batches) == 0:
@@ -75,6 +84,8 @@ def simulate(
         DiLoCo(Transformer(model_config), diloco_config, inner_optimizer=inner_optimizer)
         for _ in range(replicas)
     ]
+    if delayed_outer:
+        return _run_delayed(engines, model_config, rounds, batches, aggregate, eval_batches, log)
     initial_eval = evaluate(engines[0].model, eval_batches) if eval_batches else None
     inner_losses: list[float] = []
     eval_losses: list[float] = []
@@ -93,6 +104,51 @@ def simulate(
             message += f", eval loss {eval_losses[-1]:.4f}"
         if log is not None:
             log(message)
+    return SimulationResult(
+        inner_loss=inner_losses,
+        eval_loss=eval_losses,
+        initial_eval_loss=initial_eval,
+        theta=engines[0].theta_round.detach().clone(),
+    )
+
+
+def _run_delayed(
+    engines: list[DiLoCo],
+    model_config: ModelConfig,
+    rounds: int,
+    batches: BatchFn,
+    aggregate: AggregateFn,
+    eval_batches: Sequence[Batch] | None,
+    log: Callable[[str], None] | None,
+) -> SimulationResult:
+    """simulate(delayed_outer=True). Replica i's round r runs from s_i to e_i and contributes
+    Δ_i = s_i − e_i; at the round's end θ_round takes the previous round's aggregate (none after
+    round 0: a zero step, which leaves θ and the momentum's first step as they were) and the
+    next round starts at s_i = θ_round − Δ_i. θ_round, evaluated on a model of its own, lags
+    the replicas by the round whose aggregate is in flight."""
+    scorer = Transformer(model_config)
+    initial_eval = evaluate(scorer, eval_batches) if eval_batches else None
+    starts = [flat_parameters(engine.params) for engine in engines]
+    pending = torch.zeros_like(starts[0])
+    inner_losses: list[float] = []
+    eval_losses: list[float] = []
+    for r in range(rounds + 1):
+        if r < rounds:
+            inner_losses.append(_run_inner_steps(engines, batches))
+            progress = [start - flat_parameters(e.params) for start, e in zip(starts, engines, strict=True)]
+        else:  # the last aggregate lands after training: the same outer steps as without overlap
+            progress = [torch.zeros_like(pending) for _ in engines]
+        for i, engine in enumerate(engines):
+            engine.outer_step(pending)
+            starts[i] = engine.theta_round.detach() - progress[i]
+            copy_into_parameters(starts[i], engine.params)
+        if r < rounds:
+            pending = aggregate(torch.stack(progress))  # (M, d) → (d,), applied next round
+        if eval_batches and r > 0:
+            copy_into_parameters(engines[0].theta_round.detach(), scorer.parameters())
+            eval_losses.append(evaluate(scorer, eval_batches))
+        if log is not None and r < rounds:
+            log(f"round {r}: inner loss {inner_losses[-1]:.4f} (outer step one round behind)")
     return SimulationResult(
         inner_loss=inner_losses,
         eval_loss=eval_losses,

@@ -100,3 +100,43 @@ def test_rejects_bad_arguments() -> None:
         simulate(MODEL, DILOCO, replicas=0, rounds=1, batches=replica_batches)
     with pytest.raises(ValueError, match="eval_batches is empty"):
         simulate(MODEL, DILOCO, replicas=1, rounds=1, batches=replica_batches, eval_batches=[])
+
+
+def test_delayed_outer_step_with_one_replica_and_plain_outer_sgd_is_local_training() -> None:
+    # One replica, outer SGD lr 1 without momentum: θ_round − Δ is where the replica went, so a
+    # one-round-late outer step plus the replica's own progress since lands on the same weights.
+    plain = DiLoCoConfig(
+        inner_steps=5,
+        inner_lr=1e-2,
+        warmup_steps=2,
+        total_steps=100,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_nesterov=False,
+    )
+    now = simulate(MODEL, plain, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL)
+    late = simulate(
+        MODEL, plain, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL, delayed_outer=True
+    )
+    assert torch.allclose(now.theta, late.theta, atol=1e-5)
+    assert late.inner_loss == pytest.approx(now.inner_loss, rel=1e-4)
+    assert late.eval_loss == pytest.approx(now.eval_loss, rel=1e-4)
+
+
+def test_delayed_outer_step_lags_a_round_and_still_learns() -> None:
+    now = simulate(MODEL, DILOCO, replicas=2, rounds=4, batches=replica_batches, eval_batches=EVAL)
+    lines: list[str] = []
+    late = simulate(
+        MODEL,
+        DILOCO,
+        replicas=2,
+        rounds=4,
+        batches=replica_batches,
+        eval_batches=EVAL,
+        delayed_outer=True,
+        log=lines.append,
+    )
+    assert len(late.eval_loss) == len(late.inner_loss) == len(lines) == 4
+    assert not torch.allclose(now.theta, late.theta)  # the overlap changes the maths
+    assert late.initial_eval_loss == now.initial_eval_loss
+    assert late.eval_loss[-1] < 0.5 * late.initial_eval_loss
