@@ -405,6 +405,12 @@ def metrics(services: ServicesDep) -> Response:
         "1 when this process runs the evaluations and spot checks (verifier.leader).",
         int(lease is not None and lease.is_leader),
     )
+    out.family(
+        "neuroshard_background_jobs",
+        "gauge",
+        "Background jobs running in this process (only the leader runs any).",
+        [({"job": name}, n) for name, n in sorted((lease.running() if lease is not None else {}).items())],
+    )
     out.gauge(
         "neuroshard_read_renders",
         "Read responses rendered from the database by this process.",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,7 +81,14 @@ class LeaderLease:
 
     @property
     def is_leader(self) -> bool:
-        return self._leading
+        """True once every job of the term has started (taken under the lock _lead holds meanwhile)."""
+        with self._lock:
+            return self._leading
+
+    def running(self) -> Counter[str]:
+        """Background jobs running in this process, by class name (/metrics)."""
+        with self._lock:
+            return Counter(type(job).__name__ for job in self._running)
 
     def start(self) -> None:
         if self.db.dialect != "postgresql":
@@ -95,7 +103,8 @@ class LeaderLease:
         if self._thread is not None:
             self._thread.join(timeout=10 * self.config.poll_s + 5)
             self._thread = None
-        self._step_down("shutting down")
+        with self._lock:
+            self._step_down("shutting down")
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.poll_s):
@@ -131,15 +140,16 @@ class LeaderLease:
 
     def _lead(self) -> None:
         with self._lock:
-            self._leading = True
             self.terms += 1
             self._log(f"background work: process {os.getpid()} leads (term {self.terms})")
             for make in self._factories:
                 job = make()
                 job.start()
                 self._running.append(job)
+            self._leading = True
 
     def _step_down(self, why: str) -> None:
+        """Stop the jobs and end the session that holds the lock; the caller holds self._lock."""
         jobs, self._running = self._running, []
         for job in reversed(jobs):
             try:

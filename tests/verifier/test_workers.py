@@ -1,7 +1,7 @@
 """`neuroshard-verifier --workers 2` on PostgreSQL: real processes on loopback.
 
-Both workers answer and write; exactly one leads the background work (its /metrics says so,
-and PostgreSQL shows one lease lock); SIGKILL of the leader loses no acknowledged write, the
+Both workers answer and write; exactly one leads the background work and runs the held-out
+evaluator and the replay checker (its /metrics says so, the other runs none, and PostgreSQL shows one lease lock); SIGKILL of the leader loses no acknowledged write, the
 parent starts a replacement, and another worker takes the lease.
 """
 
@@ -50,7 +50,8 @@ def post(base: str, signer: Wallet, path: str, doc: object) -> int:
 
 def sample_metrics(base: str, requests: int = 64) -> dict[int, int]:
     """worker pid → its background_leader gauge, from `requests` fresh connections, 8 at a time
-    (each connection goes to whichever worker accepts it)."""
+    (each connection goes to whichever worker accepts it). A leader must be running the
+    evaluator and the replay checker, a follower neither."""
 
     def one(_: int) -> tuple[int, int]:
         with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
@@ -58,6 +59,9 @@ def sample_metrics(base: str, requests: int = 64) -> dict[int, int]:
         pid = re.search(r"^neuroshard_worker_pid (\d+)", text_, re.M)
         leader = re.search(r"^neuroshard_background_leader (\d+)", text_, re.M)
         assert pid and leader, text_
+        jobs = re.findall(r'^neuroshard_background_jobs\{job="(\w+)"\} (\d+)', text_, re.M)
+        expected = [("Evaluator", "1"), ("ReplayChecker", "1")] if leader.group(1) == "1" else []
+        assert jobs == expected, text_
         return int(pid.group(1)), int(leader.group(1))
 
     with ThreadPoolExecutor(8) as pool:
@@ -92,7 +96,7 @@ def write_round(base: str, round_: int) -> list[int]:
 def test_two_workers_serve_write_and_fail_over(pg_url: str, tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    parent = start_verifier_process(tmp_path, pg_url, port, extra_args=["--workers", "2", "--no-evaluation"])
+    parent = start_verifier_process(tmp_path, pg_url, port, extra_args=["--workers", "2"])
     db = Database(pg_url)
     try:
         deadline = time.monotonic() + 30
