@@ -224,7 +224,7 @@ def main() -> None:
     ap.add_argument("--round-s", type=float, default=20.0)
     ap.add_argument("--connections", type=int, default=200)
     ap.add_argument("--kill-after", type=float, help="SIGKILL one worker this many seconds into the load")
-    args = parse_with_quick(ap, nodes=40, seconds=8.0, round_s=4.0, connections=20)
+    args = parse_with_quick(ap, nodes=40, workers=2, seconds=6.0, round_s=3.0, connections=20)
     if args.quick and args.db == "sqlite":
         args.workers = 1
     backend = "sqlite" if args.db == "sqlite" else "postgresql"
