@@ -104,15 +104,35 @@ def _no_constants(name: str) -> Any:
     raise MalformedMessage(f"JSON constant {name} is not allowed")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise MalformedMessage(f"JSON number {text[:40]} overflows a float")
+    return value
+
+
 def parse_json(data: bytes | str, what: str) -> Any:
-    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity."""
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity (written or by overflow, 1e999).
+    Every way a hostile body can fail to parse is a MalformedMessage (so a 4xx): nesting deeper
+    than the parser's recursion limit, and integers longer than Python converts (4,300 digits)."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constants,
+            parse_float=_finite_float,
+        )
     except UnicodeDecodeError:
         raise MalformedMessage(f"{what} is not UTF-8") from None
     except json.JSONDecodeError as exc:
         raise MalformedMessage(f"{what} is not JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise MalformedMessage(f"{what} nests too deep") from None
+    except MalformedMessage:
+        raise  # from the hooks: a duplicate key, a NaN, an overflowing float
+    except ValueError as exc:  # int() of a number longer than sys.get_int_max_str_digits()
+        raise MalformedMessage(f"{what} is not acceptable JSON: {str(exc)[:120]}") from None
 
 
 # Field validators: each takes the JSON value and where it sits, returns the Python value.

@@ -112,6 +112,16 @@ def test_metadata_header_is_refused() -> None:
         decode_delta(data, "fp16", 10)
 
 
+def test_a_deeply_nested_or_overlong_header_is_malformed() -> None:
+    """A safetensors header is JSON from the network: hostile nesting and numbers are refused, not a crash."""
+    for header in (
+        b"[" * 3000 + b"]" * 3000,
+        b'{"delta": {"dtype": "F16", "shape": [' + b"1" * 5000 + b"]}}",
+    ):
+        with pytest.raises(MalformedMessage):
+            decode_delta(struct.pack("<Q", len(header)) + header, "fp16", 10)
+
+
 def test_header_length_larger_than_body_is_malformed() -> None:
     with pytest.raises(MalformedMessage, match="not a safetensors file"):
         decode_delta(struct.pack("<Q", 10**12) + b"{}", "fp16", 10)

@@ -187,6 +187,7 @@ async def test_malformed_record_is_400_or_422(served, wallets) -> None:
         (json.dumps({k: v for k, v in obj.items() if k != "stage"}).encode(), 400, "missing field"),
         (json.dumps({**obj, "stage": -1}).encode(), 422, "outside"),
         (json.dumps({**obj, "address": "nohost"}).encode(), 422, "not host:port"),
+        (b"[" * 2000 + b"]" * 2000, 400, "nests too deep"),  # was a 500 with a traceback
     ]
     for body, expected, text in cases:
         status, reason = await served.announce(wallets[1], body)

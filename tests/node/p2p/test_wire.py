@@ -74,6 +74,10 @@ def test_schema_is_strict(wallets, mutate, error, message) -> None:
         (b"\xff\xfe", "not UTF-8"),
         (b"[1, 2", "not JSON"),
         (b"[]", "must be a JSON object"),
+        (b"[" * 3000 + b"]" * 3000, "nests too deep"),
+        (b'{"a":' * 3000 + b"1" + b"}" * 3000, "nests too deep"),
+        (b'{"round": ' + b"9" * 5000 + b"}", "not acceptable JSON"),  # past Python's int digits limit
+        (b'{"x": 1e999}', "overflows a float"),
     ],
 )
 def test_json_parsing_is_strict(raw, message) -> None:
