@@ -338,15 +338,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         return
     ms = sorted({row["M"] for row in rows})
     hs = sorted({row["H"] for row in rows})
-    fig, axes = plt.subplots(len(ms), len(hs), figsize=(4 * len(hs), 3 * len(ms)), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(len(ms), len(hs), figsize=(4 * len(hs), 3 * len(ms)), squeeze=False)
     for row in rows:
         ax = axes[ms.index(row["M"])][hs.index(row["H"])]
-        top = 0.0
+        top, bottom = 0.0, float("inf")
         for label, curve in row["curves"].items():
             steps, losses = zip(*curve[1:], strict=True)
             ax.plot(steps, losses, label=label)
             top = max(top, *(loss for step, loss in curve if step >= steps[-1] / 5))
-        ax.set_ylim(top=top)  # past the first fifth: the start's steep fall would flatten the rest
+            bottom = min(bottom, *losses)
+        ax.set_ylim(bottom - 0.05, top)  # past the first fifth: the start's steep fall would flatten the rest
         ax.set_title(f"M={row['M']} H={row['H']} (seed 0)", fontsize=9)
         ax.set_xlabel("inner steps per replica")
         ax.legend(fontsize=6)
