@@ -855,7 +855,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = trials(args.trials, args.trial_n, 3, args.checks, args.values_per_part)
         print(
             f"\nWrongAggregate owners reported within 3 rounds: {out['caught']}/{out['cheats']} "
-            f"= {out['share']:.4f} (n = {out['n']}, {out['trials']} seeded stages)"
+            f"= {out['share']:.4f} (n = {out['n']}, {out['trials']} seeded stages); rounds in which honest "
+            f"replicas ended apart: {out['rounds_honest_disagreed']}; honest replicas reported: {out['honest_reported']}"
         )
         if args.json:
             print(json.dumps(out))
