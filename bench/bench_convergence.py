@@ -8,7 +8,8 @@ on the same held-out windows:
 - one replica alone: replica 0's batches only (a quarter of the tokens at M = 4);
 - DiLoCo: M replicas of H inner steps each per round, outer step on the mean of their
   pseudo-gradients (``neuroshard.node.simulate``), with the robust default rule beside it
-  (``aggregation.aggregate("default", ...)``) where --robust-at names M.
+  (``aggregation.aggregate("default", ...)``) where --robust-at names M, and with --overlap
+  the same defaults with a one-round-delayed outer step (``simulate(delayed_outer=True)``).
 
 Same inner AdamW, lr schedule (linear warm-up, cosine decay to 10% at the last step), batch per
 replica and number of inner steps per replica for all three. The text is the standard library's
@@ -20,7 +21,7 @@ plain SGD at momentum 0); ``defaults`` is what a bare ``DiLoCoConfig(inner_steps
 Finished runs are cached in a JSON file keyed by everything that decides them, so a sweep and
 the table it leads to share runs.
 
-    .venv/bin/python bench/bench_convergence.py                        # the table in RESULTS.md
+    .venv/bin/python bench/bench_convergence.py --overlap --plot bench/convergence.png  # RESULTS.md's table
     .venv/bin/python bench/bench_convergence.py --outer 1:0:s 0.7:0.9:n 1:0.5:n --seeds 0 --replicas 4
 """
 
