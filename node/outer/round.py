@@ -117,8 +117,9 @@ class RoundConfig:
     gather_timeout_s: float = 60.0
     """How long to wait for an owner's claim and aggregate before turning to its backup."""
     agree_timeout_s: float = 15.0
-    """How long to wait for the members' digests, and for a witness's echo of a part (a witness
-    publishes each echo as soon as it holds the part)."""
+    """How long to wait for the members' digests, and for an aggregate a claim names. Echoes are
+    waited for as long as a witness's slowest gather can take (``_echo``): a witness that never
+    publishes its echo makes every round wait that long (3.75 minutes at the defaults)."""
     check_miss: float = 0.2
     """Target probability that a cheating owner's part goes unchecked in one round, with 80% of the
     members honest: 0.2 catches it within 3 rounds with probability ≥ 0.992. Each replica checks
@@ -435,7 +436,9 @@ class OuterRound:
                claim.replaces)  # fmt: skip
         if got != expected or not claim.signature_valid():
             return False
-        return await self._take_claim(held, claim, wait_s)
+        # The aggregate is published before the claim: a short wait for it keeps a witness's worst
+        # gather within `_echo`'s wait (a signer that names an aggregate it never serves is silent).
+        return await self._take_claim(held, claim, min(wait_s, self.config.agree_timeout_s))
 
     async def _take_claim(
         self, held: _Held, claim: AggregateClaim, wait_s: float, holders: tuple[str, ...] = ()
@@ -497,7 +500,7 @@ class OuterRound:
             others = [w for w in chain[1:] if w not in (self.me, signer) and w in held.commitments]
             if await self._first_of(
                 self._read_claim(held, j, signer, replaces, self.config.gather_timeout_s),
-                *(self._take_echo(held, j, chain, w, self.config.gather_timeout_s) for w in others),
+                *(self._take_echo(held, j, chain, k, w, self.config.gather_timeout_s) for w in others),
             ):
                 return
             result.silent.setdefault(signer, f"no valid aggregate of part {j} before the deadline")
@@ -505,22 +508,31 @@ class OuterRound:
 
     @staticmethod
     async def _first_of(*reads: Coroutine[Any, Any, bool]) -> bool:
-        """True as soon as one read succeeds (the others are cancelled); False if none does."""
+        """True as soon as one read succeeds (the others are cancelled); False if none does. A read
+        that raises counts as failed: what it read came from another member and must not end the round."""
         pending = {asyncio.ensure_future(r) for r in reads}
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if any(task.result() for task in done):
+                if any(not task.exception() and task.result() for task in done):
                     return True
             return False
         finally:
             for task in pending:
                 task.cancel()
 
-    async def _take_echo(self, held: _Held, j: int, chain: list[str], witness: str, wait_s: float) -> bool:
-        """Take the claim `witness` echoes for part j (its aggregate from the signer or the witness)."""
+    async def _take_echo(
+        self, held: _Held, j: int, chain: list[str], step: int, witness: str, wait_s: float
+    ) -> bool:
+        """Take the claim `witness` echoes for part j (its aggregate from the signer or the witness),
+        if it is a claim of part j at chain position `step` or earlier: a witness must not jump
+        ahead to a backup's claim (another witness could forge one at once and show readers the
+        owner's claim instead) while the member at `step` still has time to answer."""
         echo = await self._read_echo(held, j, witness, wait_s)
-        if echo is None or not echo.claims or self._position(held, chain, echo.claims[0]) is None:
+        if echo is None or not echo.claims or echo.claims[0].part != j:
+            return False
+        k = self._position(held, chain, echo.claims[0])
+        if k is None or k > step:
             return False
         return await self._take_claim(held, echo.claims[0], wait_s=2.0, holders=(witness,))
 
@@ -569,11 +581,14 @@ class OuterRound:
         to every replica, owners and witnesses included: an owner that shows different readers
         different claims, or some of them none, cannot split them. Of the chain positions the echoes
         show a claim at, the earliest decides: two different claims there are equivocation (the
-        part is zero, the signer reported, the proof published for the digests); one claim is taken,
+        part is zero, the signer reported, the proof published as evidence); one claim is taken,
         its aggregate read by hash from its signer or a witness; no claim at all leaves the part
         zero. The wait covers a witness's slowest gather (every step of the chain timing out), so
         honest replicas leave this phase together. Per replica: ``backups`` small reads per part."""
-        wait = (self.config.backups + 1) * self.config.gather_timeout_s + self.config.agree_timeout_s
+        c = self.config
+        # A witness's slowest gather: each earlier chain step times out on its claim (gather) and on
+        # the aggregate it names (agree), then the witness reduces the part itself (part reads).
+        wait = c.backups * (c.gather_timeout_s + c.agree_timeout_s) + c.part_timeout_s + c.agree_timeout_s
         chains = [self._chain(held, j) for j in range(len(held.bounds))]
         # Only members that committed (to this round's base hash and member list) can sign an echo
         # that counts; waiting on the others would only stall a replica whose θ went astray.
@@ -592,9 +607,13 @@ class OuterRound:
         for j, chain in enumerate(chains):
             if self.me in chain[1:] and j in held.claims:
                 echoed.setdefault(j, []).append((self.me, held.claims[j]))  # what this replica echoed
-        for j, chain in enumerate(chains):
-            if len(chain) > 1:
-                await self._decide(held, j, chain, echoed.get(j, []))
+        await asyncio.gather(
+            *(
+                self._decide(held, j, chain, echoed.get(j, []))
+                for j, chain in enumerate(chains)
+                if len(chain) > 1
+            )
+        )
         held.gathered = dict(held.claims)
 
     def _position(self, held: _Held, chain: list[str], claim: AggregateClaim) -> int | None:
@@ -760,9 +779,15 @@ class OuterRound:
             held.aggregates[j], held.encodings[j] = aggregate, claim.encoding
 
     async def _agree(self, held: _Held) -> None:
-        """Publish this replica's digest, read every member's, and check the fraud and equivocation
-        proofs others hold and this replica lacks: one honest replica's proof settles a part alike
-        on every honest replica."""
+        """Publish this replica's digest, read every member's, and check the proofs others name.
+
+        A fraud proof replaces a part only when it convicts the very claim this replica decided
+        from the echoes (so a member cannot rewrite a part with a proof against a claim of its own
+        making). Equivocation proofs named in digests are not fetched: every part was decided alike
+        from the echoes, and a proof shown to some replicas only (an owner's own second claim) would
+        split their verdicts and bans; the proof stays published as evidence for third parties.
+        Fraud proofs are fetched concurrently under one deadline, one per (finder, part): a digest
+        naming 64 parts it holds no proof for costs one wait, not 64."""
         inp = held.inp
         digest = RoundDigest.create(
             self.wallet,
@@ -777,59 +802,37 @@ class OuterRound:
         await self.store.publish(self._name(inp, "digest"), digest.to_json())
         read = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
         digests = [d for d in read if d is not None]
-        for peer_digest in digests:
-            for j in peer_digest.equivocations:
-                if j not in held.equivocations and j < len(held.bounds):
-                    await self._take_equivocation_proof(held, peer_digest.wallet, j)
-        for peer_digest in digests:
-            for j in peer_digest.frauds:
-                if j not in held.frauds and j < len(held.bounds):
-                    await self._take_fraud_proof(held, peer_digest.wallet, j)
+        frauds = {
+            (d.wallet, j)
+            for d in digests
+            for j in d.frauds
+            if j not in held.frauds and j in held.gathered and held.gathered[j].wallet != self.me
+        }
+        fraud_order = sorted(frauds)
+        checked = await asyncio.gather(*(self._read_fraud_proof(held, w, j) for w, j in fraud_order))
+        for (finder, j), found in zip(fraud_order, checked, strict=True):
+            if found is not None and j not in held.frauds:
+                proof, verdict = found
+                self.log(
+                    f"round {inp.round}: part {j}: {finder[:12]} proved owner {proof.claim.wallet[:12]} cheated"
+                )
+                self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
         differ = sum(d.claims_sha256 != digest.claims_sha256 for d in digests)
         if differ * 2 > len(digests):
             self.log(
                 f"round {inp.round}: {differ} of {len(digests)} digests name other claims than this replica's"
             )
 
-    async def _take_equivocation_proof(self, held: _Held, finder: str, j: int) -> None:
-        """Check the equivocation proof `finder` published for part j; apply it if it holds: two
-        different claims, valid at the same chain position, by the signer there."""
-        raw = await self.store.fetch(
-            finder, self._name(held.inp, "equivocation", j), max_bytes=2 * SMALL_OBJECT_BYTES, wait_s=5.0
-        )
-        try:
-            proof = EquivocationProof.from_json(raw) if raw is not None else None
-        except WireError:
-            return
-        if proof is None or len(proof.claims) != 2:
-            return
-        first, second = proof.claims
-        chain = backup_chain(held.owners, j, self.config.backups)
-        if first == second or first.part != j or second.part != j or first.wallet != second.wallet:
-            return
-        k = self._position(held, chain, first)
-        if k is None or k != self._position(held, chain, second):
-            return
-        if not (first.signature_valid() and second.signature_valid()):
-            return  # _position trusts a claim this replica holds; a proof must show both signatures
-        self.log(f"round {held.inp.round}: part {j}: {finder[:12]} proved {first.wallet[:12]} equivocated")
-        current = held.claims.get(j)
-        if current is not None and current.wallet in chain and chain.index(current.wallet) < k:
-            # The part was decided at an earlier position: a backup's second claim does not undo it.
-            assert held.result is not None
-            held.result.cheats[first.wallet] = (
-                f"equivocation: signed two aggregates for part {j} of round {held.inp.round}"
-            )
-            return
-        self._apply_equivocation(held, j, first.wallet)
-
     async def _read_digest(self, held: _Held, member: str) -> RoundDigest | None:
         return await self._read_signed(
             held, member, self._name(held.inp, "digest"), RoundDigest, self.config.agree_timeout_s
         )
 
-    async def _take_fraud_proof(self, held: _Held, finder: str, j: int) -> None:
-        """Check the fraud proof `finder` published for part j; apply it if it holds."""
+    async def _read_fraud_proof(
+        self, held: _Held, finder: str, j: int
+    ) -> tuple[FraudProof, FraudCheck] | None:
+        """`finder`'s fraud proof for part j and its verdict, if it convicts the claim this replica
+        decided part j with; else None."""
         inp = held.inp
         a, b = held.bounds[j]
         bound = LIST_BYTES_PER_MEMBER * len(inp.members) * 2 + len(inp.members) * (
@@ -837,16 +840,15 @@ class OuterRound:
         )
         raw = await self.store.fetch(finder, self._name(inp, "fraud", j), max_bytes=bound, wait_s=5.0)
         if raw is None:
-            return
+            return None
         try:
             proof = FraudProof.decode(raw)
         except WireError:
-            return
-        claimed_owner = proof.claim.wallet
+            return None
+        if proof.claim.part != j or proof.claim != held.gathered.get(j):
+            return None  # a proof against some other claim says nothing about the part decided
         verdict = await self._verify(held, proof)
-        if verdict.fraud and proof.claim.part == j:
-            self.log(f"round {inp.round}: part {j}: {finder[:12]} proved owner {claimed_owner[:12]} cheated")
-            self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
+        return (proof, verdict) if verdict.fraud else None
 
     def _finish(self, held: _Held) -> RoundResult:
         result = held.result

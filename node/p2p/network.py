@@ -643,7 +643,11 @@ class PeerNetwork:
         agree, voters, resynced_from = 1, 1, None
         if not self._stop.is_set():
             try:
-                resynced_from, agree, voters = self._check_hash(diloco, accepted)
+                # A replica that accepted no one's commitment but its own (its θ_r went astray, or
+                # it is cut off) waits for every member's vote, not just its own: else it may count
+                # before the others have stepped and miss that it is in the minority.
+                participants = accepted if len(accepted) > 1 else inp.members
+                resynced_from, agree, voters = self._check_hash(diloco, participants)
             except Exception as exc:  # a later round's check (or its base-hash refusals) will catch up
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
         if result is not None:

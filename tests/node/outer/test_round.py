@@ -308,3 +308,170 @@ def test_the_check_seed_is_the_checkers_own_and_not_computable_without_its_key()
     rb = OuterRound(hub.store(b.public_key_hex), b, median_rule)
     draws = [r._check_seed(held).random() for r in (ra, ra, rb)]  # type: ignore[arg-type]
     assert draws[0] == draws[1] != draws[2]
+
+
+# --- a Byzantine witness or member against honest owners (review findings, each once reproduced) ---
+
+J = 0
+"""The part the cheats below aim at."""
+
+
+def stage_chain(n: int = 6) -> tuple[list[Wallet], tuple[str, ...], list[str]]:
+    wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    return wallets, members, backup_chain(owners(0, 1, BASE, members), J, 2)
+
+
+class GroupRouter(MemoryStore):
+    """Readers in group "a" read `cheat`'s ``echoa/J`` where others read its ``echo/J``; `slow_from`
+    delays every read from that author (a witness that reads the owner late)."""
+
+    def __init__(self, hub: MemoryHub, wallet: str, cheat: str, group: str, slow_from: str | None) -> None:
+        super().__init__(hub, wallet)
+        self.cheat, self.group, self.slow_from = cheat, group, slow_from
+
+    async def fetch(self, author: str, name: str, **kw: Any) -> bytes | None:
+        if author == self.slow_from:
+            await asyncio.sleep(0.5)
+        if author == self.cheat and name.endswith(f"/echo/{J}") and self.group == "a":
+            name = name.replace("/echo/", "/echoa/")
+        return await super().fetch(author, name, **kw)
+
+
+def forged_claim(held: Any, wallet: Wallet, like: Any, **over: Any) -> tuple[Any, bytes]:
+    from neuroshard.node.outer.messages import AggregateClaim, sha256_hex
+
+    a, b = held.bounds[J]
+    forged = encode_part(torch.ones(b - a), like.encoding)
+    fields = {k: v for k, v in like.to_obj().items() if k not in ("wallet", "signature", "aggregate_sha256")}
+    return AggregateClaim.create(wallet, **{**fields, **over}, aggregate_sha256=sha256_hex(forged)), forged
+
+
+class JumpingWitness(OuterRound):
+    """The first witness: at once signs a forged backup claim and echoes it (so the other witness
+    might take it while the honest owner's claim is still on its way), and later shows half the
+    readers an echo of the owner's real claim instead."""
+
+    async def _gather_part(self, held: Any, j: int) -> None:
+        if j != J:
+            return await super()._gather_part(held, j)
+        from neuroshard.node.outer.messages import Echo
+
+        chain = self._chain(held, j)
+        await self._reduce(held, j, replaces=chain[0])
+        claim, forged = forged_claim(held, self.wallet, held.claims[j])
+        await self.store.publish(self._agg_name(held.inp, j, claim.aggregate_sha256), forged)
+        held.claims[j], held.aggregates[j] = claim, forged
+        await self._publish_echo(held, j)
+        assert await self._read_claim(held, j, chain[0], "", 5.0)
+        real = held.claims[j]
+        await self.store.publish(self._agg_name(held.inp, j, real.aggregate_sha256), held.aggregates[j])
+        echo = Echo.create(
+            self.wallet,
+            stage=0,
+            round=1,
+            base_hash=BASE,
+            members_sha256=held.members_sha,
+            part=j,
+            claims=(real,),
+        )
+        await self.store.publish(self._name(held.inp, "echoa", j), echo.to_json())
+
+
+class OutOfRangeWitness(OuterRound):
+    """The first witness echoes a signed claim of a part that does not exist."""
+
+    async def _gather_part(self, held: Any, j: int) -> None:
+        if j != J:
+            return await super()._gather_part(held, j)
+        from neuroshard.node.outer.messages import AggregateClaim, Echo
+
+        claim = AggregateClaim.create(
+            self.wallet, stage=0, round=1, base_hash=BASE, members_sha256=held.members_sha, part=999,
+            encoding="int8", replaces=self._chain(held, j)[0], inputs_sha256="00" * 32, accepted=1,
+            aggregate_sha256="11" * 32,
+        )  # fmt: skip
+        echo = Echo.create(
+            self.wallet,
+            stage=0,
+            round=1,
+            base_hash=BASE,
+            members_sha256=held.members_sha,
+            part=j,
+            claims=(claim,),
+        )
+        await self.store.publish(self._name(held.inp, "echo", j), echo.to_json())
+
+
+class SelfConvictingMember(OuterRound):
+    """A member outside part J's chain signs a wrong claim of part J over its own input alone and
+    publishes a valid fraud proof against it, named in its digest."""
+
+    async def _agree(self, held: Any) -> None:
+        from neuroshard.node.outer.messages import FraudProof, InputList
+        from neuroshard.node.outer.reduce import part_spans, split_slot
+
+        n = len(held.inp.members)
+        span = part_spans(held.bounds, held.commitment.encoding)[J]
+        proof, data = split_slot(held.delta_bytes[span[0] : span[1]], n)
+        inputs = InputList(part=J, considered=(held.commitment,), dropped=())
+        claim, _ = forged_claim(
+            held, self.wallet, held.gathered[J], replaces="", inputs_sha256=inputs.sha256()
+        )
+        await self.store.publish(
+            self._name(held.inp, "fraud", J), FraudProof(claim, inputs, ((proof, data),)).encode()
+        )
+        held.frauds.add(J)
+        await super()._agree(held)
+
+
+async def run_against(
+    cheat_cls: type[OuterRound], cheat: str, slow_reader: str | None = None
+) -> list[RoundResult]:
+    wallets, members, chain = stage_chain()
+    hub = MemoryHub()
+    rounds = []
+    for i, w in enumerate(wallets):
+        key = w.public_key_hex
+        store = hub.stores[key] = GroupRouter(
+            hub, key, cheat, "a" if i % 2 else "b", chain[0] if key == slow_reader else None
+        )
+        rounds.append(
+            (cheat_cls if key == cheat else OuterRound)(store, w, median_rule, fast_config(checks=0))
+        )
+    ds = deltas(len(wallets))
+    inputs = [
+        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
+        for i in range(len(wallets))
+    ]
+    results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    return [r for w, r in zip(members, results, strict=True) if w != cheat]
+
+
+@pytest.mark.asyncio
+async def test_a_witness_cannot_jump_ahead_to_a_backup_claim_and_split_the_readers() -> None:
+    _, _, (owner, first, second) = stage_chain()
+    honest = await run_against(JumpingWitness, first, slow_reader=second)
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert r.claims[J].wallet == owner and owner not in r.silent
+
+
+@pytest.mark.asyncio
+async def test_an_echo_of_a_part_that_does_not_exist_is_ignored() -> None:
+    _, _, (owner, first, second) = stage_chain()
+    honest = await run_against(OutOfRangeWitness, first, slow_reader=second)
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert r.claims[J].wallet == owner
+
+
+@pytest.mark.asyncio
+async def test_a_fraud_proof_against_a_claim_nobody_decided_changes_nothing() -> None:
+    _, members, chain = stage_chain()
+    outsider = next(m for m in members if m not in chain)
+    baseline = await run_against(OuterRound, outsider)
+    honest = await run_against(SelfConvictingMember, outsider)
+    for before, after in zip(baseline, honest, strict=True):
+        assert torch.equal(after.aggregate, before.aggregate)
+        assert after.claims[J].wallet == chain[0] and after.cheats == {}
