@@ -26,8 +26,10 @@ The algorithm (BTARD's butterfly all-reduce with a robust rule per part, Gorbuno
             is a ``FraudProof``: published, the part replaced by its correct aggregate, the owner
             reported for a ban.
 7. AGREE    publish a ``RoundDigest`` (one hash over the claims decided, the parts it holds fraud
-            and equivocation proofs for) and read every member's; check and apply the proofs
-            others hold, so one honest replica's proof settles a part alike everywhere.
+            and equivocation proofs for) and read every member's; check the fraud proofs others
+            name and apply those that convict the claim this replica decided, so one honest
+            checker's proof settles a part alike everywhere (equivocation proofs are evidence only:
+            the echoes already decided every part alike).
 8. DONE     the (d,) aggregate to step with, and who was refused, banned, silent and why.
 
 The module knows no carrier: HTTP, S3 and the simulator each implement ``port.RoundStore``.
