@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from conftest import PublishedData
 from sqlalchemy import func, select
+from tests_support import free_port_block
 
-from neuroshard.api.testing import free_port
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 
@@ -40,9 +40,8 @@ def _get(url: str) -> Any:
 
 
 def _node_ports_avoiding(port: int, nodes: int = NODES + 1) -> int:
-    """A base port whose node ports do not include `port` (two free_port() calls can return
-    the same port, or neighbours)."""
-    while (base := free_port()) <= port < base + nodes:
+    """A base port whose node ports do not include `port` (the verifier's, an ephemeral one)."""
+    while (base := free_port_block(nodes)) <= port < base + nodes:
         pass
     return base
 
@@ -123,7 +122,7 @@ def _wait_verified(url: str, swarm: subprocess.Popen[str], out: Path) -> dict[st
 def test_honest_swarm_is_verified_by_measurement(
     published: PublishedData, database_url: str, tmp_path: Path
 ) -> None:
-    port = free_port()
+    port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
     swarm = _start_swarm(published, tmp_path, database_url, port)
     try:
@@ -189,7 +188,7 @@ def _attacker_wallet(out: str) -> str:
 def test_attacker_is_refused_while_the_honest_swarm_is_verified(
     published: PublishedData, database_url: str, tmp_path: Path
 ) -> None:
-    port = free_port()
+    port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
     out_path = tmp_path / "swarm.out"
     swarm = _start_swarm(
@@ -234,7 +233,7 @@ def test_pipeline_swarm_is_tracked_and_verified_on_the_assembled_model(
     """`neuroshard-swarm --nodes 4 --stages 2`: two stages of two replicas join one verifier,
     which judges hash agreement per stage and measures the model assembled from both stages'
     majority weights; that measured loss falls."""
-    port = free_port()
+    port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
     swarm = _start_swarm(published, tmp_path, database_url, port, "--stages", "2", nodes=4)
     out = tmp_path / "swarm.out"

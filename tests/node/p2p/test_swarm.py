@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests_support import free_port_block
 
 AGREE = re.compile(r"^\[swarm\] round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
 
@@ -96,29 +97,8 @@ class SwarmProcess:
                 self.process.kill()
 
 
-def free_base_port(count: int) -> int:
-    """A base port with the next `count` ports free too (the swarm uses base + i)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for i in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports found")
+free_base_port = free_port_block
+"""Kept for the tests that import it from here."""
 
 
 @pytest.mark.slow
