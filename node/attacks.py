@@ -3,16 +3,28 @@
 Each is a pure function of what the attacker holds: its own honest Δ (d,), and — since
 colluding attackers share what they observe — the honest contributions of the same round
 (m, d). Random attacks take a ``torch.Generator`` so runs are reproducible. Nothing here
-touches the network: the swarm's ``--attack`` flag will call these.
+touches the network: the swarm's ``--attack`` flag calls these.
+
+The adaptive attacks (``ADAPTIVE``, second half of the file) know the defence: each is a
+one-parameter family, and the colluders pick the parameter every round as the largest whose
+rows still pass ``validation.screen_round`` with the configured thresholds (``adapt``), so
+nothing is refused and the damage is left to the rule. What they know of the honest rows is
+an ``estimate``: the round's honest Δs themselves (omniscient: a simulator-only upper bound —
+on the wire every member commits before any Δ is revealed), or a surrogate built from the
+colluders' own honestly trained Δs and earlier rounds' revealed payloads (realistic).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import torch
 from torch import Tensor
+
+from .validation import ValidationConfig, screen_round
 
 ATTACKS = (
     "sign_flip",
@@ -130,3 +142,266 @@ def wrong_base(delta: Tensor, theta_now: Tensor, theta_old: Tensor) -> Tensor:
             f"wrong_base needs equal shapes, got Δ {tuple(delta.shape)}, θ_now {tuple(theta_now.shape)}, θ_old {tuple(theta_old.shape)}"
         )
     return delta + (theta_now - theta_old)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive attacks: one-parameter families whose parameter is searched against the screening.
+
+ADAPTIVE = (
+    "alie_search",
+    "minmax_unit",
+    "minmax_std",
+    "minmax_sign",
+    "minsum_unit",
+    "minsum_std",
+    "minsum_sign",
+    "fang",
+    "edge",
+    "ipm_search",
+    "mimic",
+)
+"""The adaptive families (``craft``), as the CLI and the benchmarks name them."""
+
+KNOWLEDGE = ("omniscient", "realistic")
+"""What the colluders see of the honest Δs (module docstring)."""
+
+COLLUDER_SPREAD = 0.05
+"""Relative L2 norm of the noise each colluder adds to the crafted vector: without it K colluders
+would send one vector and ``find_copies`` (tolerance 5%) flags them all. Two independent noises of
+0.05 put colluders ≈ 0.07 apart; the search screens the rows with their noise, so it is priced in."""
+
+REALISTIC_MARGIN = 0.1
+"""A realistic colluder screens against a surrogate of the honest rows, not the rows themselves, so
+it keeps this share of each threshold's room in reserve (``tightened``): measured in
+bench/robustness.py, the realistic attacks are then refused in few rounds (the table's "caught")."""
+
+
+def honest_spread(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(per-coordinate mean (d,), per-coordinate sample std (d,); zeros for a single row)."""
+    mu = rows.mean(dim=0)
+    sigma = rows.std(dim=0) if rows.shape[0] > 1 else torch.zeros_like(mu)
+    return mu, sigma
+
+
+def realistic_estimate(own: Tensor, deviations: Tensor | None = None) -> Tensor:
+    """A surrogate of the round's honest rows from what colluders hold when they commit: their own
+    honestly trained Δs ``own`` (k, d) — a sample of the honest distribution, since they trained
+    like everyone else — plus ``deviations`` (m, d) from earlier rounds (revealed payloads minus
+    their mean, or a colluder's own Δ minus the revealed aggregate), re-centred on the own mean.
+    Returns (k + m, d). The mean is off by ~σ/√k and the spread is last round's."""
+    if own.dim() != 2 or own.shape[0] < 1:
+        raise ValueError(
+            f"realistic_estimate needs own Δs as a (k, d) stack with k >= 1, got {tuple(own.shape)}"
+        )
+    if deviations is None or deviations.shape[0] == 0:
+        return own.clone()
+    if deviations.shape[1:] != own.shape[1:]:
+        raise ValueError(
+            f"realistic_estimate: deviations have shape {tuple(deviations.shape)}, own Δs {tuple(own.shape)}"
+        )
+    return torch.cat([own, own.mean(dim=0) + deviations])
+
+
+def _unit(x: Tensor) -> Tensor:
+    norm = float(x.norm())
+    return x / norm if norm > 0 else x
+
+
+def _top_direction(centred: Tensor, iters: int = 20) -> Tensor:
+    """The top principal direction of centred rows (m, d) → (d,) by power iteration on the m × m
+    Gram matrix, from a fixed start (deterministic)."""
+    gram = centred @ centred.T  # (m, m)
+    v = torch.ones(gram.shape[0], dtype=gram.dtype)
+    for _ in range(iters):
+        v = _unit(gram @ v)
+    return _unit(centred.T @ v)
+
+
+def craft(name: str, rows: Tensor, gamma: float, config: ValidationConfig | None = None) -> Tensor:
+    """The family ``name``'s vector (d,) at parameter ``gamma`` ≥ 0 from (estimated) honest rows
+    (m, d); gamma = 0 is harmless (about the honest mean) and the damage grows with gamma.
+
+    - alie_search: μ − γσ per coordinate (Baruch et al. 2019, z searched instead of z_max);
+    - minmax_* / minsum_*: μ + γp with Shejwalkar & Houmansadr's (NDSS 2021) perturbations p:
+      inverse unit vector −μ/‖μ‖, inverse std −σ, inverse sign −sign(μ) — p scaled to ‖μ‖ so one
+      γ range fits all three. The distance criteria that tell min-max from min-sum are applied
+      by ``paper_bound``;
+    - fang: per coordinate, beyond the honest extreme opposite to the mean's sign, by γσ (Fang et
+      al., USENIX Security 2020, full-knowledge attack on trimmed mean and median: values just
+      past w_min where the change is positive, past w_max where it is negative);
+    - edge: at the validator's limits (``config``): γ ∈ [0, 1] moves from the median's direction
+      with its norm (γ = 0) to cosine = min_cosine and norm = max_norm_ratio × ‖median‖ (γ = 1),
+      the rest pointing along −sign(μ) made orthogonal to the median (the same direction every
+      round, so the outer momentum adds it up);
+    - ipm_search: (1 − γ)μ (Xie et al., UAI 2019). −εμ itself has cosine −1 to any reference
+      and never passes; γ ≤ 1 shrinks the honest step, γ > 1 is IPM's −εμ with ε = γ − 1;
+    - mimic: an honest row x* over-represented (Karimireddy, He & Jaggi, ICLR 2022): x* is the
+      row furthest along the top principal direction of the honest deviations, and the colluders
+      send x* + γ(x* − μ) (an exact copy would be refused by ``find_copies``).
+    """
+    if rows.dim() != 2 or rows.shape[0] < 1:
+        raise ValueError(f"craft needs honest rows as an (m, d) stack, got {tuple(rows.shape)}")
+    if not gamma >= 0:
+        raise ValueError(f"craft: gamma must be >= 0, got {gamma}")
+    mu, sigma = honest_spread(rows)
+    scale = float(mu.norm())
+    if name == "alie_search":
+        return mu - gamma * sigma
+    if name.startswith(("minmax_", "minsum_")):
+        return mu + gamma * scale * _unit(_perturbation(name.split("_", 1)[1], mu, sigma))
+    if name == "fang":
+        lo, hi = rows.min(dim=0).values, rows.max(dim=0).values
+        return torch.where(mu > 0, lo - gamma * sigma, hi + gamma * sigma)
+    if name == "edge":
+        return _edge(rows, mu, min(gamma, 1.0), config or ValidationConfig())
+    if name == "ipm_search":
+        return (1 - gamma) * mu
+    if name == "mimic":
+        centred = rows - mu
+        z = _top_direction(centred)
+        target = rows[int(torch.argmax((centred @ z).abs()))]
+        return target + gamma * (target - mu)
+    raise ValueError(f"unknown adaptive attack {name!r}; known: {', '.join(ADAPTIVE)}")
+
+
+def _perturbation(kind: str, mu: Tensor, sigma: Tensor) -> Tensor:
+    if kind == "unit":
+        return -mu
+    if kind == "std":
+        return -sigma
+    if kind == "sign":
+        return -torch.sign(mu)
+    raise ValueError(f"unknown perturbation {kind!r}; known: unit, std, sign")
+
+
+def _edge(rows: Tensor, mu: Tensor, gamma: float, config: ValidationConfig) -> Tensor:
+    from .aggregation import coordinate_median
+
+    reference = coordinate_median(rows)
+    ref_norm = float(reference.norm())
+    u = _unit(reference)
+    w = -torch.sign(mu)
+    w = _unit(w - (w @ u) * u)  # orthogonal to the reference
+    cosine = 1 - gamma * (1 - config.min_cosine)
+    norm = ref_norm * (1 + gamma * (config.max_norm_ratio - 1))
+    return norm * (cosine * u + math.sqrt(max(0.0, 1 - cosine * cosine)) * w)
+
+
+def paper_bound(name: str, rows: Tensor, vector: Tensor) -> bool:
+    """Shejwalkar & Houmansadr's criteria (NDSS 2021): min-max keeps the vector's largest distance
+    to an honest row within the largest honest pairwise distance; min-sum keeps its sum of squared
+    distances within the largest honest row's. Other families have none (True)."""
+    if not name.startswith(("minmax_", "minsum_")) or rows.shape[0] < 2:
+        return True
+    pair = torch.cdist(rows[None].double(), rows[None].double())[0]  # (m, m)
+    to_vector = (rows.double() - vector.double()).norm(dim=1)  # (m,)
+    if name.startswith("minmax_"):
+        return float(to_vector.max()) <= float(pair.max())
+    return float(to_vector.pow(2).sum()) <= float(pair.pow(2).sum(dim=1).max())
+
+
+def tightened(config: ValidationConfig, margin: float) -> ValidationConfig:
+    """``config`` with each threshold moved ``margin`` (0–1) of its room towards the honest centre
+    (norm and variance ratios towards 1, cosine towards 1): what a colluder unsure of the real
+    reference aims for."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"tightened needs 0 <= margin < 1, got {margin}")
+    if margin == 0:
+        return config
+    return replace(
+        config,
+        min_norm_ratio=config.min_norm_ratio + margin * (1 - config.min_norm_ratio),
+        max_norm_ratio=config.max_norm_ratio - margin * (config.max_norm_ratio - 1),
+        min_cosine=config.min_cosine + margin * (1 - config.min_cosine),
+        min_variance_ratio=config.min_variance_ratio + margin * (1 - config.min_variance_ratio),
+        max_variance_ratio=config.max_variance_ratio - margin * (config.max_variance_ratio - 1),
+    )
+
+
+Screen = Callable[[Tensor, Tensor], bool]
+"""(honest rows (m, d), crafted rows (k, d)) → whether every crafted row passes the defence's screening."""
+
+
+def screen_passes(config: ValidationConfig | None = None) -> Screen:
+    """The whole-vector ``screen_round`` with ``config``: the colluders' acceptance test."""
+
+    def passes(honest: Tensor, crafted: Tensor) -> bool:
+        rows = {f"h{i:04d}": r for i, r in enumerate(honest)} | {
+            f"x{j:04d}": r for j, r in enumerate(crafted)
+        }
+        verdicts = screen_round(rows, (honest.shape[1],), config)
+        return all(verdicts[f"x{j:04d}"].ok for j in range(crafted.shape[0]))
+
+    return passes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adapted:
+    """The outcome of ``adapt``: the colluders' rows and the parameter they chose."""
+
+    rows: Tensor
+    """(k, d): what the k colluders send."""
+    gamma: float
+    """The largest parameter found that passes (0 when no parameter did)."""
+    passed: bool
+    """Whether some parameter passed the colluders' own test (their estimate of the screening);
+    when none did, the rows are the estimated honest mean (with the colluders' noise)."""
+
+
+def adapt(
+    name: str,
+    estimate: Tensor,
+    k: int,
+    generator: torch.Generator,
+    *,
+    config: ValidationConfig | None = None,
+    screen: Screen | None = None,
+    iters: int = 8,
+    start: float = 0.5,
+    cap: float = 1e4,
+) -> Adapted:
+    """The colluders' round: the largest γ whose k rows (``craft`` + ``spread_colluders``) pass
+    ``screen`` (default: ``screen_round`` with ``config``) against the ``estimate`` of the honest
+    rows, and, for min-max / min-sum, the paper's distance criterion. Doubling from ``start`` until
+    a γ fails (or ``cap``), then ``iters`` bisection steps (when γ = 0 fails, the first passing γ of
+    a geometric grid is the start); the noise is drawn once per round, so
+    the test is a function of γ alone. Assumes passing is monotone in γ (larger γ moves further
+    from the honest rows in every family), as the unit tests check."""
+    config = config or ValidationConfig()
+    screen = screen or screen_passes(config)
+    d = estimate.shape[1]
+    noise = torch.randn(k, d, generator=generator) if k > 1 else torch.zeros(1, d)
+    noise = noise / noise.norm(dim=1, keepdim=True).clamp_min(1e-30)
+
+    def rows_at(gamma: float) -> Tensor:
+        v = craft(name, estimate, gamma, config)
+        return v[None] + noise * (COLLUDER_SPREAD * float(v.norm())) if k > 1 else v[None].clone()
+
+    def ok(gamma: float) -> bool:
+        rows = rows_at(gamma)
+        return all(paper_bound(name, estimate, r) for r in rows) and screen(estimate, rows)
+
+    upper = 1.0 if name == "edge" else cap
+    lo = 0.0
+    if not ok(lo):  # mimic's harmless end is a near-copy of an honest row: find the window above it
+        lo = next((g for g in _grid(start, upper) if ok(g)), math.nan)
+        if math.isnan(lo):  # the family cannot pass: send the estimated mean, not be refused
+            mean = estimate.mean(dim=0)
+            rows = mean[None] + noise * (COLLUDER_SPREAD * float(mean.norm())) if k > 1 else mean[None]
+            return Adapted(rows=rows, gamma=0.0, passed=False)
+    hi = min(max(start, 2 * lo), upper)
+    while ok(hi):
+        lo = hi
+        if hi >= upper:
+            return Adapted(rows=rows_at(hi), gamma=hi, passed=True)
+        hi = min(2 * hi, upper)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return Adapted(rows=rows_at(lo), gamma=lo, passed=True)
+
+
+def _grid(start: float, upper: float, steps: int = 24) -> list[float]:
+    """γ from start/64 up to ``upper`` in steps of ×√2."""
+    values = [start / 64 * 2 ** (j / 2) for j in range(steps)]
+    return [v for v in values if v <= upper]

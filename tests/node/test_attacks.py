@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from neuroshard.node import attacks
+from neuroshard.node import aggregation, attacks
+from neuroshard.node.validation import ValidationConfig, contribution_stats, screen_round
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -98,3 +99,123 @@ def test_every_attack_mode_is_named() -> None:
     assert len(set(attacks.ATTACKS)) == 11
     assert all(callable(getattr(attacks, name)) for name in attacks.ATTACKS)
     assert not math.isnan(attacks.alie_z(13, 3))
+
+
+# Adaptive attacks. Synthetic honest rows shaped like DiLoCo Δs against their median (norm
+# ratios ≈ 1.2, cosines ≈ 0.8: bench/robustness.py's honest ranges).
+D, M, K = 20_000, 8, 2
+
+
+def honest_rows(seed: int = 0, m: int = M) -> torch.Tensor:
+    g = gen(seed)
+    mu = torch.randn(D, generator=g)
+    return mu + 0.8 * torch.randn(m, D, generator=g)
+
+
+def passes_screen(
+    honest: torch.Tensor, crafted: torch.Tensor, config: ValidationConfig | None = None
+) -> bool:
+    rows = {f"h{i}": r for i, r in enumerate(honest)} | {f"x{j}": r for j, r in enumerate(crafted)}
+    verdicts = screen_round(rows, (D,), config)
+    return all(verdicts[f"x{j}"].ok for j in range(crafted.shape[0])) and all(
+        verdicts[f"h{i}"].ok for i in range(honest.shape[0])
+    )
+
+
+def damage(honest: torch.Tensor, vector: torch.Tensor) -> float:
+    """How far the plain mean moves from the honest mean when K colluders send `vector`."""
+    mu = honest.mean(dim=0)
+    agg = torch.cat([honest, vector.expand(K, -1)]).mean(dim=0)
+    return float((agg - mu).norm() / mu.norm())
+
+
+@pytest.mark.parametrize("name", attacks.ADAPTIVE)
+def test_omniscient_adaptive_attack_passes_the_real_screen_at_its_largest_parameter(name: str) -> None:
+    honest = honest_rows()
+    chosen = attacks.adapt(name, honest, K, gen(1))
+    assert chosen.passed and chosen.gamma > 0
+    assert passes_screen(honest, chosen.rows)  # the estimate is the truth: nothing is refused
+    if not (name == "edge" and chosen.gamma == 1.0):  # edge's γ = 1 is the validator's corner
+        beyond = attacks.craft(name, honest, chosen.gamma * 1.5)
+        assert not (attacks.paper_bound(name, honest, beyond) and passes_screen(honest, beyond[None]))
+
+
+@pytest.mark.parametrize("name", attacks.ADAPTIVE)
+def test_adaptive_damage_grows_with_the_parameter(name: str) -> None:
+    honest = honest_rows()
+    gamma = attacks.adapt(name, honest, K, gen(1)).gamma
+    values = [damage(honest, attacks.craft(name, honest, t * gamma)) for t in (0.25, 0.5, 1.0)]
+    assert values[0] < values[1] < values[2], values
+
+
+@pytest.mark.parametrize("name", ["alie_search", "ipm_search", "edge", "mimic"])
+def test_the_search_adapts_to_the_thresholds(name: str) -> None:
+    honest = honest_rows()
+    loose = attacks.adapt(name, honest, K, gen(1))
+    strict = ValidationConfig(min_norm_ratio=0.8, max_norm_ratio=2.0, min_cosine=0.5, max_variance_ratio=4.0)
+    tight = attacks.adapt(name, honest, K, gen(1), config=strict)
+    assert tight.passed and passes_screen(honest, tight.rows, strict)
+    assert damage(honest, tight.rows[0]) < damage(honest, loose.rows[0])
+
+
+def test_realistic_estimate_recentres_revealed_deviations_on_the_own_mean() -> None:
+    honest = honest_rows()
+    own, previous = honest[:K], honest_rows(seed=5)
+    deviations = previous - previous.mean(dim=0)
+    estimate = attacks.realistic_estimate(own, deviations)
+    assert estimate.shape == (K + M, D)
+    assert torch.allclose(estimate[K:].mean(dim=0), own.mean(dim=0), atol=1e-5)
+    assert torch.equal(attacks.realistic_estimate(own), own)
+    with pytest.raises(ValueError, match="deviations have shape"):
+        attacks.realistic_estimate(own, deviations[:, :10])
+
+
+@pytest.mark.parametrize("name", attacks.ADAPTIVE)
+def test_realistic_attack_passes_its_own_test_with_a_margin(name: str) -> None:
+    honest = honest_rows()
+    previous = honest_rows(seed=5)
+    estimate = attacks.realistic_estimate(honest[:K], previous - previous.mean(dim=0))
+    config = attacks.tightened(ValidationConfig(), attacks.REALISTIC_MARGIN)
+    chosen = attacks.adapt(name, estimate, K, gen(1), config=config)
+    assert chosen.passed and chosen.gamma > 0
+    assert passes_screen(estimate, chosen.rows, config)
+
+
+def test_tightened_moves_each_threshold_towards_the_centre() -> None:
+    config = attacks.tightened(ValidationConfig(), 0.5)
+    assert (config.min_norm_ratio, config.max_norm_ratio) == (0.75, 2.5)
+    assert config.min_cosine == pytest.approx(0.6)
+    assert attacks.tightened(ValidationConfig(), 0.0) == ValidationConfig()
+    with pytest.raises(ValueError, match="margin < 1"):
+        attacks.tightened(ValidationConfig(), 1.0)
+
+
+def test_fang_sits_beyond_the_honest_extreme_against_the_mean() -> None:
+    honest = honest_rows()
+    mu = honest.mean(dim=0)
+    v = attacks.craft("fang", honest, 0.5)
+    below = v <= honest.min(dim=0).values
+    above = v >= honest.max(dim=0).values
+    assert bool(torch.where(mu > 0, below, above).all())
+
+
+def test_edge_reaches_the_validator_corner_against_the_honest_median() -> None:
+    honest = honest_rows()
+    reference = aggregation.coordinate_median(honest)
+    v = attacks.craft("edge", honest, 1.0)
+    stats = contribution_stats(v, reference)
+    assert stats["cosine"] == pytest.approx(ValidationConfig().min_cosine, abs=1e-4)
+    assert stats["norm_ratio"] == pytest.approx(ValidationConfig().max_norm_ratio, rel=1e-4)
+
+
+def test_unknown_adaptive_attack_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown adaptive attack 'nope'"):
+        attacks.craft("nope", honest_rows(), 1.0)
+
+
+def test_a_family_that_cannot_pass_falls_back_to_the_estimated_mean() -> None:
+    honest = honest_rows()
+    strict = ValidationConfig(min_norm_ratio=0.8, max_norm_ratio=2.0, min_cosine=0.5, max_variance_ratio=4.0)
+    chosen = attacks.adapt("fang", honest, K, gen(1), config=strict)  # the extremes sit below cosine 0.5
+    assert not chosen.passed and chosen.gamma == 0.0
+    assert passes_screen(honest, chosen.rows, strict)  # harmless: the colluders are not caught for it
