@@ -10,6 +10,7 @@ HOME/swarm/verifier/verifier.log.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import subprocess
 import sys
@@ -136,7 +137,11 @@ def start_swarm_verifier(
         try:
             with urllib.request.urlopen(f"{url}/api/network", timeout=1.0) as reply:
                 served = reply.headers.get("X-NeuroShard-Operator", "")
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # Not listening yet. On a port inside the ephemeral range a poll can even connect to
+            # itself (TCP simultaneous open: source port == destination port) and read its own
+            # request back as a bad status line; that socket then holds the port the verifier
+            # wants. Another try, from another source port.
             time.sleep(0.1)
             continue
         if served != operator:
