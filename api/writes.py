@@ -1,8 +1,9 @@
 """The signed write endpoints: register, heartbeat, receipts, and the operator's reinstate.
 
 Order of checks, cheapest first, nothing written until all pass: body size (middleware,
-413) → signature headers, freshness, signature (401) → per-signer rate limit (429) → strict
-body schema (422) → in one transaction: nonce unused (409), wallet registered and not
+413) → strict JSON (422: duplicate keys, NaN, deep nesting, huge numbers; api.jsonbody, the
+peer plane's parser) → signature headers, freshness, signature (401) → per-signer rate limit
+(429) → strict body schema (422) → in one transaction: nonce unused (409), wallet registered and not
 refused (403), the write itself → commit → the 2xx. Any failure rolls the transaction
 back, nonce included.
 """
@@ -22,19 +23,23 @@ from neuroshard.verifier import ledger
 from neuroshard.verifier.auth import AuthError, SignedBy, verify_request
 from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest, ReinstateRequest
 
+from .jsonbody import StrictJSONRoute
 from .schemas import ErrorOut, WriteAck
 from .services import Services, get_services
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/api", tags=["signed writes"])
+router = APIRouter(prefix="/api", tags=["signed writes"], route_class=StrictJSONRoute)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "Unsigned, malformed signature headers, stale, or forged."},
     403: {"model": ErrorOut, "description": "Wallet not registered, refused, or not the operator."},
     409: {"model": ErrorOut, "description": "Nonce replayed, or conflicts with what is recorded."},
     413: {"model": ErrorOut, "description": "Body larger than the configured limit."},
-    422: {"description": "Body is not valid JSON or does not match the schema (extra fields forbidden)."},
+    422: {
+        "description": "Body is not strict JSON (duplicate keys, NaN, nesting, number length) or does not "
+        "match the schema (extra fields forbidden)."
+    },
     429: {"model": ErrorOut, "description": "Per-wallet rate limit; see Retry-After."},
 }
 

@@ -10,7 +10,7 @@ from neuroshard.tokenizer import BPETokenizer
 
 from .fetch import FetchConfig, HttpShardSource, fetch_manifest
 from .files import file_sha256
-from .manifest import Manifest, ManifestError, read_manifest
+from .manifest import Manifest, ManifestError, read_manifest, resolve_inside
 from .shards import LocalShardSource, ShardSource
 
 
@@ -32,7 +32,7 @@ def open_dataset(directory: Path, publisher_key: bytes) -> Dataset:
     node with a large data set starts without hashing gigabytes it may never read.
     """
     manifest = read_manifest(directory, publisher_key)
-    tok_path = directory / manifest.tokenizer.file
+    tok_path = resolve_inside(directory, manifest.tokenizer.file, "tokenizer file")
     if not tok_path.is_file():
         raise ManifestError(f"{tok_path} is missing (the manifest names it)")
     actual = file_sha256(tok_path)

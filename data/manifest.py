@@ -8,6 +8,7 @@ signature against a pinned publisher key before it trusts a single field.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,66 @@ MANIFEST_FORMAT = 2
 
 class ManifestError(ValueError):
     """A manifest that is missing, malformed, or not signed by the pinned publisher."""
+
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+"""One path component a manifest may name: no separators, no leading dot (so never "." or
+".."), nothing a filesystem or URL reads specially (backslash, colon, percent, NUL)."""
+MAX_PATH_PARTS = 4
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_relative_path(value: object, what: str) -> str:
+    """`value` if it is a safe relative path ("shard_3.pt", "tokenizers/<sha256>.json"): 1 to
+    MAX_PATH_PARTS components joined by "/", each a `_NAME`. Everything a manifest names goes
+    through this before it is joined to a directory or a base URL; issue 19: a signed manifest's
+    tokenizer "../../../../etc/passwd" was opened before its hash check refused it."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, got {type(value).__name__}")
+    parts = value.split("/")
+    if len(parts) > MAX_PATH_PARTS or not all(_NAME.fullmatch(part) for part in parts):
+        raise ValueError(f"{what} {value[:80]!r} is not a relative path of plain names")
+    return value
+
+
+def resolve_inside(directory: Path, relative: str, what: str) -> Path:
+    """`directory / relative` after `check_relative_path`, and still under `directory` once
+    symlinks are resolved (a link inside the data set must not lead out of it)."""
+    try:
+        check_relative_path(relative, what)
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    path = directory / relative
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise ManifestError(f"{what} {relative!r} leads outside {directory}")
+    return path
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate JSON key {key[:40]!r}")
+        out[key] = value
+    return out
+
+
+def _integer(value: object, what: str, lo: int, hi: int = 2**53 - 1) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {str(value)[:40]}")
+    return value
+
+
+def _hex64(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise ValueError(f"{what} must be 64 lowercase hex digits")
+    return value
+
+
+def _string(value: object, what: str, max_chars: int = 64) -> str:
+    if not isinstance(value, str) or len(value) > max_chars:
+        raise ValueError(f"{what} must be a string of at most {max_chars} characters")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,48 +150,75 @@ class Manifest:
     @classmethod
     def from_bytes(cls, raw: bytes, source: str = "manifest") -> Manifest:
         try:
-            doc = json.loads(raw)
+            # Same rules as every wire message: no duplicate keys, no NaN or Infinity.
+            doc = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
             return _parse(doc)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ManifestError(f"{source} is malformed: {exc}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ManifestError(f"{source} is malformed: {str(exc)[:200]}") from None
 
 
-def _parse(doc: dict[str, Any]) -> Manifest:
-    if doc.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"format {doc.get('format')!r}, this reader understands {MANIFEST_FORMAT}")
-    tokenizers = tuple(
-        TokenizerInfo(file=str(t["file"]), sha256=str(t["sha256"]), next_merge_id=int(t["next_merge_id"]))
-        for t in doc["tokenizers"]
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"JSON constant {name} is not allowed")
+
+
+def _fields(obj: object, names: set[str], what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    missing = names - obj.keys()
+    if missing:
+        raise ValueError(f"{what} is missing {', '.join(sorted(missing))}")
+    return obj
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _tokenizer(obj: object, i: int) -> TokenizerInfo:
+    what = f"tokenizers[{i}]"
+    t = _fields(obj, {"file", "sha256", "next_merge_id"}, what)
+    return TokenizerInfo(
+        file=check_relative_path(t["file"], f"{what}.file"),
+        sha256=_hex64(t["sha256"], f"{what}.sha256"),
+        next_merge_id=_integer(t["next_merge_id"], f"{what}.next_merge_id", 0),
     )
+
+
+def _shard(obj: object, i: int) -> ShardInfo:
+    what = f"shards[{i}]"
+    s = _fields(obj, {"id", "file", "sha256", "tokens", "tokenizer_sha256"}, what)
+    file = check_relative_path(s["file"], f"{what}.file")
+    if "/" in file:
+        raise ValueError(f"shard {s['id']} file name {file!r} is not a plain file name")
+    return ShardInfo(
+        id=_integer(s["id"], f"{what}.id", 0),
+        file=file,
+        sha256=_hex64(s["sha256"], f"{what}.sha256"),
+        tokens=_integer(s["tokens"], f"{what}.tokens", 1),
+        tokenizer_sha256=_hex64(s["tokenizer_sha256"], f"{what}.tokenizer_sha256"),
+    )
+
+
+def _parse(obj: object) -> Manifest:
+    doc = _fields(obj, {"format", "version", "created", "publisher", "tokenizers", "shards"}, "manifest")
+    if doc["format"] != MANIFEST_FORMAT:
+        raise ValueError(f"format {str(doc['format'])[:20]!r}, this reader understands {MANIFEST_FORMAT}")
+    tokenizers = tuple(_tokenizer(t, i) for i, t in enumerate(_list(doc["tokenizers"], "tokenizers")))
     if not tokenizers:
         raise ValueError("no tokenizer")
     merge_ids = [t.next_merge_id for t in tokenizers]
     if merge_ids != sorted(set(merge_ids)):
         raise ValueError(f"tokenizer lineage must grow strictly, got next_merge_id {merge_ids}")
-    shards = tuple(
-        ShardInfo(
-            id=int(s["id"]),
-            file=str(s["file"]),
-            sha256=str(s["sha256"]),
-            tokens=int(s["tokens"]),
-            tokenizer_sha256=str(s["tokenizer_sha256"]),
-        )
-        for s in doc["shards"]
-    )
+    shards = tuple(_shard(s, i) for i, s in enumerate(_list(doc["shards"], "shards")))
     ids = [s.id for s in shards]
     if ids != list(range(len(ids))):
         raise ValueError("shard ids must be 0..n-1 in order")
-    for s in shards:
-        if "/" in s.file or s.file.startswith("."):
-            raise ValueError(f"shard {s.id} file name {s.file!r} is not a plain file name")
-        if s.tokens <= 0:
-            raise ValueError(f"shard {s.id} has {s.tokens} tokens")
-    if int(doc["version"]) < 1:
-        raise ValueError(f"version {doc['version']} must be >= 1")
     return Manifest(
-        version=int(doc["version"]),
-        created=str(doc["created"]),
-        publisher=str(doc["publisher"]),
+        version=_integer(doc["version"], "version", 1),
+        created=_string(doc["created"], "created"),
+        publisher=_hex64(doc["publisher"], "publisher"),
         tokenizers=tokenizers,
         shards=shards,
     )

@@ -290,8 +290,9 @@ class BPETokenizer:
     def from_bytes(cls, data: bytes, *, source: str = "<bytes>") -> BPETokenizer:
         try:
             doc = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{source}: not JSON ({exc})") from exc
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # ValueError: bad JSON, or an integer longer than Python converts (4,300 digits).
+            raise ValueError(f"{source}: not JSON ({str(exc)[:200]})") from None
         merges, pattern = _parse(doc, source)
         try:
             return cls(merges, pattern=pattern)

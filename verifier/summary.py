@@ -7,11 +7,12 @@ not refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import Double, case, cast, func, select
 from sqlalchemy.orm import Session
 
 from . import models as m
@@ -169,6 +170,15 @@ def live_peers(session: Session, *, now: float, ttl: float, stage: int | None = 
     return [_node(w, p, now=now, ttl=ttl) for w, p in session.execute(query).all()]
 
 
+def _reported(loss_sum: float | None, loss_count: int | None) -> float | None:
+    """Mean self-reported loss; None without losses, or when rows stored before the wire bounded
+    losses (verifier.wire.Loss) sum to something that is no loss (inf, negative)."""
+    if not loss_count or loss_sum is None:
+        return None
+    mean = float(loss_sum) / int(loss_count)
+    return mean if math.isfinite(mean) and mean >= 0 else None
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -313,7 +323,7 @@ def recent_rounds(
                 sync_checked=done.sync_checked if done else 0,
                 accepted=int(accepted),
                 rejected=int(rejected),
-                reported_loss=float(loss_sum) / int(loss_count) if loss_count else None,
+                reported_loss=_reported(loss_sum, loss_count),
             )
         )
     return out
@@ -374,13 +384,27 @@ def headline(session: Session, *, now: float, ttl: float, window: int) -> Headli
                 m.Receipt.round == latest
             )
         ).one()
-        reported = float(loss_sum) / int(loss_count) if loss_count else None
+        reported = _reported(loss_sum, loss_count)
     return Headline(
         active_nodes=active or 0,
         latest_round=latest,
         reported_loss=reported,
         rates=rates(session, window=window),
     )
+
+
+def _float_sum(column: Any) -> Any:
+    """SUM in double precision: it cannot overflow on any backend (SQLite's integer SUM raises
+    "integer overflow" past 2^63; issue 19's four receipts of 2^62 tokens made /api/training/global
+    and /metrics answer 500), and it is exact while the total stays under 2^53. The wire bounds
+    (verifier.wire.MAX_TOKENS) keep every stored value far below; rows written before them are
+    summed all the same."""
+    return func.coalesce(func.sum(cast(column, Double)), 0.0)
+
+
+def _count(value: float) -> int:
+    """A summed count back to an int (0 for the inf a sum of ~1e308 values could only reach)."""
+    return int(value) if math.isfinite(value) else 0
 
 
 def totals(session: Session, *, now: float, ttl: float) -> Totals:
@@ -390,10 +414,10 @@ def totals(session: Session, *, now: float, ttl: float) -> Totals:
     receipts, steps, tokens, latest = session.execute(
         select(
             func.count(m.Receipt.id),
-            func.coalesce(func.sum(m.Receipt.inner_steps), 0),
+            _float_sum(m.Receipt.inner_steps),
             # Stage 0 reads every token once; a pipeline's later stages report the same
             # micro-batches again (each replica's own work), so they would count them twice.
-            func.coalesce(func.sum(case((m.Receipt.stage == 0, m.Receipt.tokens), else_=0)), 0),
+            _float_sum(case((m.Receipt.stage == 0, m.Receipt.tokens), else_=0)),
             func.max(m.Receipt.round),
         )
     ).one()
@@ -403,8 +427,8 @@ def totals(session: Session, *, now: float, ttl: float) -> Totals:
         refused=refused,
         active_nodes=active,
         receipts=receipts,
-        inner_steps=int(steps),
-        tokens=int(tokens),
+        inner_steps=_count(float(steps)),
+        tokens=_count(float(tokens)),
         shards_covered=shards,
         latest_round=latest,
     )

@@ -17,7 +17,17 @@ WalletId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{20}$")]
 """node.wallet.wallet_id_of(public key)."""
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 """Fits a 32-bit signed INTEGER column in both SQLite and PostgreSQL."""
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+MAX_TOKENS = 2**40
+"""Tokens one replica may claim for one round: ~1.1e12, a thousand times a production round
+(H=500 steps of 1M-token batches is 5e8). Bounded so the store sums them without overflow: SQLite's
+SUM is a 64-bit integer that raised "integer overflow" on four receipts of 2^62 (issue 19), and
+summary.totals sums in double precision besides, exact up to 2^53 tokens in all."""
+MAX_LOSS = 1e6
+"""Largest self-reported inner-step loss (nats): ~10^5 times the loss of a uniform guess over any
+vocabulary; a number past it is no cross-entropy. 10,000 of them sum to 1e10, far from a float's
+range, so a round's loss sum cannot overflow to inf (1e308 losses did)."""
+Loss = Annotated[float, Field(ge=0.0, le=MAX_LOSS, allow_inf_nan=False)]
+"""A cross-entropy in nats: finite and never negative (-1e308 was accepted and shown, issue 19)."""
 
 MAX_STAGES = 1024
 MAX_LOSSES = 10_000
@@ -85,12 +95,14 @@ class ReceiptRequest(_Wire):
     round: Count
     inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = Field(description="H actually run this round.")
     start_step: Count = Field(description="Global inner step at the round's start (for the lr schedule).")
-    tokens: Annotated[int, Field(ge=0, le=2**62)] = Field(description="Tokens trained on this round.")
+    tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = Field(description="Tokens trained on this round.")
     data: list[DataSpan] = Field(
         max_length=MAX_SPANS,
         description="What was read, in order; stage 0 reads the data, later pipeline stages send [].",
     )
-    losses: list[FiniteFloat] = Field(max_length=MAX_LOSSES, description="Self-reported inner-step losses.")
+    losses: list[Loss] = Field(
+        max_length=MAX_LOSSES, description="Self-reported inner-step losses (nats, 0..MAX_LOSS)."
+    )
     base_hash: HexDigest = Field(description="sha256 of θ_round the replica started from.")
     result_hash: HexDigest = Field(description="sha256 of θ_{round+1} after the outer step.")
     delta_digest: HexDigest = Field(description="sha256 of this replica's own pseudo-gradient Δ.")

@@ -129,6 +129,23 @@ def delta_layout(encoding: str, numel: int) -> Layout:
     raise InvalidMessage(f"unknown encoding {encoding!r}")
 
 
+MAX_SHAPE_DIMS = 8
+"""Dimensions a received tensor may have: ours have 1 or 2."""
+
+
+def _int_list(value: object, max_items: int) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= max_items
+        and all(type(v) is int and 0 <= v <= 2**63 - 1 for v in value)
+    )
+
+
+def _brief(value: object) -> str:
+    """A safe description of an untrusted JSON value: a short string, or its type name."""
+    return repr(value[:16]) if isinstance(value, str) else type(value).__name__
+
+
 def check_layout(data: bytes, expected: Layout) -> None:
     """Parse the safetensors header of `data` and require exactly the `expected` tensors, packed
     contiguously with no trailing bytes. Raises MalformedMessage naming the first difference."""
@@ -154,12 +171,21 @@ def check_layout(data: bytes, expected: Layout) -> None:
         dtype, shape = expected[name]
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise MalformedMessage(f"safetensors entry {name!r} is not {{dtype, shape, data_offsets}}")
-        if entry["dtype"] != dtype or entry["shape"] != list(shape):
+        # Types first, and only checked values in messages: a hostile header's shape may be a
+        # list nested ~1,000 deep, whose repr alone overflows the interpreter's stack.
+        got_dtype, got_shape = entry["dtype"], entry["shape"]
+        if not isinstance(got_dtype, str) or got_dtype not in _DTYPE_BYTES:
+            raise MalformedMessage(f"tensor {name!r} has dtype {_brief(got_dtype)}, expected {dtype}")
+        if not _int_list(got_shape, MAX_SHAPE_DIMS):
             raise MalformedMessage(
-                f"tensor {name!r} is {entry['dtype']} {entry['shape']}, expected {dtype} {list(shape)}"
+                f"tensor {name!r} shape is not a list of at most {MAX_SHAPE_DIMS} integers"
+            )
+        if got_dtype != dtype or got_shape != list(shape):
+            raise MalformedMessage(
+                f"tensor {name!r} is {got_dtype} {got_shape}, expected {dtype} {list(shape)}"
             )
         offsets = entry["data_offsets"]
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        if not _int_list(offsets, 2) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
             raise MalformedMessage(f"tensor {name!r} has bad data_offsets")
         if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
             raise MalformedMessage(f"tensor {name!r} data_offsets do not match its shape")
