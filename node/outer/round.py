@@ -94,6 +94,10 @@ LIST_BYTES_PER_MEMBER = 2048
 """Cap per member on an input list read (an entry is < 1 KB)."""
 
 
+PROBATION_GRACE = 0.05
+"""Share of the commit deadline an owner waits for probationers' commitments once every member's is in."""
+
+
 class Phase(enum.Enum):
     COMMIT = "commit"
     SCATTER = "scatter"
@@ -166,12 +170,18 @@ class RoundInput:
     base_hash: str
     """sha256 of θ_round (h_r): every member's Δ must be computed from it."""
     members: tuple[str, ...]
-    """The round's member wallets, sorted; this replica among them."""
+    """The round's admitted member wallets, sorted; this replica among them unless it is a
+    probationer. Parts, ownership, witnesses and digests are theirs (``neuroshard.node.membership``)."""
     delta: Tensor
     """This replica's Δ (d,) float32, on the CPU."""
     tokens: int
     banned: frozenset[str] = frozenset()
     """Wallets this replica refuses as inputs (proven cheats of earlier rounds)."""
+    probationers: tuple[str, ...] = ()
+    """Probationers of this round as this replica sees them, sorted, none of them a member: they
+    commit to the members' list and send their parts like members; an owner reads and screens
+    their parts (``RoundResult.probation``) but never aggregates them, and they own, witness,
+    check and count for nothing. A replica's own view: it changes nothing another computes."""
 
 
 @dataclass(kw_only=True)
@@ -190,6 +200,9 @@ class RoundResult:
     """Wallet -> what it did not deliver (no commitment, an owner without its aggregate)."""
     missing_parts: tuple[int, ...] = ()
     checked: tuple[int, ...] = ()
+    probation: dict[str, str] = field(default_factory=dict)
+    """Probationer -> this replica's verdict on it as an owner: "part j: screened, would have been
+    accepted", or why a part of it was refused (never in any aggregate either way)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Phase -> wall seconds spent in it."""
 
@@ -205,6 +218,9 @@ class _Held:
     commitment: RoundCommitment
     delta_bytes: bytes
     commitments: dict[str, RoundCommitment] = field(default_factory=dict)
+    """Admitted members' valid commitments (this replica's own included, if it is a member)."""
+    probation: dict[str, RoundCommitment] = field(default_factory=dict)
+    """Probationers' valid commitments (read by members only: owners screen their parts)."""
     claims: dict[int, AggregateClaim] = field(default_factory=dict)
     aggregates: dict[int, bytes] = field(default_factory=dict)
     """Part -> encoded aggregate to step with (the claim's, or a fraud proof's recomputation)."""
@@ -213,6 +229,8 @@ class _Held:
     """Parts whose owner this replica holds a checked fraud proof against."""
     equivocations: set[int] = field(default_factory=set)
     """Parts whose deciding signer this replica holds two claims of (zero this round)."""
+    screening: list[asyncio.Future[None]] = field(default_factory=list)
+    """Owners' screenings of probationers' parts, running beside the later phases (`_settle`)."""
     gathered: dict[int, AggregateClaim] = field(default_factory=dict)
     """The claims as decided from the echoes, before any fraud proof replaced a part: what the
     check seed and the digest hash, so a fraud found by some replicas only changes neither."""
@@ -241,8 +259,17 @@ class OuterRound:
     # --- the steps ---------------------------------------------------------------------------
 
     async def run(self, inp: RoundInput) -> RoundResult:
-        if list(inp.members) != sorted(set(inp.members)) or self.me not in inp.members:
-            raise ValueError("RoundInput.members must be sorted, without repeats, and include this replica")
+        """One round. A member runs every phase; a probationer (in ``inp.probationers``) commits and
+        scatters its Δ, then reads the decided aggregates like a member, and owns, witnesses and
+        checks nothing."""
+        if not inp.members or list(inp.members) != sorted(set(inp.members)):
+            raise ValueError("RoundInput.members must be non-empty, sorted and without repeats")
+        if list(inp.probationers) != sorted(set(inp.probationers)) or set(inp.members) & set(
+            inp.probationers
+        ):
+            raise ValueError("RoundInput.probationers must be sorted, without repeats, and not members")
+        if self.me not in inp.members and self.me not in inp.probationers:
+            raise ValueError("this replica must be among the round's members or probationers")
         held = await self._commit(inp)
         clock = time.monotonic()
         held.result = RoundResult(aggregate=torch.zeros(inp.delta.numel()))
@@ -257,6 +284,7 @@ class OuterRound:
             held.result.seconds[phase.value] = now - clock
             clock = now
         self.phase = Phase.DONE
+        await self._settle_probation(held)
         return self._finish(held)
 
     async def _commit(self, inp: RoundInput) -> _Held:
@@ -285,7 +313,7 @@ class OuterRound:
             commitment=commitment,
             delta_bytes=delta_bytes,
         )
-        held.commitments[self.me] = commitment
+        (held.commitments if self.me in inp.members else held.probation)[self.me] = commitment
         return held
 
     async def _read_commitments(self, held: _Held) -> None:
@@ -315,8 +343,48 @@ class OuterRound:
             else:
                 held.commitments[member] = commitment
 
+        probation = (
+            [asyncio.ensure_future(self._read_probationer(held, w)) for w in inp.probationers]
+            if self.me in inp.members  # owners screen probationers' parts; probationers read none
+            else []
+        )
         await asyncio.gather(*(read(m) for m in inp.members if m != self.me))
         result.committed = tuple(sorted(held.commitments))
+        if probation:
+            # Probationers had the members' commit window, plus a short grace; one that never
+            # commits must not hold the members' round up for the whole deadline.
+            _, late = await asyncio.wait(probation, timeout=PROBATION_GRACE * self.config.commit_timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*probation, return_exceptions=True)
+            for wallet in inp.probationers:
+                if wallet not in held.probation:
+                    result.probation.setdefault(wallet, "no commitment before the commit deadline")
+
+    async def _read_probationer(self, held: _Held, wallet: str) -> None:
+        """`wallet`'s commitment as a probationer, into `held.probation` if valid (else a verdict)."""
+        assert held.result is not None
+        raw = await self.store.fetch(
+            wallet,
+            self._name(held.inp, "commit"),
+            max_bytes=SMALL_OBJECT_BYTES,
+            wait_s=self.config.commit_timeout_s,
+        )
+        try:
+            commitment = RoundCommitment.from_json(raw) if raw is not None else None
+        except WireError as exc:
+            held.result.probation[wallet] = f"commitment: {exc}"
+            return
+        if commitment is None:
+            held.result.probation[wallet] = "no commitment before the commit deadline"
+            return
+        reason = self._commitment_problem(held, wallet, commitment)
+        if reason is None and wallet in held.inp.banned:
+            reason = "banned in an earlier round"
+        if reason is not None:
+            held.result.probation[wallet] = reason
+        else:
+            held.probation[wallet] = commitment
 
     def _commitment_problem(self, held: _Held, author: str, c: RoundCommitment) -> str | None:
         inp = held.inp
@@ -337,9 +405,12 @@ class OuterRound:
         mine = [j for j, owner in enumerate(held.owners) if owner == self.me]
         await asyncio.gather(*(self._reduce(held, j, replaces="") for j in mine))
 
-    async def _read_part(self, held: _Held, author: str, j: int, wait_s: float) -> tuple[bytes, bytes] | str:
-        """(proof, part bytes) of `author`'s part j checked against its commitment, or why not."""
-        commitment = held.commitments[author]
+    async def _read_part(
+        self, held: _Held, author: str, j: int, wait_s: float, commitment: RoundCommitment | None = None
+    ) -> tuple[bytes, bytes] | str:
+        """(proof, part bytes) of `author`'s part j checked against its commitment (the member's held
+        one unless given), or why not."""
+        commitment = commitment or held.commitments[author]
         n = len(held.inp.members)
         span = part_spans(held.bounds, commitment.encoding)[j]
         if author == self.me:
@@ -418,6 +489,53 @@ class OuterRound:
         assert held.result is not None
         for wallet, reason in refused.items():
             held.result.refused.setdefault(wallet, f"part {j}: {reason}")
+        if held.probation:  # in the background: nothing of the round waits for a probationer
+            held.screening.append(asyncio.ensure_future(self._screen_probationers(held, j, inputs, parts)))
+
+    async def _screen_probationers(
+        self, held: _Held, j: int, inputs: InputList, parts: Mapping[str, bytes]
+    ) -> None:
+        """Read and screen the probationers' parts j beside the members' (after the claim is out: the
+        aggregate never waits for them). Screening judges each row against the round's robust
+        reference, so the verdict is what a member's part would have got; the aggregate is
+        untouched. A probationer's verdict is its first part's (an owner usually owns one part)."""
+        result = held.result
+        assert result is not None
+        wallets = sorted(w for w in held.probation if w != self.me)
+        reads = await asyncio.gather(
+            *(self._read_part(held, w, j, self.config.part_timeout_s, held.probation[w]) for w in wallets)
+        )
+        trial = dict(parts)
+        for wallet, got in zip(wallets, reads, strict=True):
+            if isinstance(got, str):
+                result.probation.setdefault(wallet, f"part {j}: {got}")
+            else:
+                trial[wallet] = got[1]
+        tried = [w for w in wallets if w in trial]
+        if not tried:
+            return
+        screened = InputList(
+            part=j,
+            considered=tuple(
+                sorted([*inputs.considered, *(held.probation[w] for w in tried)], key=lambda c: c.wallet)
+            ),
+            dropped=(),
+        )
+        a, b = held.bounds[j]
+        try:
+            _, _, refused = await asyncio.to_thread(
+                recompute, screened, trial, b - a, self.config.encoding, self.rule, self.config.validation
+            )
+        except (WireError, ValueError) as exc:
+            for w in tried:
+                if not _decodes(trial[w], held.probation[w].encoding, b - a):
+                    result.probation.setdefault(w, f"part {j}: part does not decode ({exc})")
+            return
+        for w in tried:
+            reason = refused.get(w)
+            result.probation.setdefault(
+                w, f"part {j}: refused: {reason}" if reason else f"part {j}: passed screening (no weight)"
+            )
 
     async def _read_claim(self, held: _Held, j: int, owner: str, replaces: str, wait_s: float) -> bool:
         """Read part j's claim and aggregate from `owner`; True when both check out (then held)."""
@@ -690,6 +808,8 @@ class OuterRound:
     async def _check(self, held: _Held) -> None:
         result = held.result
         assert result is not None
+        if self.me not in held.inp.members:
+            return  # a probationer's proofs would reach nobody (members read members' digests only)
         others = sorted(
             j for j, c in held.claims.items() if c.wallet != self.me and held.bounds[j][1] > held.bounds[j][0]
         )
@@ -851,6 +971,20 @@ class OuterRound:
             return None  # a proof against some other claim says nothing about the part decided
         verdict = await self._verify(held, proof)
         return (proof, verdict) if verdict.fraud else None
+
+    async def _settle_probation(self, held: _Held) -> None:
+        """End the probationers' screenings with the round: what is not done by now is cancelled and
+        its probationers marked unscreened (a part that never came costs the members nothing)."""
+        assert held.result is not None
+        pending = [t for t in held.screening if not t.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*held.screening, return_exceptions=True)
+        for wallet in held.probation:
+            if wallet != self.me:
+                held.result.probation.setdefault(
+                    wallet, "not screened: its part did not come during the round"
+                )
 
     def _finish(self, held: _Held) -> RoundResult:
         result = held.result

@@ -1,0 +1,125 @@
+"""Who counts in a stage's rounds: admitted members, probationers, and everyone else (issue #19).
+
+A wallet costs nothing to make, so a stage whose rounds, majorities and quorums count every live
+wallet belongs to whoever makes the most keys. With a roster (an operator's allowlist, or the
+verifier's signed member list), a replica splits the live stage peers it sees into three:
+
+- **admitted members** own and witness parts, enter aggregates, and count in the θ-hash vote,
+  state-sync quorums and digest agreement: ``RoundInput.members``;
+- **probationers** commit and send their parts like members; each owner reads and screens them
+  (``RoundResult.probation`` holds the verdicts), but they own nothing, witness nothing, never
+  enter an aggregate and never count toward a majority: ``RoundInput.probationers``. At most
+  ``ProbationCap.of(admitted)`` of them take part in a round, picked by a hash of (round,
+  wallet), so a flood of registered keys costs each owner a bounded number of extra part reads;
+- **anyone else** is never read: their commitments, parts, echoes, digests and statuses are not
+  fetched, so they change nothing.
+
+A probationer earns admission at the verifier by rounds of verified work (it agreed with the
+stage's majority and passed replay spot checks); the verifier then lists it as admitted in its
+next signed member list. Without a roster (a run with no definition and no verifier: direct
+``--peers``), every live wallet is a member, as before: such a run has no Sybil defence and the
+node says so when it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+POLICIES = ("allowlist", "probation")
+
+
+class NotAMember(RuntimeError):
+    """This replica's wallet is on no list of the stage's roster: it cannot take part in rounds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbationCap:
+    """How many probationers one round takes: at most `count`, and at most `fraction` of the
+    admitted members (at least one, so a stage of one admitted replica can still admit a second)."""
+
+    fraction: float = 0.25
+    count: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0 or self.count < 0:
+            raise ValueError(f"probation cap needs 0 <= fraction <= 1 and count >= 0, got {self}")
+
+    def of(self, admitted: int) -> int:
+        if self.count == 0 or self.fraction == 0.0:
+            return 0
+        return min(self.count, max(1, math.floor(self.fraction * admitted)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageRoster:
+    """One stage's member list as a replica holds it (from the operator's definition or the
+    verifier's signed list; the carrier checked the signature before building this)."""
+
+    stage: int
+    policy: str
+    """``allowlist``: only `admitted` take part. ``probation``: `probation` wallets may too."""
+    admitted: frozenset[str]
+    probation: frozenset[str] = frozenset()
+    cap: ProbationCap = ProbationCap()
+    source: str = ""
+    """Where it came from, for logs ("network definition", "verifier epoch 12")."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown admission policy {self.policy!r}; expected one of {POLICIES}")
+        if self.admitted & self.probation:
+            raise ValueError("a wallet cannot be both admitted and on probation")
+        if self.policy == "allowlist" and self.probation:
+            raise ValueError("an allowlist roster has no probationers")
+
+    def counts(self, wallet: str) -> bool:
+        """Whether `wallet` counts toward majorities and quorums (votes, state sync)."""
+        return wallet in self.admitted
+
+    def listed(self, wallet: str) -> bool:
+        return wallet in self.admitted or wallet in self.probation
+
+
+@dataclass(frozen=True)
+class Split:
+    members: tuple[str, ...]
+    """Admitted wallets of the round, sorted (this replica among them unless it is on probation)."""
+    probationers: tuple[str, ...]
+    """Probationers taking part this round, sorted (at most the cap; this replica may be one)."""
+    waiting: int = 0
+    """Live probationers left out of this round by the cap."""
+
+
+def probation_rank(round_: int, wallet: str) -> bytes:
+    """The order probationers take a round's slots in: a hash no wallet chooses for every round."""
+    return hashlib.sha256(f"neuroshard/probation/v1\n{round_}\n{wallet}".encode()).digest()
+
+
+def split_members(live: Iterable[str], me: str, roster: StageRoster | None, round_: int) -> Split:
+    """The round's members and probationers from the live stage wallets this replica sees.
+
+    Without a roster every live wallet is a member. With one, unlisted wallets are dropped, and
+    probationers beyond the cap wait for a later round; raises `NotAMember` when this replica is
+    not listed, or is a probationer the cap leaves out of this round."""
+    wallets = set(live) | {me}
+    if roster is None:
+        return Split(tuple(sorted(wallets)), ())
+    if not roster.listed(me):
+        raise NotAMember(
+            f"wallet {me[:12]} is not on stage {roster.stage}'s member list ({roster.source or 'roster'}, "
+            f"policy {roster.policy})"
+        )
+    members = tuple(sorted(w for w in wallets if w in roster.admitted))
+    candidates = sorted(
+        (w for w in wallets if w in roster.probation), key=lambda w: probation_rank(round_, w)
+    )
+    taken = candidates[: roster.cap.of(len(members))]
+    if me in roster.probation and me not in taken:
+        raise NotAMember(
+            f"wallet {me[:12]} is on probation and the cap ({len(taken)} of {len(candidates)}) leaves it "
+            f"out of round {round_}"
+        )
+    return Split(members, tuple(sorted(taken)), waiting=len(candidates) - len(taken))
