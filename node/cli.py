@@ -30,7 +30,7 @@ from neuroshard.data import (
 from neuroshard.data.dataset import open_remote_dataset, remote_updates
 from neuroshard.data.fetch import FetchConfig
 
-from . import aggregation, work_lies
+from . import aggregation, device, work_lies
 from .checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
 from .diloco import DiLoCoConfig
 from .embedded import ensure_default_dataset
@@ -100,6 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop once the network reaches this inner step, round x H + steps in the round (default: run until Ctrl-C)",
     )
     model.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    model.add_argument(
+        "--device",
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N,mps}",
+        help="where the inner loop runs (auto: CUDA, else MPS, else CPU); the outer round stays on the CPU",
+    )
+    model.add_argument(
+        "--precision",
+        choices=device.PRECISIONS,
+        default="auto",
+        help="inner-loop precision over fp32 master weights (auto: bf16 autocast on CUDA with bf16, else fp32)",
+    )
+    model.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass: less memory, ~1/3 more compute",
+    )
 
     diloco = p.add_argument_group("DiLoCo (Douillard et al. 2023)")
     d = DiLoCoConfig()
@@ -182,6 +199,19 @@ def diloco_config_from_args(args: argparse.Namespace) -> DiLoCoConfig:
         outer_momentum=args.outer_momentum,
         outer_nesterov=args.outer_momentum > 0,
     )
+
+
+def placement_from_args(args: argparse.Namespace) -> device.Placement:
+    """The inner loop's device and precision. Pipeline stages (--stages > 1) train on the CPU in
+    fp32 for now: activations cross stages as CPU tensors (node.pipeline), not moved yet."""
+    if args.stages > 1:
+        if args.device not in ("auto", "cpu") or args.precision not in ("auto", "fp32"):
+            raise ValueError(
+                f"--device {args.device} --precision {args.precision}: pipeline stages (--stages "
+                f"{args.stages}) train on the CPU in fp32 for now; use --device cpu or --stages 1"
+            )
+        return device.Placement.cpu()
+    return device.resolve(args.device, args.precision)
 
 
 def _log(line: str) -> None:
@@ -377,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline = pipeline_config_from_args(args)
         if args.stages > 1 and joined is None:
             _no_embedded_verifier_for_stages(args)
+        placement = placement_from_args(args)
         dataset, updates = _open_data(args)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         diloco_config = diloco_config_from_args(args)
@@ -399,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 enabled=not args.no_plateau_rotation,
             ),
             held_out_shards=held_out,
+            activation_checkpointing=args.activation_checkpointing,
         )
         trainer = Trainer(
             wallet_id=wallet.wallet_id,
@@ -414,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_fn=remote_loss(lambda hidden, labels: _downstream(link, hidden, labels))
             if args.stages > 1
             else None,
+            placement=placement,
         )
         reporting = Reporting.open(
             args,
@@ -454,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(
         f"model {_model_label(model_config)}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
         f"vocab {model_config.vocab_size}; data {dataset.location} ({manifest.total_shards} shards); "
-        f"H={diloco_config.inner_steps}"
+        f"H={diloco_config.inner_steps}; inner loop on {placement.describe()}"
     )
     try:
         result = trainer.run(stop)

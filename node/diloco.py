@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
+from .device import Placement
 from .model import cross_entropy_loss
 
 InnerOptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -119,24 +120,29 @@ def lr_factor(step: int, cfg: DiLoCoConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def default_inner_optimizer(params: list[nn.Parameter], cfg: DiLoCoConfig) -> torch.optim.AdamW:
+def default_inner_optimizer(
+    params: list[nn.Parameter], cfg: DiLoCoConfig, *, fused: bool = True
+) -> torch.optim.AdamW:
     """AdamW with decay on matrices only: decaying a norm gain pulls it towards 0 instead of 1.
 
     fused=True runs the whole update in one kernel per parameter group (CPU and CUDA since
-    torch 2.4); on the tiny model at 2 threads it measured ~4% faster per inner step than
-    the default per-tensor loop (bench/bench_inner_loop.py).
+    torch 2.4, MPS since 2.5: `Placement.fused_adamw`); on the tiny model at 2 threads it
+    measured ~4% faster per inner step than the default per-tensor loop (bench/bench_inner_loop.py).
     """
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.inner_lr, betas=cfg.betas, fused=True)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.inner_lr, betas=cfg.betas, fused=fused
+    )
 
 
 @torch.no_grad()
 def flat_parameters(params: Iterable[nn.Parameter]) -> Tensor:
-    """A detached float32 copy of the parameters as one flat vector (d,)."""
-    return parameters_to_vector(params).detach().float()
+    """A detached float32 copy of the parameters as one flat vector (d,) on the CPU, wherever the
+    parameters live: everything replicas must agree on is computed there."""
+    return parameters_to_vector(params).detach().to(device="cpu", dtype=torch.float32, copy=True)
 
 
 @torch.no_grad()
@@ -164,7 +170,12 @@ def tensor_sha256(vector: Tensor) -> str:
 
 
 class DiLoCo:
-    """One replica's DiLoCo state: the model it trains, θ_round, and both optimizers."""
+    """One replica's DiLoCo state: the model it trains, θ_round, and both optimizers.
+
+    The model, its inner optimizer and the batches live on `placement.device` (forward and loss
+    under its autocast); θ_round, its outer optimizer, Δ and the weight hash live on the CPU in
+    float32, so replicas on different devices or precisions take bit-identical outer steps.
+    """
 
     def __init__(
         self,
@@ -173,15 +184,24 @@ class DiLoCo:
         *,
         inner_optimizer: InnerOptimizerFactory | None = None,
         loss_fn: LossFn = cross_entropy_loss,
+        placement: Placement | None = None,
     ) -> None:
-        self.model = model
+        self.placement = placement or Placement.cpu()
+        self.model = model.to(self.placement.device)
         self.config = config
         self.loss_fn = loss_fn
         self.params = list(model.parameters())
         if not self.params:
             raise ValueError("DiLoCo needs a model with at least one parameter")
-        make_inner = inner_optimizer or (lambda ps: default_inner_optimizer(ps, config))
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise ValueError("DiLoCo keeps float32 master weights; autocast gives the low precision")
+        fused = self.placement.fused_adamw()
+        make_inner = inner_optimizer or (lambda ps: default_inner_optimizer(ps, config, fused=fused))
         self.inner_optimizer = make_inner(self.params)
+        # fp16 needs loss scaling (its 5-bit exponent underflows small gradients); bf16 does not.
+        self.scaler = (
+            torch.amp.GradScaler(self.placement.device.type) if self.placement.precision == "fp16" else None
+        )
         self._peak_lrs = [float(group["lr"]) for group in self.inner_optimizer.param_groups]
         # θ_round: the round's start, one flat float32 vector (d,), the outer optimizer's only parameter.
         self.theta_round = flat_parameters(self.params).clone().requires_grad_(True)
@@ -215,20 +235,39 @@ class DiLoCo:
 
     def inner_step(self, input_ids: Tensor, labels: Tensor) -> float:
         """One inner step on (B, T) input ids and labels; returns the loss before the update."""
-        loss = self.loss_fn(self.model(input_ids), labels)
-        loss.backward()
-        self.inner_update()
-        return loss.item()
+        return self.queue_inner_step(input_ids, labels).item()
 
-    def inner_update(self) -> None:
+    def queue_inner_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """`inner_step` without waiting for the device: returns the loss as a 0-d tensor on the
+        device, so the caller can prepare the next batch while the kernels run."""
+        x, y = self.placement.to_device(input_ids), self.placement.to_device(labels)
+        with self.placement.autocast():
+            loss = self.loss_fn(self.model(x), y)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        self.inner_update(scaled=self.scaler is not None)
+        return loss.detach()
+
+    def inner_update(self, *, scaled: bool = False) -> None:
         """Clip, step the inner optimizer and schedule, clear grads. For stages whose backward ran
-        elsewhere (the pipeline), call this after their gradients are in ``.grad``."""
+        elsewhere (the pipeline), call this after their gradients are in ``.grad``. `scaled`: the
+        gradients carry fp16 loss scaling (`self.scaler`), removed before clipping."""
+        if scaled:
+            assert self.scaler is not None
+            self.scaler.unscale_(self.inner_optimizer)
         if self.config.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.params, self.config.grad_clip, foreach=True)
         factor = lr_factor(self.schedule_step, self.config)
         for group, peak in zip(self.inner_optimizer.param_groups, self._peak_lrs, strict=True):
             group["lr"] = peak * factor
-        self.inner_optimizer.step()
+        if scaled:
+            assert self.scaler is not None
+            self.scaler.step(self.inner_optimizer)  # skipped when the scaled gradients overflowed
+            self.scaler.update()
+        else:
+            self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.steps_in_round += 1
@@ -266,19 +305,34 @@ class DiLoCo:
         """sha256 of θ_round (little-endian float32); equal on every honest replica after a round."""
         return tensor_sha256(self.theta_round)
 
+    def move_to(self, placement: Placement) -> None:
+        """Move the model and the inner optimizer's state to another placement (θ_round stays)."""
+        self.placement = placement
+        self.model.to(placement.device)  # same Parameter objects: the optimizer's keys stay valid
+        for state in self.inner_optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    state[key] = value.to(placement.device)
+        if placement.precision == "fp16" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(placement.device.type)
+        elif placement.precision != "fp16":
+            self.scaler = None
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything but the model's weights needed to resume bit-identically; plain tensors and
-        numbers, loadable with torch.load(weights_only=True). A snapshot: later steps don't change it."""
-        return copy.deepcopy(
-            {
-                "inner_optimizer": self.inner_optimizer.state_dict(),
-                "outer_optimizer": self.outer_optimizer.state_dict(),
-                "theta_round": self.theta_round.detach(),
-                "step": self.step,
-                "round": self.round,
-                "steps_in_round": self.steps_in_round,
-            }
-        )
+        """Everything but the model's weights needed to resume bit-identically; plain CPU tensors and
+        numbers, loadable with torch.load(weights_only=True) on any machine. A snapshot: later steps
+        don't change it."""
+        state = {
+            "inner_optimizer": _to_cpu(self.inner_optimizer.state_dict()),
+            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+            "theta_round": self.theta_round.detach().clone(),
+            "step": self.step,
+            "round": self.round,
+            "steps_in_round": self.steps_in_round,
+        }
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         theta = state["theta_round"]
@@ -293,3 +347,16 @@ class DiLoCo:
         self.step = int(state["step"])
         self.round = int(state["round"])
         self.steps_in_round = int(state["steps_in_round"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
+
+
+def _to_cpu(value: Any) -> Any:
+    """A deep copy of nested dicts and lists with every tensor copied to the CPU."""
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return copy.deepcopy(value)

@@ -55,8 +55,9 @@ def capture_inner_state(diloco: DiLoCo) -> InnerState | None:
         if state and set(state) != ADAM_KEYS:
             return None
         if state:
-            moments.append(state["exp_avg"].detach().reshape(-1).float())
-            squares.append(state["exp_avg_sq"].detach().reshape(-1).float())
+            # On the CPU in float32 whatever the training device: the digest and the peer route read it.
+            moments.append(state["exp_avg"].detach().reshape(-1).to("cpu", torch.float32))
+            squares.append(state["exp_avg_sq"].detach().reshape(-1).to("cpu", torch.float32))
             steps.append(float(state["step"]))
         else:
             moments.append(torch.zeros(p.numel()))

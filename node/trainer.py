@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
+from .device import CopyStream, Placement
 from .diloco import DiLoCo, DiLoCoConfig, LossFn
 from .model import ModelConfig, build_stage, cross_entropy_loss
 from .pipeline import stage_fingerprint
@@ -70,6 +73,9 @@ class TrainerConfig:
     """When to leave a shard whose loss has plateaued."""
     held_out_shards: tuple[int, ...] = ()
     """Shards this replica never trains on: the verifier's held-out evaluation data."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: activation
+    memory drops from every layer's to one layer's, for about one more forward of compute."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "checkpoint_every", "log_every"):
@@ -129,9 +135,11 @@ class Trainer:
         fresh: bool = False,
         num_stages: int = 1,
         loss_fn: LossFn | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """`num_stages` > 1 makes this replica stage 0 of a pipeline (embedding and the first
-        layers); `loss_fn` then sends its output on (`pipeline.remote_loss`)."""
+        layers); `loss_fn` then sends its output on (`pipeline.remote_loss`). `placement`: where
+        the inner loop runs (default: CPU, fp32); checkpoints are written from CPU copies."""
         if config.seq_len > model_config.max_seq_len:
             raise ValueError(
                 f"seq_len {config.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
@@ -149,6 +157,10 @@ class Trainer:
         self.dataset = dataset
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
         self.num_stages = num_stages
+        self.placement = placement or Placement.cpu()
+        self.lookahead = self.placement.is_cuda
+        """Read the next batch while a step computes (BatchFeed); on by default only on CUDA, where
+        the copy overlaps the kernels. Tests turn it on for the CPU to check its bookkeeping."""
         checkpoint_dir.mkdir(parents=True, exist_ok=True)  # an unusable directory fails now, not 50 steps in
         self._writer = CheckpointWriter()
         self.work = RoundWork()
@@ -156,7 +168,10 @@ class Trainer:
         state = None if fresh else self._load_state(model_config)
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
         self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, num_stages)
-        self.diloco = DiLoCo(self.model, diloco_config, loss_fn=loss_fn or cross_entropy_loss)
+        self.model.activation_checkpointing = config.activation_checkpointing
+        self.diloco = DiLoCo(
+            self.model, diloco_config, loss_fn=loss_fn or cross_entropy_loss, placement=self.placement
+        )
         order = assign_shards(wallet_id, dataset.manifest, exclude=config.held_out_shards)
         position = DataPosition()
         self._plateau = PlateauDetector(config.rotation)
@@ -230,7 +245,10 @@ class Trainer:
             raise ValueError(
                 f"vocabulary growth {old} -> {vocab_size} is not supported with pipeline stages yet"
             )
+        self.diloco.move_to(Placement.cpu())  # grow_replica builds the grown model on the CPU
         self.model, self.diloco = grow_replica(self.model, self.diloco, vocab_size)
+        self.diloco.move_to(self.placement)
+        self.model.activation_checkpointing = self.config.activation_checkpointing
         self._log(f"vocabulary grew {old} -> {vocab_size}: embedding and head extended, existing rows kept")
 
     def _apply_dataset_update(self) -> None:
@@ -252,8 +270,9 @@ class Trainer:
     def save(self, *, wait: bool = True) -> None:
         """Checkpoint the replica; with wait=False the file is written in the background."""
         state = {
-            # The model's tensors are live; clone them so the background write sees this step's values.
-            "model": {name: t.detach().clone() for name, t in self.model.state_dict().items()},
+            # The model's tensors are live; copy them (to the CPU: a checkpoint loads on any machine)
+            # so the background write sees this step's values.
+            "model": {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()},
             "diloco": self.diloco.state_dict(),  # already a snapshot
             "data_position": self.batches.saved_position(),
             "plateau": self._plateau.state_dict(),
@@ -284,22 +303,29 @@ class Trainer:
         result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
         window: list[float] = []
         window_start = run_start = time.perf_counter()
+        feed = BatchFeed(lambda: self.batches, self.placement, ahead=self.lookahead)
+        last_shard = self.batches.shard_id
         while cfg.max_steps is None or self.diloco.schedule_step < cfg.max_steps:
             if stop.is_set():
                 result.stopped_by_signal = True
                 break
-            shard_before = self.batches.shard_id
             with _timed(result.seconds, "data"):
-                inputs, labels = self.batches.next_batch()
-            offset = self.batches.position.offset
-            self.work.read(self.batches.shard_id, offset - inputs.shape[0], offset)
-            if self.batches.shard_id != shard_before:
+                batch = feed.take()
+            self.work.read(batch.shard_id, batch.start, batch.end)
+            if batch.shard_id != last_shard:
                 self._plateau.reset()
+            last_shard = batch.shard_id
             step_start = time.perf_counter()
-            loss = self.diloco.inner_step(inputs, labels)
-            result.inner_seconds += time.perf_counter() - step_start
+            queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
+            queued_s = time.perf_counter() - step_start
+            with _timed(result.seconds, "data"):
+                feed.read_ahead()  # on CUDA: the next batch's copy overlaps this step's kernels
+            step_start = time.perf_counter()
+            loss = queued.item()
+            result.inner_seconds += queued_s + time.perf_counter() - step_start
             if self._plateau.observe(loss):
                 self._log(f"loss plateaued on shard {self.batches.shard_id}; rotating to the next shard")
+                feed.rewind()
                 self.batches.rotate()
                 self._plateau.reset()
             window.append(loss)
@@ -307,8 +333,10 @@ class Trainer:
             self.work.losses.append(loss)
             step = self.diloco.step
             if self._round_done():
+                feed.rewind()  # the round's data spans end with this step; the data set may change
                 self._finish_round(result.seconds)
             elif step % cfg.checkpoint_every == 0:
+                feed.rewind()  # the saved position is the next batch to train on
                 with _timed(result.seconds, "checkpoint"):
                     self.save(wait=False)
             if step % cfg.log_every == 0:
@@ -321,11 +349,62 @@ class Trainer:
                     )
                 window = []
                 window_start = time.perf_counter()
+        feed.rewind()
         with _timed(result.seconds, "checkpoint"):
             self.save()
         result.steps, result.rounds = self.diloco.step, self.diloco.round
         result.wall_seconds = time.perf_counter() - run_start
         return result
+
+
+@dataclass
+class FedBatch:
+    """A batch on the device with the data span it came from."""
+
+    inputs: Tensor
+    """(B, T) int64 input ids."""
+    labels: Tensor
+    """(B, T) int64 next-token labels."""
+    shard_id: int
+    start: int
+    """First window (offset in the shard's window order) of the batch."""
+    end: int
+    before: DataPosition
+    """The stream's position before this batch was read: where `rewind` puts it back."""
+
+
+class BatchFeed:
+    """The trainer's batches, moved to the device. On CUDA it reads one batch ahead and copies it
+    on a side stream while the current step computes; `rewind` hands an unused look-ahead batch
+    back to the stream, so data spans, checkpoints and shard rotation see exactly the batches
+    trained on. On the CPU there is no look-ahead (nothing to overlap) and `rewind` is a no-op."""
+
+    def __init__(self, stream: Callable[[], BatchStream], placement: Placement, *, ahead: bool) -> None:
+        self._stream = stream  # read anew each time: the trainer may swap its stream (work_lies)
+        self._copy = CopyStream(placement)
+        self._ahead = ahead
+        self._pending: FedBatch | None = None
+
+    def _read(self) -> FedBatch:
+        stream = self._stream()
+        before = stream.position
+        inputs, labels = self._copy.start(stream.next_batch())
+        end = stream.position.offset
+        return FedBatch(inputs, labels, stream.shard_id, end - inputs.shape[0], end, before)
+
+    def take(self) -> FedBatch:
+        batch, self._pending = self._pending or self._read(), None
+        batch.inputs, batch.labels = self._copy.ready((batch.inputs, batch.labels))
+        return batch
+
+    def read_ahead(self) -> None:
+        if self._ahead and self._pending is None:
+            self._pending = self._read()
+
+    def rewind(self) -> None:
+        if self._pending is not None:
+            self._stream().position = self._pending.before
+            self._pending = None
 
 
 @contextmanager

@@ -1,0 +1,241 @@
+"""Device and precision: the inner loop on a device, the outer round exact on the CPU.
+
+Every path that runs without a GPU is tested on the CPU (bf16 and fp16 autocast exist there);
+the CUDA tests are skipped where torch sees no CUDA device, never faked."""
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from neuroshard.node import aggregation
+from neuroshard.node.checkpoint import CheckpointIdentity, load_checkpoint
+from neuroshard.node.cli import build_parser, placement_from_args
+from neuroshard.node.device import Placement, resolve, resolve_device, resolve_precision
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, flat_parameters, tensor_sha256
+from neuroshard.node.model import ModelConfig, Transformer
+from neuroshard.node.pipeline import stage_fingerprint
+from neuroshard.node.trainer import Trainer, TrainerConfig
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
+DILOCO = DiLoCoConfig(inner_steps=5, warmup_steps=2, total_steps=100)
+CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def batch(replica: int, step: int) -> tuple[Tensor, Tensor]:
+    """A fixed random (input_ids, labels) pair, each (4, 16), for every (replica, step)."""
+    gen = torch.Generator().manual_seed(1000 * replica + step)
+    tokens = torch.randint(0, MODEL.vocab_size, (4, 17), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_resolve_cpu_and_precisions() -> None:
+    assert resolve("cpu", "auto") == Placement(device=CPU, precision="fp32")
+    assert resolve("cpu", "bf16").autocast_dtype == torch.bfloat16
+    assert resolve("cpu", "fp16").autocast_dtype == torch.float16
+    assert resolve("cpu", "fp32").autocast_dtype is None
+    assert resolve_precision("auto", CPU) == "fp32"
+    with pytest.raises(ValueError, match="precision"):
+        resolve_precision("int4", CPU)
+    with pytest.raises(ValueError, match="not a device"):
+        resolve_device("gpu-please")
+    with pytest.raises(ValueError, match="supported"):
+        resolve_device("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused_and_auto_falls_back() -> None:
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda:0")
+    if not torch.backends.mps.is_available():
+        assert resolve("auto", "auto") == Placement.cpu()
+
+
+@needs_cuda
+def test_auto_on_cuda_picks_bf16_autocast() -> None:
+    placement = resolve("auto", "auto")
+    assert placement.device.type == "cuda"
+    assert placement.precision == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
+def test_cli_flags_reach_the_placement() -> None:
+    args = build_parser().parse_args(["--device", "cpu", "--precision", "bf16"])
+    assert placement_from_args(args) == Placement(device=CPU, precision="bf16")
+    staged = build_parser().parse_args(["--device", "cpu", "--precision", "bf16", "--stages", "2"])
+    with pytest.raises(ValueError, match="pipeline stages"):
+        placement_from_args(staged)
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_the_loss_falls() -> None:
+    engine = DiLoCo(Transformer(MODEL), DILOCO, placement=Placement(device=CPU, precision="bf16"))
+    x, y = batch(0, 0)
+    losses = [engine.inner_step(x, y) for _ in range(30)]
+    assert losses[-1] < 0.7 * losses[0]
+    assert all(p.dtype == torch.float32 for p in engine.params)
+    assert engine.theta_round.device == CPU and engine.theta_round.dtype == torch.float32
+    assert engine.pseudo_gradient().dtype == torch.float32
+
+
+def test_bf16_autocast_actually_changes_the_arithmetic() -> None:
+    """Not a no-op: the same steps in fp32 and bf16 give close but different Δs."""
+    deltas = []
+    for precision in ("fp32", "bf16"):
+        engine = DiLoCo(Transformer(MODEL), DILOCO, placement=Placement(device=CPU, precision=precision))
+        for step in range(5):
+            engine.inner_step(*batch(0, step))
+        deltas.append(engine.pseudo_gradient())
+    assert not torch.equal(deltas[0], deltas[1])
+    assert torch.nn.functional.cosine_similarity(deltas[0], deltas[1], dim=0) > 0.95
+
+
+def test_fp16_autocast_scales_the_loss_and_trains() -> None:
+    engine = DiLoCo(Transformer(MODEL), DILOCO, placement=Placement(device=CPU, precision="fp16"))
+    assert engine.scaler is not None
+    x, y = batch(0, 0)
+    losses = [engine.inner_step(x, y) for _ in range(30)]
+    assert losses[-1] < 0.7 * losses[0]
+    assert "grad_scaler" in engine.state_dict()
+
+
+def _mixed_stage(placements: list[Placement], rounds: int) -> list[list[str]]:
+    """Replicas on the given placements run `rounds` rounds, aggregating with the node's default
+    rule; returns each round's θ hash per replica, checking each model holds θ_round."""
+    engines = [DiLoCo(Transformer(MODEL), DILOCO, placement=p) for p in placements]
+    hashes = []
+    for r in range(rounds):
+        for i, engine in enumerate(engines):
+            for step in range(DILOCO.inner_steps):
+                engine.inner_step(*batch(i, r * DILOCO.inner_steps + step))
+        deltas = [engine.pseudo_gradient() for engine in engines]
+        assert all(d.device == CPU and d.dtype == torch.float32 for d in deltas)
+        agg = aggregation.aggregate("default", torch.stack(deltas))
+        for engine in engines:
+            engine.outer_step(agg.clone())
+            assert torch.equal(flat_parameters(engine.params), engine.theta_round.detach())
+        hashes.append([engine.weights_hash() for engine in engines])
+    return hashes
+
+
+def test_an_fp32_and_a_bf16_replica_end_every_round_bit_identical() -> None:
+    hashes = _mixed_stage([Placement.cpu(), Placement(device=CPU, precision="bf16")], rounds=3)
+    for round_hashes in hashes:
+        assert len(set(round_hashes)) == 1
+    assert len({h[0] for h in hashes}) == 3  # the rounds did move θ
+
+
+@needs_cuda
+def test_a_cpu_and_a_cuda_bf16_replica_end_every_round_bit_identical() -> None:
+    cuda = resolve("cuda", "bf16")
+    hashes = _mixed_stage([Placement.cpu(), cuda, Placement(device=cuda.device, precision="fp32")], rounds=2)
+    for round_hashes in hashes:
+        assert len(set(round_hashes)) == 1
+
+
+def test_move_to_another_placement_and_back_changes_nothing() -> None:
+    engine = DiLoCo(Transformer(MODEL), DILOCO, placement=Placement(device=CPU, precision="bf16"))
+    for step in range(3):
+        engine.inner_step(*batch(0, step))
+    before = tensor_sha256(flat_parameters(engine.params))
+    engine.move_to(Placement.cpu())
+    assert engine.placement.precision == "fp32"
+    assert tensor_sha256(flat_parameters(engine.params)) == before
+    engine.inner_step(*batch(0, 3))  # the optimizer state still matches the parameters
+
+
+@needs_cuda
+def test_a_cuda_engine_state_is_all_cpu_and_resumes_on_the_cpu() -> None:
+    engine = DiLoCo(Transformer(MODEL), DILOCO, placement=resolve("cuda", "bf16"))
+    for step in range(3):
+        engine.inner_step(*batch(0, step))
+    state = engine.state_dict()
+    tensors = [v for s in state["inner_optimizer"]["state"].values() for v in s.values()]
+    assert all(t.device == CPU for t in tensors)
+    cpu = DiLoCo(Transformer(MODEL), DILOCO)
+    cpu.model.load_state_dict({k: v.cpu() for k, v in engine.model.state_dict().items()})
+    cpu.load_state_dict(state)
+    assert cpu.inner_step(*batch(0, 3)) == pytest.approx(engine.inner_step(*batch(0, 3)), rel=0.05)
+
+
+def _trainer(published, directory: Path, placement: Placement, max_steps: int) -> Trainer:  # type: ignore[no-untyped-def]
+    return Trainer(
+        wallet_id="feedface",
+        dataset=published.dataset,
+        model_config=ModelConfig(
+            vocab_size=published.dataset.tokenizer.vocab_size,
+            dim=32,
+            n_layers=2,
+            n_heads=2,
+            ffn_dim=64,
+            max_seq_len=32,
+        ),
+        diloco_config=DiLoCoConfig(inner_steps=6, warmup_steps=3, total_steps=60),
+        config=TrainerConfig(batch_size=4, seq_len=32, max_steps=max_steps, checkpoint_every=5, log_every=10),
+        checkpoint_dir=directory,
+        log=lambda line: None,
+        placement=placement,
+    )
+
+
+def test_trainer_device_cpu_precision_bf16_trains_and_the_loss_falls(published, tmp_path: Path) -> None:
+    trainer = _trainer(published, tmp_path, Placement(device=CPU, precision="bf16"), max_steps=36)
+    result = trainer.run(threading.Event())
+    first, last = sum(result.losses[:6]) / 6, sum(result.losses[-6:]) / 6
+    assert last < first - 0.5, (first, last)
+    assert result.rounds == 6
+
+
+def test_a_bf16_checkpoint_resumes_in_fp32_on_the_cpu(published, tmp_path: Path) -> None:
+    trained = _trainer(published, tmp_path, Placement(device=CPU, precision="bf16"), max_steps=8)
+    trained.run(threading.Event())
+    identity = CheckpointIdentity(
+        wallet_id="feedface",
+        stage=0,
+        model_fingerprint=stage_fingerprint(trained.model.config, 1),
+        tokenizer_sha256=published.dataset.manifest.tokenizer.sha256,
+    )
+    state = load_checkpoint(trained.checkpoint_file, identity)
+    assert state is not None
+    assert all(t.device == CPU and t.dtype == torch.float32 for t in state["model"].values())
+    resumed = _trainer(published, tmp_path, Placement.cpu(), max_steps=12)
+    assert resumed.diloco.step == 8
+    assert resumed.diloco.weights_hash() == trained.diloco.weights_hash()
+    for a, b in zip(resumed.model.parameters(), trained.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert resumed.run(threading.Event()).steps == 12
+
+
+@needs_cuda
+def test_a_cuda_trainer_checkpoint_loads_on_the_cpu(published, tmp_path: Path) -> None:
+    trained = _trainer(published, tmp_path, resolve("cuda", "bf16"), max_steps=8)
+    trained.run(threading.Event())
+    resumed = _trainer(published, tmp_path, Placement.cpu(), max_steps=12)
+    assert resumed.diloco.weights_hash() == trained.diloco.weights_hash()
+    assert resumed.batches.position == trained.batches.position
+    assert resumed.run(threading.Event()).steps == 12
+
+
+def test_the_look_ahead_feed_trains_on_and_records_exactly_the_same_batches(
+    published, tmp_path: Path
+) -> None:
+    """On CUDA the trainer reads the next batch while a step computes; handing it back at round
+    ends, checkpoints and plateau rotations must leave spans, losses and positions unchanged."""
+    from neuroshard.node.rotation import RotationConfig
+
+    runs = []
+    for ahead in (False, True):
+        trainer = _trainer(published, tmp_path / str(ahead), Placement.cpu(), max_steps=30)
+        trainer.config.rotation = RotationConfig(min_steps=4, window=2, z=10.0)
+        trainer._plateau = type(trainer._plateau)(trainer.config.rotation)
+        trainer.lookahead = ahead
+        spans: list[list[tuple[int, int, int]]] = []
+        trainer.set_round_finisher(
+            lambda d, t=trainer, s=spans: (s.append(list(t.work.spans)), d.outer_step(d.pseudo_gradient()))
+        )  # type: ignore[misc]
+        result = trainer.run(threading.Event())
+        runs.append((result.losses, spans, trainer.batches.position, trainer.diloco.weights_hash()))
+    assert runs[0] == runs[1]
+    assert len({shard for round_spans in runs[0][1] for shard, _, _ in round_spans}) >= 2
