@@ -29,7 +29,7 @@ from neuroshard.verifier.leader import Job, LeaderLease
 from neuroshard.verifier.ledger import WriteRefused
 from neuroshard.verifier.replaycheck import ReplayChecker
 
-from . import reads, writes
+from . import membership, reads, writes
 from .cache import HeadAsGet
 from .metrics import CountRequests
 from .services import Services
@@ -108,6 +108,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
                 log=log.info,
                 config=replay_checks,
                 clock=config.clock,
+                membership=config.membership,
             )
         )
     # Evaluations and replay spot checks run in one process of all that share the database;
@@ -155,6 +156,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
 
     app.include_router(writes.router)
     app.include_router(reads.router)
+    app.include_router(membership.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/", include_in_schema=False)

@@ -23,7 +23,7 @@ class ErrorOut(_Out):
 
 
 class WriteAck(_Out):
-    status: Literal["registered", "alive", "recorded", "duplicate", "reinstated"] = Field(
+    status: Literal["registered", "alive", "recorded", "duplicate", "reinstated", "accepted"] = Field(
         description="'duplicate': an identical receipt was already recorded; nothing changed."
     )
     wallet_id: str
@@ -216,3 +216,36 @@ class CoverageOut(_Out):
     mean_check_probability: float
     unnoticed: list[UnnoticedOut] = Field(description="For the mean wallet, by lie fraction and horizon.")
     wallets: list[WalletCoverageOut] = Field(description="A page of wallets by id (limit/offset).")
+
+
+class MemberListOut(_Out):
+    """node.roster.MemberList: one stage's members at one epoch, signed by the verifier's key.
+    Check it with `MemberList.from_json(body).verify(operator_key, network=..., now=...)`."""
+
+    wallet: str = Field(description="The signer: the verifier's (operator's) public key, hex.")
+    signature: str = Field(description="Ed25519 over DOMAIN + canonical JSON of the other fields, hex.")
+    network: str
+    stage: int
+    epoch: int = Field(description="Grows with every change of the stage's membership.")
+    expires_at: int = Field(description="Unix seconds after which a node must refuse this list.")
+    policy: Literal["open", "probation", "allowlist"]
+    admitted: list[str] = Field(description="Public keys that count in rounds, majorities and quorums.")
+    probation: list[str] = Field(
+        description="Public keys earning admission: exchanged, screened, not counted."
+    )
+    admission_rounds: int
+
+
+class AdmissionOut(_Out):
+    """What it takes to join this run (issue 19)."""
+
+    network: str
+    policy: Literal["open", "probation", "allowlist"]
+    admission_rounds: int = Field(description="Settled rounds with the stage majority a probationer needs.")
+    spot_checks_required: int = Field(description="Replay spot checks passed before admission (stage 0).")
+    pow_bits: int = Field(
+        description="Leading zero bits of sha256(node.roster.POW_DOMAIN, network, public key, pow_nonce) "
+        "a new wallet's registration needs; 0: none."
+    )
+    new_wallets_per_source_per_hour: float | None = Field(description="None: not limited.")
+    roster_version: int | None = Field(description="The operator's roster in force, if any.")

@@ -26,6 +26,8 @@ class Services:
     config: VerifierConfig
     db: Database
     limiter: RateLimiter
+    registrations: RateLimiter | None
+    """New wallets per source address (verifier.ratelimit.source_key); None: unlimited."""
     ledger: LedgerConfig
     network_body: bytes
     """Canonical JSON of the network definition, exactly the bytes the signature covers."""
@@ -43,12 +45,20 @@ class Services:
             config=config,
             db=db,
             limiter=RateLimiter(config.rate_limit, config.clock),
+            registrations=(
+                config.registration_limit.limiter(config.clock)
+                if config.registration_limit is not None
+                else None
+            ),
             ledger=LedgerConfig(
                 reputation=config.reputation,
                 num_stages=config.network.num_stages,
                 nonce_window_s=config.freshness_window_s,
                 peer_ttl_s=config.peer_ttl_s,
                 settle_after_rounds=config.settle_after_rounds,
+                membership=config.membership,
+                network_name=config.network.name,
+                registration_pow_bits=config.registration_pow_bits,
             ),
             network_body=body,
             network_signature=signature,

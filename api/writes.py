@@ -20,7 +20,9 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from neuroshard.verifier import ledger
+from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import AuthError, SignedBy, verify_request
+from neuroshard.verifier.ratelimit import source_key
 from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest, ReinstateRequest
 
 from .jsonbody import StrictJSONRoute
@@ -40,7 +42,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         "description": "Body is not strict JSON (duplicate keys, NaN, nesting, number length) or does not "
         "match the schema (extra fields forbidden)."
     },
-    429: {"model": ErrorOut, "description": "Per-wallet rate limit; see Retry-After."},
+    429: {
+        "model": ErrorOut,
+        "description": "Per-wallet rate limit, or new wallets per source; see Retry-After.",
+    },
 }
 
 
@@ -48,6 +53,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 class SignedRequest:
     signed: SignedBy
     body_sha256: str
+    body: bytes
 
 
 def _path_as_sent(request: Request) -> str:
@@ -79,16 +85,39 @@ async def signed_request(request: Request) -> SignedRequest:
             f"rate limit for {signed.wallet_id}: retry in {wait:.1f} s",
             headers={"Retry-After": str(math.ceil(wait))},
         )
-    return SignedRequest(signed, hashlib.sha256(body).hexdigest())
+    return SignedRequest(signed, hashlib.sha256(body).hexdigest(), body)
 
 
 Signed = Annotated[SignedRequest, Depends(signed_request)]
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
+def _limit_new_wallets(request: Request, services: Services, signed: SignedBy) -> None:
+    """429 when the request's source registered too many new wallets (verifier.ratelimit.source_key);
+    a wallet the verifier knows re-registers freely (a node restarting, moving its address)."""
+    limiter, cfg = services.registrations, services.config.registration_limit
+    if limiter is None or cfg is None:
+        return
+    source = source_key(request.client.host if request.client else None, exempt_loopback=cfg.exempt_loopback)
+    if source is None:
+        return
+    with services.db.read() as session:
+        if session.get(m.Wallet, signed.wallet_id) is not None:
+            return
+    wait = limiter.acquire(source)
+    if wait > 0:
+        raise HTTPException(
+            429,
+            f"too many new wallets from {source}: retry in {wait:.0f} s",
+            headers={"Retry-After": str(math.ceil(wait))},
+        )
+
+
 @router.post("/register", response_model=WriteAck, responses=_ERRORS)
-def register(payload: RegisterRequest, auth: Signed, services: ServicesDep) -> WriteAck:
-    """Register (or re-register) the signing wallet: peer address, stage, software version."""
+def register(payload: RegisterRequest, auth: Signed, services: ServicesDep, request: Request) -> WriteAck:
+    """Register (or re-register) the signing wallet: peer address, stage, software version. A new
+    wallet may need a proof of work (`pow_nonce`, GET /api/admission) and is limited per source."""
+    _limit_new_wallets(request, services, auth.signed)
     now = services.now()
     with services.db.write() as session:
         ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)

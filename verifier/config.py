@@ -6,13 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from neuroshard.node.roster import MAX_POW_BITS
 from neuroshard.node.wallet import Wallet
 
 from .auth import FRESHNESS_WINDOW_S
 from .evaluator import EvaluatorConfig
 from .leader import LeaseConfig
+from .members import MembershipConfig
 from .network import NetworkDefinition
-from .ratelimit import RateLimitConfig
+from .ratelimit import RateLimitConfig, SourceLimitConfig
 from .replaycheck import ReplayCheckConfig
 from .reputation import ReputationConfig
 from .verdict import VerdictConfig
@@ -61,6 +63,13 @@ class VerifierConfig:
     max_body_bytes: int = 256 * 1024
     """Largest request body accepted (413 beyond). A receipt with 10,000 losses is ~200 KB."""
     rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
+    registration_limit: SourceLimitConfig | None = field(default_factory=SourceLimitConfig)
+    """New wallets per source address (429 beyond); None: unlimited."""
+    registration_pow_bits: int = 0
+    """Leading zero bits of the hashcash a new wallet's registration must carry (node.roster.pow_ok):
+    ~2^bits sha256 per wallet, 20 ≈ 1 s and 24 ≈ 15 s of one core. 0: none asked."""
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    """Who counts in a stage: open, probation or allowlist (verifier.members; issue 19)."""
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
     settle_after_rounds: int = 1
@@ -99,6 +108,10 @@ class VerifierConfig:
             ),
             (self.history_rounds >= 1, f"history_rounds must be ≥ 1, got {self.history_rounds}"),
             (self.request_threads >= 1, f"request_threads must be ≥ 1, got {self.request_threads}"),
+            (
+                0 <= self.registration_pow_bits <= MAX_POW_BITS,
+                f"registration_pow_bits must be in [0, {MAX_POW_BITS}], got {self.registration_pow_bits}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from neuroshard.node.roster import pow_ok
+
+from . import members
 from . import models as m
 from .auth import SignedBy
+from .members import MembershipConfig
 from .reputation import Adjustment, ReputationConfig, Vote, judge_round, judge_vote
 from .wire import HeartbeatRequest, ReceiptRequest, RegisterRequest
 
@@ -49,6 +53,12 @@ class LedgerConfig:
     """A replica is live while its last heartbeat is younger than this."""
     settle_after_rounds: int = 1
     """A round settles once most live replicas of its stage reported a round this many rounds later."""
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    """Who counts in a stage's majority and settlement quorum (verifier.members; issue 19)."""
+    network_name: str = ""
+    """The run's name: a registration proof of work is bound to it."""
+    registration_pow_bits: int = 0
+    """Proof of work a new wallet's registration must carry (node.roster.pow_ok); 0: none."""
 
 
 def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float) -> None:
@@ -105,6 +115,16 @@ def register(
     _check_stage(req.stage, cfg)
     wallet = session.get(m.Wallet, signed.wallet_id)
     if wallet is None:
+        bits = cfg.registration_pow_bits
+        if bits and (
+            req.pow_nonce is None or not pow_ok(cfg.network_name, signed.public_key_hex, req.pow_nonce, bits)
+        ):
+            given = "no pow_nonce" if req.pow_nonce is None else f"pow_nonce {req.pow_nonce} does not do it"
+            raise WriteRefused(
+                f"registering a new wallet needs a proof of work: a pow_nonce whose sha256 has {bits} leading "
+                f"zero bits (node.roster.solve_pow; GET /api/admission); {given}",
+                403,
+            )
         wallet = m.Wallet(
             wallet_id=signed.wallet_id,
             public_key=signed.public_key_hex,
@@ -131,6 +151,10 @@ def register(
         )
     else:
         peer.address, peer.stage, peer.registered_at, peer.last_heartbeat = req.address, req.stage, now, now
+    try:
+        members.on_register(session, wallet, req.stage, cfg.membership, now=now)
+    except members.MembershipRefused as exc:
+        raise WriteRefused(exc.detail, exc.status) from None
     return wallet
 
 
@@ -230,6 +254,15 @@ def submit_receipt(
         vote = Vote(wallet.wallet_id, req.result_hash, req.base_hash)
         for adj in judge_vote(vote, settled.majority_hash, cfg.reputation, stage=req.stage, round_=req.round):
             apply_adjustment(session, adj, stage=req.stage, round_=req.round, now=now, cfg=cfg.reputation)
+        members.record_round(
+            session,
+            req.stage,
+            req.round,
+            settled.majority_hash,
+            [(wallet.wallet_id, req.result_hash)],
+            cfg.membership,
+            now=now,
+        )
     return "recorded"
 
 
@@ -293,7 +326,10 @@ def settle_rounds(session: Session, stage: int, *, now: float, cfg: LedgerConfig
     ).all()
     if not unsettled:
         return []
-    live = session.scalar(
+    # Only members count (verifier.members): a flood of probationers moving on must not settle a
+    # round before the stage's members reported it.
+    counted = members.counted(session, stage, cfg.membership, now=now)
+    live_query = (
         select(func.count())
         .select_from(m.Peer)
         .join(m.Wallet, m.Wallet.wallet_id == m.Peer.wallet_id)
@@ -303,13 +339,17 @@ def settle_rounds(session: Session, stage: int, *, now: float, cfg: LedgerConfig
             m.Peer.last_heartbeat >= now - cfg.peer_ttl_s,
         )
     )
+    if counted is not None:
+        live_query = live_query.where(m.Peer.wallet_id.in_(sorted(counted)))
+    live = session.scalar(live_query)
     settled = []
     for round_ in unsettled:
-        moved_on = session.scalar(
-            select(func.count(func.distinct(m.HashVote.wallet_id))).where(
-                m.HashVote.stage == stage, m.HashVote.round >= round_ + cfg.settle_after_rounds
-            )
+        moved_query = select(func.count(func.distinct(m.HashVote.wallet_id))).where(
+            m.HashVote.stage == stage, m.HashVote.round >= round_ + cfg.settle_after_rounds
         )
+        if counted is not None:
+            moved_query = moved_query.where(m.HashVote.wallet_id.in_(sorted(counted)))
+        moved_on = session.scalar(moved_query)
         if not moved_on or 2 * moved_on <= (live or 0):
             break  # later rounds have even fewer replicas past them
         settle_round(session, stage, round_, now=now, cfg=cfg)
@@ -334,8 +374,11 @@ def settle_round(session: Session, stage: int, round_: int, *, now: float, cfg: 
         for r in receipts
     ]
     previous = session.get(m.Round, (stage, round_ - 1))
+    # Probationers' votes are judged against the members' majority but never make it (issue 19).
+    counted = members.counted(session, stage, cfg.membership, now=now)
+    voting = votes if counted is None else [v for v in votes if v.wallet_id in counted]
     judgement = judge_round(
-        votes, previous.majority_hash if previous else None, cfg.reputation, stage=stage, round_=round_
+        voting, previous.majority_hash if previous else None, cfg.reputation, stage=stage, round_=round_
     )
     row = m.Round(
         stage=stage,
@@ -349,8 +392,23 @@ def settle_round(session: Session, stage: int, round_: int, *, now: float, cfg: 
     )
     session.add(row)
     session.flush()  # a concurrent settler of the same round fails here, before touching reputations
-    for adj in judgement.adjustments:
+    adjustments = list(judgement.adjustments)
+    for vote in votes:
+        if counted is not None and vote.wallet_id not in counted:
+            adjustments += judge_vote(
+                vote, judgement.majority.hash, cfg.reputation, stage=stage, round_=round_
+            )
+    for adj in adjustments:
         apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg.reputation)
+    members.record_round(
+        session,
+        stage,
+        round_,
+        judgement.majority.hash,
+        [(v.wallet_id, v.result_hash) for v in votes],
+        cfg.membership,
+        now=now,
+    )
     return row
 
 
@@ -364,8 +422,11 @@ def record_spot_check(
     detail: str,
     now: float,
     cfg: ReputationConfig,
+    membership: MembershipConfig | None = None,
 ) -> None:
-    """Log a spot check's outcome on the wallet; a failure costs `spot_check_penalty`."""
+    """Log a spot check's outcome on the wallet; a failure costs `spot_check_penalty` and restarts
+    its probation in the stage (verifier.members). With `membership` (replay checks), a pass
+    counts toward admission."""
     if ok:
         adj = Adjustment(wallet_id, 0.0, f"spot check passed in stage {stage} round {round_}: {detail}")
     else:
@@ -374,6 +435,7 @@ def record_spot_check(
         )
     if not apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg):
         raise WriteRefused(f"wallet {wallet_id} is not registered", 404)
+    members.record_spot_check(session, wallet_id, stage, ok, membership, now=now, round_=round_)
 
 
 def reinstate(

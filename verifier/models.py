@@ -196,3 +196,54 @@ class ReputationEvent(Base):
     delta: Mapped[float] = mapped_column(Double)
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Double)
+
+
+MEMBER_ADMITTED = "admitted"
+MEMBER_PROBATION = "probation"
+
+
+class Membership(Base):
+    """A wallet's standing in one stage (issue 19, verifier.members): admitted, or on probation
+    with the verified rounds and spot checks it has earned since its probation (re)started."""
+
+    __tablename__ = "memberships"
+
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))
+    """'admitted' or 'probation'."""
+    streak: Mapped[int] = mapped_column(Integer, default=0)
+    """Settled rounds agreeing with the stage's majority since probation (re)started."""
+    checks_passed: Mapped[int] = mapped_column(Integer, default=0)
+    """Replay spot checks passed since probation (re)started."""
+    last_round: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The latest round counted in `streak` (each round counts once)."""
+    since: Mapped[float] = mapped_column(Double)
+    """When the current status began (probation start or restart, or admission)."""
+    reason: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why the status last changed."""
+
+    __table_args__ = (Index("ix_memberships_stage_status", "stage", "status"),)
+
+
+class StageEpoch(Base):
+    """A stage's membership epoch: +1 with every change of who is admitted or on probation."""
+
+    __tablename__ = "stage_epochs"
+
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    changed_at: Mapped[float] = mapped_column(Double)
+
+
+class RosterRow(Base):
+    """An operator-signed roster (node.roster.Roster) the verifier accepted; the highest
+    version not yet expired is in force."""
+
+    __tablename__ = "rosters"
+
+    version: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    body: Mapped[str] = mapped_column(Text)
+    """The signed document as canonical JSON (what GET /api/roster serves)."""
+    expires_at: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[float] = mapped_column(Double)

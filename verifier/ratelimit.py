@@ -7,6 +7,7 @@ stranger cannot drain another wallet's bucket.
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,3 +58,46 @@ class RateLimiter:
             while len(self._buckets) > cfg.max_wallets:
                 self._buckets.popitem(last=False)
             return wait
+
+
+@dataclass(kw_only=True)
+class SourceLimitConfig:
+    """Registrations of new wallets per source address (issue 19): minting wallets from one
+    machine costs time as well as the proof of work. Sources are IPv4 addresses and IPv6 /64
+    prefixes (one subscriber's allocation: a host has 2^64 addresses to rotate through)."""
+
+    capacity: float = 20.0
+    """Burst: new wallets one source may register back to back."""
+    per_hour: float = 60.0
+    """Sustained new wallets per source per hour."""
+    exempt_loopback: bool = True
+    """127.0.0.0/8 and ::1 are not limited: the local swarm, the benchmarks and a reverse proxy on
+    the same host (uvicorn takes the client from X-Forwarded-For when the proxy is trusted)."""
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1 or self.per_hour <= 0:
+            raise ValueError(
+                f"SourceLimitConfig needs capacity ≥ 1 ({self.capacity}) and per_hour > 0 ({self.per_hour})"
+            )
+
+    def limiter(self, clock: Callable[[], float]) -> RateLimiter:
+        return RateLimiter(
+            RateLimitConfig(capacity=self.capacity, refill_per_s=self.per_hour / 3600.0), clock
+        )
+
+
+def source_key(host: str | None, *, exempt_loopback: bool) -> str | None:
+    """The bucket a client address falls in; None when it is not limited (loopback, if exempt)."""
+    if host is None:
+        return "unknown"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host[:64]  # not an IP (a test client's name, a Unix socket)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if exempt_loopback and address.is_loopback:
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)

@@ -62,12 +62,13 @@ from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.wallet import Wallet
 
-from . import ledger
+from . import ledger, members
 from . import models as m
 from .budget import ReplayBudget, Standing, check_rates, overdue
 from .coverage import standings
 from .datacheck import receipt_problems
 from .db import Database
+from .members import MembershipConfig
 from .network import NetworkDefinition
 from .reputation import ReputationConfig
 from .sampling import sampled
@@ -159,11 +160,14 @@ class ReplayChecker:
         config: ReplayCheckConfig | None = None,
         dataset: Callable[[], Dataset] | None = None,
         clock: Callable[[], float] = time.time,
+        membership: MembershipConfig | None = None,
     ) -> None:
+        """`membership`: a pass counts toward a probationer's admission (verifier.members)."""
         self.db = db
         self.network = network
         self.operator = operator
         self.reputation = reputation
+        self.membership = membership or MembershipConfig()
         self.config = config or ReplayCheckConfig()
         self._log = log
         self._clock = clock
@@ -246,9 +250,12 @@ class ReplayChecker:
             ).all()
             session.expunge_all()
             draw = self._budget_draw(session) if rows and self.config.budget is not None else None
+            probation = members.awaiting_checks(session, 0, self.membership) if rows else set()
         for receipt, address in rows:
             self.last_id = receipt.id
-            if not (self._drawn(receipt) if draw is None else draw(receipt)):
+            # A probationer that did its rounds is checked at once: its admission waits on it.
+            wanted = receipt.wallet_id in probation and not self._queued(receipt.wallet_id)
+            if not (wanted or (self._drawn(receipt) if draw is None else draw(receipt))):
                 continue
             self._picked[receipt.wallet_id] = max(receipt.round, self._picked.get(receipt.wallet_id, -1))
             if self._dataset is None:
@@ -269,6 +276,9 @@ class ReplayChecker:
                 )
             else:
                 self.queue.append(Challenge(receipt, address))
+
+    def _queued(self, wallet_id: str) -> bool:
+        return any(c.receipt.wallet_id == wallet_id for c in self.queue)
 
     def _drawn(self, receipt: m.Receipt) -> bool:
         rate = self.config.sample_rate
@@ -443,6 +453,7 @@ class ReplayChecker:
                 detail=f"replay: {detail}"[:400],
                 now=self._clock(),
                 cfg=self.reputation,
+                membership=self.membership,
             )
         with self._count_lock:
             if ok:

@@ -51,6 +51,11 @@ class RegisterRequest(_Wire):
     software_version: Annotated[
         str, StringConstraints(pattern=r"^[0-9A-Za-z.+\-_]+$", min_length=1, max_length=64)
     ] = Field(description="neuroshard version string of the node, e.g. 0.1.0.")
+    pow_nonce: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = Field(
+        default=None,
+        description="Registration proof of work (node.roster.solve_pow): required for a new wallet when "
+        "the verifier asks for one (GET /api/admission: pow_bits > 0).",
+    )
 
 
 class HeartbeatRequest(_Wire):

@@ -1,0 +1,223 @@
+"""Signed membership documents (issue 19), shared by the verifier that signs them and the node
+that checks them. Dependency-free beyond the peer plane's wire machinery: no HTTP, no database.
+
+- `Roster`: the operator's allowlist, signed by the operator key: a version (a newer one
+  replaces an older), an expiry, and the admitted wallets of each stage. The verifier accepts
+  it at POST /api/admin/roster and serves it at GET /api/roster; a run without a verifier can
+  hand it to its nodes directly.
+- `MemberList`: what the verifier publishes per stage and epoch at GET /api/stages/{stage}/members,
+  signed with its signing key (the operator key): the admitted wallets and the probationers.
+  The epoch grows with every change of the stage's membership, so a node keeps the list with
+  the highest epoch it has seen and refuses an older one replayed to it; a list past its
+  expiry is refused too.
+- Registration proof of work (hashcash): `solve_pow` finds a nonce whose sha256 over
+  (network, public key, nonce) starts with `bits` zero bits; `pow_ok` checks it in one hash.
+  Minting a wallet at the verifier then costs about 2^bits hashes (2^20: ~1 s of one core).
+
+Wallets are named by their Ed25519 public key (64 hex characters), as on the peer plane.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .p2p.wire import (
+    _SIGNER,
+    MAX_COUNT,
+    MAX_STAGE,
+    InvalidMessage,
+    Message,
+    Signed,
+    choice,
+    hex_bytes,
+    integer,
+    list_of,
+    message,
+    schema,
+    text,
+)
+
+MAX_LISTED = 4096
+"""Wallets per list of one stage (admitted, or probationers): beyond any stage's replica count."""
+MAX_NETWORK_CHARS = 128
+POLICIES = ("open", "probation", "allowlist")
+"""How a stage admits: ``open`` (every registered wallet counts: no Sybil defence), ``probation``
+(new wallets earn admission by verified rounds), ``allowlist`` (only the operator's roster)."""
+
+
+class RosterError(ValueError):
+    """A roster or member list that is not signed by the expected key, expired, or inconsistent."""
+
+
+def _sorted_unique(wallets: tuple[str, ...], where: str) -> None:
+    if list(wallets) != sorted(set(wallets)):
+        raise InvalidMessage(f"{where} must be sorted and without repeats")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RosterStage(Message):
+    """The operator's admitted wallets of one stage."""
+
+    NAME = "roster stage"
+    stage: int
+    wallets: tuple[str, ...]
+
+    FIELDS = schema(stage=integer(0, MAX_STAGE), wallets=list_of(hex_bytes(32), MAX_LISTED))
+
+    def check(self) -> None:
+        _sorted_unique(self.wallets, f"roster stage {self.stage} wallets")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Expiring(Signed):
+    network: str
+    expires_at: int
+    """Unix seconds after which the document is refused."""
+
+    def verify(self, signer: str, *, network: str, now: float) -> None:
+        """Raise RosterError unless `signer` signed this for `network` and it has not expired."""
+        if self.wallet != signer:
+            raise RosterError(f"{self.NAME} is signed by {self.wallet[:16]}…, expected {signer[:16]}…")
+        if not self.signature_valid():
+            raise RosterError(f"{self.NAME} signature does not verify")
+        if self.network != network:
+            raise RosterError(f"{self.NAME} is for network {self.network[:40]!r}, not {network[:40]!r}")
+        if self.expires_at <= now:
+            raise RosterError(f"{self.NAME} expired at {self.expires_at} (now {now:.0f})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roster(_Expiring):
+    """The operator's signed allowlist. `version` orders rosters: a newer one replaces an older."""
+
+    NAME = "roster"
+    DOMAIN: ClassVar[bytes] = b"neuroshard/roster/v1"
+    version: int
+    stages: tuple[RosterStage, ...]
+
+    FIELDS = schema(
+        _SIGNER,
+        network=text(MAX_NETWORK_CHARS),
+        version=integer(1, MAX_COUNT),
+        expires_at=integer(0, MAX_COUNT),
+        stages=list_of(message(RosterStage), MAX_STAGE + 1),
+    )
+
+    def check(self) -> None:
+        stages = [s.stage for s in self.stages]
+        if stages != sorted(set(stages)):
+            raise InvalidMessage("roster stages must be sorted by stage and without repeats")
+
+    def wallets(self, stage: int) -> frozenset[str]:
+        for entry in self.stages:
+            if entry.stage == stage:
+                return frozenset(entry.wallets)
+        return frozenset()
+
+    @classmethod
+    def build(
+        cls,
+        operator: Any,
+        *,
+        network: str,
+        version: int,
+        expires_at: int,
+        stages: Mapping[int, list[str] | tuple[str, ...] | frozenset[str]],
+    ) -> Roster:
+        """Signed by `operator` (a node.wallet.Wallet); wallet lists are sorted here."""
+        entries = tuple(
+            RosterStage(stage=s, wallets=tuple(sorted(set(w)))) for s, w in sorted(stages.items())
+        )
+        return cls.create(operator, network=network, version=version, expires_at=expires_at, stages=entries)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemberList(_Expiring):
+    """One stage's members at one epoch, signed by the verifier."""
+
+    NAME = "member list"
+    DOMAIN: ClassVar[bytes] = b"neuroshard/member-list/v1"
+    stage: int
+    epoch: int
+    """Grows with every change of this stage's membership (verifier.members)."""
+    policy: str
+    admitted: tuple[str, ...]
+    """Wallets that count in rounds, majorities and quorums; sorted."""
+    probation: tuple[str, ...]
+    """Wallets earning admission: exchanged and screened, never counted; sorted."""
+    admission_rounds: int
+    """Rounds a probationer must agree with the stage's majority (and pass spot checks) to be admitted."""
+
+    FIELDS = schema(
+        _SIGNER,
+        network=text(MAX_NETWORK_CHARS),
+        expires_at=integer(0, MAX_COUNT),
+        stage=integer(0, MAX_STAGE),
+        epoch=integer(0, MAX_COUNT),
+        policy=choice(POLICIES),
+        admitted=list_of(hex_bytes(32), MAX_LISTED),
+        probation=list_of(hex_bytes(32), MAX_LISTED),
+        admission_rounds=integer(0, MAX_COUNT),
+    )
+
+    def check(self) -> None:
+        _sorted_unique(self.admitted, "member list admitted")
+        _sorted_unique(self.probation, "member list probation")
+        if set(self.admitted) & set(self.probation):
+            raise InvalidMessage("a wallet cannot be both admitted and on probation")
+        if self.policy != "probation" and self.probation:
+            raise InvalidMessage(f"a {self.policy} member list has no probationers")
+
+    def newer_than(self, other: MemberList | None) -> bool:
+        """Whether this list should replace `other` (same stage): a higher epoch, or the same epoch
+        re-signed with a later expiry (identical membership)."""
+        if other is None:
+            return True
+        if (self.stage, self.network) != (other.stage, other.network):
+            raise RosterError("member lists of different stages or networks do not compare")
+        if self.epoch != other.epoch:
+            return self.epoch > other.epoch
+        return self.expires_at > other.expires_at
+
+
+# --- registration proof of work (hashcash) -----------------------------------------------------
+
+POW_DOMAIN = b"neuroshard/register-pow/v1"
+MAX_POW_BITS = 40
+MAX_POW_NONCE = 2**63 - 1
+
+
+def _pow_prefix(network: str, public_key_hex: str) -> bytes:
+    return POW_DOMAIN + b"\n" + network.encode("utf-8") + b"\n" + public_key_hex.encode("ascii") + b"\n"
+
+
+def _zero_bits(digest: bytes) -> int:
+    value = int.from_bytes(digest, "big")
+    return len(digest) * 8 - value.bit_length()
+
+
+def pow_ok(network: str, public_key_hex: str, nonce: int, bits: int) -> bool:
+    """Whether sha256(domain, network, public key, nonce) starts with `bits` zero bits (0: always)."""
+    if bits <= 0:
+        return True
+    if not 0 <= nonce <= MAX_POW_NONCE:
+        return False
+    digest = hashlib.sha256(_pow_prefix(network, public_key_hex) + str(nonce).encode()).digest()
+    return _zero_bits(digest) >= bits
+
+
+def solve_pow(network: str, public_key_hex: str, bits: int, *, start: int = 0) -> int:
+    """The first nonce from `start` that `pow_ok` accepts: about 2^bits hashes on average."""
+    if not 0 <= bits <= MAX_POW_BITS:
+        raise ValueError(f"proof-of-work bits must be in [0, {MAX_POW_BITS}], got {bits}")
+    prefix = hashlib.sha256(_pow_prefix(network, public_key_hex))
+    nonce = start
+    while True:
+        h = prefix.copy()
+        h.update(str(nonce).encode())
+        if _zero_bits(h.digest()) >= bits:
+            return nonce
+        nonce += 1

@@ -1,0 +1,369 @@
+"""Membership with a price (issue 19): who counts in a stage, and the signed member list.
+
+A wallet costs nothing to make, so the verifier does not let new wallets count. Policies
+(`MembershipConfig.policy`, node.roster.POLICIES):
+
+- ``open``: every registered wallet is an admitted member at once (no Sybil defence; the
+  behaviour before issue 19, and the default until the run definition names a policy);
+- ``probation``: a new wallet joins its stage as a probationer. Its receipts are recorded and
+  judged, but its hash vote does not count toward the stage's majority or the settlement
+  quorum (verifier.ledger). It is admitted once it has agreed with the stage's majority in
+  `admission_rounds` settled rounds and passed `spot_checks_required` replay spot checks since
+  its probation began; a minority vote or a failed spot check restarts its probation, and a
+  failed spot check sends an admitted member back to probation. The operator's roster admits
+  its wallets directly; while a stage has fewer than `genesis_members` admitted members and
+  the roster names none, a registering wallet is admitted at once (a run must start somewhere);
+- ``allowlist``: only the wallets on the operator's signed roster (node.roster.Roster) may
+  register for the stage, and only they count.
+
+Every change of a stage's membership bumps its epoch (stage_epochs); GET
+/api/stages/{stage}/members serves the stage's `node.roster.MemberList` at its current epoch,
+signed with the verifier's key. A refused wallet (reputation) is on no list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from neuroshard.node.p2p.wire import WireError
+from neuroshard.node.roster import MAX_LISTED, POLICIES, MemberList, Roster, RosterError
+from neuroshard.node.wallet import Wallet
+
+from . import models as m
+
+
+class MembershipRefused(Exception):
+    """A write the membership rules refuse; `status` is the HTTP code (ledger.WriteRefused's shape)."""
+
+    def __init__(self, detail: str, status: int) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+
+
+@dataclass(kw_only=True)
+class MembershipConfig:
+    policy: str = "open"
+    """node.roster.POLICIES: 'open', 'probation' or 'allowlist'."""
+    admission_rounds: int = 3
+    """Settled rounds a probationer must agree with its stage's majority. With H=500 inner steps a
+    round is minutes to hours of real training: each admitted wallet costs that much verified work."""
+    spot_checks_required: int = 1
+    """Replay spot checks a probationer must pass before admission (set 0 when replays are off:
+    verifier.replaycheck never runs and nobody would be admitted)."""
+    genesis_members: int = 1
+    """Probation policy: wallets admitted at registration while the stage has fewer admitted
+    members (and the roster names none for it): the first replica of a run."""
+    list_ttl_s: float = 600.0
+    """A member list expires this long (at most twice this) after it is signed; nodes refetch."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"MembershipConfig: policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.admission_rounds < 0 or self.spot_checks_required < 0 or self.genesis_members < 0:
+            raise ValueError(
+                f"MembershipConfig: admission_rounds ({self.admission_rounds}), spot_checks_required "
+                f"({self.spot_checks_required}) and genesis_members ({self.genesis_members}) must be ≥ 0"
+            )
+        if not self.list_ttl_s > 0:
+            raise ValueError(f"MembershipConfig: list_ttl_s must be > 0, got {self.list_ttl_s}")
+
+
+# --- the operator's roster --------------------------------------------------------------------
+
+
+def current_roster(session: Session, *, now: float) -> Roster | None:
+    """The roster in force: the highest version accepted that has not expired."""
+    body = session.scalar(
+        select(m.RosterRow.body)
+        .where(m.RosterRow.expires_at > now)
+        .order_by(m.RosterRow.version.desc())
+        .limit(1)
+    )
+    return None if body is None else Roster.from_json(body)
+
+
+def accept_roster(
+    session: Session, roster: Roster, *, operator_key: str, network: str, num_stages: int, now: float
+) -> str:
+    """Store an operator-signed roster: 'accepted', or 'duplicate' when this exact version is held.
+    Refused (MembershipRefused): another signer or network, expired, a stage that does not exist
+    (422), or a version not newer than the one held (409)."""
+    try:
+        roster.verify(operator_key, network=network, now=now)
+    except RosterError as exc:
+        raise MembershipRefused(str(exc), 422) from None
+    for entry in roster.stages:
+        if entry.stage >= num_stages:
+            raise MembershipRefused(f"roster names stage {entry.stage}; this network has {num_stages}", 422)
+    body = roster.to_json().decode()
+    held = session.get(m.RosterRow, roster.version)
+    if held is not None:
+        if held.body == body:
+            return "duplicate"
+        raise MembershipRefused(f"a different roster version {roster.version} is already held", 409)
+    newest = session.scalar(select(func.max(m.RosterRow.version)))
+    if newest is not None and roster.version < newest:
+        raise MembershipRefused(
+            f"roster version {roster.version} is older than the held version {newest}", 409
+        )
+    session.add(m.RosterRow(version=roster.version, body=body, expires_at=roster.expires_at, received_at=now))
+    for stage in range(num_stages):
+        bump_epoch(session, stage, now=now)
+    return "accepted"
+
+
+# --- epochs -----------------------------------------------------------------------------------
+
+
+def bump_epoch(session: Session, stage: int, *, now: float) -> None:
+    """+1 on the stage's membership epoch, in the caller's transaction."""
+    moved = session.execute(
+        update(m.StageEpoch)
+        .where(m.StageEpoch.stage == stage)
+        .values(epoch=m.StageEpoch.epoch + 1, changed_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    if moved.rowcount:  # type: ignore[attr-defined]
+        return
+    try:
+        with session.begin_nested():  # a concurrent first change of this stage may insert first
+            session.add(m.StageEpoch(stage=stage, epoch=1, changed_at=now))
+    except IntegrityError:
+        bump_epoch(session, stage, now=now)
+
+
+def epoch(session: Session, stage: int) -> int:
+    return session.scalar(select(m.StageEpoch.epoch).where(m.StageEpoch.stage == stage)) or 0
+
+
+# --- standing ---------------------------------------------------------------------------------
+
+
+def _roster_ids(session: Session, roster: Roster | None, stage: int) -> set[str]:
+    """Wallet ids of the roster's wallets of `stage` that registered (the rest are not known yet)."""
+    keys = roster.wallets(stage) if roster is not None else frozenset()
+    if not keys:
+        return set()
+    return set(session.scalars(select(m.Wallet.wallet_id).where(m.Wallet.public_key.in_(sorted(keys)))))
+
+
+def counted(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> set[str] | None:
+    """Wallet ids whose hash votes count in the stage's majority and settlement quorum; None: all."""
+    if cfg.policy == "open":
+        return None
+    roster_ids = _roster_ids(session, current_roster(session, now=now), stage)
+    if cfg.policy == "allowlist":
+        return roster_ids
+    admitted = session.scalars(
+        select(m.Membership.wallet_id).where(
+            m.Membership.stage == stage, m.Membership.status == m.MEMBER_ADMITTED
+        )
+    )
+    return roster_ids | set(admitted)
+
+
+def on_register(session: Session, wallet: m.Wallet, stage: int, cfg: MembershipConfig, *, now: float) -> None:
+    """A wallet registered for `stage`: refuse it (allowlist, not listed), or give it a standing."""
+    roster = current_roster(session, now=now)
+    listed = roster is not None and wallet.public_key in roster.wallets(stage)
+    if cfg.policy == "allowlist" and not listed:
+        version = f"version {roster.version}" if roster is not None else "none accepted yet"
+        raise MembershipRefused(
+            f"wallet {wallet.wallet_id} is not on the operator's roster for stage {stage} ({version})", 403
+        )
+    if session.get(m.Membership, (stage, wallet.wallet_id)) is not None:
+        return
+    status, reason = m.MEMBER_PROBATION, "registered: on probation"
+    if cfg.policy != "probation":
+        status, reason = m.MEMBER_ADMITTED, f"registered ({cfg.policy} policy)"
+    elif listed:
+        status, reason = (
+            m.MEMBER_ADMITTED,
+            f"on the operator's roster version {roster.version if roster else '?'}",
+        )
+    elif not (roster and roster.wallets(stage)):
+        admitted = session.scalar(
+            select(func.count())
+            .select_from(m.Membership)
+            .where(m.Membership.stage == stage, m.Membership.status == m.MEMBER_ADMITTED)
+        )
+        if (admitted or 0) < cfg.genesis_members:
+            status, reason = m.MEMBER_ADMITTED, f"genesis member {(admitted or 0) + 1} of stage {stage}"
+    session.add(
+        m.Membership(
+            stage=stage,
+            wallet_id=wallet.wallet_id,
+            status=status,
+            streak=0,
+            checks_passed=0,
+            since=now,
+            reason=reason,
+        )
+    )
+    bump_epoch(session, stage, now=now)
+
+
+def _restart(row: m.Membership, reason: str, *, now: float) -> bool:
+    """Back to the start of probation; True when the member list changes (an admitted member fell)."""
+    changed = row.status == m.MEMBER_ADMITTED
+    row.status, row.streak, row.checks_passed, row.since, row.reason = m.MEMBER_PROBATION, 0, 0, now, reason
+    return changed
+
+
+def checks_required(stage: int, cfg: MembershipConfig) -> int:
+    """Spot checks before admission: only stage 0 can be replayed alone (verifier.spotcheck), so a
+    later pipeline stage's probationers are admitted on their rounds with the majority."""
+    return cfg.spot_checks_required if stage == 0 else 0
+
+
+def awaiting_checks(session: Session, stage: int, cfg: MembershipConfig) -> set[str]:
+    """Probationers that did their rounds (all but the last) and still need a passed spot check:
+    the replay checker draws their receipts first. Bounded by verified work, not by registrations,
+    so a flood of fresh wallets cannot fill the replay queue."""
+    if cfg.policy != "probation" or checks_required(stage, cfg) == 0:
+        return set()
+    return set(
+        session.scalars(
+            select(m.Membership.wallet_id).where(
+                m.Membership.stage == stage,
+                m.Membership.status == m.MEMBER_PROBATION,
+                m.Membership.streak >= max(0, cfg.admission_rounds - 1),
+                m.Membership.checks_passed < checks_required(stage, cfg),
+            )
+        )
+    )
+
+
+def _maybe_admit(session: Session, row: m.Membership, cfg: MembershipConfig, *, now: float) -> None:
+    if row.status != m.MEMBER_PROBATION:
+        return
+    if row.streak >= cfg.admission_rounds and row.checks_passed >= checks_required(row.stage, cfg):
+        row.status, row.since = m.MEMBER_ADMITTED, now
+        row.reason = f"admitted after {row.streak} rounds with the majority and {row.checks_passed} spot check(s) passed"
+        bump_epoch(session, row.stage, now=now)
+
+
+def record_round(
+    session: Session,
+    stage: int,
+    round_: int,
+    majority_hash: str | None,
+    votes: list[tuple[str, str]],
+    cfg: MembershipConfig,
+    *,
+    now: float,
+) -> None:
+    """Probationers' votes of a settled round: with the majority, +1 on their streak (each round
+    once); against it, probation restarts. No majority: nobody moves."""
+    if cfg.policy != "probation" or majority_hash is None:
+        return
+    for wallet_id, result_hash in sorted(votes):
+        row = session.get(m.Membership, (stage, wallet_id))
+        if row is None or row.status != m.MEMBER_PROBATION:
+            continue
+        if row.last_round is not None and round_ <= row.last_round:
+            continue
+        row.last_round = round_
+        if result_hash == majority_hash:
+            row.streak += 1
+            _maybe_admit(session, row, cfg, now=now)
+        else:
+            _restart(row, f"minority hash in round {round_}: probation restarts", now=now)
+
+
+def record_spot_check(
+    session: Session,
+    wallet_id: str,
+    stage: int,
+    ok: bool,
+    cfg: MembershipConfig | None,
+    *,
+    now: float,
+    round_: int,
+) -> None:
+    """A spot-check verdict: a replay's pass (`cfg` given) counts toward admission; any failure
+    restarts probation, and sends an admitted member back to probation."""
+    row = session.get(m.Membership, (stage, wallet_id))
+    if row is None:
+        return
+    if not ok:
+        if _restart(row, f"spot check failed in round {round_}: probation restarts", now=now):
+            bump_epoch(session, stage, now=now)
+        return
+    if row.status == m.MEMBER_PROBATION and cfg is not None:  # None: not a replay (a data check)
+        row.checks_passed += 1
+        if cfg.policy == "probation":
+            _maybe_admit(session, row, cfg, now=now)
+
+
+# --- the published list -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Standing:
+    wallet_id: str
+    public_key: str
+    status: str
+    streak: int
+    checks_passed: int
+    since: float
+    reason: str | None
+
+
+def standings(session: Session, stage: int) -> list[Standing]:
+    """Every active wallet's membership row of `stage`, by wallet id."""
+    rows = session.execute(
+        select(m.Membership, m.Wallet.public_key)
+        .join(m.Wallet, m.Wallet.wallet_id == m.Membership.wallet_id)
+        .where(m.Membership.stage == stage, m.Wallet.status == m.STATUS_ACTIVE)
+        .order_by(m.Membership.wallet_id)
+    ).all()
+    return [
+        Standing(r.wallet_id, key, r.status, r.streak, r.checks_passed, r.since, r.reason) for r, key in rows
+    ]
+
+
+def expiry(now: float, ttl_s: float) -> int:
+    """Quantised, so every rendering within one window signs identical bytes (same ETag)."""
+    return int((math.floor(now / ttl_s) + 2) * ttl_s)
+
+
+def member_list(
+    session: Session, stage: int, cfg: MembershipConfig, *, network: str, signer: Wallet, now: float
+) -> MemberList:
+    """The stage's signed member list at its current epoch."""
+    roster = current_roster(session, now=now)
+    refused = set(session.scalars(select(m.Wallet.public_key).where(m.Wallet.status == m.STATUS_REFUSED)))
+    roster_keys = set(roster.wallets(stage) if roster is not None else ()) - refused
+    rows = standings(session, stage)
+    probation: list[str]
+    if cfg.policy == "allowlist":
+        admitted, probation = roster_keys, []
+    elif cfg.policy == "open":
+        admitted, probation = roster_keys | {r.public_key for r in rows}, []
+    else:
+        admitted = roster_keys | {r.public_key for r in rows if r.status == m.MEMBER_ADMITTED}
+        waiting = sorted(
+            (r for r in rows if r.public_key not in admitted), key=lambda r: (r.since, r.public_key)
+        )
+        probation = [r.public_key for r in waiting[:MAX_LISTED]]  # the longest waiting first
+    try:
+        return MemberList.create(
+            signer,
+            network=network,
+            expires_at=expiry(now, cfg.list_ttl_s),
+            stage=stage,
+            epoch=epoch(session, stage),
+            policy=cfg.policy,
+            admitted=tuple(sorted(admitted)[:MAX_LISTED]),
+            probation=tuple(sorted(probation)),
+            admission_rounds=cfg.admission_rounds,
+        )
+    except WireError as exc:  # a roster or table that cannot be listed is the verifier's bug, said plainly
+        raise RuntimeError(f"stage {stage}'s member list does not build: {exc}") from exc
