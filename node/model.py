@@ -25,9 +25,22 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # Presets without vocab_size (the tokenizer decides it). Parameter counts at vocab 4096,
-# measured with ModelConfig.num_params(): tiny 1.85M, small 29.5M.
+# measured with ModelConfig.num_params(): tiny 1.85M, small 29.5M. The GPU presets take
+# Llama-style shapes (ffn_dim = 8/3·dim rounded up to a multiple of 256, head_dim 64; Touvron
+# et al. 2023) without grouped-query attention. Memory to train one replica (estimate_memory;
+# parameters counted on the meta device, vocab 32768, batch 8 x 2048 tokens, bf16 autocast):
+#
+#   preset  params   device: weights+grads+AdamW  activations  (checkpointed)  CPU: θ_round+momentum+Δ
+#   125m    135.3M    2.0 GiB                       8.8 GiB      5.0 GiB         1.5 GiB
+#   350m    375.4M    5.6 GiB                      16.8 GiB      6.0 GiB         4.2 GiB
+#   1b      956.4M   14.3 GiB                      21.0 GiB      7.1 GiB        10.7 GiB
+#
+# Activations scale with batch x seq (halve the batch, halve them); 4.0 GiB of each is the fp32
+# logits and their gradient at this vocab. So the 1b preset needs a 24 GiB GPU with activation
+# checkpointing at batch 8 x 2048, or a 40 GiB one without. Estimates, not measured on a GPU.
 MODEL_SIZES: MappingProxyType[str, MappingProxyType[str, int]] = MappingProxyType(
     {
         # micro: ~50k parameters at vocab 512 — process-level tests and protocol demos, not learning.
@@ -38,8 +51,27 @@ MODEL_SIZES: MappingProxyType[str, MappingProxyType[str, int]] = MappingProxyTyp
         "small": MappingProxyType(
             {"dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376, "max_seq_len": 512}
         ),
+        # GPT-3 Small / OPT-125M width and depth.
+        "125m": MappingProxyType(
+            {"dim": 768, "n_layers": 12, "n_heads": 12, "ffn_dim": 2048, "max_seq_len": 2048}
+        ),
+        # GPT-3 Medium / OPT-350M width and depth.
+        "350m": MappingProxyType(
+            {"dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_dim": 2816, "max_seq_len": 2048}
+        ),
+        # Llama-3.2-1B's width and depth (dim 2048, 16 layers, 32 heads) with TinyLlama's ffn_dim.
+        "1b": MappingProxyType(
+            {"dim": 2048, "n_layers": 16, "n_heads": 32, "ffn_dim": 5632, "max_seq_len": 2048}
+        ),
     }
 )
+
+TRAIN_STATE_BYTES_PER_PARAM = 16
+"""On the device: fp32 master weights (4) + fp32 gradients (4) + AdamW's two fp32 moments (8).
+Autocast keeps no bf16 weight copy beyond the per-op casts (freed after each op)."""
+ROUND_STATE_BYTES_PER_PARAM = 12
+"""On the CPU: θ_round (4) + the outer Nesterov momentum (4) + Δ while the round runs (4); the
+round's encoded parts and received contributions add about 2·d values (ARCHITECTURE.md)."""
 
 # Standard deviation of the normal initialisation of embeddings and linears (GPT-2, Radford et al. 2019).
 INIT_STD = 0.02
@@ -237,6 +269,9 @@ class Transformer(nn.Module):
             )
         self.config = config
         self.layer_range = layers
+        self.activation_checkpointing = False
+        """Recompute each block's activations in backward (torch.utils.checkpoint): keeps only the
+        blocks' inputs, (B, T, C) each, for about one more forward of compute."""
         self.embedding = nn.Embedding(config.vocab_size, config.dim) if embedding else None
         self.layers = nn.ModuleDict({str(k): Block(config) for k in layers})
         self.norm = RMSNorm(config.dim, config.norm_eps) if head else None
@@ -252,6 +287,8 @@ class Transformer(nn.Module):
         """Initialise every parameter from its own generator so the values do not depend on the staging."""
         residual_std = INIT_STD / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
+            if param.is_meta:  # shapes only (counting a large preset): no values to draw
+                continue
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
@@ -269,8 +306,9 @@ class Transformer(nn.Module):
         if self.embedding is not None:
             x = self.embedding(x)  # (B, T, C)
         cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, hd/2)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers.values():
-            x = block(x, cos, sin)
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
         if self.head is not None and self.norm is not None:
             x = self.head(self.norm(x))  # (B, T, V)
         return x
@@ -294,6 +332,51 @@ def build_stage(config: ModelConfig, stage: int, num_stages: int) -> Transformer
         layers=stage_layers(config.n_layers, stage, num_stages),
         embedding=stage == 0,
         head=stage == num_stages - 1,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a replica of a whole (single-stage) model needs to train, by where they live."""
+
+    params: int
+    train_state: int
+    """Weights, gradients and AdamW moments on the device (TRAIN_STATE_BYTES_PER_PARAM each)."""
+    activations: int
+    """Activations kept for backward for one batch (an estimate, see `estimate_memory`)."""
+    round_state: int
+    """θ_round, outer momentum and Δ on the CPU (ROUND_STATE_BYTES_PER_PARAM each)."""
+
+    @property
+    def device_total(self) -> int:
+        return self.train_state + self.activations
+
+
+def estimate_memory(
+    config: ModelConfig,
+    *,
+    batch: int,
+    seq: int,
+    autocast: bool = True,
+    activation_checkpointing: bool = False,
+) -> MemoryEstimate:
+    """Training memory of one replica. Activations follow Korthikanti et al. 2022 (arXiv:2205.05198,
+    eq. 1 without the attention-score term, which SDPA's flash/memory-efficient kernels do not
+    keep): ~34·T·B·C bytes per layer in 16-bit, doubled in fp32, plus the fp32 logits and their
+    gradient (2 · 4·B·T·V). With activation checkpointing each block keeps only its fp32 input
+    (4·B·T·C) and one block's full activations are alive at a time."""
+    n = config.num_params()
+    per_layer = 34 * batch * seq * config.dim * (1 if autocast else 2)
+    logits = 2 * 4 * batch * seq * config.vocab_size
+    if activation_checkpointing:
+        acts = config.n_layers * 4 * batch * seq * config.dim + per_layer + logits
+    else:
+        acts = config.n_layers * per_layer + logits
+    return MemoryEstimate(
+        params=n,
+        train_state=TRAIN_STATE_BYTES_PER_PARAM * n,
+        activations=acts,
+        round_state=ROUND_STATE_BYTES_PER_PARAM * n,
     )
 
 

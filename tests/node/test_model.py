@@ -8,6 +8,7 @@ from neuroshard.node.model import (
     apply_rope,
     build_stage,
     cross_entropy_loss,
+    estimate_memory,
     param_seed,
     rope_tables,
     stage_layers,
@@ -233,3 +234,34 @@ def test_training_reduces_loss_on_a_fixed_batch() -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("size", ["125m", "350m", "1b"])
+def test_gpu_presets_are_counted_without_allocating(size: str) -> None:
+    """The GPU presets are built on the meta device (no memory): num_params and the memory
+    estimate agree with the module that would be trained."""
+    config = ModelConfig.named(size, vocab_size=32768)
+    with torch.device("meta"):
+        model = Transformer(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == config.num_params()
+    expected = {"125m": 135e6, "350m": 375e6, "1b": 956e6}[size]
+    assert abs(n - expected) / expected < 0.01
+    estimate = estimate_memory(config, batch=8, seq=2048)
+    assert estimate.train_state == 16 * n and estimate.round_state == 12 * n
+    assert estimate_memory(config, batch=8, seq=2048, activation_checkpointing=True).activations < (
+        estimate.activations
+    )
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, ffn_dim=64, max_seq_len=16)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        model = Transformer(config)
+        model.activation_checkpointing = recompute
+        cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
