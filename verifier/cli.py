@@ -22,11 +22,15 @@ from typing import NoReturn
 
 import torch
 
+from neuroshard.node.roster import POLICIES
+
 from .budget import ReplayBudget
 from .config import VerifierConfig
 from .db import DatabaseURLError, normalise_url
 from .evaluator import EvaluatorConfig
+from .members import MembershipConfig
 from .network import NetworkError, load_network, load_operator_key
+from .ratelimit import SourceLimitConfig
 from .replaycheck import ReplayCheckConfig
 from .workers import Supervisor, SupervisorConfig, listen
 
@@ -93,8 +97,57 @@ def build_parser() -> argparse.ArgumentParser:
         "replica's CPU); replaces --replay-rate: every wallet checked within a bounded number of rounds, "
         "new and low-reputation wallets more often (verifier.budget)",
     )
+    g = p.add_argument_group("membership (issue 19: what a new wallet costs)")
+    g.add_argument(
+        "--admission",
+        choices=POLICIES,
+        default="open",
+        help="who counts in a stage's majority: open (every registered wallet, no Sybil defence), "
+        "probation (new wallets earn admission by verified rounds) or allowlist (only the operator's "
+        "roster, POST /api/admin/roster) (default %(default)s)",
+    )
+    g.add_argument(
+        "--admission-rounds",
+        type=int,
+        default=MembershipConfig().admission_rounds,
+        help="probation: settled rounds with the stage majority before admission (default %(default)s)",
+    )
+    g.add_argument(
+        "--admission-spot-checks",
+        type=int,
+        help="probation: replay spot checks a stage-0 probationer must pass (default 1, 0 without "
+        "replay checks: --replay-rate 0)",
+    )
+    g.add_argument(
+        "--registration-pow-bits",
+        type=int,
+        default=0,
+        help="hashcash a new wallet's registration must carry: ~2^bits sha256 (20 ≈ 1 s, 24 ≈ 15 s of "
+        "one core; default 0: none)",
+    )
+    g.add_argument(
+        "--new-wallets-per-hour",
+        type=float,
+        default=SourceLimitConfig().per_hour,
+        help="new wallets one source address (IPv4, IPv6 /64) may register per hour, after a burst of "
+        f"{SourceLimitConfig().capacity:g}; loopback is exempt; 0: unlimited (default %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def _membership(args: argparse.Namespace, replays: bool) -> MembershipConfig:
+    checks = args.admission_spot_checks
+    if checks is None:
+        checks = 1 if replays else 0  # without replays no probationer could ever pass one
+    elif checks > 0 and not replays and args.admission == "probation":
+        raise ValueError(
+            f"--admission-spot-checks {checks} needs replay spot checks (--replay-rate or --replay-budget): "
+            "without them no probationer of stage 0 would ever be admitted"
+        )
+    return MembershipConfig(
+        policy=args.admission, admission_rounds=args.admission_rounds, spot_checks_required=checks
+    )
 
 
 def _fail(message: str) -> int:
@@ -123,6 +176,9 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
     budget = None if args.replay_budget is None else ReplayBudget(replicas=args.replay_budget)
     if args.eval_threads < 1:
         raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
+    if args.new_wallets_per_hour < 0:
+        raise ValueError(f"--new-wallets-per-hour must be ≥ 0, got {args.new_wallets_per_hour}")
+    replays = args.replay_rate > 0 or budget is not None
     return VerifierConfig(
         database_url=url,
         network=network,
@@ -132,7 +188,12 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         replay_checks=ReplayCheckConfig(
             sample_rate=args.replay_rate, cache_dir=args.home / "cache", budget=budget
         )
-        if args.replay_rate > 0 or budget is not None
+        if replays
+        else None,
+        membership=_membership(args, replays),
+        registration_pow_bits=args.registration_pow_bits,
+        registration_limit=SourceLimitConfig(per_hour=args.new_wallets_per_hour)
+        if args.new_wallets_per_hour
         else None,
     )
 

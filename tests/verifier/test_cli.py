@@ -118,3 +118,31 @@ def test_replay_budget_flag(network_file: Path, tmp_path: Path, capsys: pytest.C
     assert build_config(build_parser().parse_args(base)).replay_checks.budget is None  # type: ignore[union-attr]
     code, err = run([*base, "--replay-budget", "0"], capsys)
     assert code == 2 and "--replay-budget must be > 0 replicas, got 0.0" in one_line(err)
+
+
+def test_membership_flags(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
+    default = build_config(build_parser().parse_args(base))
+    assert (default.membership.policy, default.registration_pow_bits) == ("open", 0)
+    assert default.registration_limit is not None and default.registration_limit.per_hour == 60
+    assert default.membership.spot_checks_required == 1  # replays are on by default
+    config = build_config(
+        build_parser().parse_args(
+            [
+                *base,
+                *("--admission", "probation", "--admission-rounds", "5", "--registration-pow-bits", "20"),
+                *("--new-wallets-per-hour", "0", "--replay-rate", "0"),
+            ]
+        )
+    )
+    assert (config.membership.policy, config.membership.admission_rounds) == ("probation", 5)
+    assert config.membership.spot_checks_required == 0  # no replays: none can be asked for
+    assert config.registration_pow_bits == 20 and config.registration_limit is None
+    code, err = run(
+        [*base, "--admission", "probation", "--admission-spot-checks", "2", "--replay-rate", "0"], capsys
+    )
+    assert code == 2 and "needs replay spot checks" in one_line(err)
+    code, err = run([*base, "--registration-pow-bits", "99"], capsys)
+    assert code == 2 and "registration_pow_bits must be in [0, 40]" in one_line(err)
+    code, err = run([*base, "--admission", "anyone"], capsys)
+    assert code == 2 and "invalid choice" in err

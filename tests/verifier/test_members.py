@@ -1,0 +1,321 @@
+"""Membership with a price (verifier.members) through the ledger, on each database backend:
+probation earned by rounds with the majority and a passed spot check, restarted by a minority
+vote or a failed check; probationers never make a majority or settle a round; the operator's
+roster (allowlist, versions, expiry); the signed member list and its epoch."""
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from sqlalchemy import insert, select
+
+from neuroshard.node.roster import MemberList, Roster
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import ledger, members
+from neuroshard.verifier import models as m
+from neuroshard.verifier.auth import SignedBy, new_nonce
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.members import MembershipConfig
+from neuroshard.verifier.reputation import ReputationConfig
+from neuroshard.verifier.wire import ReceiptRequest, RegisterRequest
+
+NOW = 1_700_000_000.0
+NETWORK = "members-test"
+OPERATOR = Wallet.from_token("members-operator")
+FIRST = Wallet.from_token("members-genesis")
+HONEST = [Wallet.from_token(f"members-honest-{i}") for i in range(3)]
+SYBILS = [Wallet.from_token(f"members-sybil-{i}") for i in range(6)]
+PROBATION = MembershipConfig(policy="probation", admission_rounds=2, spot_checks_required=1)
+
+
+def config(membership: MembershipConfig = PROBATION) -> ledger.LedgerConfig:
+    return ledger.LedgerConfig(
+        reputation=ReputationConfig(),
+        num_stages=2,
+        nonce_window_s=60,
+        membership=membership,
+        network_name=NETWORK,
+    )
+
+
+def who(wallet: Wallet) -> SignedBy:
+    return SignedBy(public_key_hex=wallet.public_key_hex, timestamp=NOW, nonce=new_nonce())
+
+
+def theta(round_: int, honest: bool = True) -> str:
+    return f"{round_:064x}" if honest else f"f{round_:063x}"
+
+
+def receipt(round_: int, result: str) -> ReceiptRequest:
+    doc: dict[str, Any] = {
+        "stage": 0,
+        "round": round_,
+        "inner_steps": 4,
+        "start_step": 4 * round_,
+        "tokens": 256,
+        "data": [{"shard_id": 0, "offset_start": 0, "offset_end": 8}],
+        "losses": [5.0] * 4,
+        "base_hash": theta(round_ - 1) if round_ else "0" * 64,
+        "result_hash": result,
+        "delta_digest": "d" * 64,
+    }
+    return ReceiptRequest.model_validate(doc)
+
+
+def register(db: Database, wallets: list[Wallet], cfg: ledger.LedgerConfig, stage: int = 0) -> None:
+    req = RegisterRequest(address="http://127.0.0.1:9000", stage=stage, software_version="0.1.0")
+    with db.write() as s:
+        for w in wallets:
+            ledger.register(s, who(w), req, now=NOW, cfg=cfg)
+
+
+def vote(db: Database, wallet: Wallet, round_: int, cfg: ledger.LedgerConfig, honest: bool = True) -> None:
+    req = receipt(round_, theta(round_, honest))
+    with db.write() as s:
+        ledger.submit_receipt(s, who(wallet), req, body_sha256=req.result_hash, now=NOW, cfg=cfg)
+    with db.write() as s:
+        ledger.settle_rounds(s, 0, now=NOW, cfg=cfg)
+
+
+def spot_check(db: Database, wallet: Wallet, round_: int, ok: bool, cfg: ledger.LedgerConfig) -> None:
+    with db.write() as s:
+        ledger.record_spot_check(
+            s,
+            wallet.wallet_id,
+            stage=0,
+            round_=round_,
+            ok=ok,
+            detail="replay: test",
+            now=NOW,
+            cfg=cfg.reputation,
+            membership=cfg.membership,
+        )
+
+
+def status(db: Database, wallet: Wallet, stage: int = 0) -> str | None:
+    with db.read() as s:
+        row = s.get(m.Membership, (stage, wallet.wallet_id))
+        return None if row is None else row.status
+
+
+def listed(db: Database, cfg: ledger.LedgerConfig, stage: int = 0) -> MemberList:
+    with db.read() as s:
+        doc = members.member_list(s, stage, cfg.membership, network=NETWORK, signer=OPERATOR, now=NOW)
+    parsed = MemberList.from_json(doc.to_json())
+    parsed.verify(OPERATOR.public_key_hex, network=NETWORK, now=NOW)
+    return parsed
+
+
+def test_genesis_member_then_probation_until_rounds_and_a_spot_check(db: Database) -> None:
+    cfg = config()
+    register(db, [FIRST, HONEST[0]], cfg)
+    assert (status(db, FIRST), status(db, HONEST[0])) == ("admitted", "probation")
+    first = listed(db, cfg)
+    assert first.admitted == (FIRST.public_key_hex,) and first.probation == (HONEST[0].public_key_hex,)
+    for r in range(3):  # round r settles once round r+1 is in (settle_after_rounds=1)
+        vote(db, FIRST, r, cfg)
+        vote(db, HONEST[0], r, cfg)
+    # rounds 0 and 1 settled with the majority: rounds enough, but no spot check passed yet
+    assert status(db, HONEST[0]) == "probation"
+    spot_check(db, HONEST[0], 1, True, cfg)
+    assert status(db, HONEST[0]) == "admitted"
+    later = listed(db, cfg)
+    assert set(later.admitted) == {FIRST.public_key_hex, HONEST[0].public_key_hex} and later.probation == ()
+    assert later.epoch > first.epoch and later.newer_than(first)
+
+
+def test_a_minority_vote_restarts_probation(db: Database) -> None:
+    cfg = config()
+    register(db, [FIRST, HONEST[0]], cfg)
+    spot_check(db, HONEST[0], 0, True, cfg)
+    vote(db, FIRST, 0, cfg)
+    vote(db, HONEST[0], 0, cfg)
+    vote(db, FIRST, 1, cfg)
+    vote(db, HONEST[0], 1, cfg, honest=False)  # round 0 settles: streak 1
+    vote(db, FIRST, 2, cfg)  # round 1 settles: HONEST[0] in the minority
+    with db.read() as s:
+        row = s.get(m.Membership, (0, HONEST[0].wallet_id))
+        assert row is not None
+        assert (row.status, row.streak, row.checks_passed) == ("probation", 0, 0)
+        assert row.reason is not None and "minority hash in round 1" in row.reason
+
+
+def test_a_failed_spot_check_sends_a_member_back_to_probation(db: Database) -> None:
+    cfg = replace(config(), reputation=ReputationConfig(spot_check_penalty=0.1))  # not refused outright
+    register(db, [FIRST], cfg)
+    before = listed(db, cfg)
+    spot_check(db, FIRST, 0, False, cfg)
+    assert status(db, FIRST) == "probation"
+    after = listed(db, cfg)
+    assert after.admitted == () and after.probation == (FIRST.public_key_hex,) and after.epoch > before.epoch
+
+
+def test_a_data_check_pass_does_not_count_toward_admission(db: Database) -> None:
+    cfg = config()
+    register(db, [FIRST, HONEST[0]], cfg)
+    with db.write() as s:  # datacheck passes no membership config
+        ledger.record_spot_check(
+            s, HONEST[0].wallet_id, stage=0, round_=0, ok=True, detail="data", now=NOW, cfg=cfg.reputation
+        )
+        row = s.get(m.Membership, (0, HONEST[0].wallet_id))
+        assert row is not None and row.checks_passed == 0
+
+
+def test_probationers_neither_make_the_majority_nor_settle_rounds(db: Database) -> None:
+    """Six fresh wallets vote a bogus θ against one member: the member's hash is the majority,
+    the Sybils are judged against it, and their moving on settles nothing."""
+    cfg = config()
+    register(db, [FIRST, *SYBILS], cfg)
+    for w in SYBILS:
+        vote(db, w, 0, cfg, honest=False)
+        vote(db, w, 1, cfg, honest=False)  # a round later: would settle round 0 if they counted
+    with db.read() as s:
+        assert s.get(m.Round, (0, 0)) is None
+    vote(db, FIRST, 0, cfg)
+    vote(db, FIRST, 1, cfg)
+    with db.read() as s:
+        settled = s.get(m.Round, (0, 0))
+        assert settled is not None
+        assert (settled.majority_hash, settled.votes, settled.agreeing) == (theta(0), 1, 1)
+        sybil = s.get(m.Wallet, SYBILS[0].wallet_id)
+        first = s.get(m.Wallet, FIRST.wallet_id)
+        assert sybil is not None and first is not None
+        assert sybil.reputation < 0.5 < first.reputation
+
+
+def test_open_policy_counts_everyone_as_before(db: Database) -> None:
+    cfg = config(MembershipConfig())
+    register(db, [FIRST, *SYBILS[:2]], cfg)
+    assert [status(db, w) for w in (FIRST, *SYBILS[:2])] == ["admitted"] * 3
+    doc = listed(db, cfg)
+    assert doc.policy == "open" and len(doc.admitted) == 3 and doc.probation == ()
+
+
+def _roster(version: int, wallets: list[Wallet], *, expires_at: int = int(NOW) + 3600, **kw: Any) -> Roster:
+    return Roster.build(
+        kw.get("signer", OPERATOR),
+        network=kw.get("network", NETWORK),
+        version=version,
+        expires_at=expires_at,
+        stages={0: [w.public_key_hex for w in wallets]},
+    )
+
+
+def _accept(db: Database, roster: Roster, now: float = NOW) -> str:
+    with db.write() as s:
+        return members.accept_roster(
+            s, roster, operator_key=OPERATOR.public_key_hex, network=NETWORK, num_stages=2, now=now
+        )
+
+
+def test_allowlist_admits_the_roster_and_refuses_the_rest(db: Database) -> None:
+    cfg = config(MembershipConfig(policy="allowlist"))
+    with pytest.raises(
+        ledger.WriteRefused, match="not on the operator's roster for stage 0 \\(none accepted yet\\)"
+    ):
+        register(db, [HONEST[0]], cfg)
+    assert _accept(db, _roster(1, HONEST[:2])) == "accepted"
+    register(db, HONEST[:2], cfg)
+    with pytest.raises(ledger.WriteRefused, match="version 1") as refused:
+        register(db, [SYBILS[0]], cfg)
+    assert refused.value.status == 403
+    with db.read() as s:
+        assert s.get(m.Wallet, SYBILS[0].wallet_id) is None  # nothing of the refused registration stays
+    doc = listed(db, cfg)
+    assert set(doc.admitted) == {w.public_key_hex for w in HONEST[:2]} and doc.probation == ()
+    # A newer roster replaces the older: HONEST[1] is off the list, HONEST[2] on it.
+    assert _accept(db, _roster(2, [HONEST[0], HONEST[2]])) == "accepted"
+    assert set(listed(db, cfg).admitted) == {HONEST[0].public_key_hex, HONEST[2].public_key_hex}
+
+
+@pytest.mark.parametrize(
+    "bad, status_, message",
+    [
+        (lambda: _roster(1, HONEST, signer=HONEST[0]), 422, "signed by"),
+        (lambda: _roster(1, HONEST, network="other"), 422, "for network 'other'"),
+        (lambda: _roster(1, HONEST, expires_at=int(NOW) - 1), 422, "expired"),
+        (lambda: replace(_roster(1, HONEST), version=7), 422, "signature does not verify"),
+        (
+            lambda: Roster.build(
+                OPERATOR, network=NETWORK, version=1, expires_at=int(NOW) + 60, stages={5: []}
+            ),
+            422,
+            "stage 5",
+        ),
+    ],
+    ids=["wrong signer", "other network", "expired", "tampered", "no such stage"],
+)
+def test_bad_rosters_are_refused_and_change_nothing(
+    db: Database, bad: Any, status_: int, message: str
+) -> None:
+    with pytest.raises(members.MembershipRefused, match=message) as refused:
+        _accept(db, bad())
+    assert refused.value.status == status_
+    with db.read() as s:
+        assert s.scalars(select(m.RosterRow)).all() == []
+        assert members.epoch(s, 0) == 0
+
+
+def test_roster_versions_only_move_forward_and_expire(db: Database) -> None:
+    assert _accept(db, _roster(2, HONEST[:1])) == "accepted"
+    assert _accept(db, _roster(2, HONEST[:1])) == "duplicate"
+    with pytest.raises(members.MembershipRefused, match="different roster version 2") as same:
+        _accept(db, _roster(2, HONEST[:2]))
+    assert same.value.status == 409
+    with pytest.raises(members.MembershipRefused, match="older than the held version 2"):
+        _accept(db, _roster(1, HONEST))
+    with db.read() as s:
+        held = members.current_roster(s, now=NOW)
+        assert held is not None and held.version == 2
+        assert members.current_roster(s, now=NOW + 7200) is None  # expired: no roster in force
+
+
+def test_roster_wallets_are_admitted_under_probation(db: Database) -> None:
+    cfg = config()
+    _accept(db, _roster(1, [HONEST[0]]))
+    register(db, [HONEST[0], SYBILS[0]], cfg)  # the roster names stage 0's members: no genesis
+    assert (status(db, HONEST[0]), status(db, SYBILS[0])) == ("admitted", "probation")
+
+
+def test_refused_wallets_are_on_no_list(db: Database) -> None:
+    cfg = config(MembershipConfig())
+    register(db, [FIRST, HONEST[0]], cfg)
+    with db.write() as s:
+        row = s.get(m.Wallet, HONEST[0].wallet_id)
+        assert row is not None
+        row.status = m.STATUS_REFUSED
+    assert listed(db, cfg).admitted == (FIRST.public_key_hex,)
+
+
+def test_the_list_is_identical_within_an_expiry_window(db: Database) -> None:
+    cfg = config()
+    register(db, [FIRST], cfg)
+    with db.read() as s:
+        a = members.member_list(s, 0, cfg.membership, network=NETWORK, signer=OPERATOR, now=NOW)
+        b = members.member_list(s, 0, cfg.membership, network=NETWORK, signer=OPERATOR, now=NOW + 1)
+    assert a.to_json() == b.to_json() and a.expires_at > NOW + cfg.membership.list_ttl_s
+
+
+def test_the_0005_upgrade_admits_existing_peers(db: Database) -> None:
+    from alembic import command
+
+    from neuroshard.verifier.db import alembic_config
+
+    with db.engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "0004")
+    with db.engine.begin() as conn:
+        conn.execute(
+            insert(m.Wallet.__table__).values(
+                wallet_id="a" * 20, public_key="b" * 64, reputation=0.5, status="active",
+                registered_at=0.0, software_version="x",
+            )
+        )  # fmt: skip
+        conn.execute(
+            insert(m.Peer.__table__).values(
+                wallet_id="a" * 20, address="http://x:1", stage=1, registered_at=0.0, last_heartbeat=0.0
+            )
+        )
+    db.upgrade()
+    with db.read() as s:
+        row = s.get(m.Membership, (1, "a" * 20))
+        assert row is not None and row.status == "admitted"
