@@ -30,6 +30,7 @@ from neuroshard.node.p2p.wire import (
     WireError,
     parse_json,
 )
+from neuroshard.node.roster import MemberList, Roster, RosterStage
 from neuroshard.node.wallet import Wallet
 
 EXAMPLES = 80
@@ -50,6 +51,9 @@ MESSAGES: list[type[Message]] = [
     EquivocationProof,
     ActivationHeader,
     GradientReply,
+    Roster,
+    RosterStage,
+    MemberList,
 ]
 
 scalars = (
@@ -161,6 +165,18 @@ def _valid_messages() -> list[Message]:
         PeerList(peers=(record,)),
         StateInfo.create(SIGNER, stage=1, round=3, theta_hash="a" * 64, momentum_hash="", numel=1000),
         ErrorReply(error="bad", detail="a sentence"),
+        Roster.build(SIGNER, network="n", version=3, expires_at=2**40, stages={0: [SIGNER.public_key_hex]}),
+        MemberList.create(
+            SIGNER,
+            network="n",
+            expires_at=2**40,
+            stage=0,
+            epoch=4,
+            policy="probation",
+            admitted=(SIGNER.public_key_hex,),
+            probation=("ab" * 32,),
+            admission_rounds=3,
+        ),
     ]
 
 

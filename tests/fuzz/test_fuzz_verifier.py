@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import ADDRESS, Harness, receipt_doc, test_config
+from neuroshard.api.testing import ADDRESS, OPERATOR, Harness, receipt_doc, test_config
+from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -185,5 +187,45 @@ def test_signature_headers(harness: Harness, tally: Any) -> None:
         assert response.status_code < 500, (header, value, response.text[:300])
         if response.status_code >= 400:
             assert harness.counts() == before
+
+    run()
+
+
+def test_roster_bodies_from_the_operator(harness: Harness, tally: Any) -> None:
+    """POST /api/admin/roster signed by the operator itself: whatever the body, a 2xx or a 4xx, and
+    no roster stored unless it was a valid, newer, operator-signed roster for this network."""
+    backend = _backend(harness)
+    valid = Roster.build(
+        OPERATOR,
+        network=harness.config.network.name,
+        version=5,
+        expires_at=2**40,
+        stages={0: [NODE.public_key_hex]},
+    ).to_obj()
+
+    @settings(
+        max_examples=HTTP_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        how = data.draw(st.sampled_from(["replace", "duplicate", "raw", "json", "bytes"]))
+        field = data.draw(st.sampled_from(sorted(valid)))
+        if how in ("replace", "duplicate"):
+            body = _broken(valid, field, data.draw(json_values | edge_numbers), how)
+        elif how == "raw":
+            body = _broken(valid, field, data.draw(hostile_text), how)
+        elif how == "json":
+            body = json.dumps(data.draw(json_values)).encode()
+        else:
+            body = data.draw(st.binary(max_size=200))
+        before = harness.count(m.RosterRow)
+        harness.clock.advance(0.01)
+        response = harness.post_raw(OPERATOR, "/api/admin/roster", body)
+        tally.add(f"verifier POST /api/admin/roster ({backend})", response.status_code)
+        assert response.status_code < 500, (body[:200], response.text[:300])
+        if response.status_code >= 400:
+            assert harness.count(m.RosterRow) == before
+        if how == "duplicate":
+            assert response.status_code == 400 and "duplicate JSON key" in response.text
 
     run()
