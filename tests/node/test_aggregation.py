@@ -50,8 +50,8 @@ def test_median_midpoint_does_not_overflow_float32() -> None:
 def test_krum_and_multi_krum_by_hand() -> None:
     # f=1, n=5: score = sum of squared distances to the n−f−2 = 2 nearest others.
     # 0: 1+4=5, 1: 1+1=2, 2: 1+4=5, 4: 4+9=13, 100: 96²+98².
-    stack, scores = agg.krum_scores(LINE, 1)
-    by_value = {float(v): float(s) for v, s in zip(stack[:, 0], scores, strict=True)}
+    rows, scores = agg.krum_scores(LINE, 1)
+    by_value = {float(r[0]): float(s) for r, s in zip(rows, scores, strict=True)}
     assert by_value == {0.0: 5.0, 1.0: 2.0, 2.0: 5.0, 4.0: 13.0, 100.0: 96.0**2 + 98.0**2}
     assert torch.equal(agg.krum(LINE, 1), col(1.0))
     assert torch.equal(agg.multi_krum(LINE, 1), col(1.75))  # default m = n − f = 4: mean of 0, 1, 2, 4
