@@ -980,7 +980,7 @@ class OuterRound:
         for task in pending:
             task.cancel()
         await asyncio.gather(*held.screening, return_exceptions=True)
-        for wallet in held.probation:
+        for wallet in held.probation if held.screening else ():  # owners only: others screen nothing
             if wallet != self.me:
                 held.result.probation.setdefault(
                     wallet, "not screened: its part did not come during the round"

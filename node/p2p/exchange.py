@@ -75,6 +75,7 @@ class Exchange:
         log: Callable[[str], None],
         relay: RelayControl | None = None,
         gossip_fanout: int = 3,
+        counts: Callable[[str], bool] = lambda wallet: True,
     ) -> None:
         if gossip_fanout < 1:
             raise ValueError(f"gossip_fanout must be >= 1, got {gossip_fanout}")
@@ -86,6 +87,9 @@ class Exchange:
         self._gossip_rng = random.Random()
         self.relay = relay
         """The stage bucket, when this replica was given one: relay peers are read there."""
+        self.counts = counts
+        """Whether a stage peer's status counts in votes and quorums (an admitted member): the
+        others are not asked, so a flood of fresh wallets neither votes nor costs a poll each."""
 
     @property
     def own(self) -> str:
@@ -216,7 +220,7 @@ class Exchange:
     # --- after a round: votes and state ---------------------------------------------------------
 
     async def statuses(self) -> list[StateInfo]:
-        """Signed statuses of the live stage peers that answered."""
+        """Signed statuses of the live stage peers that count (`counts`) and answered."""
 
         async def ask(peer: PeerEntry) -> StateInfo | None:
             reply = await self.call(
@@ -232,7 +236,9 @@ class Exchange:
                 return None
             return info
 
-        answers = await asyncio.gather(*(ask(peer) for peer in self.stage_peers()))
+        answers = await asyncio.gather(
+            *(ask(peer) for peer in self.stage_peers() if self.counts(peer.wallet))
+        )
         return [a for a in answers if a is not None]
 
     async def agree(

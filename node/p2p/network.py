@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from ..diloco import DiLoCo
+from ..membership import NotAMember, Split, StageRoster, split_members
 from ..outer.port import RoundStore, RoutedStore
 from ..outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
 from ..validation import ValidationConfig
@@ -244,6 +245,8 @@ class PeerNetwork:
         """Wallet -> why: proven cheats (fraud, equivocation), refused as members' inputs in every later round."""
         self._attacker = attacker
         """Testing only (`neuroshard-node --attack`): forges this replica's contributions."""
+        self._roster: StageRoster | None = None
+        """The stage's member list (`set_roster`); None: every live stage peer is a member."""
         limits = config.limits or ServerLimits()
         peers = PeerTable(
             own_wallet=wallet.public_key_hex,
@@ -278,6 +281,7 @@ class PeerNetwork:
             ),
             log,
             gossip_fanout=config.gossip_fanout,
+            counts=self._counts,
         )
         # The round's objects: published on this replica's shelf (served by GET /p2p/obj/...), read
         # from each author's own server. A round holds ~2 Δ objects of the current and the previous
@@ -565,20 +569,39 @@ class PeerNetwork:
 
     # --- the round hook -----------------------------------------------------------------------
 
-    def members(self) -> tuple[str, ...]:
-        """This round's member list, sorted: this replica and the stage peers `_counts_as_member` keeps.
+    def set_roster(self, roster: StageRoster | None) -> None:
+        """Take the stage's member list (the operator's allowlist, or the verifier's signed list of
+        admitted and probationary wallets) from the next round on; None: every live peer counts."""
+        if roster is not None and roster.stage != self.stage:
+            raise ValueError(f"a roster of stage {roster.stage} given to a replica of stage {self.stage}")
+        if roster != self._roster and roster is not None:
+            self._log(
+                f"membership: {len(roster.admitted)} admitted, {len(roster.probation)} on probation "
+                f"({roster.policy}, {roster.source or 'roster'})"
+            )
+        self._roster = roster
+
+    def _counts(self, wallet: str) -> bool:
+        """Whether `wallet`'s status counts in θ-hash votes and state-sync quorums: an admitted member
+        (or anyone, without a roster). Probationers and unlisted wallets are not even asked."""
+        roster = self._roster
+        return roster is None or roster.counts(wallet)
+
+    def members(self, round_: int) -> Split:
+        """This round's admitted members and probationers, sorted: this replica and the stage peers
+        `_counts_as_member` keeps, split by the roster (``neuroshard.node.membership``).
 
         Replicas that hold the same list derive the same partition; one that holds another list
         signs another `members_sha256`, its commitments are refused by the rest, and the θ-hash vote
-        after the round re-syncs it. The list is each replica's own view, made to agree in the common
-        cases (a crash, a join, a proven cheat); an agreed, signed member list is issue #19's
-        Sybil-resistant membership."""
+        after the round re-syncs it. Liveness is each replica's own view, made to agree in the
+        common cases (a crash, a join, a proven cheat); who may be a member at all comes from the
+        signed roster, so a flood of fresh wallets changes no member list. Raises `NotAMember`."""
 
-        async def read() -> tuple[str, ...]:
-            wallets = {e.wallet for e in self._exchange.stage_peers() if self._counts_as_member(e)}
-            return tuple(sorted(wallets | {self.wallet.public_key_hex}))
+        async def read() -> list[str]:
+            return [e.wallet for e in self._exchange.stage_peers() if self._counts_as_member(e)]
 
-        return self._call(read(), timeout=10.0)
+        live = self._call(read(), timeout=10.0)
+        return split_members(live, self.wallet.public_key_hex, self._roster, round_)
 
     def _counts_as_member(self, peer: PeerEntry) -> bool:
         """A live stage peer is a member unless banned (a proven cheat owns no part; every replica
@@ -609,27 +632,39 @@ class PeerNetwork:
         # members refuse it by base hash instead of aggregating a Δ off another θ.
         own_hash = theta_sha256(diloco.theta_round)
         delta = diloco.pseudo_gradient()
-        inp = RoundInput(
-            stage=self.stage,
-            round=r,
-            base_hash=own_hash,
-            members=self.members(),
-            delta=delta,
-            tokens=diloco.steps_in_round * self._tokens_per_step,
-            banned=frozenset(self.banned),
-        )
         note = None
-        if self._attacker is not None:
-            inp, note = self._attacker.forge_input(inp, diloco.theta_round)
         exchange_started = time.monotonic()
-        result: RoundResult | None
+        result: RoundResult | None = None
         try:
-            result = self._call(self._outer.run(inp), timeout=self._round_budget_s())
-        except Exception as exc:  # the hook must still leave the engine at the next round's start
+            split = self.members(r)
+        except NotAMember as exc:
+            self._log(f"round {r}: {exc}; stepping with this replica's Δ alone (the θ-hash vote re-syncs it)")
+            split = None
+        if split is not None and not split.members:
             self._log(
-                f"round {r}: the round failed ({type(exc).__name__}: {exc}); stepping with this replica's Δ alone"
+                f"round {r}: no admitted member of the stage is live; stepping with this replica's Δ alone"
             )
-            result = None
+            split = None
+        if split is not None:
+            inp = RoundInput(
+                stage=self.stage,
+                round=r,
+                base_hash=own_hash,
+                members=split.members,
+                delta=delta,
+                tokens=diloco.steps_in_round * self._tokens_per_step,
+                banned=frozenset(self.banned),
+                probationers=split.probationers,
+            )
+            if self._attacker is not None:
+                inp, note = self._attacker.forge_input(inp, diloco.theta_round)
+            try:
+                result = self._call(self._outer.run(inp), timeout=self._round_budget_s())
+            except Exception as exc:  # the hook must still leave the engine at the next round's start
+                self._log(
+                    f"round {r}: the round failed ({type(exc).__name__}: {exc}); stepping with this replica's Δ alone"
+                )
+                result = None
         step_started = time.monotonic()
         if result is None:
             diloco.outer_step(delta)
@@ -646,7 +681,7 @@ class PeerNetwork:
                 # A replica that accepted no one's commitment but its own (its θ_r went astray, or
                 # it is cut off) waits for every member's vote, not just its own: else it may count
                 # before the others have stepped and miss that it is in the minority.
-                participants = accepted if len(accepted) > 1 else inp.members
+                participants = accepted if len(accepted) > 1 or split is None else split.members
                 resynced_from, agree, voters = self._check_hash(diloco, participants)
             except Exception as exc:  # a later round's check (or its base-hash refusals) will catch up
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
@@ -677,6 +712,12 @@ class PeerNetwork:
         self.reports.append(report)
         self.last_round = result
         self._log(report.line())
+        if result is not None and result.probation:
+            passed = sum(v.endswith("passed screening (no weight)") for v in result.probation.values())
+            self._log(
+                f"round {r}: probation: {passed} of {len(result.probation)} probationers' parts passed this "
+                f"replica's screening (no weight in the aggregate)"
+            )
 
     def _ban(self, round_: int, cheats: dict[str, str], *, lost_vote: bool) -> None:
         """Ban the owners this replica proved to cheat, unless its own state then lost the θ-hash vote.

@@ -147,3 +147,20 @@ def test_a_wallet_off_the_list_is_told_so() -> None:
         split_members({"a", "b"}, "c", roster, round_=0)
     with pytest.raises(ValueError, match="no probationers"):
         StageRoster(stage=0, policy="allowlist", admitted=frozenset({"a"}), probation=frozenset({"b"}))
+
+
+def test_only_admitted_members_are_asked_for_their_vote() -> None:
+    from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+
+    me, other, newcomer = (Wallet.from_token(f"vote-{i}").public_key_hex for i in range(3))
+    network = PeerNetwork(NetworkConfig(port=0), Wallet.from_token("vote-0"), stage=0, log=lambda line: None)
+    exchange = network._exchange
+    assert exchange.counts(newcomer)  # no roster: every live peer votes, as before
+    network.set_roster(
+        StageRoster(
+            stage=0, policy="probation", admitted=frozenset({me, other}), probation=frozenset({newcomer})
+        )
+    )
+    assert exchange.counts(other) and not exchange.counts(newcomer) and not exchange.counts("ab" * 32)
+    with pytest.raises(ValueError, match="stage 1"):
+        network.set_roster(StageRoster(stage=1, policy="allowlist", admitted=frozenset({me})))
