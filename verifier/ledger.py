@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import case, delete, func, select, update
+from sqlalchemy import case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -313,6 +313,67 @@ def apply_adjustment(
     return True
 
 
+_BULK = 500
+"""Wallets per statement of apply_adjustments (SQLite binds at most 32,766 parameters)."""
+
+
+def apply_adjustments(
+    session: Session,
+    adjustments: list[Adjustment],
+    *,
+    stage: int | None,
+    round_: int | None,
+    now: float,
+    cfg: ReputationConfig,
+) -> None:
+    """`apply_adjustment` for many wallets (at most one adjustment each) in a few statements: one
+    UPDATE, one INSERT of events and one refusal per (delta, reason) and batch. A settlement judges
+    a flood of probationers' votes this way (issue 19: 1,000 probationers took 2.2 s of
+    one-by-one updates per round on SQLite)."""
+    groups: dict[tuple[float, str], list[str]] = {}
+    for adj in adjustments:
+        groups.setdefault((adj.delta, adj.reason), []).append(adj.wallet_id)
+    for (delta, reason), wallet_ids in sorted(groups.items()):
+        for at in range(0, len(wallet_ids), _BULK):
+            ids = sorted(wallet_ids[at : at + _BULK])
+            moved = m.Wallet.reputation + delta
+            session.execute(
+                update(m.Wallet)
+                .where(m.Wallet.wallet_id.in_(ids))
+                .values(reputation=case((moved > cfg.maximum, cfg.maximum), (moved < 0.0, 0.0), else_=moved))
+                .execution_options(synchronize_session=False)
+            )
+            known = session.scalars(select(m.Wallet.wallet_id).where(m.Wallet.wallet_id.in_(ids))).all()
+            if known:
+                session.execute(
+                    insert(m.ReputationEvent),
+                    [
+                        {
+                            "wallet_id": w,
+                            "stage": stage,
+                            "round": round_,
+                            "delta": delta,
+                            "reason": reason,
+                            "created_at": now,
+                        }
+                        for w in known
+                    ],
+                )
+            session.execute(
+                update(m.Wallet)
+                .where(
+                    m.Wallet.wallet_id.in_(ids),
+                    m.Wallet.status == m.STATUS_ACTIVE,
+                    m.Wallet.reputation < cfg.refuse_below,
+                )
+                .values(
+                    status=m.STATUS_REFUSED,
+                    status_reason=f"reputation under {cfg.refuse_below:g} after: {reason}",
+                )
+                .execution_options(synchronize_session=False)
+            )
+
+
 def settle_rounds(session: Session, stage: int, *, now: float, cfg: LedgerConfig) -> list[int]:
     """Settle, oldest first, every unsettled round of `stage` that most live replicas moved past."""
     # Rounds settle in order, so only rounds after the last settled one can be waiting (a lone
@@ -392,14 +453,15 @@ def settle_round(session: Session, stage: int, round_: int, *, now: float, cfg: 
     )
     session.add(row)
     session.flush()  # a concurrent settler of the same round fails here, before touching reputations
-    adjustments = list(judgement.adjustments)
-    for vote in votes:
-        if counted is not None and vote.wallet_id not in counted:
-            adjustments += judge_vote(
-                vote, judgement.majority.hash, cfg.reputation, stage=stage, round_=round_
-            )
-    for adj in adjustments:
+    for adj in judgement.adjustments:
         apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg.reputation)
+    outsiders = [v for v in votes if counted is not None and v.wallet_id not in counted]
+    judged = [
+        adj
+        for vote in outsiders
+        for adj in judge_vote(vote, judgement.majority.hash, cfg.reputation, stage=stage, round_=round_)
+    ]
+    apply_adjustments(session, judged, stage=stage, round_=round_, now=now, cfg=cfg.reputation)
     members.record_round(
         session,
         stage,

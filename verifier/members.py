@@ -263,10 +263,15 @@ def record_round(
     once); against it, probation restarts. No majority: nobody moves."""
     if cfg.policy != "probation" or majority_hash is None:
         return
-    for wallet_id, result_hash in sorted(votes):
-        row = session.get(m.Membership, (stage, wallet_id))
-        if row is None or row.status != m.MEMBER_PROBATION:
-            continue
+    hashes = dict(votes)
+    rows = session.scalars(  # one query for the round: a flood of probationers is thousands of votes
+        select(m.Membership)
+        .where(m.Membership.stage == stage, m.Membership.status == m.MEMBER_PROBATION)
+        .where(m.Membership.wallet_id.in_(sorted(hashes)))
+        .order_by(m.Membership.wallet_id)
+    ).all()
+    for row in rows:
+        result_hash = hashes[row.wallet_id]
         if row.last_round is not None and round_ <= row.last_round:
             continue
         row.last_round = round_
