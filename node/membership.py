@@ -27,6 +27,10 @@ import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .roster import MemberList
 
 POLICIES = ("allowlist", "probation")
 
@@ -123,3 +127,18 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
             f"out of round {round_}"
         )
     return Split(members, tuple(sorted(taken)), waiting=len(candidates) - len(taken))
+
+
+def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:
+    """A replica's roster from the verifier's signed member list (its signature, network, stage,
+    expiry and epoch order checked by the caller: ``node.tracker``); None for an ``open`` stage."""
+    if members.policy == "open":
+        return None
+    return StageRoster(
+        stage=members.stage,
+        policy=members.policy,
+        admitted=frozenset(members.admitted),
+        probation=frozenset(members.probation),
+        cap=cap or ProbationCap(),
+        source=f"verifier epoch {members.epoch}",
+    )

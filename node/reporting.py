@@ -30,6 +30,7 @@ from typing import Protocol
 from neuroshard.data import Dataset
 
 from .diloco import DiLoCo, DiLoCoConfig
+from .membership import roster_of
 from .model import ModelConfig
 from .network_definition import NetworkDefinition
 from .p2p.network import PeerNetwork
@@ -161,6 +162,8 @@ class Reporting:
     operator_key: str | None
     log: Log
     num_stages: int = 1
+    network_name: str | None = None
+    """The run's name: member lists (issue #19) are read and checked only when it is known."""
     embedded: _Server | None = None
     tracker: Tracker | None = None
     archive: ReplayArchive | None = None
@@ -179,7 +182,11 @@ class Reporting:
         at a free port (0) when the node would otherwise open none: the verifier must reach it."""
         if joined is not None:
             reporting = cls(
-                url=args.join, operator_key=args.operator_key, log=log, num_stages=joined.num_stages
+                url=args.join,
+                operator_key=args.operator_key,
+                log=log,
+                num_stages=joined.num_stages,
+                network_name=joined.name,
             )
         elif args.no_verifier:
             return cls(url=None, operator_key=None, log=log)
@@ -189,15 +196,22 @@ class Reporting:
         else:
             from neuroshard.verifier.embedded import start_embedded_verifier  # composition root, lazily
 
+            definition = embedded()
             try:
                 server = start_embedded_verifier(
-                    home=args.home, network=embedded(), port=args.verifier_port, log=log, fresh=args.fresh
+                    home=args.home, network=definition, port=args.verifier_port, log=log, fresh=args.fresh
                 )
             except (OSError, ValueError) as exc:
                 log(f"embedded verifier not started: {exc}; training without one")
                 return cls(url=None, operator_key=None, log=log)
             log(f"verifier (embedded): {server.url}/ dashboard, {server.url}/api/training/verify")
-            reporting = cls(url=server.url, operator_key=server.operator_key_hex, log=log, embedded=server)
+            reporting = cls(
+                url=server.url,
+                operator_key=server.operator_key_hex,
+                log=log,
+                embedded=server,
+                network_name=definition.name,
+            )
         if args.port is None and not getattr(args, "relay", None):
             args.port = 0  # a --relay node opens no port: the verifier cannot call it (README)
         if joined is not None and joined.num_stages == 1:
@@ -264,11 +278,14 @@ class Reporting:
                 stage=network.stage,
                 next_stage=network.stage < self.num_stages - 1,
                 software_version=_version(),
+                operator_key=self.operator_key,
+                network=self.network_name,
             ),
             wallet,
             self.log,
             progress=lambda: (diloco.round, diloco.steps_in_round),
             on_peers=network.add_bootstrap,
+            on_members=lambda members: network.set_roster(roster_of(members)),
         )
         tracker.start()
         self.tracker = tracker

@@ -38,6 +38,8 @@ from .network_definition import (
     verify_network,
 )
 from .p2p.auth import sign_request
+from .p2p.wire import WireError
+from .roster import MemberList, RosterError, solve_pow
 from .wallet import Wallet
 
 Log = Callable[[str], None]
@@ -176,12 +178,21 @@ class TrackerConfig:
     heartbeat_s: float = 30.0
     """Seconds between heartbeats until the verifier says otherwise (its TTL / 3)."""
     timeout_s: float = 10.0
+    members_every_s: float = 15.0
+    """Seconds between reads of the stage's signed member list (GET /api/stages/{stage}/members)."""
+    operator_key: str | None = None
+    """The verifier's (operator's) public key, hex: member lists signed by any other key are refused.
+    None: member lists are not read (nothing could check them)."""
+    network: str | None = None
+    """The run's name (NetworkDefinition.name): what member lists and the registration proof of work
+    are bound to."""
 
     def __post_init__(self) -> None:
         self.url = _base(self.url)
         if (
             self.queue_size < 1
-            or min(self.retry_s, self.peers_every_s, self.heartbeat_s, self.timeout_s) <= 0
+            or min(self.retry_s, self.peers_every_s, self.heartbeat_s, self.timeout_s, self.members_every_s)
+            <= 0
         ):
             raise ValueError(f"TrackerConfig: queue_size must be ≥ 1 and every period > 0, got {self}")
 
@@ -197,6 +208,7 @@ class Tracker:
         *,
         progress: Progress = lambda: (0, 0),
         on_peers: Callable[[list[str]], None] | None = None,
+        on_members: Callable[[MemberList], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -204,6 +216,10 @@ class Tracker:
         self._log = log
         self._progress = progress
         self._on_peers = on_peers
+        self._on_members = on_members
+        self.members: MemberList | None = None
+        """The newest valid member list of this replica's stage (epoch order; an older one replayed
+        to this node is refused)."""
         self._clock = clock
         self._queue: deque[dict[str, Any]] = deque()
         self._lock = threading.Lock()
@@ -265,12 +281,18 @@ class Tracker:
 
     def _register(self) -> None:
         cfg = self.config
-        doc = {
+        doc: dict[str, Any] = {
             "address": f"http://{cfg.address}",
             "stage": cfg.stage,
             "software_version": cfg.software_version,
         }
-        ack = self._post("/api/register", doc)
+        try:
+            ack = self._post("/api/register", doc)
+        except TrackerError as exc:
+            if exc.status != 403 or "proof of work" not in str(exc):
+                raise
+            doc["pow_nonce"] = self._proof_of_work()
+            ack = self._post("/api/register", doc)
         interval = ack.get("heartbeat_interval_s")
         if isinstance(interval, int | float) and interval > 0:
             self.config.heartbeat_s = float(interval)
@@ -280,6 +302,46 @@ class Tracker:
                 f"reputation {ack.get('reputation')})"
             )
         self.registered = True
+
+    def _proof_of_work(self) -> int:
+        """The registration proof of work the verifier asks a new wallet for (GET /api/admission):
+        about 2^bits sha256 hashes, once per wallet and network."""
+        raw, _ = _request(self.config.url, "/api/admission", timeout_s=self.config.timeout_s)
+        terms = json.loads(raw)
+        bits, network = terms.get("pow_bits"), terms.get("network")
+        if not isinstance(bits, int) or not isinstance(network, str):
+            raise TrackerError("the verifier's admission terms name no proof of work")
+        self._log(f"tracker: registering a new wallet needs a proof of work of {bits} bits; solving it")
+        started = time.monotonic()
+        nonce = solve_pow(network, self.wallet.public_key_hex, bits)
+        self._log(f"tracker: proof of work solved in {time.monotonic() - started:.1f} s")
+        return nonce
+
+    def _members(self) -> None:
+        """Read the stage's member list; keep and hand on the newest one signed by the operator key."""
+        cfg = self.config
+        if cfg.operator_key is None or cfg.network is None or self._on_members is None:
+            return
+        try:
+            raw, _ = _request(cfg.url, f"/api/stages/{cfg.stage}/members", timeout_s=cfg.timeout_s)
+        except TrackerError as exc:
+            if exc.status != 404:
+                raise
+            self._log(f"tracker: {cfg.url} serves no member lists ({exc}); every live peer counts")
+            self._on_members = None  # an older verifier: stop asking
+            return
+        try:
+            members = MemberList.from_json(raw)
+            members.verify(cfg.operator_key, network=cfg.network, now=self._clock())
+            if members.stage != cfg.stage:
+                raise RosterError(f"a member list of stage {members.stage}, not {cfg.stage}")
+            newer = members.newer_than(self.members)
+        except (WireError, RosterError) as exc:
+            self._log(f"tracker: member list refused: {exc}")
+            return
+        if newer:
+            self.members = members
+            self._on_members(members)
 
     def _heartbeat(self) -> None:
         round_, steps = self._progress()
@@ -340,7 +402,7 @@ class Tracker:
         return max(retry or 0.0, self.config.retry_s)
 
     def _run(self) -> None:
-        next_beat = next_peers = 0.0
+        next_beat = next_peers = next_members = 0.0
         while not self._stop.is_set():
             pause = 1.0
             try:
@@ -354,9 +416,12 @@ class Tracker:
                 if now >= next_peers:
                     self._peers()
                     next_peers = now + self.config.peers_every_s
+                if now >= next_members:
+                    next_members = now + self.config.members_every_s
+                    self._members()
                 self._deliver()
                 self._ok()
-                pause = max(0.05, min(next_beat, next_peers) - time.monotonic())
+                pause = max(0.05, min(next_beat, next_peers, next_members) - time.monotonic())
             except TrackerError as exc:
                 if exc.status == 403 and "not registered" in str(exc):
                     self.registered = False
