@@ -32,6 +32,12 @@ The algorithm (BTARD's butterfly all-reduce with a robust rule per part, Gorbuno
             the echoes already decided every part alike).
 8. DONE     the (d,) aggregate to step with, and who was refused, banned, silent and why.
 
+Probationers (``RoundInput.probationers``, issue #19; ``neuroshard.node.membership``) take part in
+COMMIT and SCATTER only: each owner reads and screens their parts beside its round, after its
+claim is out, and records the verdicts (``RoundResult.probation``); they are in no input list,
+aggregate, chain, check or digest quorum, so the members compute exactly what they would
+without them.
+
 The module knows no carrier: HTTP, S3 and the simulator each implement ``port.RoundStore``.
 It knows no DiLoCo either: the caller steps its engine with the result (``neuroshard.node.p2p.
 network``; the simulator). Per replica and round it moves about 2·d encoded bytes — its parts out
