@@ -1,12 +1,18 @@
 """Inner-loop throughput: our node's training loop vs a bare PyTorch loop, side by side.
 
-Both train the same model (same init), with the same batch shape, optimizer settings and
-thread count. Ours is the real `Trainer.run`: shard streaming, DiLoCo inner steps (AdamW,
-clipping, schedule), outer steps at round ends, periodic checkpoints and progress lines.
-The baseline is the loop a PyTorch user writes by hand over batches already in memory.
-Runs alternate (ours, bare, ours, bare, …) so drift in machine speed hits both alike.
+Both train the same model (same init), with the same batch shape, optimizer settings, device,
+precision and thread count. Ours is the real `Trainer.run`: shard streaming, DiLoCo inner steps
+(AdamW, clipping, schedule), outer steps at round ends (θ_round and Δ on the CPU), periodic
+checkpoints and progress lines. The baseline is the loop a PyTorch user writes by hand over
+batches already on the device (same autocast, same fused AdamW). Runs alternate (ours, bare,
+ours, bare, …) so drift in machine speed hits both alike.
+
+Model FLOPs utilisation (MFU, Chowdhery et al. 2022, appendix B): 6·N + 12·L·C·T FLOPs per
+token (N parameters, L layers, width C, sequence T) times tokens/s, over the device's peak dense
+bf16 (or fp32/TF32) rate: from a table of known GPUs, or --peak-tflops.
 
     .venv/bin/python bench/bench_inner_loop.py [--steps 200] [--repeats 3] [--threads 2]
+    .venv/bin/python bench/bench_inner_loop.py --device cuda --model-size 125m --batch-size 16 --seq-len 1024
 """
 
 from __future__ import annotations
@@ -23,13 +29,58 @@ import torch.nn.functional as F
 from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.data import DataPosition
+from neuroshard.node.device import Placement, resolve
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.trainer import Trainer, TrainerConfig
 
+PEAK_TFLOPS = {
+    # Dense bf16 tensor-core peaks from the vendors' data sheets (fp32 runs use TF32, half these).
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 756.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+}
+
+
+def peak_tflops(placement: Placement, override: float | None) -> float | None:
+    """The device's peak dense TFLOP/s at the run's precision; None when unknown (CPU, other GPUs)."""
+    if override is not None:
+        return override
+    if not placement.is_cuda:
+        return None
+    name = torch.cuda.get_device_name(placement.device)
+    for key, value in PEAK_TFLOPS.items():  # most specific names first
+        if key in name:
+            return value if placement.precision in ("bf16", "fp16") else value / 2
+    return None
+
+
+def flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """6N for the matmuls forward and backward plus 12·L·C·T for attention (PaLM, appendix B)."""
+    return 6 * cfg.num_params() + 12 * cfg.n_layers * cfg.dim * seq
+
+
+def _sync(placement: Placement) -> None:
+    if placement.is_cuda:
+        torch.cuda.synchronize(placement.device)
+
 
 def ours(
-    dataset, model_cfg: ModelConfig, diloco_cfg: DiLoCoConfig, steps: int, batch: int, seq: int
+    dataset,
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    steps: int,
+    batch: int,
+    seq: int,
+    placement: Placement,
 ) -> float:  # type: ignore[no-untyped-def]
     with tempfile.TemporaryDirectory() as ckpt:
         trainer = Trainer(
@@ -42,33 +93,44 @@ def ours(
             ),
             checkpoint_dir=Path(ckpt),
             log=lambda line: None,
+            placement=placement,
         )
         trainer.batches.next_batch()  # load the first shard outside the timed region, as the baseline does
         trainer.batches.position = DataPosition()
+        _sync(placement)
         start = time.perf_counter()
         trainer.run(threading.Event())
+        _sync(placement)
         elapsed = time.perf_counter() - start
     return steps * batch * seq / elapsed
 
 
 def bare(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], model_cfg: ModelConfig, diloco_cfg: DiLoCoConfig
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    placement: Placement,
 ) -> float:
-    model = build_stage(model_cfg, 0, 1)
+    model = build_stage(model_cfg, 0, 1).to(placement.device)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=diloco_cfg.inner_lr,
         betas=diloco_cfg.betas,
         weight_decay=diloco_cfg.weight_decay,
+        fused=placement.fused_adamw(),
     )
+    on_device = [(x.to(placement.device), y.to(placement.device)) for x, y in batches]
+    _sync(placement)
     start = time.perf_counter()
-    for inputs, labels in batches:
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    for inputs, labels in on_device:
+        with placement.autocast():
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
+    _sync(placement)
     elapsed = time.perf_counter() - start
     return sum(x.numel() for x, _ in batches) / elapsed
 
@@ -84,8 +146,14 @@ def main() -> None:
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps")
+    parser.add_argument("--precision", default="auto", help="auto, fp32, bf16, fp16")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the device's peak dense TFLOP/s (default: known GPUs)"
+    )
     args = parse_with_quick(parser, steps=8, repeats=1, model_size="micro", batch_size=2, seq_len=32)
     torch.set_num_threads(args.threads)
+    placement = resolve(args.device, args.precision)
 
     dataset = quick_dataset() if args.quick else bench_dataset(args.text)
     print(f"text: {'the quick text' if args.quick else args.text}")
@@ -104,18 +172,29 @@ def main() -> None:
     print(
         f"model {args.model_size} ({sum(p.numel() for p in probe.model.parameters()):,} params), "
         f"batch {args.batch_size}x{args.seq_len}, {args.steps} steps, torch threads {args.threads}, "
-        f"H={diloco_cfg.inner_steps}, checkpoint every 50 steps"
+        f"H={diloco_cfg.inner_steps}, checkpoint every 50 steps; device {placement.describe()}"
     )
-    bare(batches[:10], model_cfg, diloco_cfg)  # warm-up: allocator, kernels
+    bare(batches[:10], model_cfg, diloco_cfg, placement)  # warm-up: allocator, kernels
     ours_runs, bare_runs = [], []
     for i in range(args.repeats):
-        ours_runs.append(ours(dataset, model_cfg, diloco_cfg, args.steps, args.batch_size, args.seq_len))
-        bare_runs.append(bare(batches, model_cfg, diloco_cfg))
+        ours_runs.append(
+            ours(dataset, model_cfg, diloco_cfg, args.steps, args.batch_size, args.seq_len, placement)
+        )
+        bare_runs.append(bare(batches, model_cfg, diloco_cfg, placement))
         print(f"  run {i + 1}: ours {ours_runs[-1]:,.0f} tok/s   bare {bare_runs[-1]:,.0f} tok/s")
     o, b = statistics.median(ours_runs), statistics.median(bare_runs)
     print(
         f"median: ours {o:,.0f} tok/s, bare PyTorch {b:,.0f} tok/s, ratio ours/bare = {o / b:.3f} (target >= 0.95)"
     )
+    flops = flops_per_token(model_cfg, args.seq_len)
+    peak = peak_tflops(placement, args.peak_tflops)
+    achieved = f"model GFLOP/s: ours {o * flops / 1e9:,.1f}, bare {b * flops / 1e9:,.1f}"
+    if peak is None:
+        print(f"{achieved}; MFU n/a (no peak known for this device: --peak-tflops)")
+    else:
+        print(
+            f"{achieved}; MFU ours {o * flops / 1e12 / peak:.3f}, bare {b * flops / 1e12 / peak:.3f} (peak {peak:.0f} TFLOP/s)"
+        )
 
 
 if __name__ == "__main__":
