@@ -14,6 +14,7 @@ commits to its digest in the receipt (`inner_state_digest`), and keeps the round
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,16 @@ from .work import RoundWork
 
 MAX_REASON_CHARS = 200
 """verifier.wire.RejectedContribution.reason's limit."""
+MAX_LOSS = 1e6
+"""verifier.wire.MAX_LOSS: the verifier refuses a receipt whose losses are not finite in [0, MAX_LOSS]."""
+
+
+def reportable_losses(losses: list[float]) -> list[float]:
+    """The inner-step losses as the receipt reports them: all of them, or none when any is not a
+    loss the verifier takes (NaN, inf: a diverged step). Losses are only shown, but a refused
+    receipt would cost the replica its hash vote, which is judged."""
+    values = [float(x) for x in losses]
+    return values if all(math.isfinite(x) and 0.0 <= x <= MAX_LOSS for x in values) else []
 
 
 def _wallet_id(public_key_hex: str) -> str:
@@ -53,7 +64,7 @@ def receipt_document(
         "start_step": start_step,
         "tokens": tokens,
         "data": [{"shard_id": s, "offset_start": a, "offset_end": b} for s, a, b in work.spans],
-        "losses": [float(x) for x in work.losses[-inner_steps:]],
+        "losses": reportable_losses(work.losses[-inner_steps:]),
         "base_hash": base_hash,
         "result_hash": report.theta_hash,
         "delta_digest": delta_digest,

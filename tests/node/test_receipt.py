@@ -10,9 +10,10 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.pipeline import stage_inner_step
-from neuroshard.node.receipt import Receipting, receipt_document
+from neuroshard.node.receipt import MAX_LOSS, Receipting, receipt_document
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
+from neuroshard.verifier.wire import MAX_LOSS as WIRE_MAX_LOSS
 from neuroshard.verifier.wire import ReceiptRequest
 
 A, B, C = (Wallet.from_token(t) for t in ("a", "b", "c"))
@@ -68,6 +69,18 @@ def test_receipt_document_is_what_the_verifier_accepts() -> None:
     assert receipt.rejected[0].wallet == C.wallet_id and len(receipt.rejected[0].reason) == 200
     assert receipt.equivocators == [C.wallet_id]
     assert receipt.losses == [5.0, 4.9, 4.8, 4.7]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 2e6])
+def test_a_diverged_loss_leaves_the_losses_out_and_the_receipt_accepted(bad: float) -> None:
+    work = RoundWork()
+    work.read(3, 0, 8)
+    work.losses += [5.0, bad, 4.8, 4.7]
+    doc = receipt_document(
+        _report(), work, inner_steps=4, start_step=28, tokens=1024, base_hash="0" * 64, delta_digest="1" * 64
+    )
+    assert ReceiptRequest.model_validate(doc, strict=True).losses == []
+    assert MAX_LOSS == WIRE_MAX_LOSS
 
 
 def test_a_stage0_receipt_without_data_would_be_refused() -> None:
