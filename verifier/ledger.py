@@ -11,6 +11,11 @@ one wallet from settling a round early — say right after its own bogus vote, b
 honest replicas reported — and so making its hash the "majority". A receipt that arrives
 after its round settled is judged alone against the settled majority (its claims about
 others are not counted: the quorum for them was decided without it).
+
+Under a membership policy (verifier.members, issue 19) only the stage's counted wallets —
+admitted members, or the operator's roster — make the majority and the settlement quorum;
+probationers' votes are judged against the members' majority, in bulk, and move their
+probation on or restart it.
 """
 
 from __future__ import annotations
