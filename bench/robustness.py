@@ -1,27 +1,33 @@
-"""Byzantine robustness: every attack × every aggregation rule on the DiLoCo simulator, tiny LM, real text.
+"""Byzantine robustness on the DiLoCo simulator: adaptive attacks × aggregation rules, tiny LM, real text.
 
-M honest + K Byzantine replicas train a small transformer on austen.txt with node/simulate.py.
-Byzantine replicas train like everyone else (so each has an honest Δ of its own), then the
-attack replaces their rows. The simulator's ``contribution_hook`` sees one replica at a time,
-but ALIE, IPM and copy need the honest contributions of the same round ("colluding attackers
-share what they observe"), so the attack runs inside the ``aggregate`` callable instead: it
-receives the whole (M+K, d) stack, rewrites rows M.., optionally screens the round with
-``validation.screen_round``, and applies the rule. That models omniscient colluders.
+M honest + K Byzantine replicas train a small transformer with node/simulate.py, with the outer
+optimizer a bare ``DiLoCoConfig`` carries (Nesterov, lr 1.0, momentum 0.5), for 20 rounds of
+H = 10 inner steps (H = 500, the production default, would make one run ~50× longer). The text
+is the standard library's source (``common.fresh_clone_text``: what any fresh clone builds), every
+tenth block of 2,048 tokens held out. Non-IID (the default column): replica i reads only the i-th
+contiguous region of the training text — different modules, different code; IID: every replica
+samples the whole text.
 
-Equivocation cannot do its real harm here: the simulator has one aggregate, so replicas cannot
-diverge. The attacker makes two payloads and the aggregate sees the first; the table shows that a
-single validator accepts it, and counts the rounds where the two payloads' sha256 differ, which is
-what the network's digest exchange will compare.
+Byzantine replicas train like everyone else (so each holds an honest Δ of its own), then the
+attack replaces their rows inside the ``aggregate`` callable, which sees the whole (M+K, d) stack.
+The adaptive attacks (``attacks.ADAPTIVE``) choose their parameter every round as the largest
+whose rows pass the defence's screening (``attacks.adapt``): the rule's own screening for "val+",
+"fit+" and "part:" rules (per part for "part:"), ``screen_round`` with the configured thresholds
+otherwise. Two knowledge levels, reported separately:
 
-Reported: final held-out loss of the (shared) model divided by the clean run's (no attackers,
-plain mean, same seed), mean over seeds; and the validator's verdicts, which are computed in
-every run whether or not the rule uses them: honest contributions rejected, and the share of
-attack contributions caught.
+- ``omniscient:NAME``: the colluders see the round's honest Δs (a simulator-only upper bound);
+- ``realistic:NAME``: they see their own K honestly trained Δs and the previous round's revealed
+  payloads (re-centred on their own mean: ``attacks.realistic_estimate``), and keep 10% of each
+  threshold's room in reserve (``attacks.tightened``).
 
-    .venv/bin/python bench/robustness.py            # full: 8+2 and 10+3, 2 seeds, 528 runs
-        # a run takes ~2.8 s (8+2) / ~3.7 s (10+3) on an idle core: ~15 min with 2 workers;
-        # measured 36 min wall while other jobs kept the load average at 5–6
-    .venv/bin/python bench/robustness.py --quick    # smoke: 5+1, 1 seed, 3 one-step rounds (~30 s)
+The older fixed-parameter attacks (``attacks.FIXED``) stay selectable with --attacks.
+
+Reported: final held-out loss ÷ the clean run's (no attackers, plain mean, same seed and data),
+mean over seeds, the worst attack per rule and knowledge level, and the defence's verdicts per
+attack (attack contributions caught, honest contributions refused).
+
+    .venv/bin/python bench/robustness.py --quick     # smoke: 5+1, 1 seed, 3 one-step rounds
+    .venv/bin/python bench/robustness.py --splits 8+2 --seeds 1 --rules mean,val+default   # a pilot
     .venv/bin/python bench/robustness.py --attacks none --rules mean   # calibration: honest stats only
 """
 
@@ -36,17 +42,17 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from common import DEFAULT_TEXT, bench_dataset
+from common import bench_dataset, fresh_clone_text, quick_text
 from torch import Tensor
 
 from neuroshard.node import aggregation, attacks
 from neuroshard.node.diloco import DiLoCoConfig, tensor_sha256
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.partition import part_bounds
-from neuroshard.node.outer.reduce import reduce_part
+from neuroshard.node.outer.reduce import MIN_SCREENED, reduce_part
 from neuroshard.node.simulate import simulate
 from neuroshard.node.validation import ValidationConfig, Verdict, screen_round
 
@@ -62,6 +68,11 @@ RULES = (
     "default",
     "val+default",
     "val+mean",
+    "val+centered_clip",
+    "val+nnm+default",
+    "val+bucket+default",
+    "fit+default",
+    "fit+mean",
     "part:default",
     "part:mean",
     "part:krum",
@@ -69,36 +80,46 @@ RULES = (
     "part:centered_clip",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
-which picks f from n alone (trimmed mean, f = ⌈0.2·n⌉). "val+" screens the round first.
-"part:" is the partitioned round's version (``neuroshard.node.outer.reduce.reduce_part``): Δ cut
-into n = M + K parts (``partition.part_bounds``), each part screened on its own statistics and
-aggregated with the rule alone, as the round's owners do; compare it with "val+" (the default
-rule, the mean) or with the whole-vector rule (Krum, geometric median, centered clipping)."""
+which picks f from n alone (trimmed mean, f = ⌈0.2·n⌉). Prefixes say how the round is screened
+first: "val+" with ``screen_round`` and the configured thresholds; "fit+" with thresholds fitted
+to the round's own spread (``fitted_screen``); "part:" is the partitioned round's version
+(``neuroshard.node.outer.reduce.reduce_part``: Δ cut into n = M + K parts, each screened on its
+own statistics and aggregated alone, as the round's owners do). centered_clip's center is the
+previous round's aggregate (Karimireddy et al. 2021); "bucket+" averages random pairs first
+(Karimireddy, He & Jaggi 2022, s = 2, the permutation seeded by the round)."""
 
-ATTACKS = ("none", *attacks.ATTACKS)
+DEFAULT_RULES = ("mean", "val+default", "part:default")
+DEFAULT_ATTACKS = (
+    "none",
+    *(f"{level}:{name}" for level in attacks.KNOWLEDGE for name in attacks.ADAPTIVE),
+)
+ATTACKS = ("none", *attacks.FIXED, *DEFAULT_ATTACKS[1:])
 
 SCALE_K = 100.0
-"""scale: ×100, a boosted Δ (model replacement, Bagdasaryan et al. 2020, boosts by ≈ n/η). ×10 made the
-plain mean only 3% worse here: K·10/n ≈ 2 honest Δs in the same direction is just a larger step."""
+"""scale: ×100, a boosted Δ (model replacement, Bagdasaryan et al. 2020, boosts by ≈ n/η)."""
 GAUSSIAN_REL = 100.0
-"""gaussian: noise with norm ≈ 100× the honest contributions' RMS norm (σ set from what colluders see;
-Xie et al. 2018 use σ = 200 on gradients). At 10× the plain mean was only 3% worse."""
+"""gaussian: noise with norm ≈ 100× the honest contributions' RMS norm (Xie et al. 2018 use σ = 200)."""
 IPM_EPSILON = 0.1
 """ipm: ε = 0.1, the small-ε setting that Xie et al. 2020 aim at robust rules."""
 STALE_K = 2
 WRONG_BASE_K = 2
 """stale / wrong_base: 2 rounds old; in rounds 0–1 there is nothing that old and the attacker sends its own Δ."""
 COLLUDER_SPREAD = 0.1
-"""alie / ipm: every colluder would send the same vector, which find_copies flags at once; a colluder
-that knows the detector adds its own noise of relative norm 0.1 (2× the 5% tolerance)."""
+"""alie / ipm (fixed): every colluder would send the same vector, which find_copies flags at once;
+a colluder that knows the detector adds its own noise of relative norm 0.1 (2× the 5% tolerance)."""
 VALIDATION = ValidationConfig()
+FIT_K = 4.0
+"""fit+: a statistic more than FIT_K robust standard deviations (1.4826 × MAD over the round's
+contributions) from the round's median is refused, inside the fixed thresholds."""
+HELD_OUT_BLOCK = 2048
+"""Tokens per block of the train/held-out split; every tenth block is held out."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class Setup:
     """One benchmark geometry: model, data, DiLoCo schedule."""
 
-    rounds: int = 6
+    rounds: int = 20
     inner_steps: int = 10
     batch_size: int = 8
     seq_len: int = 32
@@ -106,16 +127,12 @@ class Setup:
     n_layers: int = 2
     ffn_dim: int = 64
     inner_lr: float = 1e-2
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.0
-    """Plain outer SGD. The paper's Nesterov 0.9 suits H = 500; at H = 10 over 6 rounds it made the
-    clean held-out loss oscillate (measured 5.37, 5.48, 5.24, 5.22, 5.22, 5.23 by round) where plain
-    SGD fell steadily to 5.04, and a noisy clean run makes every ratio noisy."""
     vocab_size: int = 512
-    """A 512-token BPE of austen.txt: the embedding and head dominate a dim-32 model, and 512
-    instead of 2048 halves an inner step (7.7 → 3.9 ms on one core)."""
+    """A 512-token BPE: the embedding and head dominate a dim-32 model, and 512 instead of 2048
+    halves an inner step (7.7 → 3.9 ms on one core)."""
     eval_batches: int = 8
-    heldout_tokens: int = 65_536
+    quick: bool = False
+    """The --quick text (tiny) instead of the fresh-clone text."""
 
 
 @dataclass(kw_only=True)
@@ -125,6 +142,7 @@ class Job:
     seed: int
     attack: str
     rule: str
+    data: str = "noniid"
 
 
 @dataclass(kw_only=True)
@@ -134,11 +152,13 @@ class Outcome:
     seconds: float
     honest_total: int = 0
     honest_rejected: dict[str, int] = field(default_factory=dict)
-    """Honest contributions rejected, by reason code (copy victims appear as "duplicate")."""
+    """Honest contributions refused by the rule's screening (any screening, whole or any part),
+    by reason code; rules without screening count ``screen_round``'s verdicts."""
     attack_active: int = 0
     attack_caught: int = 0
+    gammas: list[float] = field(default_factory=list)
+    """The adaptive attack's chosen parameter, per round."""
     equivocations_visible: int = 0
-    """Rounds × attackers where the two equivocated payloads hash differently (what the digest exchange compares)."""
     honest_stats: dict[str, list[float]] = field(default_factory=dict)
     min_honest_pair_distance: float = math.inf
 
@@ -148,20 +168,25 @@ class Diverged(RuntimeError):
 
 
 @functools.cache
-def load_tokens(vocab_size: int) -> Tensor:
-    """All shards of the bench data set, concatenated: (N,) int64."""
-    dataset = bench_dataset(DEFAULT_TEXT, vocab_size=vocab_size)
-    return torch.cat([dataset.source.fetch(info) for info in dataset.manifest.shards]).long()
+def load_tokens(vocab_size: int, quick: bool) -> tuple[Tensor, Tensor]:
+    """(train, held-out) token streams of the bench text: every tenth block held out, so both
+    sides sample every part of the text."""
+    text = quick_text() if quick else fresh_clone_text()
+    dataset = bench_dataset(text, vocab_size=vocab_size)
+    tokens = torch.cat([dataset.source.fetch(info) for info in dataset.manifest.shards]).long()
+    blocks = tokens[: tokens.numel() // HELD_OUT_BLOCK * HELD_OUT_BLOCK].view(-1, HELD_OUT_BLOCK)
+    held = torch.arange(blocks.shape[0]) % 10 == 9
+    return blocks[~held].flatten(), blocks[held].flatten()
 
 
 def make_batches(
-    tokens: Tensor, setup: Setup, replicas: int, seed: int
+    setup: Setup, replicas: int, seed: int, data: str
 ) -> tuple[Callable[[int, int], tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]:
-    """Per-replica training batches from disjoint contiguous regions (each replica reads its own
-    part of the novels), and fixed held-out batches from the last ``heldout_tokens``."""
+    """Per-replica training batches — non-IID: from disjoint contiguous regions (each replica
+    reads its own part of the text); IID: from the whole text — and fixed held-out batches."""
+    train, heldout = load_tokens(setup.vocab_size, setup.quick)
     T, B = setup.seq_len, setup.batch_size
-    train, heldout = tokens[: -setup.heldout_tokens], tokens[-setup.heldout_tokens :]
-    region = train.numel() // replicas
+    region = train.numel() // replicas if data == "noniid" else train.numel()
     steps = setup.rounds * setup.inner_steps
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, region - T - 1, (replicas, steps, B), generator=gen)  # (R, steps, B)
@@ -172,7 +197,8 @@ def make_batches(
         return w[:, :-1], w[:, 1:]
 
     def batches(replica: int, step: int) -> tuple[Tensor, Tensor]:
-        return windows(train, starts[replica, step] + replica * region)
+        shift = replica * region if data == "noniid" else 0
+        return windows(train, starts[replica, step] + shift)
 
     stride = (heldout.numel() - T - 1) // (setup.eval_batches * 16)
     eval_batches = [
@@ -186,13 +212,56 @@ def attacker_generator(seed: int, round_index: int, attacker: int) -> torch.Gene
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
+def fitted_screen(rows: dict[str, Tensor], d: int, base: ValidationConfig = VALIDATION) -> dict[str, Verdict]:
+    """screen_round with the norm-ratio and cosine limits fitted to the round: median ± FIT_K
+    robust standard deviations of the contributions' own statistics, inside ``base``'s limits."""
+    first = screen_round(rows, (d,), base)
+    stats = [v.stats for v in first.values() if "norm_ratio" in v.stats]
+    if len(stats) < MIN_SCREENED:
+        return first
+
+    def centre_spread(key: str) -> tuple[float, float]:
+        values = [s[key] for s in stats]
+        centre = statistics.median(values)
+        return centre, 1.4826 * statistics.median(abs(v - centre) for v in values)
+
+    nr, nr_s = centre_spread("norm_ratio")
+    cos, cos_s = centre_spread("cosine")
+    fitted = replace(
+        base,
+        min_norm_ratio=max(base.min_norm_ratio, nr - FIT_K * nr_s),
+        max_norm_ratio=max(min(base.max_norm_ratio, nr + FIT_K * nr_s), base.min_norm_ratio + 1e-6),
+        min_cosine=max(base.min_cosine, cos - FIT_K * cos_s),
+    )
+    return screen_round(rows, (d,), fitted)
+
+
+def bucketed(stack: Tensor, generator: torch.Generator, size: int = 2) -> Tensor:
+    """Rows averaged in random buckets of ``size`` (the last may be smaller): (n, d) → (⌈n/size⌉, d).
+    One permutation for all columns, so a part of the stack buckets like the same columns of the whole."""
+    n = stack.shape[0]
+    order = torch.randperm(n, generator=generator)
+    groups = [torch.sort(order[i : i + size]).values for i in range(0, n, size)]
+    return torch.stack([aggregation.mean(stack[g]) for g in groups])
+
+
+def split_rule(rule: str) -> tuple[str, str]:
+    """("val" | "fit" | "part" | "", the aggregation rule after the screening prefix)."""
+    for prefix, kind in (("val+", "val"), ("fit+", "fit"), ("part:", "part")):
+        if rule.startswith(prefix):
+            return kind, rule[len(prefix) :]
+    return "", rule
+
+
 class AttackedAggregate:
     """The simulator's ``aggregate``: rows 0..M−1 are honest, rows M.. are replaced by the attack."""
 
     def __init__(self, job: Job, diloco: DiLoCoConfig, outcome: Outcome) -> None:
         self.job, self.outcome = job, outcome
+        self.screen_kind, self.rule = split_rule(job.rule)
         self.round = 0
         self.own_history: list[Tensor] = []  # per round, the attackers' own honest Δs (K, d)
+        self.revealed: Tensor | None = None  # the previous round's honest payloads (M, d)
         self.previous: Tensor | None = None  # last aggregate: centered clipping's center
         # θ_r − θ_{r−k} for wrong_base: replay the outer SGD on a shadow from 0. The outer
         # optimizer has no weight decay, so differences of the shadow are differences of θ.
@@ -208,19 +277,22 @@ class AttackedAggregate:
             self._start_shadow(stack.shape[1])
         self.own_history.append(own.clone())
         rows, active, equivocated = self._attack(honest, own)
-        wallets = [f"h{i:02d}" for i in range(M)] + [f"b{j:02d}" for j in range(len(rows) - M)]
-        verdicts = screen_round(dict(zip(wallets, rows, strict=True)), (stack.shape[1],), VALIDATION)
-        self._record(wallets, verdicts, active, honest, equivocated)
-        if self.job.rule.startswith("part:"):
-            result = self._partitioned(self.job.rule[len("part:") :], wallets, rows)
-        elif self.job.rule.startswith("val+"):
-            accepted = [row for w, row in zip(wallets, rows, strict=True) if verdicts[w].ok]
-            result = self._apply(self.job.rule[len("val+") :], torch.stack(accepted))
+        wallets = [f"h{i:02d}" for i in range(M)] + [f"x{j:02d}" for j in range(len(rows) - M)]
+        by_wallet = dict(zip(wallets, rows, strict=True))
+        d = stack.shape[1]
+        plain = screen_round(by_wallet, (d,), VALIDATION)  # the honest statistics, whatever the rule
+        if self.screen_kind == "part":
+            result, refused = self._partitioned(wallets, rows)
         else:
-            result = self._apply(self.job.rule, torch.stack(rows))
+            verdicts = fitted_screen(by_wallet, d) if self.screen_kind == "fit" else plain
+            refused = {w: v.reason for w, v in verdicts.items() if not v.ok}
+            kept = rows if not self.screen_kind else [r for w, r in by_wallet.items() if w not in refused]
+            result = self._apply(self.rule, torch.stack(kept))
+        self._record(wallets, plain, refused, active, honest, equivocated)
         if not bool(torch.isfinite(result).all()):
             raise Diverged(f"round {self.round}: {self.job.rule} returned non-finite values")
         self._advance(result)
+        self.revealed = honest.clone()
         return result
 
     def _start_shadow(self, d: int) -> None:
@@ -243,12 +315,64 @@ class AttackedAggregate:
 
     def _attack(self, honest: Tensor, own: Tensor) -> tuple[list[Tensor], list[bool], int]:
         """The round's contributions (honest first), whether each attacker attacked, equivocations seen."""
+        attack = self.job.attack
+        if attack == "none":
+            return list(honest), [], 0  # no attackers at all: the rule's clean cost
+        if ":" in attack:
+            return [*honest, *self._adaptive(honest, own)], [True] * own.shape[0], 0
+        return self._fixed(honest, own)
+
+    def _adaptive(self, honest: Tensor, own: Tensor) -> list[Tensor]:
+        level, name = self.job.attack.split(":")
+        if level == "omniscient":
+            estimate, config = honest, VALIDATION
+        else:
+            revealed = self.revealed
+            deviations = None if revealed is None else revealed - revealed.mean(dim=0)
+            estimate = attacks.realistic_estimate(own, deviations)
+            config = attacks.tightened(VALIDATION, attacks.REALISTIC_MARGIN)
+        gen = attacker_generator(self.job.seed, self.round, 0)
+        chosen = attacks.adapt(name, estimate, own.shape[0], gen, config=config, screen=self._screen(config))
+        self.outcome.gammas.append(chosen.gamma)
+        return list(chosen.rows)
+
+    def _screen(self, config: ValidationConfig) -> attacks.Screen:
+        """The colluders' acceptance test: the defence's own screening (``config``'s thresholds)."""
+        if self.screen_kind == "part":
+            parts = self.job.honest + self.job.byzantine
+
+            def per_part(estimate: Tensor, crafted: Tensor) -> bool:
+                rows = torch.cat([estimate, crafted])
+                wallets = [f"h{i:04d}" for i in range(estimate.shape[0])] + [
+                    f"x{j:04d}" for j in range(crafted.shape[0])
+                ]
+                for a, b in part_bounds(rows.shape[1], parts):
+                    if b > a:
+                        part = {w: r[a:b].contiguous() for w, r in zip(wallets, rows, strict=True)}
+                        _, refused = reduce_part(part, aggregation.mean, config)
+                        if any(w.startswith("x") for w in refused):
+                            return False
+                return True
+
+            return per_part
+        if self.screen_kind == "fit":
+
+            def fitted(estimate: Tensor, crafted: Tensor) -> bool:
+                rows = {f"h{i:04d}": r for i, r in enumerate(estimate)}
+                rows |= {f"x{j:04d}": r for j, r in enumerate(crafted)}
+                verdicts = fitted_screen(rows, estimate.shape[1], config)
+                return all(verdicts[f"x{j:04d}"].ok for j in range(crafted.shape[0]))
+
+            return fitted
+        return attacks.screen_passes(config)
+
+    def _fixed(self, honest: Tensor, own: Tensor) -> tuple[list[Tensor], list[bool], int]:
         M, K, r, attack = self.job.honest, self.job.byzantine, self.round, self.job.attack
         rows = list(honest)
         active: list[bool] = []
         equivocated = 0
         rms = float(honest.norm() / math.sqrt(honest.shape[0]))  # typical honest ‖Δ‖
-        for j in range(K if attack != "none" else 0):
+        for j in range(K):
             gen = attacker_generator(self.job.seed, r, j)
             mine = own[j]
             on = True
@@ -282,23 +406,31 @@ class AttackedAggregate:
                 raise ValueError(f"unknown attack {attack!r}; known: {', '.join(ATTACKS)}")
             rows.append(row)
             active.append(on)
-        if attack == "none":
-            rows = list(honest)  # no attackers at all: the rule's clean cost
         return rows, active, equivocated
 
-    def _partitioned(self, rule: str, wallets: list[str], rows: list[Tensor]) -> Tensor:
-        """The rule as the partitioned round applies it: per part, after that part's screening."""
+    def _partitioned(self, wallets: list[str], rows: list[Tensor]) -> tuple[Tensor, dict[str, str]]:
+        """The rule as the partitioned round applies it: per part, after that part's screening.
+        Returns the aggregate and the wallets refused on some part (with the first reason)."""
         d = rows[0].numel()
         out = torch.zeros(d)
-        for a, b in part_bounds(d, len(rows)):
+        refused: dict[str, str] = {}
+        for j, (a, b) in enumerate(part_bounds(d, len(rows))):
             if b == a:
                 continue
             part = {w: row[a:b].contiguous() for w, row in zip(wallets, rows, strict=True)}
-            out[a:b], _ = reduce_part(part, functools.partial(self._apply, rule, span=(a, b)), VALIDATION)
-        return out
+            apply = functools.partial(self._apply, self.rule, span=(a, b))
+            out[a:b], part_refused = reduce_part(part, apply, VALIDATION)
+            for w, reason in part_refused.items():
+                refused.setdefault(w, f"part {j}: {reason}")
+        return out, refused
 
     def _apply(self, rule: str, stack: Tensor, span: tuple[int, int] | None = None) -> Tensor:
         f = self.job.byzantine
+        if rule.startswith("bucket+"):
+            gen = attacker_generator(
+                self.job.seed, self.round, 1_000_000
+            )  # the round's seed, not an attacker's
+            return self._apply(rule[len("bucket+") :], bucketed(stack, gen), span)
         if rule == "centered_clip":
             # Karimireddy et al. 2021: center = the previous aggregate; 3 iterations as in their experiments.
             previous = self.previous
@@ -309,29 +441,37 @@ class AttackedAggregate:
             return aggregation.aggregate(rule, stack)
         if span is not None:  # a part, as the round reduces it: too few rows left falls back as the node does
             return aggregation.network_rule(rule, f)(stack)
+        if stack.shape[0] < aggregation.min_contributions(rule, f):
+            return aggregation.aggregate("default", stack)
         return aggregation.aggregate(rule, stack, f)
 
     def _record(
         self,
         wallets: list[str],
-        verdicts: dict[str, Verdict],
+        plain: dict[str, Verdict],
+        refused: dict[str, str],
         active: list[bool],
         honest: Tensor,
         equivocated: int,
     ) -> None:
+        """Counts the defence's verdicts (``refused``; ``screen_round``'s when the rule screens
+        nothing) and the honest statistics against the round's median."""
         out, M = self.outcome, self.job.honest
+        if not self.screen_kind:
+            refused = {w: v.reason for w, v in plain.items() if not v.ok}
         for w in wallets[:M]:
-            v = verdicts[w]
             out.honest_total += 1
-            if not v.ok:
-                out.honest_rejected[v.code] = out.honest_rejected.get(v.code, 0) + 1
+            if w in refused:
+                code = refused[w].split(": ")[1] if refused[w].startswith("part ") else refused[w]
+                code = code.split(":", 1)[0]
+                out.honest_rejected[code] = out.honest_rejected.get(code, 0) + 1
             for key in ("norm_ratio", "cosine", "variance_ratio"):
-                if key in v.stats:
-                    out.honest_stats.setdefault(key, []).append(v.stats[key])
+                if key in plain[w].stats:
+                    out.honest_stats.setdefault(key, []).append(plain[w].stats[key])
         for w, on in zip(wallets[M:], active, strict=True):
             if on:
                 out.attack_active += 1
-                out.attack_caught += not verdicts[w].ok
+                out.attack_caught += w in refused
         out.equivocations_visible += equivocated
         dist = aggregation.pairwise_sq_distances(honest).sqrt()  # (M, M)
         norms = honest.norm(dim=1)
@@ -343,10 +483,9 @@ class AttackedAggregate:
 def run_job(job: Job, setup: Setup) -> Outcome:
     torch.set_num_threads(1)
     replicas = job.honest + (job.byzantine if job.attack != "none" else 0)
-    tokens = load_tokens(setup.vocab_size)
     # Data regions are cut for M+K replicas even without attackers, so honest replica i reads
     # the same text in every run of a seed.
-    batches, eval_batches = make_batches(tokens, setup, job.honest + job.byzantine, job.seed)
+    batches, eval_batches = make_batches(setup, job.honest + job.byzantine, job.seed, job.data)
     model = ModelConfig(
         vocab_size=setup.vocab_size,
         dim=setup.dim,
@@ -357,14 +496,12 @@ def run_job(job: Job, setup: Setup) -> Outcome:
         init_seed=job.seed,
     )
     total = setup.rounds * setup.inner_steps
+    # The outer step a bare DiLoCoConfig carries (Nesterov, lr 1.0, momentum 0.5): the default.
     diloco = DiLoCoConfig(
         inner_steps=setup.inner_steps,
         inner_lr=setup.inner_lr,
         warmup_steps=min(10, total),
         total_steps=total,
-        outer_lr=setup.outer_lr,
-        outer_momentum=setup.outer_momentum,
-        outer_nesterov=setup.outer_momentum > 0,
     )
     outcome = Outcome(job=job, final_loss=math.nan, seconds=0.0)
     start = time.perf_counter()
@@ -379,6 +516,8 @@ def run_job(job: Job, setup: Setup) -> Outcome:
             eval_batches=eval_batches,
         )
         outcome.final_loss = result.eval_loss[-1]
+        if not math.isfinite(outcome.final_loss):
+            outcome.final_loss = math.inf
     except Diverged:
         outcome.final_loss = math.inf
     outcome.seconds = time.perf_counter() - start
@@ -386,38 +525,51 @@ def run_job(job: Job, setup: Setup) -> Outcome:
 
 
 def print_tables(outcomes: list[Outcome], rules: list[str], attack_names: list[str]) -> None:
-    splits = sorted({(o.job.honest, o.job.byzantine) for o in outcomes})
-    by_key = {(o.job.honest, o.job.byzantine, o.job.seed, o.job.attack, o.job.rule): o for o in outcomes}
-    for M, K in splits:
-        seeds = sorted({o.job.seed for o in outcomes if (o.job.honest, o.job.byzantine) == (M, K)})
+    groups = sorted({(o.job.data, o.job.honest, o.job.byzantine) for o in outcomes})
+    by_key = {
+        (o.job.data, o.job.honest, o.job.byzantine, o.job.seed, o.job.attack, o.job.rule): o for o in outcomes
+    }
+    for data, M, K in groups:
+        seeds = sorted(
+            {o.job.seed for o in outcomes if (o.job.data, o.job.honest, o.job.byzantine) == (data, M, K)}
+        )
         clean = {
-            s: by_key[(M, K, s, "none", "mean")].final_loss
+            s: by_key[(data, M, K, s, "none", "mean")].final_loss
             for s in seeds
-            if (M, K, s, "none", "mean") in by_key
+            if (data, M, K, s, "none", "mean") in by_key
         }
         print(
-            f"\n### {M} honest + {K} Byzantine — final held-out loss / clean loss (mean of {len(seeds)} seeds)\n"
+            f"\n### {data}, {M} honest + {K} Byzantine — final held-out loss / clean loss "
+            f"(mean of {len(seeds)} seeds)\n"
         )
         print("clean loss (no attackers, mean): " + ", ".join(f"seed {s}: {v:.4f}" for s, v in clean.items()))
         print()
         print("| attack | " + " | ".join(rules) + " |")
         print("|---" * (len(rules) + 1) + "|")
-        worst = dict.fromkeys(rules, 0.0)
+        levels = ["omniscient", "realistic", "fixed"]
+        worst = {(level, r): 0.0 for level in levels for r in rules}
         for attack in attack_names:
+            level = attack.split(":")[0] if ":" in attack else "fixed"
             cells = []
             for rule in rules:
                 ratios = [
-                    by_key[(M, K, s, attack, rule)].final_loss / clean[s]
+                    by_key[(data, M, K, s, attack, rule)].final_loss / clean[s]
                     for s in seeds
-                    if (M, K, s, attack, rule) in by_key and s in clean
+                    if (data, M, K, s, attack, rule) in by_key and s in clean
                 ]
                 value = statistics.fmean(ratios) if ratios else math.nan
                 if attack != "none" and not math.isnan(value):
-                    worst[rule] = max(worst[rule], value)
+                    worst[(level, rule)] = max(worst[(level, rule)], value)
                 cells.append(_cell(value))
             print(f"| {attack} | " + " | ".join(cells) + " |")
-        print("| **worst attack** | " + " | ".join(f"**{_cell(worst[r])}**" for r in rules) + " |")
-        print_validator(outcomes, M, K, attack_names)
+        for level in levels:
+            if any(
+                a.startswith(level) or (level == "fixed" and ":" not in a and a != "none")
+                for a in attack_names
+            ):
+                row = " | ".join(f"**{_cell(worst[(level, r)])}**" for r in rules)
+                print(f"| **worst, {level}** | {row} |")
+        print_validator(outcomes, data, M, K, attack_names, rules)
 
 
 def _cell(value: float) -> str:
@@ -426,48 +578,60 @@ def _cell(value: float) -> str:
     return "div" if math.isinf(value) else f"{value:.3f}"
 
 
-def print_validator(outcomes: list[Outcome], M: int, K: int, attack_names: list[str]) -> None:
-    print(f"\nValidator ({M}+{K}, verdicts of screen_round in every run above, all rules and seeds):\n")
+def print_validator(
+    outcomes: list[Outcome], data: str, M: int, K: int, attack_names: list[str], rules: list[str]
+) -> None:
     print(
-        "| attack | attack contributions caught | honest rejected | of which copy victims | two equivocated payloads differ |"
+        f"\nVerdicts ({data}, {M}+{K}): attack contributions caught / honest contributions refused, by the rule's screening\n"
     )
-    print("|---|---|---|---|---|")
+    print("| attack | γ chosen (median) | " + " | ".join(rules) + " |")
+    print("|---" * (len(rules) + 2) + "|")
     for attack in attack_names:
-        group = [o for o in outcomes if (o.job.honest, o.job.byzantine, o.job.attack) == (M, K, attack)]
-        active = sum(o.attack_active for o in group)
-        caught = sum(o.attack_caught for o in group)
-        honest = sum(o.honest_total for o in group)
-        rejected = sum(sum(o.honest_rejected.values()) for o in group)
-        victims = sum(o.honest_rejected.get("duplicate", 0) for o in group)
-        rate = f"{caught}/{active} ({100 * caught / active:.0f}%)" if active else "–"
-        equiv = f"{sum(o.equivocations_visible for o in group)}/{active}" if attack == "equivocate" else "–"
-        print(f"| {attack} | {rate} | {rejected}/{honest} | {victims} | {equiv} |")
+        cells = []
+        gammas: list[float] = []
+        for rule in rules:
+            group = [
+                o
+                for o in outcomes
+                if (o.job.data, o.job.honest, o.job.byzantine, o.job.attack, o.job.rule)
+                == (data, M, K, attack, rule)
+            ]
+            gammas += [g for o in group for g in o.gammas]
+            active = sum(o.attack_active for o in group)
+            caught = sum(o.attack_caught for o in group)
+            refused = sum(sum(o.honest_rejected.values()) for o in group)
+            honest = sum(o.honest_total for o in group)
+            cells.append(f"{caught}/{active} · {refused}/{honest}" if group else "–")
+        gamma = f"{statistics.median(gammas):.3g}" if gammas else "–"
+        print(f"| {attack} | {gamma} | " + " | ".join(cells) + " |")
 
 
 def print_honest_ranges(outcomes: list[Outcome]) -> None:
     """The measured honest distribution the ValidationConfig defaults are calibrated against."""
-    print("\nHonest contributions vs the round's coordinate median (all runs):\n")
-    print("| statistic | n | min | 1% | median | 99% | max | threshold |")
-    print("|---|---|---|---|---|---|---|---|")
-    limits = {
-        "norm_ratio": f"[{VALIDATION.min_norm_ratio}, {VALIDATION.max_norm_ratio}]",
-        "cosine": f">= {VALIDATION.min_cosine}",
-        "variance_ratio": f"[{VALIDATION.min_variance_ratio}, {VALIDATION.max_variance_ratio}]",
-    }
-    for key, limit in limits.items():
-        values = sorted(v for o in outcomes for v in o.honest_stats.get(key, []))
-        if not values:
-            continue
-        q = statistics.quantiles(values, n=100) if len(values) > 1 else values * 99
+    for data in sorted({o.job.data for o in outcomes}):
+        print(f"\nHonest contributions vs the round's coordinate median ({data}, all runs):\n")
+        print("| statistic | n | min | 1% | median | 99% | max | threshold |")
+        print("|---|---|---|---|---|---|---|---|")
+        limits = {
+            "norm_ratio": f"[{VALIDATION.min_norm_ratio}, {VALIDATION.max_norm_ratio}]",
+            "cosine": f">= {VALIDATION.min_cosine}",
+            "variance_ratio": f"[{VALIDATION.min_variance_ratio}, {VALIDATION.max_variance_ratio}]",
+        }
+        group = [o for o in outcomes if o.job.data == data]
+        for key, limit in limits.items():
+            values = sorted(v for o in group for v in o.honest_stats.get(key, []))
+            if not values:
+                continue
+            q = statistics.quantiles(values, n=100) if len(values) > 1 else values * 99
+            print(
+                f"| {key} | {len(values)} | {values[0]:.3f} | {q[0]:.3f} | {statistics.median(values):.3f} | "
+                f"{q[98]:.3f} | {values[-1]:.3f} | {limit} |"
+            )
+        closest = min(o.min_honest_pair_distance for o in group)
         print(
-            f"| {key} | {len(values)} | {values[0]:.3f} | {q[0]:.3f} | {statistics.median(values):.3f} | "
-            f"{q[98]:.3f} | {values[-1]:.3f} | {limit} |"
+            f"\nClosest pair of honest contributions, relative L2: {closest:.3f} "
+            f"(duplicate tolerance {VALIDATION.duplicate_tolerance})"
         )
-    closest = min(o.min_honest_pair_distance for o in outcomes)
-    print(
-        f"\nClosest pair of honest contributions, relative L2: {closest:.3f} "
-        f"(duplicate tolerance {VALIDATION.duplicate_tolerance})"
-    )
 
 
 def main() -> None:
@@ -478,17 +642,20 @@ def main() -> None:
         "--quick", action="store_true", help="smoke run: 5+1, 1 seed, 3 rounds of 1 inner step"
     )
     parser.add_argument("--splits", default="8+2,10+3", help="comma-separated honest+byzantine pairs")
+    parser.add_argument("--data", default="noniid,iid", help="noniid (own region per replica), iid, or both")
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
-    parser.add_argument("--rules", default=",".join(RULES))
+    parser.add_argument("--attacks", default=",".join(DEFAULT_ATTACKS), help=f"known: {', '.join(ATTACKS)}")
+    parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help=f"known: {', '.join(RULES)}")
     parser.add_argument("--rounds", type=int, default=Setup.rounds)
     parser.add_argument("--inner-steps", type=int, default=Setup.inner_steps)
     parser.add_argument("--workers", type=int, default=2, help="processes, one torch thread each")
     args = parser.parse_args()
     setup = Setup(rounds=args.rounds, inner_steps=args.inner_steps)
-    splits = args.splits
+    splits, data_modes = args.splits, args.data
     if args.quick:
-        setup, splits, args.seeds = Setup(rounds=3, inner_steps=1, eval_batches=1), "5+1", 1
+        setup, splits, args.seeds = Setup(rounds=3, inner_steps=1, eval_batches=1, quick=True), "5+1", 1
+        data_modes = "noniid"
+        args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"
     attack_names = [a for a in args.attacks.split(",") if a]
     rules = [r for r in args.rules.split(",") if r]
     for name in attack_names:
@@ -501,16 +668,17 @@ def main() -> None:
         print("(note: without the none × mean run there is no clean loss to divide by; ratios show as –)")
     pairs = [tuple(int(x) for x in s.split("+")) for s in splits.split(",")]
     jobs = [
-        Job(honest=M, byzantine=K, seed=seed, attack=attack, rule=rule)
+        Job(honest=M, byzantine=K, seed=seed, attack=attack, rule=rule, data=data)
+        for data in data_modes.split(",")
         for M, K in pairs
         for seed in range(args.seeds)
         for attack in attack_names
         for rule in rules
     ]
-    load_tokens(setup.vocab_size)  # build the data set once before the workers start
+    load_tokens(setup.vocab_size, setup.quick)  # build the data set once before the workers start
     print(
-        f"{len(jobs)} runs: splits {splits}, {args.seeds} seed(s), {len(attack_names)} attacks × {len(rules)} rules; "
-        f"{asdict(setup)}; {args.workers} workers × 1 thread"
+        f"{len(jobs)} runs: data {data_modes}, splits {splits}, {args.seeds} seed(s), {len(attack_names)} attacks × "
+        f"{len(rules)} rules; {asdict(setup)}; outer: DiLoCoConfig defaults; {args.workers} workers × 1 thread"
     )
     start = time.perf_counter()
     outcomes: list[Outcome] = []
@@ -521,9 +689,12 @@ def main() -> None:
             o = future.result()
             outcomes.append(o)
             j = o.job
+            gamma = f" γ~{statistics.median(o.gammas):.3g}" if o.gammas else ""
             print(
-                f"[{done}/{len(jobs)} {time.perf_counter() - start:6.0f}s] {j.honest}+{j.byzantine} seed {j.seed} "
-                f"{j.attack:>10} × {j.rule:<16} loss {o.final_loss:.4f} ({o.seconds:.1f}s)",
+                f"[{done}/{len(jobs)} {time.perf_counter() - start:6.0f}s] {j.data} {j.honest}+{j.byzantine} "
+                f"seed {j.seed} {j.attack:>24} × {j.rule:<18} loss {o.final_loss:.4f} "
+                f"caught {o.attack_caught}/{o.attack_active} honest refused "
+                f"{sum(o.honest_rejected.values())}{gamma} ({o.seconds:.1f}s)",
                 flush=True,
             )
     print(f"\n## Robustness benchmark ({time.perf_counter() - start:.0f}s wall)")
