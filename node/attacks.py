@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .validation import ValidationConfig, screen_round
 
-ATTACKS = (
+FIXED = (
     "sign_flip",
     "scale",
     "gaussian",
@@ -39,7 +39,7 @@ ATTACKS = (
     "equivocate",
     "wrong_base",
 )
-"""The attack modes of issue 5, one word each, as the CLI will name them."""
+"""The fixed-parameter attack modes of issue 5, one word each, as the CLI names them."""
 
 
 def sign_flip(delta: Tensor) -> Tensor:
@@ -162,13 +162,18 @@ ADAPTIVE = (
 )
 """The adaptive families (``craft``), as the CLI and the benchmarks name them."""
 
+ATTACKS = FIXED + ADAPTIVE
+"""Every attack mode ``--attack NAME`` takes."""
+
 KNOWLEDGE = ("omniscient", "realistic")
 """What the colluders see of the honest Δs (module docstring)."""
 
 COLLUDER_SPREAD = 0.05
-"""Relative L2 norm of the noise each colluder adds to the crafted vector: without it K colluders
-would send one vector and ``find_copies`` (tolerance 5%) flags them all. Two independent noises of
-0.05 put colluders ≈ 0.07 apart; the search screens the rows with their noise, so it is priced in."""
+"""Relative size of the noise each colluder multiplies into the crafted vector, v ⊙ (1 + 0.05·ε):
+without it K colluders would send one vector and ``find_copies`` (tolerance 5%) flags them all.
+Multiplicative, so every slice of the vector — every part of a partitioned round, screened on
+its own — carries ≈ 5% relative noise and colluders sit ≈ 7% apart in each; the search screens
+the rows with their noise, so its cost is priced in."""
 
 REALISTIC_MARGIN = 0.1
 """A realistic colluder screens against a surrogate of the honest rows, not the rows themselves, so
@@ -356,7 +361,7 @@ def adapt(
     *,
     config: ValidationConfig | None = None,
     screen: Screen | None = None,
-    iters: int = 8,
+    iters: int = 6,
     start: float = 0.5,
     cap: float = 1e4,
 ) -> Adapted:
@@ -370,12 +375,10 @@ def adapt(
     config = config or ValidationConfig()
     screen = screen or screen_passes(config)
     d = estimate.shape[1]
-    noise = torch.randn(k, d, generator=generator) if k > 1 else torch.zeros(1, d)
-    noise = noise / noise.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    noise = 1 + COLLUDER_SPREAD * torch.randn(k, d, generator=generator) if k > 1 else torch.ones(1, d)
 
     def rows_at(gamma: float) -> Tensor:
-        v = craft(name, estimate, gamma, config)
-        return v[None] + noise * (COLLUDER_SPREAD * float(v.norm())) if k > 1 else v[None].clone()
+        return craft(name, estimate, gamma, config)[None] * noise  # (k, d)
 
     def ok(gamma: float) -> bool:
         rows = rows_at(gamma)
@@ -386,9 +389,7 @@ def adapt(
     if not ok(lo):  # mimic's harmless end is a near-copy of an honest row: find the window above it
         lo = next((g for g in _grid(start, upper) if ok(g)), math.nan)
         if math.isnan(lo):  # the family cannot pass: send the estimated mean, not be refused
-            mean = estimate.mean(dim=0)
-            rows = mean[None] + noise * (COLLUDER_SPREAD * float(mean.norm())) if k > 1 else mean[None]
-            return Adapted(rows=rows, gamma=0.0, passed=False)
+            return Adapted(rows=estimate.mean(dim=0)[None] * noise, gamma=0.0, passed=False)
     hi = min(max(start, 2 * lo), upper)
     while ok(hi):
         lo = hi

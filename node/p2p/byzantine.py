@@ -17,7 +17,15 @@ this module only decides what to feed it:
 - ``copy``, ``equivocate``, ``nan``: not mounted (honest Δ, and the note says so). A copy
   needs a Δ the round reveals only after everyone committed; a second commitment or a NaN
   part is refused before any owner aggregates it, and forging them needs hooks inside the
-  round rather than a different input.
+  round rather than a different input;
+- the adaptive families (``attacks.ADAPTIVE``), at the realistic knowledge level: before it
+  commits, the attacker holds its own honest Δ of this round and what earlier rounds revealed
+  — their aggregates, which it reads back from its θ_round history through the outer step it
+  knows (``revealed_aggregate``). Its estimate of the honest rows is its own Δ plus its
+  earlier Δs' deviations from those aggregates, ± each (``attacks.realistic_estimate``); it
+  picks the largest parameter whose Δ passes the partitioned round's per-part screening on
+  that estimate with 10% of each threshold's room in reserve (``attacks.adapt``). Nothing it
+  uses is revealed after it commits, so it commits once, like an honest member.
 
 ``--owner-attack NAME`` instead runs one of the cheating owners of ``neuroshard.adversary.owners``
 (wrong_aggregate, equivocator, withholder, mismatched_part) as this node's round: those cheat
@@ -34,10 +42,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .. import attacks
+from .. import aggregation, attacks
 from ..aggregation import default_rule
-from ..attacks import ATTACKS
+from ..attacks import ADAPTIVE, ATTACKS
+from ..outer.partition import part_bounds
+from ..outer.reduce import reduce_part
 from ..outer.round import OuterRound, RoundInput
+from ..validation import ValidationConfig
 
 DEFAULT_PARAMS: dict[str, float] = {
     "scale": 10.0,
@@ -63,6 +74,12 @@ class AttackConfig:
     """The attack's strength (DEFAULT_PARAMS says what it means per attack)."""
     seed: int = 0
     """Seeds the noise of gaussian (reproducible runs)."""
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.5
+    """The network's outer step (Nesterov when momentum > 0): the adaptive attacks read earlier
+    rounds' aggregates back from θ_round with it (``revealed_aggregate``)."""
+    validation: ValidationConfig | None = None
+    """The screening thresholds the adaptive attacks aim under (default: ``ValidationConfig()``)."""
 
     def __post_init__(self) -> None:
         if self.name not in ATTACKS:
@@ -82,8 +99,15 @@ class Attacker:
         self.config = config
         self._generator = torch.Generator().manual_seed(config.seed)
         history = int(config.strength) + 1 if config.name in ("stale", "wrong_base") else 1
+        if config.name in ADAPTIVE:
+            history = ADAPTIVE_HISTORY + 1
         self._deltas: deque[Tensor] = deque(maxlen=history)
         self._thetas: deque[tuple[Tensor, str]] = deque(maxlen=history)
+        self._aggregates: deque[Tensor] = deque(maxlen=ADAPTIVE_HISTORY)
+        self._momentum: Tensor | None = None
+        self._previous_theta: Tensor | None = None
+        self.gamma = math.nan
+        """The adaptive attack's last chosen parameter (for the round note)."""
 
     @property
     def name(self) -> str:
@@ -97,6 +121,8 @@ class Attacker:
         self._deltas.append(delta.detach().clone())
         self._thetas.append((theta_round.detach().clone(), honest.base_hash))
         name, p = self.config.name, self.config.strength
+        if name in ADAPTIVE:
+            return self._adaptive(honest, theta_round)
         if name in ("stale", "wrong_base"):
             k = int(p)
             if len(self._deltas) <= k:
@@ -127,6 +153,75 @@ class Attacker:
             ),
         }[name]()
         return replace(honest, delta=forged), name
+
+    def _adaptive(self, honest: RoundInput, theta_round: Tensor) -> tuple[RoundInput, str]:
+        """The realistic adaptive attack (module docstring)."""
+        theta = theta_round.detach().to(torch.float32).clone()
+        if self._previous_theta is not None and self._previous_theta.shape == theta.shape:
+            aggregate, self._momentum = revealed_aggregate(
+                self._previous_theta, theta, self._momentum, self.config.outer_lr, self.config.outer_momentum
+            )
+            self._aggregates.append(aggregate)
+        self._previous_theta = theta
+        own = self._deltas[-1]
+        if not self._aggregates:  # nothing revealed yet: no spread to hide in
+            return honest, f"{self.config.name} (realistic, nothing revealed yet: honest Δ)"
+        # Earlier Δs of this replica (all but the current one) against the aggregates revealed after them.
+        earlier = list(self._deltas)[:-1][-len(self._aggregates) :] if self._aggregates else []
+        deviations = [d - a for d, a in zip(earlier, list(self._aggregates)[-len(earlier) :], strict=True)]
+        spread = torch.stack([x for e in deviations for x in (e, -e)]) if deviations else None
+        estimate = attacks.realistic_estimate(own[None], spread)
+        config = attacks.tightened(self.config.validation or ValidationConfig(), attacks.REALISTIC_MARGIN)
+        chosen = attacks.adapt(
+            self.config.name,
+            estimate,
+            1,
+            self._generator,
+            config=config,
+            screen=part_screen(config, len(honest.members)),
+        )
+        self.gamma = chosen.gamma
+        note = f"{self.config.name} (realistic, γ={chosen.gamma:.3g}{'' if chosen.passed else ', no γ passes: estimated mean'})"
+        return replace(honest, delta=chosen.rows[0].contiguous()), note
+
+
+ADAPTIVE_HISTORY = 3
+"""Rounds of (own Δ, revealed aggregate) an adaptive attacker keeps to estimate the honest spread."""
+
+
+def revealed_aggregate(
+    before: Tensor, after: Tensor, momentum_buffer: Tensor | None, lr: float, momentum: float
+) -> tuple[Tensor, Tensor]:
+    """The aggregate g an outer step applied, read back from θ before and after it, and the new
+    momentum buffer: torch's SGD with Nesterov momentum μ takes b ← μb + g (b = g at the first
+    step) and θ ← θ − lr·(g + μb), so g = ((θ_before − θ_after)/lr − μ²b_old) / (1 + μ); with
+    μ = 0 it is plain SGD. Exact up to float rounding while the attacker saw every step."""
+    u = (before - after) / lr
+    if momentum == 0:
+        return u, u
+    previous = torch.zeros_like(u) if momentum_buffer is None else momentum_buffer
+    g = (u - momentum * momentum * previous) / (1 + momentum)
+    return g, momentum * previous + g
+
+
+def part_screen(config: ValidationConfig, parts: int) -> attacks.Screen:
+    """The partitioned round's screening as an attacker can run it on its estimate: every part of
+    every crafted row must pass its part's ``screen_round`` (``reduce.reduce_part``)."""
+
+    def passes(estimate: Tensor, crafted: Tensor) -> bool:
+        rows = torch.cat([estimate, crafted])
+        names = [f"h{i:04d}" for i in range(estimate.shape[0])] + [
+            f"x{j:04d}" for j in range(crafted.shape[0])
+        ]
+        for a, b in part_bounds(rows.shape[1], parts):
+            if b > a:
+                part = {w: r[a:b].contiguous() for w, r in zip(names, rows, strict=True)}
+                _, refused = reduce_part(part, aggregation.mean, config)
+                if any(w.startswith("x") for w in refused):
+                    return False
+        return True
+
+    return passes
 
 
 def _rms(x: Tensor) -> float:
@@ -168,7 +263,15 @@ def owner_round_from_args(args: argparse.Namespace) -> type[OuterRound]:
 def attacker_from_args(args: argparse.Namespace) -> Attacker | None:
     if getattr(args, "attack", None) is None:
         return None
-    return Attacker(AttackConfig(name=args.attack, param=args.attack_param, seed=args.attack_seed))
+    return Attacker(
+        AttackConfig(
+            name=args.attack,
+            param=args.attack_param,
+            seed=args.attack_seed,
+            outer_lr=getattr(args, "outer_lr", 1.0),
+            outer_momentum=getattr(args, "outer_momentum", 0.5),
+        )
+    )
 
 
 def warning(attacker: Attacker) -> str:

@@ -96,8 +96,9 @@ def test_inputs_are_not_modified() -> None:
 
 
 def test_every_attack_mode_is_named() -> None:
-    assert len(set(attacks.ATTACKS)) == 11
-    assert all(callable(getattr(attacks, name)) for name in attacks.ATTACKS)
+    assert len(set(attacks.FIXED)) == 11 and len(set(attacks.ADAPTIVE)) == 11
+    assert attacks.ATTACKS == attacks.FIXED + attacks.ADAPTIVE
+    assert all(callable(getattr(attacks, name)) for name in attacks.FIXED)
     assert not math.isnan(attacks.alie_z(13, 3))
 
 
