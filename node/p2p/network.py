@@ -77,6 +77,11 @@ if TYPE_CHECKING:  # attack code stays out of the honest import path
 T = TypeVar("T")
 
 
+JOIN_TRIES = 3
+"""Downloads a joiner tries, past its join deadline, of a state a quorum vouched for: a slow
+joiner may ask for a round its holders have just left (they serve the round they are in)."""
+
+
 @dataclass(kw_only=True)
 class NetworkConfig:
     """The peer plane of one node. Defaults suit a node on the open internet at production H."""
@@ -543,6 +548,7 @@ class PeerNetwork:
     async def _join(self, round_: int, own_hash: str, numel: int) -> Adopted | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.join_timeout_s
+        tries = 0
         while True:
             await self._exchange.gossip_once()
             infos = [i for i in await self._exchange.statuses() if i.numel == numel]
@@ -563,7 +569,12 @@ class PeerNetwork:
             if vote.round == round_ and with_own is not None and with_own.theta_hash == own_hash:
                 return None  # this replica's state wins its own round's vote
             adopted = await self._exchange.fetch_from(vote, need=quorum(voters))
-            if adopted is not None or loop.time() >= deadline or self._stop.is_set():
+            tries += 1
+            if (
+                adopted is not None
+                or self._stop.is_set()
+                or (loop.time() >= deadline and tries >= JOIN_TRIES)
+            ):
                 return adopted
             # The holders moved on to the next round between status and download: ask again.
 

@@ -30,6 +30,7 @@ they serve their own objects over HTTP and read the relay replicas' from the buc
 
 from __future__ import annotations
 
+import asyncio
 import re
 import struct
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,10 @@ from .wire import StateInfo, WireError
 RELAY_SUFFIX = ".relay.invalid"
 PEERS_OBJECT = "ctl/peers"
 STATUS_OBJECT = "ctl/status"
+STATUS_BYTES = 4096
+"""Cap on a status object read (a signed StateInfo is < 1 KB)."""
+STATE_WAIT_SLICE_S = 5.0
+"""How often a reader waiting for a requested state checks whether its holder moved on."""
 WANT_PREFIX = "_want"
 STATE_HEADER = struct.Struct(">I")
 """A state object: 4-byte length of the signed StateInfo JSON, the JSON, then the safetensors body."""
@@ -103,7 +108,34 @@ class RelayControl:
         except RelayError as exc:
             self.log(f"bucket: cannot ask {wallet[:12]} for its state: {exc}")
             return None
-        return await self.store.fetch(wallet, name, max_bytes=max_bytes, wait_s=wait_s)
+        # A holder uploads the state of the round it is in when it sees the request; one that has
+        # moved on never will. Wait in slices and give up once its signed status shows a later
+        # round, so the caller asks again with a newer vote instead of waiting out `wait_s` (the
+        # state timeout: 10 minutes by default) for an upload that cannot come.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            left = deadline - loop.time()
+            data = await self.store.fetch(
+                wallet, name, max_bytes=max_bytes, wait_s=max(0.0, min(STATE_WAIT_SLICE_S, left))
+            )
+            if data is not None or left <= STATE_WAIT_SLICE_S:
+                return data
+            moved = await self.status_round(wallet)
+            if moved is not None and moved > round_:
+                self.log(f"bucket: {wallet[:12]} moved on to round {moved} before serving round {round_}")
+                return None
+
+    async def status_round(self, wallet: str) -> int | None:
+        """The round in `wallet`'s signed status in the bucket, or None if absent or not valid."""
+        raw = await self.store.fetch(wallet, STATUS_OBJECT, max_bytes=STATUS_BYTES)
+        try:
+            info = StateInfo.from_json(raw) if raw is not None else None
+        except WireError:
+            return None
+        if info is None or info.wallet != wallet or info.stage != self.stage or not info.signature_valid():
+            return None
+        return info.round
 
     async def wallets(self) -> list[str]:
         """Wallets with a prefix in the bucket (one LIST page): how relay replicas find each other

@@ -50,3 +50,47 @@ def test_relay_without_a_port_listens_nowhere_and_with_one_serves_as_well() -> N
         parse("--relay", "https://stage/run1")
     with pytest.raises(ValueError, match="relay bucket"):
         NetworkConfig(listen=False)
+
+
+class _Bucket:
+    """Just what RelayControl.fetch_state reads: no state object ever, and a holder's status."""
+
+    def __init__(self, status: bytes) -> None:
+        self.status = status
+        self.wallet = Wallet.from_token("joiner").public_key_hex
+        self.wants: list[str] = []
+
+    async def fetch(self, wallet: str, name: str, *, max_bytes: int, wait_s: float = 0.0) -> bytes | None:
+        import asyncio
+
+        if name == "ctl/status":
+            return self.status
+        await asyncio.sleep(wait_s)
+        return None
+
+    async def put_shared(self, name: str, data: bytes) -> None:
+        self.wants.append(name)
+
+
+def test_a_reader_stops_waiting_for_a_state_once_its_holder_moved_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import time
+
+    from neuroshard.node.p2p import relay
+
+    monkeypatch.setattr(relay, "STATE_WAIT_SLICE_S", 0.05)
+    holder = Wallet.from_token("holder")
+    moved = StateInfo.create(holder, stage=0, round=8, theta_hash="a" * 64, momentum_hash="", numel=10)
+    bucket = _Bucket(moved.to_json())
+    control = relay.RelayControl(bucket, 0, log=lambda line: None)  # type: ignore[arg-type]
+    started = time.monotonic()
+    got = asyncio.run(control.fetch_state(holder.public_key_hex, 7, 1 << 20, wait_s=600.0))
+    assert got is None and time.monotonic() - started < 5.0  # not the 600 s it was told it may wait
+    assert bucket.wants == [f"_want/{holder.public_key_hex}/7/{bucket.wallet}"]
+    # A holder still at the asked round is waited for (here until the deadline).
+    bucket.status = StateInfo.create(
+        holder, stage=0, round=7, theta_hash="a" * 64, momentum_hash="", numel=10
+    ).to_json()
+    started = time.monotonic()
+    assert asyncio.run(control.fetch_state(holder.public_key_hex, 7, 1 << 20, wait_s=0.3)) is None
+    assert time.monotonic() - started >= 0.25
