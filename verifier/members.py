@@ -61,6 +61,10 @@ class MembershipConfig:
     members (and the roster names none for it): the first replica of a run."""
     list_ttl_s: float = 600.0
     """A member list expires this long (at most twice this) after it is signed; nodes refetch."""
+    max_probation_listed: int = 256
+    """Probationers a member list names, furthest along first (rounds with the majority, then spot
+    checks, then the longest waiting): a node takes at most 16 a round, and a flood of idle keys
+    must not grow every node's list download. A probationer doing honest rounds climbs past them."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -72,6 +76,10 @@ class MembershipConfig:
             )
         if not self.list_ttl_s > 0:
             raise ValueError(f"MembershipConfig: list_ttl_s must be > 0, got {self.list_ttl_s}")
+        if not 0 <= self.max_probation_listed <= MAX_LISTED:
+            raise ValueError(
+                f"MembershipConfig: max_probation_listed must be in [0, {MAX_LISTED}], got {self.max_probation_listed}"
+            )
 
 
 # --- the operator's roster --------------------------------------------------------------------
@@ -209,11 +217,9 @@ def on_register(session: Session, wallet: m.Wallet, stage: int, cfg: MembershipC
     bump_epoch(session, stage, now=now)
 
 
-def _restart(row: m.Membership, reason: str, *, now: float) -> bool:
-    """Back to the start of probation; True when the member list changes (an admitted member fell)."""
-    changed = row.status == m.MEMBER_ADMITTED
+def _restart(row: m.Membership, reason: str, *, now: float) -> None:
+    """Back to the start of probation (an admitted member too)."""
     row.status, row.streak, row.checks_passed, row.since, row.reason = m.MEMBER_PROBATION, 0, 0, now, reason
-    return changed
 
 
 def checks_required(stage: int, cfg: MembershipConfig) -> int:
@@ -270,6 +276,7 @@ def record_round(
         .where(m.Membership.wallet_id.in_(sorted(hashes)))
         .order_by(m.Membership.wallet_id)
     ).all()
+    moved = False
     for row in rows:
         result_hash = hashes[row.wallet_id]
         if row.last_round is not None and round_ <= row.last_round:
@@ -277,9 +284,13 @@ def record_round(
         row.last_round = round_
         if result_hash == majority_hash:
             row.streak += 1
+            moved = True
             _maybe_admit(session, row, cfg, now=now)
         else:
+            moved = moved or row.streak > 0 or row.checks_passed > 0
             _restart(row, f"minority hash in round {round_}: probation restarts", now=now)
+    if moved:  # the listed probationers' order changed: one signed list per epoch
+        bump_epoch(session, stage, now=now)
 
 
 def record_spot_check(
@@ -298,11 +309,14 @@ def record_spot_check(
     if row is None:
         return
     if not ok:
-        if _restart(row, f"spot check failed in round {round_}: probation restarts", now=now):
+        was = (row.status, row.streak, row.checks_passed)
+        _restart(row, f"spot check failed in round {round_}: probation restarts", now=now)
+        if (row.status, row.streak, row.checks_passed) != was:
             bump_epoch(session, stage, now=now)
         return
     if row.status == m.MEMBER_PROBATION and cfg is not None:  # None: not a replay (a data check)
         row.checks_passed += 1
+        bump_epoch(session, stage, now=now)  # it moves up the listed probationers
         if cfg.policy == "probation":
             _maybe_admit(session, row, cfg, now=now)
 
@@ -355,9 +369,10 @@ def member_list(
     else:
         admitted = roster_keys | {r.public_key for r in rows if r.status == m.MEMBER_ADMITTED}
         waiting = sorted(
-            (r for r in rows if r.public_key not in admitted), key=lambda r: (r.since, r.public_key)
+            (r for r in rows if r.public_key not in admitted),
+            key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key),
         )
-        probation = [r.public_key for r in waiting[:MAX_LISTED]]  # the longest waiting first
+        probation = [r.public_key for r in waiting[: cfg.max_probation_listed]]
     try:
         return MemberList.create(
             signer,

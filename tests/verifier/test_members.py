@@ -62,11 +62,13 @@ def receipt(round_: int, result: str) -> ReceiptRequest:
     return ReceiptRequest.model_validate(doc)
 
 
-def register(db: Database, wallets: list[Wallet], cfg: ledger.LedgerConfig, stage: int = 0) -> None:
+def register(
+    db: Database, wallets: list[Wallet], cfg: ledger.LedgerConfig, stage: int = 0, at: float = NOW
+) -> None:
     req = RegisterRequest(address="http://127.0.0.1:9000", stage=stage, software_version="0.1.0")
     with db.write() as s:
         for w in wallets:
-            ledger.register(s, who(w), req, now=NOW, cfg=cfg)
+            ledger.register(s, who(w), req, now=at, cfg=cfg)
 
 
 def vote(db: Database, wallet: Wallet, round_: int, cfg: ledger.LedgerConfig, honest: bool = True) -> None:
@@ -319,3 +321,19 @@ def test_the_0005_upgrade_admits_existing_peers(db: Database) -> None:
     with db.read() as s:
         row = s.get(m.Membership, (1, "a" * 20))
         assert row is not None and row.status == "admitted"
+
+
+def test_honest_work_climbs_past_idle_keys_in_a_capped_list(db: Database) -> None:
+    """The list names at most `max_probation_listed` probationers, furthest along first: idle keys
+    registered earlier do not keep a working newcomer off it, and each change is a new epoch."""
+    cfg = config(replace(PROBATION, max_probation_listed=2, admission_rounds=5))
+    register(db, [FIRST, *SYBILS[:4]], cfg)
+    register(db, [HONEST[0]], cfg, at=NOW + 10)  # the last to register
+    assert HONEST[0].public_key_hex not in listed(db, cfg).probation
+    vote(db, FIRST, 0, cfg)
+    vote(db, HONEST[0], 0, cfg)
+    before = listed(db, cfg)
+    vote(db, FIRST, 1, cfg)  # round 0 settles: HONEST[0] has one round with the majority
+    after = listed(db, cfg)
+    assert after.probation[0] == HONEST[0].public_key_hex and len(after.probation) == 2
+    assert after.epoch > before.epoch
