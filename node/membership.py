@@ -106,8 +106,9 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
     """The round's members and probationers from the live stage wallets this replica sees.
 
     Without a roster every live wallet is a member. With one, unlisted wallets are dropped, and
-    probationers beyond the cap wait for a later round; raises `NotAMember` when this replica is
-    not listed, or is a probationer the cap leaves out of this round."""
+    probationers beyond the cap wait for a later round (this replica too: it is then in neither
+    list and observes the round, stepping with the stage's aggregate); raises `NotAMember` when
+    this replica is on no list."""
     wallets = set(live) | {me}
     if roster is None:
         return Split(tuple(sorted(wallets)), ())
@@ -121,11 +122,6 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
         (w for w in wallets if w in roster.probation), key=lambda w: probation_rank(round_, w)
     )
     taken = candidates[: roster.cap.of(len(members))]
-    if me in roster.probation and me not in taken:
-        raise NotAMember(
-            f"wallet {me[:12]} is on probation and the cap ({len(taken)} of {len(candidates)}) leaves it "
-            f"out of round {round_}"
-        )
     return Split(members, tuple(sorted(taken)), waiting=len(candidates) - len(taken))
 
 

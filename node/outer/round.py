@@ -267,15 +267,15 @@ class OuterRound:
     async def run(self, inp: RoundInput) -> RoundResult:
         """One round. A member runs every phase; a probationer (in ``inp.probationers``) commits and
         scatters its Δ, then reads the decided aggregates like a member, and owns, witnesses and
-        checks nothing."""
+        checks nothing. A replica in neither list (a probationer the cap leaves out of this round)
+        observes: it publishes nothing and steps with the stage's aggregate, so it stays on the
+        stage's θ while it waits for a slot."""
         if not inp.members or list(inp.members) != sorted(set(inp.members)):
             raise ValueError("RoundInput.members must be non-empty, sorted and without repeats")
         if list(inp.probationers) != sorted(set(inp.probationers)) or set(inp.members) & set(
             inp.probationers
         ):
             raise ValueError("RoundInput.probationers must be sorted, without repeats, and not members")
-        if self.me not in inp.members and self.me not in inp.probationers:
-            raise ValueError("this replica must be among the round's members or probationers")
         held = await self._commit(inp)
         clock = time.monotonic()
         held.result = RoundResult(aggregate=torch.zeros(inp.delta.numel()))
@@ -310,7 +310,8 @@ class OuterRound:
             numel=d,
             parts_root=root,
         )
-        await self.store.publish(self._name(inp, "commit"), commitment.to_json())
+        if self._takes_part(inp):
+            await self.store.publish(self._name(inp, "commit"), commitment.to_json())
         held = _Held(
             inp=inp,
             members_sha=members_sha,
@@ -319,8 +320,15 @@ class OuterRound:
             commitment=commitment,
             delta_bytes=delta_bytes,
         )
-        (held.commitments if self.me in inp.members else held.probation)[self.me] = commitment
+        if self.me in inp.members:
+            held.commitments[self.me] = commitment
+        elif self.me in inp.probationers:
+            held.probation[self.me] = commitment
         return held
+
+    def _takes_part(self, inp: RoundInput) -> bool:
+        """Whether this replica contributes this round (a member or a probationer), or only observes."""
+        return self.me in inp.members or self.me in inp.probationers
 
     async def _read_commitments(self, held: _Held) -> None:
         inp, result = held.inp, held.result
@@ -405,7 +413,8 @@ class OuterRound:
         return None
 
     async def _scatter(self, held: _Held) -> None:
-        await self.store.publish(self._name(held.inp, "delta"), held.delta_bytes)
+        if self._takes_part(held.inp):
+            await self.store.publish(self._name(held.inp, "delta"), held.delta_bytes)
 
     async def _reduce_owned(self, held: _Held) -> None:
         mine = [j for j, owner in enumerate(held.owners) if owner == self.me]
@@ -778,7 +787,8 @@ class OuterRound:
         if len(at[k]) > 1:
             first, second = sorted(at[k], key=lambda c: c.sha256())[:2]
             proof = EquivocationProof(claims=(first, second))
-            await self.store.publish(self._name(held.inp, "equivocation", j), proof.to_json())
+            if self._takes_part(held.inp):
+                await self.store.publish(self._name(held.inp, "equivocation", j), proof.to_json())
             self._apply_equivocation(held, j, chain[k])
             return
         ((claim, witnesses),) = at[k].items()
@@ -927,7 +937,8 @@ class OuterRound:
             frauds=tuple(sorted(held.frauds))[:64],
             equivocations=tuple(sorted(held.equivocations))[:64],
         )
-        await self.store.publish(self._name(inp, "digest"), digest.to_json())
+        if self.me in inp.members:  # only members' digests are read
+            await self.store.publish(self._name(inp, "digest"), digest.to_json())
         read = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
         digests = [d for d in read if d is not None]
         frauds = {

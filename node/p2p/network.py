@@ -651,6 +651,12 @@ class PeerNetwork:
         except NotAMember as exc:
             self._log(f"round {r}: {exc}; stepping with this replica's Δ alone (the θ-hash vote re-syncs it)")
             split = None
+        me = self.wallet.public_key_hex
+        if split is not None and me not in split.members and me not in split.probationers:
+            self._log(
+                f"round {r}: on probation, and the cap gives this round's {len(split.probationers)} slot(s) to "
+                f"others ({split.waiting} waiting); observing: stepping with the stage's aggregate"
+            )
         if split is not None and not split.members:
             self._log(
                 f"round {r}: no admitted member of the stage is live; stepping with this replica's Δ alone"

@@ -132,6 +132,10 @@ def test_the_split_counts_only_listed_wallets_and_caps_probationers() -> None:
     assert split.members == tuple(sorted(admitted))
     assert len(split.probationers) == ProbationCap().of(8) == 2 and split.waiting == 998
     assert "stranger" not in split.members + split.probationers
+    # A probationer the cap leaves out is in neither list: it observes the round.
+    waiting = next(w for w in sorted(flood) if w not in split.probationers)
+    left_out = split_members(live, waiting, roster, round_=5)
+    assert waiting not in left_out.members + left_out.probationers and left_out.members == split.members
     # The picks change from round to round (a hash of round and wallet), and every replica picks alike.
     assert split_members(live, "a3", roster, round_=5).probationers == split.probationers
     assert split_members(live, "a0", roster, round_=6).probationers != split.probationers
@@ -164,3 +168,24 @@ def test_only_admitted_members_are_asked_for_their_vote() -> None:
     assert exchange.counts(other) and not exchange.counts(newcomer) and not exchange.counts("ab" * 32)
     with pytest.raises(ValueError, match="stage 1"):
         network.set_roster(StageRoster(stage=1, policy="allowlist", admitted=frozenset({me})))
+
+
+@pytest.mark.asyncio
+async def test_a_probationer_left_out_by_the_cap_observes_and_steps_with_the_stage() -> None:
+    members_w = wallets("member", 3)
+    members = tuple(w.public_key_hex for w in members_w)
+    observer = Wallet.from_token("observer")
+    hub = MemoryHub()
+    ds = honest_deltas(4)
+
+    def inp(i: int) -> RoundInput:
+        return RoundInput(stage=0, round=3, base_hash=BASE, members=members, delta=ds[i], tokens=10)
+
+    runs = [
+        OuterRound(hub.store(w.public_key_hex), w, median_rule, config()).run(inp(i))
+        for i, w in enumerate(members_w)
+    ]
+    runs.append(OuterRound(hub.store(observer.public_key_hex), observer, median_rule, config()).run(inp(3)))
+    results = await asyncio.gather(*runs)
+    assert all(torch.equal(r.aggregate, results[0].aggregate) for r in results)
+    assert not any(author == observer.public_key_hex for author, _ in hub.objects)  # it published nothing
