@@ -112,3 +112,43 @@ def test_receipts_commit_to_the_inner_state_the_round_started_from() -> None:
         assert doc["delta_digest"] == theta_sha256(delta) == theta_sha256(record.delta)
         assert doc["start_step"] == round_ * H  # the schedule's position, a function of the round
     assert starts[1][0].digest() != starts[0][0].digest()  # round 1 starts from round 0's moments
+
+
+def test_a_bf16_replicas_round_passes_the_verifiers_fp32_replay_and_its_lies_do_not() -> None:
+    """Cross-precision replay (issue 14): a replica training with bf16 autocast commits the state a
+    CPU fp32 replay starts from; its honest Δ passes the cross-precision tolerance, the lies the
+    replay exists for fail it, and a same-precision receipt keeps the strict one."""
+    from neuroshard.node.device import Placement
+    from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
+    from neuroshard.verifier.spotcheck import compare_deltas, replay_inner_steps
+
+    config = DiLoCoConfig(inner_steps=8, warmup_steps=2, total_steps=50)
+    bf16 = Placement(device=torch.device("cpu"), precision="bf16")
+    node = DiLoCo(build_stage(MODEL, 0, 1), config, placement=bf16)
+    for step in range(8):  # round 0: the moments the replay must start from
+        node.inner_step(*_batch(step))
+    node.outer_step(node.pseudo_gradient())
+    theta, inner = node.theta_round.detach().clone(), capture_inner_state(node)
+    assert inner is not None
+    batches = [_batch(100 + k) for k in range(8)]
+    for x, y in batches:
+        node.inner_step(x, y)
+    honest = node.pseudo_gradient()
+    replayed = replay_inner_steps(MODEL, config, theta, batches, round_=1, inner_state=inner)
+    cfg = ReplayCheckConfig()
+    cross = tolerance_for("cpu", "bf16", cfg)
+    assert tolerance_for(None, None, cfg) == tolerance_for("cpu", "fp32", cfg) == cfg.tolerance
+    assert tolerance_for("cuda", "fp32", cfg) == cross  # TF32 matmuls: not an exact replay
+    assert not torch.equal(honest, replayed)
+    assert compare_deltas(honest, replayed, cross).ok
+    elsewhere = replay_inner_steps(
+        MODEL, config, theta, [_batch(200 + k) for k in range(8)], round_=1, inner_state=inner
+    )
+    skipped = replay_inner_steps(MODEL, config, theta, batches[:6], round_=1, inner_state=inner)
+    for lie in (
+        1.25 * honest,
+        elsewhere,
+        skipped,
+        torch.randn(honest.shape) * honest.norm() / honest.numel() ** 0.5,
+    ):
+        assert not compare_deltas(lie, replayed, cross).ok
