@@ -142,7 +142,8 @@ def default_inner_optimizer(
 def flat_parameters(params: Iterable[nn.Parameter]) -> Tensor:
     """A detached float32 copy of the parameters as one flat vector (d,) on the CPU, wherever the
     parameters live: everything replicas must agree on is computed there."""
-    return parameters_to_vector(params).detach().to(device="cpu", dtype=torch.float32, copy=True)
+    # parameters_to_vector already builds a new tensor (torch.cat): no second copy on the CPU.
+    return parameters_to_vector(params).detach().to(device="cpu", dtype=torch.float32)
 
 
 @torch.no_grad()
