@@ -9,6 +9,10 @@ and compare the Δs. Both at the same torch thread count (the verifier runs on o
 Rounds alternate (train, check, train, check, …) so drift in machine speed hits both alike.
 
     .venv/bin/python bench/bench_replay.py [--inner-steps 100] [--rounds 3] [--threads 1]
+    .venv/bin/python bench/bench_replay.py --precision bf16   # a bf16-autocast node, replayed in fp32
+
+With --precision bf16 the node trains with bf16 autocast and the verdict uses the verifier's
+cross-precision acceptance (verifier.replaycheck.tolerance_for).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
+from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.p2p import wire
@@ -38,6 +43,7 @@ from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.spotcheck import claimed_batches, compare_deltas, replay_inner_steps
 from neuroshard.verifier.wire import DataSpan
 
@@ -66,6 +72,9 @@ def main() -> None:
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the node's (CPU)"
+    )
     args = parse_with_quick(parser, inner_steps=4, rounds=1, model_size="micro", batch_size=2, seq_len=32)
     torch.set_num_threads(args.threads)
     h = args.inner_steps
@@ -84,7 +93,9 @@ def main() -> None:
         ),
         checkpoint_dir=Path(tempfile.mkdtemp()),
         log=lambda line: None,
+        placement=Placement(device=torch.device("cpu"), precision=args.precision),
     )
+    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
     reports: list[RoundReport] = []
     receipts: list[dict[str, Any]] = []
 
@@ -132,6 +143,7 @@ def main() -> None:
     numel, n_tensors = sum(p.numel() for p in params), len(params)
     print(
         f"model {args.model_size} ({numel:,} params), batch {args.batch_size}x{args.seq_len}, H={h}, "
+        f"node precision {args.precision} (verdict at cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}), "
         f"torch threads {args.threads}, load average {os.getloadavg()[0]:.2f} at start"
     )
     node_s, fetch_s, read_s, replay_s = [], [], [], []
@@ -168,7 +180,7 @@ def main() -> None:
                 round_=doc["round"],
                 inner_state=record.inner,
             )
-            verdict = compare_deltas(record.delta, replayed)
+            verdict = compare_deltas(record.delta, replayed, tolerance)
             replay_s.append(time.perf_counter() - start)
             node_s.append(result.inner_seconds)
             print(
