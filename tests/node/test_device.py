@@ -3,6 +3,10 @@
 Every path that runs without a GPU is tested on the CPU (bf16 and fp16 autocast exist there);
 the CUDA tests are skipped where torch sees no CUDA device, never faked."""
 
+import os
+import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -239,3 +243,37 @@ def test_the_look_ahead_feed_trains_on_and_records_exactly_the_same_batches(
         runs.append((result.losses, spans, trainer.batches.position, trainer.diloco.weights_hash()))
     assert runs[0] == runs[1]
     assert len({shard for round_spans in runs[0][1] for shard, _, _ in round_spans}) >= 2
+
+
+NODE = str(Path(sys.executable).parent / "neuroshard-node")
+LOSS = re.compile(r"step=(\d+) round=(\d+) loss=([0-9.]+)")
+
+
+def _node(published, home: Path, *extra: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    args = [
+        NODE, "--home", str(home), "--data", str(published.directory),
+        "--publisher-key", published.public_key_hex, "--batch-size", "4", "--seq-len", "64",
+        "--inner-steps", "20", "--threads", "1", "--token", "device-test-token", *extra,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_neuroshard_node_device_cpu_precision_bf16_trains_with_falling_loss(
+    published, tmp_path: Path
+) -> None:
+    out = _node(
+        published, tmp_path, "--device", "cpu", "--precision", "bf16", "--max-steps", "80", "--no-verifier"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "inner loop on cpu, bf16 autocast, fp32 master weights" in out.stdout
+    losses = [float(loss) for _, _, loss in LOSS.findall(out.stdout)]
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_neuroshard_node_device_cuda_without_a_gpu_gives_one_line(published, tmp_path: Path) -> None:
+    out = _node(published, tmp_path, "--device", "cuda", "--max-steps", "1", "--no-verifier")
+    assert out.returncode == 2
+    assert "sees no CUDA device" in out.stderr and "Traceback" not in out.stderr
