@@ -7,10 +7,13 @@ which reason: a part's screening verdict, a refused commitment, a proven cheat),
 honest contributions were refused, whether the honest replicas agreed on θ every round, and
 their loss in the first and last round — next to a clean run of the 4 honest nodes alone.
 copy, equivocate and nan are not mounted in the partitioned round (node/p2p/byzantine.py):
-their attacker sends its honest Δ.
+their attacker sends its honest Δ. The adaptive families (``attacks.ADAPTIVE``) run at the
+realistic knowledge level: the attacker commits to the largest parameter its own estimate says
+passes the per-part screening (honest Δ in round 0, before any aggregate is revealed).
 
     .venv/bin/python bench/bench_swarm_attacks.py [--rounds 5] [--inner-steps 20] [--attacks sign_flip,scale]
     .venv/bin/python bench/bench_swarm_attacks.py --rounds 1 --repeat 5 --attacks sign_flip --no-clean  # round 0 only
+    .venv/bin/python bench/bench_swarm_attacks.py --attacks alie_search,edge,mimic,ipm_search,minmax_std
 """
 
 from __future__ import annotations
