@@ -227,6 +227,10 @@ class MemberListOut(_Out):
     network: str
     stage: int
     epoch: int = Field(description="Grows with every change of the stage's membership.")
+    effective_round: int = Field(
+        description="The round this list applies from: a node keeps its previous list until then, so the "
+        "whole stage switches at one round boundary."
+    )
     expires_at: int = Field(description="Unix seconds after which a node must refuse this list.")
     policy: Literal["open", "probation", "allowlist"]
     admitted: list[str] = Field(description="Public keys that count in rounds, majorities and quorums.")

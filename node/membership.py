@@ -14,6 +14,10 @@ verifier's signed member list), a replica splits the live stage peers it sees in
 - **anyone else** is never read: their commitments, parts, echoes, digests and statuses are not
   fetched, so they change nothing.
 
+A replica that is itself on no list yet (it just registered; or refused), or a probationer the
+cap leaves out of a round, observes the round: it publishes nothing, reads the decided
+aggregates like everyone and steps with them, so its θ stays the stage's while it waits.
+
 A probationer earns admission at the verifier by rounds of verified work (it agreed with the
 stage's majority and passed replay spot checks); the verifier then lists it as admitted in its
 next signed member list. Without a roster (a run with no definition and no verifier: direct
@@ -33,10 +37,6 @@ if TYPE_CHECKING:
     from .roster import MemberList
 
 POLICIES = ("allowlist", "probation")
-
-
-class NotAMember(RuntimeError):
-    """This replica's wallet is on no list of the stage's roster: it cannot take part in rounds."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +95,8 @@ class Split:
     """Probationers taking part this round, sorted (at most the cap; this replica may be one)."""
     waiting: int = 0
     """Live probationers left out of this round by the cap."""
+    listed: bool = True
+    """Whether this replica is on the roster at all (False: it observes, and says why)."""
 
 
 def probation_rank(round_: int, wallet: str) -> bytes:
@@ -106,23 +108,21 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
     """The round's members and probationers from the live stage wallets this replica sees.
 
     Without a roster every live wallet is a member. With one, unlisted wallets are dropped, and
-    probationers beyond the cap wait for a later round (this replica too: it is then in neither
-    list and observes the round, stepping with the stage's aggregate); raises `NotAMember` when
-    this replica is on no list."""
+    probationers beyond the cap wait for a later round. This replica, when it is a probationer the
+    cap leaves out or on no list at all (`Split.listed` False: just registered, or refused), is in
+    neither list: it observes the round, stepping with the stage's aggregate, so it stays on the
+    stage's θ (and its hash reports agree) until it may take part."""
     wallets = set(live) | {me}
     if roster is None:
         return Split(tuple(sorted(wallets)), ())
-    if not roster.listed(me):
-        raise NotAMember(
-            f"wallet {me[:12]} is not on stage {roster.stage}'s member list ({roster.source or 'roster'}, "
-            f"policy {roster.policy})"
-        )
     members = tuple(sorted(w for w in wallets if w in roster.admitted))
     candidates = sorted(
         (w for w in wallets if w in roster.probation), key=lambda w: probation_rank(round_, w)
     )
     taken = candidates[: roster.cap.of(len(members))]
-    return Split(members, tuple(sorted(taken)), waiting=len(candidates) - len(taken))
+    return Split(
+        members, tuple(sorted(taken)), waiting=len(candidates) - len(taken), listed=roster.listed(me)
+    )
 
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:

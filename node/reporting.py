@@ -285,7 +285,7 @@ class Reporting:
             self.log,
             progress=lambda: (diloco.round, diloco.steps_in_round),
             on_peers=network.add_bootstrap,
-            on_members=lambda members: network.set_roster(roster_of(members)),
+            on_members=lambda members: network.set_roster(roster_of(members), members.effective_round),
         )
         tracker.start()
         self.tracker = tracker

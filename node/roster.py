@@ -143,6 +143,9 @@ class MemberList(_Expiring):
     stage: int
     epoch: int
     """Grows with every change of this stage's membership (verifier.members)."""
+    effective_round: int
+    """The round this list applies from: a replica keeps using the list it held before until its
+    round reaches this, so the whole stage switches member lists at one round boundary."""
     policy: str
     admitted: tuple[str, ...]
     """Wallets that count in rounds, majorities and quorums; sorted."""
@@ -157,6 +160,7 @@ class MemberList(_Expiring):
         expires_at=integer(0, MAX_COUNT),
         stage=integer(0, MAX_STAGE),
         epoch=integer(0, MAX_COUNT),
+        effective_round=integer(0, MAX_COUNT),
         policy=choice(POLICIES),
         admitted=list_of(hex_bytes(32), MAX_LISTED),
         probation=list_of(hex_bytes(32), MAX_LISTED),

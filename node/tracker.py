@@ -178,8 +178,11 @@ class TrackerConfig:
     heartbeat_s: float = 30.0
     """Seconds between heartbeats until the verifier says otherwise (its TTL / 3)."""
     timeout_s: float = 10.0
-    members_every_s: float = 15.0
+    members_every_s: float = 5.0
     """Seconds between reads of the stage's signed member list (GET /api/stages/{stage}/members)."""
+    members_waiting_s: float = 3.0
+    """The same while this wallet is not admitted: a probationer (or a wallet that just registered)
+    learns of its admission within seconds. The list is a cached read at the verifier."""
     operator_key: str | None = None
     """The verifier's (operator's) public key, hex: member lists signed by any other key are refused.
     None: member lists are not read (nothing could check them)."""
@@ -191,7 +194,14 @@ class TrackerConfig:
         self.url = _base(self.url)
         if (
             self.queue_size < 1
-            or min(self.retry_s, self.peers_every_s, self.heartbeat_s, self.timeout_s, self.members_every_s)
+            or min(
+                self.retry_s,
+                self.peers_every_s,
+                self.heartbeat_s,
+                self.timeout_s,
+                self.members_every_s,
+                self.members_waiting_s,
+            )
             <= 0
         ):
             raise ValueError(f"TrackerConfig: queue_size must be ≥ 1 and every period > 0, got {self}")
@@ -217,6 +227,7 @@ class Tracker:
         self._progress = progress
         self._on_peers = on_peers
         self._on_members = on_members
+        self._members_failing = False
         self.members: MemberList | None = None
         """The newest valid member list of this replica's stage (epoch order; an older one replayed
         to this node is refused)."""
@@ -405,8 +416,20 @@ class Tracker:
         next_beat = next_peers = next_members = 0.0
         while not self._stop.is_set():
             pause = 1.0
+            now = time.monotonic()
+            if now >= next_members:  # first: a wallet the verifier refuses still learns the list
+                try:
+                    self._members()
+                    self._members_failing = False
+                except TrackerError as exc:
+                    if not self._members_failing:  # once per outage, like _failed
+                        self._log(f"tracker: member list not read: {exc}")
+                    self._members_failing = True
+                admitted = self.members is not None and self.wallet.public_key_hex in self.members.admitted
+                next_members = now + (
+                    self.config.members_every_s if admitted else self.config.members_waiting_s
+                )
             try:
-                now = time.monotonic()
                 if not self.registered:
                     self._register()
                     next_beat = now + self.config.heartbeat_s
@@ -416,9 +439,6 @@ class Tracker:
                 if now >= next_peers:
                     self._peers()
                     next_peers = now + self.config.peers_every_s
-                if now >= next_members:
-                    next_members = now + self.config.members_every_s
-                    self._members()
                 self._deliver()
                 self._ok()
                 pause = max(0.05, min(next_beat, next_peers, next_members) - time.monotonic())

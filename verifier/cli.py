@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="probation: settled rounds with the stage majority before admission (default %(default)s)",
     )
     g.add_argument(
+        "--membership-lead-rounds",
+        type=int,
+        default=MembershipConfig().lead_rounds,
+        help="rounds after a membership change before its member list takes effect: time for every "
+        "replica to read it (default %(default)s; raise it for rounds shorter than ~10 s)",
+    )
+    g.add_argument(
         "--admission-spot-checks",
         type=int,
         help="probation: replay spot checks a stage-0 probationer must pass (default 1, 0 without "
@@ -146,7 +153,10 @@ def _membership(args: argparse.Namespace, replays: bool) -> MembershipConfig:
             "without them no probationer of stage 0 would ever be admitted"
         )
     return MembershipConfig(
-        policy=args.admission, admission_rounds=args.admission_rounds, spot_checks_required=checks
+        policy=args.admission,
+        admission_rounds=args.admission_rounds,
+        spot_checks_required=checks,
+        lead_rounds=args.membership_lead_rounds,
     )
 
 

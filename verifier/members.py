@@ -61,6 +61,10 @@ class MembershipConfig:
     members (and the roster names none for it): the first replica of a run."""
     list_ttl_s: float = 600.0
     """A member list expires this long (at most twice this) after it is signed; nodes refetch."""
+    lead_rounds: int = 2
+    """Rounds between the newest round reported when a stage's membership changes and the round its
+    new member list takes effect from: time for every replica to read it (nodes read it every 5 s,
+    3 s while not admitted; rounds are minutes at production H). Raise it for very short rounds."""
     max_probation_listed: int = 256
     """Probationers a member list names, furthest along first (rounds with the majority, then spot
     checks, then the longest waiting): a node takes at most 16 a round, and a flood of idle keys
@@ -76,6 +80,8 @@ class MembershipConfig:
             )
         if not self.list_ttl_s > 0:
             raise ValueError(f"MembershipConfig: list_ttl_s must be > 0, got {self.list_ttl_s}")
+        if self.lead_rounds < 1:
+            raise ValueError(f"MembershipConfig: lead_rounds must be ≥ 1, got {self.lead_rounds}")
         if not 0 <= self.max_probation_listed <= MAX_LISTED:
             raise ValueError(
                 f"MembershipConfig: max_probation_listed must be in [0, {MAX_LISTED}], got {self.max_probation_listed}"
@@ -130,24 +136,35 @@ def accept_roster(
 
 
 def bump_epoch(session: Session, stage: int, *, now: float) -> None:
-    """+1 on the stage's membership epoch, in the caller's transaction."""
+    """+1 on the stage's membership epoch, in the caller's transaction, noting the stage's newest
+    reported round (the list of this epoch takes effect a few rounds after it: `member_list`)."""
+    reported = session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)) or 0
     moved = session.execute(
         update(m.StageEpoch)
         .where(m.StageEpoch.stage == stage)
-        .values(epoch=m.StageEpoch.epoch + 1, changed_at=now)
+        .values(epoch=m.StageEpoch.epoch + 1, changed_at=now, changed_round=reported)
         .execution_options(synchronize_session=False)
     )
     if moved.rowcount:  # type: ignore[attr-defined]
         return
     try:
         with session.begin_nested():  # a concurrent first change of this stage may insert first
-            session.add(m.StageEpoch(stage=stage, epoch=1, changed_at=now))
+            session.add(m.StageEpoch(stage=stage, epoch=1, changed_at=now, changed_round=reported))
     except IntegrityError:
         bump_epoch(session, stage, now=now)
 
 
 def epoch(session: Session, stage: int) -> int:
     return session.scalar(select(m.StageEpoch.epoch).where(m.StageEpoch.stage == stage)) or 0
+
+
+def effective_round(session: Session, stage: int, cfg: MembershipConfig) -> int:
+    """The round the stage's current member list takes effect from: `lead_rounds` after the newest
+    round reported when it changed, so every replica has read it before it applies, and they all
+    switch lists at one round boundary (a replica holding another list than the others signs
+    another member hash, and its round fails)."""
+    changed = session.scalar(select(m.StageEpoch.changed_round).where(m.StageEpoch.stage == stage)) or 0
+    return changed + cfg.lead_rounds
 
 
 # --- standing ---------------------------------------------------------------------------------
@@ -380,6 +397,7 @@ def member_list(
             expires_at=expiry(now, cfg.list_ttl_s),
             stage=stage,
             epoch=epoch(session, stage),
+            effective_round=effective_round(session, stage, cfg),
             policy=cfg.policy,
             admitted=tuple(sorted(admitted)[:MAX_LISTED]),
             probation=tuple(sorted(probation)),

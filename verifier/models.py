@@ -234,6 +234,9 @@ class StageEpoch(Base):
     stage: Mapped[int] = mapped_column(Integer, primary_key=True)
     epoch: Mapped[int] = mapped_column(BigInteger)
     changed_at: Mapped[float] = mapped_column(Double)
+    changed_round: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """The newest round any replica of the stage had reported when the epoch last changed: the
+    member list of this epoch takes effect `MembershipConfig.lead_rounds` after it."""
 
 
 class RosterRow(Base):

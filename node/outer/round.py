@@ -100,10 +100,6 @@ LIST_BYTES_PER_MEMBER = 2048
 """Cap per member on an input list read (an entry is < 1 KB)."""
 
 
-PROBATION_GRACE = 0.05
-"""Share of the commit deadline an owner waits for probationers' commitments once every member's is in."""
-
-
 class Phase(enum.Enum):
     COMMIT = "commit"
     SCATTER = "scatter"
@@ -236,6 +232,8 @@ class _Held:
     equivocations: set[int] = field(default_factory=set)
     """Parts whose deciding signer this replica holds two claims of (zero this round)."""
     screening: list[asyncio.Future[None]] = field(default_factory=list)
+    probation_reads: asyncio.Future[Any] | None = None
+    """The probationers' commitment reads (`_probation_commitments`), started by the first screening."""
     """Owners' screenings of probationers' parts, running beside the later phases (`_settle`)."""
     gathered: dict[int, AggregateClaim] = field(default_factory=dict)
     """The claims as decided from the echoes, before any fraud proof replaced a part: what the
@@ -357,23 +355,19 @@ class OuterRound:
             else:
                 held.commitments[member] = commitment
 
-        probation = (
-            [asyncio.ensure_future(self._read_probationer(held, w)) for w in inp.probationers]
-            if self.me in inp.members  # owners screen probationers' parts; probationers read none
-            else []
-        )
         await asyncio.gather(*(read(m) for m in inp.members if m != self.me))
         result.committed = tuple(sorted(held.commitments))
-        if probation:
-            # Probationers had the members' commit window, plus a short grace; one that never
-            # commits must not hold the members' round up for the whole deadline.
-            _, late = await asyncio.wait(probation, timeout=PROBATION_GRACE * self.config.commit_timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*probation, return_exceptions=True)
-            for wallet in inp.probationers:
-                if wallet not in held.probation:
-                    result.probation.setdefault(wallet, "no commitment before the commit deadline")
+
+    def _probation_commitments(self, held: _Held) -> asyncio.Future[Any]:
+        """The probationers' commitments, read once per round in the background when this replica
+        first reduces a part (only owners and backups screen probationers). Nothing of the members'
+        round waits for them: the screening that needs them runs beside the round, and whatever is
+        not in when the round ends is cancelled (`_settle_probation`)."""
+        if held.probation_reads is None:
+            held.probation_reads = asyncio.gather(
+                *(self._read_probationer(held, w) for w in held.inp.probationers), return_exceptions=True
+            )
+        return held.probation_reads
 
     async def _read_probationer(self, held: _Held, wallet: str) -> None:
         """`wallet`'s commitment as a probationer, into `held.probation` if valid (else a verdict)."""
@@ -504,7 +498,7 @@ class OuterRound:
         assert held.result is not None
         for wallet, reason in refused.items():
             held.result.refused.setdefault(wallet, f"part {j}: {reason}")
-        if held.probation:  # in the background: nothing of the round waits for a probationer
+        if inp.probationers and self.me in inp.members:  # in the background: nothing waits for them
             held.screening.append(asyncio.ensure_future(self._screen_probationers(held, j, inputs, parts)))
 
     async def _screen_probationers(
@@ -516,6 +510,7 @@ class OuterRound:
         untouched. A probationer's verdict is its first part's (an owner usually owns one part)."""
         result = held.result
         assert result is not None
+        await asyncio.shield(self._probation_commitments(held))
         wallets = sorted(w for w in held.probation if w != self.me)
         reads = await asyncio.gather(
             *(self._read_part(held, w, j, self.config.part_timeout_s, held.probation[w]) for w in wallets)
@@ -993,15 +988,18 @@ class OuterRound:
         """End the probationers' screenings with the round: what is not done by now is cancelled and
         its probationers marked unscreened (a part that never came costs the members nothing)."""
         assert held.result is not None
-        pending = [t for t in held.screening if not t.done()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*held.screening, return_exceptions=True)
-        for wallet in held.probation if held.screening else ():  # owners only: others screen nothing
-            if wallet != self.me:
+        tasks = [*held.screening, *([held.probation_reads] if held.probation_reads is not None else [])]
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for wallet in held.inp.probationers if held.screening else ():  # owners only: others screen nothing
+            if wallet in held.probation:
                 held.result.probation.setdefault(
                     wallet, "not screened: its part did not come during the round"
                 )
+            else:
+                held.result.probation.setdefault(wallet, "no commitment during the round")
 
     def _finish(self, held: _Held) -> RoundResult:
         result = held.result

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from ..diloco import DiLoCo
-from ..membership import NotAMember, Split, StageRoster, split_members
+from ..membership import Split, StageRoster, split_members
 from ..outer.port import RoundStore, RoutedStore
 from ..outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
 from ..validation import ValidationConfig
@@ -75,6 +75,23 @@ if TYPE_CHECKING:  # attack code stays out of the honest import path
     from .byzantine import Attacker
 
 T = TypeVar("T")
+
+
+def probation_summary(verdicts: dict[str, str]) -> str:
+    """How many probationers' parts passed this owner's screening, were refused, or did not come."""
+    kinds = {"passed": 0, "refused": 0, "no commitment": 0, "not screened": 0, "other": 0}
+    for verdict in verdicts.values():
+        if verdict.endswith("passed screening (no weight)"):
+            kinds["passed"] += 1
+        elif ": refused: " in verdict:
+            kinds["refused"] += 1
+        elif verdict.startswith("no commitment"):
+            kinds["no commitment"] += 1
+        elif verdict.startswith("not screened"):
+            kinds["not screened"] += 1
+        else:
+            kinds["other"] += 1
+    return ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
 
 
 JOIN_TRIES = 3
@@ -251,7 +268,9 @@ class PeerNetwork:
         self._attacker = attacker
         """Testing only (`neuroshard-node --attack`): forges this replica's contributions."""
         self._roster: StageRoster | None = None
-        """The stage's member list (`set_roster`); None: every live stage peer is a member."""
+        """The member list in force (`set_roster`); None: every live stage peer is a member."""
+        self._rosters: list[tuple[int, StageRoster | None]] = []
+        """(effective round, roster) of the lists received, oldest first: `_roster_for` picks one."""
         limits = config.limits or ServerLimits()
         peers = PeerTable(
             own_wallet=wallet.public_key_hex,
@@ -580,17 +599,38 @@ class PeerNetwork:
 
     # --- the round hook -----------------------------------------------------------------------
 
-    def set_roster(self, roster: StageRoster | None) -> None:
+    def set_roster(self, roster: StageRoster | None, effective_round: int = 0) -> None:
         """Take the stage's member list (the operator's allowlist, or the verifier's signed list of
-        admitted and probationary wallets) from the next round on; None: every live peer counts."""
+        admitted and probationary wallets; None: every live peer counts) from round
+        `effective_round` on; until then the list held before stays in force, so every replica of
+        the stage switches lists at the same round boundary."""
         if roster is not None and roster.stage != self.stage:
             raise ValueError(f"a roster of stage {roster.stage} given to a replica of stage {self.stage}")
-        if roster != self._roster and roster is not None:
+        last = self._rosters[-1][1] if self._rosters else self._roster
+        self._rosters = [(r, x) for r, x in self._rosters if r < effective_round] + [
+            (effective_round, roster)
+        ]
+        changed = (
+            last is None
+            or roster is None
+            or (roster.admitted, roster.probation) != (last.admitted, last.probation)
+        )
+        if roster is not None and changed:
             self._log(
                 f"membership: {len(roster.admitted)} admitted, {len(roster.probation)} on probation "
-                f"({roster.policy}, {roster.source or 'roster'})"
+                f"({roster.policy}, {roster.source or 'roster'}), from round {effective_round}"
             )
-        self._roster = roster
+        if len(self._rosters) == 1:
+            self._roster = roster  # the first list a replica gets is in force at once
+
+    def _roster_for(self, round_: int) -> StageRoster | None:
+        """The list in force at `round_`: the newest one effective by then (older ones are dropped),
+        or, before any is, the one already in force."""
+        due = [i for i, (effective, _) in enumerate(self._rosters) if effective <= round_]
+        if due:
+            self._roster = self._rosters[due[-1]][1]
+            del self._rosters[: due[-1]]
+        return self._roster
 
     def _counts(self, wallet: str) -> bool:
         """Whether `wallet`'s status counts in θ-hash votes and state-sync quorums: an admitted member
@@ -606,13 +646,13 @@ class PeerNetwork:
         signs another `members_sha256`, its commitments are refused by the rest, and the θ-hash vote
         after the round re-syncs it. Liveness is each replica's own view, made to agree in the
         common cases (a crash, a join, a proven cheat); who may be a member at all comes from the
-        signed roster, so a flood of fresh wallets changes no member list. Raises `NotAMember`."""
+        signed roster, so a flood of fresh wallets changes no member list."""
 
         async def read() -> list[str]:
             return [e.wallet for e in self._exchange.stage_peers() if self._counts_as_member(e)]
 
         live = self._call(read(), timeout=10.0)
-        return split_members(live, self.wallet.public_key_hex, self._roster, round_)
+        return split_members(live, self.wallet.public_key_hex, self._roster_for(round_), round_)
 
     def _counts_as_member(self, peer: PeerEntry) -> bool:
         """A live stage peer is a member unless banned (a proven cheat owns no part; every replica
@@ -624,8 +664,8 @@ class PeerNetwork:
             return False
         if is_relay(peer.address) and self._relay is None:
             return False  # a replica behind NAT is read through the stage bucket, which this one lacks
-        if self._last_vote is None:
-            return True
+        if self._last_vote is None or not self._counts(peer.wallet):
+            return True  # a probationer is never asked for a vote: the live peer table speaks for it
         began, answered = self._last_vote
         return peer.wallet in answered or peer.first_seen >= began
 
@@ -646,13 +686,14 @@ class PeerNetwork:
         note = None
         exchange_started = time.monotonic()
         result: RoundResult | None = None
-        try:
-            split = self.members(r)
-        except NotAMember as exc:
-            self._log(f"round {r}: {exc}; stepping with this replica's Δ alone (the θ-hash vote re-syncs it)")
-            split = None
+        split: Split | None = self.members(r)
         me = self.wallet.public_key_hex
-        if split is not None and me not in split.members and me not in split.probationers:
+        if split is not None and not split.listed and self._roster is not None:
+            self._log(
+                f"round {r}: wallet {self.wallet.wallet_id} is not on stage {self.stage}'s member list "
+                f"({self._roster.source}, policy {self._roster.policy}); observing: stepping with the stage's aggregate"
+            )
+        elif split is not None and me not in split.members and me not in split.probationers:
             self._log(
                 f"round {r}: on probation, and the cap gives this round's {len(split.probationers)} slot(s) to "
                 f"others ({split.waiting} waiting); observing: stepping with the stage's aggregate"
@@ -730,10 +771,8 @@ class PeerNetwork:
         self.last_round = result
         self._log(report.line())
         if result is not None and result.probation:
-            passed = sum(v.endswith("passed screening (no weight)") for v in result.probation.values())
             self._log(
-                f"round {r}: probation: {passed} of {len(result.probation)} probationers' parts passed this "
-                f"replica's screening (no weight in the aggregate)"
+                f"round {r}: probationers (no weight in the aggregate): {probation_summary(result.probation)}"
             )
 
     def _ban(self, round_: int, cheats: dict[str, str], *, lost_vote: bool) -> None:

@@ -96,6 +96,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-every", type=int, default=1, help="rounds between the verifier's held-out measurements"
     )
+    p.add_argument(
+        "--admission",
+        choices=("open", "probation", "allowlist"),
+        default="open",
+        help="the verifier's membership policy (neuroshard-verifier --admission; default %(default)s)",
+    )
+    p.add_argument(
+        "--admission-rounds", type=int, help="probation: rounds with the majority before admission"
+    )
+    p.add_argument("--admission-spot-checks", type=int, help="probation: replay spot checks before admission")
+    p.add_argument(
+        "--membership-lead-rounds",
+        type=int,
+        help="rounds before a new member list takes effect (the verifier's default suits long rounds)",
+    )
+    p.add_argument(
+        "--roster",
+        type=int,
+        metavar="K",
+        help="the operator's signed roster names nodes 0..K-1: under --admission allowlist only they "
+        "count (default: all nodes), under probation they are admitted at once",
+    )
     p.add_argument("node_args", nargs=argparse.REMAINDER, help="after --: extra flags passed to every node")
     return p
 
@@ -310,6 +332,17 @@ def main(argv: list[str] | None = None) -> int:
         attack = args.attack if i >= args.nodes - args.byzantine else None
         wallet_id = Wallet.from_token(node_token(home)).wallet_id
         nodes.append(Node(i, port, home, wallet_id, stage=i % args.stages, attack=attack))
+    if verifier is not None and (args.admission == "allowlist" or args.roster is not None):
+        listed = nodes[: args.roster if args.roster is not None else len(nodes)]
+        stages: dict[int, list[str]] = {}
+        for node in listed:
+            stages.setdefault(node.stage, []).append(Wallet.from_token(node_token(node.home)).public_key_hex)
+        try:
+            verifier.install_roster(args.home / "swarm" / "verifier", "swarm", stages)
+        except OSError as exc:
+            verifier.stop()
+            return _fail(f"verifier: the roster was not accepted: {exc}")
+        _log(f"[swarm] the operator's roster names nodes {[n.index for n in listed]}")
 
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
@@ -354,8 +387,15 @@ def _start_verifier(args: argparse.Namespace, data: list[str]) -> SwarmVerifier:
         publisher_key=data[3],
         every_rounds=args.eval_every,
     )
+    membership = ["--admission", args.admission]
+    if args.admission_rounds is not None:
+        membership += ["--admission-rounds", str(args.admission_rounds)]
+    if args.admission_spot_checks is not None:
+        membership += ["--admission-spot-checks", str(args.admission_spot_checks)]
+    if args.membership_lead_rounds is not None:
+        membership += ["--membership-lead-rounds", str(args.membership_lead_rounds)]
     verifier = start_swarm_verifier(
-        args.home / "swarm" / "verifier", tables, args.verifier_port, args.verifier_db
+        args.home / "swarm" / "verifier", tables, args.verifier_port, args.verifier_db, membership
     )
     _log(
         f"[swarm] verifier {verifier.url}/ (dashboard; API {verifier.url}/api/training/verify), log {verifier.log_path}"

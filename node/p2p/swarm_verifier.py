@@ -24,6 +24,9 @@ from typing import Any
 from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
 
 from ..model import ModelConfig
+from ..roster import Roster
+from ..wallet import Wallet
+from .auth import sign_request
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -37,6 +40,26 @@ class SwarmVerifier:
 
     def node_flags(self) -> list[str]:
         return ["--join", self.url, "--operator-key", self.operator_key]
+
+    def install_roster(
+        self, home: Path, network: str, stages: dict[int, list[str]], days: float = 7.0
+    ) -> None:
+        """Sign the operator's roster (node.roster.Roster: these wallets per stage) with the key under
+        `home` and POST it to /api/admin/roster, as an operator would for an allowlist run."""
+        key, _ = load_or_create_signing_key(home / "operator.key")
+        operator = Wallet(key)
+        roster = Roster.build(
+            operator, network=network, version=1, expires_at=int(time.time() + days * 86400), stages=stages
+        )
+        body = roster.to_json()
+        path = "/api/admin/roster"
+        headers = {
+            **sign_request(operator, "POST", path, body, time.time()),
+            "Content-Type": "application/json",
+        }
+        request = urllib.request.Request(self.url + path, data=body, method="POST", headers=headers)
+        with urllib.request.urlopen(request, timeout=10.0) as reply:
+            reply.read()
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process.poll() is None:

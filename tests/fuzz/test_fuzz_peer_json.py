@@ -172,6 +172,7 @@ def _valid_messages() -> list[Message]:
             expires_at=2**40,
             stage=0,
             epoch=4,
+            effective_round=9,
             policy="probation",
             admitted=(SIGNER.public_key_hex,),
             probation=("ab" * 32,),

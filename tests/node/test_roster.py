@@ -21,6 +21,7 @@ def _list(epoch: int = 3, **kw: object) -> MemberList:
         "expires_at": NOW + 600,
         "stage": 0,
         "epoch": epoch,
+        "effective_round": 7,
         "policy": "probation",
         "admitted": tuple(sorted([A])),
         "probation": (B,),

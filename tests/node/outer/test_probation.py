@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuroshard.node.aggregation import aggregate as whole_vector
-from neuroshard.node.membership import NotAMember, ProbationCap, StageRoster, split_members
+from neuroshard.node.membership import ProbationCap, StageRoster, split_members
 from neuroshard.node.outer.port import MemoryHub
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult, _Held
 from neuroshard.node.wallet import Wallet
@@ -143,12 +143,12 @@ def test_the_split_counts_only_listed_wallets_and_caps_probationers() -> None:
     assert split_members({"x", "y"}, "z", None, round_=1).members == ("x", "y", "z")
 
 
-def test_a_wallet_off_the_list_is_told_so() -> None:
+def test_a_wallet_off_the_list_observes() -> None:
     roster = StageRoster(
         stage=2, policy="allowlist", admitted=frozenset({"a", "b"}), source="network definition"
     )
-    with pytest.raises(NotAMember, match="not on stage 2's member list"):
-        split_members({"a", "b"}, "c", roster, round_=0)
+    split = split_members({"a", "b"}, "c", roster, round_=0)
+    assert split.members == ("a", "b") and split.probationers == () and not split.listed
     with pytest.raises(ValueError, match="no probationers"):
         StageRoster(stage=0, policy="allowlist", admitted=frozenset({"a"}), probation=frozenset({"b"}))
 
@@ -189,3 +189,17 @@ async def test_a_probationer_left_out_by_the_cap_observes_and_steps_with_the_sta
     results = await asyncio.gather(*runs)
     assert all(torch.equal(r.aggregate, results[0].aggregate) for r in results)
     assert not any(author == observer.public_key_hex for author, _ in hub.objects)  # it published nothing
+
+
+def test_a_new_member_list_takes_effect_at_its_round_on_every_replica() -> None:
+    from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+
+    network = PeerNetwork(NetworkConfig(port=0), Wallet.from_token("sched"), stage=0, log=lambda line: None)
+    old = StageRoster(stage=0, policy="probation", admitted=frozenset({"a"}), probation=frozenset({"b"}))
+    new = StageRoster(stage=0, policy="probation", admitted=frozenset({"a", "b"}))
+    network.set_roster(old, effective_round=4)  # the first list is in force at once (a joiner)
+    assert network._roster_for(0) is old
+    network.set_roster(new, effective_round=9)
+    assert network._roster_for(8) is old and network._counts("a") and not network._counts("b")
+    assert network._roster_for(9) is new and network._counts("b")
+    assert network._roster_for(10) is new
