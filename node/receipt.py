@@ -54,9 +54,19 @@ def receipt_document(
     base_hash: str,
     delta_digest: str,
     inner_state_digest: str | None = None,
+    device: str | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of POST /api/receipts for one round (wallet ids, not public keys)."""
-    optional = {} if inner_state_digest is None else {"inner_state_digest": inner_state_digest}
+    """The JSON body of POST /api/receipts for one round (wallet ids, not public keys). `device`
+    (cpu, cuda, mps) and `precision` (fp32, bf16, fp16) state what the inner steps ran on: a replay
+    in another precision is judged with the cross-precision tolerance (verifier.replaycheck)."""
+    optional: dict[str, Any] = (
+        {} if inner_state_digest is None else {"inner_state_digest": inner_state_digest}
+    )
+    if device is not None:
+        optional["device"] = device
+    if precision is not None:
+        optional["precision"] = precision
     return {
         "stage": report.stage,
         "round": report.round,
@@ -145,6 +155,8 @@ class Receipting:
                 base_hash=base_hash,
                 delta_digest=delta_digest,
                 inner_state_digest=None if inner is None else inner.digest(),
+                device=diloco.placement.kind,
+                precision=diloco.placement.precision,
             )
         )
 

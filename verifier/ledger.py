@@ -230,6 +230,8 @@ def submit_receipt(
             result_hash=req.result_hash,
             delta_digest=req.delta_digest,
             inner_state_digest=req.inner_state_digest,
+            device=req.device,
+            precision=req.precision,
             accepted=[c.model_dump() for c in req.accepted],
             rejected=[c.model_dump() for c in req.rejected],
             equivocators=list(req.equivocators),

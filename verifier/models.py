@@ -111,6 +111,10 @@ class Receipt(Base):
     inner_state_digest: Mapped[str | None] = mapped_column(String(HASH_LEN), default=None)
     """The replica's commitment to its inner optimizer state at the round's start (node.replay);
     None from nodes that cannot be replayed (pipeline stages, older software)."""
+    device: Mapped[str | None] = mapped_column(String(8), default=None)
+    """cpu, cuda or mps: where the inner steps ran; None from older nodes (CPU)."""
+    precision: Mapped[str | None] = mapped_column(String(8), default=None)
+    """fp32, bf16 or fp16: the inner steps' precision; None from older nodes (fp32)."""
     accepted: Mapped[list[Any]] = mapped_column(JSON)
     rejected: Mapped[list[Any]] = mapped_column(JSON)
     equivocators: Mapped[list[Any]] = mapped_column(JSON)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from neuroshard.data import BatchStream, DataPosition, Manifest, ShardSource
+from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, install_inner_state
@@ -139,19 +140,21 @@ def replay_inner_steps(
     *,
     round_: int = 0,
     inner_state: InnerState | None = None,
+    placement: Placement | None = None,
 ) -> Tensor:
     """Δ = θ_round − θ_local after one inner step per batch, from θ_round, single-stage model.
 
     `round_` puts the learning-rate schedule where the replica's was (it is a function of the
     round: DiLoCo.schedule_step); with the replica's `inner_state` (AdamW moments at the
-    round's start) the replay is exact.
+    round's start) the replay is exact. `placement`: where and in what precision to replay
+    (default: CPU fp32, the verifier's; a replay matching the receipt's precision lands closer).
     """
     model = build_stage(model_config, 0, 1)
     n_params = sum(p.numel() for p in model.parameters())
     if theta_round.shape != (n_params,):
         raise SpotCheckError(f"θ_round has shape {tuple(theta_round.shape)}, the model needs ({n_params},)")
     copy_into_parameters(theta_round.float(), model.parameters())
-    diloco = DiLoCo(model, diloco_config)
+    diloco = DiLoCo(model, diloco_config, placement=placement)
     diloco.round = round_
     if inner_state is not None:
         try:

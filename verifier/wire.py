@@ -7,7 +7,7 @@ body: it is the X-NeuroShard-Wallet header the signature is checked against (ver
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -115,6 +115,15 @@ class ReceiptRequest(_Wire):
         default=None,
         description="sha256 of the replica's inner AdamW state at the round's start (node.replay.InnerState), "
         "committed before any spot check asks for it; required for a replay spot check.",
+    )
+    device: Literal["cpu", "cuda", "mps"] | None = Field(
+        default=None,
+        description="Where the inner steps ran (node.device); None from nodes before issue 14 (CPU).",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+        default=None,
+        description="The inner steps' autocast precision over fp32 master weights; picks the replay's "
+        "acceptance (verifier.replaycheck.tolerance_for). None from nodes before issue 14 (fp32).",
     )
     accepted: list[AcceptedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
     rejected: list[RejectedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
