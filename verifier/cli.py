@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--admission",
         choices=POLICIES,
-        default="open",
+        default="probation",
         help="who counts in a stage's majority: open (every registered wallet, no Sybil defence), "
         "probation (new wallets earn admission by verified rounds) or allowlist (only the operator's "
         "roster, POST /api/admin/roster) (default %(default)s)",

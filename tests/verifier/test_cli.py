@@ -123,7 +123,8 @@ def test_replay_budget_flag(network_file: Path, tmp_path: Path, capsys: pytest.C
 def test_membership_flags(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
     default = build_config(build_parser().parse_args(base))
-    assert (default.membership.policy, default.registration_pow_bits) == ("open", 0)
+    # An operator's verifier defaults to probation (issue 19); the swarm and the embedded verifier say "open".
+    assert (default.membership.policy, default.registration_pow_bits) == ("probation", 0)
     assert default.registration_limit is not None and default.registration_limit.per_hour == 60
     assert default.membership.spot_checks_required == 1  # replays are on by default
     config = build_config(
