@@ -644,6 +644,9 @@ def main() -> None:
     parser.add_argument("--splits", default="8+2,10+3", help="comma-separated honest+byzantine pairs")
     parser.add_argument("--data", default="noniid,iid", help="noniid (own region per replica), iid, or both")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1"
+    )
     parser.add_argument("--attacks", default=",".join(DEFAULT_ATTACKS), help=f"known: {', '.join(ATTACKS)}")
     parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help=f"known: {', '.join(RULES)}")
     parser.add_argument("--rounds", type=int, default=Setup.rounds)
@@ -671,7 +674,7 @@ def main() -> None:
         Job(honest=M, byzantine=K, seed=seed, attack=attack, rule=rule, data=data)
         for data in data_modes.split(",")
         for M, K in pairs
-        for seed in range(args.seeds)
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
         for attack in attack_names
         for rule in rules
     ]
