@@ -159,6 +159,11 @@ def _remembered_key(known_keys: Path | None, base: str) -> str | None:
     return path.read_text(encoding="ascii").strip() if path.exists() else None
 
 
+OPEN_MEMBERS_EVERY_S = 60.0
+"""Seconds between member-list reads while the stage's policy is ``open`` (every wallet counts:
+the list only says whether the operator changed the policy)."""
+
+
 @dataclass(kw_only=True)
 class TrackerConfig:
     url: str
@@ -354,6 +359,22 @@ class Tracker:
             self.members = members
             self._on_members(members)
 
+    def _read_members(self) -> float:
+        """`_members`, its failures logged once per outage; returns the seconds until the next read:
+        soon while this wallet is not admitted, rarely under an ``open`` policy (nothing to wait for)."""
+        try:
+            self._members()
+            self._members_failing = False
+        except TrackerError as exc:
+            if not self._members_failing:
+                self._log(f"tracker: member list not read: {exc}")
+            self._members_failing = True
+        members = self.members
+        if members is not None and members.policy == "open":
+            return OPEN_MEMBERS_EVERY_S
+        admitted = members is not None and self.wallet.public_key_hex in members.admitted
+        return self.config.members_every_s if admitted else self.config.members_waiting_s
+
     def _heartbeat(self) -> None:
         round_, steps = self._progress()
         self._post("/api/heartbeat", {"stage": self.config.stage, "round": round_, "steps_in_round": steps})
@@ -417,18 +438,6 @@ class Tracker:
         while not self._stop.is_set():
             pause = 1.0
             now = time.monotonic()
-            if now >= next_members:  # first: a wallet the verifier refuses still learns the list
-                try:
-                    self._members()
-                    self._members_failing = False
-                except TrackerError as exc:
-                    if not self._members_failing:  # once per outage, like _failed
-                        self._log(f"tracker: member list not read: {exc}")
-                    self._members_failing = True
-                admitted = self.members is not None and self.wallet.public_key_hex in self.members.admitted
-                next_members = now + (
-                    self.config.members_every_s if admitted else self.config.members_waiting_s
-                )
             try:
                 if not self.registered:
                     self._register()
@@ -448,5 +457,8 @@ class Tracker:
                 pause = self._failed(exc)
             except Exception as exc:  # a bug here must not end reporting for good, nor training
                 pause = self._failed(exc)
+            if now >= next_members:  # after the receipts (they are due first), and even when
+                next_members = now + self._read_members()  # registration was refused
+            pause = min(pause, max(0.05, next_members - time.monotonic()))
             self._wake.wait(pause)
             self._wake.clear()

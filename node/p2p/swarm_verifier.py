@@ -148,6 +148,9 @@ def start_swarm_verifier(
         "--operator-key-file", str(home / "operator.key"),
         "--log-level", "info",
         *(["--db", database_url] if database_url else []),
+        # A local test harness: every wallet counts unless the caller asks for a policy (a later
+        # --admission in extra_args wins). An operator's verifier defaults to probation.
+        "--admission", "open",
         *extra_args,
     ]  # fmt: skip
     with log_path.open("ab") as out:  # the child keeps its own copy of the descriptor

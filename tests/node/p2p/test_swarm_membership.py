@@ -43,9 +43,10 @@ def test_a_probationer_carries_no_weight_until_admitted_then_the_stage_switches_
     lines = run_swarm(
         published, tmp_path,
         "--admission", "probation", "--roster", "2", "--admission-rounds", "2", "--admission-spot-checks", "0",
-        # Rounds of ~1 s here; nodes read the list every 3-5 s: the switch must come after they have.
-        "--membership-lead-rounds", "12",
-        inner=50, steps=1200,
+        # Rounds of 0.1-1 s here; nodes read the list every 3-5 s: the switch must come after they
+        # have (a list read after its round has passed is taken at once, and the stage splits).
+        "--membership-lead-rounds", "40",
+        inner=50, steps=3000,
     )  # fmt: skip
     assert "DIFFER" not in "\n".join(lines)
     switch = {int(m.group(1)): int(m.group(2)) for m in map(TAKES_EFFECT.match, lines) if m}
@@ -55,7 +56,8 @@ def test_a_probationer_carries_no_weight_until_admitted_then_the_stage_switches_
     for node in (0, 1):  # the admitted members: the probationer's Δ is in no aggregate before `at`
         before = {agg for n, r, agg in rounds if n == node and r < at}
         after = {agg for n, r, agg in rounds if n == node and r >= at}
-        assert before == {2} and after == {3}, (node, before, after)
+        # (A member whose peer is late in a loaded round aggregates fewer: never more than the list.)
+        assert before and max(before) <= 2 and 3 in after and max(after) == 3, (node, before, after)
     # Exchanged and screened all the same: the owners report its parts passed (no weight).
     assert any(
         re.match(r"^\[[01]\] round \d+: probationers \(no weight in the aggregate\): 1 passed", x)
