@@ -203,8 +203,9 @@ class RoundResult:
     missing_parts: tuple[int, ...] = ()
     checked: tuple[int, ...] = ()
     probation: dict[str, str] = field(default_factory=dict)
-    """Probationer -> this replica's verdict on it as an owner: "part j: screened, would have been
-    accepted", or why a part of it was refused (never in any aggregate either way)."""
+    """Probationer -> this replica's verdict on it as an owner: "part j: passed screening (no
+    weight)", "part j: refused: …", or why its commitment or part did not come (never in any
+    aggregate either way)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Phase -> wall seconds spent in it."""
 
@@ -232,9 +233,9 @@ class _Held:
     equivocations: set[int] = field(default_factory=set)
     """Parts whose deciding signer this replica holds two claims of (zero this round)."""
     screening: list[asyncio.Future[None]] = field(default_factory=list)
+    """Owners' screenings of probationers' parts, running beside the later phases (`_settle_probation`)."""
     probation_reads: asyncio.Future[Any] | None = None
     """The probationers' commitment reads (`_probation_commitments`), started by the first screening."""
-    """Owners' screenings of probationers' parts, running beside the later phases (`_settle`)."""
     gathered: dict[int, AggregateClaim] = field(default_factory=dict)
     """The claims as decided from the echoes, before any fraud proof replaced a part: what the
     check seed and the digest hash, so a fraud found by some replicas only changes neither."""
