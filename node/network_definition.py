@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .actcodec import CODECS, DEFAULT_CODEC
 from .aggregation import RULES
 from .diloco import DiLoCoConfig
 from .model import MODEL_SIZES, ModelConfig
@@ -55,6 +56,14 @@ class NetworkDefinition:
     held_out_shard: int = 0
     """The shard the verifier measures on; no node trains on it (data.assign_shards excludes it).
     Shard 0 by default: it exists in every manifest and a newer manifest version never renumbers it."""
+    pipeline_codec: str = DEFAULT_CODEC
+    """``[stages] codec``: how activations and their gradients cross stage boundaries
+    (node.actcodec.CODECS); every replica of the run must use it. A definition without it means
+    the default, int8 in groups of 64. Unused when num_stages is 1."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline_codec not in CODECS:
+            raise NetworkError(f"[stages] codec {self.pipeline_codec!r} is not one of {', '.join(CODECS)}")
 
     def to_document(self) -> dict[str, Any]:
         diloco = dataclasses.asdict(self.diloco)
@@ -63,7 +72,7 @@ class NetworkDefinition:
             "format": NETWORK_FORMAT,
             "name": self.name,
             "model": self.model.to_dict(),
-            "stages": {"count": self.num_stages},
+            "stages": {"count": self.num_stages, "codec": self.pipeline_codec},
             "diloco": diloco,
             "training": {"batch_size": self.batch_size, "seq_len": self.seq_len},
             "aggregation": {"rule": self.aggregation_rule, "f": self.aggregation_f},
@@ -143,7 +152,10 @@ def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkD
     model = _model(_table(doc, "model", source), source)
     stages = _table(doc, "stages", source)
     num_stages = _int(stages, "count", f"{source}: [stages]", 1)
+    pipeline_codec = stages.pop("codec", DEFAULT_CODEC)
     _no_leftovers(stages, f"{source}: [stages]")
+    if not isinstance(pipeline_codec, str) or pipeline_codec not in CODECS:
+        raise NetworkError(f"{source}: [stages] codec {pipeline_codec!r} is not one of {', '.join(CODECS)}")
     if not 1 <= num_stages <= model.n_layers:
         raise NetworkError(f"{source}: [stages] count {num_stages} must be in 1..n_layers ({model.n_layers})")
     diloco = _diloco(_table(doc, "diloco", source), source)
@@ -187,6 +199,7 @@ def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkD
         publisher_key=publisher_key,
         evaluate_every_rounds=every,
         held_out_shard=held_out,
+        pipeline_codec=pipeline_codec,
     )
 
 

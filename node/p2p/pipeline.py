@@ -39,8 +39,9 @@ Route (every refusal is a JSON `ErrorReply`):
 | POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
 |                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
 
-422 also answers a micro-batch on which the layers overflow (non-finite loss or gradient: not
-stepped). 409 = this replica already took the micro-batch's id from this sender with another
+Bodies are packed in the run's codec (`PipelineConfig.codec`, `pipeline_wire`); a micro-batch
+in another codec is refused with 422 `wrong_codec`. 422 also answers a micro-batch on which the
+layers overflow (non-finite loss or gradient: not stepped). 409 = this replica already took the micro-batch's id from this sender with another
 payload (the sender moves on to another replica). 503 = busy (the replica is in its outer round or its queue is full; retry another);
 502 = this replica could not reach the stage after it (retry another); 500 = the step failed
 for another reason (a bug: the sender bans this replica for a while).
@@ -66,11 +67,13 @@ from ..stage_worker import Busy, Job, JobResult, StageWorker
 from ..wallet import Wallet
 from . import wire
 from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
-from .codec import HEADER_SLACK, sha256_hex
+from .codec import sha256_hex
 from .peers import PeerEntry, PeerTable
 from .pipeline_wire import (
     ACTIVATION_DTYPES,
     ACTIVATION_HEADER,
+    CODEC_NAMES,
+    DEFAULT_CODEC,
     FORWARD,
     REPLY_HEADER,
     ActivationHeader,
@@ -80,6 +83,7 @@ from .pipeline_wire import (
     decode_gradient,
     encode_activations,
     encode_gradient,
+    gradient_size_bound,
 )
 from .wire import Rejected, WireError
 
@@ -94,9 +98,14 @@ class PipelineConfig:
 
     num_stages: int
     """S: stages the model is cut into (the network's stage layout)."""
-    dtype: str = "bf16"
-    """Activations and gradients on the wire: "bf16" keeps fp32's range (small gradients do not
-    flush to zero), "fp16" keeps 3 more mantissa bits."""
+    codec: str = DEFAULT_CODEC
+    """Activations and gradients on the wire (`actcodec.CODECS`), the run's choice (network
+    definition ``[pipeline] codec``): "int8" (default, 8.25 bits per value), "hadamard4" (4 bits
+    forward, 6 back), or the uncompressed casts "bf16" (fp32's range, so small gradients do not
+    flush to zero) and "fp16" (3 more mantissa bits). A replica refuses micro-batches in another."""
+    dtype: str | None = None
+    """Before codecs: "bf16" or "fp16". Given, it names the codec of that name (kept so the
+    `--activation-dtype` flag keeps working); it may not contradict a `codec` given too."""
     max_batch: int = 64
     """Largest micro-batch (sequences) a replica accepts; sizes the body limit."""
     request_timeout_s: float = 60.0
@@ -124,8 +133,16 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.num_stages must lie in [1, {wire.MAX_STAGE + 1}], got {self.num_stages}"
             )
-        if self.dtype not in ACTIVATION_DTYPES:
-            raise ValueError(f"PipelineConfig.dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
+        if self.dtype is not None:
+            if self.dtype not in ACTIVATION_DTYPES:
+                raise ValueError(
+                    f"PipelineConfig.dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}"
+                )
+            if self.codec not in (DEFAULT_CODEC, self.dtype):
+                raise ValueError(f"PipelineConfig: dtype {self.dtype!r} contradicts codec {self.codec!r}")
+            self.codec = self.dtype
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"PipelineConfig.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
         for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s", "dedup_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -258,16 +275,16 @@ class PipelineClient:
         returns (∂loss/∂hidden (B, T, C) float32, loss). `micro_batch` is the driver's
         `micro_batch_id`, the same on every attempt and every hop."""
         batch, seq_len, dim = hidden.shape
-        dtype = self.config.dtype
+        codec = self.config.codec
         body = await asyncio.get_running_loop().run_in_executor(
-            None, encode_activations, hidden, labels, dtype
+            None, encode_activations, hidden, labels, codec
         )
         header = ActivationHeader.create(
             self.wallet, micro_batch=micro_batch, stage=self.stage + 1, round=round_, batch=batch,
-            seq_len=seq_len, dim=dim, dtype=dtype, payload_sha256=sha256_hex(body),
+            seq_len=seq_len, dim=dim, codec=codec, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
-        reply_bound = batch * seq_len * dim * 2 + HEADER_SLACK
+        reply_bound = gradient_size_bound(batch, seq_len, dim, codec)
         deadline = time.monotonic() + self.config.deadline_s
         refused: set[str] = set()
         """Replicas that already took this id with another payload: never asked again for it."""
@@ -332,17 +349,17 @@ class PipelineClient:
             answer = GradientReply.from_json(raw)
             if answer.wallet != peer.wallet or not answer.signature_valid():
                 raise WireError("reply is not signed by the replica we sent to")
-            if (answer.micro_batch, answer.stage, answer.dtype) != (
+            if (answer.micro_batch, answer.stage, answer.codec) != (
                 header.micro_batch,
                 header.stage,
-                header.dtype,
+                header.codec,
             ):
-                raise WireError("reply is for another micro-batch, stage or dtype")
+                raise WireError("reply is for another micro-batch, stage or codec")
             if sha256_hex(reply.body) != answer.payload_sha256:
                 raise WireError("reply body differs from its signed payload_sha256")
             shape = (header.batch, header.seq_len, header.dim)
             grad = await asyncio.get_running_loop().run_in_executor(
-                None, decode_gradient, reply.body, shape, header.dtype
+                None, decode_gradient, reply.body, shape, header.codec
             )
         except WireError as exc:
             return f"bad reply: {exc}"
@@ -392,7 +409,7 @@ class PipelineService:
         if route != self.ROUTE:
             return None
         cfg = self.model_config
-        return activation_size_bound(self.config.max_batch, cfg.max_seq_len, cfg.dim)
+        return activation_size_bound(self.config.max_batch, cfg.max_seq_len, cfg.dim, self.config.codec)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(FORWARD, self._forward, name=self.ROUTE)
@@ -410,6 +427,12 @@ class PipelineService:
                 422,
                 "wrong_stage",
                 f"micro-batch is for stage {header.stage}, this replica holds stage {self.stage}",
+            )
+        if header.codec != self.config.codec:
+            raise Rejected(
+                422,
+                "wrong_codec",
+                f"micro-batch is in codec {header.codec}, this run's is {self.config.codec}",
             )
         if header.dim != cfg.dim:
             raise Rejected(422, "wrong_shape", f"hidden width {header.dim} != this model's dim {cfg.dim}")
@@ -494,10 +517,10 @@ class PipelineService:
             raise Rejected(500, "step_failed", f"{type(outcome).__name__}: {outcome}")
         grad, loss, round_ = outcome
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(None, encode_gradient, grad, header.dtype)
+        body = await loop.run_in_executor(None, encode_gradient, grad, header.codec)
         reply = GradientReply.create(
             self.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
-            loss=min(max(loss, 0.0), 1e6), dtype=header.dtype, payload_sha256=sha256_hex(body),
+            loss=min(max(loss, 0.0), 1e6), codec=header.codec, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         self.served += 1
         response = web.Response(

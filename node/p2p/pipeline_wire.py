@@ -6,8 +6,12 @@ loss, computed by the receiver and whatever stages follow it. Metadata is a sign
 header next to a safetensors body, bound to it by ``payload_sha256`` (the request signature
 covers the body, not the HTTP headers, so the header signs itself like a contribution does).
 
-Activations and gradients travel in bf16 (default: fp32's exponent range, so small gradients
-do not underflow) or fp16; labels as int32 (-100 = ignored position).
+Activations and gradients travel through the run's codec (`node.actcodec`, named in the signed
+network definition and in every header): ``int8`` by default (absmax in groups of 64 along C,
+bf16 scales: 8.25 bits per value), ``hadamard4`` (4 bits forward, 6 back, after a fixed rotation
+of each group), or the uncompressed casts ``bf16`` and ``fp16``. The packed codes and scales are
+tensors of the same safetensors body; decoding is a pure function of the bytes. Labels travel
+as int32 (-100 = ignored position), never as floats.
 
 A micro-batch's id names it across retries and hops: the driver derives it from its wallet,
 its outer round and its inner step (`micro_batch_id`), every hop forwards it unchanged, and each
@@ -26,7 +30,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from .codec import HEADER_SLACK, Layout, all_finite, check_layout
+from .. import actcodec
+from ..actcodec import CODECS, DEFAULT_CODEC, Codec, PayloadError
+from .codec import HEADER_SLACK, Layout, check_layout
 from .wire import (
     MAX_COUNT,
     MAX_STAGE,
@@ -44,9 +50,11 @@ FORWARD = "/p2p/pipeline/forward"
 ACTIVATION_HEADER = "X-NeuroShard-Activation"
 REPLY_HEADER = "X-NeuroShard-Gradient"
 
+CODEC_NAMES = tuple(CODECS)
 ACTIVATION_DTYPES = ("bf16", "fp16")
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_DTYPES = {"bf16": "BF16", "fp16": "F16"}
+"""The uncompressed codecs, named as the pipeline's dtypes were before codecs (`--activation-dtype`)."""
+LABEL_BYTES = 4
+"""Labels are int32 on the wire."""
 MICRO_BATCH_BYTES = 16
 MAX_LOSS = 1e6
 IGNORE_LABEL = -100
@@ -61,7 +69,7 @@ class ActivationHeader(Signed):
     """One micro-batch on its way to `stage`: who sends it, its id and its shapes."""
 
     NAME = "activation header"
-    DOMAIN = b"neuroshard/activation/v1"
+    DOMAIN = b"neuroshard/activation/v2"
     micro_batch: str
     """`micro_batch_id` of the driver (stage 0); kept by every hop, echoed in the reply."""
     stage: int
@@ -71,8 +79,8 @@ class ActivationHeader(Signed):
     batch: int
     seq_len: int
     dim: int
-    dtype: str
-    """"bf16" or "fp16": the dtype of the hidden state and of the gradient sent back."""
+    codec: str
+    """The run's pipeline codec (`actcodec.CODECS`): how the hidden state and the gradient sent back are packed."""
     payload_sha256: str
 
     FIELDS = schema(
@@ -83,7 +91,7 @@ class ActivationHeader(Signed):
         batch=integer(1, 1 << 16),
         seq_len=integer(1, 1 << 20),
         dim=integer(1, 1 << 20),
-        dtype=choice(ACTIVATION_DTYPES),
+        codec=choice(CODEC_NAMES),
         payload_sha256=hex_bytes(32),
     )
 
@@ -93,7 +101,7 @@ class GradientReply(Signed):
     """The answer to a micro-batch: signed by the replica that processed it."""
 
     NAME = "gradient reply"
-    DOMAIN = b"neuroshard/gradient/v1"
+    DOMAIN = b"neuroshard/gradient/v2"
     micro_batch: str
     stage: int
     """The replier's stage."""
@@ -101,7 +109,8 @@ class GradientReply(Signed):
     """The replier's outer round when it stepped on this micro-batch."""
     loss: float
     """Mean cross-entropy of the micro-batch, computed by the last stage."""
-    dtype: str
+    codec: str
+    """The codec of the gradient in the body: the one of the activation header it answers."""
     payload_sha256: str
 
     FIELDS = schema(
@@ -110,7 +119,7 @@ class GradientReply(Signed):
         stage=integer(1, MAX_STAGE),
         round=integer(0, MAX_COUNT),
         loss=number(0.0, MAX_LOSS),
-        dtype=choice(ACTIVATION_DTYPES),
+        codec=choice(CODEC_NAMES),
         payload_sha256=hex_bytes(32),
     )
 
@@ -129,23 +138,40 @@ def micro_batch_id(driver_wallet_hex: str, round_: int, sequence: int) -> str:
     return digest.hexdigest()[: 2 * MICRO_BATCH_BYTES]
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in _TORCH_DTYPES:
-        raise InvalidMessage(f"activation dtype {dtype!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
-    return _TORCH_DTYPES[dtype]
+def pipeline_codec(name: str) -> Codec:
+    """The codec named in a header; InvalidMessage if there is none of that name."""
+    if name not in CODECS:
+        raise InvalidMessage(f"pipeline codec {name!r} is not one of {', '.join(CODEC_NAMES)}")
+    return CODECS[name]
 
 
-def activation_layout(batch: int, seq_len: int, dim: int, dtype: str) -> Layout:
-    return {HIDDEN: (_ST_DTYPES[dtype], (batch, seq_len, dim)), LABELS: ("I32", (batch, seq_len))}
+def activation_layout(batch: int, seq_len: int, dim: int, codec: str) -> Layout:
+    shape = (batch, seq_len, dim)
+    return {
+        **actcodec.layout(pipeline_codec(codec).forward, HIDDEN, shape),
+        LABELS: ("I32", (batch, seq_len)),
+    }
 
 
-def gradient_layout(batch: int, seq_len: int, dim: int, dtype: str) -> Layout:
-    return {GRAD: (_ST_DTYPES[dtype], (batch, seq_len, dim))}
+def gradient_layout(batch: int, seq_len: int, dim: int, codec: str) -> Layout:
+    return actcodec.layout(pipeline_codec(codec).backward, GRAD, (batch, seq_len, dim))
 
 
-def activation_size_bound(max_batch: int, max_seq_len: int, dim: int) -> int:
-    """Largest forward body: hidden at 2 bytes per value plus int32 labels."""
-    return max_batch * max_seq_len * (2 * dim + 4) + HEADER_SLACK
+def bytes_per_token(codec: str, dim: int) -> tuple[int, int]:
+    """(forward, backward) payload bytes per token at one stage boundary: the packed hidden state
+    plus its int32 label, and the packed gradient (safetensors headers not counted)."""
+    c = pipeline_codec(codec)
+    return c.forward.bytes_per_row(dim) + LABEL_BYTES, c.backward.bytes_per_row(dim)
+
+
+def activation_size_bound(max_batch: int, max_seq_len: int, dim: int, codec: str = DEFAULT_CODEC) -> int:
+    """Largest forward body in `codec`: packed hidden state plus int32 labels."""
+    return max_batch * max_seq_len * bytes_per_token(codec, dim)[0] + HEADER_SLACK
+
+
+def gradient_size_bound(batch: int, seq_len: int, dim: int, codec: str) -> int:
+    """The exact-layout bound on a reply body for a micro-batch of (batch, seq_len, dim)."""
+    return batch * seq_len * bytes_per_token(codec, dim)[1] + HEADER_SLACK
 
 
 def _load(data: bytes) -> dict[str, Tensor]:
@@ -155,29 +181,37 @@ def _load(data: bytes) -> dict[str, Tensor]:
         raise MalformedMessage(f"safetensors body does not load: {exc}") from None
 
 
-def _finite(x: Tensor, what: str) -> Tensor:
-    values = x.float().reshape(-1)
-    if not all_finite(values):
-        raise InvalidMessage(f"{what} has non-finite values (NaN or inf)")
-    return x
+def _encode(x: Tensor, fmt: actcodec.Format, name: str, what: str) -> dict[str, Tensor]:
+    try:
+        return actcodec.encode(x, fmt, name)
+    except ValueError as exc:
+        raise InvalidMessage(f"{what}: {exc}") from None
 
 
-def encode_activations(hidden: Tensor, labels: Tensor, dtype: str) -> bytes:
-    """hidden (B, T, C) any float dtype, labels (B, T) integer -> safetensors bytes."""
-    return st_save(
-        {
-            HIDDEN: hidden.detach().to(torch_dtype(dtype)).contiguous(),
-            LABELS: labels.detach().to(torch.int32).contiguous(),
-        }
-    )
+def _decode(tensors: dict[str, Tensor], fmt: actcodec.Format, name: str, shape: tuple[int, ...]) -> Tensor:
+    try:
+        return actcodec.decode(tensors, fmt, name, shape)
+    except PayloadError as exc:
+        raise InvalidMessage(str(exc)) from None
+
+
+def encode_activations(hidden: Tensor, labels: Tensor, codec: str) -> bytes:
+    """hidden (B, T, C) finite floats, labels (B, T) integers -> safetensors bytes in `codec`
+    (InvalidMessage if hidden has NaN or inf: nothing a receiver could train on)."""
+    if labels.is_floating_point():
+        raise ValueError(f"labels must be integer token ids, got {labels.dtype}")
+    tensors = _encode(hidden, pipeline_codec(codec).forward, HIDDEN, "hidden state")
+    return st_save({**tensors, LABELS: labels.detach().to(torch.int32).contiguous()})
 
 
 def decode_activations(data: bytes, header: ActivationHeader, vocab_size: int) -> tuple[Tensor, Tensor]:
     """Safetensors bytes -> (hidden (B, T, C) float32, labels (B, T) int64), checked against the header:
-    exact layout (MalformedMessage, 400), finite hidden and labels in [0, vocab) or -100 (InvalidMessage, 422)."""
-    check_layout(data, activation_layout(header.batch, header.seq_len, header.dim, header.dtype))
+    exact layout (MalformedMessage, 400), codes, scales and decoded hidden state valid and finite,
+    labels in [0, vocab) or -100 (InvalidMessage, 422)."""
+    shape = (header.batch, header.seq_len, header.dim)
+    check_layout(data, activation_layout(*shape, header.codec))
     tensors = _load(data)
-    hidden = _finite(tensors[HIDDEN], "hidden state").float()
+    hidden = _decode(tensors, pipeline_codec(header.codec).forward, HIDDEN, shape)
     labels = tensors[LABELS].long()
     bad = (labels != IGNORE_LABEL) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
@@ -185,11 +219,12 @@ def decode_activations(data: bytes, header: ActivationHeader, vocab_size: int) -
     return hidden, labels
 
 
-def encode_gradient(grad: Tensor, dtype: str) -> bytes:
-    return st_save({GRAD: _finite(grad.detach(), "gradient").to(torch_dtype(dtype)).contiguous()})
+def encode_gradient(grad: Tensor, codec: str) -> bytes:
+    """∂loss/∂hidden (B, T, C) -> safetensors bytes in `codec`; InvalidMessage if not finite."""
+    return st_save(_encode(grad, pipeline_codec(codec).backward, GRAD, "gradient"))
 
 
-def decode_gradient(data: bytes, shape: tuple[int, int, int], dtype: str) -> Tensor:
+def decode_gradient(data: bytes, shape: tuple[int, int, int], codec: str) -> Tensor:
     """Safetensors bytes -> ∂loss/∂hidden float32 of exactly `shape`, all finite."""
-    check_layout(data, gradient_layout(*shape, dtype))
-    return _finite(_load(data)[GRAD], "gradient").float()
+    check_layout(data, gradient_layout(*shape, codec))
+    return _decode(_load(data), pipeline_codec(codec).backward, GRAD, shape)

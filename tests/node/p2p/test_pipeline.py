@@ -24,6 +24,7 @@ import torch
 from aiohttp import ClientSession, test_utils
 from safetensors.torch import save as st_save
 
+from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.auth import sign_request
@@ -141,7 +142,7 @@ def _micro_batch(seed: int = 0, batch: int = B) -> tuple[torch.Tensor, torch.Ten
 
 def _signed(sender: Wallet, body: bytes, **over: Any) -> ActivationHeader:
     values: dict[str, Any] = dict(
-        micro_batch="ab" * 16, stage=1, round=0, batch=B, seq_len=T, dim=MODEL.dim, dtype="bf16",
+        micro_batch="ab" * 16, stage=1, round=0, batch=B, seq_len=T, dim=MODEL.dim, codec=PIPE.codec,
         payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return ActivationHeader.create(sender, **{**values, **over})
@@ -183,13 +184,13 @@ async def served(make_node, wallets) -> AsyncIterator[Served]:  # type: ignore[n
 @pytest.mark.asyncio
 async def test_a_valid_micro_batch_is_trained_on_and_answered_with_a_signed_gradient(served, wallets) -> None:
     hidden, labels = _micro_batch()
-    body = encode_activations(hidden, labels, "bf16")
+    body = encode_activations(hidden, labels, PIPE.codec)
     status, headers, reply_body = await served.send(wallets[1], body, _signed(wallets[1], body))
     assert status == 200, reply_body
     reply = GradientReply.from_json(headers[REPLY_HEADER])
     assert reply.wallet == served.wallet.public_key_hex and reply.signature_valid()
     assert reply.micro_batch == "ab" * 16 and reply.payload_sha256 == sha256_hex(reply_body)
-    grad = decode_gradient(reply_body, (B, T, MODEL.dim), "bf16")
+    grad = decode_gradient(reply_body, (B, T, MODEL.dim), PIPE.codec)
     assert grad.shape == (B, T, MODEL.dim) and grad.abs().sum() > 0
     assert 0 < reply.loss < 10 and served.worker.diloco.step == 1
 
@@ -199,21 +200,27 @@ def _pickle_body() -> bytes:
 
 
 def _nan_body() -> bytes:
+    """A NaN scale in the run's codec (an honest sender cannot encode NaN: encoding refuses it)."""
     hidden, labels = _micro_batch()
-    hidden[0, 0, 0] = float("nan")
-    return encode_activations(hidden, labels, "bf16")
+    tensors = actcodec.encode(hidden, actcodec.codec(PIPE.codec).forward, "hidden")
+    tensors["hidden.scales"][0, 0, 0] = float("nan")
+    return st_save({**tensors, "labels": labels.int()})
+
+
+def _bf16_body() -> bytes:
+    return encode_activations(*_micro_batch(), "bf16")
 
 
 def _overflowing_body() -> bytes:
     """Finite in bf16, but the layers overflow on it (the gradient through RMSNorm is not finite)."""
     hidden, labels = _micro_batch()
-    return encode_activations(torch.full_like(hidden, 3e38), labels, "bf16")
+    return encode_activations(torch.full_like(hidden, 3e38), labels, PIPE.codec)
 
 
 def _bad_labels_body() -> bytes:
     hidden, labels = _micro_batch()
     labels[1, 3] = MODEL.vocab_size
-    return encode_activations(hidden, labels, "bf16")
+    return encode_activations(hidden, labels, PIPE.codec)
 
 
 def _fp16_body() -> bytes:
@@ -221,7 +228,7 @@ def _fp16_body() -> bytes:
 
 
 def _good_body() -> bytes:
-    return encode_activations(*_micro_batch(), "bf16")
+    return encode_activations(*_micro_batch(), PIPE.codec)
 
 
 def _truncated_body() -> bytes:
@@ -238,8 +245,9 @@ BAD_CASES: dict[str, BadCase] = {
     "pickle": (_pickle_body, {}, 400, "malformed"),
     "truncated safetensors": (_truncated_body, {}, 400, "malformed"),
     "extra tensor": (_extra_tensor_body, {}, 400, "malformed"),
-    "dtype differs from header": (_fp16_body, {}, 400, "malformed"),
-    "NaN hidden": (_nan_body, {}, 422, "invalid"),
+    "codec differs from header": (_fp16_body, {}, 400, "malformed"),
+    "codec not the run's": (_bf16_body, {"codec": "bf16"}, 422, "wrong_codec"),
+    "NaN scale": (_nan_body, {}, 422, "invalid"),
     "label out of vocabulary": (_bad_labels_body, {}, 422, "invalid"),
     "overflow inside the layers": (_overflowing_body, {}, 422, "non_finite"),
     "wrong stage": (_good_body, {"stage": 2}, 422, "wrong_stage"),
@@ -444,7 +452,7 @@ async def test_an_id_taken_with_another_payload_is_refused_409_and_changes_nothi
     body = _good_body()
     assert (await served.send(wallets[1], body, _signed(wallets[1], body, micro_batch="0c" * 16)))[0] == 200
     before = served.fingerprint()
-    other = encode_activations(*_micro_batch(seed=5), "bf16")
+    other = encode_activations(*_micro_batch(seed=5), PIPE.codec)
     status, _, reply = await served.send(wallets[1], other, _signed(wallets[1], other, micro_batch="0c" * 16))
     assert (status, ErrorReply.from_json(reply).error) == (409, "micro_batch_reused")
     await asyncio.sleep(0.05)
@@ -469,7 +477,7 @@ async def test_a_micro_batch_whose_reply_was_lost_is_not_trained_again(make_node
             await asyncio.sleep(0.01)
         status, headers, grad_body = await s.send(wallets[1], body, header)
         assert status == 200 and GradientReply.from_json(headers[REPLY_HEADER]).micro_batch == "0d" * 16
-        assert decode_gradient(grad_body, (B, T, MODEL.dim), "bf16").abs().sum() > 0
+        assert decode_gradient(grad_body, (B, T, MODEL.dim), PIPE.codec).abs().sum() > 0
         await asyncio.sleep(0.05)
         assert s.worker.diloco.step == 1 and s.service.duplicates == 1
 
@@ -486,7 +494,7 @@ async def test_a_driver_refused_409_sends_the_micro_batch_elsewhere_without_a_ba
         _serve(make_node(wallets[2], stage=1), wallets[2]) as (b, _),
     ):
         # Replica a trained micro-batch 0 before the driver restarted and recomputed it differently.
-        earlier = encode_activations(*_micro_batch(4), "bf16")
+        earlier = encode_activations(*_micro_batch(4), PIPE.codec)
         assert (await a.send(driver, earlier, _signed(driver, earlier, micro_batch=id_)))[0] == 200
         now = time.time()
         table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)

@@ -1,0 +1,282 @@
+"""Activations and activation gradients for the pipeline wire, compressed: the maths only.
+
+A stage boundary carries one (…, C) float tensor per micro-batch in each direction: the hidden
+state forward, ∂loss/∂hidden back. A *format* says how one such tensor is packed; a *codec*
+pairs a forward format with a backward one and is chosen per run (the network definition's
+``[pipeline] codec``; ``p2p.pipeline_wire`` puts the packed tensors in its safetensors bodies).
+
+Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the last zero-padded):
+
+- ``bf16``, ``fp16``: x cast, 2 bytes per value (the wire before compression).
+- ``int8``: absmax per group: scale s = max|x| / 127 (stored in bf16, rounded up) and codes
+  round(x / s) in [-127, 127]; 64 + 2 bytes per 64 values = 8.25 bits. One range per group,
+  not per tensor: activations have outlier channels (LLM.int8(), Dettmers et al. 2022) that a
+  per-tensor range would let flatten every other channel to zero.
+- ``h8``, ``h6``, ``h4``: the same with 8, 6 or 4 bits after a fixed rotation of each group,
+  y = H·D·x / 8 (H the 64×64 Sylvester–Hadamard matrix, D fixed ±1 signs): the rotation
+  spreads one outlier over the whole group, so the group's range fits its typical values
+  (QuaRot, Ashkboos et al. 2024; TAH-Quant, 2025, rotates pipeline activations the same way).
+
+Scales are bf16, not fp16: ∂loss/∂hidden of a mean loss over B·T tokens is ~1e-5 per value for
+the tiny model at 8×128 (so s ~ 1e-7), below fp16's smallest normal (6.1e-5) and near its
+smallest subnormal (6e-8); bf16 has fp32's exponent range at the same 2 bytes. Rounding the
+scale up keeps every code within range; its 8-bit mantissa costs at most 0.4% of a step.
+
+Decoding depends only on the bytes and runs in a fixed order with one rounding per value:
+codes unpacked with integer operations, the inverse rotation H·q computed on the integer codes
+(exact in int32: |H·q| ≤ 64·127), then one float32 product with the group's scale, then ×1/8 and
+×±1 (exact). So a decoded tensor is the same bits whatever the thread count or the machine, and
+the receiving stage's step is a pure function of what it was sent. Encoding need not be: its
+output is hashed and signed as sent.
+
+Codes are stored offset to unsigned, u = q + 2^(bits−1) in [1, 2^bits − 1], packed little-endian
+bit by bit (value i's bit j at bit i·bits + j of its group's 8·bits bytes); u = 0 (the asymmetric
+code −2^(bits−1)) is refused, as are non-finite or negative scales and, without rotation, padding
+that does not decode to zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+from torch import Tensor
+
+GROUP = 64
+"""Values per quantisation group along the hidden dimension. Part of the protocol."""
+_SCALE = 0.125
+"""1/sqrt(GROUP): H/8 is orthonormal, and ×1/8 is exact in binary floating point."""
+
+
+class PayloadError(ValueError):
+    """Packed values that no honest encoder produces: bad codes, scales, padding or a non-finite result."""
+
+
+def _fixed_signs() -> Tensor:
+    """D: GROUP fixed ±1 signs, the bits of sha256("neuroshard/actcodec/signs/v1")."""
+    digest = hashlib.sha256(b"neuroshard/actcodec/signs/v1").digest()
+    bits = [(digest[i // 8] >> (i % 8)) & 1 for i in range(GROUP)]
+    return torch.tensor([1 - 2 * b for b in bits], dtype=torch.int32)
+
+
+_SIGNS = _fixed_signs()
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one (…, C) tensor travels."""
+
+    name: str
+    bits: int
+    """Bits per value: 16 for the float casts, 4, 6 or 8 for codes."""
+    rotate: bool = False
+    """Rotate each group by H·D/8 before quantising (quantised formats only)."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def bytes_per_row(self, dim: int) -> int:
+        """Bytes of one (C,) row, e.g. one token's hidden state."""
+        if not self.quantized:
+            return 2 * dim
+        return groups(dim) * (8 * self.bits + 2)
+
+
+BF16 = Format("bf16", 16)
+FP16 = Format("fp16", 16)
+INT8 = Format("int8", 8)
+FORMATS = MappingProxyType(
+    {
+        f.name: f
+        for f in (
+            BF16,
+            FP16,
+            INT8,
+            Format("int4", 4),
+            Format("h8", 8, True),
+            Format("h6", 6, True),
+            Format("h4", 4, True),
+        )
+    }
+)
+_CASTS = {"bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A pipeline codec: the format of activations forward and of their gradients back."""
+
+    name: str
+    forward: Format
+    backward: Format
+
+
+CODECS = MappingProxyType(
+    {
+        "bf16": Codec("bf16", BF16, BF16),
+        "fp16": Codec("fp16", FP16, FP16),
+        "int8": Codec("int8", INT8, INT8),
+        # 4 bits forward, 6 back: gradients lose more to coarse codes than activations do
+        # (TAH-Quant, 2025: ≈4.3 bits forward, ≈6.5 back at unchanged convergence on GPT-2 XL).
+        "hadamard4": Codec("hadamard4", FORMATS["h4"], FORMATS["h6"]),
+    }
+)
+DEFAULT_CODEC = "int8"
+"""The run's codec when its definition names none: 8.25 bits per value, ≈0.52× bf16's bytes."""
+
+
+def codec(name: str) -> Codec:
+    if name not in CODECS:
+        raise ValueError(f"pipeline codec {name!r} is not one of {', '.join(CODECS)}")
+    return CODECS[name]
+
+
+def groups(dim: int) -> int:
+    return math.ceil(dim / GROUP)
+
+
+# --- layout: the tensors a packed (…, C) tensor becomes ----------------------------------------
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+"""Tensor name -> (safetensors dtype, shape), as `p2p.codec.check_layout` takes it."""
+
+
+def codes_name(name: str) -> str:
+    return f"{name}.codes"
+
+
+def scales_name(name: str) -> str:
+    return f"{name}.scales"
+
+
+def layout(fmt: Format, name: str, shape: tuple[int, ...]) -> Layout:
+    """The safetensors tensors of a (…, C) tensor `name` of `shape` packed in `fmt`."""
+    if not fmt.quantized:
+        return {name: (_CASTS[fmt.name][1], tuple(shape))}
+    *lead, dim = shape
+    g = groups(dim)
+    return {
+        codes_name(name): ("I8", (*lead, g, 8 * fmt.bits)),  # (…, G, 8·bits) packed codes
+        scales_name(name): ("BF16", (*lead, g)),  # (…, G)
+    }
+
+
+# --- encoding (sender) ------------------------------------------------------------------------
+
+
+def encode(x: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
+    """x (…, C) finite floats -> the tensors of `layout(fmt, name, x.shape)`. ValueError if x has
+    non-finite values, or values whose rotation overflows float32."""
+    x = x.detach().float().contiguous()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} has non-finite values (NaN or inf); refusing to encode it")
+    if not fmt.quantized:
+        return {name: x.to(_CASTS[fmt.name][0])}
+    *lead, dim = x.shape
+    g = groups(dim)
+    padded = torch.zeros(*lead, g * GROUP, dtype=torch.float32)
+    padded[..., :dim] = x
+    y = padded.view(*lead, g, GROUP)  # (…, G, 64)
+    if fmt.rotate:
+        y = _hadamard(y * _SIGNS.float()) * _SCALE
+        if not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{name}: values up to {float(x.abs().max()):.3g} overflow the rotation")
+    scale = _bf16_ceil(y.abs().amax(dim=-1) / fmt.qmax)  # (…, G) bf16
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: codes 0, not NaN
+    q = (y / safe[..., None]).round_().clamp_(-fmt.qmax, fmt.qmax).to(torch.int32)
+    u = (q + (fmt.qmax + 1)).to(torch.uint8)
+    return {codes_name(name): _pack(u, fmt.bits).view(torch.int8), scales_name(name): scale}
+
+
+def _bf16_ceil(s: Tensor) -> Tensor:
+    """Non-negative finite float32 s -> the smallest bf16 ≥ s (so no code exceeds qmax)."""
+    b = s.to(torch.bfloat16)
+    low = b.float() < s
+    bumped = (b.view(torch.int16) + 1).view(torch.bfloat16)  # next bf16 up, for positive b
+    return torch.where(low, bumped, b)
+
+
+def _pack(u: Tensor, bits: int) -> Tensor:
+    """u (…, 64) uint8 < 2^bits -> (…, 8·bits) uint8, value i's bit j at bit i·bits + j."""
+    if bits == 8:
+        return u.contiguous()
+    shifts = torch.arange(bits, dtype=torch.uint8)
+    bitv = ((u.unsqueeze(-1) >> shifts) & 1).reshape(*u.shape[:-1], 8 * bits, 8)  # (…, 8b, 8)
+    out = torch.zeros(bitv.shape[:-1], dtype=torch.uint8)
+    for k in range(8):
+        out |= bitv[..., k] << k
+    return out
+
+
+def _unpack(packed: Tensor, bits: int) -> Tensor:
+    """The inverse of `_pack`: (…, 8·bits) uint8 -> (…, 64) uint8."""
+    if bits == 8:
+        return packed
+    bitv = torch.stack([(packed >> k) & 1 for k in range(8)], dim=-1)  # (…, 8b, 8)
+    bitv = bitv.reshape(*packed.shape[:-1], GROUP, bits)
+    out = torch.zeros(bitv.shape[:-1], dtype=torch.uint8)
+    for j in range(bits):
+        out |= bitv[..., j] << j
+    return out
+
+
+def _hadamard(y: Tensor) -> Tensor:
+    """H·y over the last dimension (GROUP, a power of two), unnormalised: log2(GROUP) butterfly
+    stages of sums and differences in a fixed order. Exact on integer tensors."""
+    n = y.shape[-1]
+    lead = y.shape[:-1]
+    h = 1
+    while h < n:
+        pairs = y.reshape(*lead, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, n)
+        h *= 2
+    return y
+
+
+# --- decoding (receiver) ----------------------------------------------------------------------
+
+
+def decode(tensors: dict[str, Tensor], fmt: Format, name: str, shape: tuple[int, ...]) -> Tensor:
+    """The tensors of `layout(fmt, name, shape)` (their layout already checked) -> float32 of
+    `shape`, or PayloadError. A pure function of the bytes (see the module docstring)."""
+    if not fmt.quantized:
+        x = tensors[name].float()
+        if not bool(torch.isfinite(x).all()):
+            raise PayloadError(f"{name} has non-finite values (NaN or inf)")
+        return x
+    *lead, dim = shape
+    scale = tensors[scales_name(name)].float()  # (…, G)
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise PayloadError(f"{name}: scales must be finite and non-negative")
+    u = _unpack(tensors[codes_name(name)].view(torch.uint8), fmt.bits)  # (…, G, 64)
+    if bool((u == 0).any()):
+        raise PayloadError(f"{name}: code -{fmt.qmax + 1} is outside the symmetric range ±{fmt.qmax}")
+    q = u.to(torch.int32) - (fmt.qmax + 1)
+    if fmt.rotate:
+        # D·(H·q)·s/8: the integer transform is exact, then one rounding (×s), then exact ×1/8, ×±1.
+        y = _hadamard(q).float() * scale[..., None]
+        x = y * _SCALE * _SIGNS.float()
+    else:
+        pad = groups(dim) * GROUP - dim
+        if pad and bool(q[..., -1, GROUP - pad :].any()):
+            raise PayloadError(f"{name}: padding after the last of {dim} values must be zero")
+        x = q.float() * scale[..., None]
+    x = x.reshape(*lead, groups(dim) * GROUP)[..., :dim].contiguous()
+    if not bool(torch.isfinite(x).all()):
+        raise PayloadError(f"{name}: scales too large, decoded values are not finite")
+    return x
+
+
+def round_trip(x: Tensor, fmt: Format) -> Tensor:
+    """decode(encode(x)): what the receiver gets for x, float32 (simulations, benchmarks, tests)."""
+    return decode(encode(x, fmt, "x"), fmt, "x", tuple(x.shape))
