@@ -3,7 +3,7 @@
 Both train the same model (same init), with the same batch shape, optimizer settings, device,
 precision and thread count. Ours is the real `Trainer.run`: shard streaming, DiLoCo inner steps
 (AdamW, clipping, schedule), outer steps at round ends (θ_round and Δ on the CPU), periodic
-checkpoints and progress lines. The baseline is the loop a PyTorch user writes by hand over
+checkpoints and progress lines (each run prints where its wall time went). The baseline is the loop a PyTorch user writes by hand over
 batches already on the device (same autocast, same fused AdamW). Runs alternate (ours, bare,
 ours, bare, …) so drift in machine speed hits both alike.
 
@@ -81,6 +81,8 @@ def ours(
     batch: int,
     seq: int,
     placement: Placement,
+    checkpoint_every: int,
+    breakdowns: list[str],
 ) -> float:  # type: ignore[no-untyped-def]
     with tempfile.TemporaryDirectory() as ckpt:
         trainer = Trainer(
@@ -89,7 +91,11 @@ def ours(
             model_config=model_cfg,
             diloco_config=diloco_cfg,
             config=TrainerConfig(
-                batch_size=batch, seq_len=seq, max_steps=steps, checkpoint_every=50, log_every=50
+                batch_size=batch,
+                seq_len=seq,
+                max_steps=steps,
+                checkpoint_every=checkpoint_every,
+                log_every=50,
             ),
             checkpoint_dir=Path(ckpt),
             log=lambda line: None,
@@ -99,9 +105,13 @@ def ours(
         trainer.batches.position = DataPosition()
         _sync(placement)
         start = time.perf_counter()
-        trainer.run(threading.Event())
+        result = trainer.run(threading.Event())
         _sync(placement)
         elapsed = time.perf_counter() - start
+        skipped = (
+            f", {trainer.checkpoints_skipped} checkpoint turns skipped" if trainer.checkpoints_skipped else ""
+        )
+        breakdowns.append(result.breakdown() + skipped)
     return steps * batch * seq / elapsed
 
 
@@ -148,6 +158,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--precision", default="auto", help="auto, fp32, bf16, fp16")
+    parser.add_argument("--inner-steps", type=int, default=100, help="H (the node's default: 100)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints (the node's default: 50)"
+    )
     parser.add_argument(
         "--peak-tflops", type=float, help="the device's peak dense TFLOP/s (default: known GPUs)"
     )
@@ -158,7 +172,9 @@ def main() -> None:
     dataset = quick_dataset() if args.quick else bench_dataset(args.text)
     print(f"text: {'the quick text' if args.quick else args.text}")
     model_cfg = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
-    diloco_cfg = DiLoCoConfig(inner_steps=100, warmup_steps=min(20, args.steps), total_steps=args.steps)
+    diloco_cfg = DiLoCoConfig(
+        inner_steps=args.inner_steps, warmup_steps=min(20, args.steps), total_steps=args.steps
+    )
     probe = Trainer(
         wallet_id="bench",
         dataset=dataset,
@@ -172,16 +188,27 @@ def main() -> None:
     print(
         f"model {args.model_size} ({sum(p.numel() for p in probe.model.parameters()):,} params), "
         f"batch {args.batch_size}x{args.seq_len}, {args.steps} steps, torch threads {args.threads}, "
-        f"H={diloco_cfg.inner_steps}, checkpoint every 50 steps; device {placement.describe()}"
+        f"H={diloco_cfg.inner_steps}, checkpoint every {args.checkpoint_every} steps; device {placement.describe()}"
     )
     bare(batches[:10], model_cfg, diloco_cfg, placement)  # warm-up: allocator, kernels
-    ours_runs, bare_runs = [], []
+    ours_runs, bare_runs, breakdowns = [], [], []
     for i in range(args.repeats):
         ours_runs.append(
-            ours(dataset, model_cfg, diloco_cfg, args.steps, args.batch_size, args.seq_len, placement)
+            ours(
+                dataset,
+                model_cfg,
+                diloco_cfg,
+                args.steps,
+                args.batch_size,
+                args.seq_len,
+                placement,
+                args.checkpoint_every,
+                breakdowns,
+            )
         )
         bare_runs.append(bare(batches, model_cfg, diloco_cfg, placement))
         print(f"  run {i + 1}: ours {ours_runs[-1]:,.0f} tok/s   bare {bare_runs[-1]:,.0f} tok/s")
+        print(f"    ours' wall time: {breakdowns[-1]}")
     o, b = statistics.median(ours_runs), statistics.median(bare_runs)
     print(
         f"median: ours {o:,.0f} tok/s, bare PyTorch {b:,.0f} tok/s, ratio ours/bare = {o / b:.3f} (target >= 0.95)"

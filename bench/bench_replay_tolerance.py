@@ -23,7 +23,12 @@ and inner state. A second chain trains the same tokens in bf16 from θ₀: held-
 after every round (what bf16 does to the model, not only to one Δ). Also an H sweep (one seed):
 cross-precision agreement as the round grows longer. Torch threads: 1 (as the verifier).
 
+`--claim-device cuda` trains every bf16 claim (and the bf16 chain) on the GPU with bf16 autocast,
+as a contributor's node does, and adds a row for the GPU in fp32 (TF32 matmuls, the node's
+default there); the verifier's replays stay on the CPU in fp32.
+
     .venv/bin/python bench/bench_replay_tolerance.py [--seeds 3] [--rounds 3] [--inner-steps 30]
+    python bench/bench_replay_tolerance.py --claim-device cuda
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 from torch import Tensor
 
 from neuroshard.data import BatchStream, Dataset, assign_shards
-from neuroshard.node.device import Placement
+from neuroshard.node.device import Placement, resolve_device
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, capture_inner_state, install_inner_state
@@ -49,7 +54,6 @@ from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE
 from neuroshard.verifier.spotcheck import SpotCheckConfig, compare_deltas, replay_inner_steps
 
 FP32 = Placement.cpu()
-BF16 = Placement(device=torch.device("cpu"), precision="bf16")
 Batches = list[tuple[Tensor, Tensor]]
 
 
@@ -108,6 +112,9 @@ def main() -> None:
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--claim-device", default="cpu", help="where the bf16 claims train: cpu (autocast), cuda, cuda:N"
+    )
     args = parse_with_quick(
         parser,
         seeds=1,
@@ -120,6 +127,9 @@ def main() -> None:
         seq_len=32,
     )
     torch.set_num_threads(1)
+    claim_device = resolve_device(args.claim_device)
+    BF16 = Placement(device=claim_device, precision="bf16")
+    TF32 = Placement(device=claim_device, precision="fp32") if claim_device.type != "cpu" else None
     started = time.perf_counter()
     dataset = quick_dataset() if args.quick else bench_dataset(args.text)
     model_cfg = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
@@ -129,7 +139,8 @@ def main() -> None:
     held_tokens = dataset.source.fetch(dataset.manifest.shard(held_out))
     print(
         f"model {args.model_size}, batch {args.batch_size}x{args.seq_len}, H={h}, {args.seeds} seeds x "
-        f"{args.rounds} rounds, torch threads 1, held-out shard {held_out}"
+        f"{args.rounds} rounds, torch threads 1, held-out shard {held_out}; claims trained on "
+        f"{BF16.describe()}, replays on the CPU in fp32"
     )
     rows: dict[str, list[tuple[float, float]]] = {}
     rel_err: list[float] = []
@@ -164,6 +175,12 @@ def main() -> None:
             add("honest bf16, replay bf16", d16, replay16)
             add("honest bf16, replay fp32", d16, replay32)
             add("honest fp32, replay bf16", d32, replay16)
+            if TF32 is not None:
+                add(
+                    f"honest {TF32.describe()}, replay fp32",
+                    train(model_cfg, diloco_cfg, start, batches, TF32),
+                    replay32,
+                )
             rel_err.append(float((d16 - d32).norm() / d32.norm()))
             for f in (DELTA_FACTOR, 1.10, 1.05):
                 add(f"lie: scaled Δ x{f:.2f} (bf16)", f * d16, replay32)

@@ -113,6 +113,11 @@ class CheckpointWriter:
         except BaseException as exc:  # handed to the training thread by flush()
             self._error = exc
 
+    @property
+    def busy(self) -> bool:
+        """True while a write is in flight (a periodic checkpoint then skips its turn)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def flush(self) -> None:
         if self._thread is not None:
             self._thread.join()

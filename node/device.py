@@ -11,7 +11,9 @@ Pure torch: the CLI parses the flags and calls `resolve`.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -139,6 +141,36 @@ def resolve(device: str = "auto", precision: str = "auto") -> Placement:
 
 
 Batch = tuple[Tensor, Tensor]
+
+
+def snapshot_to_cpu(value: Any) -> Any:
+    """A deep copy of nested dicts, lists and tuples with every tensor copied to the CPU.
+
+    CUDA tensors are copied into pinned host memory without blocking and waited for once at the
+    end: one synchronisation for the whole snapshot instead of one pageable copy per tensor (a
+    125M model's weights and AdamW moments are 1.1 GB). Pinned blocks come from PyTorch's caching
+    host allocator, so a checkpoint every few minutes reuses them."""
+    pending: list[torch.device] = []
+
+    def take(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            if v.is_cuda:
+                out = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=True)
+                out.copy_(v.detach(), non_blocking=True)
+                if v.device not in pending:
+                    pending.append(v.device)
+                return out
+            return v.detach().to("cpu", copy=True)
+        if isinstance(v, dict):
+            return {k: take(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return type(v)(take(x) for x in v)
+        return copy.deepcopy(v)
+
+    result = take(value)
+    for device in pending:
+        torch.cuda.synchronize(device)
+    return result
 
 
 class CopyStream:

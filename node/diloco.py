@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
-from .device import Placement
+from .device import Placement, snapshot_to_cpu
 from .model import cross_entropy_loss
 
 InnerOptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -324,7 +324,7 @@ class DiLoCo:
         numbers, loadable with torch.load(weights_only=True) on any machine. A snapshot: later steps
         don't change it."""
         state = {
-            "inner_optimizer": _to_cpu(self.inner_optimizer.state_dict()),
+            "inner_optimizer": snapshot_to_cpu(self.inner_optimizer.state_dict()),
             "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
             "theta_round": self.theta_round.detach().clone(),
             "step": self.step,
@@ -350,14 +350,3 @@ class DiLoCo:
         self.steps_in_round = int(state["steps_in_round"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
-
-
-def _to_cpu(value: Any) -> Any:
-    """A deep copy of nested dicts and lists with every tensor copied to the CPU."""
-    if isinstance(value, Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    return copy.deepcopy(value)

@@ -88,11 +88,14 @@ def install_inner_state(diloco: DiLoCo, inner: InnerState) -> None:
     for p, step in zip(diloco.params, inner.steps.tolist(), strict=True):
         n = p.numel()
         if step > 0:
+            exp_avg = inner.exp_avg[offset : offset + n].view_as(p)
+            exp_avg_sq = inner.exp_avg_sq[offset : offset + n].view_as(p)
             diloco.inner_optimizer.state[p] = {
                 # fused AdamW keeps `step` as a float32 scalar tensor on the parameter's device
                 "step": torch.tensor(step, dtype=torch.float32, device=p.device),
-                "exp_avg": inner.exp_avg[offset : offset + n].view_as(p).to(p.dtype).clone(),
-                "exp_avg_sq": inner.exp_avg_sq[offset : offset + n].view_as(p).to(p.dtype).clone(),
+                # copies on the parameter's device: a state captured on one device installs on another
+                "exp_avg": exp_avg.to(p.device, p.dtype, copy=True),
+                "exp_avg_sq": exp_avg_sq.to(p.device, p.dtype, copy=True),
             }
         offset += n
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
-from .device import CopyStream, Placement
+from .device import CopyStream, Placement, snapshot_to_cpu
 from .diloco import DiLoCo, DiLoCoConfig, LossFn
 from .model import ModelConfig, build_stage, cross_entropy_loss
 from .pipeline import stage_fingerprint
@@ -163,6 +163,8 @@ class Trainer:
         the copy overlaps the kernels. Tests turn it on for the CPU to check its bookkeeping."""
         checkpoint_dir.mkdir(parents=True, exist_ok=True)  # an unusable directory fails now, not 50 steps in
         self._writer = CheckpointWriter()
+        self.checkpoints_skipped = 0
+        """Periodic checkpoints skipped because the previous write was still in flight."""
         self.work = RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
         state = None if fresh else self._load_state(model_config)
@@ -272,7 +274,7 @@ class Trainer:
         state = {
             # The model's tensors are live; copy them (to the CPU: a checkpoint loads on any machine)
             # so the background write sees this step's values.
-            "model": {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()},
+            "model": snapshot_to_cpu(self.model.state_dict()),
             "diloco": self.diloco.state_dict(),  # already a snapshot
             "data_position": self.batches.saved_position(),
             "plateau": self._plateau.state_dict(),
@@ -281,6 +283,21 @@ class Trainer:
         self._writer.submit(self.checkpoint_file, self.identity, state)
         if wait:
             self._writer.flush()
+
+    def _save_in_turn(self) -> None:
+        """A periodic or round-end checkpoint, written in the background — or skipped while the
+        previous write is still in flight, so the loop never waits on the disk: a GPU trains a
+        125M model's 50 steps in less time than its 1.5 GB checkpoint takes to write. The next
+        turn writes a newer state; the final checkpoint (`save()`) always waits."""
+        if self._writer.busy:
+            if self.checkpoints_skipped == 0:
+                self._log(
+                    f"checkpoint at step={self.diloco.step} skipped: the previous write is still in flight "
+                    "(the disk is slower than --checkpoint-every steps; later skips are not logged)"
+                )
+            self.checkpoints_skipped += 1
+            return
+        self.save(wait=False)
 
     def _finish_round(self, seconds: dict[str, float]) -> None:
         steps, h = self.diloco.steps_in_round, self.diloco.config.inner_steps
@@ -293,7 +310,7 @@ class Trainer:
             self.work.clear()
             self._apply_dataset_update()
         with _timed(seconds, "checkpoint"):
-            self.save(wait=False)
+            self._save_in_turn()
         with _timed(seconds, "log"):
             self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
 
@@ -338,7 +355,7 @@ class Trainer:
             elif step % cfg.checkpoint_every == 0:
                 feed.rewind()  # the saved position is the next batch to train on
                 with _timed(result.seconds, "checkpoint"):
-                    self.save(wait=False)
+                    self._save_in_turn()
             if step % cfg.log_every == 0:
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = len(window) * self.batches.tokens_per_batch / max(elapsed, 1e-9)

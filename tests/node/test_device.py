@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from neuroshard.node.device import Placement, resolve, resolve_device, resolve_p
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, flat_parameters, tensor_sha256
 from neuroshard.node.model import ModelConfig, Transformer
 from neuroshard.node.pipeline import stage_fingerprint
+from neuroshard.node.replay import capture_inner_state, install_inner_state
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 
@@ -303,3 +305,65 @@ def test_neuroshard_node_device_cuda_without_a_gpu_gives_one_line(published, tmp
     out = _node(published, tmp_path, "--device", "cuda", "--max-steps", "1", "--no-verifier")
     assert out.returncode == 2
     assert "sees no CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_checkpoint_turn_is_skipped_while_the_previous_write_is_in_flight(
+    published, tmp_path: Path
+) -> None:
+    """The loop never waits on the disk: while a write is in flight, periodic and round-end
+    checkpoints skip their turn (logged once); the final checkpoint waits and holds the last step."""
+    lines: list[str] = []
+    trainer = _trainer(published, tmp_path, Placement.cpu(), max_steps=12, log=lines.append)
+    released = threading.Event()
+    writes: list[int] = []
+    write = trainer._writer._write
+
+    def slow_write(path, identity, state) -> None:  # type: ignore[no-untyped-def]
+        writes.append(state["diloco"]["step"])
+        if len(writes) == 1:
+            released.wait(timeout=60)  # the first background write stays in flight
+        write(path, identity, state)
+
+    trainer._writer._write = slow_write  # type: ignore[method-assign]
+    stop = threading.Event()
+    done = threading.Thread(target=lambda: trainer.run(stop))
+    done.start()
+    try:
+        deadline = time.monotonic() + 60
+        while trainer.diloco.step < 12 and done.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert trainer.diloco.step == 12, "the loop waited on the disk"
+        assert trainer.checkpoints_skipped > 0
+        assert sum("skipped: the previous write is still in flight" in line for line in lines) == 1
+    finally:
+        released.set()
+        done.join(timeout=60)
+    assert writes[0] < 12 and writes[-1] == 12  # the final write waited for the slow one, then ran
+    state = load_checkpoint(
+        trainer.checkpoint_file,
+        CheckpointIdentity(
+            wallet_id="feedface",
+            stage=0,
+            model_fingerprint=stage_fingerprint(trainer.model.config, 1),
+            tokenizer_sha256=published.dataset.manifest.tokenizer.sha256,
+        ),
+    )
+    assert state is not None and state["diloco"]["step"] == 12
+
+
+@needs_cuda
+def test_an_inner_state_captured_on_the_cpu_installs_on_a_cuda_engine() -> None:
+    cpu = DiLoCo(Transformer(MODEL), DILOCO)
+    for step in range(3):
+        cpu.inner_step(*batch(0, step))
+    inner = capture_inner_state(cpu)
+    assert inner is not None
+    cuda = DiLoCo(Transformer(MODEL), DILOCO, placement=resolve("cuda", "bf16"))
+    install_inner_state(cuda, inner)
+    assert all(
+        t.device == cuda.placement.device
+        for s in cuda.inner_optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, Tensor)
+    )
+    cuda.inner_step(*batch(0, 3))  # fused AdamW on CUDA steps with the installed moments
