@@ -15,16 +15,22 @@ Also written: generation_config.json and the tokenizer as HF `tokenizers` JSON w
 (specials 0-9, bytes 10-265, merges 266+). One difference from our encoder: HF tokenizers turn
 the text "<|eos|>" into the special id, ours spells it as bytes (node text never holds it).
 
-Sources: a node's checkpoint (the model is named by its fingerprint among the presets), or a
-model file (`save_model_file`: safetensors of a whole model's weights with its ModelConfig),
-e.g. the verifier's majority model with its stages assembled (`assemble_stages`).
+Sources: a node's checkpoint (the model is named by its fingerprint among the presets), a
+model file (`save_model_file`: safetensors of a whole model's weights with its ModelConfig), or
+a round: the verifier keeps the majority model of its latest measured rounds, stages assembled,
+as round files in HOME/models (`save_round_model`; verifier.evaluator writes them), and
+`--checkpoint 12` (or `latest`) exports round 12's. A round file names every stage's round and
+majority θ hash; each stage's weights are re-hashed against it before use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +45,14 @@ from neuroshard.tokenizer import BPETokenizer
 from neuroshard.tokenizer.bpe import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
 from .checkpoint import CHECKPOINT_FORMAT
-from .model import MODEL_SIZES, ModelConfig, Transformer
+from .diloco import tensor_sha256
+from .model import MODEL_SIZES, ModelConfig, Transformer, build_stage
 
 PROG = "neuroshard-export"
 MODEL_FILE_FORMAT = "neuroshard-model"
+MODELS_DIR = "models"
+"""HOME/models/RUN: the round files of the verifier's majority models, a directory per run."""
+_ROUND_FILE = re.compile(r"^round-(\d{8,})\.safetensors$")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -212,17 +222,154 @@ def assemble_stages(stages: Sequence[nn.Module]) -> dict[str, Tensor]:
 
 
 def save_model_file(
-    path: Path, config: ModelConfig, state: Mapping[str, Tensor], tokenizer_sha256: str
+    path: Path,
+    config: ModelConfig,
+    state: Mapping[str, Tensor],
+    tokenizer_sha256: str,
+    *,
+    extra: Mapping[str, str] | None = None,
 ) -> None:
-    """A whole model as one safetensors file with its ModelConfig and tokenizer hash in the header."""
+    """A whole model as one safetensors file with its ModelConfig and tokenizer hash in the header
+    (plus `extra` header entries), written atomically: a temporary file beside it, fsync, rename."""
     metadata = {
+        **(extra or {}),
         "format": MODEL_FILE_FORMAT,
         "model_config": json.dumps(config.to_dict(), sort_keys=True),
         "tokenizer_sha256": tokenizer_sha256,
     }
-    save_file(
-        {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, str(path), metadata
-    )
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        save_file(tensors, str(tmp), metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+
+
+# ----- the verifier's majority models, by round -----
+
+
+@dataclass(frozen=True)
+class StageProvenance:
+    """Where one stage of an assembled majority model comes from."""
+
+    stage: int
+    round: int
+    """The stage's own round R_s: its weights are θ_{R_s}, the result of its round R_s − 1."""
+    theta_hash: str
+    """The settled majority hash of that result (node.diloco.tensor_sha256 of the flat θ)."""
+
+
+def round_model_path(directory: Path, round_: int) -> Path:
+    return directory / f"round-{round_:08d}.safetensors"
+
+
+def round_tokenizer_path(directory: Path, sha256: str) -> Path:
+    """Beside the round files, the tokenizer each names, by content (a run's tokenizer may grow)."""
+    return directory / f"tokenizer-{sha256}.json"
+
+
+def round_models(directory: Path) -> list[int]:
+    """The rounds whose majority model `directory` holds, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = (_ROUND_FILE.match(p.name) for p in directory.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def save_round_model(
+    directory: Path,
+    round_: int,
+    config: ModelConfig,
+    stages: Sequence[nn.Module],
+    provenance: Sequence[StageProvenance],
+    tokenizer: BPETokenizer,
+    *,
+    keep: int,
+) -> Path:
+    """Write the assembled majority model of `round_` (stage 0's round) and its tokenizer, and
+    keep only the newest `keep` round files. Each stage's weights must hash to its provenance's
+    majority hash."""
+    if keep < 1:
+        raise ValueError(f"keep must be ≥ 1 round file, got {keep}")
+    if [p.stage for p in provenance] != list(range(len(stages))):
+        raise ValueError(f"provenance names stages {[p.stage for p in provenance]} for {len(stages)} stages")
+    for stage, origin in zip(stages, provenance, strict=True):
+        got = _stage_hash(stage.state_dict(), config, origin.stage, len(stages))
+        if got != origin.theta_hash:
+            raise ValueError(f"stage {origin.stage} hashes to {got[:16]}…, not {origin.theta_hash[:16]}…")
+    directory.mkdir(parents=True, exist_ok=True)
+    if not round_tokenizer_path(directory, tokenizer.sha256).exists():
+        tokenizer.save(round_tokenizer_path(directory, tokenizer.sha256))
+    path = round_model_path(directory, round_)
+    extra = {"round": str(round_), "stages": json.dumps([vars(p) for p in provenance])}
+    save_model_file(path, config, assemble_stages(stages), tokenizer.sha256, extra=extra)
+    # Rounds only grow within a run: a file past this round is an earlier run's (a database
+    # started over beside the same directory), and must not outlive this run's newest.
+    kept = [r for r in round_models(directory) if r <= round_]
+    for old in [r for r in round_models(directory) if r > round_] + kept[:-keep]:
+        round_model_path(directory, old).unlink(missing_ok=True)
+    return path
+
+
+def _stage_hash(state: Mapping[str, Tensor], config: ModelConfig, stage: int, num_stages: int) -> str:
+    """The θ hash replicas of this stage vote with, from whole-model (or stage) tensors by name:
+    the stage's parameters flattened in parameter order (node.diloco.flat_parameters)."""
+    with torch.device("meta"):
+        names = [n for n, _ in build_stage(config, stage, num_stages).named_parameters()]
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise ValueError(f"stage {stage} of {num_stages} lacks {missing[:4]} ({len(missing)} tensors)")
+    return tensor_sha256(torch.cat([state[n].detach().to("cpu", torch.float32).flatten() for n in names]))
+
+
+def latest_models_dir(home: Path) -> Path:
+    """The run directory under HOME/models (one per run definition, verifier.evaluator) whose
+    newest round file is the most recent: the run the verifier on this HOME measured last."""
+    root = home / MODELS_DIR
+    runs = [d for d in root.iterdir() if d.is_dir() and round_models(d)] if root.is_dir() else []
+    if not runs:
+        raise ValueError(
+            f"no verifier round files under {root}: a verifier with this HOME keeps the majority "
+            "model of its latest measured rounds there (or give --models DIR)"
+        )
+    return max(runs, key=lambda d: round_model_path(d, round_models(d)[-1]).stat().st_mtime)
+
+
+def load_round_model(directory: Path, which: str) -> TrainedModel:
+    """The majority model of round `which` (a number, or "latest") from the verifier's round
+    files, every stage re-hashed against the majority hash the file names."""
+    rounds = round_models(directory)
+    if not rounds:
+        raise ValueError(f"{directory} holds no round files (round-NNNNNNNN.safetensors)")
+    round_ = rounds[-1] if which == "latest" else int(which)
+    if round_ not in rounds:
+        raise ValueError(f"round {round_} is not kept in {directory}; kept: {', '.join(map(str, rounds))}")
+    path = round_model_path(directory, round_)
+    model = _from_model_file(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    try:
+        provenance = [StageProvenance(**p) for p in json.loads(meta["stages"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: no valid stage provenance in the header ({exc})") from None
+    for origin in provenance:
+        got = _stage_hash(model.state_dict, model.config, origin.stage, len(provenance))
+        if got != origin.theta_hash:
+            raise ValueError(
+                f"{path}: stage {origin.stage} hashes to {got[:16]}…, the file says the majority "
+                f"{origin.theta_hash[:16]}…; the file is damaged"
+            )
+    return model
 
 
 def _from_model_file(path: Path) -> TrainedModel:
@@ -246,6 +393,11 @@ def _config_of_checkpoint(fingerprint: str, vocab_size: int, model_size: str | N
         f"the checkpoint's model fingerprint {fingerprint[:16]}… is none of the presets "
         f"{names} (a pipeline stage's checkpoint holds part of a model: export the assembled model file)"
     )
+
+
+def is_round(source: str) -> bool:
+    """Whether a --checkpoint value names a round of the verifier's ("12", "latest"), not a file."""
+    return source == "latest" or source.isdigit()
 
 
 def load_trained_model(path: Path, *, model_size: str | None = None) -> TrainedModel:
@@ -290,9 +442,15 @@ def find_tokenizer(model: TrainedModel, candidates: Sequence[Path]) -> BPETokeni
 def add_source_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint",
-        type=Path,
         required=True,
-        help="a node checkpoint (HOME/checkpoints/WALLET-stage0.pt) or a whole-model .safetensors file",
+        help="a node checkpoint (HOME/checkpoints/WALLET-stage0.pt), a whole-model .safetensors file, "
+        "or a round number (or 'latest') of the verifier's majority models (see --models)",
+    )
+    p.add_argument(
+        "--models",
+        type=Path,
+        help=f"the verifier's round files, for a round --checkpoint (default: the run under "
+        f"HOME/{MODELS_DIR}/ measured last)",
     )
     p.add_argument(
         "--tokenizer",
@@ -306,8 +464,15 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def open_source(args: argparse.Namespace) -> tuple[TrainedModel, BPETokenizer | None]:
-    model = load_trained_model(args.checkpoint, model_size=args.model_size)
-    tokenizer = find_tokenizer(model, [*args.tokenizer, args.home / "data" / "default"])
+    candidates = [*args.tokenizer, args.home / "data" / "default"]
+    if is_round(args.checkpoint) and not Path(args.checkpoint).exists():
+        models = args.models or latest_models_dir(args.home)
+        model = load_round_model(models, args.checkpoint)
+        if model.tokenizer_sha256 is not None:  # the verifier keeps it beside the round files
+            candidates.append(round_tokenizer_path(models, model.tokenizer_sha256))
+    else:
+        model = load_trained_model(Path(args.checkpoint), model_size=args.model_size)
+    tokenizer = find_tokenizer(model, candidates)
     return model, tokenizer
 
 

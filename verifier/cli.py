@@ -27,7 +27,7 @@ from neuroshard.node.roster import POLICIES
 from .budget import ReplayBudget
 from .config import VerifierConfig
 from .db import DatabaseURLError, normalise_url
-from .evaluator import EvaluatorConfig
+from .evaluator import EvaluatorConfig, models_dir_for
 from .members import MembershipConfig
 from .network import NetworkError, load_network, load_operator_key
 from .ratelimit import SourceLimitConfig
@@ -76,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of the live held-out evaluation and the replay spot checks (default 1: they must not starve the API)",
     )
     p.add_argument("--no-evaluation", action="store_true", help="do not fetch and measure the majority model")
+    p.add_argument(
+        "--keep-models",
+        type=int,
+        default=EvaluatorConfig().keep_models,
+        help="measured majority models kept under HOME/models/RUN for neuroshard-export --checkpoint ROUND "
+        "(the whole model in fp32 each; default %(default)s)",
+    )
+    p.add_argument(
+        "--sample-every",
+        type=int,
+        default=EvaluatorConfig().sample_every,
+        help="evaluations between the text samples the dashboard shows (0: none; default %(default)s)",
+    )
     p.add_argument(
         "--replay-rate",
         type=float,
@@ -194,7 +207,14 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         network=network,
         operator=operator,
         peer_ttl_s=args.peer_ttl,
-        live_evaluation=None if args.no_evaluation else EvaluatorConfig(cache_dir=args.home / "cache"),
+        live_evaluation=None
+        if args.no_evaluation
+        else EvaluatorConfig(
+            cache_dir=args.home / "cache",
+            models_dir=models_dir_for(args.home, network),
+            keep_models=args.keep_models,
+            sample_every=args.sample_every,
+        ),
         replay_checks=ReplayCheckConfig(
             sample_rate=args.replay_rate, cache_dir=args.home / "cache", budget=budget
         )

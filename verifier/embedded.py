@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import VerifierConfig
-from .evaluator import EvaluatorConfig
+from .evaluator import EvaluatorConfig, models_dir_for
 from .network import NetworkDefinition, load_operator_key
 
 STARTUP_TIMEOUT_S = 30.0
@@ -82,7 +82,7 @@ def start_embedded_verifier(
         database_url=f"sqlite:///{database.expanduser()}",
         network=network,
         operator=operator,
-        live_evaluation=EvaluatorConfig(cache_dir=home / "cache"),
+        live_evaluation=EvaluatorConfig(cache_dir=home / "cache", models_dir=models_dir_for(home, network)),
     )
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level))
     failed: list[BaseException] = []

@@ -16,6 +16,11 @@ A background thread (never the API's request path) does, every `poll_s`:
    and the held-out loss on the held-out shard (network.toml [evaluation] held_out_shard,
    which node shard assignment excludes) is measured (verifier.evaluate) and stored with
    `ledger.record_evaluation` under stage 0's round.
+3. **keep** — the measured model, stages assembled, is written as a round file under
+   `models_dir` (node.export.save_round_model: safetensors, atomic, the newest `keep_models`
+   kept), which `neuroshard-export --checkpoint ROUND` turns into a Hugging Face folder; and
+   every `sample_every` evaluations a short text it generates from a fixed prompt is stored
+   (`text_samples`) for the dashboard.
 
 Pipeline runs: rounds are per stage and the stages' round counters need not move together,
 so the measured model is "each stage's latest settled majority", the model the network
@@ -24,6 +29,7 @@ would hand a newcomer now. With one stage this is plain DiLoCo's majority θ.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import urllib.request
@@ -34,18 +40,21 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-from torch import Tensor
+from torch import Tensor, nn
 
 from neuroshard.data import open_dataset
 from neuroshard.data.dataset import open_remote_dataset
 from neuroshard.data.fetch import FetchConfig
 from neuroshard.node.diloco import copy_into_parameters
-from neuroshard.node.model import build_stage
+from neuroshard.node.export import MODELS_DIR, StageProvenance, save_round_model
+from neuroshard.node.generate import SamplingConfig, sample_text
+from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.codec import decode_state, state_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.wallet import Wallet
+from neuroshard.tokenizer import BPETokenizer
 
 from . import ledger
 from . import models as m
@@ -73,10 +82,40 @@ class EvaluatorConfig:
     """Shard cache when the data set is served over HTTP."""
     data_checks: DataCheckConfig | None = field(default_factory=DataCheckConfig)
     """Check the data spans of a sample of receipts on the same thread (verifier.datacheck); None: don't."""
+    models_dir: Path | None = None
+    """Where the measured majority models are kept as round files, stages assembled, for
+    `neuroshard-export --checkpoint ROUND` (the CLI gives HOME/models); None: keep none."""
+    keep_models: int = 3
+    """Round files kept, the newest: each is the whole model in fp32 (4 bytes a parameter,
+    ~0.5 GB for a 125M-parameter model)."""
+    sample_every: int = 5
+    """Generate and store a text sample every this many evaluations (the first one included);
+    0: never. 40 tokens of the tiny model take ~0.1 s on one thread, of a 1B model ~10 s."""
+    sample_prompt: str = "The "
+    """The fixed prompt every sample continues, so samples differ only by the weights."""
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(
+            max_new_tokens=40, temperature=0.8, top_k=50, top_p=0.95, seed=0
+        )
+    )
+    """Seeded, so the same weights always give the same sample."""
 
     def __post_init__(self) -> None:
         if self.poll_s <= 0 or self.max_batches < 1 or self.timeout_s <= 0 or self.max_pending < 1:
             raise ValueError(f"EvaluatorConfig: periods must be > 0 and counts ≥ 1, got {self}")
+        if self.keep_models < 1 or self.sample_every < 0:
+            raise ValueError(
+                f"EvaluatorConfig: keep_models must be ≥ 1 (got {self.keep_models}) and sample_every "
+                f"≥ 0 (got {self.sample_every})"
+            )
+        if self.sample_every and not self.sample_prompt:
+            raise ValueError("EvaluatorConfig: sample_prompt must not be empty")
+
+
+def models_dir_for(home: Path, network: NetworkDefinition) -> Path:
+    """HOME/models/RUN: one directory of round files per run definition (as the embedded
+    verifier keeps one database per definition), so two runs' rounds never mix."""
+    return home / MODELS_DIR / hashlib.sha256(network.canonical_bytes()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -94,8 +133,11 @@ Model = tuple[Fetched, ...]
 """Every stage's fetched θ, stage 0 first."""
 
 
-def load_held_out(network: NetworkDefinition, cache_dir: Path | None, log: Log) -> Tensor:
-    """The held-out shard's tokens, verified against the publisher-signed manifest."""
+def load_held_out(
+    network: NetworkDefinition, cache_dir: Path | None, log: Log
+) -> tuple[Tensor, BPETokenizer]:
+    """The held-out shard's tokens and the run's tokenizer, verified against the publisher-signed
+    manifest."""
     key = bytes.fromhex(network.publisher_key)
     url = network.manifest_url
     if url.startswith(("http://", "https://")):
@@ -110,7 +152,7 @@ def load_held_out(network: NetworkDefinition, cache_dir: Path | None, log: Log) 
             raise ValueError(
                 f"held-out shard {shard} is not in the manifest ({dataset.manifest.total_shards} shards)"
             )
-        return dataset.source.fetch(dataset.manifest.shard(shard))
+        return dataset.source.fetch(dataset.manifest.shard(shard)), dataset.tokenizer
     finally:
         dataset.source.close()
 
@@ -127,6 +169,7 @@ class Evaluator:
         log: Log,
         config: EvaluatorConfig | None = None,
         held_out: Callable[[], Tensor] | None = None,
+        tokenizer: Callable[[], BPETokenizer] | None = None,
         clock: Callable[[], float] = time.time,
         peer_ttl_s: float = 90.0,
         reputation: ReputationConfig | None = None,
@@ -138,8 +181,10 @@ class Evaluator:
         self._log = log
         self._clock = clock
         self._peer_ttl_s = peer_ttl_s
-        self._load_held_out = held_out or (lambda: load_held_out(network, self.config.cache_dir, log))
         self._held_out: Tensor | None = None
+        self._tokenizer: BPETokenizer | None = None
+        self._load_held_out = held_out or (lambda: self._load_data()[0])
+        self._load_tokenizer = tokenizer or (lambda: self._load_data()[1])
         stages = range(network.num_stages)
         self._numel = [
             sum(p.numel() for p in build_stage(network.model, s, network.num_stages).parameters())
@@ -259,7 +304,8 @@ class Evaluator:
                         f"the majority ({(h or '')[:16]}); not measured"
                     )
                 continue
-            result = self.measure(model)
+            stages = self.build(model)
+            result = self.measure(stages)
             with self.db.write() as session:
                 ledger.record_evaluation(
                     session, round_, result.loss, result.tokens, stderr=result.stderr, now=self._clock()
@@ -270,11 +316,10 @@ class Evaluator:
                 f"evaluator: round {round_} held-out loss {result.loss:.4f} "
                 f"(± {result.stderr or 0.0:.4f}, {result.tokens} tokens) on the majority model ({rounds})"
             )
+            self._keep(round_, model, stages)
 
-    def measure(self, model: Model) -> LossMeasurement:
-        """The held-out loss of the stages run in order, each loaded with its θ and re-hashed."""
-        if self._held_out is None:
-            self._held_out = self._load_held_out()
+    def build(self, model: Model) -> list[Transformer]:
+        """Every stage loaded with its fetched θ and re-hashed, stage 0 first."""
         num_stages = self.network.num_stages
         stages = []
         for fetched in model:
@@ -285,6 +330,12 @@ class Evaluator:
                     f"stage {fetched.stage} θ_{fetched.round} does not hash to {fetched.theta_hash[:16]} once loaded"
                 )
             stages.append(stage)
+        return stages
+
+    def measure(self, stages: list[Transformer]) -> LossMeasurement:
+        """The held-out loss of the stages run in order."""
+        if self._held_out is None:
+            self._held_out = self._load_held_out()
         return measure_loss(
             stages,
             self._held_out,
@@ -292,6 +343,74 @@ class Evaluator:
             self.network.seq_len,
             max_batches=self.config.max_batches,
         )
+
+    # --- what a measured model leaves behind: its round file and, now and then, a sample ------
+
+    def _load_data(self) -> tuple[Tensor, BPETokenizer]:
+        if self._held_out is None or self._tokenizer is None:
+            self._held_out, self._tokenizer = load_held_out(self.network, self.config.cache_dir, self._log)
+        return self._held_out, self._tokenizer
+
+    def tokenizer(self) -> BPETokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _keep(self, round_: int, model: Model, stages: list[Transformer]) -> None:
+        """The round file and the sample; either failing is logged, the measurement stays."""
+        try:
+            if self.config.models_dir is not None:
+                provenance = [StageProvenance(f.stage, f.round, f.theta_hash) for f in model]
+                path = save_round_model(
+                    self.config.models_dir,
+                    round_,
+                    self.network.model,
+                    stages,
+                    provenance,
+                    self.tokenizer(),
+                    keep=self.config.keep_models,
+                )
+                self._log(f"evaluator: round {round_}'s majority model kept as {path}")
+            if self._sample_due():
+                self.store_sample(round_, stages)
+        except (OSError, ValueError) as exc:
+            self._log(f"evaluator: round {round_}: could not keep the model or its sample: {exc}")
+
+    def _sample_due(self) -> bool:
+        """True for the first evaluation and then once `sample_every` more were recorded since
+        the last sample (counted in the database, so a restart or another worker keeps the pace)."""
+        every = self.config.sample_every
+        if every == 0:
+            return False
+        with self.db.read() as session:
+            last = session.scalar(select(func.max(m.TextSample.round)))
+            since = select(func.count()).select_from(m.Evaluation)
+            if last is not None:
+                since = since.where(m.Evaluation.round > last)
+            return last is None or (session.scalar(since) or 0) >= every
+
+    def store_sample(self, round_: int, stages: list[Transformer]) -> str:
+        """Continue the fixed prompt with the measured model (node.generate) and store the text."""
+        tokenizer = self.tokenizer()
+        cfg = self.config.sampling
+        text = sample_text(
+            nn.Sequential(*stages), tokenizer, self.config.sample_prompt, cfg,
+            max_seq_len=self.network.model.max_seq_len,
+        )  # fmt: skip
+        with self.db.write() as session:
+            session.merge(
+                m.TextSample(
+                    round=round_,
+                    prompt=self.config.sample_prompt,
+                    text=text,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    seed=cfg.seed,
+                    created_at=self._clock(),
+                )
+            )
+        self._log(f"evaluator: round {round_} sample: {self.config.sample_prompt!r} → {text[:60]!r}…")
+        return text
 
     # --- the peer plane, as a client ----------------------------------------------------------
 

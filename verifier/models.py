@@ -156,6 +156,24 @@ class Evaluation(Base):
     created_at: Mapped[float] = mapped_column(Double)
 
 
+class TextSample(Base):
+    """A short text the verifier generated itself from the majority model it measured (issue 14):
+    what the dashboard shows beside the loss curve. One every few evaluations."""
+
+    __tablename__ = "text_samples"
+
+    round: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    """Stage 0's round of the measured model, as in `evaluations`."""
+    prompt: Mapped[str] = mapped_column(Text)
+    text: Mapped[str] = mapped_column(Text)
+    """The continuation only (the prompt not repeated), as decoded; untrusted for HTML."""
+    max_new_tokens: Mapped[int] = mapped_column(Integer)
+    """Tokens asked for; the text is shorter when the model ended it (end-of-sequence)."""
+    temperature: Mapped[float] = mapped_column(Double)
+    seed: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    created_at: Mapped[float] = mapped_column(Double)
+
+
 class HashVote(Base):
     """A replica's θ_{r+1} hash for one (stage, round), taken from its receipt."""
 

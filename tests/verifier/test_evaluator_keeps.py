@@ -1,0 +1,211 @@
+"""What the evaluator keeps of a measured majority model (issue 14): its round file, which
+`neuroshard-export --checkpoint ROUND` turns into a Hugging Face folder with our logits (one
+stage and two stages assembled), and every K evaluations a text sample for the dashboard
+(SQLite and PostgreSQL).
+
+The fetched models are put straight into the evaluator's pending set (the fetch over the peer
+plane is tests/verifier/test_evaluator.py's); from there the real judge, measure and keep run."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PublishedData
+from sqlalchemy import select
+
+from neuroshard.node.diloco import flat_parameters
+from neuroshard.node.export import main as export_main
+from neuroshard.node.export import round_models
+from neuroshard.node.generate import SamplingConfig, sample_text
+from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import models as m
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.evaluate import stage_hash
+from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig, Fetched
+from neuroshard.verifier.network import NetworkDefinition
+from neuroshard.verifier.testing import small_network
+
+OPERATOR = Wallet.from_token("evaluator-keeps-operator")
+PROMPT = "The "
+SAMPLING = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=50, top_p=0.95, seed=3)
+
+
+def _network(stages: int) -> NetworkDefinition:
+    return small_network(
+        model={"size": "micro", "vocab_size": 512},
+        stages={"count": stages},
+        training={"batch_size": 4, "seq_len": 32},
+        evaluation={"every_rounds": 1},
+    )
+
+
+def _evaluator(
+    db: Database, network: NetworkDefinition, published: PublishedData, models: Path | None, **config: object
+) -> Evaluator:
+    held_out = published.dataset.source.fetch(published.dataset.manifest.shard(0))
+    return Evaluator(
+        db=db,
+        network=network,
+        operator=OPERATOR,
+        log=lambda line: None,
+        config=EvaluatorConfig(
+            max_batches=2, models_dir=models, sample_prompt=PROMPT, sampling=SAMPLING, **config
+        ),  # type: ignore[arg-type]
+        held_out=lambda: held_out,
+        tokenizer=lambda: published.dataset.tokenizer,
+    )
+
+
+def _stages(network: NetworkDefinition, seed: int) -> list[Transformer]:
+    """A majority model: every stage with weights of its own (norm gains too, so a swap shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    stages = []
+    for s in range(network.num_stages):
+        stage = build_stage(network.model, s, network.num_stages)
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        stages.append(stage.eval())
+    return stages
+
+
+def _settle(db: Database, evaluator: Evaluator, round_: int, stages: list[Transformer]) -> None:
+    """Round round_ − 1 of every stage settled with these stages' hashes as its majority, and
+    the stages fetched at round round_ waiting in the evaluator."""
+    fetched = []
+    with db.write() as s:
+        for i, stage in enumerate(stages):
+            h = stage_hash(stage)
+            s.add(m.Round(stage=i, round=round_ - 1, majority_hash=h, votes=3, agreeing=3, synced=0,
+                          sync_checked=0, settled_at=time.time()))  # fmt: skip
+            theta = flat_parameters(stage.parameters())
+            fetched.append(Fetched(stage=i, round=round_, theta_hash=h, theta=theta, wallet_id="w" * 20))
+    evaluator.pending[round_] = tuple(fetched)
+
+
+def _hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return hf(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_a_measured_round_exports_with_our_logits(
+    num_stages: int, database_url: str, published: PublishedData, tmp_path: Path
+) -> None:
+    network = _network(num_stages)
+    models = tmp_path / "home" / "models" / "run"
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, models, sample_every=0)
+    stages = _stages(network, seed=num_stages)
+    _settle(db, evaluator, 4, stages)
+    evaluator.run_once()
+    with db.read() as s:
+        assert [e.round for e in s.scalars(select(m.Evaluation))] == [4]
+        assert s.scalars(select(m.TextSample)).all() == []  # sample_every=0: none
+    db.dispose()
+    assert round_models(models) == [4]
+    # A round number; the tokenizer is found beside the round files (no --tokenizer given).
+    out = tmp_path / "hf"
+    home = tmp_path / "home"
+    assert (
+        export_main(["--checkpoint", "4", "--models", str(models), "--home", str(home), "--out", str(out)])
+        == 0
+    )
+    ids = torch.tensor([published.dataset.tokenizer.encode("It is a truth universally acknowledged")[:24]])
+    with torch.no_grad():
+        ours = stages[-1](stages[0](ids)) if num_stages == 2 else stages[0](ids)
+    assert (ours - _hf_logits(out, ids)).abs().max().item() <= 1e-4
+    # "latest" under --home: the run directory measured last.
+    latest = tmp_path / "hf-latest"
+    assert export_main(["--checkpoint", "latest", "--home", str(home), "--out", str(latest)]) == 0
+    assert (latest / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_round_files_are_bounded_and_an_earlier_runs_are_replaced(
+    database_url: str, published: PublishedData, tmp_path: Path
+) -> None:
+    network = _network(1)
+    models = tmp_path / "models"
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, models, sample_every=0, keep_models=2)
+    for r in (1, 2, 3):
+        _settle(db, evaluator, r, _stages(network, seed=r))
+        evaluator.run_once()
+    assert round_models(models) == [2, 3]
+    assert not [p for p in models.iterdir() if p.name.endswith(".tmp")], "no temporary file left"
+    db.dispose()
+    # A verifier started over on a fresh database measures round 1 again: round files from the
+    # earlier run must not pass for its newest.
+    db = Database(database_url)
+    with db.write() as s:
+        for table in (m.Evaluation, m.Round):
+            for row in s.scalars(select(table)):
+                s.delete(row)
+    evaluator = _evaluator(db, network, published, models, sample_every=0, keep_models=2)
+    _settle(db, evaluator, 1, _stages(network, seed=9))
+    evaluator.run_once()
+    assert round_models(models) == [1]
+    db.dispose()
+
+
+def test_a_damaged_round_file_or_a_missing_round_is_refused(
+    database_url: str, published: PublishedData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    network = _network(2)
+    models = tmp_path / "models"
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, models, sample_every=0)
+    _settle(db, evaluator, 2, _stages(network, seed=5))
+    evaluator.run_once()
+    db.dispose()
+    argv = ["--models", str(models), "--home", str(tmp_path), "--out", str(tmp_path / "o")]
+    assert export_main(["--checkpoint", "7", *argv]) == 2
+    assert "round 7 is not kept" in capsys.readouterr().err
+    path = models / "round-00000002.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-8:] = b"\x00\x00\x80\x7f" * 2  # the last two weights (of norm.weight, stage 1) become +inf
+    path.write_bytes(bytes(raw))
+    assert export_main(["--checkpoint", "2", *argv]) == 2
+    assert "the file is damaged" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_a_sample_is_stored_every_k_evaluations(
+    database_url: str, published: PublishedData, tmp_path: Path
+) -> None:
+    network = _network(1)
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, None, sample_every=2)
+    expected = {}
+    for r in range(1, 6):
+        stages = _stages(network, seed=10 + r)
+        _settle(db, evaluator, r, stages)
+        evaluator.run_once()
+        expected[r] = sample_text(
+            stages[0], published.dataset.tokenizer, PROMPT, SAMPLING, max_seq_len=network.model.max_seq_len
+        )
+    with db.read() as s:
+        assert [e.round for e in s.scalars(select(m.Evaluation).order_by(m.Evaluation.round))] == [
+            1,
+            2,
+            3,
+            4,
+            5,
+        ]
+        samples = s.scalars(select(m.TextSample).order_by(m.TextSample.round)).all()
+        # The first evaluation, then every second one: rounds 1, 3, 5.
+        assert [x.round for x in samples] == [1, 3, 5]
+        assert [x.text for x in samples] == [expected[1], expected[3], expected[5]]
+        assert {(x.prompt, x.max_new_tokens, x.seed) for x in samples} == {(PROMPT, 12, 3)}
+    assert any(expected[r] for r in (1, 3, 5)), "the model generated some text"
+    # A restarted evaluator keeps the pace from the database: one more evaluation is not enough.
+    evaluator = _evaluator(db, network, published, None, sample_every=2)
+    _settle(db, evaluator, 6, _stages(network, seed=16))
+    evaluator.run_once()
+    with db.read() as s:
+        assert max(s.scalars(select(m.TextSample.round))) == 5
+    db.dispose()
