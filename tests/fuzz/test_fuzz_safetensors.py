@@ -43,6 +43,15 @@ DECODERS: dict[str, tuple[Decoder, Layout]] = {
         lambda b: decode_gradient(b, (2, 3, 4), "bf16"),
         gradient_layout(2, 3, 4, "bf16"),
     ),
+    # Codes and scales: bad scales (NaN, inf, negative, overflowing), the code -2^(bits-1), padding.
+    "pipeline_wire.decode_gradient int8": (
+        lambda b: decode_gradient(b, (2, 3, 70), "int8"),
+        gradient_layout(2, 3, 70, "int8"),
+    ),
+    "pipeline_wire.decode_gradient hadamard4": (
+        lambda b: decode_gradient(b, (2, 3, 70), "hadamard4"),
+        gradient_layout(2, 3, 70, "hadamard4"),
+    ),
 }
 
 

@@ -1,0 +1,64 @@
+"""The run's pipeline codec in the signed network definition: a safe default, old definitions
+without it, a round trip through the served document, and a refusal of unknown codecs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from neuroshard.node.network_definition import (
+    NetworkDefinition,
+    NetworkError,
+    parse_network,
+    sign_network,
+    verify_network,
+)
+from neuroshard.node.wallet import Wallet
+
+OPERATOR = Wallet.from_token("network-definition-test-operator")
+
+
+def _doc(**stages: Any) -> dict[str, Any]:
+    return {
+        "name": "codec-test",
+        "model": {"size": "micro", "vocab_size": 512},
+        "stages": {"count": 2, **stages},
+        "training": {"batch_size": 4, "seq_len": 32},
+        "data": {"manifest_url": "https://cdn.example.org/ns/", "publisher_key": "ab" * 32},
+    }
+
+
+def test_a_definition_without_a_codec_takes_int8() -> None:
+    assert parse_network(_doc()).pipeline_codec == "int8"
+
+
+def test_an_old_served_definition_without_the_codec_still_verifies() -> None:
+    """A definition signed before codecs existed: its bytes have no [stages] codec."""
+    old = json.loads(parse_network(_doc()).canonical_bytes())
+    del old["stages"]["codec"]
+    body = json.dumps(old, sort_keys=True, separators=(",", ":")).encode()
+    served = verify_network(body, OPERATOR.sign(body).hex(), OPERATOR.public_key)
+    assert served.pipeline_codec == "int8" and served.num_stages == 2
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "hadamard4"])
+def test_the_codec_is_signed_and_served(codec: str) -> None:
+    net = parse_network(_doc(codec=codec))
+    body, signature = sign_network(net, OPERATOR)
+    assert json.loads(body)["stages"] == {"count": 2, "codec": codec}
+    assert verify_network(body, signature, OPERATOR.public_key) == net
+
+
+@pytest.mark.parametrize("bad", ["int3", "", 8, None, ["int8"]])
+def test_unknown_codecs_are_refused_naming_the_value(bad: Any) -> None:
+    with pytest.raises(NetworkError, match=r"\[stages\] codec"):
+        parse_network(_doc(codec=bad))
+
+
+def test_a_definition_built_in_code_is_checked_too() -> None:
+    net = parse_network(_doc())
+    fields = {f: getattr(net, f) for f in net.__dataclass_fields__}
+    with pytest.raises(NetworkError, match="codec 'int3'"):
+        NetworkDefinition(**{**fields, "pipeline_codec": "int3"})
