@@ -14,9 +14,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from pydantic import BaseModel, TypeAdapter
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from neuroshard.verifier import coverage, summary
+from neuroshard.verifier import models as m
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER
 
 from .cache import Rendered, cached_response, etag_of
@@ -32,7 +34,9 @@ from .schemas import (
     NodeOut,
     PeerOut,
     RoundOut,
+    SampleOut,
     StageOut,
+    TextSampleOut,
     UnnoticedOut,
     VerifyOut,
     WalletCoverageOut,
@@ -237,6 +241,29 @@ def training_history(
         return _json(out), _page_headers(request, total, rows, offset)
 
     return _serve(request, services, services.reads.get(f"history:{rows}:{offset}", render))
+
+
+@router.get(
+    "/api/training/sample",
+    response_model=SampleOut,
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
+    tags=["training"],
+)
+def training_sample(request: Request, services: ServicesDep) -> Response:
+    """A short text the verifier generated itself from the latest measured majority model (a
+    fixed prompt, seeded sampling), refreshed every few evaluations: what the model says now."""
+    evaluation = services.config.live_evaluation
+    every = evaluation.sample_every if evaluation is not None and evaluation.sample_every else None
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            latest = session.scalars(
+                select(m.TextSample).order_by(m.TextSample.round.desc()).limit(1)
+            ).first()
+            sample = None if latest is None else TextSampleOut.model_validate(latest)
+        return _json(SampleOut(sample=sample, every_evaluations=every)), ()
+
+    return _serve(request, services, services.reads.get("sample", render))
 
 
 @router.get(

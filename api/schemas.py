@@ -181,6 +181,25 @@ class HistoryOut(_Out):
     )
 
 
+class TextSampleOut(_Out):
+    round: int = Field(description="Stage 0's round of the measured majority model that wrote it.")
+    prompt: str = Field(description="The fixed prompt every sample continues.")
+    text: str = Field(
+        description="The continuation (without the prompt), as generated: plain text, not HTML."
+    )
+    max_new_tokens: int = Field(description="Tokens asked for; fewer when the model ended the text.")
+    temperature: float = Field(description="Sampling temperature (0: greedy).")
+    seed: int | None = Field(description="Sampling seed: the same weights give the same text.")
+    created_at: float
+
+
+class SampleOut(_Out):
+    sample: TextSampleOut | None = Field(description="The latest sample; null until the first one.")
+    every_evaluations: int | None = Field(
+        description="The verifier writes a sample every this many evaluations; null: it writes none."
+    )
+
+
 class UnnoticedOut(_Out):
     lie_fraction: float = Field(description="Share of its rounds a wallet lies in.")
     rounds: int

@@ -210,6 +210,28 @@ function renderSpotChecks(c) {
     (bound ? `; a wallet lying in 10% of its rounds goes 100 rounds unnoticed with p ≤ ${fmt(bound.probability, 3)}` : "");
 }
 
+// A short text the verifier generated from the latest measured model. Model output is
+// untrusted: it only ever goes into textContent, so "<script>" shows as those characters.
+function renderSample(s) {
+  const every = s.every_evaluations;
+  if (s.sample === null) {
+    $("sample-prompt").textContent = "";
+    $("sample-text").textContent = "no sample yet";
+    $("sample-round").textContent = "";
+    $("sample-note").textContent = every === null ? "this verifier writes no samples"
+      : `the verifier writes one after its first evaluation, then every ${every} evaluations`;
+    return;
+  }
+  const x = s.sample;
+  $("sample-round").textContent = `(round ${x.round})`;
+  $("sample-prompt").textContent = x.prompt;
+  $("sample-text").textContent = x.text;
+  $("sample-note").textContent =
+    `${x.max_new_tokens} tokens at most, temperature ${x.temperature}` +
+    (x.seed === null ? "" : `, seed ${x.seed}`) + `; written ${ago(x.created_at)}` +
+    (every === null ? "" : `, a new one every ${every} evaluations`);
+}
+
 async function refresh() {
   try {
     const [verify, global, history, nodes] = await Promise.all([
@@ -220,6 +242,7 @@ async function refresh() {
     ]);
     // Optional: a failure here must not blank the rest of the page.
     getJSON("/api/training/spot-checks?limit=1").then(renderSpotChecks, () => {});
+    getJSON("/api/training/sample").then(renderSample, () => {});
     renderVerdict(verify);
     renderTrend(verify);
     renderGlobal(global);
