@@ -74,18 +74,22 @@ def stage_inner_step(
     after the inner optimizer stepped. On an exception nothing was stepped and no gradient is
     left behind.
     """
-    x = hidden.detach().float().requires_grad_(True)
+    place = diloco.placement
+    x = place.to_device(hidden.detach().float()).requires_grad_(True)
     try:
         # enable_grad: a caller may sit inside an autograd Function's forward (chained in-process).
+        # Autocast as stage 0's DiLoCo.queue_inner_step does: a stage's precision is its placement's.
         with torch.enable_grad():
-            out = diloco.model(x)
+            with place.autocast():
+                out = diloco.model(x)
+                loss = cross_entropy_loss(out, place.to_device(labels)) if downstream is None else None
             if downstream is None:
-                loss = cross_entropy_loss(out, labels)
+                assert loss is not None
                 loss.backward()
                 value = loss.item()
             else:
                 grad_out, value = downstream(out.detach(), labels)
-                out.backward(grad_out.to(out.dtype))
+                out.backward(place.to_device(grad_out).to(out.dtype))
         assert x.grad is not None
         if not (
             math.isfinite(value)

@@ -1,0 +1,330 @@
+"""The replica's disk store of segment material: what it needs to answer a segment challenge.
+
+For each of the last `SegmentConfig.keep_rounds` rounds, under `directory/round-<r>/`:
+
+- `ckpt-<step>.safetensors`: the checkpoint at each segment boundary (weights, AdamW moments and
+  step counts, float32; node.segments.SegmentCheckpoint);
+- `step-<i>.safetensors`: the messages inner step i consumed, each as two uint8 tensors (the
+  sender's signed header and the payload bytes) — stage 0 of a single-stage run writes none;
+- `log.json` and `commitment.json` once the round is closed (written last: a round without them
+  was never committed and is not served).
+
+Bounded twice: at most `keep_rounds` closed rounds, and whole oldest rounds are deleted until the
+kept ones fit in `max_bytes`; the round being written is never deleted, so a round larger than the
+budget is kept alone and the log line says so. Files are written to a temporary name and renamed,
+read back with safetensors (never pickle), and every read is checked against the log's hashes by
+whoever uses it (verifier.segmentcheck), not trusted here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file, save_file
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from .p2p.wire import MalformedMessage, parse_json
+from .replay import InnerState
+from .segments import (
+    KINDS,
+    MAX_MESSAGES_PER_STEP,
+    Received,
+    SegmentCheckpoint,
+    SegmentCommitment,
+    SegmentConfig,
+    SegmentLog,
+    SegmentSink,
+)
+
+
+def _round_dir(directory: Path, round_: int) -> Path:
+    return directory / f"round-{round_:012d}"
+
+
+def _atomic_save(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _atomic_write(data: bytes, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _bytes_tensor(data: bytes) -> Tensor:
+    """Raw bytes as a (n,) uint8 tensor: how headers and payloads sit inside safetensors files."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+class SegmentStore(SegmentSink):
+    """A SegmentSink on disk, read by the peer route that answers challenges."""
+
+    def __init__(self, directory: Path, config: SegmentConfig, *, log: Callable[[str], None] = print) -> None:
+        self.directory = directory
+        self.config = config
+        self._log = log
+        self._lock = threading.Lock()
+        directory.mkdir(parents=True, exist_ok=True)
+
+    # --- writing (the training thread) --------------------------------------------------------
+
+    def checkpoint(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> None:
+        where = _round_dir(self.directory, round_)
+        where.mkdir(exist_ok=True)
+        tensors = {
+            "weights": checkpoint.weights.contiguous(),
+            "exp_avg": checkpoint.inner.exp_avg.contiguous(),
+            "exp_avg_sq": checkpoint.inner.exp_avg_sq.contiguous(),
+            "steps": checkpoint.inner.steps.contiguous(),
+        }
+        _atomic_save(tensors, where / f"ckpt-{step:08d}.safetensors")
+
+    def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
+        where = _round_dir(self.directory, round_)
+        where.mkdir(exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        metadata: dict[str, str] = {"count": str(len(messages))}
+        for j, m in enumerate(messages):
+            tensors[f"header{j}"] = _bytes_tensor(m.header)
+            tensors[f"body{j}"] = _bytes_tensor(m.body)
+            metadata[f"kind{j}"] = m.kind
+            metadata[f"sender{j}"] = m.sender
+        _atomic_save(tensors, where / f"step-{step:08d}.safetensors", metadata)
+
+    def close(self, log: SegmentLog, commitment: SegmentCommitment | None) -> None:
+        where = _round_dir(self.directory, log.round)
+        where.mkdir(exist_ok=True)
+        if commitment is not None:
+            _atomic_write(commitment.to_json(), where / "commitment.json")
+        _atomic_write(log.to_json(), where / "log.json")
+        self._evict(keep=log.round)
+
+    def abandon(self, round_: int) -> None:
+        shutil.rmtree(_round_dir(self.directory, round_), ignore_errors=True)
+
+    def _evict(self, keep: int) -> None:
+        with self._lock:
+            rounds = sorted(self._rounds_on_disk())
+            older = [r for r in rounds if r != keep]
+            sizes = {r: _size(_round_dir(self.directory, r)) for r in rounds}
+            total = sum(sizes.values())
+            while older and (len(older) + 1 > self.config.keep_rounds or total > self.config.max_bytes):
+                gone = older.pop(0)
+                shutil.rmtree(_round_dir(self.directory, gone), ignore_errors=True)
+                total -= sizes[gone]
+            if total > self.config.max_bytes:
+                self._log(
+                    f"segments: round {keep} alone takes {total / 1e6:.1f} MB, over the store's "
+                    f"{self.config.max_bytes / 1e6:.1f} MB budget; kept"
+                )
+
+    def _rounds_on_disk(self) -> list[int]:
+        out = []
+        for entry in self.directory.iterdir():
+            if entry.is_dir() and entry.name.startswith("round-") and entry.name[6:].isdigit():
+                out.append(int(entry.name[6:]))
+        return out
+
+    # --- reading (the peer server) ------------------------------------------------------------
+
+    def rounds(self) -> list[int]:
+        """Closed rounds held, oldest first."""
+        with self._lock:
+            return sorted(
+                r for r in self._rounds_on_disk() if (_round_dir(self.directory, r) / "log.json").exists()
+            )
+
+    def log(self, round_: int) -> tuple[SegmentLog, SegmentCommitment | None] | None:
+        where = _round_dir(self.directory, round_)
+        try:
+            log = SegmentLog.from_json((where / "log.json").read_bytes())
+            signed = where / "commitment.json"
+            commitment = SegmentCommitment.from_json(signed.read_bytes()) if signed.exists() else None
+        except FileNotFoundError:
+            return None
+        return log, commitment
+
+    def load_checkpoint(self, round_: int, step: int) -> SegmentCheckpoint | None:
+        path = _round_dir(self.directory, round_) / f"ckpt-{step:08d}.safetensors"
+        if not path.exists():
+            return None
+        t = load_file(str(path))
+        return SegmentCheckpoint(t["weights"], InnerState(t["exp_avg"], t["exp_avg_sq"], t["steps"]))
+
+    def load_received(self, round_: int, step: int) -> list[Received]:
+        path = _round_dir(self.directory, round_) / f"step-{step:08d}.safetensors"
+        if not path.exists():
+            return []
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            count = int(meta.get("count", "0"))
+            out = []
+            for j in range(count):
+                kind = meta[f"kind{j}"]
+                if kind not in KINDS:
+                    raise ValueError(f"{path}: message {j} has kind {kind!r}")
+                out.append(
+                    Received(
+                        kind=kind,
+                        sender=meta[f"sender{j}"],
+                        header=f.get_tensor(f"header{j}").numpy().tobytes(),
+                        body=f.get_tensor(f"body{j}").numpy().tobytes(),
+                    )
+                )
+        return out
+
+    def material(self, round_: int, segment: int) -> SegmentMaterial | None:
+        """What a challenge on `segment` of `round_` is answered with; None when not held."""
+        held = self.log(round_)
+        if held is None:
+            return None
+        log, commitment = held
+        if commitment is None:
+            return None  # an unsigned round cannot be held against its replica
+        if not 0 <= segment < log.segments:
+            return None
+        first, end = log.segment(segment)
+        start_ckpt, end_ckpt = self.load_checkpoint(round_, first), self.load_checkpoint(round_, end)
+        if start_ckpt is None or end_ckpt is None:
+            return None
+        received = tuple(tuple(self.load_received(round_, i)) for i in range(first, end))
+        return SegmentMaterial(log, commitment, segment, start_ckpt, end_ckpt, received)
+
+
+# --- the answer to a challenge, on the wire -----------------------------------------------------
+
+MAX_MATERIAL_HEADER = 16 << 20
+"""Largest safetensors header of a material body: the log of H steps takes ~0.3 KB a step."""
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors body, read before any tensor is (bounded, strict)."""
+    if len(data) < 8:
+        raise MalformedMessage("segment material is truncated")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > min(MAX_MATERIAL_HEADER, len(data) - 8):
+        raise MalformedMessage(f"segment material header of {size} bytes does not fit")
+    header = parse_json(data[8 : 8 + size], "segment material header")
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise MalformedMessage("segment material has no string metadata")
+    return meta
+
+
+_CKPT_KEYS = ("weights", "exp_avg", "exp_avg_sq", "steps")
+
+
+@dataclass(frozen=True)
+class SegmentMaterial:
+    """A replica's answer to a challenge on one segment: its round's log and signed commitment, the
+    checkpoints at the segment's two ends and the messages each of its steps consumed. Checked
+    against the commitment by verifier.segmentcheck; also the body of a segment fraud proof."""
+
+    log: SegmentLog
+    commitment: SegmentCommitment
+    segment: int
+    start: SegmentCheckpoint
+    end: SegmentCheckpoint
+    received: tuple[tuple[Received, ...], ...]
+    """Per inner step of the segment, in order."""
+
+    def encode(self) -> bytes:
+        """safetensors: the two checkpoints' tensors and each message's header and payload as uint8
+        tensors; the log, the commitment and the message kinds and senders in its metadata."""
+        tensors: dict[str, Tensor] = {}
+        metadata = {
+            "log": self.log.to_json().decode(),
+            "commitment": self.commitment.to_json().decode(),
+            "segment": str(self.segment),
+            "counts": ",".join(str(len(r)) for r in self.received),
+        }
+        for side, ckpt in (("start", self.start), ("end", self.end)):
+            for key, t in zip(
+                _CKPT_KEYS,
+                (ckpt.weights, ckpt.inner.exp_avg, ckpt.inner.exp_avg_sq, ckpt.inner.steps),
+                strict=True,
+            ):
+                tensors[f"{side}.{key}"] = t.detach().to(torch.float32).contiguous()
+        for i, messages in enumerate(self.received):
+            for j, m in enumerate(messages):
+                tensors[f"m{i}.{j}.header"] = _bytes_tensor(m.header)
+                tensors[f"m{i}.{j}.body"] = _bytes_tensor(m.body)
+                metadata[f"m{i}.{j}"] = f"{m.kind}:{m.sender}"
+        return st_save(tensors, metadata=metadata)
+
+    @classmethod
+    def decode(cls, data: bytes, *, numel: int, n_tensors: int) -> SegmentMaterial:
+        """Bytes -> material with exactly the expected tensors and shapes; MalformedMessage otherwise
+        (whether they match the commitment is the verifier's question, not this one's)."""
+        try:
+            metadata = _metadata(data)
+            tensors = st_load(data)
+        except (SafetensorError, ValueError) as exc:
+            raise MalformedMessage(f"segment material does not load: {exc}") from None
+        try:
+            log = SegmentLog.from_json(metadata["log"])
+            commitment = SegmentCommitment.from_json(metadata["commitment"])
+            segment = int(metadata["segment"])
+            counts = [int(c) for c in metadata["counts"].split(",")] if metadata["counts"] else []
+        except (KeyError, ValueError) as exc:
+            raise MalformedMessage(f"segment material metadata is incomplete: {exc}") from None
+        if not 0 <= segment < log.segments:
+            raise MalformedMessage(f"segment {segment} of a round with {log.segments} segments")
+        first, end = log.segment(segment)
+        if len(counts) != end - first or any(not 0 <= c <= MAX_MESSAGES_PER_STEP for c in counts):
+            raise MalformedMessage(
+                f"segment material lists messages for {len(counts)} steps, the segment has {end - first}"
+            )
+        wanted = {f"{side}.{key}" for side in ("start", "end") for key in _CKPT_KEYS}
+        wanted |= {
+            f"m{i}.{j}.{part}" for i, c in enumerate(counts) for j in range(c) for part in ("header", "body")
+        }
+        if set(tensors) != wanted:
+            raise MalformedMessage(
+                f"segment material holds tensors {sorted(set(tensors) ^ wanted)[:4]} unexpectedly or lacks them"
+            )
+        ckpts = []
+        for side in ("start", "end"):
+            t = {key: tensors[f"{side}.{key}"] for key in _CKPT_KEYS}
+            shapes = {"weights": (numel,), "exp_avg": (numel,), "exp_avg_sq": (numel,), "steps": (n_tensors,)}
+            for key, shape in shapes.items():
+                if t[key].dtype != torch.float32 or tuple(t[key].shape) != shape:
+                    raise MalformedMessage(
+                        f"{side}.{key} is {t[key].dtype} {tuple(t[key].shape)}, expected float32 {shape}"
+                    )
+            ckpts.append(
+                SegmentCheckpoint(t["weights"], InnerState(t["exp_avg"], t["exp_avg_sq"], t["steps"]))
+            )
+        received = []
+        for i, c in enumerate(counts):
+            step = []
+            for j in range(c):
+                kind, _, sender = metadata.get(f"m{i}.{j}", "").partition(":")
+                if kind not in KINDS or len(sender) != 64:
+                    raise MalformedMessage(f"message {j} of step {i} has no kind and sender")
+                header, body = tensors[f"m{i}.{j}.header"], tensors[f"m{i}.{j}.body"]
+                if header.dtype != torch.uint8 or body.dtype != torch.uint8:
+                    raise MalformedMessage(f"message {j} of step {i} is not raw bytes")
+                step.append(Received(kind, sender, header.numpy().tobytes(), body.numpy().tobytes()))
+            received.append(tuple(step))
+        return cls(log, commitment, segment, ckpts[0], ckpts[1], tuple(received))

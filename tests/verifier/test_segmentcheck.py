@@ -1,0 +1,350 @@
+"""Segment replay at stage 0 and at later stages: honest segments pass (same precision, and bf16
+autocast replayed in fp32); each lie is refused — made-up inputs, skipped steps, scaled updates, a
+checkpoint that does not match its hash, inputs that disagree with the sender's signed record."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.node.device import Placement
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
+from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.pipeline_wire import (
+    ActivationHeader,
+    GradientReply,
+    decode_activations,
+    decode_gradient,
+    encode_activations,
+    encode_gradient,
+    micro_batch_id,
+)
+from neuroshard.node.pipeline import remote_loss, stage_inner_step
+from neuroshard.node.replay import InnerState
+from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
+from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, sha256_hex
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
+from neuroshard.verifier.segmentcheck import (
+    SegmentClaim,
+    SegmentFraudProof,
+    check_fraud_proof,
+    check_segment,
+)
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, ffn_dim=64, max_seq_len=16)
+H, K, B, T = 8, 4, 2, 16
+DILOCO = DiLoCoConfig(inner_steps=H, warmup_steps=2, total_steps=100)
+REPLICA = Wallet.from_token("segment-replica")
+PREV = Wallet.from_token("segment-previous-stage")
+NEXT = Wallet.from_token("segment-next-stage")
+ROUND = 0
+CODEC = DEFAULT_CODEC
+
+
+def read_batch(span: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """The data set as the verifier recomputes it: windows are a pure function of the span."""
+    shard, start, _ = span
+    g = torch.Generator().manual_seed(1000 * shard + start)
+    tokens = torch.randint(0, MODEL.vocab_size, (B, T + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def activations(step: int, *, stage: int) -> tuple[Received, str]:
+    """A micro-batch from the previous stage, as its signed header and encoded body."""
+    g = torch.Generator().manual_seed(50 + step)
+    hidden = torch.randn(B, T, MODEL.dim, generator=g)
+    labels = torch.randint(0, MODEL.vocab_size, (B, T), generator=g)
+    body = encode_activations(hidden, labels, CODEC)
+    mb = micro_batch_id(PREV.public_key_hex, ROUND, step)
+    header = ActivationHeader.create(
+        PREV, micro_batch=mb, stage=stage, round=ROUND, batch=B, seq_len=T, dim=MODEL.dim,
+        codec=CODEC, payload_sha256=sha256_hex(body),
+    )  # fmt: skip
+    return Received("activations", PREV.public_key_hex, header.to_json(), body), mb
+
+
+def gradient(step: int, mb: str, *, stage: int) -> Received:
+    """The next stage's answer: a signed gradient reply and its encoded body."""
+    g = torch.Generator().manual_seed(90 + step)
+    body = encode_gradient(torch.randn(B, T, MODEL.dim, generator=g) * 1e-3, CODEC)
+    reply = GradientReply.create(
+        NEXT, micro_batch=mb, stage=stage + 1, round=ROUND, loss=4.0, codec=CODEC,
+        payload_sha256=sha256_hex(body),
+    )  # fmt: skip
+    return Received("gradient", NEXT.public_key_hex, reply.to_json(), body)
+
+
+Tamper = Callable[[int, DiLoCo], bool]
+"""(step in round, engine) -> whether to skip the honest step (a liar's hook; False: honest)."""
+
+
+@dataclasses.dataclass
+class Run:
+    stage: int
+    num_stages: int
+    store: SegmentStore
+    root: str
+    spans: list[tuple[int, int, int]]
+
+    def material(self, segment: int) -> SegmentMaterial:
+        material = self.store.material(ROUND, segment)
+        assert material is not None
+        n = sum(p.numel() for p in build_stage(MODEL, self.stage, self.num_stages).parameters())
+        k = len(list(build_stage(MODEL, self.stage, self.num_stages).parameters()))
+        return SegmentMaterial.decode(material.encode(), numel=n, n_tensors=k)  # as the wire carries it
+
+    def claim(self, precision: str = "fp32") -> SegmentClaim:
+        return SegmentClaim(
+            model=MODEL, diloco=DILOCO, num_stages=self.num_stages, stage=self.stage, round=ROUND,
+            wallet=REPLICA.public_key_hex, root=self.root, spans=self.spans, precision=precision,
+        )  # fmt: skip
+
+
+def train_round(
+    tmp_path: Path,
+    *,
+    stage: int,
+    num_stages: int,
+    precision: str = "fp32",
+    tamper: Tamper | None = None,
+    after_step: Callable[[int, DiLoCo], None] | None = None,
+    recorded: Callable[[int, Received], Received] | None = None,
+) -> Run:
+    """One replica's round of H steps with a SegmentRecorder, as the node records it."""
+    torch.manual_seed(0)
+    store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=K), stage=stage, sink=store)
+    place = Placement(device=torch.device("cpu"), precision=precision)
+    model = build_stage(MODEL, stage, num_stages)
+    current: list[Received] = []
+
+    def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
+        reply = current[0]
+        recorder.note_received(reply)
+        g = GradientReply.from_json(reply.header)
+        return decode_gradient(reply.body, (B, T, MODEL.dim), g.codec), g.loss
+
+    last = stage == num_stages - 1
+    kwargs = {"loss_fn": remote_loss(downstream)} if stage == 0 and not last else {}
+    diloco = DiLoCo(model, DILOCO, placement=place, **kwargs)
+    recorder.start_round(diloco)
+    spans = []
+    for i in range(H):
+        span, received, mb = None, [], ""
+        if stage == 0:
+            span = (3, i * B, (i + 1) * B)
+            spans.append(span)
+            inputs, labels = read_batch(span)
+            mb = micro_batch_id(REPLICA.public_key_hex, ROUND, i) if not last else ""
+        else:
+            act, mb = activations(i, stage=stage)
+            received.append(act)
+            inputs, labels = decode_activations(
+                act.body, ActivationHeader.from_json(act.header), MODEL.vocab_size
+            )
+        if not last:
+            current[:] = [gradient(i, mb, stage=stage)]
+        if tamper is None or not tamper(i, diloco):
+            if stage == 0:
+                diloco.inner_step(inputs, labels)
+            else:
+                grad, _ = stage_inner_step(diloco, inputs, labels, None if last else downstream)
+                recorder.note_sent(mb, "gradient", sha256_hex(encode_gradient(grad, CODEC)))
+        if after_step is not None:
+            after_step(i, diloco)
+        if recorded is not None:
+            received = [recorded(i, m) for m in received]
+        recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = recorder.close_round(REPLICA)
+    assert closed is not None
+    log, commitment = closed
+    assert commitment is not None and commitment.root == log.root() and log.segments == H // K
+    return Run(stage, num_stages, store, log.root(), spans)
+
+
+def check(run: Run, segment: int, precision: str = "fp32", trained: str = "fp32"):  # type: ignore[no-untyped-def]
+    tolerance = tolerance_for("cpu", trained, ReplayCheckConfig())
+    return check_segment(run.claim(precision), run.material(segment), tolerance, read_batch=read_batch)
+
+
+STAGES = [(0, 1), (0, 2), (1, 2), (1, 3)]
+"""(stage, S): a lone stage, a driver, a last stage, a middle stage."""
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), STAGES)
+def test_honest_segments_replay_exactly_in_the_same_precision(
+    tmp_path: Path, stage: int, num_stages: int
+) -> None:
+    run = train_round(tmp_path, stage=stage, num_stages=num_stages)
+    for j in range(H // K):
+        verdict = check(run, j)
+        assert verdict.ok and verdict.replayed, verdict.reason
+        assert verdict.cosine is not None and verdict.cosine > 1 - 1e-9
+        assert verdict.norm_ratio is not None and abs(verdict.norm_ratio - 1) < 1e-6
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 1), (1, 2)])
+def test_bf16_autocast_segments_pass_a_fp32_replay(tmp_path: Path, stage: int, num_stages: int) -> None:
+    run = train_round(tmp_path, stage=stage, num_stages=num_stages, precision="bf16")
+    for j in range(H // K):
+        verdict = check(run, j, trained="bf16")
+        assert verdict.ok, verdict.reason
+        assert verdict.cosine is not None and verdict.cosine < 1 - 1e-9  # really another precision
+    same = check(run, 0, precision="bf16", trained="bf16")  # replayed in the claimed precision
+    assert same.ok and same.cosine is not None and same.cosine > 1 - 1e-6
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 1), (1, 2)])
+def test_a_scaled_update_is_refused_and_proves_fraud(tmp_path: Path, stage: int, num_stages: int) -> None:
+    starts: dict[int, Tensor] = {}
+
+    def scale(i: int, diloco: DiLoCo) -> None:
+        if i % K == 0:
+            starts[i // K] = flat_parameters(diloco.params)  # after step i; close enough to its start
+        if i % K == K - 1 and i // K == 1:
+            start = starts[1]
+            copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
+
+    run = train_round(tmp_path, stage=stage, num_stages=num_stages, after_step=scale)
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and verdict.replayed and "norm ratio" in verdict.reason
+    proof = SegmentFraudProof.decode(
+        SegmentFraudProof(run.material(1)).encode(),
+        numel=run.material(1).start.weights.numel(),
+        n_tensors=run.material(1).start.inner.steps.numel(),
+    )
+    kw = dict(model=MODEL, diloco=DILOCO, num_stages=num_stages, read_batch=read_batch, spans=run.spans)
+    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+    assert check_fraud_proof(proof, tolerance=tolerance, **kw)  # type: ignore[arg-type]
+    assert not check_fraud_proof(SegmentFraudProof(run.material(0)), tolerance=tolerance, **kw)  # type: ignore[arg-type]
+
+
+def _skip_half(counters: bool) -> Tamper:
+    """Train on half the micro-batches of segment 1 and advance the step counters as if not;
+    with `counters` also AdamW's own per-parameter step counts."""
+
+    def tamper(i: int, diloco: DiLoCo) -> bool:
+        if i // K != 1 or i % 2 == 0:
+            return False
+        diloco.step += 1
+        diloco.steps_in_round += 1
+        if counters:
+            for state in diloco.inner_optimizer.state.values():
+                state["step"] += 1
+        return True
+
+    return tamper
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 1), (1, 2)])
+def test_skipped_steps_are_refused(tmp_path: Path, stage: int, num_stages: int) -> None:
+    naive = train_round(tmp_path / "naive", stage=stage, num_stages=num_stages, tamper=_skip_half(False))
+    verdict = check(naive, 1)
+    assert not verdict.ok and "optimizer counted" in verdict.reason
+    careful = train_round(tmp_path / "careful", stage=stage, num_stages=num_stages, tamper=_skip_half(True))
+    assert check(careful, 0).ok
+    verdict = check(careful, 1)
+    assert not verdict.ok and verdict.replayed, verdict.reason
+
+
+def test_training_on_made_up_data_at_stage_0_is_refused(tmp_path: Path) -> None:
+    def other_data(i: int, diloco: DiLoCo) -> bool:
+        if i // K != 1:
+            return False
+        diloco.inner_step(*read_batch((9, 100 + i * B, 100 + (i + 1) * B)))  # not the span it records
+        return True
+
+    run = train_round(tmp_path, stage=0, num_stages=1, tamper=other_data)
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and "cosine" in verdict.reason
+
+
+def test_step_spans_must_be_the_receipts(tmp_path: Path) -> None:
+    run = train_round(tmp_path, stage=0, num_stages=1)
+    other = dataclasses.replace(run, spans=[(3, B, B + B * H)])  # shifted by one batch
+    verdict = check(other, 0)
+    assert not verdict.ok and not verdict.replayed and "data spans differ" in verdict.reason
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 1), (1, 2)])
+def test_a_checkpoint_that_does_not_match_its_hash_is_refused(
+    tmp_path: Path, stage: int, num_stages: int
+) -> None:
+    run = train_round(tmp_path, stage=stage, num_stages=num_stages)
+    material = run.material(0)
+    doctored = dataclasses.replace(
+        material,
+        end=dataclasses.replace(material.end, weights=material.end.weights * 1.01),
+    )
+    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+    verdict = check_segment(run.claim(), doctored, tolerance, read_batch=read_batch)
+    assert (
+        not verdict.ok
+        and not verdict.replayed
+        and "step 4 does not match its committed hash" in verdict.reason
+    )
+    moments = dataclasses.replace(
+        material, start=dataclasses.replace(material.start, inner=InnerState(
+            material.start.inner.exp_avg + 1e-3, material.start.inner.exp_avg_sq, material.start.inner.steps))
+    )  # fmt: skip
+    verdict = check_segment(run.claim(), moments, tolerance, read_batch=read_batch)
+    assert not verdict.ok and "step 0 does not match" in verdict.reason
+    assert not check_fraud_proof(
+        SegmentFraudProof(doctored), model=MODEL, diloco=DILOCO, num_stages=num_stages,
+        tolerance=tolerance, read_batch=read_batch, spans=run.spans,
+    )  # fmt: skip  # not signed as served: no proof against the wallet
+
+
+def test_made_up_activations_are_refused_at_a_later_stage(tmp_path: Path) -> None:
+    """A stage-1 replica records a micro-batch under a header it signed itself, naming the previous
+    stage as sender: nobody sent it that, and the sender's signature says so."""
+
+    def forge(i: int, m: Received) -> Received:
+        if i != 5:
+            return m
+        header = ActivationHeader.from_json(m.header)
+        forged = ActivationHeader.create(REPLICA, **{
+            f.name: getattr(header, f.name) for f in dataclasses.fields(header) if f.name not in ("wallet", "signature")
+        })  # fmt: skip
+        return Received(m.kind, PREV.public_key_hex, forged.to_json(), m.body)
+
+    run = train_round(tmp_path, stage=1, num_stages=2, recorded=forge)
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and "not signed by its named sender" in verdict.reason
+
+
+def test_inputs_that_disagree_with_the_senders_record_are_refused(tmp_path: Path) -> None:
+    """The replica trained on other activations than the previous stage sent and records those:
+    its record commits to a payload the sender's signed header does not name."""
+
+    def swap(i: int, m: Received) -> Received:
+        if i != 2:
+            return m
+        other, _ = activations(40, stage=1)
+        return Received(m.kind, m.sender, m.header, other.body)
+
+    run = train_round(tmp_path, stage=1, num_stages=2, recorded=swap)
+    verdict = check(run, 0)
+    assert not verdict.ok and "payload differs from what its sender signed" in verdict.reason
+    assert check(run, 1).ok
+
+
+def test_material_served_for_another_wallet_or_root_is_refused(tmp_path: Path) -> None:
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+    claim = dataclasses.replace(run.claim(), wallet=PREV.public_key_hex)
+    assert "not signed by the receipt's wallet" in check_segment(claim, run.material(0), tolerance).reason
+    claim = dataclasses.replace(run.claim(), root="0" * 64)
+    assert "root differs" in check_segment(claim, run.material(0), tolerance).reason

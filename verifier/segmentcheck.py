@@ -1,0 +1,321 @@
+"""Segment replay, for every stage: re-run k inner steps of one replica from its committed checkpoint.
+
+A replica commits, in its receipt and a signed `SegmentCommitment`, to the root of its round's
+hash chain (node.segments): one record per inner step (stage 0: the data span; every stage: the
+messages it received, each under its sender's signed header, and what it sent on) and the hash
+of its weights and inner AdamW state every k steps. For a drawn segment j it serves the
+`SegmentMaterial` (node.segment_store): the log, the commitment, the checkpoints at the segment's
+two ends and the messages each step consumed. `check_segment` then
+
+1. checks the material against the commitments: the commitment's signature and wallet, its root
+   against the receipt's and the log's, both checkpoints against the log's hashes, every message
+   against its step record, its sender's signature, its payload hash and micro-batch id, the
+   schedule step, and (stage 0) the step spans against the receipt's assigned spans;
+2. replays the segment's k steps from the start checkpoint with the production step functions
+   (stage 0: the batches re-read from the data set, and at S > 1 the recorded gradients through
+   `pipeline.remote_loss`; later stages: the recorded activations, labels and gradients through
+   `pipeline.stage_inner_step`);
+3. compares the committed end − start with the replayed end − start by cosine and norm ratio, at
+   the tolerance the receipt's precision calls for (verifier.replaycheck.tolerance_for), and the
+   optimizer's step counts exactly.
+
+Step 1 failing is the verifier's verdict (like a digest mismatch today); step 3 failing on
+material that passed step 1 is a `SegmentFraudProof`: everything in it is signed by the replica
+or by the senders it names, so anyone with the run's definition and data re-checks it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from neuroshard.node.device import Placement
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
+from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.pipeline_wire import (
+    ActivationHeader,
+    GradientReply,
+    decode_activations,
+    decode_gradient,
+)
+from neuroshard.node.p2p.wire import WireError
+from neuroshard.node.pipeline import remote_loss, stage_inner_step
+from neuroshard.node.replay import install_inner_state
+from neuroshard.node.segment_store import SegmentMaterial
+from neuroshard.node.segments import Received, StepRecord, sha256_hex
+
+from .spotcheck import SpotCheckConfig, compare_deltas
+
+BatchReader = Callable[[tuple[int, int, int]], tuple[Tensor, Tensor]]
+"""(shard_id, offset_start, offset_end) -> (inputs, labels) (B, T) int64, read as the node read it
+(verifier.spotcheck.claimed_batches over one span)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentClaim:
+    """What the verifier knows without asking the replica: the run and the signed receipt."""
+
+    model: ModelConfig
+    diloco: DiLoCoConfig
+    num_stages: int
+    stage: int
+    round: int
+    wallet: str
+    """The replica's Ed25519 public key (hex): the receipt's signer."""
+    root: str
+    """The receipt's `segment_root`."""
+    spans: Sequence[tuple[int, int, int]] = ()
+    """Stage 0: the receipt's data spans (already checked against the wallet's assignment)."""
+    precision: str = "fp32"
+    """The replay's placement precision (the verifier's CPU, fp32 by default)."""
+
+
+@dataclass(frozen=True)
+class SegmentVerdict:
+    ok: bool
+    reason: str
+    replayed: bool = False
+    """Whether the steps were replayed (False: the material failed its commitments first)."""
+    cosine: float | None = None
+    norm_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one replayed step consumes, decoded."""
+
+    inputs: Tensor
+    """Stage 0: (B, T) int64 token ids; later stages: (B, T, C) float32 activations."""
+    labels: Tensor
+    """(B, T) int64."""
+    grad: Tensor | None
+    """(B, T, C) float32 gradient from the next stage; None on the last stage."""
+    loss: float = 0.0
+    """The loss the next stage reported (only shown)."""
+
+
+# --- 1. the material against the commitments ---------------------------------------------------
+
+
+def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]:
+    """Everything in `material` that does not match what was committed (empty when it all does)."""
+    log, c = material.log, material.commitment
+    problems = []
+    if c.wallet != claim.wallet or not c.signature_valid():
+        problems.append("the segment commitment is not signed by the receipt's wallet")
+    if (c.stage, c.round, log.stage, log.round) != (claim.stage, claim.round) * 2:
+        problems.append(f"commitment and log are for stage {c.stage}/{log.stage} round {c.round}/{log.round}")
+    root = log.root()
+    if not (c.root == claim.root == root):
+        problems.append("the log's root differs from the receipt's or the signed commitment's")
+    if log.start_step != claim.round * claim.diloco.inner_steps:
+        problems.append(f"the log starts at schedule step {log.start_step}, round {claim.round} starts at "
+                        f"{claim.round * claim.diloco.inner_steps}")  # fmt: skip
+    first, end = log.segment(material.segment)
+    j = material.segment
+    if material.start.sha256() != log.checkpoints[j]:
+        problems.append(f"the checkpoint at step {first} does not match its committed hash")
+    if material.end.sha256() != log.checkpoints[j + 1]:
+        problems.append(f"the checkpoint at step {end} does not match its committed hash")
+    if len(material.received) != end - first:
+        problems.append(f"messages for {len(material.received)} steps, the segment has {end - first}")
+        return problems
+    for i, messages in zip(range(first, end), material.received, strict=True):
+        problems += _step_problems(i, log.steps[i], messages, claim)
+    if (
+        claim.stage == 0
+        and claim.spans
+        and _merged([s.data for s in log.steps]) != _merged(list(claim.spans))
+    ):
+        problems.append("the log's data spans differ from the receipt's")
+    return problems
+
+
+def _step_problems(i: int, step: StepRecord, messages: Sequence[Received], claim: SegmentClaim) -> list[str]:
+    out = []
+    if [m.ref() for m in messages] != step.received:
+        return [f"step {i}: the messages served differ from the ones its record commits to"]
+    kinds = [m.kind for m in messages]
+    wanted = (["activations"] if claim.stage > 0 else []) + (
+        ["gradient"] if claim.stage < claim.num_stages - 1 else []
+    )
+    if kinds != wanted:
+        return [
+            f"step {i}: received {kinds}, a stage {claim.stage} step of {claim.num_stages} takes {wanted}"
+        ]
+    if claim.stage == 0 and step.data is None:
+        out.append(f"step {i}: a stage-0 step names no data span")
+    for m in messages:
+        try:
+            header: ActivationHeader | GradientReply = (
+                ActivationHeader.from_json(m.header)
+                if m.kind == "activations"
+                else GradientReply.from_json(m.header)
+            )
+        except WireError as exc:
+            out.append(f"step {i}: {m.kind} header does not parse: {exc}")
+            continue
+        expected_stage = claim.stage if m.kind == "activations" else claim.stage + 1
+        if header.wallet != m.sender or not header.signature_valid():
+            out.append(f"step {i}: {m.kind} header is not signed by its named sender")
+        elif header.payload_sha256 != sha256_hex(m.body):
+            out.append(f"step {i}: {m.kind} payload differs from what its sender signed")
+        elif header.stage != expected_stage:
+            out.append(f"step {i}: {m.kind} header is for stage {header.stage}, not {expected_stage}")
+        elif step.micro_batch and header.micro_batch != step.micro_batch:
+            out.append(
+                f"step {i}: {m.kind} is for micro-batch {header.micro_batch}, the step for {step.micro_batch}"
+            )
+    return out
+
+
+def _merged(spans: Sequence[tuple[int, int, int] | None]) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for span in spans:
+        if span is None:
+            return [(-1, -1, -1)]
+        if out and out[-1][0] == span[0] and out[-1][2] == span[1]:
+            out[-1] = (span[0], out[-1][1], span[2])
+        else:
+            out.append(span)
+    return out
+
+
+# --- 2. the replay -----------------------------------------------------------------------------
+
+
+def step_inputs(
+    material: SegmentMaterial, claim: SegmentClaim, read_batch: BatchReader | None
+) -> list[StepInputs]:
+    """Decode each step's inputs (after `commitment_problems` came back empty). Raises WireError
+    for a payload that does not decode (which its sender signed: a fault of the sender)."""
+    first, end = material.log.segment(material.segment)
+    out = []
+    for i, messages in zip(range(first, end), material.received, strict=True):
+        by_kind = {m.kind: m for m in messages}
+        if claim.stage == 0:
+            span = material.log.steps[i].data
+            assert span is not None and read_batch is not None
+            inputs, labels = read_batch(span)
+            shape = (inputs.shape[0], inputs.shape[1], claim.model.dim)
+        else:
+            act = by_kind["activations"]
+            header = ActivationHeader.from_json(act.header)
+            inputs, labels = decode_activations(act.body, header, claim.model.vocab_size)
+            shape = (header.batch, header.seq_len, header.dim)
+        grad, loss = None, 0.0
+        if "gradient" in by_kind:
+            reply = GradientReply.from_json(by_kind["gradient"].header)
+            grad = decode_gradient(by_kind["gradient"].body, shape, reply.codec)
+            loss = reply.loss
+        out.append(StepInputs(inputs, labels, grad, loss))
+    return out
+
+
+def replay_segment(claim: SegmentClaim, material: SegmentMaterial, steps: Sequence[StepInputs]) -> Tensor:
+    """The weights (d,) after replaying the segment's steps from its start checkpoint."""
+    model = build_stage(claim.model, claim.stage, claim.num_stages)
+    copy_into_parameters(material.start.weights, model.parameters())
+    current: list[StepInputs] = []
+
+    def recorded(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
+        grad = current[0].grad
+        assert grad is not None
+        return grad, current[0].loss
+
+    placement = dataclasses.replace(Placement.cpu(), precision=claim.precision)
+    last = claim.stage == claim.num_stages - 1
+    kwargs = {} if last or claim.stage > 0 else {"loss_fn": remote_loss(recorded)}
+    diloco = DiLoCo(model, claim.diloco, placement=placement, **kwargs)
+    install_inner_state(diloco, material.start.inner)
+    first, _ = material.log.segment(material.segment)
+    diloco.round, diloco.steps_in_round = claim.round, first
+    for step in steps:
+        current[:] = [step]
+        if claim.stage == 0:
+            diloco.inner_step(step.inputs, step.labels)
+        else:
+            stage_inner_step(diloco, step.inputs, step.labels, None if last else recorded)
+    return flat_parameters(diloco.params)
+
+
+# --- 3. the verdict ----------------------------------------------------------------------------
+
+
+def check_segment(
+    claim: SegmentClaim,
+    material: SegmentMaterial,
+    tolerance: SpotCheckConfig,
+    *,
+    read_batch: BatchReader | None = None,
+) -> SegmentVerdict:
+    """Check one served segment: commitments, then replay and comparison (module docstring)."""
+    if claim.stage == 0 and read_batch is None:
+        raise ValueError("a stage-0 segment check needs read_batch to recompute the batches")
+    problems = commitment_problems(material, claim)
+    if problems:
+        return SegmentVerdict(False, "; ".join(problems[:4]))
+    try:
+        steps = step_inputs(material, claim, read_batch)
+    except WireError as exc:
+        return SegmentVerdict(False, f"a recorded payload does not decode: {exc}")
+    replayed = replay_segment(claim, material, steps)
+    start = material.start.weights
+    result = compare_deltas(material.end.weights - start, replayed - start, tolerance)
+    counted = material.end.inner.steps - material.start.inner.steps
+    if not torch.equal(counted, torch.full_like(counted, float(len(steps)))):
+        return SegmentVerdict(
+            False,
+            f"the optimizer counted {counted.tolist()[:3]}… steps for a segment of {len(steps)}",
+            True,
+            result.cosine,
+            result.norm_ratio,
+        )
+    return SegmentVerdict(result.ok, result.reason, True, result.cosine, result.norm_ratio)
+
+
+# --- fraud proofs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SegmentFraudProof:
+    """A segment whose material matched the replica's signed commitment and failed its replay.
+    The bytes are the material's (node.segment_store.SegmentMaterial.encode): the commitment's
+    signature ties them to the wallet, the senders' signatures tie the inputs to them."""
+
+    material: SegmentMaterial
+
+    def encode(self) -> bytes:
+        return self.material.encode()
+
+    @classmethod
+    def decode(cls, data: bytes, *, numel: int, n_tensors: int) -> SegmentFraudProof:
+        return cls(SegmentMaterial.decode(data, numel=numel, n_tensors=n_tensors))
+
+
+def check_fraud_proof(
+    proof: SegmentFraudProof,
+    *,
+    model: ModelConfig,
+    diloco: DiLoCoConfig,
+    num_stages: int,
+    tolerance: SpotCheckConfig,
+    read_batch: BatchReader | None = None,
+    spans: Sequence[tuple[int, int, int]] = (),
+) -> bool:
+    """Whether `proof` proves fraud by its own signed content: the commitment is valid and the
+    material matches it, and the replay fails. Needs only the run's definition (and, at stage 0,
+    its data); the claim is read from the signed commitment itself."""
+    c = proof.material.commitment
+    claim = SegmentClaim(
+        model=model, diloco=diloco, num_stages=num_stages, stage=c.stage, round=c.round,
+        wallet=c.wallet, root=c.root, spans=spans,
+    )  # fmt: skip
+    if commitment_problems(proof.material, claim):
+        return False  # not attributable: the material is not what the wallet signed
+    verdict = check_segment(claim, proof.material, tolerance, read_batch=read_batch)
+    return verdict.replayed and not verdict.ok
