@@ -1,47 +1,249 @@
-"""Pipeline stages: bytes per node per round, pipeline (activations, gradients) and sync (Δ
-exchange) counted separately, against what synchronous data parallel sends for the same tokens.
+"""Pipeline stages: what the activation codec saves on the wire and what it costs in loss.
 
-2 stages × 2 replicas on loopback, threads of one process, each replica a real `PeerNetwork`
-(own event loop, aiohttp server and client), wired as `neuroshard-node --stages 2` wires them:
-stage-0 `Trainer`s with a remote loss read the bench text and drive; stage-1 replicas
-(`start_stage_replica`) hold the head. Real training, H inner steps per round.
+Three measurements, each against bf16 (the wire before codecs) and each codec of
+`neuroshard.node.actcodec` (int8 in groups of 64 is the default):
 
-Traffic is counted at the HTTP layer (bodies, request/status lines, headers), bytes *sent*
-by each node (its client's requests plus its server's replies), as in bench_network.py:
+1. Bytes per token per stage boundary, each direction, from real encoded bodies
+   (`pipeline_wire.encode_activations` / `encode_gradient` on a micro-batch of the run's shape):
+   forward = the packed hidden state and its int32 label, backward = the packed gradient.
+2. Held-out loss at equal tokens, in process: stage 0 and stage 1 of the model trained together
+   (the real `DiLoCo` inner steps, `pipeline.remote_loss` and `stage_inner_step`), with the hidden
+   state and its gradient passed through the codec's encode then decode at the boundary, against
+   the same run passed through nothing (float32: "uncompressed"). Same θ₀, batches and schedule
+   per seed; ≥ 2 seeds; held-out windows from shard 0, which no batch is drawn from.
+3. The live wire: 2 stages × 2 replicas on loopback, threads of one process, each replica a real
+   `PeerNetwork` (own event loop, aiohttp server and client), wired as `neuroshard-node --stages 2`
+   wires them, for each codec in --live-codecs. Traffic is counted at the HTTP layer (bodies,
+   request/status lines, headers), bytes *sent* by each node: pipeline (a driver's hidden states,
+   a stage-1 replica's gradients) and sync (everything else: the round's objects, statuses, peer
+   lists). Synchronous data parallel over the same 2 data streams all-reduces the whole model's
+   fp32 gradient every step, a ring all-reduce with n = 2 sending 2·(n−1)/n·4·d = 4·d bytes per node
+   per step. Tokens/s is the drivers' trained tokens over the wall time of the run.
 
-- pipeline, driver: the hidden states it sent (client); stage 1: the gradients it answered.
-- sync: everything else the node sent (the round's objects served and fetched, statuses, peer lists).
+Every run sets torch.set_num_threads(1): four replicas share the process (3), and the loss
+comparison (2) must not depend on the machine's load.
 
-Synchronous data parallel over the same 2 data streams all-reduces the whole model's fp32
-gradient every step; a ring all-reduce with n = 2 sends 2·(n−1)/n·4·d = 4·d bytes per node
-per step.
-
-    .venv/bin/python bench/bench_pipeline.py                     # tiny model, H=50, 3 rounds
-    .venv/bin/python bench/bench_pipeline.py --inner-steps 500 --rounds 1
+    .venv/bin/python bench/bench_pipeline.py                # tiny model: all three, ~10 min on 1 core
+    .venv/bin/python bench/bench_pipeline.py --live-codecs none --explore --json   # bytes and loss only
+    .venv/bin/python bench/bench_pipeline.py --inner-steps 500 --rounds 1 --sim-steps 0
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
+from torch import Tensor
 
-from neuroshard.node.diloco import DiLoCoConfig
-from neuroshard.node.model import ModelConfig
+from neuroshard.data.dataset import Dataset
+from neuroshard.node import actcodec
+from neuroshard.node.actcodec import CODECS, DEFAULT_CODEC, FORMATS, Codec, Format
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.auth import Traffic
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline import PipelineConfig
+from neuroshard.node.p2p.pipeline_wire import encode_activations, encode_gradient
 from neuroshard.node.p2p.stages import PipelineLink, StageReplica, start_stage_replica
-from neuroshard.node.pipeline import remote_loss
+from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.stage_worker import WorkerConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.node.wallet import Wallet
+from neuroshard.verifier.evaluate import measure_loss
+
+UNCOMPRESSED = "fp32"
+"""The loss baseline: the hidden state and its gradient cross the boundary as they are."""
+EXPLORE = {
+    # Not wire codecs: how far bits can go down before the loss moves (measured, not offered).
+    "h4/h4": Codec("h4/h4", FORMATS["h4"], FORMATS["h4"]),
+    "h2/h4": Codec("h2/h4", Format("h2", 2, True), FORMATS["h4"]),
+}
+EVAL_BATCHES = 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seeds", type=int, default=2, help="seeds of the loss comparison (θ₀ and batches)")
+    p.add_argument("--sim-steps", type=int, default=200, help="inner steps per loss run (0: skip it)")
+    p.add_argument(
+        "--explore", action="store_true", help=f"also measure {', '.join(EXPLORE)} (not wire codecs)"
+    )
+    p.add_argument("--live-codecs", default="bf16,int8,hadamard4", help="comma list, or 'none'")
+    p.add_argument("--inner-steps", type=int, default=50, help="H of the live run")
+    p.add_argument("--rounds", type=int, default=3, help="outer rounds of the live run")
+    p.add_argument("--encoding", default="int8", choices=["int8", "fp16"], help="Δ encoding of the sync")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object, last line")
+    args = parse_with_quick(
+        p,
+        model="micro",
+        inner_steps=4,
+        rounds=1,
+        batch_size=2,
+        seq_len=32,
+        sim_steps=6,
+        live_codecs=DEFAULT_CODEC,
+    )
+    torch.set_num_threads(1)
+
+    dataset = quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)
+    print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
+    model = ModelConfig.named(args.model, vocab_size=dataset.tokenizer.vocab_size)
+    codecs: dict[str, Codec] = {**CODECS, **(EXPLORE if args.explore else {})}
+    summary: dict[str, Any] = {"model": args.model, "micro_batch": [args.batch_size, args.seq_len]}
+
+    summary["bytes"] = bytes_table(model, args, codecs)
+    if args.sim_steps > 0:
+        summary["held_out"] = loss_table(model, args, codecs, dataset)
+    live = [c for c in args.live_codecs.split(",") if c and c != "none"]
+    if live:
+        summary["live"] = {name: live_run(model, args, dataset, name) for name in live}
+        live_table(summary["live"])
+
+    default = summary["bytes"][DEFAULT_CODEC]
+    record = {
+        "codec": DEFAULT_CODEC,
+        "bytes_per_token_forward": default["forward"],
+        "bytes_per_token_backward": default["backward"],
+        "bf16_bytes_per_token": summary["bytes"]["bf16"]["forward"],
+        "bf16_bytes_per_token_backward": summary["bytes"]["bf16"]["backward"],
+        **summary,
+    }
+    if args.json:
+        print(json.dumps(record, sort_keys=True))
+
+
+# --- 1. bytes per token -----------------------------------------------------------------------
+
+
+def bytes_table(model: ModelConfig, args: argparse.Namespace, codecs: dict[str, Codec]) -> dict[str, Any]:
+    """Bytes per token per boundary from encoded bodies of one (B, T, C) micro-batch (safetensors
+    header included, amortised over its B·T tokens); the explored formats by their arithmetic."""
+    b, t, c = args.batch_size, args.seq_len, model.dim
+    g = torch.Generator().manual_seed(0)
+    hidden, grad = torch.randn(b, t, c, generator=g), torch.randn(b, t, c, generator=g) * 1e-4
+    labels = torch.randint(0, model.vocab_size, (b, t), generator=g)
+    rows: dict[str, Any] = {}
+    for name, codec in codecs.items():
+        if name in CODECS:
+            fwd = len(encode_activations(hidden, labels, name)) / (b * t)
+            back = len(encode_gradient(grad, name)) / (b * t)
+        else:
+            fwd, back = codec.forward.bytes_per_row(c) + 4.0, float(codec.backward.bytes_per_row(c))
+        rows[name] = {"forward": round(fwd, 2), "backward": round(back, 2)}
+    bf16 = rows["bf16"]["forward"] + rows["bf16"]["backward"]
+    print(f"\nbytes per token per boundary ({args.model}, C = {c}, micro-batch {b}x{t}, labels int32):")
+    print(f"{'codec':<11} {'bits fwd/back':>14} {'forward':>9} {'backward':>9} {'both':>8} {'/ bf16':>7}")
+    for name, row in rows.items():
+        both = row["forward"] + row["backward"]
+        row["ratio_to_bf16"] = round(both / bf16, 4)
+        f, k = codecs[name].forward, codecs[name].backward
+        bits = f"{_bits(f, c):.2f}/{_bits(k, c):.2f}"
+        print(
+            f"{name:<11} {bits:>14} {row['forward']:>9.1f} {row['backward']:>9.1f} {both:>8.1f} {both / bf16:>7.3f}"
+        )
+    return rows
+
+
+def _bits(fmt: Format, dim: int) -> float:
+    return 8 * fmt.bytes_per_row(dim) / dim
+
+
+# --- 2. held-out loss at equal tokens ---------------------------------------------------------
+
+
+@dataclass
+class Tokens:
+    train: Tensor
+    held_out: Tensor
+
+
+def _tokens(dataset: Dataset) -> Tokens:
+    """Shard 0 held out (as the verifier holds it out), every other shard to train on."""
+    shards = [dataset.source.fetch(info).long() for info in dataset.manifest.shards]
+    return Tokens(train=torch.cat(shards[1:]), held_out=shards[0])
+
+
+def _batch(tokens: Tensor, seed: int, step: int, b: int, t: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, tokens.numel() - t - 1, (b,), generator=g)
+    rows = tokens[starts[:, None] + torch.arange(t + 1)]  # (B, T + 1)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def train_pipeline(
+    model: ModelConfig, codec: Codec | None, tokens: Tokens, seed: int, steps: int, b: int, t: int
+) -> float:
+    """Stages 0 and 1 trained for `steps` inner steps with `codec` at the boundary (None: float32
+    as is); returns the held-out loss of the two stages assembled."""
+    cfg = ModelConfig(**{**model.to_dict(), "init_seed": seed})
+    diloco = DiLoCoConfig(inner_steps=steps, warmup_steps=min(20, steps), total_steps=steps)
+    last = DiLoCo(build_stage(cfg, 1, 2), diloco)
+
+    def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
+        if codec is not None:
+            hidden = actcodec.round_trip(hidden, codec.forward)  # what decode_activations returns
+        grad, loss = stage_inner_step(last, hidden, labels, None)
+        return (grad if codec is None else actcodec.round_trip(grad, codec.backward)), loss
+
+    first = DiLoCo(build_stage(cfg, 0, 2), diloco, loss_fn=remote_loss(downstream))
+    for step in range(steps):
+        first.inner_step(*_batch(tokens.train, seed, step, b, t))
+    return measure_loss([first.model, last.model], tokens.held_out, b, t, max_batches=EVAL_BATCHES).loss
+
+
+def loss_table(
+    model: ModelConfig, args: argparse.Namespace, codecs: dict[str, Codec], dataset: Dataset
+) -> dict[str, Any]:
+    tokens = _tokens(dataset)
+    seeds = range(args.seeds)
+    runs: dict[str, list[float]] = {}
+    started = time.perf_counter()
+    for name, codec in {UNCOMPRESSED: None, **codecs}.items():
+        if name == "fp16":
+            continue  # a cast like bf16 with 3 more mantissa bits: nothing to learn from it here
+        runs[name] = [
+            train_pipeline(model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len)
+            for seed in seeds
+        ]
+    base = runs[UNCOMPRESSED]
+    print(
+        f"\nheld-out loss after {args.sim_steps} inner steps of {args.batch_size}x{args.seq_len} tokens, "
+        f"2 stages in process, seeds {list(seeds)} ({time.perf_counter() - started:.0f} s):"
+    )
+    print(f"{'codec':<11} {'loss per seed':>24} {'mean':>8} {'Δ nats':>8} {'worst Δ':>8} {'Δ %':>7}")
+    rows: dict[str, Any] = {}
+    for name, losses in runs.items():
+        deltas = [x - y for x, y in zip(losses, base, strict=True)]
+        mean, delta = statistics.mean(losses), statistics.mean(deltas)
+        worst = max(deltas, key=abs)
+        rows[name] = {
+            "loss": [round(x, 5) for x in losses],
+            "mean": round(mean, 5),
+            "delta_nats": round(delta, 5),
+            "worst_delta_nats": round(worst, 5),
+            "delta_percent": round(100 * delta / statistics.mean(base), 3),
+        }
+        per_seed = " ".join(f"{x:.4f}" for x in losses)
+        print(
+            f"{name:<11} {per_seed:>24} {mean:>8.4f} {delta:>+8.4f} {worst:>+8.4f} "
+            f"{rows[name]['delta_percent']:>+6.2f}%"
+        )
+    return rows
+
+
+# --- 3. the live wire -------------------------------------------------------------------------
 
 
 def _net(encoding: str, peers: tuple[str, ...]) -> NetworkConfig:
@@ -59,24 +261,11 @@ def _sent(t: Traffic) -> int:
     return t.bytes_sent
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--inner-steps", type=int, default=50)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--encoding", default="int8", choices=["int8", "fp16"])
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    args = parse_with_quick(p, model="micro", inner_steps=4, rounds=1, batch_size=2, seq_len=32)
-    torch.set_num_threads(1)  # four replicas share this process; one intra-op thread each
-
-    dataset = quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)
-    print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
-    model = ModelConfig.named(args.model, vocab_size=dataset.tokenizer.vocab_size)
+def live_run(model: ModelConfig, args: argparse.Namespace, dataset: Dataset, codec: str) -> dict[str, Any]:
+    """2 stages × 2 replicas on loopback with `codec` on the pipeline wire; bytes and tokens/s."""
     h, steps = args.inner_steps, args.inner_steps * args.rounds
     diloco = DiLoCoConfig(inner_steps=h, warmup_steps=min(20, h), total_steps=max(steps, 1000))
-    pipe = PipelineConfig(num_stages=2, dtype=args.dtype, max_batch=args.batch_size)
+    pipe = PipelineConfig(num_stages=2, codec=codec, max_batch=args.batch_size)
     stops: list[threading.Event] = []
     stage1: list[StageReplica] = []
     for i in range(2):
@@ -135,21 +324,14 @@ def main() -> None:
             s.close()
 
     d = model.num_params()
-    d_stages = [
-        sum(p.numel() for p in drivers[0][0].model.parameters()),
-        stage1[0].diloco.theta_round.numel(),
-    ]
     dp = 4 * d * h  # ring all-reduce, n = 2 data streams, per node per round
+    tokens = 2 * steps * args.batch_size * args.seq_len
     first = statistics.mean(x for ls in results for x in ls[:h])
     last = statistics.mean(x for ls in results for x in ls[-h:])
     print(
-        f"{args.model} model, d = {d:,} (stage 0: {d_stages[0]:,}, stage 1: {d_stages[1]:,}); 2 stages x 2 replicas; "
-        f"H={h}, {args.rounds} rounds, micro-batch {args.batch_size}x{args.seq_len}, activations {args.dtype}, "
-        f"Δ {args.encoding}"
-    )
-    print(
-        f"loss {first:.3f} (round 0) -> {last:.3f} (round {args.rounds - 1}); wall {wall:.1f} s; "
-        f"stages agree: {[len(x) == 1 for x in hashes]}"
+        f"\nlive, codec {codec}: {args.model} model, d = {d:,}; 2 stages x 2 replicas; H={h}, {args.rounds} rounds, "
+        f"micro-batch {args.batch_size}x{args.seq_len}, Δ {args.encoding}; loss {first:.3f} -> {last:.3f}; "
+        f"wall {wall:.1f} s, {tokens / wall:,.0f} tokens/s; stages agree: {[len(x) == 1 for x in hashes]}"
     )
     print(
         f"{'node':<18} {'pipeline MB/round':>18} {'sync MB/round':>14} {'DP MB/round':>12} {'DP / ours':>10}"
@@ -158,17 +340,35 @@ def main() -> None:
         per_round_p, per_round_s = pipeline / args.rounds, sync / args.rounds
         ratio = dp / (per_round_p + per_round_s)
         print(
-            f"{name:<18} {per_round_p / 1e6:>18.2f} {per_round_s / 1e6:>14.3f} {dp / 1e6:>12.1f} {ratio:>10.1f}"
+            f"{name:<18} {per_round_p / 1e6:>18.3f} {per_round_s / 1e6:>14.3f} {dp / 1e6:>12.1f} {ratio:>10.1f}"
         )
     # Pipeline bytes grow with the steps, sync bytes with the rounds: scale each to H=500.
     pipe_step = statistics.mean(r[1] for r in rows) / steps
     sync_round = statistics.mean(r[2] for r in rows) / args.rounds
-    for big_h in (h, 500):
-        ours = big_h * pipe_step + sync_round
+    ours_500 = 500 * pipe_step + sync_round
+    print(
+        f"at H=500: per node per round pipeline {500 * pipe_step / 1e6:.1f} MB + sync {sync_round / 1e6:.2f} MB; "
+        f"DP {4 * d * 500 / 1e6:.0f} MB; DP/ours {4 * d * 500 / ours_500:.1f}x"
+    )
+    return {
+        "tokens_per_s": round(tokens / wall, 1),
+        "wall_s": round(wall, 2),
+        "stages_agree": all(len(x) == 1 for x in hashes),
+        "pipeline_bytes_per_token_wire": round(pipe_step / (args.batch_size * args.seq_len), 2),
+        "pipeline_mb_per_node_round_h500": round(500 * pipe_step / 1e6, 3),
+        "sync_mb_per_node_round": round(sync_round / 1e6, 4),
+        "dp_over_ours_h500": round(4 * d * 500 / ours_500, 2),
+    }
+
+
+def live_table(live: dict[str, Any]) -> None:
+    print("\nlive runs side by side (bytes per token: HTTP bytes sent per node per micro-batch token):")
+    print(f"{'codec':<11} {'tokens/s':>9} {'wire B/token':>13} {'MB/node/round @H=500':>21} {'DP/ours':>8}")
+    for name, row in live.items():
         print(
-            f"at H={big_h}: per node per round pipeline {big_h * pipe_step / 1e6:.1f} MB + sync {sync_round / 1e6:.2f} MB; "
-            f"DP {4 * d * big_h / 1e6:.0f} MB; DP/ours {4 * d * big_h / ours:.1f}x, DP/our sync "
-            f"{4 * d * big_h / sync_round:.0f}x"
+            f"{name:<11} {row['tokens_per_s']:>9,.0f} {row['pipeline_bytes_per_token_wire']:>13.1f} "
+            f"{row['pipeline_mb_per_node_round_h500'] + row['sync_mb_per_node_round']:>21.2f} "
+            f"{row['dp_over_ours_h500']:>8.1f}"
         )
 
 
