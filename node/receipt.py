@@ -10,6 +10,10 @@ receipt goes to the Tracker's queue; the round never waits for the verifier.
 With a ReplayArchive it also snapshots the inner AdamW state whenever a round starts,
 commits to its digest in the receipt (`inner_state_digest`), and keeps the round's
 (θ_round, inner state, Δ) for the verifier's replay spot checks (node.replay).
+
+With a SegmentRecorder (node.segments) it starts, ends and closes the round's segment log around
+the round hook and puts its root and segment count in the receipt (`segment_root`, `segments`):
+the commitment a segment spot check holds the replica to, at every stage.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from .diloco import DiLoCo
 from .p2p.rounds import RoundReport
 from .p2p.state import theta_sha256
 from .replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
+from .segments import SegmentLog, SegmentRecorder
 from .trainer import RoundFinisher
-from .wallet import wallet_id_of
+from .wallet import Wallet, wallet_id_of
 from .work import RoundWork
 
 MAX_REASON_CHARS = 200
@@ -56,10 +61,12 @@ def receipt_document(
     inner_state_digest: str | None = None,
     device: str | None = None,
     precision: str | None = None,
+    segment_log: SegmentLog | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /api/receipts for one round (wallet ids, not public keys). `device`
     (cpu, cuda, mps) and `precision` (fp32, bf16, fp16) state what the inner steps ran on: a replay
-    in another precision is judged with the cross-precision tolerance (verifier.replaycheck)."""
+    in another precision is judged with the cross-precision tolerance (verifier.replaycheck).
+    `segment_log`: the round's segment log, whose root and segment count the receipt commits to."""
     optional: dict[str, Any] = (
         {} if inner_state_digest is None else {"inner_state_digest": inner_state_digest}
     )
@@ -67,6 +74,9 @@ def receipt_document(
         optional["device"] = device
     if precision is not None:
         optional["precision"] = precision
+    if segment_log is not None:
+        optional["segment_root"] = segment_log.root()
+        optional["segments"] = segment_log.segments
     return {
         "stage": report.stage,
         "round": report.round,
@@ -102,9 +112,12 @@ class Receipting:
         tokens_per_step: int,
         log: Callable[[str], None],
         archive: ReplayArchive | None = None,
+        segments: SegmentRecorder | None = None,
+        signer: Wallet | None = None,
     ) -> None:
         """`batch_size` None: a stage > 0 replica, which reads no data; its receipt claims no spans
-        and counts the tokens of the micro-batches it trained (RoundWork.tokens)."""
+        and counts the tokens of the micro-batches it trained (RoundWork.tokens). `segments`: the
+        recorder the training loop feeds (`record_step`); `signer` signs each round's segment root."""
         self._inner = inner
         self._reports = reports
         self._work = work
@@ -113,12 +126,16 @@ class Receipting:
         self._tokens_per_step = tokens_per_step
         self._log = log
         self._archive = archive
+        self._segments = segments
+        self._signer = signer
         self._round_start: tuple[int, InnerState] | None = None
         """(diloco.step, inner state) when the current round started; None until a round starts here."""
 
     def round_started(self, diloco: DiLoCo) -> None:
         """Snapshot the inner state of a round about to start (called by the hook after each round;
         call it once before training when the engine starts at a round boundary)."""
+        if self._segments is not None:
+            self._segments.start_round(diloco)
         if self._archive is None or diloco.steps_in_round != 0:
             return
         inner = capture_inner_state(diloco)
@@ -135,7 +152,10 @@ class Receipting:
         inner = self._inner_state_of_round(diloco, steps)
         round_ = diloco.round
         seen = len(self._reports)
+        if self._segments is not None:
+            self._segments.end_round(diloco)  # the last checkpoint, before the outer step moves it
         self._inner(diloco)
+        closed = None if self._segments is None else self._segments.close_round(self._signer)
         self.round_started(diloco)
         if inner is not None and self._archive is not None:
             self._archive.add(ReplayRecord(round=round_, theta_round=theta_round, inner=inner, delta=delta))
@@ -157,6 +177,7 @@ class Receipting:
                 inner_state_digest=None if inner is None else inner.digest(),
                 device=diloco.placement.kind,
                 precision=diloco.placement.precision,
+                segment_log=None if closed is None else closed[0],
             )
         )
 

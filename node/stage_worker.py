@@ -27,6 +27,7 @@ from torch import Tensor
 from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
 from .pipeline import Downstream, stage_inner_step
+from .segments import Received, SegmentRecorder
 from .trainer import RoundFinisher, TrainResult, lone_replica
 from .work import RoundWork
 
@@ -80,6 +81,9 @@ class Job:
     """The driver's micro-batch id (`p2p.pipeline_wire.micro_batch_id`), forwarded to the next stage."""
     done: Callable[[JobResult], None]
     """Called exactly once, from the worker thread (or from `offer`'s caller when refused later)."""
+    received: Received | None = None
+    """The micro-batch as it arrived (its sender's signed header and the payload bytes), for the
+    segment log (node.segments); None when the transport does not hand it over."""
 
 
 @dataclass(kw_only=True)
@@ -118,8 +122,12 @@ class StageWorker:
         downstream: Forward | None = None,
         finish_round: RoundFinisher = lone_replica,
         checkpoint: StageCheckpoint | None = None,
+        segments: SegmentRecorder | None = None,
     ) -> None:
+        """`segments`: records every inner step's received and sent messages (node.segments); the
+        round hook (node.receipt.Receipting) starts, ends and closes its rounds."""
         self.diloco = diloco
+        self.segments = segments
         self.config = config
         self.downstream = downstream
         self._log = log
@@ -185,6 +193,9 @@ class StageWorker:
                 job.done(exc)
                 continue
             result.inner_seconds += time.perf_counter() - step_start
+            if self.segments is not None:
+                received = () if job.received is None else (job.received,)
+                self.segments.record_step(self.diloco, micro_batch=job.micro_batch, received=received)
             job.done((grad, loss, round_))
             self.work.trained(job.labels.numel(), loss)
             window.append(loss)

@@ -31,6 +31,7 @@ from .diloco import DiLoCo, DiLoCoConfig, LossFn
 from .model import ModelConfig, build_stage, cross_entropy_loss
 from .pipeline import stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
+from .segments import SegmentRecorder
 from .vocab import grow_replica
 from .work import RoundWork
 
@@ -167,6 +168,9 @@ class Trainer:
         """Periodic checkpoints skipped because the previous write was still in flight."""
         self.work = RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
+        self.segments: SegmentRecorder | None = None
+        """Records each inner step's data span for the round's segment log (node.segments); the round
+        hook (node.receipt.Receipting) starts, ends and closes its rounds."""
         state = None if fresh else self._load_state(model_config)
         saved_vocab = int(state["vocab_size"]) if state else model_config.vocab_size
         self.model = build_stage(dataclasses.replace(model_config, vocab_size=saved_vocab), 0, num_stages)
@@ -348,6 +352,8 @@ class Trainer:
             window.append(loss)
             result.losses.append(loss)
             self.work.losses.append(loss)
+            if self.segments is not None:
+                self.segments.record_step(self.diloco, data=(batch.shard_id, batch.start, batch.end))
             step = self.diloco.step
             if self._round_done():
                 feed.rewind()  # the round's data spans end with this step; the data set may change

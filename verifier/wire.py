@@ -125,6 +125,16 @@ class ReceiptRequest(_Wire):
         description="The inner steps' autocast precision over fp32 master weights; picks the replay's "
         "acceptance (verifier.replaycheck.tolerance_for). None from nodes before issue 14 (fp32).",
     )
+    segment_root: HexDigest | None = Field(
+        default=None,
+        description="Root of the replica's segment log for this round (node.segments.SegmentLog.root): its "
+        "step records and its weights' and optimizer's hash every k inner steps, committed before any "
+        "segment check. None from nodes before issue 17: accepted, and only a whole-round replay "
+        "(stage 0) can check them.",
+    )
+    segments: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        default=None, description="Segments in that log (ceil(inner_steps / k)); given with segment_root."
+    )
     accepted: list[AcceptedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
     rejected: list[RejectedContribution] = Field(default_factory=list, max_length=MAX_CONTRIBUTIONS)
     equivocators: list[WalletId] = Field(
@@ -139,6 +149,10 @@ class ReceiptRequest(_Wire):
             raise ValueError("a stage-0 receipt must say which data it read (data is empty)")
         if len(self.losses) > self.inner_steps:
             raise ValueError(f"{len(self.losses)} losses for {self.inner_steps} inner steps")
+        if (self.segment_root is None) != (self.segments is None):
+            raise ValueError("segment_root and segments come together or not at all")
+        if self.segments is not None and self.segments > self.inner_steps:
+            raise ValueError(f"{self.segments} segments for {self.inner_steps} inner steps")
         return self
 
 

@@ -1,0 +1,275 @@
+"""The segment log: its chain and root, the recorder's bookkeeping, the bounded disk store, and the
+trainer + receipt hook committing a root the verifier's segment check accepts on real data."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.rounds import RoundReport
+from neuroshard.node.p2p.wire import MalformedMessage
+from neuroshard.node.receipt import Receipting
+from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
+from neuroshard.node.segments import (
+    Received,
+    ReceivedRef,
+    SegmentCommitment,
+    SegmentConfig,
+    SegmentLog,
+    SegmentRecorder,
+    SentRef,
+    StepRecord,
+    segment_boundaries,
+    sha256_hex,
+)
+from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
+from neuroshard.verifier.segmentcheck import SegmentClaim, check_segment
+from neuroshard.verifier.spotcheck import claimed_batches
+from neuroshard.verifier.wire import DataSpan, ReceiptRequest
+
+MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=16)
+WALLET = Wallet.from_token("segments")
+
+
+def _log(**overrides: Any) -> SegmentLog:
+    steps = tuple(StepRecord(data=(1, 2 * i, 2 * i + 2)) for i in range(5))
+    fields: dict[str, Any] = dict(
+        stage=0, round=3, segment_steps=2, start_step=15, steps=steps,
+        checkpoints=tuple(sha256_hex(bytes([i])) for i in range(4)),
+    )  # fmt: skip
+    fields.update(overrides)
+    return SegmentLog(**fields)
+
+
+def test_boundaries_cut_a_round_into_segments_of_k_and_a_shorter_last_one() -> None:
+    assert segment_boundaries(5, 2) == [0, 2, 4, 5]
+    assert segment_boundaries(4, 2) == [0, 2, 4]
+    assert segment_boundaries(0, 2) == [0]
+    log = _log()
+    assert log.segments == 3 and log.segment(2) == (4, 5)
+    with pytest.raises(IndexError):
+        log.segment(3)
+    with pytest.raises(MalformedMessage, match="needs 4 checkpoint hashes"):
+        _log(checkpoints=log.checkpoints[:3])
+
+
+def test_the_root_changes_with_every_step_record_and_checkpoint_and_survives_json() -> None:
+    log = _log()
+    again = SegmentLog.from_json(log.to_json())
+    assert again == log and again.root() == log.root()
+    steps = list(log.steps)
+    steps[3] = StepRecord(data=(1, 6, 9))
+    variants = [
+        _log(steps=tuple(steps)),
+        _log(checkpoints=(*log.checkpoints[:2], sha256_hex(b"x"), log.checkpoints[3])),
+        _log(round=4),
+        _log(start_step=16),
+        _log(steps=log.steps[:4], checkpoints=log.checkpoints[:3]),
+    ]
+    roots = {v.root() for v in variants}
+    assert log.root() not in roots and len(roots) == len(variants)
+
+
+def test_a_malformed_log_is_refused() -> None:
+    obj = _log().to_json().replace(b'"data":[1,0,2]', b'"data":[1,2,0]')
+    with pytest.raises(MalformedMessage, match="ends at 0 before it starts"):
+        SegmentLog.from_json(obj)
+    with pytest.raises(MalformedMessage, match="exactly"):
+        SegmentLog.from_json(b'{"stage":0}')
+
+
+def test_received_and_sent_refs_are_hashes_of_what_travelled() -> None:
+    m = Received("activations", WALLET.public_key_hex, b'{"h":1}', b"payload")
+    assert m.ref() == ReceivedRef(
+        "activations", WALLET.public_key_hex, sha256_hex(b'{"h":1}'), sha256_hex(b"payload")
+    )
+    record = StepRecord(
+        micro_batch="ab" * 16, received=[m.ref()], sent=[SentRef("gradient", sha256_hex(b"g"))]
+    )
+    assert StepRecord.from_obj(record.to_obj(), "step") == record
+
+
+def _engine() -> DiLoCo:
+    torch.manual_seed(0)
+    return DiLoCo(build_stage(MODEL, 0, 1), DiLoCoConfig(inner_steps=5, warmup_steps=1, total_steps=50))
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(i))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _record_round(recorder: SegmentRecorder, diloco: DiLoCo, late_sent: bool = False) -> SegmentLog:
+    recorder.start_round(diloco)
+    for i in range(diloco.config.inner_steps):
+        diloco.inner_step(*_batch(i))
+        recorder.record_step(diloco, data=(0, 2 * i, 2 * i + 2), micro_batch=f"{i:032x}")
+        if late_sent:
+            recorder.note_sent(f"{i:032x}", "gradient", sha256_hex(bytes([i])))
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = recorder.close_round(WALLET)
+    assert closed is not None
+    log, commitment = closed
+    assert commitment is not None and commitment.signature_valid() and commitment.root == log.root()
+    return log
+
+
+def test_the_recorder_checkpoints_every_k_steps_and_at_the_round_end(tmp_path: Path) -> None:
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0, sink=store)
+    diloco = _engine()
+    log = _record_round(recorder, diloco, late_sent=True)
+    assert log.boundaries == [0, 2, 4, 5] and log.start_step == 0 and len(log.steps) == 5
+    assert [s.sent for s in log.steps][2] == [
+        SentRef("gradient", sha256_hex(bytes([2])))
+    ]  # arrived after its step
+    for b, h in zip(log.boundaries, log.checkpoints, strict=True):
+        checkpoint = store.load_checkpoint(0, b)
+        assert checkpoint is not None and checkpoint.sha256() == h
+    material = store.material(0, 1)
+    assert material is not None and (material.start.sha256(), material.end.sha256()) == log.checkpoints[1:3]
+    n = material.start.weights.numel()
+    decoded = SegmentMaterial.decode(material.encode(), numel=n, n_tensors=len(diloco.params))
+    assert decoded.log == log and torch.equal(decoded.end.weights, material.end.weights)
+    with pytest.raises(MalformedMessage):
+        SegmentMaterial.decode(material.encode(), numel=n + 1, n_tensors=len(diloco.params))
+    with pytest.raises(MalformedMessage):
+        SegmentMaterial.decode(material.encode()[:-3], numel=n, n_tensors=len(diloco.params))
+    assert store.material(0, 3) is None and store.material(1, 0) is None
+
+
+def test_a_round_entered_mid_way_is_not_committed(tmp_path: Path) -> None:
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0)
+    diloco = _engine()
+    diloco.inner_step(*_batch(0))
+    recorder.start_round(diloco)  # resumed from a mid-round checkpoint: earlier steps are unknown
+    recorder.record_step(diloco, data=(0, 0, 2))
+    recorder.end_round(diloco)
+    assert recorder.close_round(WALLET) is None
+    recorder.start_round(_engine())
+    other = _engine()
+    recorder.start_round(other)
+    other.inner_step(*_batch(0))
+    other.inner_step(*_batch(1))  # a step the recorder did not see
+    recorder.record_step(other, data=(0, 0, 2))
+    recorder.end_round(other)
+    assert recorder.close_round(WALLET) is None
+
+
+def test_the_store_keeps_the_last_rounds_within_its_byte_budget(tmp_path: Path) -> None:
+    lines: list[str] = []
+    config = SegmentConfig(segment_steps=2, keep_rounds=2)
+    store = SegmentStore(tmp_path / "a", config, log=lines.append)
+    recorder = SegmentRecorder(config, stage=1, sink=store)
+    diloco = _engine()
+    for _ in range(4):
+        _record_round(recorder, diloco)
+    assert store.rounds() == [2, 3]
+    one_round = sum(f.stat().st_size for f in (tmp_path / "a" / "round-000000000003").iterdir())
+    tight = dataclasses.replace(config, keep_rounds=5, max_bytes=int(1.5 * one_round))
+    store = SegmentStore(tmp_path / "b", tight, log=lines.append)
+    recorder = SegmentRecorder(tight, stage=1, sink=store)
+    for _ in range(3):
+        _record_round(recorder, diloco)
+    assert store.rounds() == [6]  # a second round would pass the budget
+    assert not lines
+    small = dataclasses.replace(config, max_bytes=one_round // 2)
+    store = SegmentStore(tmp_path / "c", small, log=lines.append)
+    _record_round(SegmentRecorder(small, stage=1, sink=store), diloco)
+    assert store.rounds() == [7] and "over the store's" in lines[-1]  # kept alone, and said so
+
+
+def test_received_messages_are_stored_with_their_bytes(tmp_path: Path) -> None:
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    messages = [Received("activations", WALLET.public_key_hex, b'{"a":1}', bytes(range(256)) * 3)]
+    store.received(5, 7, messages)
+    assert store.load_received(5, 7) == messages and store.load_received(5, 8) == []
+
+
+def test_a_commitment_signed_by_another_wallet_does_not_verify() -> None:
+    c = SegmentCommitment.create(WALLET, stage=1, round=2, root="ab" * 32)
+    forged = dataclasses.replace(c, wallet=Wallet.from_token("other").public_key_hex)
+    assert c.signature_valid() and not forged.signature_valid()
+
+
+def _report(round_: int) -> RoundReport:
+    return RoundReport(
+        stage=0, round=round_, accepted=(), rejected=(), equivocators=(), late=False,
+        next_round=round_ + 1, theta_hash="0" * 64, agree=1, voters=1, resynced_from=None, seconds=0.0,
+    )  # fmt: skip
+
+
+def test_the_trainer_commits_a_root_that_a_stage_0_segment_check_accepts(published, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    dataset = published.dataset
+    model = dataclasses.replace(MODEL, vocab_size=dataset.tokenizer.vocab_size, max_seq_len=32)
+    diloco_cfg = DiLoCoConfig(inner_steps=6, warmup_steps=2, total_steps=100)
+    trainer = Trainer(
+        wallet_id=WALLET.wallet_id, dataset=dataset, model_config=model, diloco_config=diloco_cfg,
+        config=TrainerConfig(batch_size=2, seq_len=32, max_steps=12, checkpoint_every=100, log_every=100),
+        checkpoint_dir=tmp_path / "ck", log=lambda _: None,
+    )  # fmt: skip
+    config = SegmentConfig(segment_steps=4)
+    store = SegmentStore(tmp_path / "segments", config, log=lambda _: None)
+    trainer.segments = SegmentRecorder(config, stage=0, sink=store)
+    reports: list[RoundReport] = []
+    receipts: list[dict[str, Any]] = []
+
+    def finish(diloco: DiLoCo) -> None:
+        reports.append(_report(diloco.round))
+        lone_replica(diloco)
+
+    receipting = Receipting(
+        finish, reports, trainer.work, receipts.append, batch_size=2, tokens_per_step=64,
+        log=lambda _: None, segments=trainer.segments, signer=WALLET,
+    )  # fmt: skip
+    receipting.round_started(trainer.diloco)
+    trainer.set_round_finisher(receipting)
+    trainer.run(threading.Event())
+    assert [r["round"] for r in receipts] == [0, 1]
+    receipt = ReceiptRequest.model_validate(receipts[1], strict=True)
+    assert receipt.segments == 2 and receipt.segment_root is not None
+    held = store.log(1)
+    assert held is not None and held[0].root() == receipt.segment_root
+
+    spans = [(s.shard_id, s.offset_start, s.offset_end) for s in receipt.data]
+
+    def read_batch(span: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        (batch,) = claimed_batches(
+            source=dataset.source, manifest=dataset.manifest, wallet_id=WALLET.wallet_id,
+            spans=[DataSpan(shard_id=span[0], offset_start=span[1], offset_end=span[2])],
+            batch_size=2, seq_len=32,
+        )  # fmt: skip
+        return batch
+
+    claim = SegmentClaim(
+        model=model, diloco=diloco_cfg, num_stages=1, stage=0, round=1,
+        wallet=WALLET.public_key_hex, root=receipt.segment_root, spans=spans,
+    )  # fmt: skip
+    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+    for j in range(2):
+        material = store.material(1, j)
+        assert material is not None
+        verdict = check_segment(claim, material, tolerance, read_batch=read_batch)
+        assert verdict.ok and verdict.cosine is not None and verdict.cosine > 1 - 1e-9, verdict.reason
+
+
+def test_a_receipt_names_a_segment_root_with_its_count_or_neither() -> None:
+    base: dict[str, Any] = dict(
+        stage=1, round=0, inner_steps=4, start_step=0, tokens=0, data=[], losses=[],
+        base_hash="0" * 64, result_hash="1" * 64, delta_digest="2" * 64,
+    )  # fmt: skip
+    assert ReceiptRequest.model_validate(base, strict=True).segment_root is None  # before issue 17: accepted
+    assert ReceiptRequest.model_validate({**base, "segment_root": "3" * 64, "segments": 2}, strict=True)
+    for bad in ({"segment_root": "3" * 64}, {"segments": 2}, {"segment_root": "3" * 64, "segments": 5}):
+        with pytest.raises(ValueError):
+            ReceiptRequest.model_validate({**base, **bad}, strict=True)
