@@ -13,12 +13,25 @@ Rounds alternate (train, check, train, check, …) so drift in machine speed hit
 
 With --precision bf16 the node trains with bf16 autocast and the verdict uses the verifier's
 cross-precision acceptance (verifier.replaycheck.tolerance_for).
+
+Segment checks (issue 17): the same node also keeps a segment log (node.segments, k =
+--segment-steps, default H/10) and its checkpoints on disk (node.segment_store); after each round
+the verifier's segment check (verifier.segmentcheck.check_segment) replays every segment of it from
+the store, so the bench prints the cost of one segment check against the round's work, the honest
+verdicts (any refusal of an honest segment is a false refusal: target 0; run with --precision
+bf16 for cross-precision replays), and the recording's own cost. Then, with real replays, a liar
+that fakes some segments (scales their update by --lie-scale) is checked segment by segment; and a
+seeded simulation (--trials, default 1,000) gives the probability that a replica faking a fraction
+of its segments is caught within --sim-rounds rounds when the verifier draws --draws segments per
+round after the receipt is committed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -31,7 +44,7 @@ import torch
 from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.node.device import Placement
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
@@ -41,13 +54,76 @@ from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive
+from neuroshard.node.segment_store import SegmentStore
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
-from neuroshard.verifier.spotcheck import claimed_batches, compare_deltas, replay_inner_steps
+from neuroshard.verifier.segmentcheck import SegmentClaim, SegmentVerdict, check_segment
+from neuroshard.verifier.spotcheck import SpotCheckConfig, claimed_batches, compare_deltas, replay_inner_steps
 from neuroshard.verifier.wire import DataSpan
 
 OPERATOR = Wallet.from_token("bench-replay-operator")
+NODE = Wallet.from_token("bench-replay-node-wallet")
+
+
+class TimedRecorder(SegmentRecorder):
+    """The node's recorder, timing its own work (checkpoint hashes and disk writes)."""
+
+    seconds = 0.0
+
+    def record_step(self, diloco: DiLoCo, **kw: Any) -> None:
+        start = time.perf_counter()
+        super().record_step(diloco, **kw)
+        self.seconds += time.perf_counter() - start
+
+    def end_round(self, diloco: DiLoCo) -> None:
+        start = time.perf_counter()
+        super().end_round(diloco)
+        self.seconds += time.perf_counter() - start
+
+
+def caught_within(
+    rng: random.Random, *, segments: int, fake: float, draws: int, rounds: int, exact: bool
+) -> int | None:
+    """One trial: the first round (1-based) in which a drawn segment is a faked one, else None.
+    Each round the replica fakes each segment with probability `fake` (independently), or with
+    `exact` exactly round(fake · segments) of them at random: it cannot aim at the segments that
+    will be drawn, since the draw is fixed after its receipt commits the chain. The verifier draws
+    `draws` distinct segments uniformly; a drawn faked segment is refused (the tests and the
+    real-replay part of this bench show each lie refused)."""
+    d = min(draws, segments)
+    for r in range(1, rounds + 1):
+        if exact:
+            faked = set(rng.sample(range(segments), round(fake * segments)))
+        else:
+            faked = {j for j in range(segments) if rng.random() < fake}
+        if faked.intersection(rng.sample(range(segments), d)):
+            return r
+    return None
+
+
+def simulate(
+    segments: int, fake: float, draws: int, rounds: int, trials: int, *, exact: bool, seed: int
+) -> tuple[float, float]:
+    """(share of `trials` seeded trials caught within `rounds`, the closed form): per round a liar
+    faking F segments escapes with C(S − F, d) / C(S, d); independent faking averages that over
+    F ~ Binomial(S, fake), which is (1 − fake)^d."""
+    rng = random.Random(seed)
+    caught = sum(
+        caught_within(rng, segments=segments, fake=fake, draws=draws, rounds=rounds, exact=exact) is not None
+        for _ in range(trials)
+    )
+    d = min(draws, segments)
+    if exact:
+        f = round(fake * segments)
+        escape = math.comb(segments - f, d) / math.comb(segments, d)
+    else:
+        escape = sum(
+            math.comb(segments, f) * fake**f * (1 - fake) ** (segments - f) * math.comb(segments - f, d)
+            for f in range(segments + 1)
+        ) / math.comb(segments, d)
+    return caught / trials, 1 - escape**rounds
 
 
 def fetch(address: str, round_: int, numel: int, n_tensors: int) -> tuple[Any, float]:
@@ -75,9 +151,24 @@ def main() -> None:
     parser.add_argument(
         "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the node's (CPU)"
     )
-    args = parse_with_quick(parser, inner_steps=4, rounds=1, model_size="micro", batch_size=2, seq_len=32)
+    parser.add_argument("--segment-steps", type=int, default=None, help="k (default: H/10)")
+    parser.add_argument("--draws", type=int, default=4, help="segments the verifier checks per round")
+    parser.add_argument("--trials", type=int, default=1000)
+    parser.add_argument("--sim-rounds", type=int, default=11)
+    parser.add_argument("--lie-scale", type=float, default=1.25, help="a faked segment's update × this")
+    args = parse_with_quick(
+        parser,
+        inner_steps=4,
+        rounds=1,
+        model_size="micro",
+        batch_size=2,
+        seq_len=32,
+        segment_steps=2,
+        trials=200,
+    )
     torch.set_num_threads(args.threads)
     h = args.inner_steps
+    k = args.segment_steps or max(1, h // 10)
 
     dataset = quick_dataset() if args.quick else bench_dataset(args.text)
     print(f"text: {'the quick text' if args.quick else args.text}")
@@ -99,28 +190,13 @@ def main() -> None:
     reports: list[RoundReport] = []
     receipts: list[dict[str, Any]] = []
 
-    def finish(diloco: DiLoCo) -> None:
-        reports.append(
-            RoundReport(
-                stage=0,
-                round=diloco.round,
-                accepted=(),
-                rejected=(),
-                equivocators=(),
-                late=False,
-                next_round=diloco.round + 1,
-                theta_hash="0" * 64,
-                agree=1,
-                voters=1,
-                resynced_from=None,
-                seconds=0.0,
-            )
-        )
-        lone_replica(diloco)
-
     archive = ReplayArchive(keep_rounds=2)
+    segment_config = SegmentConfig(segment_steps=k, keep_rounds=2)
+    store = SegmentStore(Path(tempfile.mkdtemp()), segment_config, log=print)
+    recorder = TimedRecorder(segment_config, stage=0, sink=store)
+    trainer.segments = recorder
     receipting = Receipting(
-        finish,
+        lone_round(reports),
         reports,
         trainer.work,
         receipts.append,
@@ -128,6 +204,8 @@ def main() -> None:
         tokens_per_step=args.batch_size * args.seq_len,
         log=print,
         archive=archive,
+        segments=recorder,
+        signer=NODE,
     )
     receipting.round_started(trainer.diloco)
     trainer.set_round_finisher(receipting)
@@ -147,12 +225,18 @@ def main() -> None:
         f"torch threads {args.threads}, load average {os.getloadavg()[0]:.2f} at start"
     )
     node_s, fetch_s, read_s, replay_s = [], [], [], []
+    segment_s: list[float] = []
+    record_s: list[float] = []
+    honest: list[SegmentVerdict] = []
     try:
         for r in range(args.rounds + 1):
             trainer.config.max_steps = (r + 1) * h
+            recorder.seconds = 0.0
             result = trainer.run(threading.Event())
             if r == 0:
                 continue  # round 0 warms up kernels and the allocator on both sides
+            record_s.append(recorder.seconds)
+            segment_s += check_segments(args, dataset, model_cfg, diloco_cfg, store, receipts[-1], honest)
             doc = receipts[-1]
             record, seconds = fetch(net.address, doc["round"], numel, n_tensors)
             start = time.perf_counter()
@@ -196,6 +280,170 @@ def main() -> None:
         f"median: node {n:.2f} s per round, check {f + p:.2f} s (fetch+digests {f:.2f}, replay {p:.2f}); "
         f"check/work = {(f + p) / n:.3f}"
     )
+    segments = math.ceil(h / k)
+    seg = statistics.median(segment_s)
+    refused = [v for v in honest if not v.ok]
+    cosines = [v.cosine for v in honest if v.cosine is not None]
+    ratios = [v.norm_ratio for v in honest if v.norm_ratio is not None]
+    print(
+        f"segment check (k={k}, {segments} segments a round): median {seg:.3f} s per segment check "
+        f"(store read + commitments + replay + compare) = {seg / n:.3f} of the round's work (k/H = {k / h:.3f}); "
+        f"{args.draws} segments a round = {min(args.draws, segments) * seg / n:.3f} of it; "
+        f"recording {statistics.median(record_s):.3f} s per round = {statistics.median(record_s) / n:.3f} of it"
+    )
+    print(
+        f"honest segments ({args.precision} node, fp32 replay, cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}): "
+        f"{len(honest) - len(refused)}/{len(honest)} passed, false refusals {len(refused)}; cosine min {min(cosines):.6f}, "
+        f"norm ratio {min(ratios):.4f}..{max(ratios):.4f}"
+    )
+    liar_segments(args, dataset, model_cfg, diloco_cfg, k, tolerance)
+    print(
+        f"detection, simulated ({args.trials} seeded trials, {args.draws} segments drawn a round, share caught "
+        f"within {args.sim_rounds} rounds; closed form in brackets):"
+    )
+    for s_count in sorted({segments, 10, 40}):
+        for exact in (False, True):
+            cells = []
+            for fake in (0.01, 0.02, 0.05, 0.10, 0.20, 0.50):
+                seed = int(fake * 1000) + 7 * s_count + exact
+                sim, closed = simulate(
+                    s_count, fake, args.draws, args.sim_rounds, args.trials, exact=exact, seed=seed
+                )
+                cells.append(f"{fake:.0%}: {sim:.3f} ({closed:.3f})")
+            how = "exactly round(share × segments)" if exact else "each independently"
+            print(
+                f"  {s_count:3d} segments a round (check/work {min(args.draws, s_count) / s_count:.3f}), "
+                f"faking {how}: " + ", ".join(cells)
+            )
+
+
+def check_segments(
+    args: argparse.Namespace,
+    dataset: Any,
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    store: SegmentStore,
+    doc: dict[str, Any],
+    verdicts: list[SegmentVerdict],
+) -> list[float]:
+    """Check every segment of the receipt's round as the verifier would; returns seconds per check."""
+    spans = [(d["shard_id"], d["offset_start"], d["offset_end"]) for d in doc["data"]]
+    claim = SegmentClaim(
+        model=model_cfg, diloco=diloco_cfg, num_stages=1, stage=0, round=doc["round"],
+        wallet=NODE.public_key_hex, root=doc["segment_root"], spans=spans,
+    )  # fmt: skip
+    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
+    seconds = []
+    for j in range(doc["segments"]):
+        start = time.perf_counter()
+        material = store.material(doc["round"], j)
+        assert material is not None
+        verdict = check_segment(claim, material, tolerance, read_batch=_reader(args, dataset, "bench"))
+        seconds.append(time.perf_counter() - start)
+        verdicts.append(verdict)
+    return seconds
+
+
+def _reader(args: argparse.Namespace, dataset: Any, wallet_id: str) -> Any:
+    def read(span: tuple[int, int, int]) -> Any:
+        (batch,) = claimed_batches(
+            source=dataset.source, manifest=dataset.manifest, wallet_id=wallet_id,
+            spans=[DataSpan(shard_id=span[0], offset_start=span[1], offset_end=span[2])],
+            batch_size=args.batch_size, seq_len=args.seq_len,
+        )  # fmt: skip
+        return batch
+
+    return read
+
+
+def liar_segments(
+    args: argparse.Namespace,
+    dataset: Any,
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    k: int,
+    tolerance: SpotCheckConfig,
+) -> None:
+    """A replica that scales the update of every other segment by --lie-scale (and commits to it,
+    as a liar must), checked segment by segment with real replays."""
+    trainer = Trainer(
+        wallet_id="liar", dataset=dataset, model_config=model_cfg, diloco_config=diloco_cfg,
+        config=TrainerConfig(batch_size=args.batch_size, seq_len=args.seq_len, checkpoint_every=10**9, log_every=10**9),
+        checkpoint_dir=Path(tempfile.mkdtemp()), log=lambda line: None,
+        placement=Placement(device=torch.device("cpu"), precision=args.precision),
+    )  # fmt: skip
+    config = SegmentConfig(segment_steps=k, keep_rounds=2)
+    store = SegmentStore(Path(tempfile.mkdtemp()), config, log=print)
+    recorder = ScalingLiar(config, stage=0, sink=store, scale=args.lie_scale)
+    trainer.segments = recorder
+    reports: list[RoundReport] = []
+    receipts: list[dict[str, Any]] = []
+    receipting = Receipting(
+        lone_round(reports),
+        reports, trainer.work, receipts.append, batch_size=args.batch_size,
+        tokens_per_step=args.batch_size * args.seq_len, log=print, segments=recorder, signer=NODE,
+    )  # fmt: skip
+    receipting.round_started(trainer.diloco)
+    trainer.set_round_finisher(receipting)
+    trainer.config.max_steps = diloco_cfg.inner_steps
+    trainer.run(threading.Event())
+    doc = receipts[-1]
+    spans = [(d["shard_id"], d["offset_start"], d["offset_end"]) for d in doc["data"]]
+    claim = SegmentClaim(
+        model=model_cfg, diloco=diloco_cfg, num_stages=1, stage=0, round=doc["round"],
+        wallet=NODE.public_key_hex, root=doc["segment_root"], spans=spans,
+    )  # fmt: skip
+    faked_refused = honest_passed = faked = 0
+    for j in range(doc["segments"]):
+        material = store.material(doc["round"], j)
+        assert material is not None
+        verdict = check_segment(claim, material, tolerance, read_batch=_reader(args, dataset, "liar"))
+        if j % 2 == 1:
+            faked += 1
+            faked_refused += not verdict.ok
+        else:
+            honest_passed += verdict.ok
+    print(
+        f"liar (update × {args.lie_scale} in every other segment, real replays): faked segments refused "
+        f"{faked_refused}/{faked}, its honest segments passed {honest_passed}/{doc['segments'] - faked}"
+    )
+
+
+class ScalingLiar(SegmentRecorder):
+    """Scales the weights' change over every odd segment by `scale` just before that segment's end
+    checkpoint, so the committed chain holds the faked update (the lie a replica hiding skipped
+    micro-batches, or inflating its contribution, would have to commit to)."""
+
+    def __init__(self, *args: Any, scale: float, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.scale = scale
+        self._start: Any = None
+
+    def record_step(self, diloco: DiLoCo, **kw: Any) -> None:
+        j, at = divmod(diloco.steps_in_round - 1, self.config.segment_steps)
+        if at == 0 and j % 2 == 1:
+            self._start = flat_parameters(diloco.params)  # close to the segment's start (after its 1st step)
+        if at == self.config.segment_steps - 1 and j % 2 == 1 and self._start is not None:
+            now = flat_parameters(diloco.params)
+            copy_into_parameters(self._start + self.scale * (now - self._start), diloco.params)
+        super().record_step(diloco, **kw)
+
+
+def lone_round(reports: list[RoundReport]) -> Any:
+    """A lone replica's round hook that also reports the round (as the peer network would)."""
+
+    def finish(diloco: DiLoCo) -> None:
+        reports.append(_report(diloco.round))
+        lone_replica(diloco)
+
+    return finish
+
+
+def _report(round_: int) -> RoundReport:
+    return RoundReport(
+        stage=0, round=round_, accepted=(), rejected=(), equivocators=(), late=False,
+        next_round=round_ + 1, theta_hash="0" * 64, agree=1, voters=1, resynced_from=None, seconds=0.0,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
