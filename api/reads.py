@@ -9,19 +9,24 @@ page in a Link header (RFC 8288).
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from neuroshard.node.model_file import read_round_header, round_model_path, round_models, round_tokenizer_path
 from neuroshard.verifier import coverage, summary
 from neuroshard.verifier import models as m
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER
 
-from .cache import Rendered, cached_response, etag_of
+from .cache import Rendered, _matches, cached_response, etag_of
 from .metrics import CONTENT_TYPE, Exposition
 from .schemas import (
     CoverageOut,
@@ -30,11 +35,14 @@ from .schemas import (
     EvaluationOut,
     GlobalOut,
     HistoryOut,
+    ModelFileOut,
+    ModelsOut,
     NodeDetailOut,
     NodeOut,
     PeerOut,
     RoundOut,
     SampleOut,
+    StageModelOut,
     StageOut,
     TextSampleOut,
     UnnoticedOut,
@@ -264,6 +272,118 @@ def training_sample(request: Request, services: ServicesDep) -> Response:
         return _json(SampleOut(sample=sample, every_evaluations=every)), ()
 
     return _serve(request, services, services.reads.get("sample", render))
+
+
+def _models_dir(services: Services) -> pathlib.Path | None:
+    evaluation = services.config.live_evaluation
+    return None if evaluation is None else evaluation.models_dir
+
+
+@router.get(
+    "/api/training/models",
+    response_model=ModelsOut,
+    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
+    tags=["training"],
+)
+def training_models(request: Request, services: ServicesDep) -> Response:
+    """The measured majority models the verifier keeps (its newest few rounds, stages assembled),
+    for `neuroshard-export --verifier URL --checkpoint ROUND`."""
+    directory = _models_dir(services)
+
+    def render() -> tuple[bytes, Headers]:
+        kept = []
+        for r in round_models(directory) if directory is not None else []:
+            path = round_model_path(directory, r)  # type: ignore[arg-type]
+            try:
+                header, size = read_round_header(path), path.stat().st_size
+            except (OSError, ValueError):  # pruned since it was listed
+                continue
+            stages = [
+                StageModelOut(stage=p.stage, round=p.round, theta_hash=p.theta_hash)
+                for p in header.provenance
+            ]
+            kept.append(
+                ModelFileOut(round=r, bytes=size, tokenizer_sha256=header.tokenizer_sha256, stages=stages)
+            )
+        return _json(ModelsOut(models=kept)), ()
+
+    return _serve(request, services, services.reads.get("models", render))
+
+
+def _round_file(services: Services, round_: int) -> pathlib.Path:
+    directory = _models_dir(services)
+    if directory is None:
+        raise HTTPException(404, "this verifier measures no models (--no-evaluation), so it keeps none")
+    path = round_model_path(directory, round_)
+    if not path.is_file():
+        kept = ", ".join(map(str, round_models(directory))) or "none yet"
+        raise HTTPException(404, f"round {round_} is not kept; kept: {kept}")
+    return path
+
+
+Round = Annotated[
+    int, Path(alias="round", ge=0, le=2**31 - 1, description="Stage 0's round of the measured model.")
+]
+
+
+@router.get(
+    "/api/training/models/{round}",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The round file (safetensors)."},
+        **_NOT_MODIFIED,
+        404: {"model": ErrorOut},
+    },
+    tags=["training"],
+)
+def training_model_file(request: Request, services: ServicesDep, round_: Round) -> Response:
+    """The measured majority model of a round as one safetensors file (fp32, stages assembled; its
+    header names every stage's round and majority θ hash). Streamed: the file may be gigabytes."""
+    path = _round_file(services, round_)
+    try:
+        f = path.open("rb")  # held open: a round pruned while it is sent is still sent whole
+        header = read_round_header(path)
+    except (OSError, ValueError) as exc:
+        raise HTTPException(404, f"round {round_} is not kept ({exc})") from None
+    # Same provenance, same weights: the identity of the content, whichever worker serves it.
+    etag = etag_of(json.dumps([vars(p) for p in header.provenance], sort_keys=True).encode())
+    cache = {"ETag": etag, "Cache-Control": f"public, max-age={int(services.config.reads.max_age_s)}"}
+    if _matches(request.headers.get("if-none-match"), etag):
+        f.close()
+        return Response(status_code=304, headers=cache)
+    size = os.fstat(f.fileno()).st_size
+
+    def chunks() -> Iterator[bytes]:
+        with f:
+            while block := f.read(1 << 20):
+                yield block
+
+    headers = {
+        **cache,
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{path.name}"',
+    }
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+
+
+@router.get(
+    "/api/training/models/{round}/tokenizer.json",
+    response_class=Response,
+    responses={200: {"content": {"application/json": {}}}, **_NOT_MODIFIED, 404: {"model": ErrorOut}},
+    tags=["training"],
+)
+def training_model_tokenizer(request: Request, services: ServicesDep, round_: Round) -> Response:
+    """The tokenizer the round's model was trained with (its sha256 is in the round file's header)."""
+    path = _round_file(services, round_)
+    try:
+        sha = read_round_header(path).tokenizer_sha256
+        body = round_tokenizer_path(path.parent, sha).read_bytes() if sha else None
+    except (OSError, ValueError) as exc:
+        raise HTTPException(404, f"round {round_}'s tokenizer is not kept ({exc})") from None
+    if body is None:
+        raise HTTPException(404, f"round {round_}'s model names no tokenizer")
+    entry = Rendered(body, etag_of(body), 0.0, 0, ())
+    return _serve(request, services, entry)
 
 
 @router.get(

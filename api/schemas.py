@@ -200,6 +200,25 @@ class SampleOut(_Out):
     )
 
 
+class StageModelOut(_Out):
+    stage: int
+    round: int = Field(description="The stage's own round R: its weights are the result of round R − 1.")
+    theta_hash: str = Field(description="The settled majority θ hash of that result (sha256, hex).")
+
+
+class ModelFileOut(_Out):
+    round: int = Field(description="Stage 0's round, as in the evaluations.")
+    bytes: int = Field(description="Size of GET /api/training/models/{round} (safetensors, fp32).")
+    tokenizer_sha256: str | None
+    stages: list[StageModelOut] = Field(description="Where each stage's weights come from, stage 0 first.")
+
+
+class ModelsOut(_Out):
+    models: list[ModelFileOut] = Field(
+        description="The measured majority models the verifier keeps, oldest first (the newest few)."
+    )
+
+
 class UnnoticedOut(_Out):
     lie_fraction: float = Field(description="Share of its rounds a wallet lies in.")
     rounds: int

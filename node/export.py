@@ -16,58 +16,51 @@ Also written: generation_config.json and the tokenizer as HF `tokenizers` JSON w
 the text "<|eos|>" into the special id, ours spells it as bytes (node text never holds it).
 
 Sources: a node's checkpoint (the model is named by its fingerprint among the presets), a
-model file (`save_model_file`: safetensors of a whole model's weights with its ModelConfig), or
-a round: the verifier keeps the majority model of its latest measured rounds, stages assembled,
-as round files in HOME/models (`save_round_model`; verifier.evaluator writes them), and
-`--checkpoint 12` (or `latest`) exports round 12's. A round file names every stage's round and
-majority θ hash; each stage's weights are re-hashed against it before use.
+whole-model file (node.model_file), or a round of the verifier's: `--checkpoint 12` (or
+`latest`) is the majority model the verifier measured at round 12, its stages assembled, read
+from the verifier's round files (`--models DIR`; default: the run under HOME/models measured
+last) or downloaded from its API (`--verifier URL`); either way each stage's weights are
+re-hashed against the majority hash the round names before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
+import shutil
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from neuroshard.data.publish import TOKENIZER_NAME
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.tokenizer.bpe import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
 from .checkpoint import CHECKPOINT_FORMAT
-from .diloco import tensor_sha256
-from .model import MODEL_SIZES, ModelConfig, Transformer, build_stage
+from .model import MODEL_SIZES, ModelConfig, Transformer
+from .model_file import (
+    MODELS_DIR,
+    RoundHeader,
+    TrainedModel,
+    latest_models_dir,
+    load_model_file,
+    load_round_model,
+    read_round_header,
+    round_model_path,
+    round_tokenizer_path,
+)
 
 PROG = "neuroshard-export"
-MODEL_FILE_FORMAT = "neuroshard-model"
-MODELS_DIR = "models"
-"""HOME/models/RUN: the round files of the verifier's majority models, a directory per run."""
-_ROUND_FILE = re.compile(r"^round-(\d{8,})\.safetensors$")
+MAX_TOKENIZER_BYTES = 64 << 20
+"""A tokenizer.json of a million merges is ~30 MB; a verifier's answer past this is refused."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TrainedModel:
-    """A whole model's weights (our parameter names) with its config and, if known, its tokenizer."""
-
-    config: ModelConfig
-    state_dict: dict[str, Tensor]
-    tokenizer_sha256: str | None
-
-    def build(self) -> Transformer:
-        model = Transformer(self.config)
-        model.load_state_dict(self.state_dict)
-        return model.eval()
 
 
 # ----- our names → HF LlamaForCausalLM names -----
@@ -209,179 +202,6 @@ def export_hf(
 # ----- sources -----
 
 
-def assemble_stages(stages: Sequence[nn.Module]) -> dict[str, Tensor]:
-    """The whole model's state dict from its pipeline stages in order (stage 0 first). Parameter
-    names carry global layer indices (node.model), so the union of the stages' is the whole one."""
-    whole: dict[str, Tensor] = {}
-    for s, stage in enumerate(stages):
-        for name, tensor in stage.state_dict().items():
-            if name in whole:
-                raise ValueError(f"stage {s} holds {name!r}, already held by an earlier stage")
-            whole[name] = tensor.detach().to("cpu", torch.float32)
-    return whole
-
-
-def save_model_file(
-    path: Path,
-    config: ModelConfig,
-    state: Mapping[str, Tensor],
-    tokenizer_sha256: str,
-    *,
-    extra: Mapping[str, str] | None = None,
-) -> None:
-    """A whole model as one safetensors file with its ModelConfig and tokenizer hash in the header
-    (plus `extra` header entries), written atomically: a temporary file beside it, fsync, rename."""
-    metadata = {
-        **(extra or {}),
-        "format": MODEL_FILE_FORMAT,
-        "model_config": json.dumps(config.to_dict(), sort_keys=True),
-        "tokenizer_sha256": tokenizer_sha256,
-    }
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        save_file(tensors, str(tmp), metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power cut
-    finally:
-        os.close(directory)
-
-
-# ----- the verifier's majority models, by round -----
-
-
-@dataclass(frozen=True)
-class StageProvenance:
-    """Where one stage of an assembled majority model comes from."""
-
-    stage: int
-    round: int
-    """The stage's own round R_s: its weights are θ_{R_s}, the result of its round R_s − 1."""
-    theta_hash: str
-    """The settled majority hash of that result (node.diloco.tensor_sha256 of the flat θ)."""
-
-
-def round_model_path(directory: Path, round_: int) -> Path:
-    return directory / f"round-{round_:08d}.safetensors"
-
-
-def round_tokenizer_path(directory: Path, sha256: str) -> Path:
-    """Beside the round files, the tokenizer each names, by content (a run's tokenizer may grow)."""
-    return directory / f"tokenizer-{sha256}.json"
-
-
-def round_models(directory: Path) -> list[int]:
-    """The rounds whose majority model `directory` holds, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = (_ROUND_FILE.match(p.name) for p in directory.iterdir())
-    return sorted(int(m.group(1)) for m in found if m)
-
-
-def save_round_model(
-    directory: Path,
-    round_: int,
-    config: ModelConfig,
-    stages: Sequence[nn.Module],
-    provenance: Sequence[StageProvenance],
-    tokenizer: BPETokenizer,
-    *,
-    keep: int,
-) -> Path:
-    """Write the assembled majority model of `round_` (stage 0's round) and its tokenizer, and
-    keep only the newest `keep` round files. Each stage's weights must hash to its provenance's
-    majority hash."""
-    if keep < 1:
-        raise ValueError(f"keep must be ≥ 1 round file, got {keep}")
-    if [p.stage for p in provenance] != list(range(len(stages))):
-        raise ValueError(f"provenance names stages {[p.stage for p in provenance]} for {len(stages)} stages")
-    for stage, origin in zip(stages, provenance, strict=True):
-        got = _stage_hash(stage.state_dict(), config, origin.stage, len(stages))
-        if got != origin.theta_hash:
-            raise ValueError(f"stage {origin.stage} hashes to {got[:16]}…, not {origin.theta_hash[:16]}…")
-    directory.mkdir(parents=True, exist_ok=True)
-    if not round_tokenizer_path(directory, tokenizer.sha256).exists():
-        tokenizer.save(round_tokenizer_path(directory, tokenizer.sha256))
-    path = round_model_path(directory, round_)
-    extra = {"round": str(round_), "stages": json.dumps([vars(p) for p in provenance])}
-    save_model_file(path, config, assemble_stages(stages), tokenizer.sha256, extra=extra)
-    # Rounds only grow within a run: a file past this round is an earlier run's (a database
-    # started over beside the same directory), and must not outlive this run's newest.
-    kept = [r for r in round_models(directory) if r <= round_]
-    for old in [r for r in round_models(directory) if r > round_] + kept[:-keep]:
-        round_model_path(directory, old).unlink(missing_ok=True)
-    return path
-
-
-def _stage_hash(state: Mapping[str, Tensor], config: ModelConfig, stage: int, num_stages: int) -> str:
-    """The θ hash replicas of this stage vote with, from whole-model (or stage) tensors by name:
-    the stage's parameters flattened in parameter order (node.diloco.flat_parameters)."""
-    with torch.device("meta"):
-        names = [n for n, _ in build_stage(config, stage, num_stages).named_parameters()]
-    missing = [n for n in names if n not in state]
-    if missing:
-        raise ValueError(f"stage {stage} of {num_stages} lacks {missing[:4]} ({len(missing)} tensors)")
-    return tensor_sha256(torch.cat([state[n].detach().to("cpu", torch.float32).flatten() for n in names]))
-
-
-def latest_models_dir(home: Path) -> Path:
-    """The run directory under HOME/models (one per run definition, verifier.evaluator) whose
-    newest round file is the most recent: the run the verifier on this HOME measured last."""
-    root = home / MODELS_DIR
-    runs = [d for d in root.iterdir() if d.is_dir() and round_models(d)] if root.is_dir() else []
-    if not runs:
-        raise ValueError(
-            f"no verifier round files under {root}: a verifier with this HOME keeps the majority "
-            "model of its latest measured rounds there (or give --models DIR)"
-        )
-    return max(runs, key=lambda d: round_model_path(d, round_models(d)[-1]).stat().st_mtime)
-
-
-def load_round_model(directory: Path, which: str) -> TrainedModel:
-    """The majority model of round `which` (a number, or "latest") from the verifier's round
-    files, every stage re-hashed against the majority hash the file names."""
-    rounds = round_models(directory)
-    if not rounds:
-        raise ValueError(f"{directory} holds no round files (round-NNNNNNNN.safetensors)")
-    round_ = rounds[-1] if which == "latest" else int(which)
-    if round_ not in rounds:
-        raise ValueError(f"round {round_} is not kept in {directory}; kept: {', '.join(map(str, rounds))}")
-    path = round_model_path(directory, round_)
-    model = _from_model_file(path)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    try:
-        provenance = [StageProvenance(**p) for p in json.loads(meta["stages"])]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: no valid stage provenance in the header ({exc})") from None
-    for origin in provenance:
-        got = _stage_hash(model.state_dict, model.config, origin.stage, len(provenance))
-        if got != origin.theta_hash:
-            raise ValueError(
-                f"{path}: stage {origin.stage} hashes to {got[:16]}…, the file says the majority "
-                f"{origin.theta_hash[:16]}…; the file is damaged"
-            )
-    return model
-
-
-def _from_model_file(path: Path) -> TrainedModel:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != MODEL_FILE_FORMAT:
-            raise ValueError(f"{path}: not a {MODEL_FILE_FORMAT} file (header format {meta.get('format')!r})")
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
-    config = ModelConfig.from_dict(json.loads(meta["model_config"]))
-    return TrainedModel(config, state, meta.get("tokenizer_sha256"))
-
-
 def _config_of_checkpoint(fingerprint: str, vocab_size: int, model_size: str | None) -> ModelConfig:
     """The ModelConfig whose architecture fingerprint the checkpoint records, among the presets."""
     names = [model_size] if model_size else list(MODEL_SIZES)
@@ -403,7 +223,7 @@ def is_round(source: str) -> bool:
 def load_trained_model(path: Path, *, model_size: str | None = None) -> TrainedModel:
     """A node's checkpoint (single stage) or a model file, as a whole model on the CPU."""
     if path.suffix == ".safetensors":
-        return _from_model_file(path)
+        return load_model_file(path)
     try:
         payload = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # the restricted unpickler raises many types
@@ -439,6 +259,73 @@ def find_tokenizer(model: TrainedModel, candidates: Sequence[Path]) -> BPETokeni
     return None
 
 
+# ----- a round from a verifier's API -----
+
+
+def _fetch(url: str, max_bytes: int, timeout_s: float, into: Path | None = None) -> bytes:
+    """GET `url`: the body (or, with `into`, streamed to that file), refused past max_bytes."""
+    request = urllib.request.Request(url, headers={"Accept": "application/json, application/octet-stream"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        if into is None:
+            body = reply.read(max_bytes + 1)
+            if len(body) > max_bytes:
+                raise ValueError(f"{url}: more than {max_bytes} bytes")
+            return body
+        with open(into, "wb") as f:
+            copied = 0
+            while block := reply.read(1 << 20):
+                copied += len(block)
+                if copied > max_bytes:
+                    raise ValueError(f"{url}: more than the {max_bytes} bytes the verifier listed")
+                f.write(block)
+        return b""
+
+
+def download_round(verifier: str, which: str, dest: Path, *, timeout_s: float = 600.0) -> int:
+    """Fetch round `which` ("latest" or a number) of the verifier's majority models into `dest`
+    as a round file plus its tokenizer, and check every stage's majority hash in its header
+    against the verifier's settled rounds (GET /api/training/history) where they are still
+    listed there. Returns the round. The weights themselves are re-hashed by load_round_model."""
+    base = verifier.rstrip("/")
+    if urllib.parse.urlsplit(base).scheme not in ("http", "https"):
+        raise ValueError(f"--verifier must be an http:// or https:// URL, got {verifier!r}")
+    listing = json.loads(_fetch(base + "/api/training/models", 1 << 20, timeout_s))
+    kept = {int(entry["round"]): int(entry["bytes"]) for entry in listing["models"]}
+    if not kept:
+        raise ValueError(f"{base} keeps no measured majority model yet")
+    round_ = max(kept) if which == "latest" else int(which)
+    if round_ not in kept:
+        raise ValueError(f"round {round_} is not kept by {base}; kept: {', '.join(map(str, sorted(kept)))}")
+    path = round_model_path(dest, round_)
+    _fetch(f"{base}/api/training/models/{round_}", kept[round_], timeout_s, into=path)
+    header = read_round_header(path)
+    if header.round != round_:
+        raise ValueError(f"{base} answered round {round_} with round {header.round}'s file")
+    if header.tokenizer_sha256 is not None:
+        raw = _fetch(f"{base}/api/training/models/{round_}/tokenizer.json", MAX_TOKENIZER_BYTES, timeout_s)
+        tokenizer = BPETokenizer.from_bytes(raw, source=f"{base}'s tokenizer")
+        if tokenizer.sha256 != header.tokenizer_sha256:
+            raise ValueError(
+                f"{base} sent tokenizer {tokenizer.sha256[:12]}…, the model's is {header.tokenizer_sha256[:12]}…"
+            )
+        tokenizer.save(round_tokenizer_path(dest, tokenizer.sha256))
+    _check_settled(base, header, timeout_s)
+    return round_
+
+
+def _check_settled(base: str, header: RoundHeader, timeout_s: float) -> None:
+    """Each stage's θ_{R_s} must be the settled majority result of its round R_s − 1."""
+    history = json.loads(_fetch(f"{base}/api/training/history?limit=1000", 16 << 20, timeout_s))
+    majority = {(r["stage"], r["round"]): r["majority_hash"] for r in history["rounds"] if r["settled"]}
+    for p in header.provenance:
+        settled = majority.get((p.stage, p.round - 1))
+        if settled is not None and settled != p.theta_hash:
+            raise ValueError(
+                f"stage {p.stage} of round {header.round}'s model is θ {p.theta_hash[:16]}…, but "
+                f"{base} settled round {p.round - 1} of stage {p.stage} on {settled[:16]}…"
+            )
+
+
 def add_source_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint",
@@ -453,6 +340,10 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
         f"HOME/{MODELS_DIR}/ measured last)",
     )
     p.add_argument(
+        "--verifier",
+        help="download a round --checkpoint from this verifier's API instead (http://HOST:PORT)",
+    )
+    p.add_argument(
         "--tokenizer",
         type=Path,
         action="append",
@@ -465,15 +356,28 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
 
 def open_source(args: argparse.Namespace) -> tuple[TrainedModel, BPETokenizer | None]:
     candidates = [*args.tokenizer, args.home / "data" / "default"]
-    if is_round(args.checkpoint) and not Path(args.checkpoint).exists():
-        models = args.models or latest_models_dir(args.home)
-        model = load_round_model(models, args.checkpoint)
-        if model.tokenizer_sha256 is not None:  # the verifier keeps it beside the round files
-            candidates.append(round_tokenizer_path(models, model.tokenizer_sha256))
-    else:
+    if not (is_round(args.checkpoint) and not Path(args.checkpoint).exists()):
+        if args.verifier:
+            raise ValueError(
+                f"--verifier needs a round --checkpoint (a number or 'latest'), got {args.checkpoint!r}"
+            )
         model = load_trained_model(Path(args.checkpoint), model_size=args.model_size)
-    tokenizer = find_tokenizer(model, candidates)
-    return model, tokenizer
+        return model, find_tokenizer(model, candidates)
+    if args.verifier:
+        download = Path(tempfile.mkdtemp(prefix="neuroshard-round-"))
+        try:
+            round_ = download_round(args.verifier, args.checkpoint, download)
+            return _open_round(download, str(round_), candidates)
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
+    return _open_round(args.models or latest_models_dir(args.home), args.checkpoint, candidates)
+
+
+def _open_round(models: Path, which: str, candidates: list[Path]) -> tuple[TrainedModel, BPETokenizer | None]:
+    model = load_round_model(models, which)
+    if model.tokenizer_sha256 is not None:  # the verifier keeps it beside the round files
+        candidates = [*candidates, round_tokenizer_path(models, model.tokenizer_sha256)]
+    return model, find_tokenizer(model, candidates)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             raise ValueError("no tokenizer.json found: pass --tokenizer (a file or the data set directory)")
         files = export_hf(args.out, model, tokenizer, dtype=args.dtype)
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError, KeyError, TypeError) as exc:  # urllib's errors are OSErrors
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     n = sum(v.numel() for v in model.state_dict.values())

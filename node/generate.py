@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             raise ValueError("no tokenizer.json found: pass --tokenizer (a file or the data set directory)")
         model = trained.build().to(devices.resolve_device(args.device))
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError, KeyError, TypeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(args.prompt)

@@ -46,9 +46,9 @@ from neuroshard.data import open_dataset
 from neuroshard.data.dataset import open_remote_dataset
 from neuroshard.data.fetch import FetchConfig
 from neuroshard.node.diloco import copy_into_parameters
-from neuroshard.node.export import MODELS_DIR, StageProvenance, save_round_model
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.model_file import MODELS_DIR, StageProvenance, save_round_model
 from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.codec import decode_state, state_size_bound

@@ -8,15 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from neuroshard.node.diloco import DiLoCoConfig
-from neuroshard.node.export import (
-    TrainedModel,
-    assemble_stages,
-    export_hf,
-    load_trained_model,
-    main,
-    save_model_file,
-)
+from neuroshard.node.export import export_hf, load_trained_model, main
 from neuroshard.node.model import ModelConfig, Transformer, build_stage
+from neuroshard.node.model_file import TrainedModel, assemble_stages, save_model_file
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.verifier.evaluate import build_from_state_dicts
 

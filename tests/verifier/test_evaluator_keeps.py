@@ -16,9 +16,9 @@ from sqlalchemy import select
 
 from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.export import main as export_main
-from neuroshard.node.export import round_models
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.model_file import round_models
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
