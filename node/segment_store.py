@@ -204,11 +204,14 @@ class SegmentStore(SegmentSink):
         if not 0 <= segment < log.segments:
             return None
         first, end = log.segment(segment)
+        round_start = self.load_checkpoint(round_, 0)
         start_ckpt, end_ckpt = self.load_checkpoint(round_, first), self.load_checkpoint(round_, end)
-        if start_ckpt is None or end_ckpt is None:
+        if round_start is None or start_ckpt is None or end_ckpt is None:
             return None
         received = tuple(tuple(self.load_received(round_, i)) for i in range(first, end))
-        return SegmentMaterial(log, commitment, segment, start_ckpt, end_ckpt, received)
+        return SegmentMaterial(
+            log, commitment, segment, start_ckpt, end_ckpt, received, theta_round=round_start.weights
+        )
 
 
 # --- the answer to a challenge, on the wire -----------------------------------------------------
@@ -247,11 +250,14 @@ class SegmentMaterial:
     end: SegmentCheckpoint
     received: tuple[tuple[Received, ...], ...]
     """Per inner step of the segment, in order."""
+    theta_round: Tensor
+    """(d,) the weights at the round's start (checkpoint 0's): θ_round, whose hash the receipt's
+    base_hash is; ties segment 0's start to it and the last segment's end to the receipt's Δ."""
 
     def encode(self) -> bytes:
         """safetensors: the two checkpoints' tensors and each message's header and payload as uint8
         tensors; the log, the commitment and the message kinds and senders in its metadata."""
-        tensors: dict[str, Tensor] = {}
+        tensors: dict[str, Tensor] = {"theta_round": self.theta_round.detach().to(torch.float32).contiguous()}
         metadata = {
             "log": self.log.to_json().decode(),
             "commitment": self.commitment.to_json().decode(),
@@ -295,7 +301,7 @@ class SegmentMaterial:
             raise MalformedMessage(
                 f"segment material lists messages for {len(counts)} steps, the segment has {end - first}"
             )
-        wanted = {f"{side}.{key}" for side in ("start", "end") for key in _CKPT_KEYS}
+        wanted = {"theta_round"} | {f"{side}.{key}" for side in ("start", "end") for key in _CKPT_KEYS}
         wanted |= {
             f"m{i}.{j}.{part}" for i, c in enumerate(counts) for j in range(c) for part in ("header", "body")
         }
@@ -327,4 +333,9 @@ class SegmentMaterial:
                     raise MalformedMessage(f"message {j} of step {i} is not raw bytes")
                 step.append(Received(kind, sender, header.numpy().tobytes(), body.numpy().tobytes()))
             received.append(tuple(step))
-        return cls(log, commitment, segment, ckpts[0], ckpts[1], tuple(received))
+        theta = tensors["theta_round"]
+        if theta.dtype != torch.float32 or tuple(theta.shape) != (numel,):
+            raise MalformedMessage(
+                f"theta_round is {theta.dtype} {tuple(theta.shape)}, expected float32 ({numel},)"
+            )
+        return cls(log, commitment, segment, ckpts[0], ckpts[1], tuple(received), theta)

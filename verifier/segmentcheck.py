@@ -34,7 +34,13 @@ import torch
 from torch import Tensor
 
 from neuroshard.node.device import Placement
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
+from neuroshard.node.diloco import (
+    DiLoCo,
+    DiLoCoConfig,
+    copy_into_parameters,
+    flat_parameters,
+    tensor_sha256,
+)
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import (
     ActivationHeader,
@@ -72,6 +78,10 @@ class SegmentClaim:
     """Stage 0: the receipt's data spans (already checked against the wallet's assignment)."""
     precision: str = "fp32"
     """The replay's placement precision (the verifier's CPU, fp32 by default)."""
+    base_hash: str | None = None
+    """The receipt's θ_round hash: segment 0 must start from it."""
+    delta_digest: str | None = None
+    """The receipt's Δ digest: the last segment must end where that Δ says (Δ = θ_round − end)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,7 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
         problems.append(f"the checkpoint at step {first} does not match its committed hash")
     if material.end.sha256() != log.checkpoints[j + 1]:
         problems.append(f"the checkpoint at step {end} does not match its committed hash")
+    problems += _round_problems(material, claim)
     if len(material.received) != end - first:
         problems.append(f"messages for {len(material.received)} steps, the segment has {end - first}")
         return problems
@@ -133,6 +144,23 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
     ):
         problems.append("the log's data spans differ from the receipt's")
     return problems
+
+
+def _round_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]:
+    """The chain against the receipt's θ_round and Δ: the contribution sent is the chain's end."""
+    if claim.base_hash is None:
+        return []
+    theta = material.theta_round
+    if tensor_sha256(theta) != claim.base_hash:
+        return ["the served θ_round is not the receipt's base_hash"]
+    j, last = material.segment, material.log.segments - 1
+    out = []
+    if j == 0 and not torch.equal(material.start.weights, theta):
+        out.append("segment 0 does not start from θ_round")
+    delta = theta - material.end.weights
+    if j == last and claim.delta_digest is not None and tensor_sha256(delta) != claim.delta_digest:
+        out.append("the receipt's Δ is not θ_round minus the chain's last checkpoint")
+    return out
 
 
 def _step_problems(i: int, step: StepRecord, messages: Sequence[Received], claim: SegmentClaim) -> list[str]:

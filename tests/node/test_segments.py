@@ -254,6 +254,7 @@ def test_the_trainer_commits_a_root_that_a_stage_0_segment_check_accepts(publish
     claim = SegmentClaim(
         model=model, diloco=diloco_cfg, num_stages=1, stage=0, round=1,
         wallet=WALLET.public_key_hex, root=receipt.segment_root, spans=spans,
+        base_hash=receipt.base_hash, delta_digest=receipt.delta_digest,
     )  # fmt: skip
     tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
     for j in range(2):

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_sha256
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import (
     ActivationHeader,
@@ -92,6 +92,8 @@ class Run:
     store: SegmentStore
     root: str
     spans: list[tuple[int, int, int]]
+    base_hash: str
+    delta_digest: str
 
     def material(self, segment: int) -> SegmentMaterial:
         material = self.store.material(ROUND, segment)
@@ -104,6 +106,7 @@ class Run:
         return SegmentClaim(
             model=MODEL, diloco=DILOCO, num_stages=self.num_stages, stage=self.stage, round=ROUND,
             wallet=REPLICA.public_key_hex, root=self.root, spans=self.spans, precision=precision,
+            base_hash=self.base_hash, delta_digest=self.delta_digest,
         )  # fmt: skip
 
 
@@ -163,12 +166,13 @@ def train_round(
             received = [recorded(i, m) for m in received]
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
     recorder.end_round(diloco)
-    diloco.outer_step(diloco.pseudo_gradient())
+    base_hash, delta = tensor_sha256(diloco.theta_round), diloco.pseudo_gradient()
+    diloco.outer_step(delta)
     closed = recorder.close_round(REPLICA)
     assert closed is not None
     log, commitment = closed
     assert commitment is not None and commitment.root == log.root() and log.segments == H // K
-    return Run(stage, num_stages, store, log.root(), spans)
+    return Run(stage, num_stages, store, log.root(), spans, base_hash, tensor_sha256(delta))
 
 
 def check(run: Run, segment: int, precision: str = "fp32", trained: str = "fp32"):  # type: ignore[no-untyped-def]
@@ -348,3 +352,20 @@ def test_material_served_for_another_wallet_or_root_is_refused(tmp_path: Path) -
     assert "not signed by the receipt's wallet" in check_segment(claim, run.material(0), tolerance).reason
     claim = dataclasses.replace(run.claim(), root="0" * 64)
     assert "root differs" in check_segment(claim, run.material(0), tolerance).reason
+
+
+def test_the_receipts_theta_and_delta_must_be_the_chains_ends(tmp_path: Path) -> None:
+    """A replica whose chain is honest but whose receipt commits another Δ (what it sent the round),
+    or another θ_round, is refused on the segments that touch them."""
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    other_delta = dataclasses.replace(run, delta_digest="ab" * 32)
+    assert check(other_delta, 0).ok  # the first segment does not reach the round's end
+    verdict = check(other_delta, H // K - 1)
+    assert not verdict.ok and "receipt's Δ is not θ_round minus" in verdict.reason
+    other_base = dataclasses.replace(run, base_hash="cd" * 32)
+    assert "not the receipt's base_hash" in check(other_base, 1).reason
+    material = run.material(0)
+    shifted = dataclasses.replace(material, theta_round=material.theta_round + 1e-3)
+    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+    claim = dataclasses.replace(run.claim(), base_hash=tensor_sha256(shifted.theta_round))
+    assert "segment 0 does not start from θ_round" in check_segment(claim, shifted, tolerance).reason
