@@ -1,4 +1,5 @@
-"""GET /p2p/replay/{round}: a replica serves what the verifier needs to replay one of its rounds.
+"""GET /p2p/replay/{round} and GET /p2p/segment/{round}/{segment}: a replica serves what the
+verifier needs to replay one of its rounds, or one segment of it (node.segments).
 
 The body is safetensors (never pickle) of five float32 tensors: θ_round, Δ, AdamW's first and
 second moments at the round's start (each (d,)) and the per-parameter step counts (k,). No
@@ -7,6 +8,10 @@ that round (base_hash, delta_digest, inner_state_digest), so a replica cannot se
 but what it committed to before it was asked. Served for the rounds the node's ReplayArchive
 still holds (node.replay), and only to the verifier's operator wallet when it is known: the
 moments are twice the model's size, not something to hand every peer that asks.
+
+A segment's material (node.segment_store.SegmentMaterial, safetensors with the log and the
+signed commitment in its metadata) is served the same way by `SegmentService`, from the rounds
+the node's SegmentStore holds; it is checked against the receipt's segment_root by the verifier.
 """
 
 from __future__ import annotations
@@ -20,11 +25,20 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from ..replay import InnerState, ReplayArchive, ReplayRecord
+from ..segment_store import SegmentStore
 from .auth import PEER_WALLET
 from .codec import HEADER_SLACK, check_layout
 from .wire import REPLAY, MalformedMessage, Rejected
 
+SEGMENT = "/p2p/segment/{round}/{segment}"
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"
+
+
+def segment_size_bound(numel: int, n_tensors: int, steps: int, message_bytes: int) -> int:
+    """Largest segment body: θ_round and two checkpoints (weights, two moments; step counts), `steps`
+    inner steps each with up to two messages of at most `message_bytes`, the log (~0.5 KB a step of
+    the round, at most 1,000,000 steps: MAX_MATERIAL_HEADER bounds it) and the commitment."""
+    return 4 * (7 * numel + 2 * n_tensors) + 2 * steps * message_bytes + (16 << 20) + HEADER_SLACK
 
 
 def replay_size_bound(numel: int, n_tensors: int) -> int:
@@ -89,4 +103,40 @@ class ReplayService:
             held = self.archive.rounds()
             raise Rejected(404, "not_held", f"round {text} is not held here (held: {held})")
         body = await asyncio.get_running_loop().run_in_executor(None, encode_replay, record)
+        return web.Response(status=200, body=body, content_type="application/octet-stream")
+
+
+class SegmentService:
+    """GET /p2p/segment/{round}/{segment}, as a ServerExtension of the node's peer server."""
+
+    ROUTE = "segment"
+
+    def __init__(self, store: SegmentStore, *, allowed_wallet: str | None = None) -> None:
+        self.store = store
+        self.allowed_wallet = allowed_wallet
+        """Hex public key allowed to ask (the verifier's operator); None: any signed peer."""
+
+    def body_limit(self, route: str) -> int | None:
+        return 0 if route == self.ROUTE else None
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(SEGMENT, self._serve, name=self.ROUTE)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
+            raise Rejected(
+                403, "not_verifier", "segment material is served to the verifier's operator key only"
+            )
+        numbers = [request.match_info["round"], request.match_info["segment"]]
+        if not all(t.isdigit() and len(t) <= 16 for t in numbers):
+            raise Rejected(400, "malformed", f"round and segment {numbers!r} must be non-negative integers")
+        round_, segment = int(numbers[0]), int(numbers[1])
+        loop = asyncio.get_running_loop()
+        material = await loop.run_in_executor(None, self.store.material, round_, segment)
+        if material is None:
+            held = self.store.rounds()
+            raise Rejected(
+                404, "not_held", f"segment {segment} of round {round_} is not held here (rounds: {held})"
+            )
+        body = await loop.run_in_executor(None, material.encode)
         return web.Response(status=200, body=body, content_type="application/octet-stream")

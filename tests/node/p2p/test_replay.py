@@ -5,17 +5,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
 from aiohttp import ClientSession, test_utils
 
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
-from neuroshard.node.p2p.replay import ReplayService, decode_replay, encode_replay, replay_size_bound
+from neuroshard.node.p2p.replay import (
+    SEGMENT,
+    ReplayService,
+    SegmentService,
+    decode_replay,
+    encode_replay,
+    replay_size_bound,
+    segment_size_bound,
+)
 from neuroshard.node.p2p.server import build_app
 from neuroshard.node.replay import InnerState, ReplayArchive, ReplayRecord
+from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
 
 NUMEL, TENSORS = 50, 3
@@ -78,3 +91,56 @@ def test_a_body_of_another_layout_is_malformed() -> None:
         decode_replay(body, 1, NUMEL + 1, TENSORS)  # the verifier's model is another size
     with pytest.raises(wire.MalformedMessage):
         decode_replay(body[:-4], 1, NUMEL, TENSORS)  # truncated
+
+
+def _stored_segments(directory: Path) -> tuple[SegmentStore, int, int]:
+    """A store holding one recorded round of a tiny replica (two segments of two steps)."""
+    torch.manual_seed(0)
+    model = ModelConfig(vocab_size=32, dim=8, n_layers=1, n_heads=2, ffn_dim=16, max_seq_len=8)
+    diloco = DiLoCo(build_stage(model, 0, 1), DiLoCoConfig(inner_steps=4, warmup_steps=1, total_steps=20))
+    config = SegmentConfig(segment_steps=2)
+    store = SegmentStore(directory, config, log=lambda _: None)
+    recorder = SegmentRecorder(config, stage=0, sink=store)
+    recorder.start_round(diloco)
+    for i in range(4):
+        tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(i))
+        diloco.inner_step(tokens[:, :-1], tokens[:, 1:])
+        recorder.record_step(diloco, data=(0, 2 * i, 2 * i + 2))
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    recorder.close_round(OPERATOR)
+    return store, sum(p.numel() for p in diloco.params), len(diloco.params)
+
+
+@pytest.mark.asyncio
+async def test_segment_material_is_served_to_the_operator_as_stored(
+    make_node, wallets, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    store, numel, n_tensors = _stored_segments(tmp_path)
+    service = SegmentService(store, allowed_wallet=OPERATOR.public_key_hex)
+    server = test_utils.TestServer(build_app(make_node(wallets[0]), window_s=60.0, extensions=[service]))
+    await server.start_server()
+    try:
+        async with ClientSession() as session:
+
+            async def get(wallet: Wallet, round_: str, segment: str) -> tuple[int, bytes]:
+                path = SEGMENT.format(round=round_, segment=segment)
+                headers = sign_request(wallet, "GET", path, b"", time.time())
+                async with session.get(server.make_url(path), headers=headers) as r:
+                    return r.status, await r.read()
+
+            status, body = await get(OPERATOR, "0", "1")
+            assert status == 200 and len(body) <= segment_size_bound(numel, n_tensors, 2, 0)
+            got = SegmentMaterial.decode(body, numel=numel, n_tensors=n_tensors)
+            want = store.material(0, 1)
+            assert want is not None and got.log == want.log and got.commitment == want.commitment
+            assert torch.equal(got.end.weights, want.end.weights) and torch.equal(
+                got.theta_round, want.theta_round
+            )
+            assert (await get(wallets[1], "0", "1"))[0] == 403
+            status, body = await get(OPERATOR, "0", "2")
+            assert status == 404 and b"not_held" in body
+            assert (await get(OPERATOR, "1", "0"))[0] == 404
+            assert (await get(OPERATOR, "0", "x"))[0] in (400, 404)
+    finally:
+        await server.close()
