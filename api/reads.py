@@ -291,23 +291,27 @@ def training_models(request: Request, services: ServicesDep) -> Response:
     directory = _models_dir(services)
 
     def render() -> tuple[bytes, Headers]:
-        kept = []
-        for r in round_models(directory) if directory is not None else []:
-            path = round_model_path(directory, r)  # type: ignore[arg-type]
-            try:
-                header, size = read_round_header(path), path.stat().st_size
-            except (OSError, ValueError):  # pruned since it was listed
-                continue
-            stages = [
-                StageModelOut(stage=p.stage, round=p.round, theta_hash=p.theta_hash)
-                for p in header.provenance
-            ]
-            kept.append(
-                ModelFileOut(round=r, bytes=size, tokenizer_sha256=header.tokenizer_sha256, stages=stages)
-            )
+        kept = [] if directory is None else _kept_models(directory)
         return _json(ModelsOut(models=kept)), ()
 
     return _serve(request, services, services.reads.get("models", render))
+
+
+def _kept_models(directory: pathlib.Path) -> list[ModelFileOut]:
+    kept = []
+    for r in round_models(directory):
+        path = round_model_path(directory, r)
+        try:
+            header, size = read_round_header(path), path.stat().st_size
+        except (OSError, ValueError):  # pruned since it was listed
+            continue
+        stages = [
+            StageModelOut(stage=p.stage, round=p.round, theta_hash=p.theta_hash) for p in header.provenance
+        ]
+        kept.append(
+            ModelFileOut(round=r, bytes=size, tokenizer_sha256=header.tokenizer_sha256, stages=stages)
+        )
+    return kept
 
 
 def _round_file(services: Services, round_: int) -> pathlib.Path:

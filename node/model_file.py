@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -196,8 +196,11 @@ class RoundHeader:
 
 
 def read_round_header(path: Path) -> RoundHeader:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
     if meta.get("format") != MODEL_FILE_FORMAT:
         raise ValueError(f"{path}: not a {MODEL_FILE_FORMAT} file (header format {meta.get('format')!r})")
     try:
@@ -234,10 +237,16 @@ def load_round_model(directory: Path, which: str) -> TrainedModel:
 
 
 def load_model_file(path: Path) -> TrainedModel:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != MODEL_FILE_FORMAT:
-            raise ValueError(f"{path}: not a {MODEL_FILE_FORMAT} file (header format {meta.get('format')!r})")
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    """A model file as a whole model on the CPU (safetensors: no code runs while reading it)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != MODEL_FILE_FORMAT:
+                raise ValueError(
+                    f"{path}: not a {MODEL_FILE_FORMAT} file (header format {meta.get('format')!r})"
+                )
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
     config = ModelConfig.from_dict(json.loads(meta["model_config"]))
     return TrainedModel(config, state, meta.get("tokenizer_sha256"))

@@ -171,6 +171,9 @@ def test_a_damaged_round_file_or_a_missing_round_is_refused(
     path.write_bytes(bytes(raw))
     assert export_main(["--checkpoint", "2", *argv]) == 2
     assert "the file is damaged" in capsys.readouterr().err
+    path.write_bytes(bytes(raw[: len(raw) // 2]))  # cut short
+    assert export_main(["--checkpoint", "2", *argv]) == 2
+    assert "not a safetensors file" in capsys.readouterr().err
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
