@@ -4,7 +4,8 @@ Both train the same model (same init), with the same batch shape, optimizer sett
 precision and thread count. Ours is the real `Trainer.run`: shard streaming, DiLoCo inner steps
 (AdamW, clipping, schedule), outer steps at round ends (θ_round and Δ on the CPU), periodic
 checkpoints and progress lines (each run prints where its wall time went). The baseline is the loop a PyTorch user writes by hand over
-batches already on the device (same autocast, same fused AdamW). Runs alternate (ours, bare,
+batches already on the device (same autocast, same fused AdamW); "engine alone" is the DiLoCo
+engine's inner steps over those batches (clipping, schedule), to place a gap. Runs alternate (ours, bare,
 ours, bare, …) so drift in machine speed hits both alike.
 
 Model FLOPs utilisation (MFU, Chowdhery et al. 2022, appendix B): 6·N + 12·L·C·T FLOPs per
@@ -30,7 +31,7 @@ from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.data import DataPosition
 from neuroshard.node.device import Placement, resolve
-from neuroshard.node.diloco import DiLoCoConfig
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.trainer import Trainer, TrainerConfig
 
@@ -145,6 +146,48 @@ def bare(
     return sum(x.numel() for x, _ in batches) / elapsed
 
 
+def engine(
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    placement: Placement,
+) -> float:
+    """The DiLoCo engine's inner steps (clipping, lr schedule, bookkeeping) over the baseline's
+    device batches: no trainer, no data feed, no rounds or checkpoints. Between bare and ours,
+    it says which layer a gap comes from."""
+    diloco = DiLoCo(build_stage(model_cfg, 0, 1), diloco_cfg, placement=placement)
+    on_device = [(x.to(placement.device), y.to(placement.device)) for x, y in batches]
+    _sync(placement)
+    start = time.perf_counter()
+    for inputs, labels in on_device:
+        diloco.queue_inner_step(inputs, labels).item()
+    _sync(placement)
+    elapsed = time.perf_counter() - start
+    return sum(x.numel() for x, _ in batches) / elapsed
+
+
+def profile(
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    placement: Placement,
+) -> None:
+    """torch.profiler's top operators for 20 engine steps (--profile): where the device time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    diloco = DiLoCo(build_stage(model_cfg, 0, 1), diloco_cfg, placement=placement)
+    on_device = [(x.to(placement.device), y.to(placement.device)) for x, y in batches[:25]]
+    for inputs, labels in on_device[:5]:
+        diloco.inner_step(inputs, labels)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if placement.is_cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for inputs, labels in on_device[5:]:
+            diloco.inner_step(inputs, labels)
+    key = "self_cuda_time_total" if placement.is_cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,6 +202,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--precision", default="auto", help="auto, fp32, bf16, fp16")
     parser.add_argument("--inner-steps", type=int, default=100, help="H (the node's default: 100)")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
     parser.add_argument(
         "--checkpoint-every", type=int, default=50, help="steps between checkpoints (the node's default: 50)"
     )
@@ -191,7 +235,7 @@ def main() -> None:
         f"H={diloco_cfg.inner_steps}, checkpoint every {args.checkpoint_every} steps; device {placement.describe()}"
     )
     bare(batches[:10], model_cfg, diloco_cfg, placement)  # warm-up: allocator, kernels
-    ours_runs, bare_runs, breakdowns = [], [], []
+    ours_runs, bare_runs, engine_runs, breakdowns = [], [], [], []
     for i in range(args.repeats):
         ours_runs.append(
             ours(
@@ -207,12 +251,20 @@ def main() -> None:
             )
         )
         bare_runs.append(bare(batches, model_cfg, diloco_cfg, placement))
-        print(f"  run {i + 1}: ours {ours_runs[-1]:,.0f} tok/s   bare {bare_runs[-1]:,.0f} tok/s")
+        engine_runs.append(engine(batches, model_cfg, diloco_cfg, placement))
+        print(
+            f"  run {i + 1}: ours {ours_runs[-1]:,.0f} tok/s   bare {bare_runs[-1]:,.0f} tok/s   "
+            f"engine alone {engine_runs[-1]:,.0f} tok/s"
+        )
         print(f"    ours' wall time: {breakdowns[-1]}")
     o, b = statistics.median(ours_runs), statistics.median(bare_runs)
+    e = statistics.median(engine_runs)
     print(
-        f"median: ours {o:,.0f} tok/s, bare PyTorch {b:,.0f} tok/s, ratio ours/bare = {o / b:.3f} (target >= 0.95)"
+        f"median: ours {o:,.0f} tok/s, bare PyTorch {b:,.0f} tok/s, ratio ours/bare = {o / b:.3f} (target >= 0.95); "
+        f"engine alone/bare = {e / b:.3f}"
     )
+    if args.profile:
+        profile(batches, model_cfg, diloco_cfg, placement)
     flops = flops_per_token(model_cfg, args.seq_len)
     peak = peak_tflops(placement, args.peak_tflops)
     achieved = f"model GFLOP/s: ours {o * flops / 1e9:,.1f}, bare {b * flops / 1e9:,.1f}"

@@ -68,6 +68,11 @@ class TrainerConfig:
     round, across restarts too."""
     checkpoint_every: int = 50
     """Inner steps between checkpoints (a checkpoint is also written after every outer step and on stop)."""
+    checkpoint_interval_s: float = 0.0
+    """Minimum wall time between two periodic or round-end checkpoints (0: every turn; the final
+    one is always written). On a GPU, 50 steps of the 125m preset take ~2.5 s while its 1.5 GB
+    checkpoint costs ~1.5 s of loop time (bench/RESULTS.md, issue 14), so the node's CLI sets
+    300 s on accelerators."""
     log_every: int = 10
     """Inner steps per progress line; the printed loss is the mean over those steps."""
     rotation: RotationConfig = field(default_factory=RotationConfig)
@@ -82,6 +87,8 @@ class TrainerConfig:
         for name in ("batch_size", "seq_len", "checkpoint_every", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.checkpoint_interval_s < 0:
+            raise ValueError(f"checkpoint_interval_s must be ≥ 0, got {self.checkpoint_interval_s}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps must be ≥ 0, got {self.max_steps}")
 
@@ -166,6 +173,7 @@ class Trainer:
         self._writer = CheckpointWriter()
         self.checkpoints_skipped = 0
         """Periodic checkpoints skipped because the previous write was still in flight."""
+        self._last_checkpoint = time.monotonic()
         self.work = RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
         self.segments: SegmentRecorder | None = None
@@ -285,6 +293,7 @@ class Trainer:
             "vocab_size": self.model.config.vocab_size,
         }
         self._writer.submit(self.checkpoint_file, self.identity, state)
+        self._last_checkpoint = time.monotonic()
         if wait:
             self._writer.flush()
 
@@ -292,7 +301,10 @@ class Trainer:
         """A periodic or round-end checkpoint, written in the background — or skipped while the
         previous write is still in flight, so the loop never waits on the disk: a GPU trains a
         125M model's 50 steps in less time than its 1.5 GB checkpoint takes to write. The next
-        turn writes a newer state; the final checkpoint (`save()`) always waits."""
+        turn writes a newer state; the final checkpoint (`save()`) always waits. A turn within
+        `checkpoint_interval_s` of the last checkpoint is passed over."""
+        if time.monotonic() - self._last_checkpoint < self.config.checkpoint_interval_s:
+            return
         if self._writer.busy:
             if self.checkpoints_skipped == 0:
                 self._log(

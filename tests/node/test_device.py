@@ -3,6 +3,7 @@
 Every path that runs without a GPU is tested on the CPU (bf16 and fp16 autocast exist there);
 the CUDA tests are skipped where torch sees no CUDA device, never faked."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from neuroshard.node import aggregation
 from neuroshard.node.checkpoint import CheckpointIdentity, load_checkpoint
-from neuroshard.node.cli import build_parser, placement_from_args
+from neuroshard.node.cli import build_parser, checkpoint_interval, placement_from_args
 from neuroshard.node.device import Placement, resolve, resolve_device, resolve_precision
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, flat_parameters, tensor_sha256
 from neuroshard.node.model import ModelConfig, Transformer
@@ -367,3 +368,26 @@ def test_an_inner_state_captured_on_the_cpu_installs_on_a_cuda_engine() -> None:
         if isinstance(t, Tensor)
     )
     cuda.inner_step(*batch(0, 3))  # fused AdamW on CUDA steps with the installed moments
+
+
+def test_checkpoints_within_the_interval_are_passed_over_and_the_final_one_is_written(
+    published, tmp_path: Path
+) -> None:
+    trainer = _trainer(published, tmp_path, Placement.cpu(), max_steps=12)
+    trainer.config = dataclasses.replace(trainer.config, checkpoint_every=2, checkpoint_interval_s=3600.0)
+    writes: list[int] = []
+    write = trainer._writer._write
+
+    def counted(path, identity, state) -> None:  # type: ignore[no-untyped-def]
+        writes.append(state["diloco"]["step"])
+        write(path, identity, state)
+
+    trainer._writer._write = counted  # type: ignore[method-assign]
+    trainer.run(threading.Event())
+    assert writes == [12]  # 5 periodic and 2 round-end turns passed over; the final one written
+
+
+def test_the_checkpoint_interval_defaults_to_every_turn_on_the_cpu() -> None:
+    assert checkpoint_interval(build_parser().parse_args([]), Placement.cpu()) == 0.0
+    chosen = build_parser().parse_args(["--checkpoint-interval", "30"])
+    assert checkpoint_interval(chosen, Placement.cpu()) == 30.0
