@@ -33,6 +33,20 @@ verdict, and so is one that answers 404 (round no longer held): the verifier can
 dead node, or an honest one whose receipt reached it late, from one that hides a round.
 So a liar can dodge a check by not serving; what it cannot do is serve a replay that fails.
 Counting unserved challenges per wallet against its receipts would close this; not built.
+
+Segment checks (issue 17), at every stage: a receipt that commits to a segment root
+(`segment_root`, `segments`; node.segments) is checked by segments instead of whole rounds. The
+checker draws `segments_per_check` of its segments by the operator's signature over (wallet,
+stage, round) — fixed only once the receipt, and so the chain, is committed
+(verifier.segmentcheck.draw_segments) — fetches each one's material from GET
+/p2p/segment/{round}/{segment} (node.p2p.replay.SegmentService), and once round r−1 of that
+stage is settled with θ_round as its majority, checks each segment against the receipt and
+replays it (verifier.segmentcheck.check_segment): stage 0 re-reads its batches from the
+assignment, later stages decode the activations and gradients their senders signed. A replay
+that fails on material matching the signed commitment is kept as a fraud proof
+(`fraud_proofs`, the last 16) besides costing reputation. Receipts without a segment root
+(nodes before issue 17) keep the whole-round replay at stage 0 of single-stage runs; at later
+stages they are not replayed. A check costs `segments_per_check` · k/H of the round's work.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -49,6 +64,7 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from torch import Tensor
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.dataset import open_remote_dataset
@@ -57,10 +73,11 @@ from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
-from neuroshard.node.p2p.replay import decode_replay, replay_size_bound
+from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound, segment_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
-from neuroshard.node.wallet import Wallet
+from neuroshard.node.segment_store import SegmentMaterial
+from neuroshard.node.wallet import Wallet, wallet_id_of
 
 from . import ledger, members
 from . import models as m
@@ -72,6 +89,7 @@ from .members import MembershipConfig
 from .network import NetworkDefinition
 from .reputation import ReputationConfig
 from .sampling import sampled
+from .segmentcheck import SegmentClaim, SegmentFraudProof, SegmentVerdict, check_segment, draw_segments
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
 from .wire import DataSpan
 
@@ -131,6 +149,12 @@ class ReplayCheckConfig:
     """Draw by a compute budget instead of `sample_rate` (verifier.budget): about
     `budget.replicas` replays per round whatever the number of wallets, every wallet at least
     once in a bounded number of rounds, new and low-reputation wallets more often."""
+    segments_per_check: int = 4
+    """Segments replayed per drawn receipt that commits to a segment root: a check costs this × k/H
+    of the round. 4 catches a replica faking 10% of its segments within 11 of its drawn rounds with
+    probability 1 − 0.9^44 = 0.990 (bench/bench_replay.py's simulation)."""
+    max_message_bytes: int = 64 << 20
+    """Largest recorded pipeline message accepted in a segment body (bounds the fetch)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.sample_rate <= 1:
@@ -139,7 +163,7 @@ class ReplayCheckConfig:
             self.poll_s <= 0
             or self.timeout_s <= 0
             or self.retry_s < 0
-            or min(self.max_queue, self.max_per_pass) < 1
+            or min(self.max_queue, self.max_per_pass, self.segments_per_check) < 1
         ):
             raise ValueError(f"ReplayCheckConfig: periods must be > 0 and max_queue ≥ 1, got {self}")
 
@@ -162,6 +186,21 @@ class Challenge:
     receipt: m.Receipt
     address: str
     material: ReplayRecord | None = None
+    segments: tuple[int, ...] = ()
+    """The drawn segments of a receipt that commits to a segment root; () for a whole-round replay."""
+    pieces: dict[int, SegmentMaterial] = field(default_factory=dict)
+    """Fetched segment material, by segment."""
+
+    @property
+    def ready(self) -> bool:
+        """Everything to replay has been fetched."""
+        return len(self.pieces) == len(self.segments) if self.segments else self.material is not None
+
+
+def segment_root(receipt: m.Receipt) -> tuple[str, int] | None:
+    """(segment_root, segments) of a receipt, when it commits to one (and the database keeps it)."""
+    root, count = getattr(receipt, "segment_root", None), getattr(receipt, "segments", None)
+    return None if root is None or count is None else (root, count)
 
 
 REFUSALS = (403, 404)
@@ -207,6 +246,10 @@ class ReplayChecker:
         self._numel = sum(p.numel() for p in model.parameters())
         self._n_tensors = len(list(model.parameters()))
         self._initial_hash = theta_sha256(flat_parameters(model.parameters()))
+        self._stages: dict[int, tuple[int, int, str]] = {}
+        """Stage → (numel, parameter tensors, θ_0 hash) of that stage's model."""
+        self.fraud_proofs: deque[bytes] = deque(maxlen=16)
+        """Segment fraud proofs found here (SegmentFraudProof bytes), newest last."""
         self.queue: list[Challenge] = []
         self._overdue_picks: dict[int, int] = {}
         """Round → receipts drawn for being overdue (at most the budget's coverage share)."""
@@ -229,8 +272,10 @@ class ReplayChecker:
         """Sample and fetch on one thread, replay on another: a replay takes about as long as the
         replica's round, and meanwhile other sampled rounds must be fetched before nodes drop them."""
         if self.network.num_stages != 1:
-            self._log(f"replay check: {self.network.num_stages} stages; replay covers single-stage runs only")
-            return
+            self._log(
+                f"replay check: {self.network.num_stages} stages; receipts with a segment root are checked "
+                "by segment at every stage, others are not replayed"
+            )
         self._replays = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay")
         self._thread = threading.Thread(target=self._run, name="replay-check", daemon=True)
         self._thread.start()
@@ -260,7 +305,7 @@ class ReplayChecker:
         running (inline, when the checker was not started: tests)."""
         self._collect()
         for challenge in list(self.queue):
-            if challenge.material is None:
+            if not challenge.ready:
                 self._fetch(challenge)
         if self._running is None or self._running.done():
             self._running = None
@@ -274,7 +319,7 @@ class ReplayChecker:
             rows = session.execute(
                 select(m.Receipt, m.Peer.address)
                 .join(m.Peer, m.Peer.wallet_id == m.Receipt.wallet_id, isouter=True)
-                .where(m.Receipt.id > self.last_id, m.Receipt.stage == 0)
+                .where(m.Receipt.id > self.last_id)
                 .order_by(m.Receipt.id)
                 .limit(self.config.max_per_pass)
             ).all()
@@ -283,6 +328,9 @@ class ReplayChecker:
             probation = members.awaiting_checks(session, 0, self.membership) if rows else set()
         for receipt, address in rows:
             self.last_id = receipt.id
+            segmented = segment_root(receipt)
+            if segmented is None and (receipt.stage != 0 or self.network.num_stages != 1):
+                continue  # no segment root, and no whole round to replay alone
             # A probationer that did its rounds is checked at once: its admission waits on it.
             wanted = receipt.wallet_id in probation and not self._queued(receipt.wallet_id)
             if not (wanted or (self._drawn(receipt) if draw is None else draw(receipt))):
@@ -290,8 +338,10 @@ class ReplayChecker:
             self._picked[receipt.wallet_id] = max(receipt.round, self._picked.get(receipt.wallet_id, -1))
             if self._dataset is None:
                 self._dataset = self._open_dataset()
-            problems = receipt_problems(receipt, self._dataset.manifest, self.network)
-            if receipt.inner_state_digest is None:
+            problems = (
+                receipt_problems(receipt, self._dataset.manifest, self.network) if receipt.stage == 0 else []
+            )
+            if segmented is None and receipt.inner_state_digest is None:
                 problems.append("the receipt commits to no inner optimizer state, so it cannot be replayed")
             if problems:
                 self._record(receipt, False, "; ".join(problems))
@@ -305,7 +355,18 @@ class ReplayChecker:
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
             else:
-                self.queue.append(Challenge(receipt, address))
+                drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
+                self.queue.append(Challenge(receipt, address, segments=drawn))
+
+    def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
+        return draw_segments(
+            self.operator,
+            receipt.wallet_id,
+            receipt.stage,
+            receipt.round,
+            count,
+            self.config.segments_per_check,
+        )
 
     def _queued(self, wallet_id: str) -> bool:
         return any(c.receipt.wallet_id == wallet_id for c in self.queue)
@@ -358,6 +419,11 @@ class ReplayChecker:
     def _fetch(self, challenge: Challenge) -> None:
         receipt = challenge.receipt
         try:
+            if challenge.segments:
+                for j in challenge.segments:
+                    if j not in challenge.pieces:
+                        challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
+                return
             record = self._get_replay(challenge.address, receipt.round)
         except Refused as exc:
             self._drop(challenge)
@@ -396,7 +462,7 @@ class ReplayChecker:
 
     def _replay_next(self) -> None:
         for challenge in self.queue:
-            if challenge.material is None:
+            if not challenge.ready:
                 continue
             receipt = challenge.receipt
             trusted = self._base_is_majority(receipt)
@@ -417,21 +483,99 @@ class ReplayChecker:
                 )
                 return
             if self._replays is None:
-                self._replay(receipt, challenge.material)
+                self._check(challenge)
             else:
-                self._running = self._replays.submit(self._replay, receipt, challenge.material)
+                self._running = self._replays.submit(self._check, challenge)
             return
 
     def _base_is_majority(self, receipt: m.Receipt) -> bool | None:
         """Whether θ_round is the stage's majority θ_r; None while round r−1 is not settled."""
         if receipt.round == 0:
-            return receipt.base_hash == self._initial_hash
+            return receipt.base_hash == self._stage(receipt.stage)[2]
         with self.db.read() as session:
-            settled = session.get(m.Round, (0, receipt.round - 1))
+            settled = session.get(m.Round, (receipt.stage, receipt.round - 1))
             majority = None if settled is None else settled.majority_hash
             if settled is not None and majority is None:
                 return False  # a tie: no majority θ to replay from
         return None if majority is None else majority == receipt.base_hash
+
+    def _stage(self, stage: int) -> tuple[int, int, str]:
+        """(numel, parameter tensors, θ_0 hash) of `stage`'s model in this run."""
+        if stage not in self._stages:
+            model = build_stage(self.network.model, stage, self.network.num_stages)
+            params = list(model.parameters())
+            self._stages[stage] = (
+                sum(p.numel() for p in params),
+                len(params),
+                theta_sha256(flat_parameters(params)),
+            )
+        return self._stages[stage]
+
+    def _check(self, challenge: Challenge) -> None:
+        if challenge.segments:
+            self._check_segments(challenge)
+        else:
+            assert challenge.material is not None
+            self._replay(challenge.receipt, challenge.material)
+
+    def _check_segments(self, challenge: Challenge) -> None:
+        """Check and replay the drawn segments; the first that fails decides (on the replay thread)."""
+        receipt = challenge.receipt
+        root = segment_root(receipt)
+        assert root is not None
+        spans = [(s, a, b) for s, a, b in receipt.data_spans]
+        device, precision = getattr(receipt, "device", None), getattr(receipt, "precision", None)
+        tolerance = tolerance_for(device, precision, self.config)
+        started = time.perf_counter()
+        verdicts: list[SegmentVerdict] = []
+        for j in challenge.segments:
+            material = challenge.pieces[j]
+            signer = material.commitment.wallet
+            if wallet_id_of(bytes.fromhex(signer)) != receipt.wallet_id:
+                self._record(receipt, False, f"segment {j}: the commitment is signed by another wallet")
+                return
+            claim = SegmentClaim(
+                model=self.network.model, diloco=self.network.diloco, num_stages=self.network.num_stages,
+                stage=receipt.stage, round=receipt.round, wallet=signer, root=root[0], spans=spans,
+                base_hash=receipt.base_hash, delta_digest=receipt.delta_digest,
+            )  # fmt: skip
+            read = self._batch_reader(receipt.wallet_id) if receipt.stage == 0 else None
+            try:
+                verdict = check_segment(claim, material, tolerance, read_batch=read)
+            except SpotCheckError as exc:
+                self._record(receipt, False, f"segment {j} cannot be replayed: {exc}")
+                return
+            if not verdict.ok:
+                if verdict.replayed:
+                    self.fraud_proofs.append(SegmentFraudProof(material).encode())
+                self._record(receipt, False, f"segment {j} of {root[1]}: {verdict.reason}")
+                return
+            verdicts.append(verdict)
+        seconds = time.perf_counter() - started
+        with self._count_lock:
+            self.replay_seconds += seconds
+        cosine = min(v.cosine for v in verdicts if v.cosine is not None)
+        self._record(
+            receipt,
+            True,
+            f"segments {list(challenge.segments)} of {root[1]} replayed in {seconds:.2f} s, cosine ≥ {cosine:.6f}",
+        )
+
+    def _batch_reader(self, wallet_id: str) -> Callable[[tuple[int, int, int]], tuple[Tensor, Tensor]]:
+        assert self._dataset is not None  # opened when the receipt was sampled
+        dataset = self._dataset
+
+        def read(span: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+            batches = claimed_batches(
+                source=dataset.source, manifest=dataset.manifest, wallet_id=wallet_id,
+                spans=[DataSpan(shard_id=span[0], offset_start=span[1], offset_end=span[2])],
+                batch_size=self.network.batch_size, seq_len=self.network.seq_len,
+            )  # fmt: skip
+            if len(batches) != 1:
+                raise SpotCheckError(f"a step's span {span} holds {len(batches)} batches, not one")
+            return batches[0]
+
+        return read
 
     def _replay(self, receipt: m.Receipt, material: ReplayRecord) -> None:
         """Replay one round and record the verdict (on the replay thread when started)."""
@@ -494,6 +638,35 @@ class ReplayChecker:
                 self.failed += 1
         verdict = "passed" if ok else "FAILED"
         self._log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
+
+    def _get_segment(self, address: str, receipt: m.Receipt, segment: int) -> SegmentMaterial:
+        """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""
+        numel, n_tensors, _ = self._stage(receipt.stage)
+        k = math.ceil(receipt.inner_steps / max(1, segment_root(receipt)[1]))  # type: ignore[index]
+        limit = segment_size_bound(numel, n_tensors, k, self.config.max_message_bytes)
+        path = SEGMENT.format(round=receipt.round, segment=segment)
+        body = self._signed_get(address, path, limit)
+        try:
+            material = SegmentMaterial.decode(body, numel=numel, n_tensors=n_tensors)
+        except wire.WireError as exc:
+            raise Malformed(str(exc)) from None
+        if material.segment != segment:
+            raise Malformed(f"asked for segment {segment}, served segment {material.segment}")
+        return material
+
+    def _signed_get(self, address: str, path: str, limit: int) -> bytes:
+        headers = sign_request(self.operator, "GET", path, b"", self._clock())
+        request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as reply:
+                body: bytes = reply.read(limit + 1)
+        except urllib.error.HTTPError as exc:
+            if exc.code in REFUSALS:
+                raise Refused(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
+            raise
+        if len(body) > limit:
+            raise Malformed(f"a body over {limit} bytes")
+        return body
 
     def _get_replay(self, address: str, round_: int) -> ReplayRecord:
         """The replica's replay material for `round_`; raises Refused or Malformed, or OSError or

@@ -27,6 +27,8 @@ or by the senders it names, so anyone with the run's definition and data re-chec
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,7 @@ from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.node.segments import Received, StepRecord, sha256_hex
+from neuroshard.node.wallet import Wallet
 
 from .spotcheck import SpotCheckConfig, compare_deltas
 
@@ -106,6 +109,17 @@ class StepInputs:
     """(B, T, C) float32 gradient from the next stage; None on the last stage."""
     loss: float = 0.0
     """The loss the next stage reported (only shown)."""
+
+
+def draw_segments(
+    operator: Wallet, wallet_id: str, stage: int, round_: int, segments: int, draws: int
+) -> tuple[int, ...]:
+    """`draws` distinct segments of a receipt's `segments`, seeded by the operator's signature over
+    (wallet, stage, round): deterministic for the verifier (Ed25519 signs deterministically), not
+    predictable by the replica, and drawn only once its receipt committed the chain."""
+    message = f"neuroshard/segment-draw/v1\n{wallet_id}/{stage}/{round_}".encode()
+    seed = int.from_bytes(hashlib.sha256(operator.sign(message)).digest(), "big")
+    return tuple(sorted(random.Random(seed).sample(range(segments), min(draws, segments))))
 
 
 # --- 1. the material against the commitments ---------------------------------------------------
