@@ -90,7 +90,8 @@ class EvaluatorConfig:
     ~0.5 GB for a 125M-parameter model)."""
     sample_every: int = 5
     """Generate and store a text sample every this many evaluations (the first one included);
-    0: never. 40 tokens of the tiny model take ~0.1 s on one thread, of a 1B model ~10 s."""
+    0: never. 40 tokens take 0.4 s of one thread with the tiny model and 2.9 s with 125m
+    (measured, no KV cache), so about 30 s with 1b by parameter count."""
     sample_prompt: str = "The "
     """The fixed prompt every sample continues, so samples differ only by the weights."""
     sampling: SamplingConfig = field(

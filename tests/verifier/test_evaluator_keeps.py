@@ -21,9 +21,10 @@ from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.model_file import round_models
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import models as m
+from neuroshard.verifier.cli import build_config, build_parser
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.evaluate import stage_hash
-from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig, Fetched
+from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig, Fetched, models_dir_for
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.testing import small_network
 
@@ -212,3 +213,32 @@ def test_a_sample_is_stored_every_k_evaluations(
     with db.read() as s:
         assert max(s.scalars(select(m.TextSample.round))) == 5
     db.dispose()
+
+
+# --- neuroshard-verifier's flags --------------------------------------------------------------
+
+CLI_NETWORK = """
+name = "cli"
+[model]
+size = "tiny"
+vocab_size = 512
+[data]
+manifest_url = "http://127.0.0.1:1/"
+publisher_key = "%s"
+""" % ("ab" * 32)
+
+
+def test_the_verifier_keeps_models_under_its_home_and_samples_as_told(tmp_path: Path) -> None:
+    network = tmp_path / "network.toml"
+    network.write_text(CLI_NETWORK)
+    base = ["--network", str(network), "--home", str(tmp_path), "--init-operator-key"]
+    config = build_config(build_parser().parse_args([*base, "--keep-models", "5", "--sample-every", "2"]))
+    evaluation = config.live_evaluation
+    assert evaluation is not None
+    assert evaluation.models_dir == models_dir_for(tmp_path, config.network)
+    assert evaluation.models_dir.parent == tmp_path / "models"
+    assert (evaluation.keep_models, evaluation.sample_every) == (5, 2)
+    with pytest.raises(ValueError, match="keep_models must be ≥ 1"):
+        build_config(build_parser().parse_args([*base, "--keep-models", "0"]))
+    with pytest.raises(ValueError, match="sample_every"):
+        build_config(build_parser().parse_args([*base, "--sample-every", "-1"]))
