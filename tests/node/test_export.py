@@ -9,10 +9,17 @@ from torch import Tensor, nn
 
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.export import export_hf, load_trained_model, main
+from neuroshard.node.generate import main as generate_main
 from neuroshard.node.model import ModelConfig, Transformer, build_stage
-from neuroshard.node.model_file import TrainedModel, assemble_stages, save_model_file
+from neuroshard.node.model_file import (
+    StageProvenance,
+    TrainedModel,
+    assemble_stages,
+    save_model_file,
+    save_round_model,
+)
 from neuroshard.node.trainer import Trainer, TrainerConfig
-from neuroshard.verifier.evaluate import build_from_state_dicts
+from neuroshard.verifier.evaluate import build_from_state_dicts, stage_hash
 
 transformers = pytest.importorskip("transformers")  # the dev extra installs it; `neuroshard[hf]` for users
 tokenizers = pytest.importorskip("tokenizers")
@@ -125,6 +132,48 @@ def test_export_of_the_assembled_stages_of_a_pipeline(published, tmp_path: Path)
     with torch.no_grad():
         ours = stages[1](stages[0](ids))
     assert (ours - _hf_logits(out, ids)).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_export_of_a_round_of_the_verifiers(num_stages: int, published, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A round file as the verifier keeps it (verifier.evaluator writes them; its own test runs
+    that path): `--checkpoint ROUND` exports it and `neuroshard-generate` samples from it."""
+    tokenizer = published.dataset.tokenizer
+    config = _config(tokenizer.vocab_size)
+    states = [
+        dict(_perturbed(build_stage(config, s, num_stages), 10 + s).state_dict()) for s in range(num_stages)
+    ]
+    stages = build_from_state_dicts(config, states)
+    provenance = [StageProvenance(s, 12, stage_hash(stage)) for s, stage in enumerate(stages)]
+    home = tmp_path / "home"
+    save_round_model(home / "models" / "run", 12, config, stages, provenance, tokenizer, keep=2)
+    out = tmp_path / "hf"
+    assert main(["--checkpoint", "latest", "--home", str(home), "--out", str(out)]) == 0
+    ids = _prompt(published)
+    with torch.no_grad():
+        ours = stages[-1](stages[0](ids)) if num_stages == 2 else stages[0](ids)
+    assert (ours - _hf_logits(out, ids)).abs().max().item() <= TOLERANCE
+    capsys.readouterr()
+    argv = [
+        "--checkpoint",
+        "12",
+        "--home",
+        str(home),
+        "--prompt",
+        "The ",
+        "--max-new-tokens",
+        "8",
+        "--seed",
+        "1",
+    ]
+    assert generate_main(argv) == 0
+    assert capsys.readouterr().out.startswith("The ")
+    # A round the verifier does not keep, or a stage whose weights are not its majority's.
+    assert main(["--checkpoint", "11", "--home", str(home), "--out", str(tmp_path / "o")]) == 2
+    assert "round 11 is not kept" in capsys.readouterr().err
+    wrong = [*provenance[:-1], StageProvenance(num_stages - 1, 12, "0" * 64)]
+    with pytest.raises(ValueError, match=f"stage {num_stages - 1} hashes to"):
+        save_round_model(home / "models" / "run", 13, config, stages, wrong, tokenizer, keep=2)
 
 
 def test_a_tokenizer_other_than_the_models_is_refused(published, tmp_path: Path) -> None:
