@@ -395,7 +395,9 @@ class SegmentRecorder:
             if current is not None and micro_batch and not current.ended:
                 for step in reversed(current.steps[-8:]):
                     if step.micro_batch == micro_batch:
-                        step.sent.append(ref)
+                        # a retried request is answered again with the same bytes: recorded once
+                        if ref not in step.sent and len(step.sent) < MAX_MESSAGES_PER_STEP:
+                            step.sent.append(ref)
                         return
             self._pending_sent.append((micro_batch, ref))
 
@@ -408,11 +410,12 @@ class SegmentRecorder:
         received: Sequence[Received] = (),
     ) -> None:
         """After one inner step: its record, with what `note_*` gathered during it; a checkpoint
-        every `segment_steps` steps."""
+        every `segment_steps` steps. A driver's step takes the micro-batch id its transport sent."""
         current = self._current
         with self._lock:
-            messages = [*received, *self._pending_received]
-            sent = [ref for _, ref in self._pending_sent]
+            messages = [*received, *self._pending_received][:MAX_MESSAGES_PER_STEP]
+            sent = list(dict.fromkeys(ref for _, ref in self._pending_sent))[:MAX_MESSAGES_PER_STEP]
+            micro_batch = micro_batch or next((mb for mb, _ in self._pending_sent if mb), "")
             self._pending_received.clear()
             self._pending_sent.clear()
         if current is None or current.ended:

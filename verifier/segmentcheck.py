@@ -149,6 +149,9 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
     if len(material.received) != end - first:
         problems.append(f"messages for {len(material.received)} steps, the segment has {end - first}")
         return problems
+    ids = [s.micro_batch for s in log.steps if s.micro_batch]
+    if len(ids) != len(set(ids)):
+        problems.append("the log names one micro-batch for two steps")  # one reply reused
     for i, messages in zip(range(first, end), material.received, strict=True):
         problems += _step_problems(i, log.steps[i], messages, claim)
     if (

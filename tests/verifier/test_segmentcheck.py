@@ -28,7 +28,7 @@ from neuroshard.node.p2p.pipeline_wire import (
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import InnerState
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
-from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, sha256_hex
+from neuroshard.node.segments import Received, SegmentCommitment, SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
@@ -369,3 +369,21 @@ def test_the_receipts_theta_and_delta_must_be_the_chains_ends(tmp_path: Path) ->
     tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
     claim = dataclasses.replace(run.claim(), base_hash=tensor_sha256(shifted.theta_round))
     assert "segment 0 does not start from θ_round" in check_segment(claim, shifted, tolerance).reason
+
+
+def test_one_gradient_reply_used_for_two_steps_is_refused(tmp_path: Path) -> None:
+    """A driver that trains step 1 on the reply it got for step 0 (and records it so, consistently,
+    under a log it signs): the reply is genuine, but one micro-batch cannot be two steps."""
+    run = train_round(tmp_path, stage=0, num_stages=2)
+    material = run.material(0)
+    steps = list(material.log.steps)
+    steps[1] = dataclasses.replace(steps[0], data=steps[1].data)
+    log = dataclasses.replace(material.log, steps=tuple(steps))
+    commitment = SegmentCommitment.create(REPLICA, stage=0, round=ROUND, root=log.root())
+    received = (material.received[0], material.received[0], *material.received[2:])
+    reused = dataclasses.replace(material, log=log, commitment=commitment, received=received)
+    claim = dataclasses.replace(run.claim(), root=log.root())
+    verdict = check_segment(
+        claim, reused, tolerance_for("cpu", "fp32", ReplayCheckConfig()), read_batch=read_batch
+    )
+    assert not verdict.ok and "one micro-batch for two steps" in verdict.reason
