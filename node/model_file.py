@@ -34,6 +34,7 @@ MODEL_FILE_FORMAT = "neuroshard-model"
 MODELS_DIR = "models"
 """HOME/models/RUN: the round files of the verifier's majority models, a directory per run."""
 _ROUND_FILE = re.compile(r"^round-(\d{8,})\.safetensors$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ def round_model_path(directory: Path, round_: int) -> Path:
 
 def round_tokenizer_path(directory: Path, sha256: str) -> Path:
     """Beside the round files, the tokenizer each names, by content (a run's tokenizer may grow)."""
+    if not _SHA256.fullmatch(sha256):
+        raise ValueError(f"tokenizer hash {sha256[:80]!r} is not a sha256 hex digest")
     return directory / f"tokenizer-{sha256}.json"
 
 
@@ -210,7 +213,15 @@ def read_round_header(path: Path) -> RoundHeader:
         raise ValueError(f"{path}: no valid round and stage provenance in the header ({exc})") from None
     if [p.stage for p in provenance] != list(range(len(provenance))) or not provenance:
         raise ValueError(f"{path}: the header names stages {[p.stage for p in provenance]}")
-    return RoundHeader(round_, provenance, meta.get("tokenizer_sha256"))
+    for p in provenance:
+        if not (type(p.round) is int and p.round >= 1 and isinstance(p.theta_hash, str)):
+            raise ValueError(f"{path}: stage {p.stage}'s round {p.round!r} or hash is not valid")
+        if not _SHA256.fullmatch(p.theta_hash):
+            raise ValueError(f"{path}: stage {p.stage}'s hash {p.theta_hash[:80]!r} is not a sha256 digest")
+    tokenizer_sha256 = meta.get("tokenizer_sha256")
+    if tokenizer_sha256 is not None and not _SHA256.fullmatch(tokenizer_sha256):
+        raise ValueError(f"{path}: tokenizer hash {tokenizer_sha256[:80]!r} is not a sha256 digest")
+    return RoundHeader(round_, provenance, tokenizer_sha256)
 
 
 def load_round_model(directory: Path, which: str) -> TrainedModel:
