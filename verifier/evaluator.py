@@ -17,7 +17,7 @@ A background thread (never the API's request path) does, every `poll_s`:
    which node shard assignment excludes) is measured (verifier.evaluate) and stored with
    `ledger.record_evaluation` under stage 0's round.
 3. **keep** — the measured model, stages assembled, is written as a round file under
-   `models_dir` (node.export.save_round_model: safetensors, atomic, the newest `keep_models`
+   `models_dir` (node.model_file.save_round_model: safetensors, atomic, the newest `keep_models`
    kept), which `neuroshard-export --checkpoint ROUND` turns into a Hugging Face folder; and
    every `sample_every` evaluations a short text it generates from a fixed prompt is stored
    (`text_samples`) for the dashboard.
@@ -84,7 +84,8 @@ class EvaluatorConfig:
     """Check the data spans of a sample of receipts on the same thread (verifier.datacheck); None: don't."""
     models_dir: Path | None = None
     """Where the measured majority models are kept as round files, stages assembled, for
-    `neuroshard-export --checkpoint ROUND` (the CLI gives HOME/models); None: keep none."""
+    `neuroshard-export --checkpoint ROUND` (the CLI gives HOME/models/RUN, `models_dir_for`);
+    None: keep none."""
     keep_models: int = 3
     """Round files kept, the newest: each is the whole model in fp32 (4 bytes a parameter,
     ~0.5 GB for a 125M-parameter model)."""
@@ -358,10 +359,10 @@ class Evaluator:
         return self._tokenizer
 
     def _keep(self, round_: int, model: Model, stages: list[Transformer]) -> None:
-        """The round file and the sample; either failing is logged, the measurement stays."""
-        try:
-            if self.config.models_dir is not None:
-                provenance = [StageProvenance(f.stage, f.round, f.theta_hash) for f in model]
+        """The round file and the sample, each on its own: a failure is logged, the measurement stays."""
+        if self.config.models_dir is not None:
+            provenance = [StageProvenance(f.stage, f.round, f.theta_hash) for f in model]
+            try:
                 path = save_round_model(
                     self.config.models_dir,
                     round_,
@@ -372,10 +373,13 @@ class Evaluator:
                     keep=self.config.keep_models,
                 )
                 self._log(f"evaluator: round {round_}'s majority model kept as {path}")
+            except (OSError, ValueError) as exc:
+                self._log(f"evaluator: round {round_}'s majority model not kept: {exc}")
+        try:
             if self._sample_due():
                 self.store_sample(round_, stages)
         except (OSError, ValueError) as exc:
-            self._log(f"evaluator: round {round_}: could not keep the model or its sample: {exc}")
+            self._log(f"evaluator: round {round_}: no text sample: {exc}")
 
     def _sample_due(self) -> bool:
         """True for the first evaluation and then once `sample_every` more were recorded since
@@ -398,6 +402,8 @@ class Evaluator:
             nn.Sequential(*stages), tokenizer, self.config.sample_prompt, cfg,
             max_seq_len=self.network.model.max_seq_len,
         )  # fmt: skip
+        # Byte tokens can spell NUL, which PostgreSQL's text type refuses.
+        text = text.replace("\x00", "\N{REPLACEMENT CHARACTER}")
         with self.db.write() as session:
             session.merge(
                 m.TextSample(

@@ -242,3 +242,21 @@ def test_the_verifier_keeps_models_under_its_home_and_samples_as_told(tmp_path: 
         build_config(build_parser().parse_args([*base, "--keep-models", "0"]))
     with pytest.raises(ValueError, match="sample_every"):
         build_config(build_parser().parse_args([*base, "--sample-every", "-1"]))
+
+
+def test_a_sample_spelling_nul_is_stored_on_every_database(
+    database_url: str, published: PublishedData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Byte token 10 is the byte 0x00, which a model may well emit; PostgreSQL's text type refuses
+    NUL, so it is stored as U+FFFD like any other undecodable byte."""
+    network = _network(1)
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, None, sample_every=1)
+    stages = _stages(network, seed=21)
+    natural = sample_text(stages[0], published.dataset.tokenizer, PROMPT, SAMPLING, max_seq_len=64)
+    monkeypatch.setattr("neuroshard.verifier.evaluator.sample_text", lambda *a, **k: natural + "\x00end")
+    _settle(db, evaluator, 1, stages)
+    evaluator.run_once()
+    with db.read() as s:
+        assert [x.text for x in s.scalars(select(m.TextSample))] == [natural + "\N{REPLACEMENT CHARACTER}end"]
+    db.dispose()
