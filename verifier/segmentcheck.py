@@ -54,7 +54,7 @@ from neuroshard.node.p2p.wire import WireError
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
-from neuroshard.node.segments import Received, StepRecord, sha256_hex
+from neuroshard.node.segments import Received, SegmentLog, StepRecord, sha256_hex
 from neuroshard.node.wallet import Wallet
 
 from .spotcheck import SpotCheckConfig, compare_deltas
@@ -227,6 +227,33 @@ def _merged(spans: Sequence[tuple[int, int, int] | None]) -> list[tuple[int, int
             out[-1] = (span[0], out[-1][1], span[2])
         else:
             out.append(span)
+    return out
+
+
+def record_mismatches(sender: SegmentLog, sender_wallet: str, receiver: SegmentLog) -> list[str]:
+    """Where two replicas' committed logs disagree about what `sender_wallet` sent `receiver`: for
+    each message the receiver records from that sender, the sender's step of the same micro-batch
+    must record sending that payload. A step whose `sent` entry is missing is not a disagreement
+    (a reply encoded after its round closed). Since the receiver's segment check holds its record
+    to the sender's signed header, a disagreement left after that check is the sender's own log
+    contradicting what it signed (a replica that sends on something other than what it recorded)."""
+    sent = {
+        (step.micro_batch, ref.kind): ref.payload_sha256
+        for step in sender.steps
+        if step.micro_batch
+        for ref in step.sent
+    }
+    out = []
+    for i, step in enumerate(receiver.steps):
+        for ref in step.received:
+            if ref.sender != sender_wallet:
+                continue
+            recorded = sent.get((step.micro_batch, ref.kind))
+            if recorded is not None and recorded != ref.payload_sha256:
+                out.append(
+                    f"micro-batch {step.micro_batch}: the receiver's step {i} took {ref.kind} "
+                    f"{ref.payload_sha256[:16]}, the sender recorded sending {recorded[:16]}"
+                )
     return out
 
 

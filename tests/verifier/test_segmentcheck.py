@@ -28,7 +28,15 @@ from neuroshard.node.p2p.pipeline_wire import (
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import InnerState
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
-from neuroshard.node.segments import Received, SegmentCommitment, SegmentConfig, SegmentRecorder, sha256_hex
+from neuroshard.node.segments import (
+    Received,
+    SegmentCommitment,
+    SegmentConfig,
+    SegmentRecorder,
+    SentRef,
+    StepRecord,
+    sha256_hex,
+)
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
@@ -36,6 +44,7 @@ from neuroshard.verifier.segmentcheck import (
     SegmentFraudProof,
     check_fraud_proof,
     check_segment,
+    record_mismatches,
 )
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, ffn_dim=64, max_seq_len=16)
@@ -387,3 +396,33 @@ def test_one_gradient_reply_used_for_two_steps_is_refused(tmp_path: Path) -> Non
         claim, reused, tolerance_for("cpu", "fp32", ReplayCheckConfig()), read_batch=read_batch
     )
     assert not verdict.ok and "one micro-batch for two steps" in verdict.reason
+
+
+def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path) -> None:
+    """Stage 1 records what the driver sent it (under the driver's signed header); a driver whose
+    own log says it sent other bytes under the same micro-batch is caught by matching the logs."""
+    stage1 = train_round(tmp_path / "s1", stage=1, num_stages=2)
+    receiver = stage1.material(0).log
+    sender_steps = [
+        StepRecord(
+            micro_batch=step.micro_batch,
+            sent=[SentRef("activations", step.received[0].payload_sha256)],
+        )
+        for step in receiver.steps
+    ]
+    honest = dataclasses.replace(receiver, stage=0, steps=tuple(sender_steps))
+    assert record_mismatches(honest, PREV.public_key_hex, receiver) == []
+    assert record_mismatches(honest, NEXT.public_key_hex, receiver) == []  # nothing received from NEXT
+    sender_steps[3] = StepRecord(
+        micro_batch=sender_steps[3].micro_batch, sent=[SentRef("activations", "0" * 64)]
+    )
+    lying = dataclasses.replace(honest, steps=tuple(sender_steps))
+    (problem,) = record_mismatches(lying, PREV.public_key_hex, receiver)
+    assert f"micro-batch {receiver.steps[3].micro_batch}" in problem and "recorded sending 0000" in problem
+    sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch)  # no sent entry: no claim
+    assert (
+        record_mismatches(
+            dataclasses.replace(honest, steps=tuple(sender_steps)), PREV.public_key_hex, receiver
+        )
+        == []
+    )
