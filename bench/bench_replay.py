@@ -43,19 +43,28 @@ from typing import Any
 import torch
 from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
+from neuroshard.data import BatchStream
+from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
-from neuroshard.node.model import ModelConfig
+from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.pipeline_wire import (
+    ActivationHeader,
+    decode_activations,
+    encode_activations,
+    micro_batch_id,
+)
 from neuroshard.node.p2p.replay import ReplayService, decode_replay
 from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.p2p.state import theta_sha256
+from neuroshard.node.pipeline import stage_inner_step
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive
 from neuroshard.node.segment_store import SegmentStore
-from neuroshard.node.segments import SegmentConfig, SegmentRecorder
+from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
@@ -296,6 +305,7 @@ def main() -> None:
         f"{len(honest) - len(refused)}/{len(honest)} passed, false refusals {len(refused)}; cosine min {min(cosines):.6f}, "
         f"norm ratio {min(ratios):.4f}..{max(ratios):.4f}"
     )
+    later_stage_segments(args, dataset, model_cfg, diloco_cfg, k)
     liar_segments(args, dataset, model_cfg, diloco_cfg, k, tolerance)
     print(
         f"detection, simulated ({args.trials} seeded trials, {args.draws} segments drawn a round, share caught "
@@ -354,6 +364,75 @@ def _reader(args: argparse.Namespace, dataset: Any, wallet_id: str) -> Any:
         return batch
 
     return read
+
+
+def later_stage_segments(
+    args: argparse.Namespace, dataset: Any, model_cfg: ModelConfig, diloco_cfg: DiLoCoConfig, k: int
+) -> None:
+    """The last stage of a 2-stage pipeline, one round: it trains (in --precision) on activations a
+    stage-0 sender computes from the text and sends signed, in the run's codec, records them, and
+    every segment is checked with an fp32 replay from the recorded bytes."""
+    sender = Wallet.from_token("bench-replay-stage0")
+    torch.manual_seed(0)
+    stage0 = build_stage(model_cfg, 0, 2).eval()
+    diloco = DiLoCo(
+        build_stage(model_cfg, 1, 2), diloco_cfg,
+        placement=Placement(device=torch.device("cpu"), precision=args.precision),
+    )  # fmt: skip
+    config = SegmentConfig(segment_steps=k, keep_rounds=1)
+    store = SegmentStore(Path(tempfile.mkdtemp()), config, log=print)
+    recorder = SegmentRecorder(config, stage=1, sink=store)
+    manifest = dataset.manifest
+    stream = BatchStream(
+        source=dataset.source, manifest=manifest, order=[s.id for s in manifest.shards],
+        seed="bench-stage1", batch_size=args.batch_size, seq_len=args.seq_len,
+    )  # fmt: skip
+    recorder.start_round(diloco)
+    base = theta_sha256(diloco.theta_round)
+    start = time.perf_counter()
+    for i in range(diloco_cfg.inner_steps):
+        inputs, labels = stream.next_batch()
+        with torch.no_grad():
+            hidden = stage0(inputs)
+        body = encode_activations(hidden, labels, DEFAULT_CODEC)
+        mb = micro_batch_id(sender.public_key_hex, 0, i)
+        header = ActivationHeader.create(
+            sender, micro_batch=mb, stage=1, round=0, batch=hidden.shape[0], seq_len=hidden.shape[1],
+            dim=hidden.shape[2], codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
+        )  # fmt: skip
+        got, got_labels = decode_activations(body, header, model_cfg.vocab_size)
+        stage_inner_step(diloco, got, got_labels, None)
+        message = Received("activations", sender.public_key_hex, header.to_json(), body)
+        recorder.record_step(diloco, micro_batch=mb, received=[message])
+    work = time.perf_counter() - start
+    recorder.end_round(diloco)
+    delta = diloco.pseudo_gradient()
+    diloco.outer_step(delta)
+    closed = recorder.close_round(NODE)
+    assert closed is not None
+    log = closed[0]
+    claim = SegmentClaim(
+        model=model_cfg, diloco=diloco_cfg, num_stages=2, stage=1, round=0, wallet=NODE.public_key_hex,
+        root=log.root(), base_hash=base, delta_digest=theta_sha256(delta),
+    )  # fmt: skip
+    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
+    verdicts, seconds = [], []
+    for j in range(log.segments):
+        t = time.perf_counter()
+        material = store.material(0, j)
+        assert material is not None
+        verdicts.append(check_segment(claim, material, tolerance))
+        seconds.append(time.perf_counter() - t)
+    cosines = [v.cosine for v in verdicts if v.cosine is not None]
+    ratios = [v.norm_ratio for v in verdicts if v.norm_ratio is not None]
+    refused = [v.reason for v in verdicts if not v.ok]
+    print(
+        f"later stage (stage 1 of 2, {args.precision} replica on {DEFAULT_CODEC}-coded activations, fp32 replay): "
+        f"{len(verdicts) - len(refused)}/{len(verdicts)} segments passed, false refusals {len(refused)}"
+        f"{' (' + refused[0] + ')' if refused else ''}; cosine min {min(cosines):.6f}, norm ratio "
+        f"{min(ratios):.4f}..{max(ratios):.4f}; a segment check {statistics.median(seconds):.3f} s = "
+        f"{statistics.median(seconds) / work:.3f} of the round's {work:.2f} s"
+    )
 
 
 def liar_segments(
