@@ -42,6 +42,7 @@ from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
     SegmentFraudProof,
+    SegmentVerdict,
     check_fraud_proof,
     check_segment,
     record_mismatches,
@@ -184,7 +185,7 @@ def train_round(
     return Run(stage, num_stages, store, log.root(), spans, base_hash, tensor_sha256(delta))
 
 
-def check(run: Run, segment: int, precision: str = "fp32", trained: str = "fp32"):  # type: ignore[no-untyped-def]
+def check(run: Run, segment: int, precision: str = "fp32", trained: str = "fp32") -> SegmentVerdict:
     tolerance = tolerance_for("cpu", trained, ReplayCheckConfig())
     return check_segment(run.claim(precision), run.material(segment), tolerance, read_batch=read_batch)
 
@@ -238,8 +239,8 @@ def test_a_scaled_update_is_refused_and_proves_fraud(tmp_path: Path, stage: int,
     )
     kw = dict(model=MODEL, diloco=DILOCO, num_stages=num_stages, read_batch=read_batch, spans=run.spans)
     tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
-    assert check_fraud_proof(proof, tolerance=tolerance, **kw)  # type: ignore[arg-type]
-    assert not check_fraud_proof(SegmentFraudProof(run.material(0)), tolerance=tolerance, **kw)  # type: ignore[arg-type]
+    assert check_fraud_proof(proof, tolerance=tolerance, **kw)
+    assert not check_fraud_proof(SegmentFraudProof(run.material(0)), tolerance=tolerance, **kw)
 
 
 def _skip_half(counters: bool) -> Tamper:
