@@ -76,9 +76,15 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seeds", type=int, default=2, help="seeds of the loss comparison (θ₀ and batches)")
+    p.add_argument("--first-seed", type=int, default=0, help="the loss runs use seeds first, first + 1, ...")
     p.add_argument("--sim-steps", type=int, default=200, help="inner steps per loss run (0: skip it)")
     p.add_argument(
         "--explore", action="store_true", help=f"also measure {', '.join(EXPLORE)} (not wire codecs)"
+    )
+    p.add_argument(
+        "--sim-codecs",
+        default="all",
+        help="comma list of the codecs the loss runs compare with fp32, or 'all'",
     )
     p.add_argument("--live-codecs", default="bf16,int8,hadamard4", help="comma list, or 'none'")
     p.add_argument("--inner-steps", type=int, default=50, help="H of the live run")
@@ -207,16 +213,22 @@ def loss_table(
     model: ModelConfig, args: argparse.Namespace, codecs: dict[str, Codec], dataset: Dataset
 ) -> dict[str, Any]:
     tokens = _tokens(dataset)
-    seeds = range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     runs: dict[str, list[float]] = {}
     started = time.perf_counter()
-    for name, codec in {UNCOMPRESSED: None, **codecs}.items():
-        if name == "fp16":
-            continue  # a cast like bf16 with 3 more mantissa bits: nothing to learn from it here
-        runs[name] = [
-            train_pipeline(model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len)
-            for seed in seeds
-        ]
+    # fp16 is a cast like bf16 with 3 more mantissa bits: nothing to learn from it here.
+    wanted = [n for n in codecs if n != "fp16"] if args.sim_codecs == "all" else args.sim_codecs.split(",")
+    for name in [UNCOMPRESSED, *wanted]:
+        codec = None if name == UNCOMPRESSED else codecs[name]
+        runs[name] = []
+        for seed in seeds:
+            runs[name].append(
+                train_pipeline(model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len)
+            )
+            print(
+                f"  {name} seed {seed}: {runs[name][-1]:.4f} ({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     base = runs[UNCOMPRESSED]
     print(
         f"\nheld-out loss after {args.sim_steps} inner steps of {args.batch_size}x{args.seq_len} tokens, "
