@@ -18,8 +18,9 @@ check of one segment (verifier.segmentcheck) holds the replica to checkpoints an
 before it knew which segment is drawn, and a failed check is a proof a third party can re-check.
 
 `SegmentRecorder` builds the log while the replica trains: the training loop calls
-`record_step` once per inner step, the round hook calls `end_round` before the outer step and
-`close_round` after it; the transport calls `note_received` / `note_sent` from its own thread.
+`record_step` once per inner step; the round hook (node.receipt.Receipting) calls `start_round`
+when a round starts, `end_round` before the outer step and `close_round` after it; the transport
+calls `note_received` / `note_sent` from its own thread.
 Pure torch and plain Python; the disk store is node.segment_store.
 """
 
@@ -63,8 +64,10 @@ room for a retry recorded twice without letting a log grow without bound."""
 class SegmentConfig:
     segment_steps: int = 50
     """k, inner steps per segment. A spot check replays one segment, so it costs k/H of the round it
-    checks: H/10 (the issue's suggestion; 50 at the production H = 500) keeps four checks a round
-    under half a replica's compute. The network definition carries it once the integrator wires it."""
+    checks (measured 0.11–0.13 of the round at k = H/10 with its overhead, bench/bench_replay.py):
+    H/10 is the issue's suggestion (50 at the production H = 500); four checks a round then cost
+    ~0.45 of the checked replica's round, and k = H/40 brings that to ~0.1 at the same detection
+    (bench). The network definition carries it once the integrator wires it."""
     keep_rounds: int = 3
     """Rounds of checkpoints and received payloads kept on disk to answer challenges (the verifier
     fetches right after sampling, as it does for whole-round replays: node.replay keeps 3 too)."""
@@ -361,6 +364,9 @@ class SegmentRecorder:
         self.sink = sink or SegmentSink()
         self._lock = threading.Lock()
         self._current: _Round | None = None
+        self._engine: DiLoCo | None = None
+        """The engine the current round started on: a replica that swaps it mid-round (vocabulary
+        growth builds a new one) cannot replay from the round's first checkpoint."""
         self._pending_received: list[Received] = []
         self._pending_sent: list[tuple[str, SentRef]] = []
 
@@ -379,6 +385,7 @@ class SegmentRecorder:
         if checkpoint is None:
             return
         self._current = _Round(round=diloco.round, start_step=diloco.schedule_step)
+        self._engine = diloco
         self._checkpoint(checkpoint)
 
     def note_received(self, message: Received) -> None:
@@ -419,6 +426,10 @@ class SegmentRecorder:
             self._pending_received.clear()
             self._pending_sent.clear()
         if current is None or current.ended:
+            return
+        if diloco is not self._engine:  # the model was rebuilt since the round's first checkpoint
+            self.sink.abandon(current.round)
+            self._current = None
             return
         record = StepRecord(
             data=data, micro_batch=micro_batch, received=[m.ref() for m in messages], sent=sent

@@ -274,3 +274,18 @@ def test_a_receipt_names_a_segment_root_with_its_count_or_neither() -> None:
     for bad in ({"segment_root": "3" * 64}, {"segments": 2}, {"segment_root": "3" * 64, "segments": 5}):
         with pytest.raises(ValueError):
             ReceiptRequest.model_validate({**base, **bad}, strict=True)
+
+
+def test_a_round_whose_engine_was_rebuilt_is_not_committed(tmp_path: Path) -> None:
+    """Vocabulary growth builds a new engine after the round's first checkpoint was taken: that
+    checkpoint no longer fits the model the round trains, so the round commits no segment root."""
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0, sink=store)
+    before = _engine()
+    recorder.start_round(before)
+    after = _engine()  # the rebuilt replica
+    after.inner_step(*_batch(0))
+    recorder.record_step(after, data=(0, 0, 2))
+    recorder.end_round(after)
+    assert recorder.close_round(WALLET) is None
+    assert store.rounds() == [] and not (tmp_path / "round-000000000000").exists()
