@@ -3,7 +3,8 @@
 A background thread (never the API's request path; one torch thread in the verifier
 process, verifier.cli) does, every `poll_s`:
 
-1. **sample** — new stage-0 receipts, each with probability `sample_rate`, picked by the
+1. **sample** — new receipts (stage 0's, and every stage's that commits to a segment root,
+   below), each with probability `sample_rate`, picked by the
    operator's signature over (wallet, stage, round), which a replica cannot predict
    (verifier.sampling); or, with a `budget`, about `budget.replicas` a round whatever the
    number of wallets: overdue wallets first, the rest drawn with per-wallet probabilities
