@@ -65,7 +65,6 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-from torch import Tensor
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.dataset import open_remote_dataset
@@ -78,7 +77,7 @@ from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial
-from neuroshard.node.wallet import Wallet, wallet_id_of
+from neuroshard.node.wallet import Wallet
 
 from . import ledger, members
 from . import models as m
@@ -90,7 +89,8 @@ from .members import MembershipConfig
 from .network import NetworkDefinition
 from .reputation import ReputationConfig
 from .sampling import sampled
-from .segmentcheck import SegmentClaim, SegmentFraudProof, SegmentVerdict, check_segment, draw_segments
+from .segmentcheck import draw_segments
+from .segmentlive import judge_segments, max_segment_steps, segment_root
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
 from .wire import DataSpan
 
@@ -196,12 +196,6 @@ class Challenge:
     def ready(self) -> bool:
         """Everything to replay has been fetched."""
         return len(self.pieces) == len(self.segments) if self.segments else self.material is not None
-
-
-def segment_root(receipt: m.Receipt) -> tuple[str, int] | None:
-    """(segment_root, segments) of a receipt, when it commits to one (and the database keeps it)."""
-    root, count = getattr(receipt, "segment_root", None), getattr(receipt, "segments", None)
-    return None if root is None or count is None else (root, count)
 
 
 REFUSALS = (403, 404)
@@ -520,63 +514,22 @@ class ReplayChecker:
             self._replay(challenge.receipt, challenge.material)
 
     def _check_segments(self, challenge: Challenge) -> None:
-        """Check and replay the drawn segments; the first that fails decides (on the replay thread)."""
+        """Check and replay the drawn segments and record the verdict (on the replay thread)."""
         receipt = challenge.receipt
-        root = segment_root(receipt)
-        assert root is not None
-        spans = [(s, a, b) for s, a, b in receipt.data_spans]
         device, precision = getattr(receipt, "device", None), getattr(receipt, "precision", None)
-        tolerance = tolerance_for(device, precision, self.config)
         started = time.perf_counter()
-        verdicts: list[SegmentVerdict] = []
-        for j in challenge.segments:
-            material = challenge.pieces[j]
-            signer = material.commitment.wallet
-            if wallet_id_of(bytes.fromhex(signer)) != receipt.wallet_id:
-                self._record(receipt, False, f"segment {j}: the commitment is signed by another wallet")
-                return
-            claim = SegmentClaim(
-                model=self.network.model, diloco=self.network.diloco, num_stages=self.network.num_stages,
-                stage=receipt.stage, round=receipt.round, wallet=signer, root=root[0], spans=spans,
-                base_hash=receipt.base_hash, delta_digest=receipt.delta_digest,
-            )  # fmt: skip
-            read = self._batch_reader(receipt.wallet_id) if receipt.stage == 0 else None
-            try:
-                verdict = check_segment(claim, material, tolerance, read_batch=read)
-            except SpotCheckError as exc:
-                self._record(receipt, False, f"segment {j} cannot be replayed: {exc}")
-                return
-            if not verdict.ok:
-                if verdict.replayed:
-                    self.fraud_proofs.append(SegmentFraudProof(material).encode())
-                self._record(receipt, False, f"segment {j} of {root[1]}: {verdict.reason}")
-                return
-            verdicts.append(verdict)
+        judged = judge_segments(
+            self.network,
+            receipt,
+            challenge.pieces,
+            tolerance_for(device, precision, self.config),
+            self._dataset,
+        )
         seconds = time.perf_counter() - started
         with self._count_lock:
             self.replay_seconds += seconds
-        cosine = min(v.cosine for v in verdicts if v.cosine is not None)
-        self._record(
-            receipt,
-            True,
-            f"segments {list(challenge.segments)} of {root[1]} replayed in {seconds:.2f} s, cosine ≥ {cosine:.6f}",
-        )
-
-    def _batch_reader(self, wallet_id: str) -> Callable[[tuple[int, int, int]], tuple[Tensor, Tensor]]:
-        assert self._dataset is not None  # opened when the receipt was sampled
-        dataset = self._dataset
-
-        def read(span: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
-            batches = claimed_batches(
-                source=dataset.source, manifest=dataset.manifest, wallet_id=wallet_id,
-                spans=[DataSpan(shard_id=span[0], offset_start=span[1], offset_end=span[2])],
-                batch_size=self.network.batch_size, seq_len=self.network.seq_len,
-            )  # fmt: skip
-            if len(batches) != 1:
-                raise SpotCheckError(f"a step's span {span} holds {len(batches)} batches, not one")
-            return batches[0]
-
-        return read
+        self.fraud_proofs.extend(judged.proofs)
+        self._record(receipt, judged.ok, f"{judged.detail}; {seconds:.2f} s")
 
     def _replay(self, receipt: m.Receipt, material: ReplayRecord) -> None:
         """Replay one round and record the verdict (on the replay thread when started)."""
@@ -643,7 +596,9 @@ class ReplayChecker:
     def _get_segment(self, address: str, receipt: m.Receipt, segment: int) -> SegmentMaterial:
         """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""
         numel, n_tensors, _ = self._stage(receipt.stage)
-        k = math.ceil(receipt.inner_steps / max(1, segment_root(receipt)[1]))  # type: ignore[index]
+        committed = segment_root(receipt)
+        assert committed is not None
+        k = max_segment_steps(receipt.inner_steps, committed[1])
         limit = segment_size_bound(numel, n_tensors, k, self.config.max_message_bytes)
         path = SEGMENT.format(round=receipt.round, segment=segment)
         body = self._signed_get(address, path, limit)
@@ -656,6 +611,7 @@ class ReplayChecker:
         return material
 
     def _signed_get(self, address: str, path: str, limit: int) -> bytes:
+        """GET `path` signed by the operator; Refused on 403/404, Malformed past `limit` bytes."""
         headers = sign_request(self.operator, "GET", path, b"", self._clock())
         request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
         try:
@@ -673,18 +629,7 @@ class ReplayChecker:
         """The replica's replay material for `round_`; raises Refused or Malformed, or OSError or
         ValueError when there is no usable answer."""
         path = wire.REPLAY.format(round=round_)
-        limit = replay_size_bound(self._numel, self._n_tensors)
-        headers = sign_request(self.operator, "GET", path, b"", self._clock())
-        request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as reply:
-                body = reply.read(limit + 1)
-        except urllib.error.HTTPError as exc:
-            if exc.code in REFUSALS:
-                raise Refused(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
-            raise
-        if len(body) > limit:
-            raise Malformed(f"a body over {limit} bytes")
+        body = self._signed_get(address, path, replay_size_bound(self._numel, self._n_tensors))
         try:
             return decode_replay(body, round_, self._numel, self._n_tensors)
         except wire.WireError as exc:

@@ -1,0 +1,99 @@
+"""The segment check's side of the live replay checker (verifier.replaycheck): what a receipt
+commits to, how its drawn segments are judged, and the batches a stage-0 segment re-reads.
+
+Kept apart from the checker's loop (sampling, fetching, waiting for the round to settle), which
+is the same for whole-round replays and segment checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from neuroshard.data import Dataset
+from neuroshard.node.segment_store import SegmentMaterial
+from neuroshard.node.wallet import wallet_id_of
+
+from . import models as m
+from .network import NetworkDefinition
+from .segmentcheck import BatchReader, SegmentClaim, SegmentFraudProof, check_segment
+from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches
+from .wire import DataSpan
+
+
+def segment_root(receipt: m.Receipt) -> tuple[str, int] | None:
+    """(segment_root, segments) of a receipt, when it commits to one (and the database keeps it)."""
+    root, count = getattr(receipt, "segment_root", None), getattr(receipt, "segments", None)
+    return None if root is None or count is None else (root, count)
+
+
+def max_segment_steps(inner_steps: int, segments: int) -> int:
+    """The most inner steps one segment of a round can hold: k·(segments − 1) < H ≤ k·segments."""
+    return inner_steps if segments <= 1 else math.ceil(inner_steps / (segments - 1))
+
+
+def batch_reader(dataset: Dataset, network: NetworkDefinition, wallet_id: str) -> BatchReader:
+    """A stage-0 step's batch, re-read from the wallet's assigned data as the node read it."""
+
+    def read(span: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+        batches = claimed_batches(
+            source=dataset.source, manifest=dataset.manifest, wallet_id=wallet_id,
+            spans=[DataSpan(shard_id=span[0], offset_start=span[1], offset_end=span[2])],
+            batch_size=network.batch_size, seq_len=network.seq_len,
+        )  # fmt: skip
+        if len(batches) != 1:
+            raise SpotCheckError(f"a step's span {span} holds {len(batches)} batches, not one")
+        return batches[0]
+
+    return read
+
+
+@dataclass
+class SegmentsJudged:
+    ok: bool
+    detail: str
+    proofs: list[bytes] = field(default_factory=list)
+    """SegmentFraudProof bytes of segments that failed their replay on committed material."""
+
+
+def judge_segments(
+    network: NetworkDefinition,
+    receipt: m.Receipt,
+    pieces: Mapping[int, SegmentMaterial],
+    tolerance: SpotCheckConfig,
+    dataset: Dataset | None,
+) -> SegmentsJudged:
+    """Check the drawn segments of a receipt in order; the first that fails decides."""
+    root = segment_root(receipt)
+    if root is None:
+        raise ValueError(f"receipt of {receipt.wallet_id} round {receipt.round} commits to no segment root")
+    spans = [(s, a, b) for s, a, b in receipt.data_spans]
+    cosines = []
+    for j, material in sorted(pieces.items()):
+        signer = material.commitment.wallet
+        if wallet_id_of(bytes.fromhex(signer)) != receipt.wallet_id:
+            return SegmentsJudged(False, f"segment {j}: the commitment is signed by another wallet")
+        claim = SegmentClaim(
+            model=network.model, diloco=network.diloco, num_stages=network.num_stages,
+            stage=receipt.stage, round=receipt.round, wallet=signer, root=root[0], spans=spans,
+            base_hash=receipt.base_hash, delta_digest=receipt.delta_digest,
+        )  # fmt: skip
+        read = None
+        if receipt.stage == 0:
+            assert dataset is not None, "stage-0 segments re-read the wallet's data"
+            read = batch_reader(dataset, network, receipt.wallet_id)
+        try:
+            verdict = check_segment(claim, material, tolerance, read_batch=read)
+        except SpotCheckError as exc:
+            return SegmentsJudged(False, f"segment {j} cannot be replayed: {exc}")
+        if not verdict.ok:
+            proofs = [SegmentFraudProof(material).encode()] if verdict.replayed else []
+            return SegmentsJudged(False, f"segment {j} of {root[1]}: {verdict.reason}", proofs)
+        if verdict.cosine is not None:
+            cosines.append(verdict.cosine)
+    return SegmentsJudged(
+        True, f"segments {sorted(pieces)} of {root[1]} replayed, cosine ≥ {min(cosines):.6f}"
+    )
