@@ -19,7 +19,8 @@ Segment checks (issue 17): the same node also keeps a segment log (node.segments
 the verifier's segment check (verifier.segmentcheck.check_segment) replays every segment of it from
 the store, so the bench prints the cost of one segment check against the round's work, the honest
 verdicts (any refusal of an honest segment is a false refusal: target 0; run with --precision
-bf16 for cross-precision replays), and the recording's own cost. Then, with real replays, a liar
+bf16 for cross-precision replays), and the recording's own cost. The same for the last stage of a
+2-stage pipeline, trained on activations a stage-0 sender codes and signs. Then, with real replays, a liar
 that fakes some segments (scales their update by --lie-scale) is checked segment by segment; and a
 seeded simulation (--trials, default 1,000) gives the probability that a replica faking a fraction
 of its segments is caught within --sim-rounds rounds when the verifier draws --draws segments per
