@@ -86,6 +86,12 @@ def main() -> None:
         default="all",
         help="comma list of the codecs the loss runs compare with fp32, or 'all'",
     )
+    p.add_argument(
+        "--runs-cache",
+        type=Path,
+        default=None,
+        help="JSON file of finished loss runs, shared between invocations",
+    )
     p.add_argument("--live-codecs", default="bf16,int8,hadamard4", help="comma list, or 'none'")
     p.add_argument("--inner-steps", type=int, default=50, help="H of the live run")
     p.add_argument("--rounds", type=int, default=3, help="outer rounds of the live run")
@@ -218,13 +224,22 @@ def loss_table(
     started = time.perf_counter()
     # fp16 is a cast like bf16 with 3 more mantissa bits: nothing to learn from it here.
     wanted = [n for n in codecs if n != "fp16"] if args.sim_codecs == "all" else args.sim_codecs.split(",")
+    cache: dict[str, float] = {}
+    if args.runs_cache is not None and args.runs_cache.exists():
+        cache = json.loads(args.runs_cache.read_text())
     for name in [UNCOMPRESSED, *wanted]:
         codec = None if name == UNCOMPRESSED else codecs[name]
         runs[name] = []
         for seed in seeds:
-            runs[name].append(
-                train_pipeline(model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len)
-            )
+            # Everything that decides a run's loss (the text is the bench's one text).
+            key = f"{args.model}/{name}/seed{seed}/steps{args.sim_steps}/{args.batch_size}x{args.seq_len}"
+            if key not in cache:
+                cache[key] = train_pipeline(
+                    model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len
+                )
+                if args.runs_cache is not None:
+                    args.runs_cache.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            runs[name].append(cache[key])
             print(
                 f"  {name} seed {seed}: {runs[name][-1]:.4f} ({time.perf_counter() - started:.0f} s)",
                 flush=True,
