@@ -478,7 +478,7 @@ def liar_segments(
         material = store.material(doc["round"], j)
         assert material is not None
         verdict = check_segment(claim, material, tolerance, read_batch=_reader(args, dataset, "liar"))
-        if j % 2 == 1:
+        if j in recorder.faked.get(doc["round"], set()):
             faked += 1
             faked_refused += not verdict.ok
         else:
@@ -498,15 +498,23 @@ class ScalingLiar(SegmentRecorder):
         super().__init__(*args, **kw)
         self.scale = scale
         self._start: Any = None
+        self.faked: dict[int, set[int]] = {}
+        """Round → segments whose update was scaled."""
+
+    def start_round(self, diloco: DiLoCo) -> None:
+        super().start_round(diloco)
+        self._start = flat_parameters(diloco.params)
 
     def record_step(self, diloco: DiLoCo, **kw: Any) -> None:
-        j, at = divmod(diloco.steps_in_round - 1, self.config.segment_steps)
-        if at == 0 and j % 2 == 1:
-            self._start = flat_parameters(diloco.params)  # close to the segment's start (after its 1st step)
-        if at == self.config.segment_steps - 1 and j % 2 == 1 and self._start is not None:
+        k, done = self.config.segment_steps, diloco.steps_in_round
+        j = (done - 1) // k
+        if j % 2 == 1 and (done % k == 0 or done == diloco.config.inner_steps):  # the segment's last step
             now = flat_parameters(diloco.params)
             copy_into_parameters(self._start + self.scale * (now - self._start), diloco.params)
+            self.faked.setdefault(diloco.round, set()).add(j)
         super().record_step(diloco, **kw)
+        if done % k == 0:
+            self._start = flat_parameters(diloco.params)  # the next segment starts here
 
 
 def lone_round(reports: list[RoundReport]) -> Any:
