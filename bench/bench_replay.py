@@ -74,6 +74,15 @@ from neuroshard.verifier.spotcheck import SpotCheckConfig, claimed_batches, comp
 from neuroshard.verifier.wire import DataSpan
 
 OPERATOR = Wallet.from_token("bench-replay-operator")
+SCRATCH = tempfile.TemporaryDirectory(prefix="bench-replay-")
+"""Checkpoints and segment stores of this run (hundreds of MB a round): removed at exit."""
+
+
+def scratch() -> Path:
+    """A new directory under SCRATCH."""
+    return Path(tempfile.mkdtemp(dir=SCRATCH.name))
+
+
 NODE = Wallet.from_token("bench-replay-node-wallet")
 
 
@@ -192,7 +201,7 @@ def main() -> None:
         config=TrainerConfig(
             batch_size=args.batch_size, seq_len=args.seq_len, checkpoint_every=10**9, log_every=10**9
         ),
-        checkpoint_dir=Path(tempfile.mkdtemp()),
+        checkpoint_dir=scratch(),
         log=lambda line: None,
         placement=Placement(device=torch.device("cpu"), precision=args.precision),
     )
@@ -202,7 +211,7 @@ def main() -> None:
 
     archive = ReplayArchive(keep_rounds=2)
     segment_config = SegmentConfig(segment_steps=k, keep_rounds=2)
-    store = SegmentStore(Path(tempfile.mkdtemp()), segment_config, log=print)
+    store = SegmentStore(scratch(), segment_config, log=print)
     recorder = TimedRecorder(segment_config, stage=0, sink=store)
     trainer.segments = recorder
     receipting = Receipting(
@@ -381,7 +390,7 @@ def later_stage_segments(
         placement=Placement(device=torch.device("cpu"), precision=args.precision),
     )  # fmt: skip
     config = SegmentConfig(segment_steps=k, keep_rounds=1)
-    store = SegmentStore(Path(tempfile.mkdtemp()), config, log=print)
+    store = SegmentStore(scratch(), config, log=print)
     recorder = SegmentRecorder(config, stage=1, sink=store)
     manifest = dataset.manifest
     stream = BatchStream(
@@ -449,11 +458,11 @@ def liar_segments(
     trainer = Trainer(
         wallet_id="liar", dataset=dataset, model_config=model_cfg, diloco_config=diloco_cfg,
         config=TrainerConfig(batch_size=args.batch_size, seq_len=args.seq_len, checkpoint_every=10**9, log_every=10**9),
-        checkpoint_dir=Path(tempfile.mkdtemp()), log=lambda line: None,
+        checkpoint_dir=scratch(), log=lambda line: None,
         placement=Placement(device=torch.device("cpu"), precision=args.precision),
     )  # fmt: skip
     config = SegmentConfig(segment_steps=k, keep_rounds=2)
-    store = SegmentStore(Path(tempfile.mkdtemp()), config, log=print)
+    store = SegmentStore(scratch(), config, log=print)
     recorder = ScalingLiar(config, stage=0, sink=store, scale=args.lie_scale)
     trainer.segments = recorder
     reports: list[RoundReport] = []
