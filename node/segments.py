@@ -381,6 +381,7 @@ class SegmentRecorder:
         self._current = None
         if diloco.steps_in_round != 0:
             return
+        self.sink.abandon(diloco.round)  # what an interrupted earlier run of this round left
         checkpoint = capture_checkpoint(diloco)
         if checkpoint is None:
             return

@@ -81,6 +81,9 @@ class SegmentClaim:
     """Stage 0: the receipt's data spans (already checked against the wallet's assignment)."""
     precision: str = "fp32"
     """The replay's placement precision (the verifier's CPU, fp32 by default)."""
+    trained_precision: str | None = None
+    """The receipt's precision. fp16 training skips the optimizer step of a micro-batch whose scaled
+    gradients overflowed (GradScaler), so its step counts may fall short of the segment's steps."""
     base_hash: str | None = None
     """The receipt's θ_round hash: segment 0 must start from it."""
     delta_digest: str | None = None
@@ -339,7 +342,11 @@ def check_segment(
     start = material.start.weights
     result = compare_deltas(material.end.weights - start, replayed - start, tolerance)
     counted = material.end.inner.steps - material.start.inner.steps
-    if not torch.equal(counted, torch.full_like(counted, float(len(steps)))):
+    if claim.trained_precision == "fp16":
+        uniform = bool((counted == counted[0]).all()) and 0 <= float(counted[0]) <= len(steps)
+    else:
+        uniform = torch.equal(counted, torch.full_like(counted, float(len(steps))))
+    if not uniform:
         return SegmentVerdict(
             False,
             f"the optimizer counted {counted.tolist()[:3]}… steps for a segment of {len(steps)}",

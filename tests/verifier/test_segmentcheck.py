@@ -427,3 +427,24 @@ def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path)
         )
         == []
     )
+
+
+def test_fp16_step_counts_may_fall_short_but_must_agree(tmp_path: Path) -> None:
+    """An fp16 replica's GradScaler skips the optimizer step of an overflowing micro-batch: its step
+    counts may fall short of the segment's steps, uniformly; for other precisions they must match."""
+    run = train_round(tmp_path, stage=1, num_stages=2, tamper=_skip_half(False))
+    material, tolerance = run.material(1), tolerance_for("cpu", "fp16", ReplayCheckConfig())
+    fp16 = dataclasses.replace(run.claim(), trained_precision="fp16")
+    verdict = check_segment(fp16, material, tolerance)
+    assert "optimizer counted" not in verdict.reason and not verdict.ok  # the replay still refuses it
+    assert "optimizer counted" in check_segment(run.claim(), material, tolerance).reason
+
+    def uneven(i: int, diloco: DiLoCo) -> bool:  # one parameter's count runs ahead of the others'
+        if i // K == 1:
+            state = diloco.inner_optimizer.state[diloco.params[0]]
+            state["step"] += 1
+        return False
+
+    skewed = train_round(tmp_path / "uneven", stage=1, num_stages=2, tamper=uneven)
+    claim = dataclasses.replace(skewed.claim(), trained_precision="fp16")
+    assert "optimizer counted" in check_segment(claim, skewed.material(1), tolerance).reason
