@@ -103,7 +103,8 @@ def test_groups_and_rotation_are_what_keep_outlier_channels_from_flattening_the_
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_tiny_gradients_keep_their_precision_because_scales_are_bf16(name: str) -> None:
-    """∂loss/∂hidden ~1e-7: fp16 scales (smallest normal 6.1e-5) would flush these to zero."""
+    """Values ~1e-9 (the tiny model's gradients are ~7e-4, group scales ~1e-5): fp16 scales, whose
+    smallest subnormal is 6e-8, would flush these groups to zero; bf16 scales keep them."""
     x = _activations(seed=1) * 1e-9
     assert _rel(x, actcodec.round_trip(x, FORMATS[name])) < EXPECTED[name]
 
