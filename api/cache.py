@@ -169,6 +169,11 @@ def cached_response(
     return Response(content=entry.body, media_type=media_type, headers=headers)
 
 
+HEAD_SCOPE_KEY = "neuroshard.head"
+"""Set in the ASGI scope of a HEAD request that HeadAsGet routes as GET: an endpoint whose body is
+costly to make (a streamed file) checks it and answers with the headers alone."""
+
+
 class HeadAsGet:
     """HEAD answered wherever GET is: routed as GET, the body dropped, the headers kept
     (Content-Length included, as RFC 9110 §9.3.2 allows). FastAPI routes declared with
@@ -191,6 +196,7 @@ class HeadAsGet:
 
         # In place, so middleware outside this one sees the route the router set.
         scope["method"] = "GET"
+        scope[HEAD_SCOPE_KEY] = True
         try:
             await self.app(scope, receive, headers_only)
         finally:

@@ -26,7 +26,7 @@ from neuroshard.verifier import coverage, summary
 from neuroshard.verifier import models as m
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER
 
-from .cache import Rendered, _matches, cached_response, etag_of
+from .cache import HEAD_SCOPE_KEY, Rendered, _matches, cached_response, etag_of
 from .metrics import CONTENT_TYPE, Exposition
 from .schemas import (
     CoverageOut,
@@ -367,6 +367,9 @@ def training_model_file(request: Request, services: ServicesDep, round_: Round) 
         "Content-Length": str(size),
         "Content-Disposition": f'attachment; filename="{path.name}"',
     }
+    if request.scope.get(HEAD_SCOPE_KEY):  # HEAD: the headers, without reading gigabytes
+        f.close()
+        return Response(status_code=200, headers=headers, media_type="application/octet-stream")
     return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
 

@@ -149,7 +149,9 @@ def snapshot_to_cpu(value: Any) -> Any:
     CUDA tensors are copied into pinned host memory without blocking and waited for once at the
     end: one synchronisation for the whole snapshot instead of one pageable copy per tensor (a
     125M model's weights and AdamW moments are 1.1 GB). Pinned blocks come from PyTorch's caching
-    host allocator, so a checkpoint every few minutes reuses them."""
+    host allocator, so a checkpoint every few minutes reuses them; it rounds blocks up to powers
+    of two and keeps them page-locked, so up to twice one snapshot's size stays pinned (the
+    trainer holds one snapshot at a time)."""
     pending: list[torch.device] = []
 
     def take(v: Any) -> Any:

@@ -26,6 +26,7 @@ re-hashed against the majority hash the round names before anything is written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -36,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -56,6 +58,7 @@ from .model_file import (
     round_model_path,
     round_tokenizer_path,
 )
+from .network_definition import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER, verify_network
 
 PROG = "neuroshard-export"
 MAX_TOKENIZER_BYTES = 64 << 20
@@ -297,6 +300,11 @@ def download_round(verifier: str, which: str, dest: Path, *, timeout_s: float = 
     if round_ not in kept:
         raise ValueError(f"round {round_} is not kept by {base}; kept: {', '.join(map(str, sorted(kept)))}")
     path = round_model_path(dest, round_)
+    if not 0 < kept[round_] <= MAX_ROUND_FILE_BYTES:
+        raise ValueError(
+            f"{base} lists round {round_} at {kept[round_]} bytes; a round file is 1 B to "
+            f"{MAX_ROUND_FILE_BYTES >> 30} GiB (an 8B-parameter model in fp32)"
+        )
     _fetch(f"{base}/api/training/models/{round_}", kept[round_], timeout_s, into=path)
     header = read_round_header(path)
     if header.round != round_:
@@ -310,20 +318,60 @@ def download_round(verifier: str, which: str, dest: Path, *, timeout_s: float = 
             )
         tokenizer.save(round_tokenizer_path(dest, tokenizer.sha256))
     _check_settled(base, header, timeout_s)
+    _check_architecture(base, path, len(header.provenance), timeout_s)
     return round_
 
 
+MAX_ROUND_FILE_BYTES = 40 << 30
+"""The largest round file `--verifier` downloads: an 8B-parameter model in fp32, with room."""
+
+
 def _check_settled(base: str, header: RoundHeader, timeout_s: float) -> None:
-    """Each stage's θ_{R_s} must be the settled majority result of its round R_s − 1."""
+    """Each stage's θ_{R_s} must be listed as the settled majority result of its round R_s − 1
+    among the verifier's newest 1,000 stage-rounds; a stage-round not listed there is refused
+    (fail closed). This ties the file to the verifier's own ledger: a consistency check against
+    the same server, not an authentication of it (use https to a verifier you trust)."""
     history = json.loads(_fetch(f"{base}/api/training/history?limit=1000", 16 << 20, timeout_s))
     majority = {(r["stage"], r["round"]): r["majority_hash"] for r in history["rounds"] if r["settled"]}
     for p in header.provenance:
         settled = majority.get((p.stage, p.round - 1))
-        if settled is not None and settled != p.theta_hash:
+        if settled is None:
+            raise ValueError(
+                f"{base} does not list round {p.round - 1} of stage {p.stage} as settled among its "
+                f"newest 1,000 stage-rounds, so round {header.round}'s model cannot be checked "
+                "against its majority; export a newer round"
+            )
+        if settled != p.theta_hash:
             raise ValueError(
                 f"stage {p.stage} of round {header.round}'s model is θ {p.theta_hash[:16]}…, but "
                 f"{base} settled round {p.round - 1} of stage {p.stage} on {settled[:16]}…"
             )
+
+
+def _check_architecture(base: str, path: Path, num_stages: int, timeout_s: float) -> None:
+    """The file's model config must be the run's (GET /api/network, checked against the
+    signature it is served with): the θ hashes cover the weights, not the shapes' meaning
+    (heads, rotary base, norm epsilon), which the file's header states. The vocabulary may have
+    grown since the definition was written, so it is not compared."""
+    request = urllib.request.Request(base + "/api/network")
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        body = reply.read((1 << 20) + 1)
+        key_hex = reply.headers.get(OPERATOR_HEADER, "")
+        signature = reply.headers.get(NETWORK_SIGNATURE_HEADER, "")
+    if len(body) > 1 << 20:
+        raise ValueError(f"{base}/api/network: more than 1 MiB")
+    try:
+        network = verify_network(body, signature, bytes.fromhex(key_hex))
+    except ValueError as exc:
+        raise ValueError(f"{base}/api/network: {exc}") from None
+    with safe_open(str(path), framework="pt") as f:
+        config = ModelConfig.from_dict(json.loads((f.metadata() or {})["model_config"]))
+    ours = dataclasses.replace(config, vocab_size=network.model.vocab_size)
+    if ours != network.model or num_stages != network.num_stages:
+        raise ValueError(
+            f"{path.name}: the file's model ({config.to_dict()}, {num_stages} stages) is not the run's "
+            f"({network.model.to_dict()}, {network.num_stages} stages)"
+        )
 
 
 def add_source_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,10 +12,12 @@ one into a Hugging Face folder and node.generate samples from it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,22 +159,40 @@ def save_round_model(
     path = round_model_path(directory, round_)
     extra = {"round": str(round_), "stages": json.dumps([vars(p) for p in provenance])}
     save_model_file(path, config, assemble_stages(stages), tokenizer.sha256, extra=extra)
-    # Rounds only grow within a run: a file past this round is an earlier run's (a database
-    # started over beside the same directory), and must not outlive this run's newest.
+    # Rounds only grow within a run (the evaluator keeps no round older than one it kept): a file
+    # past this round is an earlier run's (a database started over beside the same directory),
+    # and must not outlive this run's newest.
     kept = [r for r in round_models(directory) if r <= round_]
     for old in [r for r in round_models(directory) if r > round_] + kept[:-keep]:
         round_model_path(directory, old).unlink(missing_ok=True)
+    for stray in directory.glob(".round-*.tmp"):  # writes interrupted by a crash, not one in flight
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - stray.stat().st_mtime > STRAY_TMP_AGE_S:
+                stray.unlink(missing_ok=True)
     return path
+
+
+STRAY_TMP_AGE_S = 3600.0
+"""A round file's temporary older than this is a crashed write's, removed at the next save."""
 
 
 def _stage_hash(state: Mapping[str, Tensor], config: ModelConfig, stage: int, num_stages: int) -> str:
     """The θ hash replicas of this stage vote with, from whole-model (or stage) tensors by name:
     the stage's parameters flattened in parameter order (node.diloco.flat_parameters)."""
     with torch.device("meta"):
-        names = [n for n, _ in build_stage(config, stage, num_stages).named_parameters()]
+        shapes = {n: p.shape for n, p in build_stage(config, stage, num_stages).named_parameters()}
+    names = list(shapes)
     missing = [n for n in names if n not in state]
     if missing:
         raise ValueError(f"stage {stage} of {num_stages} lacks {missing[:4]} ({len(missing)} tensors)")
+    # The hash covers the values, not the shapes: a (3C, C) matrix stored as (C, 3C) hashes the same.
+    wrong = [n for n in names if tuple(state[n].shape) != tuple(shapes[n])]
+    if wrong:
+        n = wrong[0]
+        raise ValueError(
+            f"stage {stage} of {num_stages}: {n} is {tuple(state[n].shape)}, the model needs "
+            f"{tuple(shapes[n])} ({len(wrong)} tensors of the wrong shape)"
+        )
     return tensor_sha256(torch.cat([state[n].detach().to("cpu", torch.float32).flatten() for n in names]))
 
 

@@ -67,7 +67,9 @@ class TrainerConfig:
     state (joined, late) is as far as its peers, so the replicas of a stage stop after the same
     round, across restarts too."""
     checkpoint_every: int = 50
-    """Inner steps between checkpoints (a checkpoint is also written after every outer step and on stop)."""
+    """Inner steps between checkpoint turns; every outer step is a turn too. A turn writes unless
+    the previous write is still in flight or `checkpoint_interval_s` has not passed; the
+    checkpoint on stop is always written."""
     checkpoint_interval_s: float = 0.0
     """Minimum wall time between two periodic or round-end checkpoints (0: every turn; the final
     one is always written). On a GPU, 50 steps of the 125m preset take ~2.5 s while its 1.5 GB
@@ -173,7 +175,7 @@ class Trainer:
         self._writer = CheckpointWriter()
         self.checkpoints_skipped = 0
         """Periodic checkpoints skipped because the previous write was still in flight."""
-        self._last_checkpoint = time.monotonic()
+        self._last_checkpoint = -math.inf  # the first turn writes (a --fresh run replaces the old file)
         self.work = RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
         self.segments: SegmentRecorder | None = None
@@ -283,6 +285,8 @@ class Trainer:
 
     def save(self, *, wait: bool = True) -> None:
         """Checkpoint the replica; with wait=False the file is written in the background."""
+        if wait:
+            self._writer.flush()  # one snapshot in memory at a time (pinned host memory on CUDA)
         state = {
             # The model's tensors are live; copy them (to the CPU: a checkpoint loads on any machine)
             # so the background write sees this step's values.
@@ -303,6 +307,8 @@ class Trainer:
         125M model's 50 steps in less time than its 1.5 GB checkpoint takes to write. The next
         turn writes a newer state; the final checkpoint (`save()`) always waits. A turn within
         `checkpoint_interval_s` of the last checkpoint is passed over."""
+        if not self._writer.busy:
+            self._writer.flush()  # a failed background write is raised now, not at the next write
         if time.monotonic() - self._last_checkpoint < self.config.checkpoint_interval_s:
             return
         if self._writer.busy:

@@ -185,6 +185,8 @@ class Evaluator:
         self._peer_ttl_s = peer_ttl_s
         self._held_out: Tensor | None = None
         self._tokenizer: BPETokenizer | None = None
+        self._newest_kept = 0
+        """The newest round this process kept a file of; an older one is not kept after it."""
         self._load_held_out = held_out or (lambda: self._load_data()[0])
         self._load_tokenizer = tokenizer or (lambda: self._load_data()[1])
         stages = range(network.num_stages)
@@ -360,7 +362,12 @@ class Evaluator:
 
     def _keep(self, round_: int, model: Model, stages: list[Transformer]) -> None:
         """The round file and the sample, each on its own: a failure is logged, the measurement stays."""
-        if self.config.models_dir is not None:
+        if self.config.models_dir is not None and round_ < self._newest_kept:
+            # Pipeline stages settle out of order: a round judged after a later one is measured
+            # but not kept, since a round file past the one written counts as an earlier run's.
+            self._log(f"evaluator: round {round_} judged after round {self._newest_kept}: not kept")
+        elif self.config.models_dir is not None:
+            self._newest_kept = round_
             provenance = [StageProvenance(f.stage, f.round, f.theta_hash) for f in model]
             try:
                 path = save_round_model(

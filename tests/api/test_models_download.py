@@ -11,6 +11,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from neuroshard.api import reads
 from neuroshard.api.app import create_app
 from neuroshard.api.testing import Harness, free_port, start_verifier_process, test_config
 from neuroshard.node.export import main as export_main
@@ -122,22 +123,28 @@ def test_export_downloads_a_round_from_a_verifier(published, tmp_path: Path, cap
         provenance = _keep(models, 7, stages, network, published.dataset.tokenizer)
         lie = _majority(network, 3)  # a round file whose stage 1 is not what the verifier settled on
         lying = _keep(models, 8, [stages[0], lie[1]], network, published.dataset.tokenizer)
-        _settle(url, [*provenance, lying[1]], [p.theta_hash for p in provenance] + [provenance[1].theta_hash])
+        unsettled = _keep(models, 9, stages, network, published.dataset.tokenizer)  # nobody settled it
+        majorities = [p.theta_hash for p in provenance] + [lying[0].theta_hash, provenance[1].theta_hash]
+        _settle(url, [*provenance, *lying], majorities)
+        del unsettled
         time.sleep(5.5)  # past the read cache's max-age: the listing shows the new files
         home = tmp_path / "user"  # nothing on the user's machine: everything comes from the verifier
         base = ["--verifier", f"http://127.0.0.1:{port}", "--home", str(home)]
         out = tmp_path / "hf"
         assert export_main(["--checkpoint", "7", *base, "--out", str(out)]) == 0
-        refused = export_main(["--checkpoint", "latest", *base, "--out", str(tmp_path / "no")])
+        refused = export_main(["--checkpoint", "8", *base, "--out", str(tmp_path / "no")])
         err = capsys.readouterr().err
+        unchecked = export_main(["--checkpoint", "latest", *base, "--out", str(tmp_path / "no")])
+        unlisted = capsys.readouterr().err
         assert export_main(["--checkpoint", "6", *base, "--out", str(tmp_path / "no")]) == 2
         missing = capsys.readouterr().err
     finally:
         process.terminate()
         process.wait(timeout=10)
     assert refused == 2 and "settled round 8 of stage 1 on" in err, err
+    assert unchecked == 2 and "does not list round 8 of stage 0 as settled" in unlisted, unlisted
     assert not (tmp_path / "no").exists()
-    assert "round 6 is not kept" in missing and "kept: 7, 8" in missing
+    assert "round 6 is not kept" in missing and "kept: 7, 8, 9" in missing
     ids = torch.tensor([published.dataset.tokenizer.encode("It is a truth universally acknowledged")[:24]])
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
@@ -160,3 +167,26 @@ seq_len = 32
 manifest_url = "http://127.0.0.1:1/"
 publisher_key = "%s"
 """ % ("ab" * 32)
+
+
+def test_head_on_a_round_file_answers_its_headers_without_reading_it(
+    models_harness: Harness, published, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HEAD is routed as GET (api.cache.HeadAsGet), which would stream the whole file and drop it."""
+    network = small_network(model={"size": "micro", "vocab_size": 512}, stages={"count": 2})
+    _keep(tmp_path / "models", 5, _majority(network, 1), network, published.dataset.tokenizer)
+    path = round_model_path(tmp_path / "models", 5)
+    streamed: list[int] = []
+    real = reads.StreamingResponse
+
+    def recording(content, *args, **kwargs):  # type: ignore[no-untyped-def]
+        streamed.append(1)
+        return real(content, *args, **kwargs)
+
+    monkeypatch.setattr(reads, "StreamingResponse", recording)
+    reply = models_harness.client.head("/api/training/models/5")
+    assert reply.status_code == 200 and reply.content == b""
+    assert reply.headers["content-length"] == str(path.stat().st_size)
+    assert streamed == []
+    assert models_harness.client.get("/api/training/models/5").content == path.read_bytes()
+    assert streamed == [1]

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PublishedData
+from safetensors import safe_open
+from safetensors.torch import save_file
 from sqlalchemy import select
 
 from neuroshard.node.diloco import flat_parameters
@@ -151,6 +153,56 @@ def test_round_files_are_bounded_and_an_earlier_runs_are_replaced(
     evaluator.run_once()
     assert round_models(models) == [1]
     db.dispose()
+
+
+def test_a_round_judged_after_a_later_one_is_not_kept_and_deletes_nothing(
+    database_url: str, published: PublishedData, tmp_path: Path
+) -> None:
+    """Pipeline stages settle out of order: round 10 may be judged after round 12. Keeping it
+    would delete round 12's file as an earlier run's."""
+    network = _network(2)
+    models = tmp_path / "models"
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, models, sample_every=0)
+    for r in (12, 10):
+        stages = _stages(network, seed=r)
+        fetched = tuple(
+            Fetched(
+                stage=i,
+                round=r,
+                theta_hash=stage_hash(st),
+                theta=flat_parameters(st.parameters()),
+                wallet_id="w" * 20,
+            )
+            for i, st in enumerate(stages)
+        )
+        evaluator._keep(r, fetched, stages)
+    assert round_models(models) == [12]
+    db.dispose()
+
+
+def test_a_round_file_with_reshaped_tensors_is_refused(
+    database_url: str, published: PublishedData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """θ hashes cover values, not shapes: a (3C, C) matrix stored as (C, 3C) hashes the same."""
+    network = _network(1)
+    models = tmp_path / "models"
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, models, sample_every=0)
+    _settle(db, evaluator, 2, _stages(network, seed=5))
+    evaluator.run_once()
+    db.dispose()
+    path = models / "round-00000002.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    name = next(k for k, t in tensors.items() if t.dim() == 2 and t.shape[0] != t.shape[1])
+    tensors[name] = tensors[name].reshape(tensors[name].shape[1], tensors[name].shape[0]).contiguous()
+    save_file(tensors, str(path), meta)
+    argv = ["--models", str(models), "--home", str(tmp_path), "--out", str(tmp_path / "o")]
+    assert export_main(["--checkpoint", "2", *argv]) == 2
+    assert "the model needs" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
 def test_a_damaged_round_file_or_a_missing_round_is_refused(
