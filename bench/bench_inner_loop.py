@@ -146,6 +146,19 @@ def bare(
     return sum(x.numel() for x, _ in batches) / elapsed
 
 
+def _engine_on(
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    model_cfg: ModelConfig,
+    diloco_cfg: DiLoCoConfig,
+    placement: Placement,
+) -> tuple[DiLoCo, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A fresh engine on the placement and the batches moved there (synchronised)."""
+    diloco = DiLoCo(build_stage(model_cfg, 0, 1), diloco_cfg, placement=placement)
+    on_device = [(x.to(placement.device), y.to(placement.device)) for x, y in batches]
+    _sync(placement)
+    return diloco, on_device
+
+
 def engine(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     model_cfg: ModelConfig,
@@ -155,9 +168,7 @@ def engine(
     """The DiLoCo engine's inner steps (clipping, lr schedule, bookkeeping) over the baseline's
     device batches: no trainer, no data feed, no rounds or checkpoints. Between bare and ours,
     it says which layer a gap comes from."""
-    diloco = DiLoCo(build_stage(model_cfg, 0, 1), diloco_cfg, placement=placement)
-    on_device = [(x.to(placement.device), y.to(placement.device)) for x, y in batches]
-    _sync(placement)
+    diloco, on_device = _engine_on(batches, model_cfg, diloco_cfg, placement)
     start = time.perf_counter()
     for inputs, labels in on_device:
         diloco.queue_inner_step(inputs, labels).item()
@@ -176,8 +187,7 @@ def profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    diloco = DiLoCo(build_stage(model_cfg, 0, 1), diloco_cfg, placement=placement)
-    on_device = [(x.to(placement.device), y.to(placement.device)) for x, y in batches[:25]]
+    diloco, on_device = _engine_on(batches[:25], model_cfg, diloco_cfg, placement)
     for inputs, labels in on_device[:5]:
         diloco.inner_step(inputs, labels)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if placement.is_cuda else [])

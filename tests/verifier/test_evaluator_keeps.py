@@ -88,6 +88,17 @@ def _settle(db: Database, evaluator: Evaluator, round_: int, stages: list[Transf
     evaluator.pending[round_] = tuple(fetched)
 
 
+def _kept_round(database_url: str, published: PublishedData, models: Path, num_stages: int) -> Path:
+    """Round 2 of a `num_stages`-stage run measured and kept: the path of its round file."""
+    network = _network(num_stages)
+    db = Database(database_url)
+    evaluator = _evaluator(db, network, published, models, sample_every=0)
+    _settle(db, evaluator, 2, _stages(network, seed=5))
+    evaluator.run_once()
+    db.dispose()
+    return models / "round-00000002.safetensors"
+
+
 def _hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -185,14 +196,8 @@ def test_a_round_file_with_reshaped_tensors_is_refused(
     database_url: str, published: PublishedData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """θ hashes cover values, not shapes: a (3C, C) matrix stored as (C, 3C) hashes the same."""
-    network = _network(1)
     models = tmp_path / "models"
-    db = Database(database_url)
-    evaluator = _evaluator(db, network, published, models, sample_every=0)
-    _settle(db, evaluator, 2, _stages(network, seed=5))
-    evaluator.run_once()
-    db.dispose()
-    path = models / "round-00000002.safetensors"
+    path = _kept_round(database_url, published, models, num_stages=1)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -208,17 +213,11 @@ def test_a_round_file_with_reshaped_tensors_is_refused(
 def test_a_damaged_round_file_or_a_missing_round_is_refused(
     database_url: str, published: PublishedData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    network = _network(2)
     models = tmp_path / "models"
-    db = Database(database_url)
-    evaluator = _evaluator(db, network, published, models, sample_every=0)
-    _settle(db, evaluator, 2, _stages(network, seed=5))
-    evaluator.run_once()
-    db.dispose()
+    path = _kept_round(database_url, published, models, num_stages=2)
     argv = ["--models", str(models), "--home", str(tmp_path), "--out", str(tmp_path / "o")]
     assert export_main(["--checkpoint", "7", *argv]) == 2
     assert "round 7 is not kept" in capsys.readouterr().err
-    path = models / "round-00000002.safetensors"
     raw = bytearray(path.read_bytes())
     raw[-8:] = b"\x00\x00\x80\x7f" * 2  # the last two weights (of norm.weight, stage 1) become +inf
     path.write_bytes(bytes(raw))
