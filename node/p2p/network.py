@@ -68,7 +68,7 @@ from .quorum import quorum, vouched
 from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, is_relay, relay_address
 from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
-from .state import adopt_state, snapshot_of, theta_sha256
+from .state import adopt_state, snapshot_of
 from .wire import ENCODINGS, InvalidMessage, parse_address
 
 if TYPE_CHECKING:  # attack code stays out of the honest import path
@@ -681,7 +681,7 @@ class PeerNetwork:
         # θ_r hashed again, not the published snapshot's hash: a replica whose θ_r changed in memory
         # since it published it (a bit flip) commits to the hash it really computed Δ from, and the
         # members refuse it by base hash instead of aggregating a Δ off another θ.
-        own_hash = theta_sha256(diloco.theta_round)
+        own_hash = diloco.weights_hash()
         delta = diloco.pseudo_gradient()
         note = None
         exchange_started = time.monotonic()

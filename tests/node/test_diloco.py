@@ -338,3 +338,19 @@ def test_the_network_definition_and_the_node_take_the_config_defaults() -> None:
     # A definition that leaves the outer step out serves the same values to every joining node.
     served = parse_network(json.loads(json.dumps(net.to_document())))
     assert served.diloco == net.diloco
+
+
+def test_the_remembered_weights_hash_follows_every_in_place_change_of_theta() -> None:
+    torch.manual_seed(0)
+    engine = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2))
+    first = engine.weights_hash()
+    assert first == tensor_sha256(engine.theta_round) and engine.weights_hash() == first
+    engine.outer_step(torch.full_like(engine.theta_round.detach(), 0.5))
+    assert engine.weights_hash() == tensor_sha256(engine.theta_round) != first
+    with torch.no_grad():
+        engine.theta_round.copy_(torch.zeros_like(engine.theta_round))  # as an adopted state does
+    assert engine.weights_hash() == tensor_sha256(torch.zeros_like(engine.theta_round))
+    engine.load_state_dict(
+        {**engine.state_dict(), "theta_round": torch.ones_like(engine.theta_round.detach())}
+    )
+    assert engine.weights_hash() == tensor_sha256(torch.ones_like(engine.theta_round))
