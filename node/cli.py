@@ -43,7 +43,14 @@ from .p2p.rounds import AggregationRule
 from .p2p.server import ServerExtension
 from .p2p.stages import PipelineLink, add_pipeline_arguments, pipeline_config_from_args, start_stage_replica
 from .pipeline import remote_loss, stage_fingerprint
-from .reporting import Reporting, add_verifier_arguments, embedded_definition, held_out_shards, join_network
+from .reporting import (
+    Reporting,
+    add_verifier_arguments,
+    embedded_definition,
+    held_out_shards,
+    join_network,
+    segment_store,
+)
 from .rotation import RotationConfig
 from .stage_worker import StageCheckpoint, WorkerConfig
 from .trainer import DatasetUpdates, Trainer, TrainerConfig
@@ -348,6 +355,11 @@ def _run_stage_replica(
             tokenizer_sha256=tokenizer_sha256,
         ),
     )
+    segments = (
+        None
+        if joined is None
+        else segment_store(args.home, diloco_config.inner_steps, args.replay_rounds, _log)
+    )
     replica = start_stage_replica(
         wallet=wallet,
         stage=args.stage,
@@ -361,6 +373,8 @@ def _run_stage_replica(
         aggregate=_aggregation_rule(joined),
         checkpoint=checkpoint,
         fresh=args.fresh,
+        segments=segments,
+        operator_key=None if joined is None else args.operator_key,
     )
     # No embedded verifier for a stage replica (_no_embedded_verifier_for_stages): the joined one or none.
     url = None if joined is None else args.join
@@ -489,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                     step_of=lambda: trainer.diloco.step, log=_log,
                 )  # fmt: skip
                 link.start()
+                link.client.segments = trainer.segments
             network.join_state(trainer.diloco)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
         if link is not None:

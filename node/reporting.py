@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Protocol
 
 from neuroshard.data import Dataset
@@ -34,11 +35,13 @@ from .membership import roster_of
 from .model import ModelConfig
 from .network_definition import NetworkDefinition
 from .p2p.network import PeerNetwork
-from .p2p.replay import ReplayService
+from .p2p.replay import ReplayService, SegmentService
 from .p2p.server import ServerExtension
 from .p2p.stages import StageReplica
 from .receipt import Receipting
 from .replay import ReplayArchive
+from .segment_store import SegmentStore
+from .segments import SegmentConfig, SegmentRecorder
 from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
 from .trainer import RoundFinisher, Trainer
 from .wallet import Wallet
@@ -154,6 +157,13 @@ class _Server(Protocol):
     def stop(self) -> None: ...
 
 
+def segment_store(home: Path, inner_steps: int, keep_rounds: int, log: Log) -> SegmentStore:
+    """The node's segment store under HOME/segments: k = H/10 (issue 17's suggestion, until the
+    network definition carries k), the last `keep_rounds` rounds (--replay-rounds)."""
+    config = SegmentConfig(segment_steps=max(1, inner_steps // 10), keep_rounds=keep_rounds)
+    return SegmentStore(Path(home) / "segments", config, log=log)
+
+
 @dataclass
 class Reporting:
     """The verifier side of one node run: maybe an embedded verifier, and the tracker thread."""
@@ -168,6 +178,9 @@ class Reporting:
     tracker: Tracker | None = None
     archive: ReplayArchive | None = None
     """Recent rounds kept for replay spot checks; None when there is no verifier to ask."""
+    segments: SegmentStore | None = None
+    """Recent rounds' segment checkpoints and received messages (node.segments), for the segment
+    checks of a joined verifier at any stage; None without one."""
 
     @classmethod
     def open(
@@ -214,6 +227,8 @@ class Reporting:
             )
         if args.port is None and not getattr(args, "relay", None):
             args.port = 0  # a --relay node opens no port: the verifier cannot call it (README)
+        if joined is not None:
+            reporting.segments = segment_store(args.home, joined.diloco.inner_steps, args.replay_rounds, log)
         if joined is not None and joined.num_stages == 1:
             # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
             # inner steps depend on the other stages' replicas: neither keeps replay material.
@@ -222,9 +237,12 @@ class Reporting:
 
     def extensions(self) -> list[ServerExtension]:
         """Peer routes the verifier calls: the replay material, to its operator key only."""
-        if self.archive is None:
-            return []
-        return [ReplayService(self.archive, allowed_wallet=self.operator_key)]
+        routes: list[ServerExtension] = []
+        if self.archive is not None:
+            routes.append(ReplayService(self.archive, allowed_wallet=self.operator_key))
+        if self.segments is not None:
+            routes.append(SegmentService(self.segments, allowed_wallet=self.operator_key))
+        return routes
 
     def attach(
         self,
@@ -238,6 +256,8 @@ class Reporting:
         if self.url is None or network is None:
             return
         tracker = self._track(network, trainer.diloco, wallet)
+        if self.segments is not None:
+            trainer.segments = SegmentRecorder(self.segments.config, stage=0, sink=self.segments)
         receipting = Receipting(
             network.finish_round,
             network.reports,
@@ -247,6 +267,8 @@ class Reporting:
             tokens_per_step=trainer.config.batch_size * trainer.config.seq_len,
             log=self.log,
             archive=self.archive,
+            segments=trainer.segments,
+            signer=wallet,
         )
         receipting.round_started(trainer.diloco)
         trainer.set_round_finisher(wrap(receipting) if wrap is not None else receipting)
@@ -257,17 +279,19 @@ class Reporting:
         if self.url is None:
             return
         tracker = self._track(replica.network, replica.diloco, wallet)
-        replica.worker.set_round_finisher(
-            Receipting(
-                replica.network.finish_round,
-                replica.network.reports,
-                replica.worker.work,
-                tracker.submit,
-                batch_size=None,
-                tokens_per_step=0,
-                log=self.log,
-            )
+        receipting = Receipting(
+            replica.network.finish_round,
+            replica.network.reports,
+            replica.worker.work,
+            tracker.submit,
+            batch_size=None,
+            tokens_per_step=0,
+            log=self.log,
+            segments=replica.worker.segments,
+            signer=wallet,
         )
+        receipting.round_started(replica.diloco)
+        replica.worker.set_round_finisher(receipting)
 
     def _track(self, network: PeerNetwork, diloco: DiLoCo, wallet: Wallet) -> Tracker:
         assert self.url is not None

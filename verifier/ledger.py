@@ -232,6 +232,8 @@ def submit_receipt(
             inner_state_digest=req.inner_state_digest,
             device=req.device,
             precision=req.precision,
+            segment_root=req.segment_root,
+            segments=req.segments,
             accepted=[c.model_dump() for c in req.accepted],
             rejected=[c.model_dump() for c in req.rejected],
             equivocators=list(req.equivocators),

@@ -115,6 +115,11 @@ class Receipt(Base):
     """cpu, cuda or mps: where the inner steps ran; None from older nodes (CPU)."""
     precision: Mapped[str | None] = mapped_column(String(8), default=None)
     """fp32, bf16 or fp16: the inner steps' precision; None from older nodes (fp32)."""
+    segment_root: Mapped[str | None] = mapped_column(String(HASH_LEN), default=None)
+    """Root of the replica's segment log for the round (node.segments): what a segment check holds
+    it to, at any stage; None from nodes before issue 17."""
+    segments: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Segments in that log; None with segment_root."""
     accepted: Mapped[list[Any]] = mapped_column(JSON)
     rejected: Mapped[list[Any]] = mapped_column(JSON)
     equivocators: Mapped[list[Any]] = mapped_column(JSON)

@@ -63,6 +63,7 @@ from torch import Tensor
 
 from ..model import ModelConfig
 from ..pipeline import NonFiniteStep
+from ..segments import Received, SegmentRecorder
 from ..stage_worker import Busy, Job, JobResult, StageWorker
 from ..wallet import Wallet
 from . import wire
@@ -248,6 +249,8 @@ class PipelineClient:
         self.clock = clock
         self.log = log
         self.stop = stop
+        self.segments: SegmentRecorder | None = None
+        """Where the sent activations and the gradient replies are recorded (node.segments), if anywhere."""
         self.router = router or NextStageRouter(
             ban_s=config.ban_s, busy_s=config.busy_s, ema=config.throughput_ema
         )
@@ -363,6 +366,9 @@ class PipelineClient:
             )
         except WireError as exc:
             return f"bad reply: {exc}"
+        if self.segments is not None:  # the step in progress consumed this reply and sent `body`
+            self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256)
+            self.segments.note_received(Received("gradient", answer.wallet, answer.to_json(), reply.body))
         return grad, answer.loss
 
 
@@ -496,7 +502,8 @@ class PipelineService:
         if known is not None:
             return known
         try:
-            self.worker.offer(Job(hidden, labels, header.micro_batch, done))
+            received = Received("activations", header.wallet, header.to_json(), body)
+            self.worker.offer(Job(hidden, labels, header.micro_batch, done, received))
         except Busy as exc:
             raise Rejected(503, "busy", str(exc)) from None
         self._taken[key] = taken
@@ -522,6 +529,8 @@ class PipelineService:
             self.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
             loss=min(max(loss, 0.0), 1e6), codec=header.codec, payload_sha256=sha256_hex(body),
         )  # fmt: skip
+        if self.worker.segments is not None:
+            self.worker.segments.note_sent(header.micro_batch, "gradient", reply.payload_sha256)
         self.served += 1
         response = web.Response(
             status=200, body=body, headers={REPLY_HEADER: reply.to_json().decode()},

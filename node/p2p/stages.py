@@ -22,13 +22,17 @@ from torch import Tensor
 
 from ..diloco import DiLoCo, DiLoCoConfig
 from ..model import ModelConfig, build_stage
+from ..segment_store import SegmentStore
+from ..segments import SegmentRecorder
 from ..stage_worker import StageCheckpoint, StageWorker, WorkerConfig
 from ..trainer import TrainResult
 from ..wallet import Wallet
 from .network import NetworkConfig, PeerNetwork
 from .pipeline import PipelineClient, PipelineConfig, PipelineService
 from .pipeline_wire import ACTIVATION_DTYPES, micro_batch_id
+from .replay import SegmentService
 from .rounds import AggregationRule, ordered_mean
+from .server import ServerExtension
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,19 +139,26 @@ def start_stage_replica(
     aggregate: AggregationRule = ordered_mean,
     checkpoint: StageCheckpoint | None = None,
     fresh: bool = False,
+    segments: SegmentStore | None = None,
+    operator_key: str | None = None,
 ) -> StageReplica:
     """Build a stage > 0 replica: model, DiLoCo (resumed from `checkpoint` unless `fresh`), worker,
-    peer server with the pipeline route; join the stage's state; ready to `run`."""
+    peer server with the pipeline route; join the stage's state; ready to `run`. With `segments`
+    it records every inner step (node.segments) and serves segments to `operator_key`."""
     model = build_stage(model_config, stage, pipeline_config.num_stages)
     diloco = DiLoCo(model, diloco_config)
     if checkpoint is not None and not fresh and checkpoint.load(diloco):
         log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
-    worker = StageWorker(diloco, worker_config, log=log, checkpoint=checkpoint)
+    recorder = None if segments is None else SegmentRecorder(segments.config, stage=stage, sink=segments)
+    worker = StageWorker(diloco, worker_config, log=log, checkpoint=checkpoint, segments=recorder)
     service = PipelineService(
         wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=worker
     )
+    extensions: list[ServerExtension] = [service]
+    if segments is not None:
+        extensions.append(SegmentService(segments, allowed_wallet=operator_key))
     network = PeerNetwork(
-        network_config, wallet, stage, log, aggregate=aggregate, stop=stop, extensions=[service]
+        network_config, wallet, stage, log, aggregate=aggregate, stop=stop, extensions=extensions
     )
     network.start()
     link: PipelineLink | None = None
@@ -155,6 +166,7 @@ def start_stage_replica(
         if stage < pipeline_config.num_stages - 1:
             link = PipelineLink(network, pipeline_config, stop=stop, round_of=lambda: diloco.round, log=log)
             link.start()
+            link.client.segments = recorder
             worker.downstream = link.forward
         worker.set_round_finisher(network.finish_round)
         network.join_state(diloco)

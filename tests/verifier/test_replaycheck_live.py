@@ -1,7 +1,11 @@
-"""Live replay spot checks on loopback: a real verifier process replays every receipt of three
-real `neuroshard-node` processes that joined it. The honest node passes; a node that claims
-1.25 × its Δ (`--work-lie delta`) and one that trained on windows it was not assigned while
-reporting its assigned spans (`--work-lie data`) fail, and lose reputation for it.
+"""Live replay spot checks on loopback: a real verifier process checks every receipt of three
+real `neuroshard-node` processes that joined it, by segments (node.segments: k = H/10, so 12
+segments of 2 steps, 4 drawn per receipt). The honest node passes; a node that trained on windows
+it was not assigned while reporting its assigned spans (`--work-lie data`) fails every check; a
+node that claims 1.25 × its Δ (`--work-lie delta`, applied after its last inner step) sends a Δ
+that its committed chain does not end on, which only the round's last segment shows: it fails the
+checks that draw that segment (a third of them) and passes the others, and loses reputation for
+the failures.
 
 The nodes also show that a joined node trains by the network definition: they are started
 with `--model-size small` and print the definition's `micro`, and log its aggregation rule.
@@ -99,8 +103,10 @@ def test_replay_catches_a_delta_liar_and_a_data_liar_and_passes_the_honest_node(
             for i, node in enumerate(nodes):
                 assert node.poll() is None, (tmp_path / f"node{i}.out").read_text()[-3000:]
             verdicts = _replay_verdicts(db)
-            if all(wallets[i] in verdicts for i in LIES) and any(
-                "spot check passed" in r for r in verdicts[wallets[0]]
+            if (
+                all(wallets[i] in verdicts for i in LIES)
+                and any("spot check passed" in r for r in verdicts[wallets[0]])
+                and any("spot check failed" in r for r in verdicts[wallets[1]])
             ):
                 break
             time.sleep(1.0)
@@ -117,9 +123,11 @@ def test_replay_catches_a_delta_liar_and_a_data_liar_and_passes_the_honest_node(
     assert any("spot check passed" in r for r in honest), honest
     assert not any("spot check failed" in r for r in honest), honest
     delta_liar = verdicts[wallets[1]]
-    assert delta_liar and all("spot check failed" in r and "norm ratio 1.25" in r for r in delta_liar), (
-        delta_liar
-    )
+    caught = [r for r in delta_liar if "spot check failed" in r]
+    reason = "segment 11 of 12: the receipt's Δ is not θ_round minus the chain's last checkpoint"
+    assert caught and all(reason in r for r in caught), delta_liar
+    # The lie sits in the last segment: a check that did not draw it passes.
+    assert all(", 11]" not in r for r in delta_liar if "spot check passed" in r), delta_liar
     data_liar = verdicts[wallets[2]]
     assert data_liar and all("spot check failed" in r and "cosine" in r for r in data_liar), data_liar
     assert "replay check:" in log

@@ -1,0 +1,235 @@
+"""Segment checks through the live replay checker, on loopback, in a 2-stage run: replicas of both
+stages record their rounds (node.segments), serve segments from their peer servers
+(GET /p2p/segment), and the checker draws segments of their receipts, fetches them signed with
+the operator key and replays them. The honest replicas of stage 0 and stage 1 pass; a stage-1
+replica that scaled its update in one segment (and committed to it, as a liar must) fails, loses
+reputation, and leaves a fraud proof that re-checks alone (SQLite, and PostgreSQL when configured)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PublishedData
+from sqlalchemy import select
+from torch import Tensor
+
+from neuroshard.data import BatchStream, assign_shards
+from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.node.diloco import DiLoCo, copy_into_parameters, flat_parameters
+from neuroshard.node.model import build_stage
+from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.pipeline_wire import (
+    ActivationHeader,
+    GradientReply,
+    decode_activations,
+    decode_gradient,
+    encode_activations,
+    encode_gradient,
+    micro_batch_id,
+)
+from neuroshard.node.p2p.replay import SegmentService
+from neuroshard.node.p2p.state import theta_sha256
+from neuroshard.node.pipeline import remote_loss, stage_inner_step
+from neuroshard.node.segment_store import SegmentStore
+from neuroshard.node.segments import Received, SegmentConfig, SegmentLog, SegmentRecorder, sha256_hex
+from neuroshard.node.wallet import Wallet
+from neuroshard.verifier import models as m
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.network import NetworkDefinition
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, tolerance_for
+from neuroshard.verifier.reputation import ReputationConfig
+from neuroshard.verifier.segmentcheck import SegmentFraudProof, check_fraud_proof
+from neuroshard.verifier.testing import small_network
+
+OPERATOR = Wallet.from_token("segment-live-operator")
+DRIVER, HONEST, LIAR = (Wallet.from_token(f"segment-live-{n}") for n in ("driver", "honest", "liar"))
+H, K, B, T = 8, 2, 2, 32
+
+
+def _network(published: PublishedData) -> NetworkDefinition:
+    return small_network(
+        model={"size": "micro", "vocab_size": 512},
+        stages={"count": 2},
+        diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
+        training={"batch_size": B, "seq_len": T},
+        data={"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
+    )
+
+
+@dataclass
+class Replica:
+    wallet: Wallet
+    stage: int
+    net: PeerNetwork
+    log: SegmentLog
+    base_hash: str
+    delta_digest: str
+    spans: list[list[int]]
+
+
+def _gradient(step: int, mb: str, sender: Wallet) -> Received:
+    g = torch.Generator().manual_seed(90 + step)
+    body = encode_gradient(torch.randn(B, T, 32, generator=g) * 1e-3, DEFAULT_CODEC)
+    reply = GradientReply.create(
+        sender,
+        micro_batch=mb,
+        stage=1,
+        round=0,
+        loss=4.0,
+        codec=DEFAULT_CODEC,
+        payload_sha256=sha256_hex(body),
+    )
+    return Received("gradient", sender.public_key_hex, reply.to_json(), body)
+
+
+def _activations(step: int, sender: Wallet) -> tuple[Received, str]:
+    g = torch.Generator().manual_seed(50 + step)
+    body = encode_activations(
+        torch.randn(B, T, 32, generator=g), torch.randint(0, 512, (B, T), generator=g), DEFAULT_CODEC
+    )
+    mb = micro_batch_id(sender.public_key_hex, 0, step)
+    header = ActivationHeader.create(
+        sender, micro_batch=mb, stage=1, round=0, batch=B, seq_len=T, dim=32,
+        codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
+    )  # fmt: skip
+    return Received("activations", sender.public_key_hex, header.to_json(), body), mb
+
+
+def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool) -> Replica:
+    """A replica that ran round 0 with a segment recorder and serves its segments to the operator."""
+    network = _network(published)
+    config = SegmentConfig(segment_steps=K)
+    store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
+    recorder = SegmentRecorder(config, stage=stage, sink=store)
+    current: list[Received] = []
+
+    def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
+        recorder.note_received(current[0])
+        reply = GradientReply.from_json(current[0].header)
+        return decode_gradient(current[0].body, (B, T, 32), reply.codec), reply.loss
+
+    model = build_stage(network.model, stage, 2)
+    kwargs = {"loss_fn": remote_loss(downstream)} if stage == 0 else {}
+    diloco = DiLoCo(model, network.diloco, **kwargs)  # type: ignore[arg-type]
+    manifest = published.dataset.manifest
+    stream = BatchStream(
+        source=published.dataset.source, manifest=manifest, seed=wallet.wallet_id, batch_size=B, seq_len=T,
+        order=assign_shards(wallet.wallet_id, manifest, exclude={network.held_out_shard}),
+    )  # fmt: skip
+    recorder.start_round(diloco)
+    base, spans, start = theta_sha256(diloco.theta_round), [], None
+    for i in range(H):
+        if stage == 0:
+            before = stream.position.offset
+            inputs, labels = stream.next_batch()
+            span = (stream.shard_id, before, stream.position.offset)
+            spans.append(list(span))
+            mb = micro_batch_id(wallet.public_key_hex, 0, i)
+            current[:] = [_gradient(i, mb, HONEST)]
+            diloco.inner_step(inputs, labels)
+            recorder.record_step(diloco, data=span, micro_batch=mb)
+        else:
+            act, mb = _activations(i, DRIVER)
+            hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
+            if i == H - K:
+                start = flat_parameters(diloco.params)
+            stage_inner_step(diloco, hidden, labels, None)
+            if lie and i == H - 1:  # the last segment's update, inflated by 25% and committed
+                assert start is not None
+                copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
+            recorder.record_step(diloco, micro_batch=mb, received=[act])
+    recorder.end_round(diloco)
+    delta = diloco.pseudo_gradient()
+    diloco.outer_step(delta)
+    closed = recorder.close_round(wallet)
+    assert closed is not None
+    service = SegmentService(store, allowed_wallet=OPERATOR.public_key_hex)
+    net = PeerNetwork(
+        NetworkConfig(port=0, join_timeout_s=0), wallet, stage=stage, log=lambda _: None, extensions=[service]
+    )
+    net.start()
+    merged: list[list[int]] = []
+    for s, a, b in spans:
+        if merged and merged[-1][0] == s and merged[-1][2] == a:
+            merged[-1][2] = b
+        else:
+            merged.append([s, a, b])
+    return Replica(wallet, stage, net, closed[0], base, theta_sha256(delta), merged)
+
+
+@pytest.fixture
+def replicas(published: PublishedData, tmp_path: Path) -> Iterator[list[Replica]]:
+    made = [
+        _replica(published, tmp_path, DRIVER, 0, lie=False),
+        _replica(published, tmp_path, HONEST, 1, lie=False),
+        _replica(published, tmp_path, LIAR, 1, lie=True),
+    ]
+    yield made
+    for r in made:
+        r.net.stop()
+
+
+def _receipt(r: Replica) -> m.Receipt:
+    first = r.spans[0] if r.spans else [None, None, None]
+    return m.Receipt(
+        wallet_id=r.wallet.wallet_id, stage=r.stage, round=0, inner_steps=H, start_step=0,
+        tokens=H * B * T, shard_id=first[0], offset_start=first[1], offset_end=first[2],
+        data_spans=r.spans, losses=[], base_hash=r.base_hash, result_hash="1" * 64,
+        delta_digest=r.delta_digest, inner_state_digest=None, accepted=[], rejected=[], equivocators=[],
+        segment_root=r.log.root(), segments=r.log.segments,
+        body_sha256=sha256_hex(r.wallet.public_key), received_at=time.time(),
+    )  # fmt: skip
+
+
+def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
+    replicas: list[Replica], db: Database, published: PublishedData
+) -> None:
+    now = time.time()
+    with db.write() as s:
+        for r in replicas:
+            s.add(m.Wallet(wallet_id=r.wallet.wallet_id, public_key=r.wallet.public_key_hex, reputation=0.5,
+                           status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        for r in replicas:
+            s.add(m.Peer(wallet_id=r.wallet.wallet_id, address=f"http://{r.net.address}", stage=r.stage,
+                         registered_at=now, last_heartbeat=now))  # fmt: skip
+    lines: list[str] = []
+    network = _network(published)
+    checker = ReplayChecker(
+        db=db, network=network, operator=OPERATOR, reputation=ReputationConfig(), log=lines.append,
+        config=ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8),
+        dataset=lambda: published.dataset,
+    )  # fmt: skip
+    checker.run_once()  # the first pass notes where the receipts end
+    with db.write() as s:
+        for r in replicas:
+            s.add(_receipt(r))
+    for _ in range(4):  # one replay per pass
+        checker.run_once()
+    assert checker.passed == 2 and checker.failed == 1, lines
+    with db.read() as s:
+        events = {e.wallet_id: e.reason for e in s.scalars(select(m.ReputationEvent))}
+        reputations = {w.wallet_id: w.reputation for w in s.scalars(select(m.Wallet))}
+    assert "segments [0, 1, 2, 3] of 4 replayed" in events[DRIVER.wallet_id]
+    assert "segments [0, 1, 2, 3] of 4 replayed" in events[HONEST.wallet_id]
+    assert "segment 3 of 4: norm ratio" in events[LIAR.wallet_id], events
+    assert (
+        reputations[LIAR.wallet_id] < 0.5 <= min(reputations[DRIVER.wallet_id], reputations[HONEST.wallet_id])
+    )
+    (proof_bytes,) = checker.fraud_proofs
+    stage_model = build_stage(network.model, 1, 2)
+    proof = SegmentFraudProof.decode(
+        proof_bytes,
+        numel=sum(p.numel() for p in stage_model.parameters()),
+        n_tensors=len(list(stage_model.parameters())),
+    )
+    assert proof.material.commitment.wallet == LIAR.public_key_hex
+    assert check_fraud_proof(
+        proof, model=network.model, diloco=network.diloco, num_stages=2,
+        tolerance=tolerance_for("cpu", "fp32", ReplayCheckConfig()),
+    )  # fmt: skip
