@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import Tensor
 
@@ -49,6 +51,8 @@ from .p2p.wire import (
 )
 from .replay import InnerState, capture_inner_state
 from .wallet import Wallet
+
+T = TypeVar("T")
 
 DOMAIN = b"neuroshard/segments/v1"
 KINDS = ("activations", "gradient")
@@ -333,7 +337,8 @@ class _Round:
     steps: list[StepRecord] = field(default_factory=list)
     received: list[list[Received]] = field(default_factory=list)
     """Per step, the messages with their bytes (for the store)."""
-    checkpoints: list[str] = field(default_factory=list)
+    checkpoints: list[Future[str]] = field(default_factory=list)
+    """Each checkpoint's sha256, computed (and the checkpoint stored) off the training thread."""
     ended: bool = False
 
 
@@ -354,9 +359,20 @@ class SegmentSink:
         """Drop what was kept of a round that will not be committed (resumed mid-round)."""
 
 
+MAX_IO_IN_FLIGHT = 2
+"""Sink calls (checkpoint hashes and writes, received payloads) queued on the recorder's writer
+thread before `record_step` waits for the oldest: memory stays bounded (a checkpoint is 12 bytes
+per parameter) and a disk slower than the training falls back to its pace."""
+
+
 class SegmentRecorder:
     """Builds each round's SegmentLog as the replica trains. `record_step`, `start_round`,
-    `end_round` and `close_round` run on the training thread; `note_*` on any thread."""
+    `end_round` and `close_round` run on the training thread; `note_*` on any thread.
+
+    The training thread only copies a checkpoint (weights and AdamW moments, to the CPU); its
+    sha256 and the sink's writes run on one writer thread, in order, so a GPU's inner steps do
+    not wait on hashing and writing 12 bytes per parameter every k steps. `close_round` waits for
+    them and raises a write's error there."""
 
     def __init__(self, config: SegmentConfig, *, stage: int, sink: SegmentSink | None = None) -> None:
         self.config = config
@@ -369,6 +385,21 @@ class SegmentRecorder:
         growth builds a new one) cannot replay from the round's first checkpoint."""
         self._pending_received: list[Received] = []
         self._pending_sent: list[tuple[str, SentRef]] = []
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment-writer")
+        self._in_flight: deque[Future[Any]] = deque()
+
+    def _io(self, call: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `call(*args)` on the writer thread after everything queued before it."""
+        future = self._writer.submit(call, *args)
+        self._in_flight.append(future)
+        while self._in_flight and (self._in_flight[0].done() or len(self._in_flight) > MAX_IO_IN_FLIGHT):
+            self._in_flight.popleft().result()  # raises a failed write's error on this thread
+        return future
+
+    def flush(self) -> None:
+        """Wait for every queued sink call (and raise the first error)."""
+        while self._in_flight:
+            self._in_flight.popleft().result()
 
     def start_round(self, diloco: DiLoCo) -> None:
         """Checkpoint a round about to start (its step 0). A replica resumed mid-round records
@@ -377,11 +408,11 @@ class SegmentRecorder:
             self._pending_received.clear()
             self._pending_sent.clear()
         if self._current is not None and not self._current.ended:
-            self.sink.abandon(self._current.round)
+            self._io(self.sink.abandon, self._current.round)
         self._current = None
         if diloco.steps_in_round != 0:
             return
-        self.sink.abandon(diloco.round)  # what an interrupted earlier run of this round left
+        self._io(self.sink.abandon, diloco.round)  # what an interrupted earlier run of this round left
         checkpoint = capture_checkpoint(diloco)
         if checkpoint is None:
             return
@@ -429,7 +460,7 @@ class SegmentRecorder:
         if current is None or current.ended:
             return
         if diloco is not self._engine:  # the model was rebuilt since the round's first checkpoint
-            self.sink.abandon(current.round)
+            self._io(self.sink.abandon, current.round)
             self._current = None
             return
         record = StepRecord(
@@ -439,7 +470,7 @@ class SegmentRecorder:
             current.steps.append(record)
         index = len(current.steps) - 1
         if messages:
-            self.sink.received(current.round, index, messages)
+            self._io(self.sink.received, current.round, index, messages)
         if len(current.steps) % self.config.segment_steps == 0:
             self._checkpoint_now(diloco)
 
@@ -449,7 +480,7 @@ class SegmentRecorder:
         if current is None or current.ended:
             return
         if diloco.round != current.round or len(current.steps) != diloco.steps_in_round:
-            self.sink.abandon(current.round)  # steps happened that were not recorded here
+            self._io(self.sink.abandon, current.round)  # steps happened that were not recorded here
             self._current = None
             return
         if len(current.steps) % self.config.segment_steps != 0 or not current.steps:
@@ -461,6 +492,7 @@ class SegmentRecorder:
         wallet `sign`, its signed commitment; None when this round was not recorded whole."""
         current = self._current
         if current is None or not current.ended:
+            self.flush()  # an abandoned round is gone from the sink when this returns
             return None
         self._current = None
         with self._lock:
@@ -471,14 +503,15 @@ class SegmentRecorder:
             segment_steps=self.config.segment_steps,
             start_step=current.start_step,
             steps=steps,
-            checkpoints=tuple(current.checkpoints),
+            checkpoints=tuple(f.result() for f in current.checkpoints),
         )
         commitment = (
             None
             if sign is None
             else SegmentCommitment.create(sign, stage=self.stage, round=current.round, root=log.root())
         )
-        self.sink.close(log, commitment)
+        self._io(self.sink.close, log, commitment)
+        self.flush()  # the round is on disk before its receipt names the root
         return log, commitment
 
     def _checkpoint_now(self, diloco: DiLoCo) -> None:
@@ -489,5 +522,9 @@ class SegmentRecorder:
     def _checkpoint(self, checkpoint: SegmentCheckpoint) -> None:
         current = self._current
         assert current is not None
-        self.sink.checkpoint(current.round, len(current.steps), checkpoint)
-        current.checkpoints.append(checkpoint.sha256())
+        current.checkpoints.append(self._io(self._store, current.round, len(current.steps), checkpoint))
+
+    def _store(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> str:
+        """On the writer thread: keep the checkpoint and return its sha256."""
+        self.sink.checkpoint(round_, step, checkpoint)
+        return checkpoint.sha256()

@@ -20,10 +20,12 @@ from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
 from neuroshard.node.segments import (
     Received,
     ReceivedRef,
+    SegmentCheckpoint,
     SegmentCommitment,
     SegmentConfig,
     SegmentLog,
     SegmentRecorder,
+    SegmentSink,
     SentRef,
     StepRecord,
     segment_boundaries,
@@ -289,3 +291,30 @@ def test_a_round_whose_engine_was_rebuilt_is_not_committed(tmp_path: Path) -> No
     recorder.end_round(after)
     assert recorder.close_round(WALLET) is None
     assert store.rounds() == [] and not (tmp_path / "round-000000000000").exists()
+
+
+def test_checkpoints_are_hashed_and_stored_off_the_training_thread() -> None:
+    """A slow disk does not hold up the inner steps until more than MAX_IO_IN_FLIGHT writes wait;
+    the round's log still names every checkpoint's hash, in order."""
+    released = threading.Event()
+    stored: list[int] = []
+
+    class SlowSink(SegmentSink):
+        def checkpoint(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> None:
+            released.wait(timeout=30)
+            stored.append(step)
+
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=1), stage=0, sink=SlowSink())
+    engine = _engine()
+    recorder.start_round(engine)  # checkpoint 0: queued, blocked
+    engine.inner_step(*_batch(0))
+    recorder.record_step(engine, data=(0, 0, 2))  # checkpoint 1: queued
+    assert stored == []  # the training thread went on while the first write waits
+    released.set()
+    for i in (1, 2):
+        engine.inner_step(*_batch(i))
+        recorder.record_step(engine, data=(0, 2 * i, 2 * i + 2))
+    recorder.end_round(engine)
+    closed = recorder.close_round(WALLET)
+    assert closed is not None and stored == [0, 1, 2, 3]
+    assert len(closed[0].checkpoints) == 4
