@@ -1,17 +1,18 @@
 """The replay checker's compute budget: how many receipts it can afford, and whom it draws.
 
-A replay costs about what the round cost the replica (bench/RESULTS.md: replay/work 0.95 to
-1.15), so a budget of B replicas' worth of compute buys about B replays per round whatever
-the network's size; with a thousand wallets the verifier cannot replay everyone. The budget
-is split in two:
+A whole-round replay costs about what the round cost the replica (bench/RESULTS.md: replay/work
+0.95 to 1.15); a segment check of s segments of k steps costs about s · k/H of it plus a fixed
+overhead (4 segments at k = H/10: 0.44–0.53, issue 17). A budget of B replicas' worth of
+compute therefore buys C = B / check_cost checks per round whatever the network's size; with a
+thousand wallets the verifier cannot check everyone. The checks are split in two:
 
-- a coverage share c·B goes to wallets that are overdue: not checked for `max_gap` rounds,
-  max_gap = ceil(W / (c·B)) for W wallets reporting, at most ceil(c·B) of them a round. In
+- a coverage share c·C goes to wallets that are overdue: not checked for `max_gap` rounds,
+  max_gap = ceil(W / (c·C)) for W wallets reporting, at most ceil(c·C) of them a round. In
   steady state every wallet is checked at least once in max_gap rounds; wallets that all
   fall due together (joined together) wait up to another max_gap. Being due is
   predictable, so this bounds coverage, not cheating;
-- the rest, (1 − c)·B, is drawn unpredictably (verifier.sampling: the operator's signature),
-  wallet w's receipt with probability q_w = min(1, (1 − c)·B·weight_w / Σ weight), where
+- the rest, (1 − c)·C, is drawn unpredictably (verifier.sampling: the operator's signature),
+  wallet w's receipt with probability q_w = min(1, (1 − c)·C·weight_w / Σ weight), where
   new wallets (first receipt within `new_rounds`) weigh `new_weight` and wallets under
   `low_reputation` weigh `low_weight`: the ones with the least history are looked at most.
 
@@ -32,6 +33,9 @@ class ReplayBudget:
     replicas: float
     """Replays per round the verifier can afford, in units of one replica's round of compute
     (e.g. 1.0: one replica's CPU; a GPU verifier replaying tiny models: tens)."""
+    check_cost: float = 1.0
+    """What one check costs, in replica-rounds: 1 for a whole-round replay; for segment checks
+    `segment_check_cost(segments)`. The budget buys replicas / check_cost checks a round."""
     coverage_share: float = 0.5
     """Part of the budget spent on overdue wallets (the rest is drawn at random)."""
     new_rounds: int = 10
@@ -43,21 +47,38 @@ class ReplayBudget:
     def __post_init__(self) -> None:
         if not self.replicas > 0:
             raise ValueError(f"ReplayBudget.replicas must be > 0, got {self.replicas}")
+        if not self.check_cost > 0:
+            raise ValueError(f"ReplayBudget.check_cost must be > 0, got {self.check_cost}")
         if not 0 <= self.coverage_share < 1:
             raise ValueError(f"ReplayBudget.coverage_share must lie in [0, 1), got {self.coverage_share}")
         if self.new_rounds < 0 or self.new_weight < 1 or self.low_weight < 1:
             raise ValueError(f"ReplayBudget: new_rounds ≥ 0 and weights ≥ 1 expected, got {self}")
 
+    @property
+    def checks(self) -> float:
+        """Checks a round the budget buys."""
+        return self.replicas / self.check_cost
+
     def max_gap(self, wallets: int) -> int | None:
         """Rounds within which every one of `wallets` is checked at least once (None: no coverage share)."""
         if self.coverage_share == 0 or wallets == 0:
             return None
-        return max(1, math.ceil(wallets / (self.coverage_share * self.replicas)))
+        return max(1, math.ceil(wallets / (self.coverage_share * self.checks)))
+
+
+SEGMENT_COST = 0.133
+"""Replica-rounds one segment check costs at k = H/10, its fixed overhead included: the largest of
+0.109–0.133 measured (bench/bench_replay.py, bench/RESULTS.md, issue 17)."""
+
+
+def segment_check_cost(segments: int) -> float:
+    """What checking `segments` segments of one receipt costs, in replica-rounds (k = H/10)."""
+    return segments * SEGMENT_COST
 
 
 @dataclass(frozen=True)
 class Standing:
-    """What the draw knows of a wallet reporting stage-0 receipts."""
+    """What the draw knows of a wallet reporting receipts (any stage)."""
 
     wallet_id: str
     reputation: float
@@ -70,7 +91,7 @@ def check_rates(standings: Sequence[Standing], round_: int, budget: ReplayBudget
     """Each wallet's probability q_w of a random draw of its receipt for `round_`."""
     weights = {s.wallet_id: _weight(s, round_, budget) for s in standings}
     total = sum(weights.values())
-    share = (1 - budget.coverage_share) * budget.replicas
+    share = (1 - budget.coverage_share) * budget.checks
     return {w: min(1.0, share * weight / total) for w, weight in weights.items()} if total else {}
 
 

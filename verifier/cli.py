@@ -24,14 +24,14 @@ import torch
 
 from neuroshard.node.roster import POLICIES
 
-from .budget import ReplayBudget
+from .budget import ReplayBudget, segment_check_cost
 from .config import VerifierConfig
 from .db import DatabaseURLError, normalise_url
 from .evaluator import EvaluatorConfig, models_dir_for
 from .members import MembershipConfig
 from .network import NetworkError, load_network, load_operator_key
 from .ratelimit import SourceLimitConfig
-from .replaycheck import ReplayCheckConfig
+from .replaycheck import SEGMENTS_PER_CHECK, ReplayCheckConfig
 from .workers import Supervisor, SupervisorConfig, listen
 
 PROG = "neuroshard-verifier"
@@ -106,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replay-budget",
         type=float,
-        help="replays per round the verifier can afford, in replicas' worth of compute (e.g. 1 = one "
-        "replica's CPU); replaces --replay-rate: every wallet checked within a bounded number of rounds, "
-        "new and low-reputation wallets more often (verifier.budget)",
+        help="compute per round the verifier can spend on checks, in replicas' worth (e.g. 1 = one "
+        "replica's CPU; a segment check of 4 segments costs ~0.53 of a replica's round); replaces "
+        "--replay-rate: every wallet checked within a bounded number of rounds, new and "
+        "low-reputation wallets more often (verifier.budget)",
     )
     g = p.add_argument_group("membership (issue 19: what a new wallet costs)")
     g.add_argument(
@@ -196,7 +197,12 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         )
     if args.replay_budget is not None and not args.replay_budget > 0:
         raise ValueError(f"--replay-budget must be > 0 replicas, got {args.replay_budget}")
-    budget = None if args.replay_budget is None else ReplayBudget(replicas=args.replay_budget)
+    # Nodes commit to segments (issue 17): a check replays SEGMENTS_PER_CHECK of them, not a round.
+    budget = (
+        None
+        if args.replay_budget is None
+        else ReplayBudget(replicas=args.replay_budget, check_cost=segment_check_cost(SEGMENTS_PER_CHECK))
+    )
     if args.eval_threads < 1:
         raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
     if args.new_wallets_per_hour < 0:

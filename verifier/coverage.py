@@ -2,7 +2,9 @@
 
 A replay verdict is a reputation event (ledger.record_spot_check) whose reason says
 "spot check passed|failed in stage S round R: replay: …"; the round of a wallet's latest one
-is when it was last checked. Only stage-0 receipts are replayed (verifier.replaycheck).
+is when it was last checked. Receipts of every stage that commit to a segment root are checked
+by segments, older ones at stage 0 of a single-stage run by a whole-round replay
+(verifier.replaycheck), so a wallet of any stage counts.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Coverage:
     latest_round: int | None
     window_rounds: int
     wallets_reporting: int
-    """Distinct wallets with a stage-0 receipt in the window."""
+    """Distinct wallets with a receipt in the window (any stage)."""
     wallets_checked: int
     """Of those, how many got a replay verdict for a round in the window."""
     max_gap_rounds: int | None
@@ -55,10 +57,9 @@ class Coverage:
 
 
 def standings(session: Session) -> list[Standing]:
-    """Every wallet with a stage-0 receipt: reputation, first round, round of its last replay verdict."""
+    """Every wallet with a receipt (any stage): reputation, first round, round of its last check."""
     first = (
         select(m.Receipt.wallet_id, func.min(m.Receipt.round).label("first"))
-        .where(m.Receipt.stage == 0)
         .group_by(m.Receipt.wallet_id)
         .subquery()
     )
@@ -90,10 +91,7 @@ def coverage(
     latest = session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == 0))
     low = (latest or 0) - window + 1
     reporting = {
-        w
-        for (w,) in session.execute(
-            select(m.Receipt.wallet_id).where(m.Receipt.stage == 0, m.Receipt.round >= low).distinct()
-        )
+        w for (w,) in session.execute(select(m.Receipt.wallet_id).where(m.Receipt.round >= low).distinct())
     }
     last_at = dict(
         session.execute(

@@ -6,7 +6,7 @@ process, verifier.cli) does, every `poll_s`:
 1. **sample** — new receipts (stage 0's, and every stage's that commits to a segment root,
    below), each with probability `sample_rate`, picked by the
    operator's signature over (wallet, stage, round), which a replica cannot predict
-   (verifier.sampling); or, with a `budget`, about `budget.replicas` a round whatever the
+   (verifier.sampling); or, with a `budget`, about `budget.checks` a round whatever the
    number of wallets: overdue wallets first, the rest drawn with per-wallet probabilities
    that favour new and low-reputation wallets (verifier.budget). A receipt whose data spans do not follow
    the wallet's shard order (verifier.datacheck.receipt_problems), or that commits to no
@@ -124,6 +124,10 @@ def tolerance_for(device: str | None, precision: str | None, config: ReplayCheck
     return config.cross_precision
 
 
+SEGMENTS_PER_CHECK = 4
+"""Segments replayed per drawn receipt that commits to a segment root (ReplayCheckConfig)."""
+
+
 @dataclass(kw_only=True)
 class ReplayCheckConfig:
     sample_rate: float = 0.1
@@ -148,9 +152,9 @@ class ReplayCheckConfig:
     """Shard cache when the data set is served over HTTP."""
     budget: ReplayBudget | None = None
     """Draw by a compute budget instead of `sample_rate` (verifier.budget): about
-    `budget.replicas` replays per round whatever the number of wallets, every wallet at least
+    `budget.checks` checks per round whatever the number of wallets, every wallet at least
     once in a bounded number of rounds, new and low-reputation wallets more often."""
-    segments_per_check: int = 4
+    segments_per_check: int = SEGMENTS_PER_CHECK
     """Segments replayed per drawn receipt that commits to a segment root: a check costs this × k/H
     of the round. 4 catches a replica faking 10% of its segments within 11 of its drawn rounds with
     probability 1 − 0.9^44 = 0.990 (bench/bench_replay.py's simulation)."""
@@ -383,7 +387,7 @@ class ReplayChecker:
         gap = budget.max_gap(len(merged))
         # Overdue wallets get the coverage share of each round and no more, so the budget holds
         # when many fall due at once (all that joined together); the rest wait a round or two.
-        per_round = math.ceil(budget.coverage_share * budget.replicas)
+        per_round = math.ceil(budget.coverage_share * budget.checks)
         for old in [r for r in self._overdue_picks if r < latest - 10]:
             del self._overdue_picks[old]
 

@@ -9,7 +9,15 @@ from sqlalchemy import select
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
-from neuroshard.verifier.budget import ReplayBudget, Standing, check_rates, overdue, unnoticed
+from neuroshard.verifier.budget import (
+    SEGMENT_COST,
+    ReplayBudget,
+    Standing,
+    check_rates,
+    overdue,
+    segment_check_cost,
+    unnoticed,
+)
 from neuroshard.verifier.coverage import coverage, standings
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
@@ -127,3 +135,16 @@ def test_coverage_report_counts_replay_verdicts(db: Database) -> None:
     ) == 10
     assert report.wallets[1].last_check_round == 3 and report.wallets[1].last_check_at == 101.0
     assert math.isclose(report.wallets[3].check_probability, 0.1)
+
+
+def test_a_cheaper_check_buys_more_checks_and_shorter_coverage() -> None:
+    """Segment checks (issue 17) cost a fraction of a round's replay: the same compute covers
+    every wallet sooner."""
+    whole = ReplayBudget(replicas=1.0, coverage_share=0.5)
+    segments = ReplayBudget(replicas=1.0, coverage_share=0.5, check_cost=segment_check_cost(4))
+    assert segment_check_cost(4) == pytest.approx(4 * SEGMENT_COST)
+    assert segments.checks == pytest.approx(1 / (4 * SEGMENT_COST))
+    assert whole.max_gap(100) == 200
+    assert segments.max_gap(100) == math.ceil(100 / (0.5 / (4 * SEGMENT_COST)))
+    with pytest.raises(ValueError, match="check_cost"):
+        ReplayBudget(replicas=1.0, check_cost=0)
