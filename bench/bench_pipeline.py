@@ -153,19 +153,41 @@ def bytes_table(model: ModelConfig, args: argparse.Namespace, codecs: dict[str, 
             back = len(encode_gradient(grad, name)) / (b * t)
         else:
             fwd, back = codec.forward.bytes_per_row(c) + 4.0, float(codec.backward.bytes_per_row(c))
-        rows[name] = {"forward": round(fwd, 2), "backward": round(back, 2)}
+        rows[name] = {
+            "forward": round(fwd, 2),
+            "backward": round(back, 2),
+            "codec_ms": _codec_ms(codec, hidden, grad),
+        }
     bf16 = rows["bf16"]["forward"] + rows["bf16"]["backward"]
-    print(f"\nbytes per token per boundary ({args.model}, C = {c}, micro-batch {b}x{t}, labels int32):")
-    print(f"{'codec':<11} {'bits fwd/back':>14} {'forward':>9} {'backward':>9} {'both':>8} {'/ bf16':>7}")
+    print(
+        f"\nbytes per token per boundary ({args.model}, C = {c}, micro-batch {b}x{t}, labels int32); codec ms:"
+    )
+    print("encode + decode of one micro-batch's hidden state and gradient, 1 thread, best of 5")
+    print(
+        f"{'codec':<11} {'bits fwd/back':>14} {'forward':>9} {'backward':>9} {'both':>8} {'/ bf16':>7} {'codec ms':>9}"
+    )
     for name, row in rows.items():
         both = row["forward"] + row["backward"]
         row["ratio_to_bf16"] = round(both / bf16, 4)
         f, k = codecs[name].forward, codecs[name].backward
         bits = f"{_bits(f, c):.2f}/{_bits(k, c):.2f}"
         print(
-            f"{name:<11} {bits:>14} {row['forward']:>9.1f} {row['backward']:>9.1f} {both:>8.1f} {both / bf16:>7.3f}"
+            f"{name:<11} {bits:>14} {row['forward']:>9.1f} {row['backward']:>9.1f} {both:>8.1f} {both / bf16:>7.3f} "
+            f"{row['codec_ms']:>9.2f}"
         )
     return rows
+
+
+def _codec_ms(codec: Codec, hidden: Tensor, grad: Tensor) -> float:
+    """What the codec costs the two stages of a boundary per micro-batch: both directions encoded
+    and decoded (the CPU work a live run adds; its tokens/s on a shared machine is too noisy to show it)."""
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        actcodec.round_trip(hidden, codec.forward)
+        actcodec.round_trip(grad, codec.backward)
+        best = min(best, time.perf_counter() - started)
+    return round(1000 * best, 3)
 
 
 def _bits(fmt: Format, dim: int) -> float:
