@@ -103,12 +103,19 @@ def join_network(args: argparse.Namespace, log: Log) -> NetworkDefinition | None
             f"(0..{definition.num_stages - 1})"
         )
     args.stages = definition.num_stages
+    codec = getattr(args, "activation_codec", None)
+    if codec is not None and codec != definition.pipeline_codec:
+        raise ValueError(
+            f"--activation-codec {codec}: {args.join} runs its pipeline in {definition.pipeline_codec} "
+            "(its [stages] codec); every replica must use the run's"
+        )
+    args.activation_codec = definition.pipeline_codec
     args.operator_key = key  # only this key may ask for replay material (node.p2p.replay)
     args.data, args.publisher_key = definition.manifest_url, definition.publisher_key
     args.batch_size, args.seq_len = definition.batch_size, definition.seq_len
     log(
         f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
-        f"stage {args.stage} of {definition.num_stages}, "
+        f"stage {args.stage} of {definition.num_stages} (pipeline codec {definition.pipeline_codec}), "
         f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
         f"aggregation {definition.aggregation_rule} f={definition.aggregation_f}, "
         f"held-out shard {definition.held_out_shard}"

@@ -29,7 +29,7 @@ from ..trainer import TrainResult
 from ..wallet import Wallet
 from .network import NetworkConfig, PeerNetwork
 from .pipeline import PipelineClient, PipelineConfig, PipelineService
-from .pipeline_wire import ACTIVATION_DTYPES, micro_batch_id
+from .pipeline_wire import ACTIVATION_DTYPES, CODEC_NAMES, DEFAULT_CODEC, micro_batch_id
 from .replay import SegmentService
 from .rounds import AggregationRule, ordered_mean
 from .server import ServerExtension
@@ -40,10 +40,15 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stages", type=int, default=1, help="S: stages the model is cut into (1: data parallel)")
     g.add_argument("--stage", type=int, default=0, help="the stage this node holds; 0 reads data and drives")
     g.add_argument(
-        "--activation-dtype",
-        choices=ACTIVATION_DTYPES,
-        default="bf16",
-        help="activations/gradients on the wire",
+        "--activation-codec",
+        choices=CODEC_NAMES,
+        default=None,
+        help="activations/gradients on the pipeline wire (node.actcodec); with --join the network "
+        f"definition's [stages] codec, else {DEFAULT_CODEC}",
+    )
+    # Before codecs the wire had a dtype: bf16 and fp16 are codecs of those names.
+    g.add_argument(
+        "--activation-dtype", dest="activation_codec", choices=ACTIVATION_DTYPES, help=argparse.SUPPRESS
     )
 
 
@@ -51,7 +56,9 @@ def pipeline_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     if not 0 <= args.stage < args.stages:
         raise ValueError(f"--stage {args.stage} must lie in [0, --stages {args.stages})")
     return PipelineConfig(
-        num_stages=args.stages, dtype=args.activation_dtype, max_batch=max(64, args.batch_size)
+        num_stages=args.stages,
+        codec=args.activation_codec or DEFAULT_CODEC,
+        max_batch=max(64, args.batch_size),
     )
 
 

@@ -103,3 +103,39 @@ def test_joining_a_pipeline_takes_its_stage_count_and_checks_the_stage(
     assert args.stages == 2 and args.stage == 1
     with pytest.raises(ValueError, match=r"--stage 2: .* cuts the model into 2 stages"):
         reporting.join_network(_joined_args(2, tmp_path), lambda line: None)
+
+
+def test_joining_a_pipeline_takes_its_codec_and_refuses_another(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from neuroshard.node import reporting
+    from neuroshard.node.cli import build_parser
+    from neuroshard.node.p2p.stages import pipeline_config_from_args
+    from neuroshard.verifier.testing import small_network
+
+    definition = small_network(stages={"count": 2, "codec": "hadamard4"})
+    monkeypatch.setattr(reporting, "fetch_network", lambda *a, **k: (definition, "ab" * 32))
+    args = _joined_args(1, tmp_path)
+    reporting.join_network(args, lambda line: None)
+    assert pipeline_config_from_args(args).codec == "hadamard4"
+    with pytest.raises(ValueError, match=r"--activation-codec int8: .* runs its pipeline in hadamard4"):
+        reporting.join_network(
+            build_parser().parse_args(
+                [
+                    "--join",
+                    "http://127.0.0.1:1",
+                    "--home",
+                    str(tmp_path),
+                    "--stage",
+                    "1",
+                    "--activation-codec",
+                    "int8",
+                ]
+            ),
+            lambda line: None,
+        )
+    # Without --join: --activation-codec, else int8; the old --activation-dtype names a cast codec.
+    alone = build_parser().parse_args(["--stages", "2"])
+    assert pipeline_config_from_args(alone).codec == "int8"
+    old = build_parser().parse_args(["--stages", "2", "--activation-dtype", "fp16"])
+    assert pipeline_config_from_args(old).codec == "fp16"
