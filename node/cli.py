@@ -356,9 +356,7 @@ def _run_stage_replica(
         ),
     )
     segments = (
-        None
-        if joined is None
-        else segment_store(args.home, diloco_config.inner_steps, args.replay_rounds, _log)
+        None if joined is None else segment_store(args.home, joined.segment_k, args.replay_rounds, _log)
     )
     replica = start_stage_replica(
         wallet=wallet,

@@ -60,10 +60,22 @@ class NetworkDefinition:
     """``[stages] codec``: how activations and their gradients cross stage boundaries
     (node.actcodec.CODECS); every replica of the run must use it. A definition without it means
     the default, int8 in groups of 64. Unused when num_stages is 1."""
+    segment_steps: int | None = None
+    """``[training] segment_steps``: k, inner steps per committed segment (node.segments); a spot
+    check replays one segment, so it costs about k/H of the round it checks. None: H/10."""
 
     def __post_init__(self) -> None:
         if self.pipeline_codec not in CODECS:
             raise NetworkError(f"[stages] codec {self.pipeline_codec!r} is not one of {', '.join(CODECS)}")
+        if self.segment_steps is not None and not 1 <= self.segment_steps <= self.diloco.inner_steps:
+            raise NetworkError(
+                f"[training] segment_steps {self.segment_steps} must be in 1..inner_steps ({self.diloco.inner_steps})"
+            )
+
+    @property
+    def segment_k(self) -> int:
+        """The run's segment length: `segment_steps`, or H/10 (at least 1)."""
+        return self.segment_steps or max(1, self.diloco.inner_steps // 10)
 
     def to_document(self) -> dict[str, Any]:
         diloco = dataclasses.asdict(self.diloco)
@@ -74,7 +86,9 @@ class NetworkDefinition:
             "model": self.model.to_dict(),
             "stages": {"count": self.num_stages, "codec": self.pipeline_codec},
             "diloco": diloco,
-            "training": {"batch_size": self.batch_size, "seq_len": self.seq_len},
+            # segment_steps only when set: definitions signed before it existed keep their bytes
+            "training": {"batch_size": self.batch_size, "seq_len": self.seq_len}
+            | ({} if self.segment_steps is None else {"segment_steps": self.segment_steps}),
             "aggregation": {"rule": self.aggregation_rule, "f": self.aggregation_f},
             "data": {"manifest_url": self.manifest_url, "publisher_key": self.publisher_key},
             "evaluation": {"every_rounds": self.evaluate_every_rounds, "held_out_shard": self.held_out_shard},
@@ -162,6 +176,11 @@ def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkD
     training = _table(doc, "training", source)
     batch_size = _int(training, "batch_size", f"{source}: [training]", 8)
     seq_len = _int(training, "seq_len", f"{source}: [training]", 128)
+    segment_steps = training.pop("segment_steps", None)
+    if segment_steps is not None and (type(segment_steps) is not int or segment_steps < 1):
+        raise NetworkError(
+            f"{source}: [training] segment_steps must be a positive integer, got {segment_steps!r}"
+        )
     _no_leftovers(training, f"{source}: [training]")
     if batch_size < 1 or not 1 <= seq_len <= model.max_seq_len:
         raise NetworkError(
@@ -200,6 +219,7 @@ def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkD
         evaluate_every_rounds=every,
         held_out_shard=held_out,
         pipeline_codec=pipeline_codec,
+        segment_steps=segment_steps,
     )
 
 

@@ -164,10 +164,10 @@ class _Server(Protocol):
     def stop(self) -> None: ...
 
 
-def segment_store(home: Path, inner_steps: int, keep_rounds: int, log: Log) -> SegmentStore:
-    """The node's segment store under HOME/segments: k = H/10 (issue 17's suggestion, until the
-    network definition carries k), the last `keep_rounds` rounds (--replay-rounds)."""
-    config = SegmentConfig(segment_steps=max(1, inner_steps // 10), keep_rounds=keep_rounds)
+def segment_store(home: Path, segment_steps: int, keep_rounds: int, log: Log) -> SegmentStore:
+    """The node's segment store under HOME/segments: k = the run's `segment_k` (its definition's
+    [training] segment_steps, else H/10), the last `keep_rounds` rounds (--replay-rounds)."""
+    config = SegmentConfig(segment_steps=segment_steps, keep_rounds=keep_rounds)
     return SegmentStore(Path(home) / "segments", config, log=log)
 
 
@@ -235,7 +235,7 @@ class Reporting:
         if args.port is None and not getattr(args, "relay", None):
             args.port = 0  # a --relay node opens no port: the verifier cannot call it (README)
         if joined is not None:
-            reporting.segments = segment_store(args.home, joined.diloco.inner_steps, args.replay_rounds, log)
+            reporting.segments = segment_store(args.home, joined.segment_k, args.replay_rounds, log)
         if joined is not None and joined.num_stages == 1:
             # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
             # inner steps depend on the other stages' replicas: neither keeps replay material.

@@ -21,6 +21,7 @@ key, so a joining node can check it against the operator key it was given. A min
     [training]
     batch_size = 8       # sequences per inner step (spot checks replay with these)
     seq_len = 128
+    segment_steps = 10   # k of the segment checks (node.segments); omitted: inner_steps / 10
 
     [aggregation]
     rule = "default"     # node.aggregation: a rule name, "default" or "nnm+<rule>"

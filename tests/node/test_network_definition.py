@@ -62,3 +62,31 @@ def test_a_definition_built_in_code_is_checked_too() -> None:
     fields = {f: getattr(net, f) for f in net.__dataclass_fields__}
     with pytest.raises(NetworkError, match="codec 'int3'"):
         NetworkDefinition(**{**fields, "pipeline_codec": "int3"})
+
+
+def test_segment_steps_default_to_a_tenth_of_a_round_and_travel_signed() -> None:
+    """[training] segment_steps is k of the segment checks (issue 17); absent, k = H/10 and the
+    served bytes carry no key, so definitions signed before it keep their signatures."""
+    plain = parse_network({**_doc(), "diloco": {"inner_steps": 40}})
+    assert plain.segment_steps is None and plain.segment_k == 4
+    assert "segment_steps" not in json.loads(plain.canonical_bytes())["training"]
+    doc = {
+        **_doc(),
+        "diloco": {"inner_steps": 40},
+        "training": {"batch_size": 4, "seq_len": 32, "segment_steps": 5},
+    }
+    chosen = parse_network(doc)
+    body, signature = sign_network(chosen, OPERATOR)
+    served = verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex))
+    assert served.segment_steps == 5 and served.segment_k == 5 and served == chosen
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "5", 41])
+def test_a_segment_length_outside_the_round_is_refused(bad: object) -> None:
+    doc = {
+        **_doc(),
+        "diloco": {"inner_steps": 40},
+        "training": {"batch_size": 4, "seq_len": 32, "segment_steps": bad},
+    }
+    with pytest.raises(NetworkError, match="segment_steps"):
+        parse_network(doc)
