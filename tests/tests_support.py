@@ -3,7 +3,11 @@
 import random
 import socket
 
+import torch
+
 from neuroshard.data.corpus import read_documents, stdlib_source_files
+from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.network_definition import NetworkDefinition
 
 UNASSIGNED_PORTS = (20_000, 32_000)
 """Where `free_port_block` looks: below Linux's ephemeral range (32768-60999 by default), so an
@@ -36,3 +40,17 @@ def free_port_block(count: int) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError(f"no {count} consecutive free ports in {low}-{high}")
+
+
+def majority_stages(network: NetworkDefinition, seed: int) -> list[Transformer]:
+    """A majority model for the verifier's round files: every stage of `network` with weights of
+    its own (norm gains too, so a swap of stages shows), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    stages = []
+    for s in range(network.num_stages):
+        stage = build_stage(network.model, s, network.num_stages)
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        stages.append(stage.eval())
+    return stages

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from tests_support import majority_stages
 
 from neuroshard.api import reads
 from neuroshard.api.app import create_app
 from neuroshard.api.testing import Harness, free_port, start_verifier_process, test_config
 from neuroshard.node.export import main as export_main
-from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import StageProvenance, round_model_path, save_round_model
 from neuroshard.node.wallet import Wallet
 from neuroshard.tokenizer import BPETokenizer
@@ -25,18 +26,6 @@ from neuroshard.verifier.evaluate import stage_hash
 from neuroshard.verifier.evaluator import EvaluatorConfig, models_dir_for
 from neuroshard.verifier.network import NetworkDefinition, load_network
 from neuroshard.verifier.testing import ManualClock, small_network
-
-
-def _majority(network: NetworkDefinition, seed: int) -> list[Transformer]:
-    gen = torch.Generator().manual_seed(seed)
-    stages = []
-    for s in range(network.num_stages):
-        stage = build_stage(network.model, s, network.num_stages)
-        with torch.no_grad():
-            for p in stage.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        stages.append(stage.eval())
-    return stages
 
 
 def _keep(models: Path, round_: int, stages: list[Transformer], network: NetworkDefinition, tokenizer: BPETokenizer) -> list[StageProvenance]:  # fmt: skip
@@ -61,7 +50,7 @@ def test_the_kept_rounds_are_listed_and_served_whole(
     assert h.client.get("/api/training/models").json() == {"models": []}
     network = small_network(model={"size": "micro", "vocab_size": 512}, stages={"count": 2})
     tokenizer = published.dataset.tokenizer
-    provenance = _keep(tmp_path / "models", 5, _majority(network, 1), network, tokenizer)
+    provenance = _keep(tmp_path / "models", 5, majority_stages(network, 1), network, tokenizer)
     h.clock.advance(10)  # the listing is re-rendered once stale
     listing = h.client.get("/api/training/models").json()["models"]
     path = round_model_path(tmp_path / "models", 5)
@@ -119,9 +108,9 @@ def test_export_downloads_a_round_from_a_verifier(published, tmp_path: Path, cap
     try:
         network = load_network(tmp_path / "network.toml")
         models = models_dir_for(tmp_path, network)  # where the verifier process keeps its round files
-        stages = _majority(network, 2)
+        stages = majority_stages(network, 2)
         provenance = _keep(models, 7, stages, network, published.dataset.tokenizer)
-        lie = _majority(network, 3)  # a round file whose stage 1 is not what the verifier settled on
+        lie = majority_stages(network, 3)  # a round file whose stage 1 is not what the verifier settled on
         lying = _keep(models, 8, [stages[0], lie[1]], network, published.dataset.tokenizer)
         unsettled = _keep(models, 9, stages, network, published.dataset.tokenizer)  # nobody settled it
         majorities = [p.theta_hash for p in provenance] + [lying[0].theta_hash, provenance[1].theta_hash]
@@ -174,7 +163,7 @@ def test_head_on_a_round_file_answers_its_headers_without_reading_it(
 ) -> None:
     """HEAD is routed as GET (api.cache.HeadAsGet), which would stream the whole file and drop it."""
     network = small_network(model={"size": "micro", "vocab_size": 512}, stages={"count": 2})
-    _keep(tmp_path / "models", 5, _majority(network, 1), network, published.dataset.tokenizer)
+    _keep(tmp_path / "models", 5, majority_stages(network, 1), network, published.dataset.tokenizer)
     path = round_model_path(tmp_path / "models", 5)
     streamed: list[int] = []
     real = reads.StreamingResponse

@@ -15,11 +15,12 @@ from conftest import PublishedData
 from safetensors import safe_open
 from safetensors.torch import save_file
 from sqlalchemy import select
+from tests_support import majority_stages
 
 from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.export import main as export_main
 from neuroshard.node.generate import SamplingConfig, sample_text
-from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import round_models
 from neuroshard.node.wallet import Wallet
 from neuroshard.verifier import models as m
@@ -61,19 +62,6 @@ def _evaluator(
     )
 
 
-def _stages(network: NetworkDefinition, seed: int) -> list[Transformer]:
-    """A majority model: every stage with weights of its own (norm gains too, so a swap shows)."""
-    gen = torch.Generator().manual_seed(seed)
-    stages = []
-    for s in range(network.num_stages):
-        stage = build_stage(network.model, s, network.num_stages)
-        with torch.no_grad():
-            for p in stage.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        stages.append(stage.eval())
-    return stages
-
-
 def _settle(db: Database, evaluator: Evaluator, round_: int, stages: list[Transformer]) -> None:
     """Round round_ − 1 of every stage settled with these stages' hashes as its majority, and
     the stages fetched at round round_ waiting in the evaluator."""
@@ -93,7 +81,7 @@ def _kept_round(database_url: str, published: PublishedData, models: Path, num_s
     network = _network(num_stages)
     db = Database(database_url)
     evaluator = _evaluator(db, network, published, models, sample_every=0)
-    _settle(db, evaluator, 2, _stages(network, seed=5))
+    _settle(db, evaluator, 2, majority_stages(network, seed=5))
     evaluator.run_once()
     db.dispose()
     return models / "round-00000002.safetensors"
@@ -114,7 +102,7 @@ def test_a_measured_round_exports_with_our_logits(
     models = tmp_path / "home" / "models" / "run"
     db = Database(database_url)
     evaluator = _evaluator(db, network, published, models, sample_every=0)
-    stages = _stages(network, seed=num_stages)
+    stages = majority_stages(network, seed=num_stages)
     _settle(db, evaluator, 4, stages)
     evaluator.run_once()
     with db.read() as s:
@@ -147,7 +135,7 @@ def test_round_files_are_bounded_and_an_earlier_runs_are_replaced(
     db = Database(database_url)
     evaluator = _evaluator(db, network, published, models, sample_every=0, keep_models=2)
     for r in (1, 2, 3):
-        _settle(db, evaluator, r, _stages(network, seed=r))
+        _settle(db, evaluator, r, majority_stages(network, seed=r))
         evaluator.run_once()
     assert round_models(models) == [2, 3]
     assert not [p for p in models.iterdir() if p.name.endswith(".tmp")], "no temporary file left"
@@ -160,7 +148,7 @@ def test_round_files_are_bounded_and_an_earlier_runs_are_replaced(
             for row in s.scalars(select(table)):
                 s.delete(row)
     evaluator = _evaluator(db, network, published, models, sample_every=0, keep_models=2)
-    _settle(db, evaluator, 1, _stages(network, seed=9))
+    _settle(db, evaluator, 1, majority_stages(network, seed=9))
     evaluator.run_once()
     assert round_models(models) == [1]
     db.dispose()
@@ -176,7 +164,7 @@ def test_a_round_judged_after_a_later_one_is_not_kept_and_deletes_nothing(
     db = Database(database_url)
     evaluator = _evaluator(db, network, published, models, sample_every=0)
     for r in (12, 10):
-        stages = _stages(network, seed=r)
+        stages = majority_stages(network, seed=r)
         fetched = tuple(
             Fetched(
                 stage=i,
@@ -237,7 +225,7 @@ def test_a_sample_is_stored_every_k_evaluations(
     evaluator = _evaluator(db, network, published, None, sample_every=2)
     expected = {}
     for r in range(1, 6):
-        stages = _stages(network, seed=10 + r)
+        stages = majority_stages(network, seed=10 + r)
         _settle(db, evaluator, r, stages)
         evaluator.run_once()
         expected[r] = sample_text(
@@ -259,7 +247,7 @@ def test_a_sample_is_stored_every_k_evaluations(
     assert any(expected[r] for r in (1, 3, 5)), "the model generated some text"
     # A restarted evaluator keeps the pace from the database: one more evaluation is not enough.
     evaluator = _evaluator(db, network, published, None, sample_every=2)
-    _settle(db, evaluator, 6, _stages(network, seed=16))
+    _settle(db, evaluator, 6, majority_stages(network, seed=16))
     evaluator.run_once()
     with db.read() as s:
         assert max(s.scalars(select(m.TextSample.round))) == 5
@@ -303,7 +291,7 @@ def test_a_sample_spelling_nul_is_stored_on_every_database(
     network = _network(1)
     db = Database(database_url)
     evaluator = _evaluator(db, network, published, None, sample_every=1)
-    stages = _stages(network, seed=21)
+    stages = majority_stages(network, seed=21)
     natural = sample_text(stages[0], published.dataset.tokenizer, PROMPT, SAMPLING, max_seq_len=64)
     monkeypatch.setattr("neuroshard.verifier.evaluator.sample_text", lambda *a, **k: natural + "\x00end")
     _settle(db, evaluator, 1, stages)
