@@ -7,7 +7,7 @@ on the same held-out windows:
   (M·B sequences), so it sees exactly the tokens the M DiLoCo replicas see together;
 - one replica alone: replica 0's batches only (a quarter of the tokens at M = 4);
 - DiLoCo: M replicas of H inner steps each per round, outer step on the mean of their
-  pseudo-gradients (``neuroshard.node.simulate``), with the robust default rule beside it
+  pseudo-gradients (``neuroshard.adversary.simulate``), with the robust default rule beside it
   (``aggregation.aggregate("default", ...)``) where --robust-at names M, and with --overlap
   the same defaults with a one-round-delayed outer step (``simulate(delayed_outer=True)``).
 
@@ -44,10 +44,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CACHE_DIR, fresh_clone_text, parse_with_quick, quick_text
 
+from neuroshard.adversary.simulate import Batch, SimulationResult, simulate
 from neuroshard.node.aggregation import aggregate
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.simulate import Batch, SimulationResult, simulate
 from neuroshard.tokenizer import BPETokenizer
 
 HELD_OUT_FRACTION = 0.1

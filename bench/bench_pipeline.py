@@ -53,8 +53,9 @@ from neuroshard.node.p2p.auth import Traffic
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline import PipelineConfig
 from neuroshard.node.p2p.pipeline_wire import encode_activations, encode_gradient
-from neuroshard.node.p2p.stages import PipelineLink, StageReplica, start_stage_replica
+from neuroshard.node.p2p.stages import PipelineLink
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
+from neuroshard.node.stage_replica import StageReplica, start_stage_replica
 from neuroshard.node.stage_worker import WorkerConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.node.wallet import Wallet

@@ -68,6 +68,7 @@ from neuroshard.node.segment_store import SegmentStore
 from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
+from neuroshard.node.work import RoundWork
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, SegmentVerdict, check_segment
 from neuroshard.verifier.spotcheck import SpotCheckConfig, claimed_batches, compare_deltas, replay_inner_steps
@@ -193,6 +194,27 @@ def main() -> None:
     print(f"text: {'the quick text' if args.quick else args.text}")
     model_cfg = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
     diloco_cfg = DiLoCoConfig(inner_steps=h, warmup_steps=20, total_steps=20_000)
+    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
+    reports: list[RoundReport] = []
+    receipts: list[dict[str, Any]] = []
+
+    archive = ReplayArchive(keep_rounds=2)
+    segment_config = SegmentConfig(segment_steps=k, keep_rounds=2)
+    store = SegmentStore(scratch(), segment_config, log=print)
+    recorder = TimedRecorder(segment_config, stage=0, sink=store)
+    work = RoundWork()
+    receipting = Receipting(
+        lone_round(reports),
+        reports,
+        work,
+        receipts.append,
+        batch_size=args.batch_size,
+        tokens_per_step=args.batch_size * args.seq_len,
+        log=print,
+        archive=archive,
+        segments=recorder,
+        signer=NODE,
+    )
     trainer = Trainer(
         wallet_id="bench",
         dataset=dataset,
@@ -203,31 +225,12 @@ def main() -> None:
         ),
         checkpoint_dir=scratch(),
         log=lambda line: None,
+        finish_round=receipting,
+        work=work,
+        segments=recorder,
         placement=Placement(device=torch.device("cpu"), precision=args.precision),
     )
-    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
-    reports: list[RoundReport] = []
-    receipts: list[dict[str, Any]] = []
-
-    archive = ReplayArchive(keep_rounds=2)
-    segment_config = SegmentConfig(segment_steps=k, keep_rounds=2)
-    store = SegmentStore(scratch(), segment_config, log=print)
-    recorder = TimedRecorder(segment_config, stage=0, sink=store)
-    trainer.segments = recorder
-    receipting = Receipting(
-        lone_round(reports),
-        reports,
-        trainer.work,
-        receipts.append,
-        batch_size=args.batch_size,
-        tokens_per_step=args.batch_size * args.seq_len,
-        log=print,
-        archive=archive,
-        segments=recorder,
-        signer=NODE,
-    )
     receipting.round_started(trainer.diloco)
-    trainer.set_round_finisher(receipting)
     net = PeerNetwork(
         NetworkConfig(port=0, join_timeout_s=0),
         Wallet.from_token("bench-replay-node"),
@@ -455,25 +458,24 @@ def liar_segments(
 ) -> None:
     """A replica that scales the update of every other segment by --lie-scale (and commits to it,
     as a liar must), checked segment by segment with real replays."""
-    trainer = Trainer(
-        wallet_id="liar", dataset=dataset, model_config=model_cfg, diloco_config=diloco_cfg,
-        config=TrainerConfig(batch_size=args.batch_size, seq_len=args.seq_len, checkpoint_every=10**9, log_every=10**9),
-        checkpoint_dir=scratch(), log=lambda line: None,
-        placement=Placement(device=torch.device("cpu"), precision=args.precision),
-    )  # fmt: skip
     config = SegmentConfig(segment_steps=k, keep_rounds=2)
     store = SegmentStore(scratch(), config, log=print)
     recorder = ScalingLiar(config, stage=0, sink=store, scale=args.lie_scale)
-    trainer.segments = recorder
     reports: list[RoundReport] = []
     receipts: list[dict[str, Any]] = []
+    work = RoundWork()
     receipting = Receipting(
         lone_round(reports),
-        reports, trainer.work, receipts.append, batch_size=args.batch_size,
+        reports, work, receipts.append, batch_size=args.batch_size,
         tokens_per_step=args.batch_size * args.seq_len, log=print, segments=recorder, signer=NODE,
     )  # fmt: skip
+    trainer = Trainer(
+        wallet_id="liar", dataset=dataset, model_config=model_cfg, diloco_config=diloco_cfg,
+        config=TrainerConfig(batch_size=args.batch_size, seq_len=args.seq_len, checkpoint_every=10**9, log_every=10**9),
+        checkpoint_dir=scratch(), log=lambda line: None, finish_round=receipting, work=work, segments=recorder,
+        placement=Placement(device=torch.device("cpu"), precision=args.precision),
+    )  # fmt: skip
     receipting.round_started(trainer.diloco)
-    trainer.set_round_finisher(receipting)
     trainer.config.max_steps = diloco_cfg.inner_steps
     trainer.run(threading.Event())
     doc = receipts[-1]

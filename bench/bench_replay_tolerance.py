@@ -43,12 +43,12 @@ import torch
 from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 from torch import Tensor
 
+from neuroshard.adversary.work_lies import DELTA_FACTOR
 from neuroshard.data import BatchStream, Dataset, assign_shards
 from neuroshard.node.device import Placement, resolve_device
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, capture_inner_state, install_inner_state
-from neuroshard.node.work_lies import DELTA_FACTOR
 from neuroshard.verifier.evaluate import measure_loss
 from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE
 from neuroshard.verifier.spotcheck import SpotCheckConfig, compare_deltas, replay_inner_steps

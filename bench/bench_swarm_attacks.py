@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports, parse_with_quick, quick_dataset
 
-from neuroshard.node.attacks import ATTACKS
+from neuroshard.adversary.attacks import ATTACKS
 from neuroshard.node.wallet import Wallet
 
 ROUND = re.compile(r"^\[(\d+)\] p2p round=(\d+) (.*)$")

@@ -45,6 +45,7 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import capture_inner_state
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import TEST_DATABASE_ENV, scratch_database
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
@@ -52,7 +53,6 @@ from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.spotcheck import claimed_batches, compare_deltas, replay_inner_steps
-from neuroshard.verifier.testing import TEST_DATABASE_ENV, scratch_database
 from neuroshard.verifier.wire import DataSpan, ReceiptRequest, RegisterRequest
 
 NETWORK_TOML = """
@@ -265,7 +265,7 @@ def bench_http(args: argparse.Namespace, tmp: Path) -> None:
         (tmp / "network.toml").write_text(NETWORK_TOML + ("[stages]\ncount = 4\n" if args.bulk_seed else ""))
         port = free_port()
         verifier = serve(
-            [sys.executable, "-m", "neuroshard.verifier.cli", "--network", str(tmp / "network.toml"), "--db", url,
+            [sys.executable, "-m", "neuroshard.cli.verifier", "--network", str(tmp / "network.toml"), "--db", url,
              "--port", str(port), "--home", str(tmp), "--init-operator-key", "--log-level", "warning",
              "--no-evaluation", "--workers", str(args.workers)],
             port,

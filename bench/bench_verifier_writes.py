@@ -39,10 +39,10 @@ from common import parse_with_quick
 from sqlalchemy import func, select, text
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import TEST_DATABASE_ENV, scratch_database
 from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import sign_request
 from neuroshard.verifier.db import Database
-from neuroshard.verifier.testing import TEST_DATABASE_ENV, scratch_database
 
 STAGES = 4
 HEARTBEAT_S = 10.0
@@ -236,7 +236,7 @@ def main() -> None:
         (tmp / "network.toml").write_text(NETWORK_TOML + f"[stages]\ncount = {STAGES}\n")
         port = free_port()
         verifier = serve(
-            [sys.executable, "-m", "neuroshard.verifier.cli", "--network", str(tmp / "network.toml"), "--db", url,
+            [sys.executable, "-m", "neuroshard.cli.verifier", "--network", str(tmp / "network.toml"), "--db", url,
              "--port", str(port), "--home", str(tmp), "--init-operator-key", "--log-level", "warning",
              "--no-evaluation", "--replay-rate", "0", "--workers", str(args.workers)],
             port,

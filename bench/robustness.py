@@ -48,12 +48,13 @@ import torch
 from common import bench_dataset, fresh_clone_text, quick_text
 from torch import Tensor
 
-from neuroshard.node import aggregation, attacks
+from neuroshard.adversary import attacks
+from neuroshard.adversary.simulate import simulate
+from neuroshard.node import aggregation
 from neuroshard.node.diloco import DiLoCoConfig, tensor_sha256
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.partition import part_bounds
 from neuroshard.node.outer.reduce import MIN_SCREENED, reduce_part
-from neuroshard.node.simulate import simulate
 from neuroshard.node.validation import ValidationConfig, Verdict, screen_round
 
 RULES = (

@@ -23,7 +23,7 @@ Honest Δs are a shared random direction (the same every round) plus fresh noise
 scale. Byzantine replicas (20%, seeded) take turns among eight kinds: the five cheating owners of
 ``neuroshard.adversary.owners`` (a SplitEquivocator's claims reach each reader as one of its two
 signed claims or not at all, a third each) and three contribution attacks that run the honest round with a
-forged Δ (``neuroshard.node.attacks``): sign flip ×−4; ALIE and IPM (ε = 0.5), whose colluders
+forged Δ (``neuroshard.adversary.attacks``): sign flip ×−4; ALIE and IPM (ε = 0.5), whose colluders
 estimate the honest mean and spread from their own honest Δs (commit-then-reveal shows them no
 one else's before they commit) and add 10% noise each so they are not copies of one another.
 Wallets reported in any honest replica's ``RoundResult.cheats`` are banned in later rounds and
@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from neuroshard.adversary import attacks
 from neuroshard.adversary.owners import (
     Equivocator,
     MismatchedPart,
@@ -74,7 +75,7 @@ from neuroshard.adversary.owners import (
     Withholder,
     WrongAggregate,
 )
-from neuroshard.node import aggregation, attacks, validation
+from neuroshard.node import aggregation, validation
 from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import encoded_size
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult

@@ -26,8 +26,9 @@ from torch import Tensor
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
+from .p2p.pipeline import Busy, Job
 from .pipeline import Downstream, stage_inner_step
-from .segments import Received, SegmentRecorder
+from .segments import SegmentRecorder
 from .trainer import RoundFinisher, TrainResult, lone_replica
 from .work import RoundWork
 
@@ -62,28 +63,6 @@ class StageCheckpoint:
 Forward = Callable[[Tensor, Tensor, str], tuple[Tensor, float]]
 """(hidden (B, T, C), labels (B, T), micro-batch id) -> (∂loss/∂hidden, loss): the stages after this
 one, sent the micro-batch under the id it arrived with (a `pipeline.Downstream` bound to one id)."""
-
-JobResult = tuple[Tensor, float, int] | BaseException
-"""(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
-
-
-class Busy(Exception):
-    """The replica cannot take this micro-batch now (in its outer round, queue full, stopping)."""
-
-
-@dataclass
-class Job:
-    hidden: Tensor
-    """(B, T, C) float32, the previous stage's output."""
-    labels: Tensor
-    """(B, T) int64."""
-    micro_batch: str
-    """The driver's micro-batch id (`p2p.pipeline_wire.micro_batch_id`), forwarded to the next stage."""
-    done: Callable[[JobResult], None]
-    """Called exactly once, from the worker thread (or from `offer`'s caller when refused later)."""
-    received: Received | None = None
-    """The micro-batch as it arrived (its sender's signed header and the payload bytes), for the
-    segment log (node.segments); None when the transport does not hand it over."""
 
 
 @dataclass(kw_only=True)

@@ -130,6 +130,9 @@ DatasetUpdates = Callable[[], Dataset | None]
 
 
 class Trainer:
+    batches: BatchStream
+    """This replica's batches: its assigned shards in its wallet's window order."""
+
     def __init__(
         self,
         *,
@@ -141,6 +144,9 @@ class Trainer:
         checkpoint_dir: Path,
         log: Callable[[str], None],
         finish_round: RoundFinisher = lone_replica,
+        round_closing: RoundClosing | None = None,
+        work: RoundWork | None = None,
+        segments: SegmentRecorder | None = None,
         dataset_updates: DatasetUpdates | None = None,
         fresh: bool = False,
         num_stages: int = 1,
@@ -149,7 +155,13 @@ class Trainer:
     ) -> None:
         """`num_stages` > 1 makes this replica stage 0 of a pipeline (embedding and the first
         layers); `loss_fn` then sends its output on (`pipeline.remote_loss`). `placement`: where
-        the inner loop runs (default: CPU, fp32); checkpoints are written from CPU copies."""
+        the inner loop runs (default: CPU, fp32); checkpoints are written from CPU copies.
+
+        `finish_round` completes each round (the peer network, through the receipting hook when a
+        verifier is watched); `round_closing`, when given, ends a round before H inner steps once
+        it says the stage's majority already contributed it (after EARLY_CLOSE_FRACTION of H);
+        `work` collects the round's data spans and losses for whoever finishes the round, and
+        `segments` records each inner step for the round's segment log (node.segments)."""
         if config.seq_len > model_config.max_seq_len:
             raise ValueError(
                 f"seq_len {config.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
@@ -161,7 +173,7 @@ class Trainer:
         self.config = config
         self._log = log
         self._finish_round_hook = finish_round
-        self._round_closing: RoundClosing | None = None
+        self._round_closing = round_closing
         self._dataset_updates = dataset_updates
         self.wallet_id = wallet_id
         self.dataset = dataset
@@ -176,9 +188,9 @@ class Trainer:
         self.checkpoints_skipped = 0
         """Periodic checkpoints skipped because the previous write was still in flight."""
         self._last_checkpoint = -math.inf  # the first turn writes (a --fresh run replaces the old file)
-        self.work = RoundWork()
+        self.work = work or RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
-        self.segments: SegmentRecorder | None = None
+        self.segments = segments
         """Records each inner step's data span for the round's segment log (node.segments); the round
         hook (node.receipt.Receipting) starts, ends and closes its rounds."""
         state = None if fresh else self._load_state(model_config)
@@ -214,15 +226,6 @@ class Trainer:
                 f"skipping shard {shard_id}: {reason}; moving to the next shard"
             ),
         )
-
-    def set_round_finisher(self, finish_round: RoundFinisher) -> None:
-        """Who completes each round from now on (the peer network, once it is up)."""
-        self._finish_round_hook = finish_round
-
-    def close_rounds_when(self, closing: RoundClosing | None) -> None:
-        """End a round before H inner steps when `closing(round)` says the stage's majority already
-        contributed it, once EARLY_CLOSE_FRACTION of H is done (None: always H steps)."""
-        self._round_closing = closing
 
     def _round_done(self) -> bool:
         d = self.diloco

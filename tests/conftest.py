@@ -17,8 +17,8 @@ from tests_support import small_corpus
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
+from neuroshard.testing.verifier import TestDatabases, database_backends, scratch_database
 from neuroshard.tokenizer import BPETokenizer
-from neuroshard.verifier.testing import TestDatabases, database_backends, scratch_database
 
 # The CI machine has 2 cores; one thread per test process keeps results reproducible
 # (reduction order inside matmul kernels depends on the thread count).

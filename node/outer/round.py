@@ -242,6 +242,13 @@ class _Held:
     result: RoundResult | None = None
 
 
+RoundFactory = Callable[
+    [RoundStore, Wallet, AggregationRule, "RoundConfig | None", Callable[[str], None]], "OuterRound"
+]
+"""Builds a replica's round from its carrier, wallet, rule, config and log: ``OuterRound`` itself
+for an honest node; ``neuroshard.adversary`` passes its cheating subclasses."""
+
+
 class OuterRound:
     """Runs rounds for one replica: `await OuterRound(store, wallet, rule, config).run(inp)`."""
 

@@ -40,7 +40,6 @@ Wiring in a CLI::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
@@ -49,14 +48,14 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from ..diloco import DiLoCo
 from ..membership import Split, StageRoster, split_members
 from ..outer.port import RoundStore, RoutedStore
-from ..outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
+from ..outer.round import OuterRound, RoundConfig, RoundFactory, RoundInput, RoundResult
 from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .auth import REPLAY_WINDOW_S, Clock, NonceCache, PeerClient, Traffic
@@ -70,9 +69,6 @@ from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, snapshot_of
 from .wire import ENCODINGS, InvalidMessage, parse_address
-
-if TYPE_CHECKING:  # attack code stays out of the honest import path
-    from .byzantine import Attacker
 
 T = TypeVar("T")
 
@@ -186,57 +182,6 @@ class NetworkConfig:
             raise ValueError(f"NetworkConfig: {exc}") from None
 
 
-def add_network_arguments(parser: argparse.ArgumentParser) -> None:
-    """The peer-network flags of `neuroshard-node` (and the swarm's children)."""
-    d = NetworkConfig()
-    g = parser.add_argument_group("peer network (signed aiohttp protocol between the stage's replicas)")
-    g.add_argument("--host", default=d.host, help="address the peer server binds (0.0.0.0: all interfaces)")
-    g.add_argument("--port", type=int, default=d.port, help="peer server TCP port (0: any free port)")
-    g.add_argument("--announce", help="host:port peers should dial, if not --host:--port (NAT)")
-    g.add_argument("--peers", default="", help="comma-separated bootstrap host:port list")
-    g.add_argument(
-        "--relay",
-        metavar="s3://BUCKET/PREFIX",
-        help="the stage's S3-compatible bucket; without --port this node opens no port and takes part "
-        "through the bucket alone (outbound connections only). Credentials: boto3's usual chain",
-    )
-    g.add_argument("--relay-endpoint", help="S3-compatible endpoint URL (MinIO, R2, ...); default AWS")
-    g.add_argument("--relay-region", help="the bucket's region; default boto3's")
-    g.add_argument(
-        "--encoding", choices=ENCODINGS, default=d.encoding, help="pseudo-gradient encoding on the wire"
-    )
-    g.add_argument(
-        "--round-timeout",
-        type=float,
-        default=d.round_timeout_s,
-        help="seconds to wait for the other replicas' contributions",
-    )
-    g.add_argument(
-        "--min-peers",
-        type=int,
-        default=d.min_peers,
-        help="stage peers to wait for (15 s at most) before training",
-    )
-
-
-def network_config_from_args(args: argparse.Namespace) -> NetworkConfig:
-    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
-    relay = None
-    if getattr(args, "relay", None):
-        relay = RelayConfig(url=args.relay, endpoint_url=args.relay_endpoint, region=args.relay_region)
-    return NetworkConfig(
-        host=args.host,
-        port=args.port if args.port is not None else 0,
-        announce=args.announce,
-        peers=peers,
-        relay=relay,
-        listen=relay is None or args.port is not None,
-        encoding=args.encoding,
-        round_timeout_s=args.round_timeout,
-        min_peers=args.min_peers,
-    )
-
-
 class PeerNetwork:
     """One replica's peer plane, running on a background event loop."""
 
@@ -252,8 +197,7 @@ class PeerNetwork:
         stop: threading.Event | None = None,
         clock: Clock = time.time,
         extensions: Sequence[ServerExtension] = (),
-        attacker: Attacker | None = None,
-        round_class: type[OuterRound] = OuterRound,
+        round_factory: RoundFactory = OuterRound,
     ) -> None:
         self.config = config
         self._extensions = tuple(extensions)
@@ -265,8 +209,6 @@ class PeerNetwork:
         self.reports: list[RoundReport] = []
         self.banned: dict[str, str] = {}
         """Wallet -> why: proven cheats (fraud, equivocation), refused as members' inputs in every later round."""
-        self._attacker = attacker
-        """Testing only (`neuroshard-node --attack`): forges this replica's contributions."""
         self._roster: StageRoster | None = None
         """The member list in force (`set_roster`); None: every live stage peer is a member."""
         self._rosters: list[tuple[int, StageRoster | None]] = []
@@ -338,8 +280,8 @@ class PeerNetwork:
             agree_timeout_s=config.hash_check_timeout_s,
             validation=config.validation,
         )
-        # round_class: a cheating owner from neuroshard.adversary.owners in tests and benchmarks.
-        self._outer = round_class(self._store, wallet, aggregate, self._round_config, log)
+        # The round's implementation: OuterRound; neuroshard.adversary passes its cheating rounds.
+        self._outer = round_factory(self._store, wallet, aggregate, self._round_config, log)
         self.last_round: RoundResult | None = None
         self._last_vote: tuple[float, frozenset[str]] | None = None
         """(peer-clock time the last θ-hash vote began, stage peers that answered it): members()."""
@@ -683,7 +625,6 @@ class PeerNetwork:
         # members refuse it by base hash instead of aggregating a Δ off another θ.
         own_hash = diloco.weights_hash()
         delta = diloco.pseudo_gradient()
-        note = None
         exchange_started = time.monotonic()
         result: RoundResult | None = None
         split: Split | None = self.members(r)
@@ -714,8 +655,6 @@ class PeerNetwork:
                 banned=frozenset(self.banned),
                 probationers=split.probationers,
             )
-            if self._attacker is not None:
-                inp, note = self._attacker.forge_input(inp, diloco.theta_round)
             try:
                 result = self._call(self._outer.run(inp), timeout=self._round_budget_s())
             except Exception as exc:  # the hook must still leave the engine at the next round's start
@@ -765,7 +704,6 @@ class PeerNetwork:
             commit_s=seconds.get("commit", 0.0),
             step_s=vote_started - step_started,
             vote_s=done - vote_started,
-            attack=note,
         )
         self.reports.append(report)
         self.last_round = result

@@ -57,6 +57,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
 from torch import Tensor
@@ -64,7 +65,6 @@ from torch import Tensor
 from ..model import ModelConfig
 from ..pipeline import NonFiniteStep
 from ..segments import Received, SegmentRecorder
-from ..stage_worker import Busy, Job, JobResult, StageWorker
 from ..wallet import Wallet
 from . import wire
 from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
@@ -87,6 +87,39 @@ from .pipeline_wire import (
     gradient_size_bound,
 )
 from .wire import Rejected, WireError
+
+JobResult = tuple[Tensor, float, int] | BaseException
+"""(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
+
+
+class Busy(Exception):
+    """The replica cannot take this micro-batch now (in its outer round, queue full, stopping)."""
+
+
+@dataclass
+class Job:
+    hidden: Tensor
+    """(B, T, C) float32, the previous stage's output."""
+    labels: Tensor
+    """(B, T) int64."""
+    micro_batch: str
+    """The driver's micro-batch id (`p2p.pipeline_wire.micro_batch_id`), forwarded to the next stage."""
+    done: Callable[[JobResult], None]
+    """Called exactly once, from the worker thread (or from `offer`'s caller when refused later)."""
+    received: Received | None = None
+    """The micro-batch as it arrived (its sender's signed header and the payload bytes), for the
+    segment log (node.segments); None when the transport does not hand it over."""
+
+
+class JobSink(Protocol):
+    """What the pipeline route hands micro-batches to: a stage > 0 replica's worker
+    (node.stage_worker.StageWorker), with the segment recorder of its rounds."""
+
+    segments: SegmentRecorder | None
+
+    def offer(self, job: Job) -> None:
+        """Take `job` or raise `Busy`; `job.done` is called exactly once."""
+        ...
 
 
 class PipelineUnavailable(ConnectionError):
@@ -239,6 +272,7 @@ class PipelineClient:
         log: Callable[[str], None],
         stop: threading.Event,
         router: NextStageRouter | None = None,
+        segments: SegmentRecorder | None = None,
     ) -> None:
         if not 0 <= stage < config.num_stages - 1:
             raise ValueError(f"stage {stage} has no next stage among {config.num_stages}")
@@ -249,7 +283,7 @@ class PipelineClient:
         self.clock = clock
         self.log = log
         self.stop = stop
-        self.segments: SegmentRecorder | None = None
+        self.segments = segments
         """Where the sent activations and the gradient replies are recorded (node.segments), if anywhere."""
         self.router = router or NextStageRouter(
             ban_s=config.ban_s, busy_s=config.busy_s, ema=config.throughput_ema
@@ -392,7 +426,7 @@ class PipelineService:
         stage: int,
         model_config: ModelConfig,
         config: PipelineConfig,
-        worker: StageWorker,
+        worker: JobSink,
         reply_timeout_s: float | None = None,
     ) -> None:
         if not 1 <= stage < config.num_stages:

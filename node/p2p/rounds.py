@@ -111,8 +111,6 @@ class RoundReport:
     previous round's objects."""
     vote_s: float = 0.0
     """Of which: comparing θ hashes with the peers (and re-syncing if in the minority)."""
-    attack: str | None = None
-    """Set only on a node run with `--attack` (testing): what it sent instead of its honest Δ."""
 
     def line(self) -> str:
         how = "late, adopted" if self.late else f"aggregated {len(self.accepted)}"
@@ -123,5 +121,5 @@ class RoundReport:
         return (
             f"p2p round={self.round} {how}; θ_{self.next_round} {self.theta_hash[:16]} agree={self.agree}/{self.voters} "
             f"({self.seconds:.2f} s: exchange {self.exchange_s:.2f} (commit {self.commit_s:.2f}), step {self.step_s:.2f}, vote {self.vote_s:.2f})"
-            f"{rejected}{equivocated}{f'; ATTACKER sent {self.attack}' if self.attack else ''}"
+            f"{rejected}{equivocated}"
         )

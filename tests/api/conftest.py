@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import Harness, test_config
-from neuroshard.verifier.testing import ManualClock
+from neuroshard.testing.api import Harness, test_config
+from neuroshard.testing.verifier import ManualClock
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import json
 import pytest
 from sqlalchemy import insert
 
-from neuroshard.api.testing import Harness, receipt_doc
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import Harness, receipt_doc
 from neuroshard.verifier import models as m
 from neuroshard.verifier.wire import MAX_LOSS, MAX_TOKENS
 

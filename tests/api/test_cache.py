@@ -8,11 +8,11 @@ from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
 from neuroshard.api.cache import ReadCache
-from neuroshard.api.testing import Harness, receipt_doc, test_config
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import Harness, receipt_doc, test_config
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import ledger
 from neuroshard.verifier.config import ReadCacheConfig
-from neuroshard.verifier.testing import ManualClock
 
 WALLETS = [Wallet.from_token(f"page-{i}") for i in range(7)]
 READS = ["/api/training/verify", "/api/training/global", "/api/training/history", "/api/nodes", "/api/peers"]

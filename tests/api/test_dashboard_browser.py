@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert
 
-from neuroshard.api.testing import SMALL_NETWORK_TOML, free_port, start_verifier_process
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import SMALL_NETWORK_TOML, free_port, start_verifier_process
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import SignedBy, new_nonce

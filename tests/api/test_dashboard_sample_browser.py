@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.api.testing import free_port, start_verifier_process
+from neuroshard.testing.api import free_port, start_verifier_process
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database

@@ -10,11 +10,11 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from neuroshard.api.testing import free_port, start_verifier_process
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import free_port, start_verifier_process
+from neuroshard.testing.verifier import signed_json
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
-from neuroshard.verifier.testing import signed_json
 
 THREADS = 4
 WALLETS_PER_THREAD = 3

@@ -18,10 +18,10 @@ from schemathesis import GenerationMode
 from schemathesis.core import NOT_SET
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import ADDRESS, test_config
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import ADDRESS, test_config
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier.auth import sign_request
-from neuroshard.verifier.testing import ManualClock
 
 EXAMPLES = 30
 SIGNER = Wallet.from_token("fuzz-node")

@@ -9,13 +9,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import ADDRESS, OPERATOR, Harness, test_config
 from neuroshard.node.roster import MemberList, Roster, solve_pow
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, test_config
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import models as m
 from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.ratelimit import SourceLimitConfig, source_key
-from neuroshard.verifier.testing import ManualClock
 
 WALLETS = [Wallet.from_token(f"api-members-{i}") for i in range(4)]
 REGISTRATION = {"address": ADDRESS, "stage": 0, "software_version": "0.1.0"}

@@ -14,18 +14,18 @@ from tests_support import majority_stages
 
 from neuroshard.api import reads
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import Harness, free_port, start_verifier_process, test_config
 from neuroshard.node.export import main as export_main
 from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import StageProvenance, round_model_path, save_round_model
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import Harness, free_port, start_verifier_process, test_config
+from neuroshard.testing.verifier import ManualClock, small_network
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.evaluate import stage_hash
 from neuroshard.verifier.evaluator import EvaluatorConfig, models_dir_for
 from neuroshard.verifier.network import NetworkDefinition, load_network
-from neuroshard.verifier.testing import ManualClock, small_network
 
 
 def _keep(models: Path, round_: int, stages: list[Transformer], network: NetworkDefinition, tokenizer: BPETokenizer) -> list[StageProvenance]:  # fmt: skip

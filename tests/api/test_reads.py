@@ -6,11 +6,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import STATIC_DIR, create_app
-from neuroshard.api.testing import OPERATOR, Harness, receipt_doc, test_config
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import OPERATOR, Harness, receipt_doc, test_config
+from neuroshard.testing.verifier import ManualClock, small_network
 from neuroshard.verifier import ledger
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER, verify_network
-from neuroshard.verifier.testing import ManualClock, small_network
 
 HONEST = [Wallet.from_token(f"honest-{i}") for i in range(3)]
 ATTACKER = Wallet.from_token("attacker")

@@ -7,10 +7,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import Harness, test_config
+from neuroshard.testing.api import Harness, test_config
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import models as m
 from neuroshard.verifier.evaluator import EvaluatorConfig
-from neuroshard.verifier.testing import ManualClock
 
 HOSTILE = "</pre><script>alert('x')</script> & <b>bold</b>\n  \"quoted\" ünïcode"
 

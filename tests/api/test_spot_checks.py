@@ -4,12 +4,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import Harness, receipt_doc, test_config
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import Harness, receipt_doc, test_config
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import ledger
 from neuroshard.verifier.budget import ReplayBudget
 from neuroshard.verifier.replaycheck import ReplayCheckConfig
-from neuroshard.verifier.testing import ManualClock
 
 NODES = [Wallet.from_token(f"covered-{i}") for i in range(4)]
 

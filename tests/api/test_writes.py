@@ -8,13 +8,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import ADDRESS, OPERATOR, Harness, receipt_doc
-from neuroshard.api.testing import test_config as make_config
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, receipt_doc
+from neuroshard.testing.api import test_config as make_config
+from neuroshard.testing.verifier import ManualClock, signed_json
 from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import SIGNATURE_HEADER, WALLET_HEADER
 from neuroshard.verifier.ratelimit import RateLimitConfig
-from neuroshard.verifier.testing import ManualClock, signed_json
 
 NODE = Wallet.from_token("node")
 STRANGER = Wallet.from_token("stranger")

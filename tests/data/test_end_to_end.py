@@ -22,10 +22,10 @@ from aiohttp import web
 from nacl.signing import SigningKey
 from tests_support import small_corpus
 
+from neuroshard.cli.publish_shards import main as publish_shards_main
+from neuroshard.cli.publish_tokenizer import main as publish_tokenizer_main
 from neuroshard.data import read_manifest
-from neuroshard.data.cli import main as publish_shards_main
 from neuroshard.data.storage import s3_client
-from neuroshard.tokenizer.cli import main as publish_tokenizer_main
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_env")]

@@ -18,13 +18,13 @@ import torch
 from botocore.exceptions import EndpointConnectionError
 from tests_support import small_corpus
 
+from neuroshard.cli.publish_shards import main as publish_shards_main
+from neuroshard.cli.publish_tokenizer import main as publish_tokenizer_main
 from neuroshard.data import ManifestError
-from neuroshard.data.cli import main as publish_shards_main
 from neuroshard.data.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, verify_manifest
 from neuroshard.data.publish import TOKENIZER_NAME, PublishProgress, publish_shards
 from neuroshard.data.storage import IMMUTABLE_CACHE, MUTABLE_CACHE, S3Store, StoreError, open_store, s3_client
 from neuroshard.tokenizer import BPETokenizer
-from neuroshard.tokenizer.cli import main as publish_tokenizer_main
 
 SHARD_TOKENS = 5_000
 

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from neuroshard.api.app import create_app
-from neuroshard.api.testing import ADDRESS, OPERATOR, Harness, receipt_doc, test_config
 from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, receipt_doc, test_config
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import (
     NONCE_HEADER,
@@ -29,7 +30,6 @@ from neuroshard.verifier.auth import (
     WALLET_HEADER,
     sign_request,
 )
-from neuroshard.verifier.testing import ManualClock
 from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest, ReinstateRequest
 
 SCHEMA_EXAMPLES = 150

@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from neuroshard.cli.node import build_parser, checkpoint_interval, placement_from_args
 from neuroshard.node import aggregation
 from neuroshard.node.checkpoint import CheckpointIdentity, load_checkpoint
-from neuroshard.node.cli import build_parser, checkpoint_interval, placement_from_args
 from neuroshard.node.device import Placement, resolve, resolve_device, resolve_precision
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, flat_parameters, tensor_sha256
 from neuroshard.node.model import ModelConfig, Transformer
@@ -27,6 +27,7 @@ from neuroshard.node.pipeline import stage_fingerprint
 from neuroshard.node.replay import capture_inner_state, install_inner_state
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
+from neuroshard.node.work import RoundWork
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 DILOCO = DiLoCoConfig(inner_steps=5, warmup_steps=2, total_steps=100)
@@ -73,10 +74,9 @@ def test_auto_on_cuda_picks_bf16_autocast() -> None:
 
 def test_cli_flags_reach_the_placement() -> None:
     args = build_parser().parse_args(["--device", "cpu", "--precision", "bf16"])
-    assert placement_from_args(args) == Placement(device=CPU, precision="bf16")
-    staged = build_parser().parse_args(["--device", "cpu", "--precision", "bf16", "--stages", "2"])
+    assert placement_from_args(args, 1) == Placement(device=CPU, precision="bf16")
     with pytest.raises(ValueError, match="pipeline stages"):
-        placement_from_args(staged)
+        placement_from_args(args, 2)
 
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_the_loss_falls() -> None:
@@ -176,8 +176,10 @@ def _trainer(  # type: ignore[no-untyped-def]
     max_steps: int,
     rotation: RotationConfig | None = None,
     log: Callable[[str], None] = lambda line: None,
+    **kw,
 ) -> Trainer:
     return Trainer(
+        **kw,
         wallet_id="feedface",
         dataset=published.dataset,
         model_config=ModelConfig(
@@ -249,6 +251,13 @@ def test_the_look_ahead_feed_trains_on_and_records_exactly_the_same_batches(
     runs = []
     for ahead in (False, True):
         lines: list[str] = []
+        work = RoundWork()
+        spans: list[list[tuple[int, int, int]]] = []
+
+        def finish(diloco: DiLoCo, work: RoundWork = work, spans: list = spans) -> None:  # type: ignore[type-arg]
+            spans.append(list(work.spans))
+            diloco.outer_step(diloco.pseudo_gradient())
+
         trainer = _trainer(
             published,
             tmp_path / str(ahead),
@@ -256,15 +265,10 @@ def test_the_look_ahead_feed_trains_on_and_records_exactly_the_same_batches(
             max_steps=30,
             rotation=RotationConfig(min_steps=4, window=2, z=10.0),
             log=lines.append,
+            work=work,
+            finish_round=finish,
         )
         trainer.lookahead = ahead
-        spans: list[list[tuple[int, int, int]]] = []
-
-        def finish(diloco: DiLoCo, trainer: Trainer = trainer, spans: list = spans) -> None:  # type: ignore[type-arg]
-            spans.append(list(trainer.work.spans))
-            diloco.outer_step(diloco.pseudo_gradient())
-
-        trainer.set_round_finisher(finish)
         result = trainer.run(threading.Event())
         rotations = sum("rotating to the next shard" in line for line in lines)
         runs.append(

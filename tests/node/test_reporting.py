@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import PublishedData
 
-from neuroshard.api.testing import free_port
+from neuroshard.testing.api import free_port
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 TOKEN = "embedded-verifier-test-token-9f2e"
@@ -82,7 +82,7 @@ def test_no_verifier_opens_no_port(published: PublishedData, tmp_path: Path) -> 
 
 
 def _joined_args(stage: int, tmp_path: Path) -> Any:
-    from neuroshard.node.cli import build_parser
+    from neuroshard.cli.node import build_parser
 
     return build_parser().parse_args(
         ["--join", "http://127.0.0.1:1", "--home", str(tmp_path), "--stage", str(stage)]
@@ -92,50 +92,37 @@ def _joined_args(stage: int, tmp_path: Path) -> Any:
 def test_joining_a_pipeline_takes_its_stage_count_and_checks_the_stage(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from neuroshard.cli.node import run_settings
     from neuroshard.node import reporting
-    from neuroshard.verifier.testing import small_network
+    from neuroshard.testing.verifier import small_network
 
     definition = small_network(stages={"count": 2})
     monkeypatch.setattr(reporting, "fetch_network", lambda *a, **k: (definition, "ab" * 32))
     args = _joined_args(1, tmp_path)
     assert args.stages == 1  # the flag's default: the definition decides
-    assert reporting.join_network(args, lambda line: None) is definition
-    assert args.stages == 2 and args.stage == 1
+    run = run_settings(args)
+    assert run.joined is definition and run.num_stages == 2 and run.operator_key == "ab" * 32
+    assert args.stages == 1  # the flags themselves are never rewritten
     with pytest.raises(ValueError, match=r"--stage 2: .* cuts the model into 2 stages"):
-        reporting.join_network(_joined_args(2, tmp_path), lambda line: None)
+        run_settings(_joined_args(2, tmp_path))
 
 
 def test_joining_a_pipeline_takes_its_codec_and_refuses_another(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from neuroshard.cli.node import build_parser, pipeline_config, run_settings
     from neuroshard.node import reporting
-    from neuroshard.node.cli import build_parser
-    from neuroshard.node.p2p.stages import pipeline_config_from_args
-    from neuroshard.verifier.testing import small_network
+    from neuroshard.testing.verifier import small_network
 
     definition = small_network(stages={"count": 2, "codec": "hadamard4"})
     monkeypatch.setattr(reporting, "fetch_network", lambda *a, **k: (definition, "ab" * 32))
     args = _joined_args(1, tmp_path)
-    reporting.join_network(args, lambda line: None)
-    assert pipeline_config_from_args(args).codec == "hadamard4"
+    assert pipeline_config(args, run_settings(args)).codec == "hadamard4"
+    join = ["--join", "http://127.0.0.1:1", "--home", str(tmp_path), "--stage", "1"]
     with pytest.raises(ValueError, match=r"--activation-codec int8: .* runs its pipeline in hadamard4"):
-        reporting.join_network(
-            build_parser().parse_args(
-                [
-                    "--join",
-                    "http://127.0.0.1:1",
-                    "--home",
-                    str(tmp_path),
-                    "--stage",
-                    "1",
-                    "--activation-codec",
-                    "int8",
-                ]
-            ),
-            lambda line: None,
-        )
+        run_settings(build_parser().parse_args([*join, "--activation-codec", "int8"]))
     # Without --join: --activation-codec, else int8; the old --activation-dtype names a cast codec.
-    alone = build_parser().parse_args(["--stages", "2"])
-    assert pipeline_config_from_args(alone).codec == "int8"
-    old = build_parser().parse_args(["--stages", "2", "--activation-dtype", "fp16"])
-    assert pipeline_config_from_args(old).codec == "fp16"
+    alone = build_parser().parse_args(["--stages", "2", "--no-verifier"])
+    assert pipeline_config(alone, run_settings(alone)).codec == "int8"
+    old = build_parser().parse_args(["--stages", "2", "--activation-dtype", "fp16", "--no-verifier"])
+    assert pipeline_config(old, run_settings(old)).codec == "fp16"

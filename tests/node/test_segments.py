@@ -33,6 +33,7 @@ from neuroshard.node.segments import (
 )
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
+from neuroshard.node.work import RoundWork
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, check_segment
 from neuroshard.verifier.spotcheck import claimed_batches
@@ -215,14 +216,10 @@ def test_the_trainer_commits_a_root_that_a_stage_0_segment_check_accepts(publish
     dataset = published.dataset
     model = dataclasses.replace(MODEL, vocab_size=dataset.tokenizer.vocab_size, max_seq_len=32)
     diloco_cfg = DiLoCoConfig(inner_steps=6, warmup_steps=2, total_steps=100)
-    trainer = Trainer(
-        wallet_id=WALLET.wallet_id, dataset=dataset, model_config=model, diloco_config=diloco_cfg,
-        config=TrainerConfig(batch_size=2, seq_len=32, max_steps=12, checkpoint_every=100, log_every=100),
-        checkpoint_dir=tmp_path / "ck", log=lambda _: None,
-    )  # fmt: skip
     config = SegmentConfig(segment_steps=4)
     store = SegmentStore(tmp_path / "segments", config, log=lambda _: None)
-    trainer.segments = SegmentRecorder(config, stage=0, sink=store)
+    recorder = SegmentRecorder(config, stage=0, sink=store)
+    work = RoundWork()
     reports: list[RoundReport] = []
     receipts: list[dict[str, Any]] = []
 
@@ -231,11 +228,15 @@ def test_the_trainer_commits_a_root_that_a_stage_0_segment_check_accepts(publish
         lone_replica(diloco)
 
     receipting = Receipting(
-        finish, reports, trainer.work, receipts.append, batch_size=2, tokens_per_step=64,
-        log=lambda _: None, segments=trainer.segments, signer=WALLET,
+        finish, reports, work, receipts.append, batch_size=2, tokens_per_step=64,
+        log=lambda _: None, segments=recorder, signer=WALLET,
+    )  # fmt: skip
+    trainer = Trainer(
+        wallet_id=WALLET.wallet_id, dataset=dataset, model_config=model, diloco_config=diloco_cfg,
+        config=TrainerConfig(batch_size=2, seq_len=32, max_steps=12, checkpoint_every=100, log_every=100),
+        checkpoint_dir=tmp_path / "ck", log=lambda _: None, finish_round=receipting, work=work, segments=recorder,
     )  # fmt: skip
     receipting.round_started(trainer.diloco)
-    trainer.set_round_finisher(receipting)
     trainer.run(threading.Event())
     assert [r["round"] for r in receipts] == [0, 1]
     receipt = ReceiptRequest.model_validate(receipts[1], strict=True)

@@ -13,8 +13,9 @@ import torch
 from neuroshard.node.checkpoint import CheckpointIdentity, CheckpointMismatch
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
 from neuroshard.node.pipeline import stage_fingerprint
-from neuroshard.node.stage_worker import Busy, Job, JobResult, StageCheckpoint, StageWorker, WorkerConfig
+from neuroshard.node.stage_worker import StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)

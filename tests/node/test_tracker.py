@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.api.testing import free_port, receipt_doc
+from neuroshard.cli.embedded import EmbeddedVerifier, start_embedded_verifier
 from neuroshard.node.network_definition import NetworkError
 from neuroshard.node.tracker import Tracker, TrackerConfig, fetch_network
 from neuroshard.node.wallet import Wallet
-from neuroshard.verifier.embedded import EmbeddedVerifier, start_embedded_verifier
-from neuroshard.verifier.testing import small_network
+from neuroshard.testing.api import free_port, receipt_doc
+from neuroshard.testing.verifier import small_network
 
 NODE = Wallet.from_token("tracker-test-node")
 
@@ -142,14 +142,13 @@ def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> N
 def test_join_asks_again_until_the_verifier_answers_or_time_is_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import argparse
-
     from neuroshard.node import reporting
     from neuroshard.node.tracker import VerifierUnreachable
 
     monkeypatch.setattr(reporting, "JOIN_TIMEOUT_S", 0.1)
-    args = argparse.Namespace(join=f"http://127.0.0.1:{free_port()}", operator_key=None, home=tmp_path)
     lines: list[str] = []
     with pytest.raises(VerifierUnreachable, match="cannot fetch the network definition"):
-        reporting.join_network(args, lines.append)
+        reporting.join_network(
+            f"http://127.0.0.1:{free_port()}", operator_key=None, home=tmp_path, log=lines.append
+        )
     assert any("retrying" in line for line in lines)

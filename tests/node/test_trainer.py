@@ -22,8 +22,9 @@ MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, m
 DILOCO = DiLoCoConfig(inner_steps=6, inner_lr=3e-3, warmup_steps=3, total_steps=40)
 
 
-def _trainer(published, checkpoint_dir: Path, max_steps: int, lines: list[str]) -> Trainer:
+def _trainer(published, checkpoint_dir: Path, max_steps: int, lines: list[str], **kw) -> Trainer:  # type: ignore[no-untyped-def]
     return Trainer(
+        **kw,
         wallet_id="feedface",
         dataset=published.dataset,
         model_config=MODEL,
@@ -171,13 +172,11 @@ def test_restart_after_a_new_publish_resumes_on_the_same_shard(published, tmp_pa
 
 
 def test_the_time_breakdown_charges_a_slow_round_hook_to_round(published, tmp_path: Path) -> None:
-    trainer = _trainer(published, tmp_path, 12, [])
-
     def slow_round(diloco) -> None:  # type: ignore[no-untyped-def]
         threading.Event().wait(0.2)
         diloco.outer_step(diloco.pseudo_gradient())
 
-    trainer.set_round_finisher(slow_round)
+    trainer = _trainer(published, tmp_path, 12, [], finish_round=slow_round)
     result = trainer.run(threading.Event())
     assert result.rounds == 2
     assert 0.4 <= result.seconds["round"] < result.wall_seconds - result.inner_seconds

@@ -5,10 +5,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from neuroshard.node import aggregation, attacks
+from neuroshard.adversary import attacks
+from neuroshard.adversary.simulate import simulate
+from neuroshard.node import aggregation
 from neuroshard.node.diloco import DiLoCoConfig, flat_parameters
 from neuroshard.node.model import ModelConfig, Transformer
-from neuroshard.node.simulate import simulate
 from neuroshard.node.validation import (
     ValidationConfig,
     Verdict,

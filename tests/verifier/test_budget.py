@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy import select
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.budget import (
@@ -22,7 +23,6 @@ from neuroshard.verifier.coverage import coverage, standings
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.testing import small_network
 
 
 def test_rates_spend_the_random_share_and_favour_new_and_low_reputation_wallets() -> None:

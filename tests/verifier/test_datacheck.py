@@ -8,13 +8,13 @@ from sqlalchemy import select
 
 from neuroshard.data import assign_shards
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.datacheck import DataCheckConfig, DataChecker
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.sampling import sampled
-from neuroshard.verifier.testing import small_network
 
 HONEST, LIAR = Wallet.from_token("datacheck-honest"), Wallet.from_token("datacheck-liar")
 OPERATOR = Wallet.from_token("datacheck-operator")

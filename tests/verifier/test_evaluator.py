@@ -13,12 +13,12 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.evaluate import measure_loss
 from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.testing import small_network
 
 NODE = Wallet.from_token("evaluator-test-node")
 OPERATOR = Wallet.from_token("evaluator-test-operator")

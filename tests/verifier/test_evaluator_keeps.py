@@ -17,19 +17,19 @@ from safetensors.torch import save_file
 from sqlalchemy import select
 from tests_support import majority_stages
 
+from neuroshard.cli.verifier import build_config, build_parser
 from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.export import main as export_main
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import round_models
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
-from neuroshard.verifier.cli import build_config, build_parser
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.evaluate import stage_hash
 from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig, Fetched, models_dir_for
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.testing import small_network
 
 OPERATOR = Wallet.from_token("evaluator-keeps-operator")
 PROMPT = "The "

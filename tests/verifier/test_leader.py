@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+from neuroshard.testing.verifier import scratch_database
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.leader import LEADER_LOCK_CLASS, LeaderLease, LeaseConfig
-from neuroshard.verifier.testing import scratch_database
 
 FAST = LeaseConfig(poll_s=0.05)
 

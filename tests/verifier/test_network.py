@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier.network import (
     NetworkError,
     load_network,
@@ -12,7 +13,6 @@ from neuroshard.verifier.network import (
     sign_network,
     verify_network,
 )
-from neuroshard.verifier.testing import small_network
 
 TOML = """
 name = "demo"

@@ -1,7 +1,7 @@
 import pytest
 
+from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier.ratelimit import RateLimitConfig, RateLimiter
-from neuroshard.verifier.testing import ManualClock
 
 
 def test_burst_then_refill() -> None:

@@ -19,12 +19,12 @@ from neuroshard.node.p2p.replay import ReplayService
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayArchive, ReplayRecord, capture_inner_state
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.testing import small_network
 
 NODE = Wallet.from_token("replaycheck-node")
 OPERATOR = Wallet.from_token("replaycheck-operator")

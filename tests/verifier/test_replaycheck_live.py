@@ -24,13 +24,14 @@ from conftest import PublishedData
 from sqlalchemy import select
 
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.p2p.swarm_verifier import SwarmVerifier, start_swarm_verifier
 from neuroshard.node.wallet import Wallet
+from neuroshard.swarm.verifier import SwarmVerifier, start_swarm_verifier
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
-from tests.node.p2p.test_swarm import free_base_port
+from tests.swarm.test_swarm import free_base_port
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
+ADVERSARY = str(Path(sys.executable).parent / "neuroshard-adversary")
 H = 24
 """Rounds of ~1 s with the micro model: the verifier fetches a sampled round before the node drops it."""
 TIMEOUT_S = 90.0
@@ -56,7 +57,7 @@ def _start_node(i: int, home: Path, verifier: SwarmVerifier, ports: list[int]) -
     peers = ",".join(f"127.0.0.1:{p}" for j, p in enumerate(ports) if j != i)
     lie = LIES[i]
     argv = [
-        NODE, *verifier.node_flags(),
+        ADVERSARY if lie else NODE, *verifier.node_flags(),
         "--home", str(home / f"node{i}"),
         "--host", "127.0.0.1", "--port", str(ports[i]), "--peers", peers, "--min-peers", "2",
         "--threads", "1", "--model-size", "small", "--log-every", "1000", "--replay-rounds", "20",

@@ -38,13 +38,13 @@ from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.segment_store import SegmentStore
 from neuroshard.node.segments import Received, SegmentConfig, SegmentLog, SegmentRecorder, sha256_hex
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, tolerance_for
 from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.segmentcheck import SegmentFraudProof, check_fraud_proof
-from neuroshard.verifier.testing import small_network
 
 OPERATOR = Wallet.from_token("segment-live-operator")
 DRIVER, HONEST, LIAR = (Wallet.from_token(f"segment-live-{n}") for n in ("driver", "honest", "liar"))

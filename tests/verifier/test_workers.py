@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, text
 
-from neuroshard.api.testing import free_port, receipt_doc, start_verifier_process
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import free_port, receipt_doc, start_verifier_process
+from neuroshard.testing.verifier import scratch_database, signed_json
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.leader import LEADER_LOCK_CLASS
-from neuroshard.verifier.testing import scratch_database, signed_json
 
 pytestmark = pytest.mark.slow
 WALLETS = [Wallet.from_token(f"worker-test-{i}") for i in range(8)]

@@ -19,8 +19,9 @@ from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline import PipelineConfig
-from neuroshard.node.p2p.stages import PipelineLink, StageReplica, start_stage_replica
+from neuroshard.node.p2p.stages import PipelineLink
 from neuroshard.node.pipeline import remote_loss
+from neuroshard.node.stage_replica import StageReplica, start_stage_replica
 from neuroshard.node.stage_worker import WorkerConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from neuroshard.node.p2p.network import NetworkConfig, add_network_arguments, network_config_from_args
+from neuroshard.cli.node import build_parser, network_config_from_args
+from neuroshard.node.p2p.network import NetworkConfig
 from neuroshard.node.p2p.relay import decode_state_object, encode_state_object, is_relay, relay_address
 from neuroshard.node.p2p.wire import StateInfo, WireError
 from neuroshard.node.wallet import Wallet
@@ -33,10 +32,10 @@ def test_the_state_object_round_trips_and_refuses_bad_framing() -> None:
 
 
 def parse(*argv: str) -> NetworkConfig:
-    parser = argparse.ArgumentParser()
-    add_network_arguments(parser)
-    parser.set_defaults(port=None)
-    return network_config_from_args(parser.parse_args(list(argv)))
+    """The peer plane `neuroshard-node` builds from these flags (neuroshard.cli.node)."""
+    config = network_config_from_args(build_parser().parse_args(list(argv)), reporting=False, pipeline=False)
+    assert config is not None
+    return config
 
 
 def test_relay_without_a_port_listens_nowhere_and_with_one_serves_as_well() -> None:

@@ -40,11 +40,10 @@ def test_the_round_line_names_every_refusal_and_the_attack() -> None:
         stage=0, round=7, accepted=(good, bad, cheat),
         rejected=((bad, "part 1: norm_ratio 9.8 > 5"), (cheat, "equivocation: signed two commitments for round 7")),
         equivocators=(cheat,), late=False, next_round=8, theta_hash="ef" * 32, agree=2, voters=3,
-        resynced_from=good, seconds=1.5, exchange_s=1.0, commit_s=0.25, attack="scale",
+        resynced_from=good, seconds=1.5, exchange_s=1.0, commit_s=0.25,
     )  # fmt: skip
     line = report.line()
     assert line.startswith(f"p2p round=7 aggregated 3, minority: re-synced; θ_8 {'ef' * 8} agree=2/3 ")
     assert "exchange 1.00 (commit 0.25)" in line
     assert f"; rejected {bad[:12]}: part 1: norm_ratio 9.8 > 5" in line
     assert f"; rejected {cheat[:12]}: equivocation" in line and f"; equivocator {cheat[:12]}" in line
-    assert line.endswith("; ATTACKER sent scale")

@@ -118,7 +118,7 @@ class Swarm:
             aggregate=rule,
             tokens_per_step=64,
             stop=stop,
-            round_class=round_class,
+            round_factory=round_class,
         )
         network._round_config.checks = checks
         network.start()
@@ -145,9 +145,8 @@ class Swarm:
             checkpoint_dir=self.tmp_path / f"replica{index}",
             log=lines.append,
             finish_round=finish,
+            round_closing=network.round_closing if close_early else None,
         )
-        if close_early:
-            trainer.close_rounds_when(network.round_closing)
         replica = Replica(index, wallet, network, trainer, stop, lines)
         replica_ref.append(replica)
         self.replicas.append(replica)

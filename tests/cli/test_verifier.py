@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.verifier.cli import build_config, build_parser, main
+from neuroshard.cli.verifier import build_config, build_parser, main
 
 NETWORK = """
 name = "cli"

@@ -18,11 +18,10 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from neuroshard.node.wallet import Wallet
-
-from .auth import sign_request
-from .db import Database, normalise_url
-from .models import Base
-from .network import NetworkDefinition, parse_network
+from neuroshard.verifier.auth import sign_request
+from neuroshard.verifier.db import Database, normalise_url
+from neuroshard.verifier.models import Base
+from neuroshard.verifier.network import NetworkDefinition, parse_network
 
 TEST_DATABASE_ENV = "NEUROSHARD_TEST_DATABASE_URL"
 """Set (e.g. postgresql://127.0.0.1:5432/test) to run database tests against PostgreSQL as well."""

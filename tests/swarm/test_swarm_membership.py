@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.p2p.test_swarm import swarm_command
+from tests.swarm.test_swarm import swarm_command
 
 ROUND = re.compile(r"^\[(\d)\] p2p round=(\d+) aggregated (\d+)")
 TAKES_EFFECT = re.compile(r"^\[(\d)\] membership: 3 admitted, 0 on probation .*, from round (\d+)$")

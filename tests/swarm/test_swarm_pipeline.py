@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.p2p.test_swarm import SwarmProcess
+from tests.swarm.test_swarm import SwarmProcess
 
 STAGE_AGREE = re.compile(r"^\[swarm\] stage (\d) round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
 LOSS = re.compile(r"^\[(\d+)\] step=(\d+) round=\d+ loss=([0-9.]+)")

@@ -3,9 +3,9 @@ and keeps the old."""
 
 from pathlib import Path
 
-from neuroshard.api.testing import free_port
-from neuroshard.verifier.embedded import start_embedded_verifier
-from neuroshard.verifier.testing import small_network
+from neuroshard.cli.embedded import start_embedded_verifier
+from neuroshard.testing.api import free_port
+from neuroshard.testing.verifier import small_network
 
 
 def _run(home: Path, *, fresh: bool = False, **tables: dict[str, object]) -> list[str]:

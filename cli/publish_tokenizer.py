@@ -19,8 +19,7 @@ from typing import NoReturn
 from tqdm import tqdm
 
 from neuroshard.data.storage import Store, StoreError, open_store
-
-from .bpe import FIRST_MERGE_ID, BPETokenizer
+from neuroshard.tokenizer.bpe import FIRST_MERGE_ID, BPETokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
 TEXT_SUFFIXES = (".txt", ".py")

@@ -31,7 +31,7 @@ def swarm_command(published, home: Path, *args: str, nodes: int = 3, node_args=M
     """`neuroshard-swarm` on loopback with free ports: nodes take base+i, the verifier base+nodes."""
     base = free_base_port(nodes + 1)
     return [
-        sys.executable, "-m", "neuroshard.node.p2p.swarm",
+        sys.executable, "-m", "neuroshard.swarm.cli",
         "--home", str(home),
         "--data", str(published.directory),
         "--publisher-key", published.public_key_hex,
@@ -154,7 +154,7 @@ def test_ctrl_c_stops_every_node_and_the_token_stays_off_argv(published, tmp_pat
 
 
 def test_node_command_line_has_peers_but_never_the_token(tmp_path: Path) -> None:
-    from neuroshard.node.p2p.swarm import Node, build_parser, node_argv, node_token
+    from neuroshard.swarm.cli import Node, build_parser, node_argv, node_token
 
     args = build_parser().parse_args(["--nodes", "3", "--max-steps", "40", "--", "--batch-size", "2"])
     home = tmp_path / "node1"
@@ -169,7 +169,7 @@ def test_node_command_line_has_peers_but_never_the_token(tmp_path: Path) -> None
 
 
 def test_round_results_wait_for_running_nodes_and_skip_jumpers(capsys: pytest.CaptureFixture[str]) -> None:
-    from neuroshard.node.p2p.swarm import Node, report_rounds
+    from neuroshard.swarm.cli import Node, report_rounds
 
     nodes = [Node(i, 7420 + i, Path("."), f"w{i}") for i in range(3)]
     nodes[0].rounds = {0: "aa", 1: "bb", 2: "cc"}

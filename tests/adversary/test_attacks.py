@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from neuroshard.node import aggregation, attacks
+from neuroshard.adversary import attacks
+from neuroshard.node import aggregation
 from neuroshard.node.validation import ValidationConfig, contribution_stats, screen_round
 
 

@@ -22,17 +22,17 @@ from typing import NoReturn
 
 import torch
 
+from neuroshard.api.app import create_app
 from neuroshard.node.roster import POLICIES
-
-from .budget import ReplayBudget, segment_check_cost
-from .config import VerifierConfig
-from .db import DatabaseURLError, normalise_url
-from .evaluator import EvaluatorConfig, models_dir_for
-from .members import MembershipConfig
-from .network import NetworkError, load_network, load_operator_key
-from .ratelimit import SourceLimitConfig
-from .replaycheck import SEGMENTS_PER_CHECK, ReplayCheckConfig
-from .workers import Supervisor, SupervisorConfig, listen
+from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
+from neuroshard.verifier.config import VerifierConfig
+from neuroshard.verifier.db import DatabaseURLError, normalise_url
+from neuroshard.verifier.evaluator import EvaluatorConfig, models_dir_for
+from neuroshard.verifier.members import MembershipConfig
+from neuroshard.verifier.network import NetworkError, load_network, load_operator_key
+from neuroshard.verifier.ratelimit import SourceLimitConfig
+from neuroshard.verifier.replaycheck import SEGMENTS_PER_CHECK, ReplayCheckConfig
+from neuroshard.verifier.workers import Supervisor, SupervisorConfig, listen
 
 PROG = "neuroshard-verifier"
 
@@ -247,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.eval_threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
 
-    from neuroshard.api.app import create_app
-
     if args.worker_fd is not None:  # one of the parent's workers: serve the inherited socket
         server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
         server.run(sockets=[socket.socket(fileno=args.worker_fd)])
@@ -269,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
 
     def worker_argv(fd: int) -> list[str]:
-        return [sys.executable, "-m", "neuroshard.verifier.cli", *given, "--worker-fd", str(fd)]
+        return [sys.executable, "-m", "neuroshard.cli.verifier", *given, "--worker-fd", str(fd)]
 
     supervisor = Supervisor(
         SupervisorConfig(workers=args.workers), worker_argv, lambda line: print(f"{PROG}: {line}", flush=True)

@@ -1,9 +1,8 @@
 """The verifier inside a node process: `neuroshard-node --token T` with no `--join`.
 
 uvicorn serves the API and dashboard from a thread on loopback, backed by SQLite under
-the node's home, with the live evaluator on (verifier.evaluator). Like verifier.cli, this
-is a composition root: it may import neuroshard.api (lazily, so importing this module
-stays cheap). The node imports it lazily too, only when it runs the embedded default.
+the node's home, with the live evaluator on (verifier.evaluator). Started by the node's
+composition root (cli.node) when it runs the embedded default.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import VerifierConfig
-from .evaluator import EvaluatorConfig, models_dir_for
-from .network import NetworkDefinition, load_operator_key
+from neuroshard.api.app import create_app
+from neuroshard.verifier.config import VerifierConfig
+from neuroshard.verifier.evaluator import EvaluatorConfig, models_dir_for
+from neuroshard.verifier.network import NetworkDefinition, load_operator_key
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -62,8 +62,6 @@ def start_embedded_verifier(
     """Serve the verifier on host:port from a daemon thread; returns once it accepts requests.
     Raises OSError when it cannot start (the port is taken, most often)."""
     import uvicorn
-
-    from neuroshard.api.app import create_app
 
     home.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("neuroshard.verifier")

@@ -15,8 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .diloco import DiLoCo, DiLoCoConfig, InnerOptimizerFactory, copy_into_parameters, flat_parameters
-from .model import ModelConfig, Transformer, cross_entropy_loss
+from neuroshard.node.diloco import (
+    DiLoCo,
+    DiLoCoConfig,
+    InnerOptimizerFactory,
+    copy_into_parameters,
+    flat_parameters,
+)
+from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
 
 Batch = tuple[Tensor, Tensor]
 BatchFn = Callable[[int, int], Batch]

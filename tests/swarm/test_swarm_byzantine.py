@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from neuroshard.node.wallet import Wallet
-from tests.node.p2p.test_swarm import swarm_command
+from tests.swarm.test_swarm import swarm_command
 
 NODES, H, ROUNDS = 5, 10, 5
 ATTACKER = NODES - 1
@@ -97,7 +97,13 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
             # every honest replica reports it for the part it reduced.
             assert all(re.search(rf"rejected {bad}: part \d+: ", line) for line in aggregated), aggregated
             assert all(" aggregated 5" in line for line in aggregated), aggregated
-    assert all("ATTACKER sent " + attack in line for n, _, line in rounds if n == ATTACKER)
+    # The attacker's own round (adversary.contributions.ForgingRound) says what it sent, every round.
+    sent = [
+        line
+        for line in lines
+        if line.startswith(f"[{ATTACKER}] round ") and "ATTACKER sent " + attack in line
+    ]
+    assert len(sent) >= ROUNDS, sent
 
     # And the honest replicas learn: the loss of the last round is well below the first's.
     for node in HONEST:

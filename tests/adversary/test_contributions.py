@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuroshard.node.cli import build_parser
-from neuroshard.node.outer.round import RoundInput
-from neuroshard.node.p2p.byzantine import AttackConfig, Attacker, attacker_from_args, warning
-from neuroshard.node.p2p.swarm import Node, report_rounds
+from neuroshard.adversary.cli import attacker_from_args, roles_from_args
+from neuroshard.adversary.cli import build_parser as adversary_parser
+from neuroshard.adversary.contributions import AttackConfig, Attacker, ForgingRound, warning
+from neuroshard.cli.node import Roles, build_parser
+from neuroshard.node.outer.round import OuterRound, RoundInput
+from neuroshard.node.trainer import Trainer
 from neuroshard.node.wallet import Wallet
+from neuroshard.swarm.cli import Node, report_rounds
 
 NUMEL = 512
 WALLET = Wallet.from_token("byzantine-test")
@@ -120,16 +123,32 @@ def test_unknown_attack_and_bad_params_fail_at_construction() -> None:
 
 
 def test_the_cli_flag_builds_an_attacker_and_a_loud_warning() -> None:
-    args = build_parser().parse_args(["--peers", "127.0.0.1:1", "--attack", "scale", "--attack-param", "5"])
+    args = adversary_parser().parse_args(
+        ["--peers", "127.0.0.1:1", "--attack", "scale", "--attack-param", "5"]
+    )
     attacker = attacker_from_args(args)
-    assert attacker is not None and attacker.config.strength == 5.0
+    assert attacker.config.strength == 5.0
     assert warning(attacker).startswith("WARNING: ATTACK MODE scale (param 5)")
-    assert attacker_from_args(build_parser().parse_args([])) is None
+    roles = roles_from_args(args)
+    assert roles.banner == warning(attacker) and roles.trainer is Trainer
+    assert roles.rounds(lambda: torch.zeros(1)).func is ForgingRound  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):  # an adversary must say what it does wrong
+        adversary_parser().parse_args([])
+
+
+def test_the_honest_node_has_no_attack_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--attack", "--owner-attack", "--work-lie"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([flag, "scale"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "attack" not in capsys.readouterr().out.lower()
+    assert Roles().rounds(lambda: torch.zeros(1)) is OuterRound and Roles().trainer is Trainer
 
 
 def test_the_swarm_labels_attackers_and_compares_honest_hashes(capsys: pytest.CaptureFixture[str]) -> None:
-    from neuroshard.node.p2p.swarm import build_parser as swarm_parser
-    from neuroshard.node.p2p.swarm import node_argv
+    from neuroshard.swarm.cli import build_parser as swarm_parser
+    from neuroshard.swarm.cli import node_argv
 
     nodes = [Node(i, 7420 + i, Path("."), f"w{i}", attack="nan" if i == 2 else None) for i in range(3)]
     nodes[0].rounds, nodes[1].rounds, nodes[2].rounds = {0: "aa"}, {0: "aa"}, {0: "ff"}
@@ -145,17 +164,18 @@ def test_the_swarm_labels_attackers_and_compares_honest_hashes(capsys: pytest.Ca
     assert "--attack" not in node_argv(args, nodes[0], [7420, 7421, 7422], [], threads=1)
 
 
-def test_owner_attack_flag_mounts_the_adversary_round_and_nothing_else_does() -> None:
-    import argparse
-
+def test_owner_attack_and_work_lie_flags_mount_the_adversary_parts() -> None:
     from neuroshard.adversary.owners import MismatchedPart, Withholder
-    from neuroshard.node.outer.round import OuterRound
-    from neuroshard.node.p2p.byzantine import add_attack_arguments, owner_round_from_args
+    from neuroshard.adversary.work_lies import ScaledDeltaTrainer, UnassignedDataTrainer
 
-    parser = argparse.ArgumentParser()
-    add_attack_arguments(parser)
-    assert owner_round_from_args(parser.parse_args([])) is OuterRound
-    assert owner_round_from_args(parser.parse_args(["--owner-attack", "withholder"])) is Withholder
-    assert owner_round_from_args(parser.parse_args(["--owner-attack", "mismatched_part"])) is MismatchedPart
+    def roles(*argv: str) -> Roles:
+        return roles_from_args(adversary_parser().parse_args(list(argv)))
+
+    assert roles("--owner-attack", "withholder").rounds(lambda: torch.zeros(1)) is Withholder
+    assert roles("--owner-attack", "mismatched_part").rounds(lambda: torch.zeros(1)) is MismatchedPart
+    assert roles("--work-lie", "delta").trainer is ScaledDeltaTrainer
+    assert roles("--work-lie", "data").trainer is UnassignedDataTrainer
     with pytest.raises(SystemExit):
-        parser.parse_args(["--owner-attack", "bribe"])
+        adversary_parser().parse_args(["--owner-attack", "bribe"])
+    with pytest.raises(SystemExit):  # one wrong at a time
+        adversary_parser().parse_args(["--attack", "scale", "--work-lie", "delta"])

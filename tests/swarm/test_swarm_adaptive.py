@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuroshard.adversary.contributions import AttackConfig, Attacker, revealed_aggregate
 from neuroshard.node.outer.round import RoundInput
-from neuroshard.node.p2p.byzantine import AttackConfig, Attacker, revealed_aggregate
 from neuroshard.node.wallet import Wallet
-from tests.node.p2p.test_swarm import swarm_command
+from tests.swarm.test_swarm import swarm_command
 
 NODES, BYZANTINE, H, ROUNDS = 6, 2, 10, 5
 HONEST = range(NODES - BYZANTINE)
@@ -116,7 +116,12 @@ def test_honest_replicas_agree_refuse_no_honest_and_learn(published, tmp_path: P
             assert not any(f"rejected {h}" in line for h in honest), line
             assert "equivocator" not in line
     # The colluders searched: from round 1 on (with a revealed aggregate) their note names a γ.
-    notes = [line for n, rr, line in rounds if n >= NODES - BYZANTINE and rr >= 1]
+    sent = re.compile(r"^\[(\d+)\] round (\d+): ATTACKER sent (.*)$")
+    notes = [
+        m.group(3)
+        for m in map(sent.match, lines)
+        if m and int(m.group(1)) >= NODES - BYZANTINE and int(m.group(2)) >= 1
+    ]
     assert notes and all(re.search(rf"{attack} \(realistic, γ=", line) for line in notes), notes
 
     # And the honest replicas learn.

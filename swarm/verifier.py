@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
-
-from ..model import ModelConfig
-from ..roster import Roster
-from ..wallet import Wallet
-from .auth import sign_request
+from neuroshard.node.model import ModelConfig
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.roster import Roster
+from neuroshard.node.wallet import Wallet
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -140,7 +139,7 @@ def start_swarm_verifier(
     network.write_text(to_toml(tables), encoding="utf-8")
     log_path = home / "verifier.log"
     argv = [
-        sys.executable, "-m", "neuroshard.verifier.cli",
+        sys.executable, "-m", "neuroshard.cli.verifier",
         "--network", str(network),
         "--home", str(home),
         "--host", "127.0.0.1",

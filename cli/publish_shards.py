@@ -13,10 +13,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .corpus import expand_paths, read_documents
-from .keys import PublisherKeyError, load_or_create_signing_key
-from .publish import DEFAULT_SHARD_TOKENS, DEFAULT_WORKERS, PublishProgress, publish_shards
-from .storage import MAX_CONNECTIONS, StoreError, open_store
+from neuroshard.data.corpus import expand_paths, read_documents
+from neuroshard.data.keys import PublisherKeyError, load_or_create_signing_key
+from neuroshard.data.publish import DEFAULT_SHARD_TOKENS, DEFAULT_WORKERS, PublishProgress, publish_shards
+from neuroshard.data.storage import MAX_CONNECTIONS, StoreError, open_store
 
 
 def build_parser() -> argparse.ArgumentParser:

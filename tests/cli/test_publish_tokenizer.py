@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from neuroshard.cli.publish_tokenizer import input_files, main, read_texts
 from neuroshard.tokenizer import BPETokenizer
-from neuroshard.tokenizer.cli import input_files, main, read_texts
 
 PROSE = "It is a truth universally acknowledged, that a single man in possession of a good fortune.\n" * 40
 CODE = "def f(x: int) -> int:\n    return x * 2  # doubled\n" * 30

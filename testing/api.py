@@ -20,14 +20,13 @@ import httpx2
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from neuroshard.api.services import Services
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.verifier import ManualClock, signed_json, small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.auth import sign_request
 from neuroshard.verifier.config import ReadCacheConfig, VerifierConfig
 from neuroshard.verifier.ratelimit import RateLimitConfig
-from neuroshard.verifier.testing import ManualClock, signed_json, small_network
-
-from .services import Services
 
 OPERATOR = Wallet.from_token("test-operator")
 ADDRESS = "http://127.0.0.1:9000"
@@ -145,14 +144,14 @@ def start_verifier_process(
     timeout_s: float = 60.0,
     extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
-    """`python -m neuroshard.verifier.cli` on loopback, returned once it answers; output in
+    """`python -m neuroshard.cli.verifier` on loopback, returned once it answers; output in
     directory/verifier-PORT.log. The caller stops it (terminate, or kill for crash tests)."""
     network = directory / "network.toml"
     network.write_text(network_toml)
     argv = [
         sys.executable,
         "-m",
-        "neuroshard.verifier.cli",
+        "neuroshard.cli.verifier",
         "--network",
         str(network),
         "--db",

@@ -3,7 +3,7 @@
 TESTING ONLY. An `Attacker` is the one hook `PeerNetwork` calls when built with one: after its
 H honest inner steps the node hands over its honest `RoundInput` and θ_round, and gets back the
 input the partitioned round (``neuroshard.node.outer.round``) commits to and publishes instead,
-with a note for its round line. The maths of every attack is in ``neuroshard.node.attacks``;
+with a note for its round line. The maths of every attack is in ``neuroshard.adversary.attacks``;
 this module only decides what to feed it:
 
 - ``sign_flip``, ``scale`` (×k), ``gaussian`` (σ = param · RMS of the honest Δ), ``zero``:
@@ -29,26 +29,31 @@ this module only decides what to feed it:
 
 ``--owner-attack NAME`` instead runs one of the cheating owners of ``neuroshard.adversary.owners``
 (wrong_aggregate, equivocator, withholder, mismatched_part) as this node's round: those cheat
-inside the round, in the parts the node owns, not in its contribution.
+inside the round, in the parts the node owns, not in its contribution (``adversary.cli``).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from .. import aggregation, attacks
-from ..aggregation import default_rule
-from ..attacks import ADAPTIVE, ATTACKS
-from ..outer.partition import part_bounds
-from ..outer.reduce import reduce_part
-from ..outer.round import OuterRound, RoundInput
-from ..validation import ValidationConfig
+from neuroshard.adversary import attacks
+from neuroshard.adversary.attacks import ADAPTIVE, ATTACKS
+from neuroshard.node import aggregation
+from neuroshard.node.aggregation import default_rule
+from neuroshard.node.outer.partition import part_bounds
+from neuroshard.node.outer.port import RoundStore
+from neuroshard.node.outer.reduce import reduce_part
+from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundFactory, RoundInput, RoundResult
+from neuroshard.node.p2p.rounds import AggregationRule
+from neuroshard.node.validation import ValidationConfig
+from neuroshard.node.wallet import Wallet
 
 DEFAULT_PARAMS: dict[str, float] = {
     "scale": 10.0,
@@ -69,7 +74,7 @@ al.'s z_max for the round's n and the default rule's f)."""
 @dataclass(kw_only=True)
 class AttackConfig:
     name: str
-    """One of ``neuroshard.node.attacks.ATTACKS``."""
+    """One of ``neuroshard.adversary.attacks.ATTACKS``."""
     param: float | None = None
     """The attack's strength (DEFAULT_PARAMS says what it means per attack)."""
     seed: int = 0
@@ -228,50 +233,38 @@ def _rms(x: Tensor) -> float:
     return float(x.double().pow(2).mean().sqrt())
 
 
-def add_attack_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("attack (TESTING ONLY: makes this node a Byzantine attacker)")
-    g.add_argument("--attack", choices=ATTACKS, help="send forged contributions of this kind")
-    g.add_argument("--attack-param", type=float, help="the attack's strength (see node/p2p/byzantine.py)")
-    g.add_argument("--attack-seed", type=int, default=0, help="seed of the attack's noise")
-    g.add_argument(
-        "--owner-attack",
-        choices=OWNER_ATTACKS,
-        help="cheat as an owner of parts instead (neuroshard.adversary.owners): a wrong aggregate, "
-        "two signed aggregates, a withheld part, or a Δ object that does not match its signed root",
-    )
+class ForgingRound(OuterRound):
+    """An honest round in every step but one: it commits to the attacker's forged input instead of
+    its honest one, and logs what it sent. Built by `forging_rounds` for `neuroshard-adversary`."""
+
+    def __init__(
+        self,
+        store: RoundStore,
+        wallet: Wallet,
+        rule: AggregationRule,
+        config: RoundConfig | None = None,
+        log: Callable[[str], None] = lambda line: None,
+        *,
+        attacker: Attacker,
+        theta_round: Callable[[], Tensor],
+    ) -> None:
+        super().__init__(store, wallet, rule, config, log)
+        self.attacker = attacker
+        self.theta_round = theta_round
+
+    async def run(self, inp: RoundInput) -> RoundResult:
+        forged, note = self.attacker.forge_input(inp, self.theta_round())
+        self.log(f"round {inp.round}: ATTACKER sent {note}")
+        return await super().run(forged)
 
 
-OWNER_ATTACKS = ("wrong_aggregate", "equivocator", "withholder", "mismatched_part")
+def forging_rounds(attacker: Attacker) -> Callable[[Callable[[], Tensor]], RoundFactory]:
+    """The round factory of a contribution attacker, for ``neuroshard.cli.node.Roles.rounds``."""
 
+    def rounds(theta_round: Callable[[], Tensor]) -> RoundFactory:
+        return partial(ForgingRound, attacker=attacker, theta_round=theta_round)
 
-def owner_round_from_args(args: argparse.Namespace) -> type[OuterRound]:
-    """The round class `--owner-attack` names (the adversary package is imported only then)."""
-    name = getattr(args, "owner_attack", None)
-    if name is None:
-        return OuterRound
-    from neuroshard.adversary import owners
-
-    classes: dict[str, type[OuterRound]] = {
-        "wrong_aggregate": owners.WrongAggregate,
-        "equivocator": owners.Equivocator,
-        "withholder": owners.Withholder,
-        "mismatched_part": owners.MismatchedPart,
-    }
-    return classes[name]
-
-
-def attacker_from_args(args: argparse.Namespace) -> Attacker | None:
-    if getattr(args, "attack", None) is None:
-        return None
-    return Attacker(
-        AttackConfig(
-            name=args.attack,
-            param=args.attack_param,
-            seed=args.attack_seed,
-            outer_lr=getattr(args, "outer_lr", 1.0),
-            outer_momentum=getattr(args, "outer_momentum", 0.5),
-        )
-    )
+    return rounds
 
 
 def warning(attacker: Attacker) -> str:

@@ -17,7 +17,7 @@ Round results are printed per stage. The swarm's verifier defines the run with S
 every node joins it with its stage: hash agreement is judged per stage, and the measured
 loss is that of every stage's majority weights assembled into the whole model.
 
-With --byzantine K --attack NAME the last K nodes run `neuroshard-node --attack NAME` (testing
+With --byzantine K --attack NAME the last K nodes run `neuroshard-adversary --attack NAME` (testing
 the defences): they are labelled ATTACKER in the output, and the per-round agreement line
 compares the honest nodes only, saying separately whether each attacker holds the same θ.
 
@@ -43,13 +43,13 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from neuroshard.adversary.attacks import ATTACKS
+from neuroshard.cli.node import build_parser as node_parser
 from neuroshard.data import load_or_create_signing_key
-
-from ..attacks import ATTACKS
-from ..embedded import ensure_default_dataset
-from ..wallet import TOKEN_ENV, Wallet
-from .swarm_verifier import SwarmVerifier, network_tables, start_swarm_verifier
-from .wire import ENCODINGS
+from neuroshard.node.embedded import ensure_default_dataset
+from neuroshard.node.p2p.wire import ENCODINGS
+from neuroshard.node.wallet import TOKEN_ENV, Wallet
+from neuroshard.swarm.verifier import SwarmVerifier, network_tables, start_swarm_verifier
 
 PROG = "neuroshard-swarm"
 ROUND_DONE = re.compile(r"^p2p round=\d+ .*; θ_(\d+) ([0-9a-f]+) ")
@@ -81,9 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=shlex.quote(str(Path(sys.executable).with_name("neuroshard-node"))),
         help="command that starts one node (development and tests: e.g. 'python my_entry.py')",
     )
-    p.add_argument("--byzantine", type=int, default=0, help="make the last K nodes attackers (testing)")
     p.add_argument(
-        "--attack", choices=ATTACKS, help="what the --byzantine nodes send (neuroshard-node --attack)"
+        "--adversary-command",
+        default=shlex.quote(str(Path(sys.executable).with_name("neuroshard-adversary"))),
+        help="command that starts one attacking node (the --byzantine ones)",
+    )
+    p.add_argument(
+        "--byzantine", type=int, default=0, help="make the last K nodes attackers (neuroshard-adversary)"
+    )
+    p.add_argument(
+        "--attack", choices=ATTACKS, help="what the --byzantine nodes send (neuroshard-adversary --attack)"
     )
     p.add_argument("--attack-param", type=float, help="the attack's strength, passed to every attacker")
     p.add_argument(
@@ -168,8 +175,9 @@ def node_argv(
 ) -> list[str]:
     peers = ",".join(f"127.0.0.1:{p}" for p in ports if p != node.port)
     extra = [a for a in args.node_args if a != "--"]
+    command = args.node_command if node.attack is None else args.adversary_command
     return [
-        *shlex.split(args.node_command),
+        *shlex.split(command),
         *data,
         "--home", str(node.home),
         "--checkpoint-dir", str(node.home / "checkpoints"),
@@ -317,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--byzantine K needs 0 <= K < --nodes, and --attack NAME exactly when K > 0")
     if shutil.which(shlex.split(args.node_command)[0]) is None:
         return _fail(f"node command {args.node_command!r} not found")
+    if args.byzantine and shutil.which(shlex.split(args.adversary_command)[0]) is None:
+        return _fail(f"adversary command {args.adversary_command!r} not found")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     data = _data_flags(args)
     try:
@@ -376,8 +386,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_verifier(args: argparse.Namespace, data: list[str]) -> SwarmVerifier:
     """One verifier for the swarm, defined by what the nodes would train (swarm_verifier)."""
-    from ..cli import build_parser as node_parser  # the node's flags and defaults, one definition
-
     node = node_parser().parse_args([a for a in args.node_args if a != "--"])
     tables = network_tables(
         node,

@@ -24,7 +24,7 @@ from statistics import NormalDist
 import torch
 from torch import Tensor
 
-from .validation import ValidationConfig, screen_round
+from neuroshard.node.validation import ValidationConfig, screen_round
 
 FIXED = (
     "sign_flip",
@@ -280,7 +280,7 @@ def _perturbation(kind: str, mu: Tensor, sigma: Tensor) -> Tensor:
 
 
 def _edge(rows: Tensor, mu: Tensor, gamma: float, config: ValidationConfig) -> Tensor:
-    from .aggregation import coordinate_median
+    from neuroshard.node.aggregation import coordinate_median
 
     reference = coordinate_median(rows)
     ref_norm = float(reference.norm())

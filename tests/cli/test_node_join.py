@@ -2,10 +2,10 @@
 
 import torch
 
+from neuroshard.cli.node import _aggregation_rule, _model_label
 from neuroshard.node import aggregation
-from neuroshard.node.cli import _aggregation_rule, _model_label
 from neuroshard.node.model import ModelConfig
-from neuroshard.verifier.testing import small_network
+from neuroshard.testing.verifier import small_network
 
 
 def test_a_joined_node_aggregates_with_the_definitions_rule_and_f() -> None:

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from neuroshard.adversary.simulate import SimulationResult, simulate
 from neuroshard.node.diloco import DiLoCoConfig, flat_parameters
 from neuroshard.node.model import ModelConfig, Transformer
-from neuroshard.node.simulate import SimulationResult, simulate
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 DILOCO = DiLoCoConfig(inner_steps=5, inner_lr=1e-2, warmup_steps=2, total_steps=100)

@@ -1,0 +1,112 @@
+"""A stage > 0 replica of a pipeline: no data of its own; its peer server takes micro-batches
+(`PipelineService`), a `StageWorker` trains on them, a non-last stage forwards its own output through
+its own `PipelineLink`, and it runs its stage's DiLoCo outer rounds through `PeerNetwork`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .diloco import DiLoCo, DiLoCoConfig
+from .model import ModelConfig, build_stage
+from .p2p.network import NetworkConfig, PeerNetwork
+from .p2p.pipeline import PipelineConfig, PipelineService
+from .p2p.rounds import AggregationRule, ordered_mean
+from .p2p.server import ServerExtension
+from .p2p.stages import PipelineLink
+from .reporting import Reporting
+from .stage_worker import StageCheckpoint, StageWorker, WorkerConfig
+from .trainer import TrainResult
+from .wallet import Wallet
+
+
+@dataclass
+class StageReplica:
+    """A running stage > 0 replica (built by `start_stage_replica`, run by `run`)."""
+
+    diloco: DiLoCo
+    worker: StageWorker
+    network: PeerNetwork
+    service: PipelineService
+    link: PipelineLink | None
+
+    def run(self, stop: threading.Event) -> TrainResult:
+        try:
+            return self.worker.run(stop)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.network.stop()
+
+
+def start_stage_replica(
+    *,
+    wallet: Wallet,
+    stage: int,
+    model_config: ModelConfig,
+    diloco_config: DiLoCoConfig,
+    network_config: NetworkConfig,
+    pipeline_config: PipelineConfig,
+    worker_config: WorkerConfig,
+    stop: threading.Event,
+    log: Callable[[str], None],
+    aggregate: AggregationRule = ordered_mean,
+    checkpoint: StageCheckpoint | None = None,
+    fresh: bool = False,
+    reporting: Reporting | None = None,
+) -> StageReplica:
+    """Build a stage > 0 replica: model, DiLoCo (resumed from `checkpoint` unless `fresh`), worker,
+    peer server with the pipeline route; join the stage's state; ready to `run`. With an active
+    `reporting` it sends a receipt after every round, records every inner step (node.segments)
+    and serves segments to the verifier's operator key."""
+    reporting = reporting or Reporting.nobody(log)
+    model = build_stage(model_config, stage, pipeline_config.num_stages)
+    diloco = DiLoCo(model, diloco_config)
+    if checkpoint is not None and not fresh and checkpoint.load(diloco):
+        log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
+    recorder = reporting.recorder(stage)
+    worker = StageWorker(diloco, worker_config, log=log, checkpoint=checkpoint, segments=recorder)
+    service = PipelineService(
+        wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=worker
+    )
+    extensions: list[ServerExtension] = [service, *reporting.extensions()]
+    network = PeerNetwork(
+        network_config, wallet, stage, log, aggregate=aggregate, stop=stop, extensions=extensions
+    )
+    network.start()
+    link: PipelineLink | None = None
+    try:
+        if stage < pipeline_config.num_stages - 1:
+            link = PipelineLink(
+                network, pipeline_config, stop=stop, round_of=lambda: diloco.round, log=log, segments=recorder
+            )
+            link.start()
+            worker.downstream = link.forward
+        # The one wire set after construction: the worker serves the pipeline route the network
+        # is built with, and the network finishes the worker's rounds.
+        if reporting.active:
+            receipting = reporting.receipting(
+                network, worker.work, wallet, batch_size=None, tokens_per_step=0, segments=recorder
+            )
+            receipting.round_started(diloco)
+            worker.set_round_finisher(receipting)
+            reporting.track(network, wallet, progress=lambda: (diloco.round, diloco.steps_in_round))
+        else:
+            worker.set_round_finisher(network.finish_round)
+        network.join_state(diloco)
+    except BaseException:
+        if link is not None:
+            link.close()
+        network.stop()
+        raise
+    params = sum(p.numel() for p in model.parameters())
+    log(
+        f"stage {stage}/{pipeline_config.num_stages}: layers {list(model.layer_range)}, {params:,} parameters, "
+        f"{'last stage (head, loss)' if link is None else 'forwards to stage ' + str(stage + 1)}; "
+        f"H={diloco_config.inner_steps}; serving micro-batches at {network.address}"
+    )
+    return StageReplica(diloco=diloco, worker=worker, network=network, service=service, link=link)
