@@ -1,6 +1,6 @@
 """`neuroshard-verifier --workers N`: N worker processes accepting on one listening socket.
 
-The parent binds the socket once and starts each worker as `python -m neuroshard.verifier.cli
+The parent binds the socket once and starts each worker as `python -m neuroshard.cli.verifier
 … --worker-fd FD` with the socket's descriptor inherited (`pass_fds`); the kernel hands each
 new connection to whichever worker accepts first. Workers are plain subprocesses that rebuild
 their configuration from the same flags: nothing is pickled between processes (uvicorn's own
