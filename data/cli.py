@@ -19,30 +19,28 @@ from .publish import DEFAULT_SHARD_TOKENS, DEFAULT_WORKERS, PublishProgress, pub
 from .storage import MAX_CONNECTIONS, StoreError, open_store
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="neuroshard-publish-shards",
-        description="Tokenize text into shard_{id}.pt files, write manifest.json and sign it (manifest.json.sig).",
-    )
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help="text files, or directories searched for *.txt, *.py, *.md, *.rst (sorted)",
-    )
-    parser.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR|s3://BUCKET/PREFIX",
-        help="data set directory or S3 location; must already hold tokenizer.json (neuroshard-publish-tokenizer)",
-    )
+def add_publish_arguments(parser: argparse.ArgumentParser, *, input_help: str, out_help: str) -> None:
+    """--input, --out and --endpoint-url: what both publishers (this one and
+    neuroshard-publish-tokenizer) read, and the store they write to (storage.open_store)."""
+    parser.add_argument("--input", nargs="+", type=Path, required=True, metavar="PATH", help=input_help)
+    parser.add_argument("--out", required=True, metavar="DIR|s3://BUCKET/PREFIX", help=out_help)
     parser.add_argument(
         "--endpoint-url",
         default=None,
         metavar="URL",
         help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neuroshard-publish-shards",
+        description="Tokenize text into shard_{id}.pt files, write manifest.json and sign it (manifest.json.sig).",
+    )
+    add_publish_arguments(
+        parser,
+        input_help="text files, or directories searched for *.txt, *.py, *.md, *.rst (sorted)",
+        out_help="data set directory or S3 location; must already hold tokenizer.json (neuroshard-publish-tokenizer)",
     )
     parser.add_argument(
         "--workers",

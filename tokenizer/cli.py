@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
+from neuroshard.data.cli import add_publish_arguments
 from neuroshard.data.storage import Store, StoreError, open_store
 
 from .bpe import FIRST_MERGE_ID, BPETokenizer
@@ -60,25 +61,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="neuroshard-publish-tokenizer",
         description="Train or extend the BPE and write DIR/tokenizer.json.",
     )
-    p.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        type=Path,
-        metavar="PATH",
-        help="UTF-8 text files or directories (searched for *.txt and *.py, sorted)",
-    )
-    p.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR|s3://BUCKET/PREFIX",
-        help="writes DIR/tokenizer.json (or the object PREFIX/tokenizer.json)",
-    )
-    p.add_argument(
-        "--endpoint-url",
-        default=None,
-        metavar="URL",
-        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    add_publish_arguments(
+        p,
+        input_help="UTF-8 text files or directories (searched for *.txt and *.py, sorted)",
+        out_help="writes DIR/tokenizer.json (or the object PREFIX/tokenizer.json)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
