@@ -13,23 +13,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from neuroshard.tokenizer.cli import add_publish_arguments
+
 from .corpus import expand_paths, read_documents
 from .keys import PublisherKeyError, load_or_create_signing_key
 from .publish import DEFAULT_SHARD_TOKENS, DEFAULT_WORKERS, PublishProgress, publish_shards
 from .storage import MAX_CONNECTIONS, StoreError, open_store
-
-
-def add_publish_arguments(parser: argparse.ArgumentParser, *, input_help: str, out_help: str) -> None:
-    """--input, --out and --endpoint-url: what both publishers (this one and
-    neuroshard-publish-tokenizer) read, and the store they write to (storage.open_store)."""
-    parser.add_argument("--input", nargs="+", type=Path, required=True, metavar="PATH", help=input_help)
-    parser.add_argument("--out", required=True, metavar="DIR|s3://BUCKET/PREFIX", help=out_help)
-    parser.add_argument(
-        "--endpoint-url",
-        default=None,
-        metavar="URL",
-        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

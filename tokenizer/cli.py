@@ -18,7 +18,6 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
-from neuroshard.data.cli import add_publish_arguments
 from neuroshard.data.storage import Store, StoreError, open_store
 
 from .bpe import FIRST_MERGE_ID, BPETokenizer
@@ -54,6 +53,19 @@ class PublishConfig:
     """Learn this many merges on top of out/tokenizer.json; None when training anew."""
     max_bytes: int
     """Stop reading input after this many UTF-8 bytes, so a large corpus stays fast."""
+
+
+def add_publish_arguments(parser: argparse.ArgumentParser, *, input_help: str, out_help: str) -> None:
+    """--input, --out and --endpoint-url: what both publishers (this one and
+    neuroshard-publish-shards, data.cli) read, and the store they write to (data.storage.open_store)."""
+    parser.add_argument("--input", nargs="+", type=Path, required=True, metavar="PATH", help=input_help)
+    parser.add_argument("--out", required=True, metavar="DIR|s3://BUCKET/PREFIX", help=out_help)
+    parser.add_argument(
+        "--endpoint-url",
+        default=None,
+        metavar="URL",
+        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
