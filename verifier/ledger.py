@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import ColumnElement, case, delete, func, insert, select, update
@@ -289,16 +290,7 @@ def apply_adjustment(
     False when the wallet is unknown (a claim about a wallet that never registered)."""
     if _move_reputation(session, m.Wallet.wallet_id == adj.wallet_id, adj.delta, cfg) == 0:
         return False
-    session.add(
-        m.ReputationEvent(
-            wallet_id=adj.wallet_id,
-            stage=stage,
-            round=round_,
-            delta=adj.delta,
-            reason=adj.reason,
-            created_at=now,
-        )
-    )
+    _log_events(session, [adj.wallet_id], adj.delta, adj.reason, stage=stage, round_=round_, now=now)
     _refuse_fallen(session, m.Wallet.wallet_id == adj.wallet_id, adj.reason, cfg)
     return True
 
@@ -316,6 +308,34 @@ def _move_reputation(
         .execution_options(synchronize_session=False)
     )
     return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _log_events(
+    session: Session,
+    wallet_ids: Sequence[str],
+    delta: float,
+    reason: str,
+    *,
+    stage: int | None,
+    round_: int | None,
+    now: float,
+) -> None:
+    """One reputation event per wallet: what moved its reputation, by how much, and why."""
+    if wallet_ids:
+        session.execute(
+            insert(m.ReputationEvent),
+            [
+                {
+                    "wallet_id": w,
+                    "stage": stage,
+                    "round": round_,
+                    "delta": delta,
+                    "reason": reason,
+                    "created_at": now,
+                }
+                for w in wallet_ids
+            ],
+        )
 
 
 def _refuse_fallen(
@@ -357,21 +377,7 @@ def apply_adjustments(
             ids = sorted(wallet_ids[at : at + _BULK])
             _move_reputation(session, m.Wallet.wallet_id.in_(ids), delta, cfg)
             known = session.scalars(select(m.Wallet.wallet_id).where(m.Wallet.wallet_id.in_(ids))).all()
-            if known:
-                session.execute(
-                    insert(m.ReputationEvent),
-                    [
-                        {
-                            "wallet_id": w,
-                            "stage": stage,
-                            "round": round_,
-                            "delta": delta,
-                            "reason": reason,
-                            "created_at": now,
-                        }
-                        for w in known
-                    ],
-                )
+            _log_events(session, known, delta, reason, stage=stage, round_=round_, now=now)
             _refuse_fallen(session, m.Wallet.wallet_id.in_(ids), reason, cfg)
 
 
