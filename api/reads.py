@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from fastapi.types import DecoratedCallable
 from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -93,6 +94,28 @@ def _serve(request: Request, services: Services, entry: Rendered) -> Response:
     return cached_response(request, entry, max_age_s=services.config.reads.max_age_s)
 
 
+def _cached_get(
+    path: str, model: Any, tag: str, *, paged: bool = False, missing: bool = False
+) -> Callable[[DecoratedCallable], DecoratedCallable]:
+    """The route of a read served through the read cache: its 200 carries an ETag and
+    Cache-Control (`paged`: a page's headers), a current If-None-Match gets 304, and `missing`
+    documents the 404 of an absent item."""
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {"headers": _PAGE_HEADERS if paged else _CACHED},
+        **_NOT_MODIFIED,
+    }
+    if missing:
+        responses[404] = {"model": ErrorOut}
+    return router.get(path, response_model=model, responses=responses, tags=[tag])
+
+
+def _cached(
+    request: Request, services: Services, key: str, render: Callable[[], tuple[bytes, Headers]]
+) -> Response:
+    """The read under `key` from the read cache, rendered by `render` when the data changed."""
+    return _serve(request, services, services.reads.get(key, render))
+
+
 def _page_headers(request: Request, total: int, limit: int, offset: int) -> Headers:
     headers: list[tuple[str, str]] = [("X-Total-Count", str(total))]
     if offset + limit < total:
@@ -126,12 +149,7 @@ def _verify(session: Session, services: Services) -> VerifyOut:
     )
 
 
-@router.get(
-    "/api/training/verify",
-    response_model=VerifyOut,
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
-    tags=["training"],
-)
+@_cached_get("/api/training/verify", VerifyOut, "training")
 def training_verify(request: Request, services: ServicesDep) -> Response:
     """Is the global model really learning? Judged from the verifier's own held-out measurements only."""
 
@@ -139,7 +157,7 @@ def training_verify(request: Request, services: ServicesDep) -> Response:
         with services.db.read() as session:
             return _json(_verify(session, services)), ()
 
-    return _serve(request, services, services.reads.get("verify", render))
+    return _cached(request, services, "verify", render)
 
 
 def _stages(
@@ -166,15 +184,10 @@ def _stages(
     return out
 
 
-@router.get(
-    "/api/training/global",
-    response_model=GlobalOut,
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
-    tags=["training"],
-)
+@_cached_get("/api/training/global", GlobalOut, "training")
 def training_global(request: Request, services: ServicesDep) -> Response:
     """The full picture: nodes, measured and reported loss, work done, agreement per stage, DiLoCo status."""
-    return _serve(request, services, services.reads.get("global", lambda: (_json(_global(services)), ())))
+    return _cached(request, services, "global", lambda: (_json(_global(services)), ()))
 
 
 def _global(services: Services) -> GlobalOut:
@@ -216,12 +229,7 @@ def _global(services: Services) -> GlobalOut:
     )
 
 
-@router.get(
-    "/api/training/history",
-    response_model=HistoryOut,
-    responses={200: {"headers": _PAGE_HEADERS}, **_NOT_MODIFIED},
-    tags=["training"],
-)
+@_cached_get("/api/training/history", HistoryOut, "training", paged=True)
 def training_history(
     request: Request,
     services: ServicesDep,
@@ -248,15 +256,10 @@ def training_history(
         )
         return _json(out), _page_headers(request, total, rows, offset)
 
-    return _serve(request, services, services.reads.get(f"history:{rows}:{offset}", render))
+    return _cached(request, services, f"history:{rows}:{offset}", render)
 
 
-@router.get(
-    "/api/training/sample",
-    response_model=SampleOut,
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
-    tags=["training"],
-)
+@_cached_get("/api/training/sample", SampleOut, "training")
 def training_sample(request: Request, services: ServicesDep) -> Response:
     """A short text the verifier generated itself from the latest measured majority model (a
     fixed prompt, seeded sampling), refreshed every few evaluations: what the model says now."""
@@ -271,7 +274,7 @@ def training_sample(request: Request, services: ServicesDep) -> Response:
             sample = None if latest is None else TextSampleOut.model_validate(latest)
         return _json(SampleOut(sample=sample, every_evaluations=every)), ()
 
-    return _serve(request, services, services.reads.get("sample", render))
+    return _cached(request, services, "sample", render)
 
 
 def _models_dir(services: Services) -> pathlib.Path | None:
@@ -279,12 +282,7 @@ def _models_dir(services: Services) -> pathlib.Path | None:
     return None if evaluation is None else evaluation.models_dir
 
 
-@router.get(
-    "/api/training/models",
-    response_model=ModelsOut,
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
-    tags=["training"],
-)
+@_cached_get("/api/training/models", ModelsOut, "training")
 def training_models(request: Request, services: ServicesDep) -> Response:
     """The measured majority models the verifier keeps (its newest few rounds, stages assembled),
     for `neuroshard-export --verifier URL --checkpoint ROUND`."""
@@ -294,7 +292,7 @@ def training_models(request: Request, services: ServicesDep) -> Response:
         kept = [] if directory is None else _kept_models(directory)
         return _json(ModelsOut(models=kept)), ()
 
-    return _serve(request, services, services.reads.get("models", render))
+    return _cached(request, services, "models", render)
 
 
 def _kept_models(directory: pathlib.Path) -> list[ModelFileOut]:
@@ -393,12 +391,7 @@ def training_model_tokenizer(request: Request, services: ServicesDep, round_: Ro
     return _serve(request, services, entry)
 
 
-@router.get(
-    "/api/training/spot-checks",
-    response_model=CoverageOut,
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
-    tags=["training"],
-)
+@_cached_get("/api/training/spot-checks", CoverageOut, "training")
 def spot_checks(
     request: Request,
     services: ServicesDep,
@@ -433,15 +426,10 @@ def spot_checks(
         )
         return _json(out), ()
 
-    return _serve(request, services, services.reads.get(f"spot-checks:{window}:{limit}:{offset}", render))
+    return _cached(request, services, f"spot-checks:{window}:{limit}:{offset}", render)
 
 
-@router.get(
-    "/api/peers",
-    response_model=list[PeerOut],
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED},
-    tags=["tracker"],
-)
+@_cached_get("/api/peers", list[PeerOut], "tracker")
 def peers(
     request: Request,
     services: ServicesDep,
@@ -456,15 +444,10 @@ def peers(
             )
         return _PEER_LIST.dump_json([PeerOut.model_validate(n) for n in live]), ()
 
-    return _serve(request, services, services.reads.get(f"peers:{stage}", render))
+    return _cached(request, services, f"peers:{stage}", render)
 
 
-@router.get(
-    "/api/nodes",
-    response_model=list[NodeOut],
-    responses={200: {"headers": _PAGE_HEADERS}, **_NOT_MODIFIED},
-    tags=["nodes"],
-)
+@_cached_get("/api/nodes", list[NodeOut], "nodes", paged=True)
 def nodes(request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0) -> Response:
     """Registered wallets by wallet id, a page at a time, with status, reputation and last heartbeat.
     X-Total-Count is the number of wallets; Link names the next page."""
@@ -478,15 +461,10 @@ def nodes(request: Request, services: ServicesDep, limit: Limit = 100, offset: O
         body = _NODE_LIST.dump_json([NodeOut.model_validate(n) for n in records])
         return body, _page_headers(request, total, limit, offset)
 
-    return _serve(request, services, services.reads.get(f"nodes:{limit}:{offset}", render))
+    return _cached(request, services, f"nodes:{limit}:{offset}", render)
 
 
-@router.get(
-    "/api/nodes/{wallet}",
-    response_model=NodeDetailOut,
-    responses={200: {"headers": _CACHED}, **_NOT_MODIFIED, 404: {"model": ErrorOut}},
-    tags=["nodes"],
-)
+@_cached_get("/api/nodes/{wallet}", NodeDetailOut, "nodes", missing=True)
 def node(
     request: Request,
     services: ServicesDep,
@@ -503,7 +481,7 @@ def node(
             raise HTTPException(404, f"wallet {wallet} is not registered")
         return _json(NodeDetailOut.model_validate(detail)), ()
 
-    return _serve(request, services, services.reads.get(f"node:{wallet}", render))
+    return _cached(request, services, f"node:{wallet}", render)
 
 
 @router.get(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from neuroshard.cli.publish_tokenizer import add_publish_arguments
 from neuroshard.data.corpus import expand_paths, read_documents
 from neuroshard.data.keys import PublisherKeyError, load_or_create_signing_key
 from neuroshard.data.publish import DEFAULT_SHARD_TOKENS, DEFAULT_WORKERS, PublishProgress, publish_shards
@@ -24,25 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="neuroshard-publish-shards",
         description="Tokenize text into shard_{id}.pt files, write manifest.json and sign it (manifest.json.sig).",
     )
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help="text files, or directories searched for *.txt, *.py, *.md, *.rst (sorted)",
-    )
-    parser.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR|s3://BUCKET/PREFIX",
-        help="data set directory or S3 location; must already hold tokenizer.json (neuroshard-publish-tokenizer)",
-    )
-    parser.add_argument(
-        "--endpoint-url",
-        default=None,
-        metavar="URL",
-        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    add_publish_arguments(
+        parser,
+        input_help="text files, or directories searched for *.txt, *.py, *.md, *.rst (sorted)",
+        out_help="data set directory or S3 location; must already hold tokenizer.json (neuroshard-publish-tokenizer)",
     )
     parser.add_argument(
         "--workers",

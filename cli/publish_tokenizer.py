@@ -54,30 +54,28 @@ class PublishConfig:
     """Stop reading input after this many UTF-8 bytes, so a large corpus stays fast."""
 
 
+def add_publish_arguments(parser: argparse.ArgumentParser, *, input_help: str, out_help: str) -> None:
+    """--input, --out and --endpoint-url: what both publishers (this one and
+    neuroshard-publish-shards, cli.publish_shards) read, and the store they write to (data.storage.open_store)."""
+    parser.add_argument("--input", nargs="+", type=Path, required=True, metavar="PATH", help=input_help)
+    parser.add_argument("--out", required=True, metavar="DIR|s3://BUCKET/PREFIX", help=out_help)
+    parser.add_argument(
+        "--endpoint-url",
+        default=None,
+        metavar="URL",
+        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="neuroshard-publish-tokenizer",
         description="Train or extend the BPE and write DIR/tokenizer.json.",
     )
-    p.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        type=Path,
-        metavar="PATH",
-        help="UTF-8 text files or directories (searched for *.txt and *.py, sorted)",
-    )
-    p.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR|s3://BUCKET/PREFIX",
-        help="writes DIR/tokenizer.json (or the object PREFIX/tokenizer.json)",
-    )
-    p.add_argument(
-        "--endpoint-url",
-        default=None,
-        metavar="URL",
-        help="S3-compatible endpoint for s3:// (default: AWS; region and credentials from the usual AWS settings)",
+    add_publish_arguments(
+        p,
+        input_help="UTF-8 text files or directories (searched for *.txt and *.py, sorted)",
+        out_help="writes DIR/tokenizer.json (or the object PREFIX/tokenizer.json)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(

@@ -63,6 +63,8 @@ def parse_public_key(hex_key: str) -> bytes:
 
 
 def signature_is_valid(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """True when `signature` is a valid Ed25519 signature of `message` by `public_key`; False for
+    a bad signature and for a malformed key or signature."""
     try:
         VerifyKey(public_key).verify(message, signature)
     except (BadSignatureError, ValueError, TypeError):

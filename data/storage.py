@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -118,13 +118,8 @@ class S3Store:
 
     def get_bytes(self, name: str) -> bytes | None:
         with self._errors("read", name):
-            try:
-                response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
-            except ClientError as exc:
-                if _error_code(exc) in ("NoSuchKey", "404"):
-                    return None
-                raise
-            data: bytes = response["Body"].read()
+            response = self._unless_missing(self.client.get_object, name)
+            data: bytes | None = None if response is None else response["Body"].read()
             return data
 
     def put_bytes(self, name: str, data: bytes, *, immutable: bool = False) -> None:
@@ -142,17 +137,23 @@ class S3Store:
 
     def sha256_of(self, name: str) -> str | None:
         with self._errors("inspect", name):
-            try:
-                head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-            except ClientError as exc:
-                if _error_code(exc) in ("NoSuchKey", "404"):
-                    return None
-                raise
+            head = self._unless_missing(self.client.head_object, name)
+        if head is None:
+            return None
         metadata = head.get("Metadata", {})
         if head.get("ETag", "").strip('"') != metadata.get("md5"):
             return None
         sha256: str | None = metadata.get("sha256")
         return sha256
+
+    def _unless_missing(self, request: Callable[..., Any], name: str) -> Any:
+        """`request` (get_object, head_object) for the object `name`; None when it does not exist."""
+        try:
+            return request(Bucket=self.bucket, Key=self.key(name))
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
 
     @contextmanager
     def _errors(self, action: str, name: str = "") -> Iterator[None]:

@@ -55,6 +55,18 @@ def save_checkpoint(path: Path, identity: CheckpointIdentity, state: dict[str, A
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint file at `path` as saved ("format", "identity", "state"), read with the
+    restricted unpickler; CheckpointMismatch when it cannot be read or is not a checkpoint."""
+    try:
+        payload = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # the restricted unpickler raises many types
+        raise CheckpointMismatch(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointMismatch(f"{path} is not a node checkpoint (format {CHECKPOINT_FORMAT})")
+    return payload
+
+
 def load_checkpoint(
     path: Path, expected: CheckpointIdentity, older_tokenizers: Collection[str] = ()
 ) -> dict[str, Any] | None:
@@ -66,12 +78,7 @@ def load_checkpoint(
     """
     if not path.exists():
         return None
-    try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # the restricted unpickler raises many types
-        raise CheckpointMismatch(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointMismatch(f"checkpoint {path} has an unknown format")
+    payload = read_checkpoint(path)
     saved = payload["identity"]
     wanted = expected.as_dict()
     differences = [

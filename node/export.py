@@ -45,7 +45,7 @@ from neuroshard.data.publish import TOKENIZER_NAME
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.tokenizer.bpe import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
-from .checkpoint import CHECKPOINT_FORMAT
+from .checkpoint import read_checkpoint
 from .model import MODEL_SIZES, ModelConfig, Transformer
 from .model_file import (
     MODELS_DIR,
@@ -227,12 +227,7 @@ def load_trained_model(path: Path, *, model_size: str | None = None) -> TrainedM
     """A node's checkpoint (single stage) or a model file, as a whole model on the CPU."""
     if path.suffix == ".safetensors":
         return load_model_file(path)
-    try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # the restricted unpickler raises many types
-        raise ValueError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not a node checkpoint (format {CHECKPOINT_FORMAT})")
+    payload = read_checkpoint(path)  # CheckpointMismatch is a ValueError
     identity, state = payload["identity"], payload["state"]
     if identity.get("stage") != 0 or "head.weight" not in state["model"]:
         raise ValueError(

@@ -21,6 +21,9 @@ from .model import Transformer
 VOCAB_PARAMS = ("embedding.weight", "head.weight")
 """Parameters whose first dimension is the vocabulary."""
 
+Params = dict[str, torch.nn.Parameter]
+"""A model's parameters by name (`named_parameters`), in parameter order."""
+
 
 def _grow_rows(old: Tensor, fill: Tensor) -> Tensor:
     """`fill` (V', ...) with its first V rows replaced by `old` (V, ...)."""
@@ -61,12 +64,7 @@ def grow_replica(model: Transformer, diloco: DiLoCo, vocab_size: int) -> tuple[T
     return grown, new_diloco
 
 
-def _carry_inner_state(
-    old: DiLoCo,
-    new: DiLoCo,
-    old_params: dict[str, torch.nn.Parameter],
-    new_params: dict[str, torch.nn.Parameter],
-) -> None:
+def _carry_inner_state(old: DiLoCo, new: DiLoCo, old_params: Params, new_params: Params) -> None:
     for name, param in new_params.items():
         state = old.inner_optimizer.state.get(old_params[name])
         if not state:
@@ -79,7 +77,7 @@ def _carry_inner_state(
         new.inner_optimizer.state[param] = carried
 
 
-def _split(flat: Tensor, params: dict[str, torch.nn.Parameter]) -> dict[str, Tensor]:
+def _split(flat: Tensor, params: Params) -> dict[str, Tensor]:
     """A flat (d,) vector cut into per-parameter views, in parameter order."""
     parts, offset = {}, 0
     for name, p in params.items():
@@ -88,12 +86,7 @@ def _split(flat: Tensor, params: dict[str, torch.nn.Parameter]) -> dict[str, Ten
     return parts
 
 
-def _carry_outer_state(
-    old: DiLoCo,
-    new: DiLoCo,
-    old_params: dict[str, torch.nn.Parameter],
-    new_params: dict[str, torch.nn.Parameter],
-) -> None:
+def _carry_outer_state(old: DiLoCo, new: DiLoCo, old_params: Params, new_params: Params) -> None:
     old_theta = _split(old.theta_round.detach(), old_params)
     new_theta = _split(new.theta_round.detach(), new_params)  # the grown model's weights, new rows included
     with torch.no_grad():

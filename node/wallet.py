@@ -15,8 +15,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from nacl.exceptions import BadSignatureError
-from nacl.signing import SigningKey, VerifyKey
+from nacl.signing import SigningKey
+
+from neuroshard.data.keys import signature_is_valid
 
 # Fixed HKDF context. Changing either string changes every wallet in the network,
 # so they are versioned rather than edited.
@@ -76,13 +77,9 @@ class Wallet:
         return f"Wallet(wallet_id={self.wallet_id!r})"
 
 
-def verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    """True when `signature` is a valid Ed25519 signature of `message` by `public_key`."""
-    try:
-        VerifyKey(public_key).verify(message, signature)
-    except (BadSignatureError, ValueError, TypeError):
-        return False
-    return True
+verify = signature_is_valid
+"""True when `signature` is a valid Ed25519 signature of `message` by `public_key`: the one check
+of wallet and publisher signatures alike (data.keys)."""
 
 
 def resolve_token(flag_token: str | None, token_file: Path | None, env: dict[str, str]) -> str:

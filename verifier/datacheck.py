@@ -130,13 +130,11 @@ class DataChecker:
         ok = not problems
         detail = "data spans follow the wallet's shard order" if ok else "; ".join(problems)
         with self.db.write() as session:
-            ledger.record_spot_check(
+            ledger.record_receipt_check(
                 session,
-                receipt.wallet_id,
-                stage=receipt.stage,
-                round_=receipt.round,
+                receipt,
                 ok=ok,
-                detail=f"data check: {detail}"[:400],
+                detail=f"data check: {detail}",
                 now=self._clock(),
                 cfg=self.reputation,
             )

@@ -30,9 +30,7 @@ would hand a newcomer now. With one stage this is plain DiLoCo's majority θ.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import Message
@@ -42,15 +40,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from torch import Tensor, nn
 
-from neuroshard.data import open_dataset
-from neuroshard.data.dataset import open_remote_dataset
-from neuroshard.data.fetch import FetchConfig
 from neuroshard.node.diloco import copy_into_parameters
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.model_file import MODELS_DIR, StageProvenance, save_round_model
 from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.codec import decode_state, state_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.wallet import Wallet
@@ -58,6 +52,7 @@ from neuroshard.tokenizer import BPETokenizer
 
 from . import ledger
 from . import models as m
+from .background import PollingThread, open_run_dataset, signed_get
 from .datacheck import DataCheckConfig, DataChecker
 from .db import Database
 from .evaluate import LossMeasurement, measure_loss, stage_hash
@@ -140,14 +135,7 @@ def load_held_out(
 ) -> tuple[Tensor, BPETokenizer]:
     """The held-out shard's tokens and the run's tokenizer, verified against the publisher-signed
     manifest."""
-    key = bytes.fromhex(network.publisher_key)
-    url = network.manifest_url
-    if url.startswith(("http://", "https://")):
-        if cache_dir is None:
-            raise ValueError("the data set is served over HTTP: the evaluator needs a cache directory")
-        dataset = open_remote_dataset(url, key, cache_dir, config=FetchConfig(), log=log)
-    else:
-        dataset = open_dataset(Path(url), key)
+    dataset = open_run_dataset(network, cache_dir, log, needed_by="the evaluator needs")
     try:
         shard = network.held_out_shard
         if shard >= dataset.manifest.total_shards:
@@ -198,8 +186,7 @@ class Evaluator:
         """Fetched models waiting for their rounds to settle, by stage 0's round."""
         self.last_fetched = -1
         self.measured: list[tuple[int, LossMeasurement]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PollingThread("evaluator", self.run_once, self.config.poll_s, log, "evaluator")
         self.checker: DataChecker | None = None
         if self.config.data_checks is not None and reputation is not None:
             self.checker = DataChecker(
@@ -215,21 +202,10 @@ class Evaluator:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.timeout_s)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.poll_s):
-            try:
-                self.run_once()
-            except Exception as exc:  # one bad fetch or a database hiccup must not end measuring
-                self._log(f"evaluator: {type(exc).__name__}: {exc}")
+        self._loop.stop(self.config.timeout_s)
 
     # --- one pass -----------------------------------------------------------------------------
 
@@ -429,16 +405,16 @@ class Evaluator:
     # --- the peer plane, as a client ----------------------------------------------------------
 
     def _get(self, address: str, path: str, max_bytes: int) -> tuple[bytes, Message] | None:
-        headers = sign_request(self.operator, "GET", path, b"", self._clock())
-        request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as reply:
-                body = reply.read(max_bytes + 1)
-                if len(body) > max_bytes:
-                    self._log(f"evaluator: {address}{path} sent more than {max_bytes} bytes; ignored")
-                    return None
-                return body, reply.headers  # case-insensitive lookups
-        except (OSError, ValueError) as exc:
+            return signed_get(
+                self.operator,
+                address,
+                path,
+                max_bytes=max_bytes,
+                timeout_s=self.config.timeout_s,
+                now=self._clock(),
+            )
+        except (OSError, ValueError) as exc:  # BodyTooLarge included: ignored like no answer
             self._log(f"evaluator: {address}{path}: {exc}")
             return None
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import case, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -287,39 +288,68 @@ def apply_adjustment(
     """Move a wallet's reputation (clamped to [0, maximum], in one UPDATE so concurrent writers
     cannot lose each other's changes), log why, and refuse it if it fell under the threshold.
     False when the wallet is unknown (a claim about a wallet that never registered)."""
-    moved = m.Wallet.reputation + adj.delta
+    if _move_reputation(session, m.Wallet.wallet_id == adj.wallet_id, adj.delta, cfg) == 0:
+        return False
+    _log_events(session, [adj.wallet_id], adj.delta, adj.reason, stage=stage, round_=round_, now=now)
+    _refuse_fallen(session, m.Wallet.wallet_id == adj.wallet_id, adj.reason, cfg)
+    return True
+
+
+def _move_reputation(
+    session: Session, wallets: ColumnElement[bool], delta: float, cfg: ReputationConfig
+) -> int:
+    """Add `delta` to the reputation of the `wallets`, clamped to [0, maximum], in one UPDATE (so
+    concurrent writers cannot lose each other's changes); the number of wallets moved."""
+    moved = m.Wallet.reputation + delta
     result = session.execute(
         update(m.Wallet)
-        .where(m.Wallet.wallet_id == adj.wallet_id)
+        .where(wallets)
         .values(reputation=case((moved > cfg.maximum, cfg.maximum), (moved < 0.0, 0.0), else_=moved))
         .execution_options(synchronize_session=False)
     )
-    if result.rowcount == 0:  # type: ignore[attr-defined]
-        return False
-    session.add(
-        m.ReputationEvent(
-            wallet_id=adj.wallet_id,
-            stage=stage,
-            round=round_,
-            delta=adj.delta,
-            reason=adj.reason,
-            created_at=now,
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _log_events(
+    session: Session,
+    wallet_ids: Sequence[str],
+    delta: float,
+    reason: str,
+    *,
+    stage: int | None,
+    round_: int | None,
+    now: float,
+) -> None:
+    """One reputation event per wallet: what moved its reputation, by how much, and why."""
+    if wallet_ids:
+        session.execute(
+            insert(m.ReputationEvent),
+            [
+                {
+                    "wallet_id": w,
+                    "stage": stage,
+                    "round": round_,
+                    "delta": delta,
+                    "reason": reason,
+                    "created_at": now,
+                }
+                for w in wallet_ids
+            ],
         )
-    )
+
+
+def _refuse_fallen(
+    session: Session, wallets: ColumnElement[bool], reason: str, cfg: ReputationConfig
+) -> None:
+    """Refuse those of the active `wallets` whose reputation fell under the threshold, saying why."""
     session.execute(
         update(m.Wallet)
-        .where(
-            m.Wallet.wallet_id == adj.wallet_id,
-            m.Wallet.status == m.STATUS_ACTIVE,
-            m.Wallet.reputation < cfg.refuse_below,
-        )
+        .where(wallets, m.Wallet.status == m.STATUS_ACTIVE, m.Wallet.reputation < cfg.refuse_below)
         .values(
-            status=m.STATUS_REFUSED,
-            status_reason=f"reputation under {cfg.refuse_below:g} after: {adj.reason}",
+            status=m.STATUS_REFUSED, status_reason=f"reputation under {cfg.refuse_below:g} after: {reason}"
         )
         .execution_options(synchronize_session=False)
     )
-    return True
 
 
 _BULK = 500
@@ -345,42 +375,10 @@ def apply_adjustments(
     for (delta, reason), wallet_ids in sorted(groups.items()):
         for at in range(0, len(wallet_ids), _BULK):
             ids = sorted(wallet_ids[at : at + _BULK])
-            moved = m.Wallet.reputation + delta
-            session.execute(
-                update(m.Wallet)
-                .where(m.Wallet.wallet_id.in_(ids))
-                .values(reputation=case((moved > cfg.maximum, cfg.maximum), (moved < 0.0, 0.0), else_=moved))
-                .execution_options(synchronize_session=False)
-            )
+            _move_reputation(session, m.Wallet.wallet_id.in_(ids), delta, cfg)
             known = session.scalars(select(m.Wallet.wallet_id).where(m.Wallet.wallet_id.in_(ids))).all()
-            if known:
-                session.execute(
-                    insert(m.ReputationEvent),
-                    [
-                        {
-                            "wallet_id": w,
-                            "stage": stage,
-                            "round": round_,
-                            "delta": delta,
-                            "reason": reason,
-                            "created_at": now,
-                        }
-                        for w in known
-                    ],
-                )
-            session.execute(
-                update(m.Wallet)
-                .where(
-                    m.Wallet.wallet_id.in_(ids),
-                    m.Wallet.status == m.STATUS_ACTIVE,
-                    m.Wallet.reputation < cfg.refuse_below,
-                )
-                .values(
-                    status=m.STATUS_REFUSED,
-                    status_reason=f"reputation under {cfg.refuse_below:g} after: {reason}",
-                )
-                .execution_options(synchronize_session=False)
-            )
+            _log_events(session, known, delta, reason, stage=stage, round_=round_, now=now)
+            _refuse_fallen(session, m.Wallet.wallet_id.in_(ids), reason, cfg)
 
 
 def settle_rounds(session: Session, stage: int, *, now: float, cfg: LedgerConfig) -> list[int]:
@@ -507,6 +505,31 @@ def record_spot_check(
     if not apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg):
         raise WriteRefused(f"wallet {wallet_id} is not registered", 404)
     members.record_spot_check(session, wallet_id, stage, ok, membership, now=now, round_=round_)
+
+
+def record_receipt_check(
+    session: Session,
+    receipt: m.Receipt,
+    *,
+    ok: bool,
+    detail: str,
+    now: float,
+    cfg: ReputationConfig,
+    membership: MembershipConfig | None = None,
+) -> None:
+    """`record_spot_check` for a check of one receipt (verifier.datacheck, verifier.replaycheck):
+    the receipt's wallet, stage and round; `detail` cut to 400 characters."""
+    record_spot_check(
+        session,
+        receipt.wallet_id,
+        stage=receipt.stage,
+        round_=receipt.round,
+        ok=ok,
+        detail=detail[:400],
+        now=now,
+        cfg=cfg,
+        membership=membership,
+    )
 
 
 def reinstate(

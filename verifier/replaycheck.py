@@ -56,7 +56,6 @@ import math
 import threading
 import time
 import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,13 +65,10 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from neuroshard.data import Dataset, open_dataset
-from neuroshard.data.dataset import open_remote_dataset
-from neuroshard.data.fetch import FetchConfig
+from neuroshard.data import Dataset
 from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound, segment_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
@@ -81,6 +77,7 @@ from neuroshard.node.wallet import Wallet
 
 from . import ledger, members
 from . import models as m
+from .background import BodyTooLarge, PollingThread, open_run_dataset, signed_get
 from .budget import ReplayBudget, Standing, check_rates, overdue
 from .coverage import standings
 from .datacheck import receipt_problems
@@ -173,17 +170,6 @@ class ReplayCheckConfig:
             raise ValueError(f"ReplayCheckConfig: periods must be > 0 and max_queue ≥ 1, got {self}")
 
 
-def open_run_dataset(network: NetworkDefinition, cache_dir: Path | None, log: Log) -> Dataset:
-    """The run's data set, verified against the network's publisher key."""
-    key = bytes.fromhex(network.publisher_key)
-    url = network.manifest_url
-    if url.startswith(("http://", "https://")):
-        if cache_dir is None:
-            raise ValueError("the data set is served over HTTP: replay checks need a cache directory")
-        return open_remote_dataset(url, key, cache_dir, config=FetchConfig(), log=log)
-    return open_dataset(Path(url), key)
-
-
 @dataclass
 class Challenge:
     """One sampled receipt on its way to a verdict."""
@@ -239,7 +225,9 @@ class ReplayChecker:
         self.config = config or ReplayCheckConfig()
         self._log = log
         self._clock = clock
-        self._open_dataset = dataset or (lambda: open_run_dataset(network, self.config.cache_dir, log))
+        self._open_dataset = dataset or (
+            lambda: open_run_dataset(network, self.config.cache_dir, log, needed_by="replay checks need")
+        )
         self._dataset: Dataset | None = None
         model = build_stage(network.model, 0, 1)
         self._numel = sum(p.numel() for p in model.parameters())
@@ -259,8 +247,7 @@ class ReplayChecker:
         self.passed = 0
         self.failed = 0
         self.replay_seconds = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PollingThread("replay-check", self.run_once, self.config.poll_s, log, "replay check")
         self._replays: ThreadPoolExecutor | None = None
         self._running: Future[None] | None = None
         self._count_lock = threading.Lock()
@@ -276,26 +263,15 @@ class ReplayChecker:
                 "by segment at every stage, others are not replayed"
             )
         self._replays = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay")
-        self._thread = threading.Thread(target=self._run, name="replay-check", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.timeout_s)
-            self._thread = None
+        self._loop.stop(self.config.timeout_s)
         if self._replays is not None:
             self._replays.shutdown(wait=True, cancel_futures=True)
             self._replays = None
         if self._dataset is not None:
             self._dataset.source.close()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.poll_s):
-            try:
-                self.run_once()
-            except Exception as exc:  # one bad receipt or a database hiccup must not end checking
-                self._log(f"replay check: {type(exc).__name__}: {exc}")
 
     # --- one pass -----------------------------------------------------------------------------
 
@@ -578,13 +554,11 @@ class ReplayChecker:
 
     def _record(self, receipt: m.Receipt, ok: bool, detail: str) -> None:
         with self.db.write() as session:
-            ledger.record_spot_check(
+            ledger.record_receipt_check(
                 session,
-                receipt.wallet_id,
-                stage=receipt.stage,
-                round_=receipt.round,
+                receipt,
                 ok=ok,
-                detail=f"replay: {detail}"[:400],
+                detail=f"replay: {detail}",
                 now=self._clock(),
                 cfg=self.reputation,
                 membership=self.membership,
@@ -616,17 +590,21 @@ class ReplayChecker:
 
     def _signed_get(self, address: str, path: str, limit: int) -> bytes:
         """GET `path` signed by the operator; Refused on 403/404, Malformed past `limit` bytes."""
-        headers = sign_request(self.operator, "GET", path, b"", self._clock())
-        request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as reply:
-                body: bytes = reply.read(limit + 1)
+            body, _ = signed_get(
+                self.operator,
+                address,
+                path,
+                max_bytes=limit,
+                timeout_s=self.config.timeout_s,
+                now=self._clock(),
+            )
         except urllib.error.HTTPError as exc:
             if exc.code in REFUSALS:
                 raise Refused(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
             raise
-        if len(body) > limit:
-            raise Malformed(f"a body over {limit} bytes")
+        except BodyTooLarge as exc:
+            raise Malformed(str(exc)) from None
         return body
 
     def _get_replay(self, address: str, round_: int) -> ReplayRecord:

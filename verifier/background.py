@@ -1,0 +1,92 @@
+"""What the verifier's background jobs share (verifier.evaluator, verifier.replaycheck).
+
+Each job polls on a thread of its own (`PollingThread`), opens the run's data set from the
+network definition (`open_run_dataset`), and fetches material from nodes' peer plane with GETs
+signed by the operator wallet (`signed_get`).
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.message import Message
+from pathlib import Path
+
+from neuroshard.data import Dataset, open_dataset
+from neuroshard.data.dataset import open_remote_dataset
+from neuroshard.data.fetch import FetchConfig
+from neuroshard.node.p2p.auth import sign_request
+from neuroshard.node.wallet import Wallet
+
+from .network import NetworkDefinition
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class PollingThread:
+    """Calls `step` every `period_s` on a daemon thread until stopped. An exception in one call
+    is logged with `prefix` and polling goes on: one bad fetch, receipt or database hiccup must
+    not end the job."""
+
+    name: str
+    step: Callable[[], None]
+    period_s: float
+    log: Log
+    prefix: str
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        """Ask the loop to end and wait up to `timeout_s` for the call in progress."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.step()
+            except Exception as exc:
+                self.log(f"{self.prefix}: {type(exc).__name__}: {exc}")
+
+
+def open_run_dataset(
+    network: NetworkDefinition, cache_dir: Path | None, log: Log, *, needed_by: str
+) -> Dataset:
+    """The run's data set, verified against the network's publisher key. One served over HTTP is
+    cached in `cache_dir`, without which it cannot be opened (`needed_by` says who asked)."""
+    key = bytes.fromhex(network.publisher_key)
+    url = network.manifest_url
+    if url.startswith(("http://", "https://")):
+        if cache_dir is None:
+            raise ValueError(f"the data set is served over HTTP: {needed_by} a cache directory")
+        return open_remote_dataset(url, key, cache_dir, config=FetchConfig(), log=log)
+    return open_dataset(Path(url), key)
+
+
+class BodyTooLarge(ValueError):
+    """A node answered with more bytes than the material asked for can take."""
+
+
+def signed_get(
+    operator: Wallet, address: str, path: str, *, max_bytes: int, timeout_s: float, now: float
+) -> tuple[bytes, Message]:
+    """GET `path` from the node at `address`, signed by the operator like any peer request
+    (node.p2p.auth): the body and the reply's headers (case-insensitive lookups). Raises
+    urllib.error.HTTPError on an error status, OSError or ValueError when there is no usable
+    answer, BodyTooLarge past `max_bytes`."""
+    headers = sign_request(operator, "GET", path, b"", now)
+    request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        body: bytes = reply.read(max_bytes + 1)
+        if len(body) > max_bytes:
+            raise BodyTooLarge(f"a body over {max_bytes} bytes")
+        return body, reply.headers
