@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from neuroshard.cli import node
+from neuroshard.cli import node, node_flags
 from neuroshard.node.outer.round import OuterRound, RoundFactory
 
 from . import owners, work_lies
@@ -33,7 +33,7 @@ OWNER_ROUNDS: dict[str, type[OuterRound]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """`neuroshard-node`'s parser with one more group: what this node does wrong."""
-    p = node.build_parser(prog=PROG, description=__doc__)
+    p = node_flags.build_parser(prog=PROG, description=__doc__)
     g = p.add_argument_group("attack (TESTING ONLY: this node is a Byzantine attacker)")
     how = g.add_mutually_exclusive_group(required=True)
     how.add_argument("--attack", choices=ATTACKS, help="send forged contributions of this kind")

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,12 +49,9 @@ from neuroshard.adversary.attacks import ADAPTIVE, ATTACKS
 from neuroshard.node import aggregation
 from neuroshard.node.aggregation import default_rule
 from neuroshard.node.outer.partition import part_bounds
-from neuroshard.node.outer.port import RoundStore
 from neuroshard.node.outer.reduce import reduce_part
-from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundFactory, RoundInput, RoundResult
-from neuroshard.node.p2p.rounds import AggregationRule
+from neuroshard.node.outer.round import OuterRound, RoundFactory, RoundInput, RoundResult
 from neuroshard.node.validation import ValidationConfig
-from neuroshard.node.wallet import Wallet
 
 DEFAULT_PARAMS: dict[str, float] = {
     "scale": 10.0,
@@ -238,17 +236,10 @@ class ForgingRound(OuterRound):
     its honest one, and logs what it sent. Built by `forging_rounds` for `neuroshard-adversary`."""
 
     def __init__(
-        self,
-        store: RoundStore,
-        wallet: Wallet,
-        rule: AggregationRule,
-        config: RoundConfig | None = None,
-        log: Callable[[str], None] = lambda line: None,
-        *,
-        attacker: Attacker,
-        theta_round: Callable[[], Tensor],
+        self, *args: Any, attacker: Attacker, theta_round: Callable[[], Tensor], **kwargs: Any
     ) -> None:
-        super().__init__(store, wallet, rule, config, log)
+        """OuterRound's arguments, plus the attacker and a way to read this replica's θ_round."""
+        super().__init__(*args, **kwargs)
         self.attacker = attacker
         self.theta_round = theta_round
 

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .diloco import DiLoCo
+from .inner_loop import RoundFinisher
 from .p2p.rounds import RoundReport
 from .p2p.state import theta_sha256
 from .replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from .segments import SegmentLog, SegmentRecorder
-from .trainer import RoundFinisher
 from .wallet import Wallet, wallet_id_of
 from .work import RoundWork
 

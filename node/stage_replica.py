@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .diloco import DiLoCo, DiLoCoConfig
+from .inner_loop import RoundFinisher, TrainResult
 from .model import ModelConfig, build_stage
 from .p2p.network import NetworkConfig, PeerNetwork
 from .p2p.pipeline import PipelineConfig, PipelineService
@@ -16,9 +17,9 @@ from .p2p.rounds import AggregationRule, ordered_mean
 from .p2p.server import ServerExtension
 from .p2p.stages import PipelineLink
 from .reporting import Reporting
-from .stage_worker import StageCheckpoint, StageWorker, WorkerConfig
-from .trainer import TrainResult
+from .stage_worker import JobQueue, StageCheckpoint, StageWorker, WorkerConfig
 from .wallet import Wallet
+from .work import RoundWork
 
 
 @dataclass
@@ -69,9 +70,12 @@ def start_stage_replica(
     if checkpoint is not None and not fresh and checkpoint.load(diloco):
         log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
     recorder = reporting.recorder(stage)
-    worker = StageWorker(diloco, worker_config, log=log, checkpoint=checkpoint, segments=recorder)
+    # Built in the order they need each other: the queue the pipeline route fills, the network
+    # that serves the route, the link onward and the round's finisher, then the worker.
+    jobs = JobQueue(worker_config.max_pending, recorder)
+    work = RoundWork()
     service = PipelineService(
-        wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=worker
+        wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=jobs
     )
     extensions: list[ServerExtension] = [service, *reporting.extensions()]
     network = PeerNetwork(
@@ -85,18 +89,25 @@ def start_stage_replica(
                 network, pipeline_config, stop=stop, round_of=lambda: diloco.round, log=log, segments=recorder
             )
             link.start()
-            worker.downstream = link.forward
-        # The one wire set after construction: the worker serves the pipeline route the network
-        # is built with, and the network finishes the worker's rounds.
+        finish_round: RoundFinisher = network.finish_round
         if reporting.active:
             receipting = reporting.receipting(
-                network, worker.work, wallet, batch_size=None, tokens_per_step=0, segments=recorder
+                network, work, wallet, batch_size=None, tokens_per_step=0, segments=recorder
             )
             receipting.round_started(diloco)
-            worker.set_round_finisher(receipting)
+            finish_round = receipting
             reporting.track(network, wallet, progress=lambda: (diloco.round, diloco.steps_in_round))
-        else:
-            worker.set_round_finisher(network.finish_round)
+        worker = StageWorker(
+            diloco,
+            worker_config,
+            log=log,
+            jobs=jobs,
+            downstream=None if link is None else link.forward,
+            finish_round=finish_round,
+            checkpoint=checkpoint,
+            segments=recorder,
+            work=work,
+        )
         network.join_state(diloco)
     except BaseException:
         if link is not None:

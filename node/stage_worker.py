@@ -1,10 +1,11 @@
 """The training loop of a stage > 0 replica: it trains on the micro-batches that arrive.
 
 Stage 0 drives (`Trainer` reads batches); a later stage has no data of its own. Its peer
-server hands each received micro-batch to `StageWorker.offer`; one worker thread runs the
-inner steps in arrival order (one model, one optimizer: never two at once), counts them, and
-after H inner steps runs the stage's outer round through the `finish_round` hook — the same
-hook the trainer uses, so the stage's replicas agree on θ exactly as stage 0's do.
+server hands each received micro-batch to a `JobQueue`; one worker thread runs the inner
+steps in arrival order (one model, one optimizer: never two at once) in the same loop as the
+trainer (node.inner_loop), and after H inner steps runs the stage's outer round through the
+`finish_round` hook — the same hook the trainer uses, so the stage's replicas agree on θ
+exactly as stage 0's do.
 
 Busy policy: while the replica is in its outer round, or when `max_pending` micro-batches
 already wait, `offer` refuses and the server answers 503 — the sender retries another
@@ -26,10 +27,10 @@ from torch import Tensor
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
+from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .p2p.pipeline import Busy, Job
 from .pipeline import Downstream, stage_inner_step
 from .segments import SegmentRecorder
-from .trainer import RoundFinisher, TrainResult, lone_replica
 from .work import RoundWork
 
 
@@ -85,64 +86,61 @@ class WorkerConfig:
 @dataclass
 class WorkerStats:
     losses: list[float] = field(default_factory=list)
-    refused: int = 0
     failed: int = 0
+    """Steps that raised (the sender was told and retries elsewhere). Refusals: `JobQueue.refused`."""
 
 
-class StageWorker:
-    """One stage > 0 replica's inner steps, on its own thread; `offer` is safe from any thread."""
+class JobQueue:
+    """The micro-batches waiting for a stage > 0 replica's worker, with its busy policy: `offer` is
+    safe from any thread and refuses (`Busy`, nothing queued, nothing changed) while the worker
+    is in its outer round, stopping or done, or when `max_pending` already wait. The pipeline
+    route (p2p.pipeline.PipelineService) offers to it; the worker takes from it."""
 
-    def __init__(
-        self,
-        diloco: DiLoCo,
-        config: WorkerConfig,
-        *,
-        log: Callable[[str], None],
-        downstream: Forward | None = None,
-        finish_round: RoundFinisher = lone_replica,
-        checkpoint: StageCheckpoint | None = None,
-        segments: SegmentRecorder | None = None,
-    ) -> None:
-        """`segments`: records every inner step's received and sent messages (node.segments); the
-        round hook (node.receipt.Receipting) starts, ends and closes its rounds."""
-        self.diloco = diloco
+    def __init__(self, max_pending: int, segments: SegmentRecorder | None = None) -> None:
         self.segments = segments
-        self.config = config
-        self.downstream = downstream
-        self._log = log
-        self._finish_round = finish_round
-        self.checkpoint = checkpoint
-        self._jobs: queue.Queue[Job] = queue.Queue(maxsize=config.max_pending + 1)
+        """Where the pipeline route notes the gradients it sends back (node.segments)."""
+        self._jobs: queue.Queue[Job] = queue.Queue(maxsize=max_pending + 1)
         self._lock = threading.Lock()
-        self._in_round = False
-        self._stopping = False
-        self.stats = WorkerStats()
-        self.work = RoundWork()
-        """This round's losses and tokens, for the round's receipt (node.receipt); cleared after each round."""
-
-    def set_round_finisher(self, finish_round: RoundFinisher) -> None:
-        self._finish_round = finish_round
-
-    @property
-    def finished(self) -> bool:
-        return self.config.max_steps is not None and self.diloco.step >= self.config.max_steps
+        self._in_round: int | None = None
+        self._closed = ""
+        self.refused = 0
 
     def offer(self, job: Job) -> None:
-        """Queue a micro-batch, or raise Busy (nothing queued, nothing changed)."""
+        """Queue a micro-batch, or raise Busy."""
         with self._lock:
-            if self._stopping or self.finished:
-                self.stats.refused += 1
-                raise Busy("this replica is stopping")
-            if self._in_round:
-                self.stats.refused += 1
-                raise Busy(f"this replica is in its outer round {self.diloco.round}")
+            if self._closed:
+                self.refused += 1
+                raise Busy(self._closed)
+            if self._in_round is not None:
+                self.refused += 1
+                raise Busy(f"this replica is in its outer round {self._in_round}")
             try:
                 self._jobs.put_nowait(job)
             except queue.Full:
-                self.stats.refused += 1
+                self.refused += 1
                 raise Busy(f"{self._jobs.qsize()} micro-batches already wait here") from None
 
-    def _drain(self, reason: str) -> None:
+    def take(self, timeout_s: float) -> Job | None:
+        try:
+            return self._jobs.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def enter_round(self, round_: int | None) -> None:
+        """Refuse new micro-batches while the worker is in round `round_`'s outer step (None:
+        take them again), answering those already waiting: their senders retry elsewhere."""
+        with self._lock:
+            self._in_round = round_
+        if round_ is not None:
+            self.drain(f"this replica entered its outer round {round_}")
+
+    def close(self, reason: str) -> None:
+        """Refuse everything from now on, and answer what waits."""
+        with self._lock:
+            self._closed = reason
+        self.drain(reason)
+
+    def drain(self, reason: str) -> None:
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -150,52 +148,90 @@ class StageWorker:
                 return
             job.done(Busy(reason))
 
-    def run(self, stop: threading.Event, poll_s: float = 0.1) -> TrainResult:
+
+class StageWorker(InnerLoop):
+    """One stage > 0 replica's inner steps, on its own thread, on the micro-batches of `jobs`."""
+
+    def __init__(
+        self,
+        diloco: DiLoCo,
+        config: WorkerConfig,
+        *,
+        log: Callable[[str], None],
+        jobs: JobQueue | None = None,
+        downstream: Forward | None = None,
+        finish_round: RoundFinisher = lone_replica,
+        checkpoint: StageCheckpoint | None = None,
+        segments: SegmentRecorder | None = None,
+        work: RoundWork | None = None,
+        poll_s: float = 0.1,
+    ) -> None:
+        """`jobs`: where the micro-batches arrive (default: a queue of `config.max_pending`);
+        `downstream`: the next stages (None on the last); `finish_round`: the round's finisher;
+        `segments` records every inner step's received and sent messages (node.segments)."""
+        self.diloco = diloco
+        self.segments = segments
+        self.config = config
+        self.log_every = config.log_every
+        self.jobs = jobs or JobQueue(config.max_pending, segments)
+        self.downstream = downstream
+        self._log = log
+        self._finish_round_hook = finish_round
+        self.checkpoint = checkpoint
+        self.poll_s = poll_s
+        self.stats = WorkerStats()
+        self.work = work or RoundWork()
+        """This round's losses and tokens, for the round's receipt (node.receipt); cleared after each round."""
+
+    @property
+    def finished(self) -> bool:
+        return self.config.max_steps is not None and self.diloco.step >= self.config.max_steps
+
+    def offer(self, job: Job) -> None:
+        """Queue a micro-batch on `jobs`, or raise Busy (nothing queued, nothing changed)."""
+        if self.finished:
+            self.jobs.close("this replica is done")
+        self.jobs.offer(job)
+
+    def run(self, stop: threading.Event, poll_s: float | None = None) -> TrainResult:
         """Train on arriving micro-batches until `max_steps` or `stop`; drains refused work on exit."""
-        result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
-        start = time.perf_counter()
-        window: list[float] = []
-        while not self.finished:
-            if stop.is_set():
-                result.stopped_by_signal = True
-                break
-            try:
-                job = self._jobs.get(timeout=poll_s)
-            except queue.Empty:
-                continue
-            round_ = self.diloco.round
-            step_start = time.perf_counter()
-            try:
-                grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self._onward(job))
-            except Exception as exc:  # the sender retries elsewhere; this replica did not step
-                self.stats.failed += 1
-                job.done(exc)
-                continue
-            result.inner_seconds += time.perf_counter() - step_start
-            if self.segments is not None:
-                received = () if job.received is None else (job.received,)
-                self.segments.record_step(self.diloco, micro_batch=job.micro_batch, received=received)
-            job.done((grad, loss, round_))
-            self.work.trained(job.labels.numel(), loss)
-            window.append(loss)
-            self.stats.losses.append(loss)
-            result.losses.append(loss)
-            if self.diloco.step % self.config.log_every == 0:
-                self._log(
-                    f"step={self.diloco.step} round={self.diloco.round} loss={sum(window) / len(window):.4f} "
-                    f"lr={self.diloco.current_lr:.2e}"
-                )
-                window = []
-            if self.diloco.round_complete:
-                self._outer_round()
-        with self._lock:
-            self._stopping = True
-        self._drain("this replica is stopping")
+        if poll_s is not None:
+            self.poll_s = poll_s
+        return self._run_loop(stop)
+
+    def _finished(self) -> bool:
+        return self.finished
+
+    def _step(self, result: TrainResult) -> Stepped | None:
+        job = self.jobs.take(self.poll_s)
+        if job is None:
+            return None
+        round_ = self.diloco.round
+        step_start = time.perf_counter()
+        try:
+            grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self._onward(job))
+        except Exception as exc:  # the sender retries elsewhere; this replica did not step
+            self.stats.failed += 1
+            job.done(exc)
+            return None
+        result.inner_seconds += time.perf_counter() - step_start
+        self.work.trained(job.labels.numel(), loss)
+        self.stats.losses.append(loss)
+        received = () if job.received is None else (job.received,)
+        return Stepped(
+            loss=loss,
+            micro_batch=job.micro_batch,
+            received=received,
+            settle=lambda: job.done((grad, loss, round_)),
+        )
+
+    def _progress(self, step: int, window: list[float], seconds: float) -> str:
+        return f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} lr={self.diloco.current_lr:.2e}"
+
+    def _end(self, result: TrainResult) -> None:
+        self.jobs.close("this replica is stopping")
         if self.checkpoint is not None:
             self.checkpoint.save(self.diloco, wait=True)
-        result.steps, result.rounds = self.diloco.step, self.diloco.round
-        result.wall_seconds = time.perf_counter() - start
-        return result
 
     def _onward(self, job: Job) -> Downstream | None:
         """The next stage for this job (None on the last stage), reached under the job's id."""
@@ -204,16 +240,15 @@ class StageWorker:
             return None
         return lambda hidden, labels: forward(hidden, labels, job.micro_batch)
 
-    def _outer_round(self) -> None:
-        with self._lock:
-            self._in_round = True
-        self._drain(f"this replica entered its outer round {self.diloco.round}")
+    def _finish_round(self, seconds: dict[str, float]) -> None:
+        self.jobs.enter_round(self.diloco.round)
         try:
-            self._finish_round(self.diloco)
-            if self.checkpoint is not None:
-                self.checkpoint.save(self.diloco, wait=False)
+            with timed(seconds, "round"):
+                self._finish_round_hook(self.diloco)
+            with timed(seconds, "checkpoint"):
+                if self.checkpoint is not None:
+                    self.checkpoint.save(self.diloco, wait=False)
             self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
         finally:
             self.work.clear()
-            with self._lock:
-                self._in_round = False
+            self.jobs.enter_round(None)

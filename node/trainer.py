@@ -1,8 +1,9 @@
-"""One replica's training loop: batches from its shards, DiLoCo inner steps, outer rounds, checkpoints.
+"""A stage-0 replica: batches from its shards, DiLoCo inner steps, outer rounds, checkpoints.
 
-The loop knows nothing of the network. A round ends after H inner steps — or, when the
-caller wired `close_rounds_when` and the stage's majority has already contributed the round,
-after at least EARLY_CLOSE_FRACTION of them. It then hands its DiLoCo
+The loop itself (node.inner_loop) is the one every replica runs; this module says where a
+stage-0 step comes from and what its rounds and checkpoints are. It knows nothing of the
+network. A round ends after H inner steps — or, when the caller passes `round_closing` and the
+stage's majority has already contributed the round, after at least EARLY_CLOSE_FRACTION of them. It then hands its DiLoCo
 engine to `finish_round`, which must leave it at the next round's start: normally by
 `outer_step` with the aggregated pseudo-gradient of the stage's replicas, or — for a
 replica that fell behind or disagrees with the majority — by adopting a peer's state.
@@ -15,8 +16,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,15 +28,13 @@ from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
 from .device import CopyStream, Placement, snapshot_to_cpu
 from .diloco import DiLoCo, DiLoCoConfig, LossFn
+from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .model import ModelConfig, build_stage, cross_entropy_loss
 from .pipeline import stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .segments import SegmentRecorder
 from .vocab import grow_replica
 from .work import RoundWork
-
-RoundFinisher = Callable[[DiLoCo], None]
-"""Completes a round on the engine: afterwards `diloco.round` has advanced and the model holds θ_{r+1}."""
 
 RoundClosing = Callable[[int], bool]
 """Whether the stage is already closing round r (PeerNetwork.round_closing): stop and contribute."""
@@ -47,11 +45,6 @@ must still pass validation against the round's median, whose norm-ratio floor is
 full-length Δs measured ≥ 0.87, validation.ValidationConfig): a Δ of ¾ of the steps keeps well
 clear of it (Δ grows with the steps, between √ and linearly), while a replica far behind keeps
 training and, if it misses the round, adopts the new state as a late replica does."""
-
-
-def lone_replica(diloco: DiLoCo) -> None:
-    """A node alone in its stage applies its own pseudo-gradient."""
-    diloco.outer_step(diloco.pseudo_gradient())
 
 
 @dataclass(kw_only=True)
@@ -95,41 +88,13 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be ≥ 0, got {self.max_steps}")
 
 
-@dataclass
-class TrainResult:
-    steps: int
-    rounds: int
-    stopped_by_signal: bool
-    losses: list[float] = field(default_factory=list)
-    inner_seconds: float = 0.0
-    """Time spent in inner steps (forward, backward, optimizer) during this run."""
-    wall_seconds: float = 0.0
-    """Wall time of this run, rounds and checkpoints included."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Where the wall time outside inner steps went, by part: data (next batch), round (the round
-    hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (snapshots on this
-    thread and the final write), log (progress lines, the θ hash of the round line). What the
-    parts leave of the wall time is loop bookkeeping."""
-
-    def breakdown(self) -> str:
-        """'inner 51.20 s, round 2.31 s, ...; other 0.10 s': the parts of the wall time."""
-        parts = {"inner": self.inner_seconds, **self.seconds}
-        other = self.wall_seconds - sum(parts.values())
-        return (
-            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items()) + f"; other {other:.2f} s"
-        )
-
-    @property
-    def utilisation(self) -> float:
-        """Share of the run's wall time spent computing inner steps (DiLoCo's point: close to 1)."""
-        return self.inner_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
-
-
 DatasetUpdates = Callable[[], Dataset | None]
 """Polled at round boundaries: a newer verified data set (manifest version) or None."""
 
 
-class Trainer:
+class Trainer(InnerLoop):
+    """A stage-0 replica: inner steps on batches of its own shards (`InnerLoop` runs them)."""
+
     batches: BatchStream
     """This replica's batches: its assigned shards in its wallet's window order."""
 
@@ -172,6 +137,7 @@ class Trainer:
             )
         self.config = config
         self._log = log
+        self.log_every = config.log_every
         self._finish_round_hook = finish_round
         self._round_closing = round_closing
         self._dataset_updates = dataset_updates
@@ -325,80 +291,72 @@ class Trainer:
         self.save(wait=False)
 
     def _finish_round(self, seconds: dict[str, float]) -> None:
+        self._feed.rewind()  # the round's data spans end with this step; the data set may change
         steps, h = self.diloco.steps_in_round, self.diloco.config.inner_steps
         if steps < h:
             self._log(
                 f"round={self.diloco.round} closed early after {steps} of {h} inner steps (the stage's majority pushed)"
             )
-        with _timed(seconds, "round"):
+        with timed(seconds, "round"):
             self._finish_round_hook(self.diloco)
             self.work.clear()
             self._apply_dataset_update()
-        with _timed(seconds, "checkpoint"):
+        with timed(seconds, "checkpoint"):
             self._save_in_turn()
-        with _timed(seconds, "log"):
+        with timed(seconds, "log"):
             self._log(f"round={self.diloco.round} done; θ hash {self.diloco.weights_hash()[:16]}")
 
     def run(self, stop: threading.Event) -> TrainResult:
         """Train until `max_steps` or until `stop` is set; always leaves a checkpoint behind."""
-        cfg = self.config
-        result = TrainResult(steps=self.diloco.step, rounds=self.diloco.round, stopped_by_signal=False)
-        window: list[float] = []
-        window_start = run_start = time.perf_counter()
-        feed = BatchFeed(lambda: self.batches, self.placement, ahead=self.lookahead)
-        last_shard = self.batches.shard_id
-        while cfg.max_steps is None or self.diloco.schedule_step < cfg.max_steps:
-            if stop.is_set():
-                result.stopped_by_signal = True
-                break
-            with _timed(result.seconds, "data"):
-                batch = feed.take()
-            self.work.read(batch.shard_id, batch.start, batch.end)
-            if batch.shard_id != last_shard:
-                self._plateau.reset()
-            last_shard = batch.shard_id
-            step_start = time.perf_counter()
-            queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
-            queued_s = time.perf_counter() - step_start
-            with _timed(result.seconds, "data"):
-                feed.read_ahead()  # on CUDA: the next batch's copy overlaps this step's kernels
-            step_start = time.perf_counter()
-            loss = queued.item()
-            result.inner_seconds += queued_s + time.perf_counter() - step_start
-            if self._plateau.observe(loss):
-                self._log(f"loss plateaued on shard {self.batches.shard_id}; rotating to the next shard")
-                feed.rewind()
-                self.batches.rotate()
-                self._plateau.reset()
-            window.append(loss)
-            result.losses.append(loss)
-            self.work.losses.append(loss)
-            if self.segments is not None:
-                self.segments.record_step(self.diloco, data=(batch.shard_id, batch.start, batch.end))
-            step = self.diloco.step
-            if self._round_done():
-                feed.rewind()  # the round's data spans end with this step; the data set may change
-                self._finish_round(result.seconds)
-            elif step % cfg.checkpoint_every == 0:
-                feed.rewind()  # the saved position is the next batch to train on
-                with _timed(result.seconds, "checkpoint"):
-                    self._save_in_turn()
-            if step % cfg.log_every == 0:
-                elapsed = time.perf_counter() - window_start
-                tokens_per_s = len(window) * self.batches.tokens_per_batch / max(elapsed, 1e-9)
-                with _timed(result.seconds, "log"):
-                    self._log(
-                        f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} "
-                        f"lr={self.diloco.current_lr:.2e} tok/s={tokens_per_s:.0f} shard={self.batches.shard_id}"
-                    )
-                window = []
-                window_start = time.perf_counter()
-        feed.rewind()
-        with _timed(result.seconds, "checkpoint"):
+        return self._run_loop(stop)
+
+    def _finished(self) -> bool:
+        return self.config.max_steps is not None and self.diloco.schedule_step >= self.config.max_steps
+
+    def _start(self) -> None:
+        self._feed = BatchFeed(lambda: self.batches, self.placement, ahead=self.lookahead)
+        self._last_shard = self.batches.shard_id
+
+    def _step(self, result: TrainResult) -> Stepped:
+        with timed(result.seconds, "data"):
+            batch = self._feed.take()
+        self.work.read(batch.shard_id, batch.start, batch.end)
+        if batch.shard_id != self._last_shard:
+            self._plateau.reset()
+        self._last_shard = batch.shard_id
+        step_start = time.perf_counter()
+        queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
+        queued_s = time.perf_counter() - step_start
+        with timed(result.seconds, "data"):
+            self._feed.read_ahead()  # on CUDA: the next batch's copy overlaps this step's kernels
+        step_start = time.perf_counter()
+        loss = queued.item()
+        result.inner_seconds += queued_s + time.perf_counter() - step_start
+        if self._plateau.observe(loss):
+            self._log(f"loss plateaued on shard {self.batches.shard_id}; rotating to the next shard")
+            self._feed.rewind()
+            self.batches.rotate()
+            self._plateau.reset()
+        self.work.losses.append(loss)
+        return Stepped(loss=loss, data=(batch.shard_id, batch.start, batch.end))
+
+    def _between_steps(self, step: int, seconds: dict[str, float]) -> None:
+        if step % self.config.checkpoint_every == 0:
+            self._feed.rewind()  # the saved position is the next batch to train on
+            with timed(seconds, "checkpoint"):
+                self._save_in_turn()
+
+    def _progress(self, step: int, window: list[float], seconds: float) -> str:
+        tokens_per_s = len(window) * self.batches.tokens_per_batch / max(seconds, 1e-9)
+        return (
+            f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} "
+            f"lr={self.diloco.current_lr:.2e} tok/s={tokens_per_s:.0f} shard={self.batches.shard_id}"
+        )
+
+    def _end(self, result: TrainResult) -> None:
+        self._feed.rewind()
+        with timed(result.seconds, "checkpoint"):
             self.save()
-        result.steps, result.rounds = self.diloco.step, self.diloco.round
-        result.wall_seconds = time.perf_counter() - run_start
-        return result
 
 
 @dataclass
@@ -449,13 +407,3 @@ class BatchFeed:
         if self._pending is not None:
             self._stream().position = self._pending.before
             self._pending = None
-
-
-@contextmanager
-def _timed(seconds: dict[str, float], part: str) -> Iterator[None]:
-    """Add the wall time of the block to seconds[part]."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - start

@@ -44,7 +44,7 @@ from types import FrameType
 from typing import IO
 
 from neuroshard.adversary.attacks import ATTACKS
-from neuroshard.cli.node import build_parser as node_parser
+from neuroshard.cli.node_flags import build_parser as node_parser
 from neuroshard.data import load_or_create_signing_key
 from neuroshard.node.embedded import ensure_default_dataset
 from neuroshard.node.p2p.wire import ENCODINGS

@@ -12,7 +12,8 @@ import torch
 from neuroshard.adversary.cli import attacker_from_args, roles_from_args
 from neuroshard.adversary.cli import build_parser as adversary_parser
 from neuroshard.adversary.contributions import AttackConfig, Attacker, ForgingRound, warning
-from neuroshard.cli.node import Roles, build_parser
+from neuroshard.cli.node import Roles
+from neuroshard.cli.node_flags import build_parser
 from neuroshard.node.outer.round import OuterRound, RoundInput
 from neuroshard.node.trainer import Trainer
 from neuroshard.node.wallet import Wallet

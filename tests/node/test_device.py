@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from neuroshard.cli.node import build_parser, checkpoint_interval, placement_from_args
+from neuroshard.cli.node_flags import build_parser, checkpoint_interval, placement_from_args
 from neuroshard.node import aggregation
 from neuroshard.node.checkpoint import CheckpointIdentity, load_checkpoint
 from neuroshard.node.device import Placement, resolve, resolve_device, resolve_precision

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from neuroshard.cli.node import build_parser, diloco_config_from_args
+from neuroshard.cli.node_flags import build_parser, diloco_config_from_args
 from neuroshard.node.diloco import (
     DiLoCo,
     DiLoCoConfig,

@@ -82,7 +82,7 @@ def test_no_verifier_opens_no_port(published: PublishedData, tmp_path: Path) -> 
 
 
 def _joined_args(stage: int, tmp_path: Path) -> Any:
-    from neuroshard.cli.node import build_parser
+    from neuroshard.cli.node_flags import build_parser
 
     return build_parser().parse_args(
         ["--join", "http://127.0.0.1:1", "--home", str(tmp_path), "--stage", str(stage)]
@@ -92,7 +92,7 @@ def _joined_args(stage: int, tmp_path: Path) -> Any:
 def test_joining_a_pipeline_takes_its_stage_count_and_checks_the_stage(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from neuroshard.cli.node import run_settings
+    from neuroshard.cli.node_flags import run_settings
     from neuroshard.node import reporting
     from neuroshard.testing.verifier import small_network
 
@@ -100,29 +100,29 @@ def test_joining_a_pipeline_takes_its_stage_count_and_checks_the_stage(
     monkeypatch.setattr(reporting, "fetch_network", lambda *a, **k: (definition, "ab" * 32))
     args = _joined_args(1, tmp_path)
     assert args.stages == 1  # the flag's default: the definition decides
-    run = run_settings(args)
+    run = run_settings(args, lambda line: None)
     assert run.joined is definition and run.num_stages == 2 and run.operator_key == "ab" * 32
     assert args.stages == 1  # the flags themselves are never rewritten
     with pytest.raises(ValueError, match=r"--stage 2: .* cuts the model into 2 stages"):
-        run_settings(_joined_args(2, tmp_path))
+        run_settings(_joined_args(2, tmp_path), lambda line: None)
 
 
 def test_joining_a_pipeline_takes_its_codec_and_refuses_another(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from neuroshard.cli.node import build_parser, pipeline_config, run_settings
+    from neuroshard.cli.node_flags import build_parser, pipeline_config, run_settings
     from neuroshard.node import reporting
     from neuroshard.testing.verifier import small_network
 
     definition = small_network(stages={"count": 2, "codec": "hadamard4"})
     monkeypatch.setattr(reporting, "fetch_network", lambda *a, **k: (definition, "ab" * 32))
     args = _joined_args(1, tmp_path)
-    assert pipeline_config(args, run_settings(args)).codec == "hadamard4"
+    assert pipeline_config(args, run_settings(args, lambda line: None)).codec == "hadamard4"
     join = ["--join", "http://127.0.0.1:1", "--home", str(tmp_path), "--stage", "1"]
     with pytest.raises(ValueError, match=r"--activation-codec int8: .* runs its pipeline in hadamard4"):
-        run_settings(build_parser().parse_args([*join, "--activation-codec", "int8"]))
+        run_settings(build_parser().parse_args([*join, "--activation-codec", "int8"]), lambda line: None)
     # Without --join: --activation-codec, else int8; the old --activation-dtype names a cast codec.
     alone = build_parser().parse_args(["--stages", "2", "--no-verifier"])
-    assert pipeline_config(alone, run_settings(alone)).codec == "int8"
+    assert pipeline_config(alone, run_settings(alone, lambda line: None)).codec == "int8"
     old = build_parser().parse_args(["--stages", "2", "--activation-dtype", "fp16", "--no-verifier"])
-    assert pipeline_config(old, run_settings(old)).codec == "fp16"
+    assert pipeline_config(old, run_settings(old, lambda line: None)).codec == "fp16"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -75,7 +74,7 @@ def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(t
     result = outcome[0]
     assert (result.steps, result.rounds) == (2 * H, 2) and rounds == [H, H]
     assert len(results) == 2 * H and all(isinstance(r, tuple) for r in results)
-    assert worker.stats.refused == refusals
+    assert worker.jobs.refused == refusals
     assert [r[2] for r in results if isinstance(r, tuple)] == [0] * H + [1] * H  # the round each step was in
     with pytest.raises(Busy):  # finished: nothing more is taken
         worker.offer(_job(results, 99))
@@ -93,23 +92,23 @@ def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(t
 
 def test_a_full_queue_refuses_and_queued_jobs_get_busy_when_the_round_starts() -> None:
     engine = _engine()
-    worker = StageWorker(engine, WorkerConfig(max_pending=1), log=lambda s: None)
-    results: list[JobResult] = []
-    worker.offer(_job(results, 0))
-    worker.offer(_job(results, 1))
-    with pytest.raises(Busy, match="already wait"):
-        worker.offer(_job(results, 2))
-    assert worker.stats.refused == 1
-    # Entering the round drains what waits: those senders retry elsewhere, nothing was stepped for them.
-    engine.steps_in_round = H - 1
     release = threading.Event()
 
     def finish(diloco: DiLoCo) -> None:
         release.wait(5.0)
         diloco.outer_step(diloco.pseudo_gradient())
 
-    worker.set_round_finisher(finish)
-    worker.config = dataclasses.replace(worker.config, max_steps=1)
+    worker = StageWorker(
+        engine, WorkerConfig(max_pending=1, max_steps=1), log=lambda s: None, finish_round=finish
+    )
+    results: list[JobResult] = []
+    worker.offer(_job(results, 0))
+    worker.offer(_job(results, 1))
+    with pytest.raises(Busy, match="already wait"):
+        worker.offer(_job(results, 2))
+    assert worker.jobs.refused == 1
+    # Entering the round drains what waits: those senders retry elsewhere, nothing was stepped for them.
+    engine.steps_in_round = H - 1
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop, 0.01), daemon=True)
     thread.start()

@@ -332,7 +332,7 @@ async def test_a_replica_in_its_outer_round_answers_503_and_changes_nothing(make
             before = s.fingerprint()
             status, _, reply = await s.send(wallets[1], body, _signed(wallets[1], body, micro_batch=second))
             assert (status, ErrorReply.from_json(reply).error) == (503, "busy")
-            assert _same(s.fingerprint(), before) and worker.stats.refused == 1
+            assert _same(s.fingerprint(), before) and worker.jobs.refused == 1
             release.set()
             await asyncio.sleep(0.1)
             # Refused, so not taken: the same id trains once the replica is back.

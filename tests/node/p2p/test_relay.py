@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from neuroshard.cli.node import build_parser, network_config_from_args
+from neuroshard.cli.node_flags import build_parser, network_config_from_args
 from neuroshard.node.p2p.network import NetworkConfig
 from neuroshard.node.p2p.relay import decode_state_object, encode_state_object, is_relay, relay_address
 from neuroshard.node.p2p.wire import StateInfo, WireError
