@@ -20,6 +20,10 @@ class _Out(BaseModel):
 
 class ErrorOut(_Out):
     detail: str = Field(description="What was wrong, in one sentence.")
+    error: str | None = Field(
+        default=None,
+        description="The refusal's machine-readable code (neuroshard.protocol.refusal), e.g. stale, replayed.",
+    )
 
 
 class WriteAck(_Out):

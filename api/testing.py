@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import sign_request
 from neuroshard.verifier.config import ReadCacheConfig, VerifierConfig
 from neuroshard.verifier.ratelimit import RateLimitConfig
 from neuroshard.verifier.testing import ManualClock, signed_json, small_network

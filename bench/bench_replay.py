@@ -49,15 +49,8 @@ from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
-from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
-    decode_activations,
-    encode_activations,
-    micro_batch_id,
-)
+from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations
 from neuroshard.node.p2p.replay import ReplayService, decode_replay
 from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.p2p.state import theta_sha256
@@ -68,10 +61,13 @@ from neuroshard.node.segment_store import SegmentStore
 from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
+from neuroshard.protocol.reports import DataSpan
+from neuroshard.protocol.signing import sign_request
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, SegmentVerdict, check_segment
 from neuroshard.verifier.spotcheck import SpotCheckConfig, claimed_batches, compare_deltas, replay_inner_steps
-from neuroshard.verifier.wire import DataSpan
 
 OPERATOR = Wallet.from_token("bench-replay-operator")
 SCRATCH = tempfile.TemporaryDirectory(prefix="bench-replay-")
@@ -146,7 +142,7 @@ def simulate(
 
 
 def fetch(address: str, round_: int, numel: int, n_tensors: int) -> tuple[Any, float]:
-    path = wire.REPLAY.format(round=round_)
+    path = REPLAY.format(round=round_)
     start = time.perf_counter()
     request = urllib.request.Request(
         f"http://{address}{path}", headers=sign_request(OPERATOR, "GET", path, b"", time.time())

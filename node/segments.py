@@ -29,26 +29,28 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from types import MappingProxyType
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from torch import Tensor
 
-from .diloco import DiLoCo, flat_parameters, tensor_sha256
-from .p2p.wire import (
+from neuroshard.protocol.refusal import malformed
+from neuroshard.protocol.schema import (
     MAX_COUNT,
     MAX_STAGE,
-    MalformedMessage,
+    Check,
     Signed,
     canonical_json,
     choice,
     hex_bytes,
     integer,
     parse_json,
-    schema,
 )
+
+from .diloco import DiLoCo, flat_parameters, tensor_sha256
 from .replay import InnerState, capture_inner_state
 from .wallet import Wallet
 
@@ -134,8 +136,13 @@ class ReceivedRef:
     header_sha256: str
     payload_sha256: str
 
-    FIELDS = schema(
-        kind=choice(KINDS), sender=hex_bytes(32), header_sha256=hex_bytes(32), payload_sha256=hex_bytes(32)
+    FIELDS: ClassVar[Mapping[str, Check]] = MappingProxyType(
+        {
+            "kind": choice(KINDS),
+            "sender": hex_bytes(32),
+            "header_sha256": hex_bytes(32),
+            "payload_sha256": hex_bytes(32),
+        }
     )
 
 
@@ -160,7 +167,9 @@ class SentRef:
     kind: str
     payload_sha256: str
 
-    FIELDS = schema(kind=choice(KINDS), payload_sha256=hex_bytes(32))
+    FIELDS: ClassVar[Mapping[str, Check]] = MappingProxyType(
+        {"kind": choice(KINDS), "payload_sha256": hex_bytes(32)}
+    )
 
 
 @dataclass
@@ -186,18 +195,18 @@ class StepRecord:
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> StepRecord:
         if not isinstance(obj, dict) or set(obj) != {"data", "micro_batch", "received", "sent"}:
-            raise MalformedMessage(f"{where} must hold exactly data, micro_batch, received, sent")
+            raise malformed(f"{where} must hold exactly data, micro_batch, received, sent")
         data = obj["data"]
         if data is not None:
             if not (isinstance(data, list) and len(data) == 3):
-                raise MalformedMessage(f"{where}.data must be [shard_id, offset_start, offset_end] or null")
+                raise malformed(f"{where}.data must be [shard_id, offset_start, offset_end] or null")
             span = tuple(integer(0, MAX_COUNT)(v, f"{where}.data") for v in data)
             if span[2] < span[1]:
-                raise MalformedMessage(f"{where}.data ends at {span[2]} before it starts at {span[1]}")
+                raise malformed(f"{where}.data ends at {span[2]} before it starts at {span[1]}")
             data = (span[0], span[1], span[2])
         micro = obj["micro_batch"]
         if not (isinstance(micro, str) and len(micro) <= 64 and all(c in "0123456789abcdef" for c in micro)):
-            raise MalformedMessage(f"{where}.micro_batch must be lower-case hex of at most 64 characters")
+            raise malformed(f"{where}.micro_batch must be lower-case hex of at most 64 characters")
         return cls(
             data=data,
             micro_batch=micro,
@@ -211,13 +220,13 @@ class StepRecord:
 
 def _items(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list) or len(value) > MAX_MESSAGES_PER_STEP:
-        raise MalformedMessage(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
+        raise malformed(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
     return value
 
 
 def _fields(spec: Any, obj: Any, where: str) -> dict[str, Any]:
     if not isinstance(obj, dict) or set(obj) != set(spec):
-        raise MalformedMessage(f"{where} must hold exactly {', '.join(spec)}")
+        raise malformed(f"{where} must hold exactly {', '.join(spec)}")
     return {name: check(obj[name], f"{where}.{name}") for name, check in spec.items()}
 
 
@@ -245,7 +254,7 @@ class SegmentLog:
     def __post_init__(self) -> None:
         wanted = len(self.boundaries)
         if len(self.checkpoints) != wanted:
-            raise MalformedMessage(
+            raise malformed(
                 f"segment log of {len(self.steps)} steps in segments of {self.segment_steps} needs "
                 f"{wanted} checkpoint hashes, has {len(self.checkpoints)}"
             )
@@ -294,10 +303,10 @@ class SegmentLog:
         obj = parse_json(data, "segment log")
         keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints"}
         if not isinstance(obj, dict) or set(obj) != keys:
-            raise MalformedMessage(f"segment log must hold exactly {', '.join(sorted(keys))}")
+            raise malformed(f"segment log must hold exactly {', '.join(sorted(keys))}")
         steps, hashes = obj["steps"], obj["checkpoints"]
         if not isinstance(steps, list) or len(steps) > MAX_STEPS or not isinstance(hashes, list):
-            raise MalformedMessage(f"segment log steps must be a list of at most {MAX_STEPS}")
+            raise malformed(f"segment log steps must be a list of at most {MAX_STEPS}")
         return cls(
             stage=integer(0, MAX_STAGE)(obj["stage"], "segment log stage"),
             round=integer(0, MAX_COUNT)(obj["round"], "segment log round"),
@@ -315,16 +324,9 @@ class SegmentCommitment(Signed):
 
     NAME = "segment commitment"
     DOMAIN = b"neuroshard/segment-commitment/v1"
-    stage: int
-    round: int
-    root: str
-
-    FIELDS = schema(
-        schema(wallet=hex_bytes(32), signature=hex_bytes(64)),
-        stage=integer(0, MAX_STAGE),
-        round=integer(0, MAX_COUNT),
-        root=hex_bytes(32),
-    )
+    stage: Annotated[int, integer(0, MAX_STAGE)]
+    round: Annotated[int, integer(0, MAX_COUNT)]
+    root: Annotated[str, hex_bytes(32)]
 
 
 # --- recording --------------------------------------------------------------------------------

@@ -71,13 +71,15 @@ from neuroshard.data.dataset import open_remote_dataset
 from neuroshard.data.fetch import FetchConfig
 from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.model import build_stage
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound, segment_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol import refusal
+from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.reports import DataSpan
+from neuroshard.protocol.signing import sign_request
 
 from . import ledger, members
 from . import models as m
@@ -92,7 +94,6 @@ from .sampling import sampled
 from .segmentcheck import draw_segments
 from .segmentlive import judge_segments, max_segment_steps, segment_root
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
-from .wire import DataSpan
 
 Log = Callable[[str], None]
 
@@ -608,7 +609,7 @@ class ReplayChecker:
         body = self._signed_get(address, path, limit)
         try:
             material = SegmentMaterial.decode(body, numel=numel, n_tensors=n_tensors)
-        except wire.WireError as exc:
+        except refusal.Refused as exc:
             raise Malformed(str(exc)) from None
         if material.segment != segment:
             raise Malformed(f"asked for segment {segment}, served segment {material.segment}")
@@ -632,9 +633,9 @@ class ReplayChecker:
     def _get_replay(self, address: str, round_: int) -> ReplayRecord:
         """The replica's replay material for `round_`; raises Refused or Malformed, or OSError or
         ValueError when there is no usable answer."""
-        path = wire.REPLAY.format(round=round_)
+        path = REPLAY.format(round=round_)
         body = self._signed_get(address, path, replay_size_bound(self._numel, self._n_tensors))
         try:
             return decode_replay(body, round_, self._numel, self._n_tensors)
-        except wire.WireError as exc:
+        except refusal.Refused as exc:
             raise Malformed(str(exc)) from None

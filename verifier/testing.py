@@ -18,8 +18,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 
-from .auth import sign_request
 from .db import Database, normalise_url
 from .models import Base
 from .network import NetworkDefinition, parse_network

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.protocol.pipeline import ACTIVATION_DTYPES, CODEC_NAMES, micro_batch_id
+
 from ..diloco import DiLoCo, DiLoCoConfig
 from ..model import ModelConfig, build_stage
 from ..segment_store import SegmentStore
@@ -29,7 +32,6 @@ from ..trainer import TrainResult
 from ..wallet import Wallet
 from .network import NetworkConfig, PeerNetwork
 from .pipeline import PipelineClient, PipelineConfig, PipelineService
-from .pipeline_wire import ACTIVATION_DTYPES, CODEC_NAMES, DEFAULT_CODEC, micro_batch_id
 from .replay import SegmentService
 from .rounds import AggregationRule, ordered_mean
 from .server import ServerExtension

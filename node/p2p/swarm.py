@@ -44,12 +44,12 @@ from types import FrameType
 from typing import IO
 
 from neuroshard.data import load_or_create_signing_key
+from neuroshard.protocol.round import ENCODINGS
 
 from ..attacks import ATTACKS
 from ..embedded import ensure_default_dataset
 from ..wallet import TOKEN_ENV, Wallet
 from .swarm_verifier import SwarmVerifier, network_tables, start_swarm_verifier
-from .wire import ENCODINGS
 
 PROG = "neuroshard-swarm"
 ROUND_DONE = re.compile(r"^p2p round=\d+ .*; θ_(\d+) ([0-9a-f]+) ")

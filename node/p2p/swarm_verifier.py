@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
+from neuroshard.protocol.signing import sign_request
 
 from ..model import ModelConfig
 from ..roster import Roster
 from ..wallet import Wallet
-from .auth import sign_request
 
 STARTUP_TIMEOUT_S = 60.0
 

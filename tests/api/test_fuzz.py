@@ -20,7 +20,7 @@ from schemathesis.core import NOT_SET
 from neuroshard.api.app import create_app
 from neuroshard.api.testing import ADDRESS, test_config
 from neuroshard.node.wallet import Wallet
-from neuroshard.verifier.auth import sign_request
+from neuroshard.protocol.signing import sign_request
 from neuroshard.verifier.testing import ManualClock
 
 EXAMPLES = 30

@@ -11,8 +11,8 @@ from neuroshard.api.app import create_app
 from neuroshard.api.testing import ADDRESS, OPERATOR, Harness, receipt_doc
 from neuroshard.api.testing import test_config as make_config
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import SIGNATURE_HEADER, WALLET_HEADER
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SIGNATURE_HEADER, WALLET_HEADER
 from neuroshard.verifier.ratelimit import RateLimitConfig
 from neuroshard.verifier.testing import ManualClock, signed_json
 

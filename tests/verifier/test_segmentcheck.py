@@ -17,13 +17,10 @@ from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_sha256
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
-    GradientReply,
     decode_activations,
     decode_gradient,
     encode_activations,
     encode_gradient,
-    micro_batch_id,
 )
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import InnerState
@@ -38,6 +35,7 @@ from neuroshard.node.segments import (
     sha256_hex,
 )
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
