@@ -134,7 +134,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         version=VERSION,
         description=(
             "Tracker, signed work receipts, hash agreement, reputation and the measured training "
-            "verdict of a NeuroShard run. Writes are signed (see neuroshard.verifier.auth); reads are open."
+            "verdict of a NeuroShard run. Writes are signed (see neuroshard.protocol.signing); reads are open."
         ),
         lifespan=lifespan,
     )

@@ -1,4 +1,4 @@
-"""Response shapes of the verifier's HTTP API (request bodies are neuroshard.verifier.wire).
+"""Response shapes of the verifier's HTTP API (request bodies are neuroshard.protocol.reports).
 
 Times are unix seconds. Losses are mean next-token cross-entropy in nats. "Measured" losses
 come from the verifier's own evaluation of the majority model on held-out data; "reported"

@@ -60,7 +60,7 @@ DOMAIN = b"neuroshard/segments/v1"
 KINDS = ("activations", "gradient")
 """What crosses a stage boundary: activations forward (with labels), activation gradients back."""
 MAX_STEPS = 1_000_000
-"""Inner steps a log may hold (ReceiptRequest.inner_steps' bound)."""
+"""Inner steps a log may hold (protocol.reports.Receipt.inner_steps' bound)."""
 MAX_MESSAGES_PER_STEP = 8
 """A step receives at most an activation and a gradient, and sends at most one of each; 8 leaves
 room for a retry recorded twice without letting a log grow without bound."""

@@ -105,7 +105,8 @@ class StateInfo(Signed):
 
 @dataclass(frozen=True, kw_only=True)
 class ErrorReply(Message):
-    """Every 4xx/5xx body, on the peer plane and the verifier: the refusal's code and its detail."""
+    """A refusal's body: its code and its detail. Every 4xx/5xx of the peer plane; the verifier's
+    refusals have the same two fields (api.refusals)."""
 
     NAME = "error reply"
     error: Annotated[str, text(64)]

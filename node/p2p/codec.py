@@ -206,7 +206,7 @@ def _load(data: bytes) -> dict[str, Tensor]:
 
 
 def decode_delta(data: bytes, encoding: str, numel: int) -> Tensor:
-    """Safetensors bytes -> Δ (numel,) float32, or Refused (layout) / Refused (values)."""
+    """Safetensors bytes -> Δ (numel,) float32, or Refused "malformed" (layout) / "invalid" (values)."""
     check_layout(data, delta_layout(encoding, numel))
     tensors = _load(data)
     if encoding == "fp16":
