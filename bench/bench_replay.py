@@ -214,7 +214,7 @@ def main() -> None:
         lone_round(reports),
         reports,
         trainer.work,
-        receipts.append,
+        lambda receipt: receipts.append(receipt.to_obj()),
         batch_size=args.batch_size,
         tokens_per_step=args.batch_size * args.seq_len,
         log=print,
@@ -465,7 +465,7 @@ def liar_segments(
     receipts: list[dict[str, Any]] = []
     receipting = Receipting(
         lone_round(reports),
-        reports, trainer.work, receipts.append, batch_size=args.batch_size,
+        reports, trainer.work, lambda receipt: receipts.append(receipt.to_obj()), batch_size=args.batch_size,
         tokens_per_step=args.batch_size * args.seq_len, log=print, segments=recorder, signer=NODE,
     )  # fmt: skip
     receipting.round_started(trainer.diloco)

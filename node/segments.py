@@ -29,11 +29,10 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from torch import Tensor
 
@@ -41,7 +40,7 @@ from neuroshard.protocol.refusal import malformed
 from neuroshard.protocol.schema import (
     MAX_COUNT,
     MAX_STAGE,
-    Check,
+    Message,
     Signed,
     canonical_json,
     choice,
@@ -126,24 +125,20 @@ def capture_checkpoint(diloco: DiLoCo) -> SegmentCheckpoint | None:
 # --- what one step did ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ReceivedRef:
+_KIND = choice(KINDS)
+_SHA256 = hex_bytes(32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceivedRef(Message):
     """A message a step consumed, by hashes: `Received` without its bytes."""
 
-    kind: str
-    sender: str
+    NAME = "received message"
+    kind: Annotated[str, _KIND]
+    sender: Annotated[str, hex_bytes(32)]
     """The sender's Ed25519 public key, 64 hex characters (its wallet)."""
-    header_sha256: str
-    payload_sha256: str
-
-    FIELDS: ClassVar[Mapping[str, Check]] = MappingProxyType(
-        {
-            "kind": choice(KINDS),
-            "sender": hex_bytes(32),
-            "header_sha256": hex_bytes(32),
-            "payload_sha256": hex_bytes(32),
-        }
-    )
+    header_sha256: Annotated[str, _SHA256]
+    payload_sha256: Annotated[str, _SHA256]
 
 
 @dataclass(frozen=True)
@@ -157,19 +152,21 @@ class Received:
     body: bytes
 
     def ref(self) -> ReceivedRef:
-        return ReceivedRef(self.kind, self.sender, sha256_hex(self.header), sha256_hex(self.body))
+        return ReceivedRef(
+            kind=self.kind,
+            sender=self.sender,
+            header_sha256=sha256_hex(self.header),
+            payload_sha256=sha256_hex(self.body),
+        )
 
 
-@dataclass(frozen=True)
-class SentRef:
+@dataclass(frozen=True, kw_only=True)
+class SentRef(Message):
     """A payload this replica sent on: the counterpart holds it under this replica's signature."""
 
-    kind: str
-    payload_sha256: str
-
-    FIELDS: ClassVar[Mapping[str, Check]] = MappingProxyType(
-        {"kind": choice(KINDS), "payload_sha256": hex_bytes(32)}
-    )
+    NAME = "sent message"
+    kind: Annotated[str, _KIND]
+    payload_sha256: Annotated[str, _SHA256]
 
 
 @dataclass
@@ -188,8 +185,8 @@ class StepRecord:
         return {
             "data": None if self.data is None else list(self.data),
             "micro_batch": self.micro_batch,
-            "received": [vars(r) for r in self.received],
-            "sent": [vars(s) for s in self.sent],
+            "received": [r.to_obj() for r in self.received],
+            "sent": [s.to_obj() for s in self.sent],
         }
 
     @classmethod
@@ -210,9 +207,9 @@ class StepRecord:
         return cls(
             data=data,
             micro_batch=micro,
-            received=[ReceivedRef(**_fields(ReceivedRef.FIELDS, r, f"{where}.received")) for r in _items(obj["received"], where)],
-            sent=[SentRef(**_fields(SentRef.FIELDS, s, f"{where}.sent")) for s in _items(obj["sent"], where)],
-        )  # fmt: skip
+            received=[ReceivedRef.from_obj(r, f"{where}.received") for r in _items(obj["received"], where)],
+            sent=[SentRef.from_obj(s, f"{where}.sent") for s in _items(obj["sent"], where)],
+        )
 
     def sha256(self) -> str:
         return sha256_hex(DOMAIN + b"\nstep\n" + canonical_json(self.to_obj()))
@@ -222,12 +219,6 @@ def _items(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list) or len(value) > MAX_MESSAGES_PER_STEP:
         raise malformed(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
     return value
-
-
-def _fields(spec: Any, obj: Any, where: str) -> dict[str, Any]:
-    if not isinstance(obj, dict) or set(obj) != set(spec):
-        raise malformed(f"{where} must hold exactly {', '.join(spec)}")
-    return {name: check(obj[name], f"{where}.{name}") for name, check in spec.items()}
 
 
 # --- the round's log and its root -------------------------------------------------------------
@@ -430,7 +421,7 @@ class SegmentRecorder:
     def note_sent(self, micro_batch: str, kind: str, payload_sha256: str) -> None:
         """A payload sent for `micro_batch`: attached to the recorded step of that id if there is one
         (a reply encoded after its step), else to the step in progress."""
-        ref = SentRef(kind, payload_sha256)
+        ref = SentRef(kind=kind, payload_sha256=payload_sha256)
         with self._lock:
             current = self._current
             if current is not None and micro_batch and not current.ended:

@@ -92,10 +92,15 @@ def test_a_malformed_log_is_refused() -> None:
 def test_received_and_sent_refs_are_hashes_of_what_travelled() -> None:
     m = Received("activations", WALLET.public_key_hex, b'{"h":1}', b"payload")
     assert m.ref() == ReceivedRef(
-        "activations", WALLET.public_key_hex, sha256_hex(b'{"h":1}'), sha256_hex(b"payload")
+        kind="activations",
+        sender=WALLET.public_key_hex,
+        header_sha256=sha256_hex(b'{"h":1}'),
+        payload_sha256=sha256_hex(b"payload"),
     )
     record = StepRecord(
-        micro_batch="ab" * 16, received=[m.ref()], sent=[SentRef("gradient", sha256_hex(b"g"))]
+        micro_batch="ab" * 16,
+        received=[m.ref()],
+        sent=[SentRef(kind="gradient", payload_sha256=sha256_hex(b"g"))],
     )
     assert StepRecord.from_obj(record.to_obj(), "step") == record
 
@@ -133,7 +138,7 @@ def test_the_recorder_checkpoints_every_k_steps_and_at_the_round_end(tmp_path: P
     log = _record_round(recorder, diloco, late_sent=True)
     assert log.boundaries == [0, 2, 4, 5] and log.start_step == 0 and len(log.steps) == 5
     assert [s.sent for s in log.steps][2] == [
-        SentRef("gradient", sha256_hex(bytes([2])))
+        SentRef(kind="gradient", payload_sha256=sha256_hex(bytes([2])))
     ]  # arrived after its step
     for b, h in zip(log.boundaries, log.checkpoints, strict=True):
         checkpoint = store.load_checkpoint(0, b)

@@ -405,7 +405,7 @@ def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path)
     sender_steps = [
         StepRecord(
             micro_batch=step.micro_batch,
-            sent=[SentRef("activations", step.received[0].payload_sha256)],
+            sent=[SentRef(kind="activations", payload_sha256=step.received[0].payload_sha256)],
         )
         for step in receiver.steps
     ]
@@ -413,7 +413,7 @@ def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path)
     assert record_mismatches(honest, PREV.public_key_hex, receiver) == []
     assert record_mismatches(honest, NEXT.public_key_hex, receiver) == []  # nothing received from NEXT
     sender_steps[3] = StepRecord(
-        micro_batch=sender_steps[3].micro_batch, sent=[SentRef("activations", "0" * 64)]
+        micro_batch=sender_steps[3].micro_batch, sent=[SentRef(kind="activations", payload_sha256="0" * 64)]
     )
     lying = dataclasses.replace(honest, steps=tuple(sender_steps))
     (problem,) = record_mismatches(lying, PREV.public_key_hex, receiver)
