@@ -17,9 +17,9 @@ import asyncio
 
 import torch
 
-from neuroshard.node.outer.messages import AggregateClaim, sha256_hex
 from neuroshard.node.outer.reduce import encode_part
 from neuroshard.node.outer.round import OuterRound, _Held
+from neuroshard.protocol.round import AggregateClaim, sha256_hex
 
 
 class WrongAggregate(OuterRound):

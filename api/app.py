@@ -22,16 +22,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from neuroshard.protocol.refusal import Refused
 from neuroshard.verifier import ledger
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import Evaluator
 from neuroshard.verifier.leader import Job, LeaderLease
-from neuroshard.verifier.ledger import WriteRefused
 from neuroshard.verifier.replaycheck import ReplayChecker
 
 from . import membership, reads, writes
 from .cache import HeadAsGet
 from .metrics import CountRequests
+from .refusals import refusal_response
 from .services import Services
 
 log = logging.getLogger("neuroshard.verifier")
@@ -133,7 +134,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         version=VERSION,
         description=(
             "Tracker, signed work receipts, hash agreement, reputation and the measured training "
-            "verdict of a NeuroShard run. Writes are signed (see neuroshard.verifier.auth); reads are open."
+            "verdict of a NeuroShard run. Writes are signed (see neuroshard.protocol.signing); reads are open."
         ),
         lifespan=lifespan,
     )
@@ -150,9 +151,9 @@ def create_app(config: VerifierConfig) -> FastAPI:
         ]
         return JSONResponse({"detail": errors}, status_code=422)
 
-    @app.exception_handler(WriteRefused)
-    async def refused(request: Request, exc: WriteRefused) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+    @app.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused) -> JSONResponse:
+        return refusal_response(exc)
 
     app.include_router(writes.router)
     app.include_router(reads.router)

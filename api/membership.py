@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
-from neuroshard.node.p2p.wire import WireError
 from neuroshard.node.roster import Roster
+from neuroshard.protocol.refusal import Refused
 from neuroshard.verifier import ledger, members
 
 from .cache import Rendered, cached_response, etag_of
@@ -111,25 +111,22 @@ def post_roster(auth: Signed, services: ServicesDep) -> WriteAck:
     version replaces the one in force; an older one, or an expired one, is refused."""
     cfg = services.config
     if auth.signed.public_key_hex != cfg.operator.public_key_hex:
-        raise HTTPException(403, "only the operator key may install a roster")
+        raise Refused("not_operator", "only the operator key may install a roster")
     try:
         doc = Roster.from_json(auth.body)
-    except WireError as exc:
-        raise HTTPException(400, f"not a roster: {exc}") from None
+    except Refused as exc:
+        raise Refused("not_a_roster", f"not a roster: {exc}") from None
     now = services.now()
     with services.db.write() as session:
         ledger.use_nonce(session, auth.signed, now=now, window_s=cfg.freshness_window_s)
-        try:
-            status = members.accept_roster(
-                session,
-                doc,
-                operator_key=cfg.operator.public_key_hex,
-                network=cfg.network.name,
-                num_stages=cfg.network.num_stages,
-                now=now,
-            )
-        except members.MembershipRefused as exc:
-            raise HTTPException(exc.status, exc.detail) from None
+        status = members.accept_roster(
+            session,
+            doc,
+            operator_key=cfg.operator.public_key_hex,
+            network=cfg.network.name,
+            num_stages=cfg.network.num_stages,
+            now=now,
+        )
     return WriteAck(
         status="duplicate" if status == "duplicate" else "accepted", wallet_id=auth.signed.wallet_id
     )

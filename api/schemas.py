@@ -1,4 +1,4 @@
-"""Response shapes of the verifier's HTTP API (request bodies are neuroshard.verifier.wire).
+"""Response shapes of the verifier's HTTP API (request bodies are neuroshard.protocol.reports).
 
 Times are unix seconds. Losses are mean next-token cross-entropy in nats. "Measured" losses
 come from the verifier's own evaluation of the majority model on held-out data; "reported"
@@ -20,6 +20,10 @@ class _Out(BaseModel):
 
 class ErrorOut(_Out):
     detail: str = Field(description="What was wrong, in one sentence.")
+    error: str | None = Field(
+        default=None,
+        description="The refusal's machine-readable code (neuroshard.protocol.refusal), e.g. stale, replayed.",
+    )
 
 
 class WriteAck(_Out):

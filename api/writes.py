@@ -1,37 +1,38 @@
 """The signed write endpoints: register, heartbeat, receipts, and the operator's reinstate.
 
 Order of checks, cheapest first, nothing written until all pass: body size (middleware,
-413) → strict JSON (422: duplicate keys, NaN, deep nesting, huge numbers; api.jsonbody, the
-peer plane's parser) → signature headers, freshness, signature (401) → per-signer rate limit
-(429) → strict body schema (422) → in one transaction: nonce unused (409), wallet registered and not
-refused (403), the write itself → commit → the 2xx. Any failure rolls the transaction
-back, nonce included.
+413) → signature headers, freshness, signature (401; protocol.signing) → per-signer rate limit
+(429) → strict JSON and the body's schema (422; the message's own parser in protocol.reports:
+duplicate keys, NaN, deep nesting, huge numbers, unknown fields) → in one transaction: nonce
+unused (409), wallet registered and not refused (403), the write itself → commit → the 2xx.
+Any failure rolls the transaction back, nonce included. Every refusal is a `Refused`; its
+status comes from api.refusals.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest, ReinstateRequest
+from neuroshard.protocol.signing import SignedBy, verify_request
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import AuthError, SignedBy, verify_request
 from neuroshard.verifier.ratelimit import source_key
-from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest, ReinstateRequest
 
-from .jsonbody import StrictJSONRoute
+from .refusals import request_body
 from .schemas import ErrorOut, WriteAck
 from .services import Services, get_services
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/api", tags=["signed writes"], route_class=StrictJSONRoute)
+router = APIRouter(prefix="/api", tags=["signed writes"])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "Unsigned, malformed signature headers, stale, or forged."},
@@ -39,8 +40,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorOut, "description": "Nonce replayed, or conflicts with what is recorded."},
     413: {"model": ErrorOut, "description": "Body larger than the configured limit."},
     422: {
+        "model": ErrorOut,
         "description": "Body is not strict JSON (duplicate keys, NaN, nesting, number length) or does not "
-        "match the schema (extra fields forbidden)."
+        "match the schema (unknown fields refused).",
     },
     429: {
         "model": ErrorOut,
@@ -57,7 +59,7 @@ class SignedRequest:
 
 
 def _path_as_sent(request: Request) -> str:
-    """The raw path with its query string, as the client signed it (node.p2p.wire)."""
+    """The raw path with its query string, as the client signed it (protocol.signing)."""
     raw = request.scope.get("raw_path") or request.url.path.encode("utf-8")
     query = request.scope.get("query_string", b"")
     return raw.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
@@ -67,23 +69,18 @@ async def signed_request(request: Request) -> SignedRequest:
     """Authenticate the raw body before anything parses it (FastAPI caches the bytes it read)."""
     services = get_services(request)
     body = await request.body()
-    try:
-        signed = verify_request(
-            request.headers,
-            request.method,
-            _path_as_sent(request),
-            body,
-            now=services.now(),
-            window_s=services.config.freshness_window_s,
-        )
-    except AuthError as exc:
-        raise HTTPException(exc.status, exc.detail) from None
+    signed = verify_request(
+        request.headers,
+        request.method,
+        _path_as_sent(request),
+        body,
+        now=services.now(),
+        window_s=services.config.freshness_window_s,
+    )
     wait = services.limiter.acquire(signed.public_key_hex)
     if wait > 0:
-        raise HTTPException(
-            429,
-            f"rate limit for {signed.wallet_id}: retry in {wait:.1f} s",
-            headers={"Retry-After": str(math.ceil(wait))},
+        raise Refused(
+            "rate_limited", f"rate limit for {signed.wallet_id}: retry in {wait:.1f} s", retry_after_s=wait
         )
     return SignedRequest(signed, hashlib.sha256(body).hexdigest(), body)
 
@@ -106,17 +103,18 @@ def _limit_new_wallets(request: Request, services: Services, signed: SignedBy) -
             return
     wait = limiter.acquire(source)
     if wait > 0:
-        raise HTTPException(
-            429,
-            f"too many new wallets from {source}: retry in {wait:.0f} s",
-            headers={"Retry-After": str(math.ceil(wait))},
+        raise Refused(
+            "rate_limited", f"too many new wallets from {source}: retry in {wait:.0f} s", retry_after_s=wait
         )
 
 
-@router.post("/register", response_model=WriteAck, responses=_ERRORS)
-def register(payload: RegisterRequest, auth: Signed, services: ServicesDep, request: Request) -> WriteAck:
+@router.post(
+    "/register", response_model=WriteAck, responses=_ERRORS, openapi_extra=request_body(RegisterRequest)
+)
+def register(auth: Signed, services: ServicesDep, request: Request) -> WriteAck:
     """Register (or re-register) the signing wallet: peer address, stage, software version. A new
     wallet may need a proof of work (`pow_nonce`, GET /api/admission) and is limited per source."""
+    payload = RegisterRequest.from_json(auth.body)
     _limit_new_wallets(request, services, auth.signed)
     now = services.now()
     with services.db.write() as session:
@@ -131,9 +129,12 @@ def register(payload: RegisterRequest, auth: Signed, services: ServicesDep, requ
     return ack  # only now: the transaction above has committed
 
 
-@router.post("/heartbeat", response_model=WriteAck, responses=_ERRORS)
-def heartbeat(payload: HeartbeatRequest, auth: Signed, services: ServicesDep) -> WriteAck:
+@router.post(
+    "/heartbeat", response_model=WriteAck, responses=_ERRORS, openapi_extra=request_body(HeartbeatRequest)
+)
+def heartbeat(auth: Signed, services: ServicesDep) -> WriteAck:
     """Keep the signing wallet in the peer list and report its DiLoCo progress."""
+    payload = HeartbeatRequest.from_json(auth.body)
     now = services.now()
     with services.db.write() as session:
         ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
@@ -151,11 +152,11 @@ def heartbeat(payload: HeartbeatRequest, auth: Signed, services: ServicesDep) ->
         200: {"model": WriteAck, "description": "An identical receipt was already recorded."},
         **_ERRORS,
     },
+    openapi_extra=request_body(Receipt),
 )
-def submit_receipt(
-    payload: ReceiptRequest, auth: Signed, services: ServicesDep, response: Response
-) -> WriteAck:
+def submit_receipt(auth: Signed, services: ServicesDep, response: Response) -> WriteAck:
     """Record a work receipt for one (stage, round). 201 once committed; 200 for an identical resend."""
+    payload = Receipt.from_json(auth.body)
     now = services.now()
     with services.db.write() as session:
         ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
@@ -180,11 +181,18 @@ def submit_receipt(
     return WriteAck(status="recorded", wallet_id=auth.signed.wallet_id)
 
 
-@router.post("/admin/reinstate", response_model=WriteAck, responses=_ERRORS, tags=["operator"])
-def reinstate(payload: ReinstateRequest, auth: Signed, services: ServicesDep) -> WriteAck:
+@router.post(
+    "/admin/reinstate",
+    response_model=WriteAck,
+    responses=_ERRORS,
+    tags=["operator"],
+    openapi_extra=request_body(ReinstateRequest),
+)
+def reinstate(auth: Signed, services: ServicesDep) -> WriteAck:
     """Operator only (signed with the operator key): let a refused wallet back in."""
+    payload = ReinstateRequest.from_json(auth.body)
     if auth.signed.public_key_hex != services.config.operator.public_key_hex:
-        raise HTTPException(403, "only the operator key may reinstate wallets")
+        raise Refused("not_operator", "only the operator key may reinstate wallets")
     now = services.now()
     with services.db.write() as session:
         ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)

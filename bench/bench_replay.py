@@ -49,15 +49,8 @@ from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
-from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
-    decode_activations,
-    encode_activations,
-    micro_batch_id,
-)
+from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations
 from neuroshard.node.p2p.replay import ReplayService, decode_replay
 from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.p2p.state import theta_sha256
@@ -69,10 +62,13 @@ from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, s
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
+from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
+from neuroshard.protocol.reports import DataSpan
+from neuroshard.protocol.signing import sign_request
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, SegmentVerdict, check_segment
 from neuroshard.verifier.spotcheck import SpotCheckConfig, claimed_batches, compare_deltas, replay_inner_steps
-from neuroshard.verifier.wire import DataSpan
 
 OPERATOR = Wallet.from_token("bench-replay-operator")
 SCRATCH = tempfile.TemporaryDirectory(prefix="bench-replay-")
@@ -147,7 +143,7 @@ def simulate(
 
 
 def fetch(address: str, round_: int, numel: int, n_tensors: int) -> tuple[Any, float]:
-    path = wire.REPLAY.format(round=round_)
+    path = REPLAY.format(round=round_)
     start = time.perf_counter()
     request = urllib.request.Request(
         f"http://{address}{path}", headers=sign_request(OPERATOR, "GET", path, b"", time.time())
@@ -207,7 +203,7 @@ def main() -> None:
         lone_round(reports),
         reports,
         work,
-        receipts.append,
+        lambda receipt: receipts.append(receipt.to_obj()),
         batch_size=args.batch_size,
         tokens_per_step=args.batch_size * args.seq_len,
         log=print,
@@ -466,7 +462,7 @@ def liar_segments(
     work = RoundWork()
     receipting = Receipting(
         lone_round(reports),
-        reports, work, receipts.append, batch_size=args.batch_size,
+        reports, work, lambda receipt: receipts.append(receipt.to_obj()), batch_size=args.batch_size,
         tokens_per_step=args.batch_size * args.seq_len, log=print, segments=recorder, signer=NODE,
     )  # fmt: skip
     trainer = Trainer(

@@ -45,15 +45,15 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import capture_inner_state
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import DataSpan, Receipt, RegisterRequest
+from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.testing.verifier import TEST_DATABASE_ENV, scratch_database
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.spotcheck import claimed_batches, compare_deltas, replay_inner_steps
-from neuroshard.verifier.wire import DataSpan, ReceiptRequest, RegisterRequest
 
 NETWORK_TOML = """
 name = "bench"
@@ -104,7 +104,7 @@ def seed(url: str, wallets: int, rounds: int, evaluations: int) -> None:
         with db.write() as s:
             for i, w in enumerate(nodes):
                 result = f"{r:064x}" if (i + r) % 10 else f"f{r:063x}"
-                req = ReceiptRequest(
+                req = Receipt(
                     stage=0,
                     round=r,
                     inner_steps=100,

@@ -39,9 +39,9 @@ from common import parse_with_quick
 from sqlalchemy import func, select, text
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 from neuroshard.testing.verifier import TEST_DATABASE_ENV, scratch_database
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import sign_request
 from neuroshard.verifier.db import Database
 
 STAGES = 4

@@ -79,8 +79,8 @@ from neuroshard.node import aggregation, validation
 from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import encoded_size
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
-from neuroshard.node.p2p import wire
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol import schema as protocol_schema
 
 OWNER_CHEATS: dict[str, type[OuterRound]] = {
     "wrong_aggregate": WrongAggregate,
@@ -228,7 +228,7 @@ class VerifyCounter:
         self.counts: Counter[int] = Counter()
         self.memo = memo
         self._seen: dict[tuple[bytes, bytes, bytes], bool] = {}
-        self._real = wire.verify
+        self._real = protocol_schema.verify
 
     def __call__(self, public_key: bytes, message: bytes, signature: bytes) -> bool:
         self.counts[_REPLICA.get()] += 1
@@ -241,10 +241,10 @@ class VerifyCounter:
         return ok
 
     def install(self) -> None:
-        wire.verify = self  # Signed.signature_valid looks it up per call
+        protocol_schema.verify = self  # Signed.signature_valid looks it up per call
 
     def uninstall(self) -> None:
-        wire.verify = self._real
+        protocol_schema.verify = self._real
 
     def forget(self) -> None:
         self._seen.clear()

@@ -40,8 +40,8 @@ from neuroshard.node.outer.port import MemoryHub
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
 from neuroshard.node.p2p.quorum import quorum
 from neuroshard.node.p2p.rounds import plurality
-from neuroshard.node.p2p.wire import StateInfo
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import StateInfo
 
 D = 8 * 4096
 BASE = "5e" * 32

@@ -13,17 +13,18 @@ from pathlib import Path
 from typing import NoReturn
 
 from neuroshard.node import device
+from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import MODEL_SIZES
 from neuroshard.node.network_definition import NetworkDefinition
 from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.node.p2p.network import NetworkConfig
 from neuroshard.node.p2p.pipeline import PipelineConfig
-from neuroshard.node.p2p.pipeline_wire import ACTIVATION_DTYPES, CODEC_NAMES, DEFAULT_CODEC
-from neuroshard.node.p2p.wire import ENCODINGS
 from neuroshard.node.reporting import join_network
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.wallet import TOKEN_ENV
+from neuroshard.protocol.pipeline import ACTIVATION_DTYPES, CODEC_NAMES
+from neuroshard.protocol.round import ENCODINGS
 
 PROG = "neuroshard-node"
 DESCRIPTION = """Contribute compute to a NeuroShard run.

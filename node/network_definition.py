@@ -14,11 +14,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from neuroshard.protocol.identity import verify
+
 from .actcodec import CODECS, DEFAULT_CODEC
 from .aggregation import RULES
 from .diloco import DiLoCoConfig
 from .model import MODEL_SIZES, ModelConfig
-from .wallet import Wallet, verify
+from .wallet import Wallet
 
 NETWORK_FORMAT = 1
 OPERATOR_HEADER = "X-NeuroShard-Operator"

@@ -4,8 +4,8 @@
 what only the engine knows at the round's end — θ_r's hash, the inner steps, Δ's digest —
 and after it what the peer exchange decided (RoundReport: the result hash, accepted and
 rejected contributions, equivocators); with the trainer's RoundWork (data spans, losses)
-that is the whole receipt (the body neuroshard.verifier.wire.ReceiptRequest checks). The
-receipt goes to the Tracker's queue; the round never waits for the verifier.
+that is the whole receipt (``neuroshard.protocol.reports.Receipt``, checked here as the verifier
+will check it). The receipt goes to the Tracker's queue; the round never waits for the verifier.
 
 With a ReplayArchive it also snapshots the inner AdamW state whenever a round starts,
 commits to its digest in the receipt (`inner_state_digest`), and keeps the round's
@@ -20,7 +20,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+
+from neuroshard.protocol.identity import wallet_id_of
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import (
+    MAX_LOSS,
+    MAX_REASON_CHARS,
+    AcceptedContribution,
+    DataSpan,
+    Receipt,
+    RejectedContribution,
+)
 
 from .diloco import DiLoCo
 from .inner_loop import RoundFinisher
@@ -28,13 +38,8 @@ from .p2p.rounds import RoundReport
 from .p2p.state import theta_sha256
 from .replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from .segments import SegmentLog, SegmentRecorder
-from .wallet import Wallet, wallet_id_of
+from .wallet import Wallet
 from .work import RoundWork
-
-MAX_REASON_CHARS = 200
-"""verifier.wire.RejectedContribution.reason's limit."""
-MAX_LOSS = 1e6
-"""verifier.wire.MAX_LOSS: the verifier refuses a receipt whose losses are not finite in [0, MAX_LOSS]."""
 
 
 def reportable_losses(losses: list[float]) -> list[float]:
@@ -62,40 +67,35 @@ def receipt_document(
     device: str | None = None,
     precision: str | None = None,
     segment_log: SegmentLog | None = None,
-) -> dict[str, Any]:
-    """The JSON body of POST /api/receipts for one round (wallet ids, not public keys). `device`
-    (cpu, cuda, mps) and `precision` (fp32, bf16, fp16) state what the inner steps ran on: a replay
-    in another precision is judged with the cross-precision tolerance (verifier.replaycheck).
-    `segment_log`: the round's segment log, whose root and segment count the receipt commits to."""
-    optional: dict[str, Any] = (
-        {} if inner_state_digest is None else {"inner_state_digest": inner_state_digest}
-    )
-    if device is not None:
-        optional["device"] = device
-    if precision is not None:
-        optional["precision"] = precision
-    if segment_log is not None:
-        optional["segment_root"] = segment_log.root()
-        optional["segments"] = segment_log.segments
-    return {
-        "stage": report.stage,
-        "round": report.round,
-        "inner_steps": inner_steps,
-        "start_step": start_step,
-        "tokens": tokens,
-        "data": [{"shard_id": s, "offset_start": a, "offset_end": b} for s, a, b in work.spans],
-        "losses": reportable_losses(work.losses[-inner_steps:]),
-        "base_hash": base_hash,
-        "result_hash": report.theta_hash,
-        "delta_digest": delta_digest,
-        "accepted": [{"wallet": _wallet_id(w)} for w in report.accepted],
-        "rejected": [
-            {"wallet": _wallet_id(w), "reason": (reason or "rejected")[:MAX_REASON_CHARS]}
+) -> Receipt:
+    """The receipt of one round (wallet ids, not public keys), checked as the verifier checks it
+    (Refused if it could not pass). `device` (cpu, cuda, mps) and `precision` (fp32, bf16, fp16)
+    state what the inner steps ran on: a replay in another precision is judged with the
+    cross-precision tolerance (verifier.replaycheck). `segment_log`: the round's segment log,
+    whose root and segment count the receipt commits to."""
+    return Receipt.checked(
+        stage=report.stage,
+        round=report.round,
+        inner_steps=inner_steps,
+        start_step=start_step,
+        tokens=tokens,
+        data=tuple(DataSpan(shard_id=s, offset_start=a, offset_end=b) for s, a, b in work.spans),
+        losses=tuple(reportable_losses(work.losses[-inner_steps:])),
+        base_hash=base_hash,
+        result_hash=report.theta_hash,
+        delta_digest=delta_digest,
+        inner_state_digest=inner_state_digest,
+        device=device,
+        precision=precision,
+        segment_root=None if segment_log is None else segment_log.root(),
+        segments=None if segment_log is None else segment_log.segments,
+        accepted=tuple(AcceptedContribution(wallet=_wallet_id(w)) for w in report.accepted),
+        rejected=tuple(
+            RejectedContribution(wallet=_wallet_id(w), reason=(reason or "rejected")[:MAX_REASON_CHARS])
             for w, reason in report.rejected
-        ],
-        "equivocators": [_wallet_id(w) for w in report.equivocators],
-        **optional,
-    }
+        ),
+        equivocators=tuple(_wallet_id(w) for w in report.equivocators),
+    )
 
 
 class Receipting:
@@ -106,7 +106,7 @@ class Receipting:
         inner: RoundFinisher,
         reports: list[RoundReport],
         work: RoundWork,
-        submit: Callable[[dict[str, Any]], None],
+        submit: Callable[[Receipt], None],
         *,
         batch_size: int | None,
         tokens_per_step: int,
@@ -165,8 +165,8 @@ class Receipting:
         if not self._whole_round(steps):
             return
         tokens = steps * self._tokens_per_step if self._batch_size is not None else self._work.tokens
-        self._submit(
-            receipt_document(
+        try:
+            receipt = receipt_document(
                 self._reports[-1],
                 self._work,
                 inner_steps=steps,
@@ -179,7 +179,10 @@ class Receipting:
                 precision=diloco.placement.precision,
                 segment_log=None if closed is None else closed[0],
             )
-        )
+        except Refused as exc:  # the verifier would refuse it: say so here instead of sending it
+            self._log(f"receipt: round {self._reports[-1].round}: not sent, it would be refused: {exc}")
+            return
+        self._submit(receipt)
 
     def _whole_round(self, steps: int) -> bool:
         """Whether the work record covers all `steps` of the round. A round resumed from a mid-round

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from neuroshard.data import Dataset
+from neuroshard.protocol.reports import Receipt
 
 from .diloco import DiLoCoConfig
 from .membership import roster_of
@@ -188,7 +189,7 @@ class Reporting:
             signer=wallet,
         )
 
-    def submit(self, receipt: dict[str, Any]) -> None:
+    def submit(self, receipt: Receipt) -> None:
         """Deliver a round's receipt through the tracker (`track` starts it before the first round)."""
         if self.tracker is None:
             self.log("receipt dropped: the tracker is not running")

@@ -22,13 +22,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from .p2p.wire import (
-    _SIGNER,
+from neuroshard.protocol.refusal import invalid
+from neuroshard.protocol.schema import (
     MAX_COUNT,
     MAX_STAGE,
-    InvalidMessage,
     Message,
     Signed,
     choice,
@@ -36,7 +35,6 @@ from .p2p.wire import (
     integer,
     list_of,
     message,
-    schema,
     text,
 )
 
@@ -46,6 +44,7 @@ MAX_NETWORK_CHARS = 128
 POLICIES = ("open", "probation", "allowlist")
 """How a stage admits: ``open`` (every registered wallet counts: no Sybil defence), ``probation``
 (new wallets earn admission by verified rounds), ``allowlist`` (only the operator's roster)."""
+_WALLETS = list_of(hex_bytes(32), MAX_LISTED)
 
 
 class RosterError(ValueError):
@@ -54,7 +53,7 @@ class RosterError(ValueError):
 
 def _sorted_unique(wallets: tuple[str, ...], where: str) -> None:
     if list(wallets) != sorted(set(wallets)):
-        raise InvalidMessage(f"{where} must be sorted and without repeats")
+        raise invalid(f"{where} must be sorted and without repeats")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +61,8 @@ class RosterStage(Message):
     """The operator's admitted wallets of one stage."""
 
     NAME = "roster stage"
-    stage: int
-    wallets: tuple[str, ...]
-
-    FIELDS = schema(stage=integer(0, MAX_STAGE), wallets=list_of(hex_bytes(32), MAX_LISTED))
+    stage: Annotated[int, integer(0, MAX_STAGE)]
+    wallets: Annotated[tuple[str, ...], _WALLETS]
 
     def check(self) -> None:
         _sorted_unique(self.wallets, f"roster stage {self.stage} wallets")
@@ -73,8 +70,8 @@ class RosterStage(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class _Expiring(Signed):
-    network: str
-    expires_at: int
+    network: Annotated[str, text(MAX_NETWORK_CHARS)]
+    expires_at: Annotated[int, integer(0, MAX_COUNT)]
     """Unix seconds after which the document is refused."""
 
     def verify(self, signer: str, *, network: str, now: float) -> None:
@@ -95,21 +92,13 @@ class Roster(_Expiring):
 
     NAME = "roster"
     DOMAIN: ClassVar[bytes] = b"neuroshard/roster/v1"
-    version: int
-    stages: tuple[RosterStage, ...]
-
-    FIELDS = schema(
-        _SIGNER,
-        network=text(MAX_NETWORK_CHARS),
-        version=integer(1, MAX_COUNT),
-        expires_at=integer(0, MAX_COUNT),
-        stages=list_of(message(RosterStage), MAX_STAGE + 1),
-    )
+    version: Annotated[int, integer(1, MAX_COUNT)]
+    stages: Annotated[tuple[RosterStage, ...], list_of(message(RosterStage), MAX_STAGE + 1)]
 
     def check(self) -> None:
         stages = [s.stage for s in self.stages]
         if stages != sorted(set(stages)):
-            raise InvalidMessage("roster stages must be sorted by stage and without repeats")
+            raise invalid("roster stages must be sorted by stage and without repeats")
 
     def wallets(self, stage: int) -> frozenset[str]:
         for entry in self.stages:
@@ -140,40 +129,27 @@ class MemberList(_Expiring):
 
     NAME = "member list"
     DOMAIN: ClassVar[bytes] = b"neuroshard/member-list/v1"
-    stage: int
-    epoch: int
+    stage: Annotated[int, integer(0, MAX_STAGE)]
+    epoch: Annotated[int, integer(0, MAX_COUNT)]
     """Grows with every change of this stage's membership (verifier.members)."""
-    effective_round: int
+    effective_round: Annotated[int, integer(0, MAX_COUNT)]
     """The round this list applies from: a replica keeps using the list it held before until its
     round reaches this, so the whole stage switches member lists at one round boundary."""
-    policy: str
-    admitted: tuple[str, ...]
+    policy: Annotated[str, choice(POLICIES)]
+    admitted: Annotated[tuple[str, ...], _WALLETS]
     """Wallets that count in rounds, majorities and quorums; sorted."""
-    probation: tuple[str, ...]
+    probation: Annotated[tuple[str, ...], _WALLETS]
     """Wallets earning admission: exchanged and screened, never counted; sorted."""
-    admission_rounds: int
+    admission_rounds: Annotated[int, integer(0, MAX_COUNT)]
     """Rounds a probationer must agree with the stage's majority (and pass spot checks) to be admitted."""
-
-    FIELDS = schema(
-        _SIGNER,
-        network=text(MAX_NETWORK_CHARS),
-        expires_at=integer(0, MAX_COUNT),
-        stage=integer(0, MAX_STAGE),
-        epoch=integer(0, MAX_COUNT),
-        effective_round=integer(0, MAX_COUNT),
-        policy=choice(POLICIES),
-        admitted=list_of(hex_bytes(32), MAX_LISTED),
-        probation=list_of(hex_bytes(32), MAX_LISTED),
-        admission_rounds=integer(0, MAX_COUNT),
-    )
 
     def check(self) -> None:
         _sorted_unique(self.admitted, "member list admitted")
         _sorted_unique(self.probation, "member list probation")
         if set(self.admitted) & set(self.probation):
-            raise InvalidMessage("a wallet cannot be both admitted and on probation")
+            raise invalid("a wallet cannot be both admitted and on probation")
         if self.policy != "probation" and self.probation:
-            raise InvalidMessage(f"a {self.policy} member list has no probationers")
+            raise invalid(f"a {self.policy} member list has no probationers")
 
     def newer_than(self, other: MemberList | None) -> bool:
         """Whether this list should replace `other` (same stage): a higher epoch, or the same epoch

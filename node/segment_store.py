@@ -33,7 +33,9 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from .p2p.wire import MalformedMessage, parse_json
+from neuroshard.protocol.refusal import malformed
+from neuroshard.protocol.schema import parse_json
+
 from .replay import InnerState
 from .segments import (
     KINDS,
@@ -223,14 +225,14 @@ MAX_MATERIAL_HEADER = 16 << 20
 def _metadata(data: bytes) -> dict[str, str]:
     """The string metadata of a safetensors body, read before any tensor is (bounded, strict)."""
     if len(data) < 8:
-        raise MalformedMessage("segment material is truncated")
+        raise malformed("segment material is truncated")
     (size,) = struct.unpack("<Q", data[:8])
     if size > min(MAX_MATERIAL_HEADER, len(data) - 8):
-        raise MalformedMessage(f"segment material header of {size} bytes does not fit")
+        raise malformed(f"segment material header of {size} bytes does not fit")
     header = parse_json(data[8 : 8 + size], "segment material header")
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise MalformedMessage("segment material has no string metadata")
+        raise malformed("segment material has no string metadata")
     return meta
 
 
@@ -280,25 +282,25 @@ class SegmentMaterial:
 
     @classmethod
     def decode(cls, data: bytes, *, numel: int, n_tensors: int) -> SegmentMaterial:
-        """Bytes -> material with exactly the expected tensors and shapes; MalformedMessage otherwise
+        """Bytes -> material with exactly the expected tensors and shapes; Refused otherwise
         (whether they match the commitment is the verifier's question, not this one's)."""
         try:
             metadata = _metadata(data)
             tensors = st_load(data)
         except (SafetensorError, ValueError) as exc:
-            raise MalformedMessage(f"segment material does not load: {exc}") from None
+            raise malformed(f"segment material does not load: {exc}") from None
         try:
             log = SegmentLog.from_json(metadata["log"])
             commitment = SegmentCommitment.from_json(metadata["commitment"])
             segment = int(metadata["segment"])
             counts = [int(c) for c in metadata["counts"].split(",")] if metadata["counts"] else []
         except (KeyError, ValueError) as exc:
-            raise MalformedMessage(f"segment material metadata is incomplete: {exc}") from None
+            raise malformed(f"segment material metadata is incomplete: {exc}") from None
         if not 0 <= segment < log.segments:
-            raise MalformedMessage(f"segment {segment} of a round with {log.segments} segments")
+            raise malformed(f"segment {segment} of a round with {log.segments} segments")
         first, end = log.segment(segment)
         if len(counts) != end - first or any(not 0 <= c <= MAX_MESSAGES_PER_STEP for c in counts):
-            raise MalformedMessage(
+            raise malformed(
                 f"segment material lists messages for {len(counts)} steps, the segment has {end - first}"
             )
         wanted = {"theta_round"} | {f"{side}.{key}" for side in ("start", "end") for key in _CKPT_KEYS}
@@ -306,7 +308,7 @@ class SegmentMaterial:
             f"m{i}.{j}.{part}" for i, c in enumerate(counts) for j in range(c) for part in ("header", "body")
         }
         if set(tensors) != wanted:
-            raise MalformedMessage(
+            raise malformed(
                 f"segment material holds tensors {sorted(set(tensors) ^ wanted)[:4]} unexpectedly or lacks them"
             )
         ckpts = []
@@ -315,7 +317,7 @@ class SegmentMaterial:
             shapes = {"weights": (numel,), "exp_avg": (numel,), "exp_avg_sq": (numel,), "steps": (n_tensors,)}
             for key, shape in shapes.items():
                 if t[key].dtype != torch.float32 or tuple(t[key].shape) != shape:
-                    raise MalformedMessage(
+                    raise malformed(
                         f"{side}.{key} is {t[key].dtype} {tuple(t[key].shape)}, expected float32 {shape}"
                     )
             ckpts.append(
@@ -327,15 +329,13 @@ class SegmentMaterial:
             for j in range(c):
                 kind, _, sender = metadata.get(f"m{i}.{j}", "").partition(":")
                 if kind not in KINDS or len(sender) != 64:
-                    raise MalformedMessage(f"message {j} of step {i} has no kind and sender")
+                    raise malformed(f"message {j} of step {i} has no kind and sender")
                 header, body = tensors[f"m{i}.{j}.header"], tensors[f"m{i}.{j}.body"]
                 if header.dtype != torch.uint8 or body.dtype != torch.uint8:
-                    raise MalformedMessage(f"message {j} of step {i} is not raw bytes")
+                    raise malformed(f"message {j} of step {i} is not raw bytes")
                 step.append(Received(kind, sender, header.numpy().tobytes(), body.numpy().tobytes()))
             received.append(tuple(step))
         theta = tensors["theta_round"]
         if theta.dtype != torch.float32 or tuple(theta.shape) != (numel,):
-            raise MalformedMessage(
-                f"theta_round is {theta.dtype} {tuple(theta.shape)}, expected float32 ({numel},)"
-            )
+            raise malformed(f"theta_round is {theta.dtype} {tuple(theta.shape)}, expected float32 ({numel},)")
         return cls(log, commitment, segment, ckpts[0], ckpts[1], tuple(received), theta)

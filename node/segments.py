@@ -32,23 +32,24 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from torch import Tensor
 
-from .diloco import DiLoCo, flat_parameters, tensor_sha256
-from .p2p.wire import (
+from neuroshard.protocol.refusal import malformed
+from neuroshard.protocol.schema import (
     MAX_COUNT,
     MAX_STAGE,
-    MalformedMessage,
+    Message,
     Signed,
     canonical_json,
     choice,
     hex_bytes,
     integer,
     parse_json,
-    schema,
 )
+
+from .diloco import DiLoCo, flat_parameters, tensor_sha256
 from .replay import InnerState, capture_inner_state
 from .wallet import Wallet
 
@@ -58,7 +59,7 @@ DOMAIN = b"neuroshard/segments/v1"
 KINDS = ("activations", "gradient")
 """What crosses a stage boundary: activations forward (with labels), activation gradients back."""
 MAX_STEPS = 1_000_000
-"""Inner steps a log may hold (ReceiptRequest.inner_steps' bound)."""
+"""Inner steps a log may hold (protocol.reports.Receipt.inner_steps' bound)."""
 MAX_MESSAGES_PER_STEP = 8
 """A step receives at most an activation and a gradient, and sends at most one of each; 8 leaves
 room for a retry recorded twice without letting a log grow without bound."""
@@ -124,19 +125,20 @@ def capture_checkpoint(diloco: DiLoCo) -> SegmentCheckpoint | None:
 # --- what one step did ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ReceivedRef:
+_KIND = choice(KINDS)
+_SHA256 = hex_bytes(32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceivedRef(Message):
     """A message a step consumed, by hashes: `Received` without its bytes."""
 
-    kind: str
-    sender: str
+    NAME = "received message"
+    kind: Annotated[str, _KIND]
+    sender: Annotated[str, hex_bytes(32)]
     """The sender's Ed25519 public key, 64 hex characters (its wallet)."""
-    header_sha256: str
-    payload_sha256: str
-
-    FIELDS = schema(
-        kind=choice(KINDS), sender=hex_bytes(32), header_sha256=hex_bytes(32), payload_sha256=hex_bytes(32)
-    )
+    header_sha256: Annotated[str, _SHA256]
+    payload_sha256: Annotated[str, _SHA256]
 
 
 @dataclass(frozen=True)
@@ -150,17 +152,21 @@ class Received:
     body: bytes
 
     def ref(self) -> ReceivedRef:
-        return ReceivedRef(self.kind, self.sender, sha256_hex(self.header), sha256_hex(self.body))
+        return ReceivedRef(
+            kind=self.kind,
+            sender=self.sender,
+            header_sha256=sha256_hex(self.header),
+            payload_sha256=sha256_hex(self.body),
+        )
 
 
-@dataclass(frozen=True)
-class SentRef:
+@dataclass(frozen=True, kw_only=True)
+class SentRef(Message):
     """A payload this replica sent on: the counterpart holds it under this replica's signature."""
 
-    kind: str
-    payload_sha256: str
-
-    FIELDS = schema(kind=choice(KINDS), payload_sha256=hex_bytes(32))
+    NAME = "sent message"
+    kind: Annotated[str, _KIND]
+    payload_sha256: Annotated[str, _SHA256]
 
 
 @dataclass
@@ -179,31 +185,31 @@ class StepRecord:
         return {
             "data": None if self.data is None else list(self.data),
             "micro_batch": self.micro_batch,
-            "received": [vars(r) for r in self.received],
-            "sent": [vars(s) for s in self.sent],
+            "received": [r.to_obj() for r in self.received],
+            "sent": [s.to_obj() for s in self.sent],
         }
 
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> StepRecord:
         if not isinstance(obj, dict) or set(obj) != {"data", "micro_batch", "received", "sent"}:
-            raise MalformedMessage(f"{where} must hold exactly data, micro_batch, received, sent")
+            raise malformed(f"{where} must hold exactly data, micro_batch, received, sent")
         data = obj["data"]
         if data is not None:
             if not (isinstance(data, list) and len(data) == 3):
-                raise MalformedMessage(f"{where}.data must be [shard_id, offset_start, offset_end] or null")
+                raise malformed(f"{where}.data must be [shard_id, offset_start, offset_end] or null")
             span = tuple(integer(0, MAX_COUNT)(v, f"{where}.data") for v in data)
             if span[2] < span[1]:
-                raise MalformedMessage(f"{where}.data ends at {span[2]} before it starts at {span[1]}")
+                raise malformed(f"{where}.data ends at {span[2]} before it starts at {span[1]}")
             data = (span[0], span[1], span[2])
         micro = obj["micro_batch"]
         if not (isinstance(micro, str) and len(micro) <= 64 and all(c in "0123456789abcdef" for c in micro)):
-            raise MalformedMessage(f"{where}.micro_batch must be lower-case hex of at most 64 characters")
+            raise malformed(f"{where}.micro_batch must be lower-case hex of at most 64 characters")
         return cls(
             data=data,
             micro_batch=micro,
-            received=[ReceivedRef(**_fields(ReceivedRef.FIELDS, r, f"{where}.received")) for r in _items(obj["received"], where)],
-            sent=[SentRef(**_fields(SentRef.FIELDS, s, f"{where}.sent")) for s in _items(obj["sent"], where)],
-        )  # fmt: skip
+            received=[ReceivedRef.from_obj(r, f"{where}.received") for r in _items(obj["received"], where)],
+            sent=[SentRef.from_obj(s, f"{where}.sent") for s in _items(obj["sent"], where)],
+        )
 
     def sha256(self) -> str:
         return sha256_hex(DOMAIN + b"\nstep\n" + canonical_json(self.to_obj()))
@@ -211,14 +217,8 @@ class StepRecord:
 
 def _items(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list) or len(value) > MAX_MESSAGES_PER_STEP:
-        raise MalformedMessage(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
+        raise malformed(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
     return value
-
-
-def _fields(spec: Any, obj: Any, where: str) -> dict[str, Any]:
-    if not isinstance(obj, dict) or set(obj) != set(spec):
-        raise MalformedMessage(f"{where} must hold exactly {', '.join(spec)}")
-    return {name: check(obj[name], f"{where}.{name}") for name, check in spec.items()}
 
 
 # --- the round's log and its root -------------------------------------------------------------
@@ -245,7 +245,7 @@ class SegmentLog:
     def __post_init__(self) -> None:
         wanted = len(self.boundaries)
         if len(self.checkpoints) != wanted:
-            raise MalformedMessage(
+            raise malformed(
                 f"segment log of {len(self.steps)} steps in segments of {self.segment_steps} needs "
                 f"{wanted} checkpoint hashes, has {len(self.checkpoints)}"
             )
@@ -294,10 +294,10 @@ class SegmentLog:
         obj = parse_json(data, "segment log")
         keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints"}
         if not isinstance(obj, dict) or set(obj) != keys:
-            raise MalformedMessage(f"segment log must hold exactly {', '.join(sorted(keys))}")
+            raise malformed(f"segment log must hold exactly {', '.join(sorted(keys))}")
         steps, hashes = obj["steps"], obj["checkpoints"]
         if not isinstance(steps, list) or len(steps) > MAX_STEPS or not isinstance(hashes, list):
-            raise MalformedMessage(f"segment log steps must be a list of at most {MAX_STEPS}")
+            raise malformed(f"segment log steps must be a list of at most {MAX_STEPS}")
         return cls(
             stage=integer(0, MAX_STAGE)(obj["stage"], "segment log stage"),
             round=integer(0, MAX_COUNT)(obj["round"], "segment log round"),
@@ -315,16 +315,9 @@ class SegmentCommitment(Signed):
 
     NAME = "segment commitment"
     DOMAIN = b"neuroshard/segment-commitment/v1"
-    stage: int
-    round: int
-    root: str
-
-    FIELDS = schema(
-        schema(wallet=hex_bytes(32), signature=hex_bytes(64)),
-        stage=integer(0, MAX_STAGE),
-        round=integer(0, MAX_COUNT),
-        root=hex_bytes(32),
-    )
+    stage: Annotated[int, integer(0, MAX_STAGE)]
+    round: Annotated[int, integer(0, MAX_COUNT)]
+    root: Annotated[str, hex_bytes(32)]
 
 
 # --- recording --------------------------------------------------------------------------------
@@ -428,7 +421,7 @@ class SegmentRecorder:
     def note_sent(self, micro_batch: str, kind: str, payload_sha256: str) -> None:
         """A payload sent for `micro_batch`: attached to the recorded step of that id if there is one
         (a reply encoded after its step), else to the step in progress."""
-        ref = SentRef(kind, payload_sha256)
+        ref = SentRef(kind=kind, payload_sha256=payload_sha256)
         with self._lock:
             current = self._current
             if current is not None and micro_batch and not current.ended:

@@ -11,12 +11,15 @@ The verifier is a witness, not a dependency: every call here runs on the tracker
 thread, failures are logged once per outage and retried, receipts wait in a bounded queue
 (the oldest is dropped when it is full), and training never waits for any of it.
 
-Requests are signed exactly like peer requests (node.p2p.auth.sign_request; the verifier
-checks them with neuroshard.verifier.auth). The token is never sent: only signatures.
+Requests are signed exactly like peer requests (protocol.signing), and their bodies are the
+protocol's messages (protocol.reports). The token is never sent: only signatures. A refusal
+comes back as ``Refused`` with the verifier's code (its reply's ``error``; for a reply without
+one, a code from the HTTP status); an unreachable verifier as `VerifierUnreachable`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -28,7 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
+
+from neuroshard.protocol import refusal
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.signing import sign_request
 
 from .network_definition import (
     NETWORK_SIGNATURE_HEADER,
@@ -37,8 +45,6 @@ from .network_definition import (
     NetworkError,
     verify_network,
 )
-from .p2p.auth import sign_request
-from .p2p.wire import WireError
 from .roster import MemberList, RosterError, solve_pow
 from .wallet import Wallet
 
@@ -53,13 +59,37 @@ class VerifierUnreachable(NetworkError):
     """No answer from the verifier (and no saved definition to fall back on): worth retrying."""
 
 
-class TrackerError(Exception):
-    """The verifier answered something other than a 2xx, or could not be reached."""
+Body: TypeAlias = RegisterRequest | HeartbeatRequest | Receipt
 
-    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
+CODE_OF_STATUS = {401: refusal.BAD_AUTH, 403: "forbidden", 404: "not_found", 409: "conflict",
+                  413: refusal.TOO_LARGE, 422: refusal.INVALID, 429: "rate_limited"}  # fmt: skip
+"""The code of a refusal whose reply names none (a route FastAPI itself refused, an older verifier)."""
+RECEIPT_REFUSED_FOR_GOOD = frozenset(
+    {
+        refusal.MALFORMED, refusal.INVALID, refusal.UNSIGNED, refusal.BAD_AUTH, refusal.STALE,
+        refusal.BAD_SIGNATURE, refusal.REPLAYED, refusal.UNKNOWN_WALLET, "wallet_refused", "key_mismatch",
+        "wrong_stage", "conflict", "forbidden",
+    }
+)  # fmt: skip
+"""Refusals after which resending the same receipt cannot help: it is dropped."""
+NOT_REGISTERED = frozenset({refusal.UNKNOWN_WALLET, "wallet_refused", "forbidden"})
+"""Refusals that say this wallet must register (again) before its receipts can go."""
+
+
+def _refusal(method: str, path: str, status: int, body: bytes, retry: str | None) -> Refused:
+    code, detail = CODE_OF_STATUS.get(status, f"http_{status}"), body.decode("utf-8", "replace")
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        reply = None
+    if isinstance(reply, dict):
+        code = reply["error"] if isinstance(reply.get("error"), str) else code
+        detail = str(reply.get("detail", detail))
+    return Refused(
+        code,
+        f"{method} {path}: HTTP {status}: {detail}",
+        retry_after_s=float(retry) if retry and retry.isdigit() else None,
+    )
 
 
 def _base(url: str) -> str:
@@ -77,15 +107,9 @@ def _request(
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return reply.read(max_bytes), reply.headers  # case-insensitive: servers lower-case names
     except urllib.error.HTTPError as exc:
-        detail = exc.read(2000).decode("utf-8", "replace")
-        retry = exc.headers.get("Retry-After")
-        raise TrackerError(
-            f"{method} {path}: HTTP {exc.code}: {detail}",
-            status=exc.code,
-            retry_after_s=float(retry) if retry and retry.isdigit() else None,
-        ) from None
+        raise _refusal(method, path, exc.code, exc.read(2000), exc.headers.get("Retry-After")) from None
     except (OSError, ValueError) as exc:  # URLError, timeouts, refused connections, bad URLs
-        raise TrackerError(f"{method} {path}: {exc}") from None
+        raise VerifierUnreachable(f"{method} {path}: {exc}") from None
 
 
 def fetch_network(
@@ -104,7 +128,7 @@ def fetch_network(
     expected = operator_key or remembered
     try:
         body, headers = _request(base, "/api/network", timeout_s=timeout_s)
-    except TrackerError as exc:
+    except (Refused, VerifierUnreachable) as exc:
         saved = _saved_definition(known_keys, base, expected)
         if saved is None:
             raise VerifierUnreachable(f"cannot fetch the network definition from {base}: {exc}") from None
@@ -237,7 +261,7 @@ class Tracker:
         """The newest valid member list of this replica's stage (epoch order; an older one replayed
         to this node is refused)."""
         self._clock = clock
-        self._queue: deque[dict[str, Any]] = deque()
+        self._queue: deque[Receipt] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -251,13 +275,13 @@ class Tracker:
 
     # --- the training thread's side ---------------------------------------------------------
 
-    def submit(self, receipt: dict[str, Any]) -> None:
-        """Queue a receipt document (node.receipt) for delivery; returns at once."""
+    def submit(self, receipt: Receipt) -> None:
+        """Queue a receipt (node.receipt) for delivery; returns at once."""
         with self._lock:
             if len(self._queue) >= self.config.queue_size:
                 old = self._queue.popleft()
                 self.dropped += 1
-                self._log(f"tracker: receipt queue full; dropped the receipt of round {old.get('round')}")
+                self._log(f"tracker: receipt queue full; dropped the receipt of round {old.round}")
             self._queue.append(receipt)
         self._wake.set()
 
@@ -286,8 +310,8 @@ class Tracker:
 
     # --- the tracker thread -----------------------------------------------------------------
 
-    def _post(self, path: str, doc: dict[str, Any]) -> dict[str, Any]:
-        body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    def _post(self, path: str, doc: Body) -> dict[str, Any]:
+        body = doc.to_json()
         headers = sign_request(self.wallet, "POST", path, body, self._clock())
         headers["Content-Type"] = "application/json"
         raw, _ = _request(self.config.url, path, method="POST", body=body, headers=headers,
@@ -297,18 +321,15 @@ class Tracker:
 
     def _register(self) -> None:
         cfg = self.config
-        doc: dict[str, Any] = {
-            "address": f"http://{cfg.address}",
-            "stage": cfg.stage,
-            "software_version": cfg.software_version,
-        }
+        doc = RegisterRequest.checked(
+            address=f"http://{cfg.address}", stage=cfg.stage, software_version=cfg.software_version
+        )
         try:
             ack = self._post("/api/register", doc)
-        except TrackerError as exc:
-            if exc.status != 403 or "proof of work" not in str(exc):
+        except Refused as exc:
+            if exc.code != "pow_required":
                 raise
-            doc["pow_nonce"] = self._proof_of_work()
-            ack = self._post("/api/register", doc)
+            ack = self._post("/api/register", dataclasses.replace(doc, pow_nonce=self._proof_of_work()))
         interval = ack.get("heartbeat_interval_s")
         if isinstance(interval, int | float) and interval > 0:
             self.config.heartbeat_s = float(interval)
@@ -326,7 +347,7 @@ class Tracker:
         terms = json.loads(raw)
         bits, network = terms.get("pow_bits"), terms.get("network")
         if not isinstance(bits, int) or not isinstance(network, str):
-            raise TrackerError("the verifier's admission terms name no proof of work")
+            raise VerifierUnreachable("the verifier's admission terms name no proof of work")
         self._log(f"tracker: registering a new wallet needs a proof of work of {bits} bits; solving it")
         started = time.monotonic()
         nonce = solve_pow(network, self.wallet.public_key_hex, bits)
@@ -340,8 +361,8 @@ class Tracker:
             return
         try:
             raw, _ = _request(cfg.url, f"/api/stages/{cfg.stage}/members", timeout_s=cfg.timeout_s)
-        except TrackerError as exc:
-            if exc.status != 404:
+        except Refused as exc:
+            if exc.code != "not_found":
                 raise
             self._log(f"tracker: {cfg.url} serves no member lists ({exc}); every live peer counts")
             self._on_members = None  # an older verifier: stop asking
@@ -352,7 +373,7 @@ class Tracker:
             if members.stage != cfg.stage:
                 raise RosterError(f"a member list of stage {members.stage}, not {cfg.stage}")
             newer = members.newer_than(self.members)
-        except (WireError, RosterError) as exc:
+        except (Refused, RosterError) as exc:
             self._log(f"tracker: member list refused: {exc}")
             return
         if newer:
@@ -365,7 +386,7 @@ class Tracker:
         try:
             self._members()
             self._members_failing = False
-        except TrackerError as exc:
+        except (Refused, VerifierUnreachable) as exc:
             if not self._members_failing:
                 self._log(f"tracker: member list not read: {exc}")
             self._members_failing = True
@@ -377,7 +398,8 @@ class Tracker:
 
     def _heartbeat(self) -> None:
         round_, steps = self._progress()
-        self._post("/api/heartbeat", {"stage": self.config.stage, "round": round_, "steps_in_round": steps})
+        beat = HeartbeatRequest.checked(stage=self.config.stage, round=round_, steps_in_round=steps)
+        self._post("/api/heartbeat", beat)
 
     def _peers(self) -> None:
         stages = [self.config.stage, self.config.stage + 1] if self.config.next_stage else [self.config.stage]
@@ -403,16 +425,16 @@ class Tracker:
                 receipt = self._queue[0]
             try:
                 self._post("/api/receipts", receipt)
-            except TrackerError as exc:
-                if exc.status in (401, 403, 409, 422):
+            except Refused as exc:
+                if exc.code in RECEIPT_REFUSED_FOR_GOOD:
                     # Refused for good (or not registered: re-register, then the next receipts go).
-                    self.registered = self.registered and exc.status != 403
+                    self.registered = self.registered and exc.code not in NOT_REGISTERED
                     with self._lock:
                         if self._queue and self._queue[0] is receipt:
                             self._queue.popleft()
                             self.dropped += 1
-                    self._log(f"tracker: receipt of round {receipt.get('round')} refused: {exc}")
-                    if exc.status == 403:
+                    self._log(f"tracker: receipt of round {receipt.round} refused: {exc}")
+                    if exc.code in NOT_REGISTERED:
                         return
                     continue
                 raise
@@ -430,7 +452,7 @@ class Tracker:
         if not self._failing:
             self._log(f"tracker: {exc}; training goes on, retrying every {self.config.retry_s:.0f} s")
         self._failing = True
-        retry = exc.retry_after_s if isinstance(exc, TrackerError) else None
+        retry = exc.retry_after_s if isinstance(exc, Refused) else None
         return max(retry or 0.0, self.config.retry_s)
 
     def _run(self) -> None:
@@ -451,8 +473,8 @@ class Tracker:
                 self._deliver()
                 self._ok()
                 pause = max(0.05, min(next_beat, next_peers, next_members) - time.monotonic())
-            except TrackerError as exc:
-                if exc.status == 403 and "not registered" in str(exc):
+            except Refused as exc:
+                if exc.code == refusal.UNKNOWN_WALLET:
                     self.registered = False
                 pause = self._failed(exc)
             except Exception as exc:  # a bug here must not end reporting for good, nor training

@@ -47,8 +47,8 @@ from neuroshard.adversary.attacks import ATTACKS
 from neuroshard.cli.node_flags import build_parser as node_parser
 from neuroshard.data import load_or_create_signing_key
 from neuroshard.node.embedded import ensure_default_dataset
-from neuroshard.node.p2p.wire import ENCODINGS
 from neuroshard.node.wallet import TOKEN_ENV, Wallet
+from neuroshard.protocol.round import ENCODINGS
 from neuroshard.swarm.verifier import SwarmVerifier, network_tables, start_swarm_verifier
 
 PROG = "neuroshard-swarm"

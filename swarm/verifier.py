@@ -23,9 +23,9 @@ from typing import Any
 
 from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 
 STARTUP_TIMEOUT_S = 60.0
 

@@ -22,9 +22,9 @@ from sqlalchemy import func, select
 
 from neuroshard.api.services import Services
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 from neuroshard.testing.verifier import ManualClock, signed_json, small_network
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import sign_request
 from neuroshard.verifier.config import ReadCacheConfig, VerifierConfig
 from neuroshard.verifier.ratelimit import RateLimitConfig
 

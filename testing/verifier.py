@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from neuroshard.node.wallet import Wallet
-from neuroshard.verifier.auth import sign_request
+from neuroshard.protocol.signing import sign_request
 from neuroshard.verifier.db import Database, normalise_url
 from neuroshard.verifier.models import Base
 from neuroshard.verifier.network import NetworkDefinition, parse_network

@@ -2,12 +2,16 @@
 
 import random
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import pytest
 import torch
 
 from neuroshard.data.corpus import read_documents, stdlib_source_files
 from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.network_definition import NetworkDefinition
+from neuroshard.protocol.refusal import Refused
 
 UNASSIGNED_PORTS = (20_000, 32_000)
 """Where `free_port_block` looks: below Linux's ephemeral range (32768-60999 by default), so an
@@ -54,3 +58,11 @@ def majority_stages(network: NetworkDefinition, seed: int) -> list[Transformer]:
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
         stages.append(stage.eval())
     return stages
+
+
+@contextmanager
+def refused(code: str, match: str | None = None) -> Iterator[None]:
+    """pytest.raises(Refused) whose refusal also carries `code` (malformed, invalid, stale…)."""
+    with pytest.raises(Refused, match=match) as err:
+        yield
+    assert err.value.code == code, f"refused with {err.value.code!r}, expected {code!r}: {err.value}"

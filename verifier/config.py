@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from neuroshard.node.roster import MAX_POW_BITS
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import FRESHNESS_WINDOW_S
 
-from .auth import FRESHNESS_WINDOW_S
 from .evaluator import EvaluatorConfig
 from .leader import LeaseConfig
 from .members import MembershipConfig

@@ -25,6 +25,7 @@ from sqlalchemy import func, select
 from neuroshard.data import Manifest, assign_shards, read_manifest
 from neuroshard.data.fetch import FetchConfig, fetch_manifest
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import DataSpan
 
 from . import ledger
 from . import models as m
@@ -33,7 +34,6 @@ from .network import NetworkDefinition
 from .reputation import ReputationConfig
 from .sampling import sampled
 from .spotcheck import check_data_spans
-from .wire import DataSpan
 
 Log = Callable[[str], None]
 

@@ -44,10 +44,11 @@ from neuroshard.node.diloco import copy_into_parameters
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.model_file import MODELS_DIR, StageProvenance, save_round_model
-from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.codec import decode_state, state_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import STATE, STATE_HEADER, StateInfo
+from neuroshard.protocol.refusal import Refused
 from neuroshard.tokenizer import BPETokenizer
 
 from . import ledger
@@ -421,13 +422,13 @@ class Evaluator:
     def fetch_state(self, address: str, wallet_id: str, stage: int = 0) -> Fetched | None:
         """The node's current θ_round of `stage`, checked against the hash in its signed state header."""
         numel = self._numel[stage]
-        got = self._get(address, wire.STATE, state_size_bound(numel))
+        got = self._get(address, STATE, state_size_bound(numel))
         if got is None:
             return None
         body, headers = got
         try:
-            info = wire.StateInfo.from_json(headers.get(wire.STATE_HEADER, ""))
-        except wire.WireError as exc:
+            info = StateInfo.from_json(headers.get(STATE_HEADER, ""))
+        except Refused as exc:
             self._log(f"evaluator: state header from {wallet_id}: {exc}")
             return None
         if not info.signature_valid() or info.numel != numel or info.stage != stage:
@@ -438,7 +439,7 @@ class Evaluator:
             return None
         try:
             theta, _ = decode_state(body, info.numel, with_momentum=bool(info.momentum_hash))
-        except (wire.WireError, ValueError) as exc:
+        except (Refused, ValueError) as exc:
             self._log(f"evaluator: state body from {wallet_id}: {exc}")
             return None
         if theta_sha256(theta) != info.theta_hash:

@@ -20,6 +20,7 @@ probation on or restart it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -30,22 +31,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from neuroshard.node.roster import pow_ok
+from neuroshard.protocol import refusal
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.signing import SignedBy
 
 from . import members
 from . import models as m
-from .auth import SignedBy
 from .members import MembershipConfig
 from .reputation import Adjustment, ReputationConfig, Vote, judge_round, judge_vote
-from .wire import HeartbeatRequest, ReceiptRequest, RegisterRequest
-
-
-class WriteRefused(Exception):
-    """A well-signed write the verifier will not take; `status` is the HTTP code to answer."""
-
-    def __init__(self, detail: str, status: int) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.status = status
 
 
 @dataclass(kw_only=True)
@@ -68,7 +62,7 @@ class LedgerConfig:
 
 
 def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float) -> None:
-    """Remember the request's nonce; a second use within the window is a replay (409).
+    """Remember the request's nonce; a second use within the window is refused (replayed).
 
     Expired nonces are purged for this signer only: its requests rarely overlap, so the
     DELETE never waits on (or deadlocks with) another signer's transaction.
@@ -82,8 +76,8 @@ def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float
     try:
         session.flush()
     except IntegrityError:
-        raise WriteRefused(
-            f"replayed request: nonce {signed.nonce} was already used by this signer", 409
+        raise Refused(
+            refusal.REPLAYED, f"replayed request: nonce {signed.nonce} was already used by this signer"
         ) from None
 
 
@@ -96,28 +90,30 @@ def purge_nonces(session: Session, *, now: float) -> int:
 def _active_wallet(session: Session, signed: SignedBy) -> m.Wallet:
     wallet = session.get(m.Wallet, signed.wallet_id)
     if wallet is None:
-        raise WriteRefused(f"wallet {signed.wallet_id} is not registered; POST /api/register first", 403)
+        raise Refused(
+            refusal.UNKNOWN_WALLET, f"wallet {signed.wallet_id} is not registered; POST /api/register first"
+        )
     if wallet.public_key != signed.public_key_hex:
-        raise WriteRefused(f"wallet id {signed.wallet_id} is registered to another public key", 409)
+        raise Refused("key_mismatch", f"wallet id {signed.wallet_id} is registered to another public key")
     if wallet.status == m.STATUS_REFUSED:
-        raise WriteRefused(
+        raise Refused(
+            "wallet_refused",
             f"wallet {signed.wallet_id} is refused ({wallet.status_reason}); the operator can reinstate it",
-            403,
         )
     return wallet
 
 
 def _check_stage(stage: int, cfg: LedgerConfig) -> None:
     if stage >= cfg.num_stages:
-        raise WriteRefused(
-            f"stage {stage} does not exist: this network has stages 0..{cfg.num_stages - 1}", 422
+        raise Refused(
+            refusal.INVALID, f"stage {stage} does not exist: this network has stages 0..{cfg.num_stages - 1}"
         )
 
 
 def register(
     session: Session, signed: SignedBy, req: RegisterRequest, *, now: float, cfg: LedgerConfig
 ) -> m.Wallet:
-    """Create or update the wallet and its peer entry (address, stage); refused wallets get 403."""
+    """Create or update the wallet and its peer entry (address, stage); refused wallets are refused (wallet_refused)."""
     _check_stage(req.stage, cfg)
     wallet = session.get(m.Wallet, signed.wallet_id)
     if wallet is None:
@@ -126,10 +122,10 @@ def register(
             req.pow_nonce is None or not pow_ok(cfg.network_name, signed.public_key_hex, req.pow_nonce, bits)
         ):
             given = "no pow_nonce" if req.pow_nonce is None else f"pow_nonce {req.pow_nonce} does not do it"
-            raise WriteRefused(
+            raise Refused(
+                "pow_required",
                 f"registering a new wallet needs a proof of work: a pow_nonce whose sha256 has {bits} leading "
                 f"zero bits (node.roster.solve_pow; GET /api/admission); {given}",
-                403,
             )
         wallet = m.Wallet(
             wallet_id=signed.wallet_id,
@@ -157,10 +153,7 @@ def register(
         )
     else:
         peer.address, peer.stage, peer.registered_at, peer.last_heartbeat = req.address, req.stage, now, now
-    try:
-        members.on_register(session, wallet, req.stage, cfg.membership, now=now)
-    except members.MembershipRefused as exc:
-        raise WriteRefused(exc.detail, exc.status) from None
+    members.on_register(session, wallet, req.stage, cfg.membership, now=now)
     return wallet
 
 
@@ -168,8 +161,9 @@ def _registered_stage(session: Session, wallet_id: str, stage: int) -> m.Peer:
     peer = session.get(m.Peer, wallet_id)
     if peer is None or peer.stage != stage:
         registered = "no stage" if peer is None else f"stage {peer.stage}"
-        raise WriteRefused(
-            f"wallet {wallet_id} is registered for {registered}, not stage {stage}; register again", 409
+        raise Refused(
+            "wrong_stage",
+            f"wallet {wallet_id} is registered for {registered}, not stage {stage}; register again",
         )
     return peer
 
@@ -187,7 +181,7 @@ def heartbeat(
 def submit_receipt(
     session: Session,
     signed: SignedBy,
-    req: ReceiptRequest,
+    req: Receipt,
     *,
     body_sha256: str,
     now: float,
@@ -207,9 +201,9 @@ def submit_receipt(
     if existing is not None:
         if existing.body_sha256 == body_sha256:
             return "duplicate"
-        raise WriteRefused(
+        raise Refused(
+            "conflict",
             f"a different receipt for stage {req.stage} round {req.round} is already recorded for this wallet",
-            409,
         )
     first = req.data[0] if req.data else None
     session.add(
@@ -235,8 +229,8 @@ def submit_receipt(
             precision=req.precision,
             segment_root=req.segment_root,
             segments=req.segments,
-            accepted=[c.model_dump() for c in req.accepted],
-            rejected=[c.model_dump() for c in req.rejected],
+            accepted=[dataclasses.asdict(c) for c in req.accepted],
+            rejected=[dataclasses.asdict(c) for c in req.rejected],
             equivocators=list(req.equivocators),
             accepted_count=len(req.accepted),
             rejected_count=len(req.rejected),
@@ -256,8 +250,8 @@ def submit_receipt(
     try:
         session.flush()
     except IntegrityError:  # a concurrent submission of the same (wallet, stage, round) won
-        raise WriteRefused(
-            f"a receipt for stage {req.stage} round {req.round} is already recorded", 409
+        raise Refused(
+            "conflict", f"a receipt for stage {req.stage} round {req.round} is already recorded"
         ) from None
     settled = session.get(m.Round, (req.stage, req.round))
     if settled is not None:
@@ -503,7 +497,7 @@ def record_spot_check(
             wallet_id, -cfg.spot_check_penalty, f"spot check failed in stage {stage} round {round_}: {detail}"
         )
     if not apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg):
-        raise WriteRefused(f"wallet {wallet_id} is not registered", 404)
+        raise Refused("not_found", f"wallet {wallet_id} is not registered")
     members.record_spot_check(session, wallet_id, stage, ok, membership, now=now, round_=round_)
 
 
@@ -538,10 +532,12 @@ def reinstate(
     """The operator lets a wallet back in, at `reputation` (default: the initial value)."""
     wallet = session.get(m.Wallet, wallet_id)
     if wallet is None:
-        raise WriteRefused(f"wallet {wallet_id} is not registered", 404)
+        raise Refused("not_found", f"wallet {wallet_id} is not registered")
     target = cfg.initial if reputation is None else reputation
     if target < cfg.refuse_below:
-        raise WriteRefused(f"reputation {target} would be refused again (threshold {cfg.refuse_below})", 422)
+        raise Refused(
+            refusal.INVALID, f"reputation {target} would be refused again (threshold {cfg.refuse_below})"
+        )
     session.add(
         m.ReputationEvent(
             wallet_id=wallet_id,

@@ -30,20 +30,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from neuroshard.node.p2p.wire import WireError
 from neuroshard.node.roster import MAX_LISTED, POLICIES, MemberList, Roster, RosterError
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.refusal import Refused
 
 from . import models as m
-
-
-class MembershipRefused(Exception):
-    """A write the membership rules refuse; `status` is the HTTP code (ledger.WriteRefused's shape)."""
-
-    def __init__(self, detail: str, status: int) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.status = status
 
 
 @dataclass(kw_only=True)
@@ -106,26 +97,24 @@ def accept_roster(
     session: Session, roster: Roster, *, operator_key: str, network: str, num_stages: int, now: float
 ) -> str:
     """Store an operator-signed roster: 'accepted', or 'duplicate' when this exact version is held.
-    Refused (MembershipRefused): another signer or network, expired, a stage that does not exist
-    (422), or a version not newer than the one held (409)."""
+    Refused: another signer or network, expired, a stage that does not exist
+    (bad_roster), or a version not newer than the one held (conflict)."""
     try:
         roster.verify(operator_key, network=network, now=now)
     except RosterError as exc:
-        raise MembershipRefused(str(exc), 422) from None
+        raise Refused("bad_roster", str(exc)) from None
     for entry in roster.stages:
         if entry.stage >= num_stages:
-            raise MembershipRefused(f"roster names stage {entry.stage}; this network has {num_stages}", 422)
+            raise Refused("bad_roster", f"roster names stage {entry.stage}; this network has {num_stages}")
     body = roster.to_json().decode()
     held = session.get(m.RosterRow, roster.version)
     if held is not None:
         if held.body == body:
             return "duplicate"
-        raise MembershipRefused(f"a different roster version {roster.version} is already held", 409)
+        raise Refused("conflict", f"a different roster version {roster.version} is already held")
     newest = session.scalar(select(func.max(m.RosterRow.version)))
     if newest is not None and roster.version < newest:
-        raise MembershipRefused(
-            f"roster version {roster.version} is older than the held version {newest}", 409
-        )
+        raise Refused("conflict", f"roster version {roster.version} is older than the held version {newest}")
     session.add(m.RosterRow(version=roster.version, body=body, expires_at=roster.expires_at, received_at=now))
     for stage in range(num_stages):
         bump_epoch(session, stage, now=now)
@@ -199,8 +188,9 @@ def on_register(session: Session, wallet: m.Wallet, stage: int, cfg: MembershipC
     listed = roster is not None and wallet.public_key in roster.wallets(stage)
     if cfg.policy == "allowlist" and not listed:
         version = f"version {roster.version}" if roster is not None else "none accepted yet"
-        raise MembershipRefused(
-            f"wallet {wallet.wallet_id} is not on the operator's roster for stage {stage} ({version})", 403
+        raise Refused(
+            "not_on_roster",
+            f"wallet {wallet.wallet_id} is not on the operator's roster for stage {stage} ({version})",
         )
     if session.get(m.Membership, (stage, wallet.wallet_id)) is not None:
         return
@@ -403,5 +393,5 @@ def member_list(
             probation=tuple(sorted(probation)),
             admission_rounds=cfg.admission_rounds,
         )
-    except WireError as exc:  # a roster or table that cannot be listed is the verifier's bug, said plainly
+    except Refused as exc:  # a roster or table that cannot be listed is the verifier's bug, said plainly
         raise RuntimeError(f"stage {stage}'s member list does not build: {exc}") from exc

@@ -68,12 +68,14 @@ from sqlalchemy.orm import Session
 from neuroshard.data import Dataset
 from neuroshard.node.diloco import flat_parameters
 from neuroshard.node.model import build_stage
-from neuroshard.node.p2p import wire
 from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound, segment_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import DataSpan
 
 from . import ledger, members
 from . import models as m
@@ -89,7 +91,6 @@ from .sampling import sampled
 from .segmentcheck import draw_segments
 from .segmentlive import judge_segments, max_segment_steps, segment_root
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
-from .wire import DataSpan
 
 Log = Callable[[str], None]
 
@@ -193,8 +194,8 @@ REFUSALS = (403, 404)
 held. Others (401 clock skew, 409 nonce, 5xx) may be the verifier's or the network's fault: retried."""
 
 
-class Refused(Exception):
-    """The replica refused to serve a round (403, 404). No verdict: an honest node drops rounds
+class ReplicaDeclined(Exception):
+    """The replica declined to serve a round (403, 404). No verdict: an honest node drops rounds
     older than its --replay-rounds, and the verifier cannot tell when the round ended."""
 
 
@@ -400,7 +401,7 @@ class ReplayChecker:
                         challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
                 return
             record = self._get_replay(challenge.address, receipt.round)
-        except Refused as exc:
+        except ReplicaDeclined as exc:
             self._drop(challenge)
             self._log(
                 f"replay check: {receipt.wallet_id} round {receipt.round} not served ({exc}); skipped without a verdict"
@@ -582,14 +583,14 @@ class ReplayChecker:
         body = self._signed_get(address, path, limit)
         try:
             material = SegmentMaterial.decode(body, numel=numel, n_tensors=n_tensors)
-        except wire.WireError as exc:
+        except Refused as exc:
             raise Malformed(str(exc)) from None
         if material.segment != segment:
             raise Malformed(f"asked for segment {segment}, served segment {material.segment}")
         return material
 
     def _signed_get(self, address: str, path: str, limit: int) -> bytes:
-        """GET `path` signed by the operator; Refused on 403/404, Malformed past `limit` bytes."""
+        """GET `path` signed by the operator; ReplicaDeclined on 403/404, Malformed past `limit` bytes."""
         try:
             body, _ = signed_get(
                 self.operator,
@@ -601,18 +602,18 @@ class ReplayChecker:
             )
         except urllib.error.HTTPError as exc:
             if exc.code in REFUSALS:
-                raise Refused(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
+                raise ReplicaDeclined(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
             raise
         except BodyTooLarge as exc:
             raise Malformed(str(exc)) from None
         return body
 
     def _get_replay(self, address: str, round_: int) -> ReplayRecord:
-        """The replica's replay material for `round_`; raises Refused or Malformed, or OSError or
+        """The replica's replay material for `round_`; raises ReplicaDeclined or Malformed, or OSError or
         ValueError when there is no usable answer."""
-        path = wire.REPLAY.format(round=round_)
+        path = REPLAY.format(round=round_)
         body = self._signed_get(address, path, replay_size_bound(self._numel, self._n_tensors))
         try:
             return decode_replay(body, round_, self._numel, self._n_tensors)
-        except wire.WireError as exc:
+        except Refused as exc:
             raise Malformed(str(exc)) from None

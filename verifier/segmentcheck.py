@@ -44,18 +44,14 @@ from neuroshard.node.diloco import (
     tensor_sha256,
 )
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
-    GradientReply,
-    decode_activations,
-    decode_gradient,
-)
-from neuroshard.node.p2p.wire import WireError
+from neuroshard.node.p2p.pipeline_wire import decode_activations, decode_gradient
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.node.segments import Received, SegmentLog, StepRecord, sha256_hex
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
+from neuroshard.protocol.refusal import Refused
 
 from .spotcheck import SpotCheckConfig, compare_deltas
 
@@ -204,7 +200,7 @@ def _step_problems(i: int, step: StepRecord, messages: Sequence[Received], claim
                 if m.kind == "activations"
                 else GradientReply.from_json(m.header)
             )
-        except WireError as exc:
+        except Refused as exc:
             out.append(f"step {i}: {m.kind} header does not parse: {exc}")
             continue
         expected_stage = claim.stage if m.kind == "activations" else claim.stage + 1
@@ -266,7 +262,7 @@ def record_mismatches(sender: SegmentLog, sender_wallet: str, receiver: SegmentL
 def step_inputs(
     material: SegmentMaterial, claim: SegmentClaim, read_batch: BatchReader | None
 ) -> list[StepInputs]:
-    """Decode each step's inputs (after `commitment_problems` came back empty). Raises WireError
+    """Decode each step's inputs (after `commitment_problems` came back empty). Raises Refused
     for a payload that does not decode (which its sender signed: a fault of the sender)."""
     first, end = material.log.segment(material.segment)
     out = []
@@ -336,7 +332,7 @@ def check_segment(
         return SegmentVerdict(False, "; ".join(problems[:4]))
     try:
         steps = step_inputs(material, claim, read_batch)
-    except WireError as exc:
+    except Refused as exc:
         return SegmentVerdict(False, f"a recorded payload does not decode: {exc}")
     replayed = replay_segment(claim, material, steps)
     start = material.start.weights

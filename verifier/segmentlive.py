@@ -15,13 +15,13 @@ from torch import Tensor
 
 from neuroshard.data import Dataset
 from neuroshard.node.segment_store import SegmentMaterial
-from neuroshard.node.wallet import wallet_id_of
+from neuroshard.protocol.identity import wallet_id_of
+from neuroshard.protocol.reports import DataSpan
 
 from . import models as m
 from .network import NetworkDefinition
 from .segmentcheck import BatchReader, SegmentClaim, SegmentFraudProof, check_segment
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches
-from .wire import DataSpan
 
 
 def segment_root(receipt: m.Receipt) -> tuple[str, int] | None:

@@ -36,8 +36,7 @@ from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, install_inner_state
-
-from .wire import DataSpan
+from neuroshard.protocol.reports import DataSpan
 
 
 class SpotCheckError(ValueError):

@@ -172,7 +172,7 @@ def live_peers(session: Session, *, now: float, ttl: float, stage: int | None = 
 
 def _reported(loss_sum: float | None, loss_count: int | None) -> float | None:
     """Mean self-reported loss; None without losses, or when rows stored before the wire bounded
-    losses (verifier.wire.Loss) sum to something that is no loss (inf, negative)."""
+    losses (protocol.reports.Receipt.losses) sum to something that is no loss (inf, negative)."""
     if not loss_count or loss_sum is None:
         return None
     mean = float(loss_sum) / int(loss_count)
@@ -397,7 +397,7 @@ def _float_sum(column: Any) -> Any:
     """SUM in double precision: it cannot overflow on any backend (SQLite's integer SUM raises
     "integer overflow" past 2^63; issue 19's four receipts of 2^62 tokens made /api/training/global
     and /metrics answer 500), and it is exact while the total stays under 2^53. The wire bounds
-    (verifier.wire.MAX_TOKENS) keep every stored value far below; rows written before them are
+    (protocol.reports.MAX_TOKENS) keep every stored value far below; rows written before them are
     summed all the same."""
     return func.coalesce(func.sum(cast(column, Double)), 0.0)
 

@@ -27,10 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.round import FraudProof, InputList, RoundCommitment, sha256_hex
+
 from ..p2p.codec import decode_delta, encode_delta
-from ..p2p.wire import WireError
 from ..validation import ValidationConfig, screen_round
-from .messages import FraudProof, InputList, RoundCommitment, sha256_hex
 from .partition import merkle_proofs, merkle_root, merkle_verify, proof_depth
 
 AggregationRule = Callable[[Tensor], Tensor]
@@ -53,10 +54,10 @@ def encode_part(values: Tensor, encoding: str) -> bytes:
 
 
 def decode_part(data: bytes, encoding: str, numel: int) -> Tensor:
-    """Raises WireError (codec) when `data` is not exactly an encoded part of `numel` values."""
+    """Raises Refused (codec) when `data` is not exactly an encoded part of `numel` values."""
     if numel == 0:
         if data:
-            raise WireError("an empty part must be empty")
+            raise malformed("an empty part must be empty")
         return torch.zeros(0)
     return decode_delta(data, encoding, numel)
 
@@ -188,7 +189,7 @@ def check_fraud(
         parts[commitment.wallet] = data
     try:
         aggregate, accepted, _ = recompute(inputs, parts, b - a, claim.encoding, rule, validation)
-    except (WireError, ValueError) as exc:
+    except (Refused, ValueError) as exc:
         return FraudCheck(True, f"an input the owner took does not decode ({exc})")
     if sha256_hex(aggregate) != claim.aggregate_sha256 or accepted != claim.accepted:
         return FraudCheck(True, "the signed aggregate is not what its signed inputs give", aggregate)

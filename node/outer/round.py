@@ -60,10 +60,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from ..p2p.wire import WireError
-from ..validation import ValidationConfig
-from ..wallet import Wallet
-from .messages import (
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.round import (
     AggregateClaim,
     Dropped,
     Echo,
@@ -75,6 +73,9 @@ from .messages import (
     claims_sha256,
     sha256_hex,
 )
+
+from ..validation import ValidationConfig
+from ..wallet import Wallet
 from .partition import backup_chain, members_sha256, owners, part_bounds
 from .port import RoundStore, object_name
 from .reduce import (
@@ -352,7 +353,7 @@ class OuterRound:
                 return
             try:
                 commitment = RoundCommitment.from_json(raw)
-            except WireError as exc:
+            except Refused as exc:
                 result.refused[member] = f"commitment: {exc}"
                 return
             reason = self._commitment_problem(held, member, commitment)
@@ -388,7 +389,7 @@ class OuterRound:
         )
         try:
             commitment = RoundCommitment.from_json(raw) if raw is not None else None
-        except WireError as exc:
+        except Refused as exc:
             held.result.probation[wallet] = f"commitment: {exc}"
             return
         if commitment is None:
@@ -471,7 +472,7 @@ class OuterRound:
             aggregate, accepted, refused = await asyncio.to_thread(
                 recompute, inputs, parts, b - a, self.config.encoding, self.rule, self.config.validation
             )
-        except (WireError, ValueError) as exc:  # a part that matches its hash but does not decode
+        except (Refused, ValueError) as exc:  # a part that matches its hash but does not decode
             self.log(f"round {inp.round}: part {j}: an input does not decode ({exc}); reducing without it")
             bad = {w for w, data in parts.items() if not _decodes(data, held.commitments[w].encoding, b - a)}
             for w in bad:
@@ -544,7 +545,7 @@ class OuterRound:
             _, _, refused = await asyncio.to_thread(
                 recompute, screened, trial, b - a, self.config.encoding, self.rule, self.config.validation
             )
-        except (WireError, ValueError) as exc:
+        except (Refused, ValueError) as exc:
             for w in tried:
                 if not _decodes(trial[w], held.probation[w].encoding, b - a):
                     result.probation.setdefault(w, f"part {j}: part does not decode ({exc})")
@@ -567,7 +568,7 @@ class OuterRound:
             return False
         try:
             claim = AggregateClaim.from_json(raw)
-        except WireError:
+        except Refused:
             return False
         expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, j, owner, replaces)
         got = (claim.stage, claim.round, claim.base_hash, claim.members_sha256, claim.part, claim.wallet,
@@ -596,7 +597,7 @@ class OuterRound:
                 continue
             try:
                 decode_part(aggregate, claim.encoding, b - a)
-            except WireError:
+            except Refused:
                 return False  # signed but undecodable: as good as withheld (and hash-bound: no copy differs)
             held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
             return True
@@ -705,7 +706,7 @@ class OuterRound:
         raw = await self.store.fetch(author, name, max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s)
         try:
             msg = kind.from_json(raw) if raw is not None else None
-        except WireError:
+        except Refused:
             return None
         if msg is None or msg.wallet != author:
             return None
@@ -850,7 +851,7 @@ class OuterRound:
         )
         try:
             inputs = InputList.from_json(raw) if raw is not None else None
-        except WireError:
+        except Refused:
             inputs = None
         if inputs is None or inputs.sha256() != claim.inputs_sha256:
             self.log(
@@ -985,7 +986,7 @@ class OuterRound:
             return None
         try:
             proof = FraudProof.decode(raw)
-        except WireError:
+        except Refused:
             return None
         if proof.claim.part != j or proof.claim != held.gathered.get(j):
             return None  # a proof against some other claim says nothing about the part decided
@@ -1039,7 +1040,7 @@ class OuterRound:
 def _decodes(data: bytes, encoding: str, length: int) -> bool:
     try:
         decode_part(data, encoding, length)
-    except (WireError, ValueError):
+    except (Refused, ValueError):
         return False
     return True
 

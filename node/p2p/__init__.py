@@ -1,11 +1,10 @@
 """The peer network: signed aiohttp protocol, the carriers of the outer round, θ-hash votes and
 state sync per stage, and the pipeline between stages.
 
-Layout (one idea per file):
+Layout (one idea per file; the messages themselves are ``neuroshard.protocol``):
 
-- ``wire``    the message machinery (fixed JSON schemas, Ed25519 signatures) and the peer messages
 - ``codec``   pseudo-gradients and replica state as safetensors bytes (fp16, blockwise int8)
-- ``auth``    signed requests: client signing, the server middleware, the nonce cache
+- ``auth``    signed requests over aiohttp: the client, the server middleware, the refusal → status table
 - ``peers``   the peer table: bootstrap, peer exchange, expiry, failure bans
 - ``rounds``  the aggregation rule type, the plurality vote on θ hashes, the round report
 - ``quorum``  which peer state a replica may adopt (f + 1 signed statuses must vouch for it)
@@ -18,7 +17,7 @@ Layout (one idea per file):
 - ``replay``  GET /p2p/replay/{round}: what the verifier needs to replay one of a replica's rounds
 - ``swarm``   ``neuroshard-swarm``: N node processes on loopback (``--stages S``: node i holds stage i mod S)
 - ``swarm_verifier`` the swarm's verifier process, which every node of the swarm joins
-- ``pipeline_wire`` the pipeline's messages: activations forward, gradients back (signed headers, safetensors)
+- ``pipeline_wire`` the pipeline's safetensors bodies: activations forward, gradients back, in the run's codec
 - ``pipeline`` next-stage routing by measured throughput, the client that retries, the forward route
 - ``stages``  ``--stages/--stage`` wiring: the driver's link to stage 1, a whole stage > 0 replica
 - ``byzantine`` testing only: ``neuroshard-node --attack NAME``, forged round inputs on the real wire

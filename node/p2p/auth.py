@@ -1,7 +1,9 @@
-"""Signed requests: the client signs every request, the server middleware checks every request.
+"""The peer plane's HTTP side of signed requests: the aiohttp middleware, the client, and the status table.
 
-The middleware runs before any handler and answers, with a JSON `ErrorReply` and no
-change of state:
+The checks themselves are ``neuroshard.protocol.signing`` (headers, freshness, signature,
+anti-replay nonces); this module reads them off aiohttp requests and turns every `Refused`
+into an HTTP answer: a JSON `ErrorReply` (the refusal's code and detail) with the status
+`STATUS` gives that code, and no change of state. The middleware runs before any handler:
 
 - 404 / 405  unknown route or method (before anything else is read)
 - 401        missing or malformed auth headers, a timestamp outside ±window, a bad signature
@@ -13,16 +15,12 @@ change of state:
 - 503        the nonce cache is full of unexpired nonces (refuse rather than forget one)
 
 A nonce is recorded only after the signature verified, so forged requests cannot burn
-other wallets' nonces. Handlers raise `Rejected` (or a `wire.WireError`) for their own
-4xx answers; the middleware turns both into the same JSON shape.
+other wallets' nonces. Handlers raise `Refused` for their own answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import heapq
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -33,21 +31,20 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from multidict import CIMultiDict
 
-from ..wallet import Wallet, verify
-from .wire import (
-    NONCE_BYTES,
-    NONCE_HEADER,
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
-    WALLET_HEADER,
-    ErrorReply,
-    Rejected,
-    WireError,
-    request_signing_bytes,
+from neuroshard.protocol import refusal
+from neuroshard.protocol.peer import ErrorReply
+from neuroshard.protocol.refusal import MAX_DETAIL_CHARS, Refused
+from neuroshard.protocol.signing import (
+    FRESHNESS_WINDOW_S,
+    NonceCache,
+    check_fresh,
+    check_signature,
+    parse_auth_headers,
+    sign_request,
 )
 
-REPLAY_WINDOW_S = 60.0
-"""Requests whose timestamp is further than this from the receiver's clock are stale (issue 4)."""
+from ..wallet import Wallet
+
 READ_CHUNK = 1 << 20
 PEER_WALLET = web.RequestKey("neuroshard_peer_wallet", str)
 """Where the middleware stores the verified signer's public key hex on the request."""
@@ -57,6 +54,46 @@ BODY = web.RequestKey("neuroshard_body", bytes)
 Clock = Callable[[], float]
 BodyLimit = Callable[[str], int]
 """Route name -> the largest body in bytes that route accepts (0 for GET routes)."""
+
+STATUS: Mapping[str, int] = {
+    refusal.MALFORMED: 400,
+    refusal.INVALID: 422,
+    refusal.UNSIGNED: 401,
+    refusal.BAD_AUTH: 401,
+    refusal.STALE: 401,
+    refusal.BAD_SIGNATURE: 401,
+    refusal.REPLAYED: 409,
+    refusal.BUSY: 503,
+    refusal.TOO_LARGE: 413,
+    "truncated": 400,
+    "unknown_route": 404,
+    "method_not_allowed": 405,
+    # handlers' own refusals (server, objects, replay, pipeline)
+    "not_ready": 503,
+    "not_own": 422,
+    "bad_record_signature": 422,
+    "bad_name": 400,
+    "not_published": 404,
+    "bad_wait": 400,
+    "bad_range": 400,
+    "unsatisfiable_range": 416,
+    "not_held": 404,
+    "not_verifier": 403,
+    "micro_batch_reused": 409,
+    "bad_activation_signature": 422,
+    "payload_mismatch": 422,
+    "wrong_stage": 422,
+    "wrong_shape": 422,
+    "wrong_codec": 422,
+    "non_finite": 422,
+    "downstream": 502,
+    "step_failed": 500,
+}
+"""The peer plane's HTTP status for each refusal code; a code not listed answers 400."""
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 400)
 
 
 @dataclass
@@ -76,95 +113,13 @@ def head_bytes(start_line: str, headers: Iterable[tuple[Any, Any]]) -> int:
 
 
 def error_response(status: int, code: str, detail: str) -> web.Response:
-    body = ErrorReply(error=code, detail=detail[:2000]).to_json()
+    body = ErrorReply(error=code, detail=detail[:MAX_DETAIL_CHARS]).to_json()
     return web.Response(status=status, body=body, content_type="application/json")
 
 
-class NonceCache:
-    """(wallet, nonce) pairs seen inside the replay window; bounded, forgets what cannot replay.
-
-    A pair is kept until its request's own timestamp + window: after that the timestamp
-    check alone rejects a replay, so forgetting is safe.
-    """
-
-    def __init__(self, window_s: float = REPLAY_WINDOW_S, max_entries: int = 100_000) -> None:
-        self.window_s = window_s
-        self.max_entries = max_entries
-        self._expiry: dict[tuple[str, str], float] = {}
-        self._heap: list[tuple[float, tuple[str, str]]] = []
-
-    def __len__(self) -> int:
-        return len(self._expiry)
-
-    def _forget_expired(self, now: float) -> None:
-        while self._heap and self._heap[0][0] < now:
-            _, key = heapq.heappop(self._heap)
-            self._expiry.pop(key, None)
-
-    def add(self, wallet: str, nonce: str, timestamp: float, now: float) -> bool:
-        """Record the pair; False if it was already seen (a replay). Raises Rejected(503) when full."""
-        self._forget_expired(now)
-        key = (wallet, nonce)
-        if key in self._expiry:
-            return False
-        if len(self._expiry) >= self.max_entries:
-            raise Rejected(503, "busy", f"{len(self._expiry)} unexpired nonces held; retry later")
-        expiry = timestamp + self.window_s
-        self._expiry[key] = expiry
-        heapq.heappush(self._heap, (expiry, key))
-        return True
-
-
-def sign_request(wallet: Wallet, method: str, path: str, body: bytes, now: float) -> dict[str, str]:
-    """The four auth headers for one request."""
-    timestamp = str(int(now * 1000))
-    nonce = secrets.token_hex(NONCE_BYTES)
-    message = request_signing_bytes(method, path, hashlib.sha256(body).hexdigest(), timestamp, nonce)
-    return {
-        WALLET_HEADER: wallet.public_key_hex,
-        TIMESTAMP_HEADER: timestamp,
-        NONCE_HEADER: nonce,
-        SIGNATURE_HEADER: wallet.sign(message).hex(),
-    }
-
-
-@dataclass(frozen=True)
-class _AuthHeaders:
-    wallet: str
-    timestamp_ms: str
-    nonce: str
-    signature: bytes
-
-    @property
-    def timestamp(self) -> float:
-        return int(self.timestamp_ms) / 1000.0
-
-
-def _is_hex(value: str, chars: int) -> bool:
-    return len(value) == chars and all(c in "0123456789abcdef" for c in value)
-
-
-def _parse_auth_headers(headers: Mapping[str, str]) -> _AuthHeaders:
-    missing = [
-        h for h in (WALLET_HEADER, TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER) if h not in headers
-    ]
-    if missing:
-        raise Rejected(401, "unsigned", f"missing auth header(s) {', '.join(missing)}")
-    wallet, timestamp, nonce, signature = (
-        headers[WALLET_HEADER],
-        headers[TIMESTAMP_HEADER],
-        headers[NONCE_HEADER],
-        headers[SIGNATURE_HEADER],
-    )
-    if not _is_hex(wallet, 64):
-        raise Rejected(401, "bad_auth", f"{WALLET_HEADER} must be 64 lowercase hex characters")
-    if not (timestamp.isdigit() and len(timestamp) <= 16):
-        raise Rejected(401, "bad_auth", f"{TIMESTAMP_HEADER} must be Unix time in integer milliseconds")
-    if not _is_hex(nonce, 2 * NONCE_BYTES):
-        raise Rejected(401, "bad_auth", f"{NONCE_HEADER} must be {2 * NONCE_BYTES} lowercase hex characters")
-    if not _is_hex(signature, 128):
-        raise Rejected(401, "bad_auth", f"{SIGNATURE_HEADER} must be 128 lowercase hex characters")
-    return _AuthHeaders(wallet, timestamp, nonce, bytes.fromhex(signature))
+def refusal_response(refused: Refused) -> web.Response:
+    """The answer to a refusal: its code's status, its code and detail as an ErrorReply."""
+    return error_response(status_of(refused.code), refused.code, refused.detail)
 
 
 async def read_capped(request: web.Request, limit: int) -> bytes:
@@ -172,19 +127,19 @@ async def read_capped(request: web.Request, limit: int) -> bytes:
     while reading as soon as more than `limit` bytes arrived."""
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise Rejected(413, "too_large", f"body of {declared} bytes exceeds this route's limit of {limit}")
+        raise Refused(refusal.TOO_LARGE, f"body of {declared} bytes exceeds this route's limit of {limit}")
     chunks: list[bytes] = []
     size = 0
     try:
         while chunk := await request.content.read(READ_CHUNK):
             size += len(chunk)
             if size > limit:
-                raise Rejected(413, "too_large", f"body exceeds this route's limit of {limit} bytes")
+                raise Refused(refusal.TOO_LARGE, f"body exceeds this route's limit of {limit} bytes")
             chunks.append(chunk)
     except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError, ConnectionError) as exc:
-        raise Rejected(400, "truncated", f"body ended early: {exc}") from None
+        raise Refused("truncated", f"body ended early: {exc}") from None
     if declared is not None and size != declared:
-        raise Rejected(400, "truncated", f"body has {size} bytes, Content-Length said {declared}")
+        raise Refused("truncated", f"body has {size} bytes, Content-Length said {declared}")
     return b"".join(chunks)  # one copy; growing a bytearray copies a 30 MB body several times
 
 
@@ -196,7 +151,7 @@ def auth_middleware(
     nonces: NonceCache,
     body_limit: BodyLimit,
     clock: Clock,
-    window_s: float = REPLAY_WINDOW_S,
+    window_s: float = FRESHNESS_WINDOW_S,
     traffic: Traffic | None = None,
 ) -> Middleware:
     """aiohttp middleware: route check, auth headers, window, size, signature, nonce — then the handler."""
@@ -221,39 +176,21 @@ def auth_middleware(
         unmatched = request.match_info.http_exception
         if unmatched is not None:
             code = "unknown_route" if unmatched.status == 404 else "method_not_allowed"
-            return error_response(unmatched.status, code, f"no route {request.method} {request.path}")
+            return refusal_response(Refused(code, f"no route {request.method} {request.path}"))
         try:
-            auth = _parse_auth_headers(request.headers)
+            auth = parse_auth_headers(request.headers)
             now = clock()
-            if abs(now - auth.timestamp) > window_s:
-                raise Rejected(
-                    401,
-                    "stale",
-                    f"timestamp {auth.timestamp:.3f} is {now - auth.timestamp:+.1f} s from this node's clock "
-                    f"(allowed ±{window_s:.0f} s)",
-                )
+            check_fresh(auth, now=now, window_s=window_s)
             route = request.match_info.route.name or ""
             body = await read_capped(request, body_limit(route))
-            message = request_signing_bytes(
-                request.method,
-                request.raw_path,
-                hashlib.sha256(body).hexdigest(),
-                auth.timestamp_ms,
-                auth.nonce,
-            )
-            if not verify(bytes.fromhex(auth.wallet), message, auth.signature):
-                raise Rejected(
-                    401, "bad_signature", f"request signature does not verify for wallet {auth.wallet[:16]}…"
-                )
-            if not nonces.add(auth.wallet, auth.nonce, auth.timestamp, now):
-                raise Rejected(409, "replay", f"nonce {auth.nonce} was already used by this wallet")
-            request[PEER_WALLET] = auth.wallet
+            signed = check_signature(auth, request.method, request.raw_path, body)
+            if not nonces.add(signed.public_key_hex, signed.nonce, signed.timestamp, now):
+                raise Refused(refusal.REPLAYED, f"nonce {signed.nonce} was already used by this wallet")
+            request[PEER_WALLET] = signed.public_key_hex
             request[BODY] = body
             return await handler(request)
-        except Rejected as exc:
-            return error_response(exc.status, exc.code, exc.detail)
-        except WireError as exc:
-            return error_response(exc.status, exc.code, str(exc))
+        except Refused as exc:
+            return refusal_response(exc)
 
     return middleware
 
@@ -276,7 +213,7 @@ class PeerReply:
         """The peer's ErrorReply detail, or a prefix of the body if it is not one."""
         try:
             return ErrorReply.from_json(self.body).detail
-        except WireError:
+        except Refused:
             return self.body[:200].decode("utf-8", "replace")
 
 

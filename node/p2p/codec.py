@@ -28,7 +28,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from .wire import InvalidMessage, MalformedMessage, parse_json
+from neuroshard.protocol.refusal import invalid, malformed
+from neuroshard.protocol.schema import parse_json
 
 INT8_BLOCK = 256
 """Values per int8 block. Part of the protocol: a receiver derives the expected shapes from it.
@@ -126,7 +127,7 @@ def delta_layout(encoding: str, numel: int) -> Layout:
     if encoding == "int8":
         nblocks = int8_blocks(numel)
         return {"q": ("I8", (nblocks, INT8_BLOCK)), "scale": ("F32", (nblocks,))}
-    raise InvalidMessage(f"unknown encoding {encoding!r}")
+    raise invalid(f"unknown encoding {encoding!r}")
 
 
 MAX_SHAPE_DIMS = 8
@@ -148,56 +149,50 @@ def _brief(value: object) -> str:
 
 def check_layout(data: bytes, expected: Layout) -> None:
     """Parse the safetensors header of `data` and require exactly the `expected` tensors, packed
-    contiguously with no trailing bytes. Raises MalformedMessage naming the first difference."""
+    contiguously with no trailing bytes. Raises Refused naming the first difference."""
     if len(data) < 8:
-        raise MalformedMessage(f"body of {len(data)} bytes is not a safetensors file (truncated)")
+        raise malformed(f"body of {len(data)} bytes is not a safetensors file (truncated)")
     (header_len,) = struct.unpack("<Q", data[:8])
     if header_len > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise MalformedMessage(
+        raise malformed(
             f"body is not a safetensors file: header length {header_len} with {len(data)} bytes in all "
             "(truncated, or another format such as pickle)"
         )
     header = parse_json(data[8 : 8 + header_len], "safetensors header")
     if not isinstance(header, dict):
-        raise MalformedMessage("safetensors header is not a JSON object")
+        raise malformed("safetensors header is not a JSON object")
     names = set(header)
     if names != set(expected):
-        raise MalformedMessage(
-            f"safetensors tensors {sorted(names)} differ from the expected {sorted(expected)}"
-        )
+        raise malformed(f"safetensors tensors {sorted(names)} differ from the expected {sorted(expected)}")
     spans = []
     for name in names:
         entry = header[name]
         dtype, shape = expected[name]
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise MalformedMessage(f"safetensors entry {name!r} is not {{dtype, shape, data_offsets}}")
+            raise malformed(f"safetensors entry {name!r} is not {{dtype, shape, data_offsets}}")
         # Types first, and only checked values in messages: a hostile header's shape may be a
         # list nested ~1,000 deep, whose repr alone overflows the interpreter's stack.
         got_dtype, got_shape = entry["dtype"], entry["shape"]
         if not isinstance(got_dtype, str) or got_dtype not in _DTYPE_BYTES:
-            raise MalformedMessage(f"tensor {name!r} has dtype {_brief(got_dtype)}, expected {dtype}")
+            raise malformed(f"tensor {name!r} has dtype {_brief(got_dtype)}, expected {dtype}")
         if not _int_list(got_shape, MAX_SHAPE_DIMS):
-            raise MalformedMessage(
-                f"tensor {name!r} shape is not a list of at most {MAX_SHAPE_DIMS} integers"
-            )
+            raise malformed(f"tensor {name!r} shape is not a list of at most {MAX_SHAPE_DIMS} integers")
         if got_dtype != dtype or got_shape != list(shape):
-            raise MalformedMessage(
-                f"tensor {name!r} is {got_dtype} {got_shape}, expected {dtype} {list(shape)}"
-            )
+            raise malformed(f"tensor {name!r} is {got_dtype} {got_shape}, expected {dtype} {list(shape)}")
         offsets = entry["data_offsets"]
         if not _int_list(offsets, 2) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
-            raise MalformedMessage(f"tensor {name!r} has bad data_offsets")
+            raise malformed(f"tensor {name!r} has bad data_offsets")
         if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            raise MalformedMessage(f"tensor {name!r} data_offsets do not match its shape")
+            raise malformed(f"tensor {name!r} data_offsets do not match its shape")
         spans.append((offsets[0], offsets[1]))
     spans.sort()
     position = 0
     for start, end in spans:
         if start != position:
-            raise MalformedMessage("safetensors tensors are not packed contiguously")
+            raise malformed("safetensors tensors are not packed contiguously")
         position = end
     if 8 + header_len + position != len(data):
-        raise MalformedMessage(
+        raise malformed(
             f"safetensors body has {len(data)} bytes, its header describes {8 + header_len + position} "
             "(truncated or trailing data)"
         )
@@ -207,27 +202,27 @@ def _load(data: bytes) -> dict[str, Tensor]:
     try:
         return st_load(data)
     except (SafetensorError, ValueError) as exc:
-        raise MalformedMessage(f"safetensors body does not load: {exc}") from None
+        raise malformed(f"safetensors body does not load: {exc}") from None
 
 
 def decode_delta(data: bytes, encoding: str, numel: int) -> Tensor:
-    """Safetensors bytes -> Δ (numel,) float32, or MalformedMessage (layout) / InvalidMessage (values)."""
+    """Safetensors bytes -> Δ (numel,) float32, or Refused "malformed" (layout) / "invalid" (values)."""
     check_layout(data, delta_layout(encoding, numel))
     tensors = _load(data)
     if encoding == "fp16":
         delta = tensors["delta"].to(torch.float32)
         if not all_finite(delta):
             bad = int((~torch.isfinite(delta)).sum())
-            raise InvalidMessage(f"Δ has {bad} non-finite values (NaN or inf) out of {numel}")
+            raise invalid(f"Δ has {bad} non-finite values (NaN or inf) out of {numel}")
         return delta
     q, scale = tensors["q"], tensors["scale"]
     # Codes are bounded, so finite scales no larger than FLT_MAX/127 make every value finite.
     if not all_finite(scale) or bool((scale < 0).any()) or float(scale.max()) > FLT_MAX / 127:
-        raise InvalidMessage("int8 scales must be finite, non-negative and at most FLT_MAX/127")
+        raise invalid("int8 scales must be finite, non-negative and at most FLT_MAX/127")
     if int(q.min()) < -127:
-        raise InvalidMessage("int8 code -128 is outside the symmetric range [-127, 127]")
+        raise invalid("int8 code -128 is outside the symmetric range [-127, 127]")
     if bool(q.reshape(-1)[numel:].any()):
-        raise InvalidMessage("int8 padding after the last value must be zero")
+        raise invalid("int8 padding after the last value must be zero")
     return dequantize_int8(q, scale, numel)
 
 
@@ -258,5 +253,5 @@ def decode_state(data: bytes, numel: int, *, with_momentum: bool) -> tuple[Tenso
     tensors = _load(data)
     for name, t in tensors.items():
         if not all_finite(t):
-            raise InvalidMessage(f"state tensor {name!r} has non-finite values")
+            raise invalid(f"state tensor {name!r} has non-finite values")
     return tensors[THETA], tensors.get(MOMENTUM)

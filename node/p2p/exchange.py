@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import wire
+from neuroshard.protocol.peer import ANNOUNCE, PEERS, STATE, STATE_HEADER, STATUS, PeerList, StateInfo
+from neuroshard.protocol.refusal import Refused, malformed
+
 from .auth import PeerClient, PeerReply, PeerUnreachable
 from .codec import decode_state, state_size_bound
 from .peers import PeerEntry
@@ -30,7 +32,6 @@ from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, decode_state_objec
 from .rounds import Vote, plurality
 from .server import NodeState
 from .state import theta_sha256
-from .wire import PeerList, StateInfo, WireError
 
 MIN_POLL_S = 0.02
 """First wait between status polls; it grows ×1.5 up to the configured poll interval."""
@@ -131,7 +132,7 @@ class Exchange:
         return reply
 
     async def _relay_get(self, wallet: str, method: str, path: str, max_bytes: int) -> PeerReply | None:
-        objects = {wire.PEERS: PEERS_OBJECT, wire.STATUS: STATUS_OBJECT}
+        objects = {PEERS: PEERS_OBJECT, STATUS: STATUS_OBJECT}
         if self.relay is None or method != "GET" or path not in objects:
             return None
         body = await self.relay.read(wallet, objects[path], max_bytes)
@@ -166,7 +167,7 @@ class Exchange:
             return
         try:
             listed = PeerList.from_json(body)
-        except WireError:
+        except Refused:
             return
         now = self.node.clock()
         known = {e.wallet for e in self.node.peers.live(now)}
@@ -185,14 +186,14 @@ class Exchange:
             reply = await self.client.request(
                 "GET",
                 address,
-                wire.PEERS,
+                PEERS,
                 max_bytes=PEER_LIST_BYTES,
                 timeout_s=self.timings.control_timeout_s,
             )
             if not reply.ok:
-                raise WireError(f"status {reply.status}: {reply.error()}")
+                raise malformed(f"status {reply.status}: {reply.error()}")
             listed = PeerList.from_json(reply.body)
-        except (PeerUnreachable, WireError):
+        except (PeerUnreachable, Refused):
             if wallet is not None:
                 self.node.peers.failed(wallet, now)
             return
@@ -211,7 +212,7 @@ class Exchange:
                 await self.client.request(
                     "POST",
                     address,
-                    wire.ANNOUNCE,
+                    ANNOUNCE,
                     body=self.node.own_record().to_json(),
                     max_bytes=0,
                     timeout_s=self.timings.control_timeout_s,
@@ -224,13 +225,13 @@ class Exchange:
 
         async def ask(peer: PeerEntry) -> StateInfo | None:
             reply = await self.call(
-                peer, "GET", wire.STATUS, max_bytes=STATUS_BYTES, timeout_s=self.timings.control_timeout_s
+                peer, "GET", STATUS, max_bytes=STATUS_BYTES, timeout_s=self.timings.control_timeout_s
             )
             if reply is None or not reply.ok:
                 return None
             try:
                 info = StateInfo.from_json(reply.body)
-            except WireError:
+            except Refused:
                 return None
             if info.wallet != peer.wallet or info.stage != self.node.stage or not info.signature_valid():
                 return None
@@ -318,19 +319,19 @@ class Exchange:
                 return None
             try:
                 info, body = decode_state_object(raw)
-            except WireError as exc:
+            except Refused as exc:
                 self.log(f"state from {peer.wallet[:12]} refused: {exc}")
                 return None
-            reply = PeerReply(200, {wire.STATE_HEADER: info.to_json().decode()}, body)
+            reply = PeerReply(200, {STATE_HEADER: info.to_json().decode()}, body)
         else:
             http = await self.call(
-                peer, "GET", wire.STATE, max_bytes=bound, timeout_s=self.timings.state_timeout_s
+                peer, "GET", STATE, max_bytes=bound, timeout_s=self.timings.state_timeout_s
             )
             if http is None or not http.ok:
                 return None
             reply = http
         try:
-            info = StateInfo.from_json(reply.headers.get(wire.STATE_HEADER, ""))
+            info = StateInfo.from_json(reply.headers.get(STATE_HEADER, ""))
             if info != expected:
                 self.log(
                     f"state from {peer.wallet[:12]} is for round {info.round}, expected {expected.round}; skipped"
@@ -339,7 +340,7 @@ class Exchange:
             theta, momentum = await loop.run_in_executor(
                 None, lambda: decode_state(reply.body, info.numel, with_momentum=bool(info.momentum_hash))
             )
-        except WireError as exc:
+        except Refused as exc:
             self.log(f"state from {peer.wallet[:12]} refused: {exc}")
             return None
         theta_hash = await loop.run_in_executor(None, theta_sha256, theta)

@@ -52,13 +52,18 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from neuroshard.protocol.peer import parse_address
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.round import ENCODINGS
+from neuroshard.protocol.signing import FRESHNESS_WINDOW_S, NonceCache
+
 from ..diloco import DiLoCo
 from ..membership import Split, StageRoster, split_members
 from ..outer.port import RoundStore, RoutedStore
 from ..outer.round import OuterRound, RoundConfig, RoundFactory, RoundInput, RoundResult
 from ..validation import ValidationConfig
 from ..wallet import Wallet
-from .auth import REPLAY_WINDOW_S, Clock, NonceCache, PeerClient, Traffic
+from .auth import Clock, PeerClient, Traffic
 from .bucket import BucketStore, RelayConfig
 from .exchange import Adopted, Exchange, ExchangeTimings
 from .objects import HttpRoundStore, ObjectRoutes, ObjectShelf
@@ -68,7 +73,6 @@ from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, is_relay, relay_ad
 from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, snapshot_of
-from .wire import ENCODINGS, InvalidMessage, parse_address
 
 T = TypeVar("T")
 
@@ -150,7 +154,7 @@ class NetworkConfig:
     """Whole-request limit for digests, statuses and peer lists (small JSON)."""
     state_timeout_s: float = 600.0
     """Whole-request limit for a state download (θ and momentum: 8 bytes per parameter)."""
-    replay_window_s: float = REPLAY_WINDOW_S
+    replay_window_s: float = FRESHNESS_WINDOW_S
     limits: ServerLimits | None = None
     """Body and store limits of the peer server; None takes ServerLimits' defaults."""
     validation: ValidationConfig | None = field(default_factory=ValidationConfig)
@@ -178,7 +182,7 @@ class NetworkConfig:
         try:
             for address in (*self.peers, *([self.announce] if self.announce else [])):
                 parse_address(address)
-        except InvalidMessage as exc:
+        except Refused as exc:
             raise ValueError(f"NetworkConfig: {exc}") from None
 
 
@@ -470,7 +474,7 @@ class PeerNetwork:
             try:
                 parse_address(address)
                 valid.append(address)
-            except InvalidMessage:
+            except Refused:
                 self._log(f"ignored peer address {address!r} from the verifier")
         if valid and self._loop is not None:
             self._call(add(), timeout=10.0)

@@ -32,9 +32,17 @@ from http import HTTPStatus
 
 from aiohttp import web
 
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.signing import (
+    NONCE_BYTES,
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    WALLET_HEADER,
+)
+
 from ..outer.port import Traffic, check_name, check_wallet
-from .auth import PeerClient, PeerUnreachable, error_response, head_bytes
-from .wire import NONCE_BYTES, NONCE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, WALLET_HEADER, Rejected
+from .auth import PeerClient, PeerUnreachable, head_bytes, refusal_response
 
 OBJECT = "/p2p/obj/{name:.+}"
 MAX_WAIT_S = 30.0
@@ -169,8 +177,8 @@ class ObjectRoutes:
     async def _get(self, request: web.Request) -> web.StreamResponse:
         try:
             response = await self._answer(request)
-        except Rejected as exc:
-            response = error_response(exc.status, exc.code, exc.detail)
+        except Refused as exc:
+            response = refusal_response(exc)
         served = self.shelf.served
         served.requests += 1
         served.bytes_received += head_bytes(
@@ -187,10 +195,10 @@ class ObjectRoutes:
         try:
             check_name(name)
         except ValueError as exc:
-            raise Rejected(400, "bad_name", str(exc)) from None
+            raise Refused("bad_name", str(exc)) from None
         data = await self.shelf.wait(name, self._wait_s(request))
         if data is None:
-            raise Rejected(404, "not_published", f"no object {name!r} is published here")
+            raise Refused("not_published", f"no object {name!r} is published here")
         raw_range = request.headers.get("Range")
         if raw_range is None:
             return web.Response(status=200, body=data, content_type="application/octet-stream")
@@ -211,7 +219,7 @@ class ObjectRoutes:
         except ValueError:
             wait_s = math.nan
         if not (math.isfinite(wait_s) and wait_s >= 0):
-            raise Rejected(400, "bad_wait", f"wait={raw[:20]!r} is not a non-negative number of seconds")
+            raise Refused("bad_wait", f"wait={raw[:20]!r} is not a non-negative number of seconds")
         return min(wait_s, self.max_wait_s)
 
 
@@ -219,11 +227,11 @@ def _parse_range(raw: str, size: int) -> tuple[int, int]:
     """`bytes=a-b` (b inclusive, clamped to the end as in HTTP) or `bytes=a-` -> [a, b + 1)."""
     match = _RANGE.match(raw)
     if match is None:
-        raise Rejected(400, "bad_range", f"Range {raw[:40]!r} is not one 'bytes=a-b' or 'bytes=a-'")
+        raise Refused("bad_range", f"Range {raw[:40]!r} is not one 'bytes=a-b' or 'bytes=a-'")
     start = int(match.group(1))
     last = int(match.group(2)) if match.group(2) else size - 1
     if start >= size or last < start:
-        raise Rejected(416, "unsatisfiable_range", f"Range {raw[:40]!r} is outside the object's {size} bytes")
+        raise Refused("unsatisfiable_range", f"Range {raw[:40]!r} is outside the object's {size} bytes")
     return start, min(last, size - 1) + 1
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .wire import PeerRecord
+from neuroshard.protocol.peer import PeerRecord
 
 CLOCK_SKEW_S = 60.0
 """A record signed further in the future than this is refused: it would never expire."""

@@ -62,23 +62,27 @@ from typing import Protocol
 from aiohttp import web
 from torch import Tensor
 
-from ..model import ModelConfig
-from ..pipeline import NonFiniteStep
-from ..segments import Received, SegmentRecorder
-from ..wallet import Wallet
-from . import wire
-from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
-from .codec import sha256_hex
-from .peers import PeerEntry, PeerTable
-from .pipeline_wire import (
+from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.protocol.pipeline import (
     ACTIVATION_DTYPES,
     ACTIVATION_HEADER,
     CODEC_NAMES,
-    DEFAULT_CODEC,
     FORWARD,
     REPLY_HEADER,
     ActivationHeader,
     GradientReply,
+)
+from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.schema import MAX_STAGE
+
+from ..model import ModelConfig
+from ..pipeline import NonFiniteStep
+from ..segments import Received, SegmentRecorder
+from ..wallet import Wallet
+from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
+from .codec import sha256_hex
+from .peers import PeerEntry, PeerTable
+from .pipeline_wire import (
     activation_size_bound,
     decode_activations,
     decode_gradient,
@@ -86,7 +90,6 @@ from .pipeline_wire import (
     encode_gradient,
     gradient_size_bound,
 )
-from .wire import Rejected, WireError
 
 JobResult = tuple[Tensor, float, int] | BaseException
 """(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
@@ -163,9 +166,9 @@ class PipelineConfig:
     B·T·C·4 bytes (512 KiB for the tiny model at 8 × 128: 16 MiB for the window)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_stages <= wire.MAX_STAGE + 1:
+        if not 1 <= self.num_stages <= MAX_STAGE + 1:
             raise ValueError(
-                f"PipelineConfig.num_stages must lie in [1, {wire.MAX_STAGE + 1}], got {self.num_stages}"
+                f"PipelineConfig.num_stages must lie in [1, {MAX_STAGE + 1}], got {self.num_stages}"
             )
         if self.dtype is not None:
             if self.dtype not in ACTIVATION_DTYPES:
@@ -382,23 +385,23 @@ class PipelineClient:
         try:
             raw = reply.headers.get(REPLY_HEADER)
             if raw is None:
-                raise WireError(f"reply has no {REPLY_HEADER} header")
+                raise malformed(f"reply has no {REPLY_HEADER} header")
             answer = GradientReply.from_json(raw)
             if answer.wallet != peer.wallet or not answer.signature_valid():
-                raise WireError("reply is not signed by the replica we sent to")
+                raise malformed("reply is not signed by the replica we sent to")
             if (answer.micro_batch, answer.stage, answer.codec) != (
                 header.micro_batch,
                 header.stage,
                 header.codec,
             ):
-                raise WireError("reply is for another micro-batch, stage or codec")
+                raise malformed("reply is for another micro-batch, stage or codec")
             if sha256_hex(reply.body) != answer.payload_sha256:
-                raise WireError("reply body differs from its signed payload_sha256")
+                raise malformed("reply body differs from its signed payload_sha256")
             shape = (header.batch, header.seq_len, header.dim)
             grad = await asyncio.get_running_loop().run_in_executor(
                 None, decode_gradient, reply.body, shape, header.codec
             )
-        except WireError as exc:
+        except Refused as exc:
             return f"bad reply: {exc}"
         if self.segments is not None:  # the step in progress consumed this reply and sent `body`
             self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256)
@@ -457,39 +460,32 @@ class PipelineService:
     def _check(self, header: ActivationHeader, request: web.Request) -> None:
         cfg = self.model_config
         if header.wallet != request[PEER_WALLET]:
-            raise Rejected(422, "not_own", "an activation header must be signed by the wallet that sends it")
+            raise Refused("not_own", "an activation header must be signed by the wallet that sends it")
         if not header.signature_valid():
-            raise Rejected(
-                422, "bad_activation_signature", "the activation header's signature does not verify"
-            )
+            raise Refused("bad_activation_signature", "the activation header's signature does not verify")
         if header.stage != self.stage:
-            raise Rejected(
-                422,
+            raise Refused(
                 "wrong_stage",
                 f"micro-batch is for stage {header.stage}, this replica holds stage {self.stage}",
             )
         if header.codec != self.config.codec:
-            raise Rejected(
-                422,
+            raise Refused(
                 "wrong_codec",
                 f"micro-batch is in codec {header.codec}, this run's is {self.config.codec}",
             )
         if header.dim != cfg.dim:
-            raise Rejected(422, "wrong_shape", f"hidden width {header.dim} != this model's dim {cfg.dim}")
+            raise Refused("wrong_shape", f"hidden width {header.dim} != this model's dim {cfg.dim}")
         if header.seq_len > cfg.max_seq_len or header.batch > self.config.max_batch:
-            raise Rejected(
-                422, "wrong_shape",
+            raise Refused("wrong_shape",
                 f"micro-batch ({header.batch}, {header.seq_len}) exceeds ({self.config.max_batch}, {cfg.max_seq_len})",
             )  # fmt: skip
         if sha256_hex(request[BODY]) != header.payload_sha256:
-            raise Rejected(
-                422, "payload_mismatch", "body sha256 differs from the signed header's payload_sha256"
-            )
+            raise Refused("payload_mismatch", "body sha256 differs from the signed header's payload_sha256")
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         raw = request.headers.get(ACTIVATION_HEADER)
         if raw is None:
-            raise Rejected(400, "malformed", f"missing {ACTIVATION_HEADER} header")
+            raise Refused("malformed", f"missing {ACTIVATION_HEADER} header")
         header = ActivationHeader.from_json(raw)
         self._check(header, request)
         taken = self._known(header) or await self._take(header, request[BODY])
@@ -497,7 +493,7 @@ class PipelineService:
             outcome = await asyncio.wait_for(asyncio.shield(taken.outcome), self.reply_timeout_s)
         except TimeoutError:
             # Still queued or computing: the outcome stays here for a retry of the same id.
-            raise Rejected(503, "busy", f"no result within {self.reply_timeout_s:.0f} s") from None
+            raise Refused("busy", f"no result within {self.reply_timeout_s:.0f} s") from None
         return await self._reply(request, header, outcome)
 
     def _known(self, header: ActivationHeader) -> _Taken | None:
@@ -506,8 +502,7 @@ class PipelineService:
         if taken is None:
             return None
         if taken.payload_sha256 != header.payload_sha256:
-            raise Rejected(
-                409, "micro_batch_reused",
+            raise Refused("micro_batch_reused",
                 f"micro-batch {header.micro_batch[:8]} was already taken from this sender with another payload",
             )  # fmt: skip
         self.duplicates += 1
@@ -539,7 +534,7 @@ class PipelineService:
             received = Received("activations", header.wallet, header.to_json(), body)
             self.worker.offer(Job(hidden, labels, header.micro_batch, done, received))
         except Busy as exc:
-            raise Rejected(503, "busy", str(exc)) from None
+            raise Refused("busy", str(exc)) from None
         self._taken[key] = taken
         while len(self._taken) > self.config.dedup_window:
             self._taken.popitem(last=False)
@@ -549,13 +544,13 @@ class PipelineService:
         self, request: web.Request, header: ActivationHeader, outcome: JobResult
     ) -> web.Response:
         if isinstance(outcome, Busy):
-            raise Rejected(503, "busy", str(outcome))
+            raise Refused("busy", str(outcome))
         if isinstance(outcome, ConnectionError):
-            raise Rejected(502, "downstream", f"the next stage is unreachable: {outcome}")
+            raise Refused("downstream", f"the next stage is unreachable: {outcome}")
         if isinstance(outcome, NonFiniteStep):
-            raise Rejected(422, "non_finite", str(outcome))
+            raise Refused("non_finite", str(outcome))
         if isinstance(outcome, BaseException):
-            raise Rejected(500, "step_failed", f"{type(outcome).__name__}: {outcome}")
+            raise Refused("step_failed", f"{type(outcome).__name__}: {outcome}")
         grad, loss, round_ = outcome
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(None, encode_gradient, grad, header.codec)

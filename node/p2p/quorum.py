@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from neuroshard.protocol.peer import StateInfo
+
 from .rounds import Vote, plurality
-from .wire import StateInfo
 
 
 def tolerated(voters: int) -> int:

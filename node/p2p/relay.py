@@ -35,9 +35,11 @@ import re
 import struct
 from collections.abc import Awaitable, Callable
 
+from neuroshard.protocol.peer import StateInfo
+from neuroshard.protocol.refusal import Refused, malformed
+
 from ..outer.port import check_wallet, object_name
 from .bucket import BucketStore, RelayError
-from .wire import StateInfo, WireError
 
 RELAY_SUFFIX = ".relay.invalid"
 PEERS_OBJECT = "ctl/peers"
@@ -69,13 +71,13 @@ def encode_state_object(info: StateInfo, body: bytes) -> bytes:
 
 
 def decode_state_object(data: bytes) -> tuple[StateInfo, bytes]:
-    """(signed info, safetensors body) of a state object; WireError if it is not one."""
+    """(signed info, safetensors body) of a state object; Refused if it is not one."""
     if len(data) < STATE_HEADER.size:
-        raise WireError("state object shorter than its header")
+        raise malformed("state object shorter than its header")
     (length,) = STATE_HEADER.unpack_from(data)
     end = STATE_HEADER.size + length
     if length > 64 << 10 or end > len(data):
-        raise WireError(f"state object header of {length} bytes does not fit")
+        raise malformed(f"state object header of {length} bytes does not fit")
     return StateInfo.from_json(data[STATE_HEADER.size : end]), data[end:]
 
 
@@ -131,7 +133,7 @@ class RelayControl:
         raw = await self.store.fetch(wallet, STATUS_OBJECT, max_bytes=STATUS_BYTES)
         try:
             info = StateInfo.from_json(raw) if raw is not None else None
-        except WireError:
+        except Refused:
             return None
         if info is None or info.wallet != wallet or info.stage != self.stage or not info.signature_valid():
             return None

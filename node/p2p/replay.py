@@ -24,11 +24,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.refusal import Refused, malformed
+
 from ..replay import InnerState, ReplayArchive, ReplayRecord
 from ..segment_store import SegmentStore
 from .auth import PEER_WALLET
 from .codec import HEADER_SLACK, check_layout
-from .wire import REPLAY, MalformedMessage, Rejected
 
 SEGMENT = "/p2p/segment/{round}/{segment}"
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"
@@ -60,7 +62,7 @@ def encode_replay(record: ReplayRecord) -> bytes:
 
 def decode_replay(body: bytes, round_: int, numel: int, n_tensors: int) -> ReplayRecord:
     """Safetensors bytes -> ReplayRecord, with exactly the expected tensors and shapes; raises
-    MalformedMessage otherwise (values are judged by their digests, not here)."""
+    Refused otherwise (values are judged by their digests, not here)."""
     vector = ("F32", (numel,))
     check_layout(
         body,
@@ -69,7 +71,7 @@ def decode_replay(body: bytes, round_: int, numel: int, n_tensors: int) -> Repla
     try:
         t: dict[str, Tensor] = st_load(body)
     except (SafetensorError, ValueError) as exc:
-        raise MalformedMessage(f"replay body does not load: {exc}") from None
+        raise malformed(f"replay body does not load: {exc}") from None
     inner = InnerState(exp_avg=t[EXP_AVG], exp_avg_sq=t[EXP_AVG_SQ], steps=t[STEPS])
     return ReplayRecord(round=round_, theta_round=t[THETA], inner=inner, delta=t[DELTA])
 
@@ -92,16 +94,14 @@ class ReplayService:
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
-            raise Rejected(
-                403, "not_verifier", "replay material is served to the verifier's operator key only"
-            )
+            raise Refused("not_verifier", "replay material is served to the verifier's operator key only")
         text = request.match_info["round"]
         if not text.isdigit() or len(text) > 16:
-            raise Rejected(400, "malformed", f"round {text[:20]!r} is not a non-negative integer")
+            raise Refused("malformed", f"round {text[:20]!r} is not a non-negative integer")
         record = self.archive.get(int(text))
         if record is None:
             held = self.archive.rounds()
-            raise Rejected(404, "not_held", f"round {text} is not held here (held: {held})")
+            raise Refused("not_held", f"round {text} is not held here (held: {held})")
         body = await asyncio.get_running_loop().run_in_executor(None, encode_replay, record)
         return web.Response(status=200, body=body, content_type="application/octet-stream")
 
@@ -124,19 +124,17 @@ class SegmentService:
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
-            raise Rejected(
-                403, "not_verifier", "segment material is served to the verifier's operator key only"
-            )
+            raise Refused("not_verifier", "segment material is served to the verifier's operator key only")
         numbers = [request.match_info["round"], request.match_info["segment"]]
         if not all(t.isdigit() and len(t) <= 16 for t in numbers):
-            raise Rejected(400, "malformed", f"round and segment {numbers!r} must be non-negative integers")
+            raise Refused("malformed", f"round and segment {numbers!r} must be non-negative integers")
         round_, segment = int(numbers[0]), int(numbers[1])
         loop = asyncio.get_running_loop()
         material = await loop.run_in_executor(None, self.store.material, round_, segment)
         if material is None:
             held = self.store.rounds()
-            raise Rejected(
-                404, "not_held", f"segment {segment} of round {round_} is not held here (rounds: {held})"
+            raise Refused(
+                "not_held", f"segment {segment} of round {round_} is not held here (rounds: {held})"
             )
         body = await loop.run_in_executor(None, material.encode)
         return web.Response(status=200, body=body, content_type="application/octet-stream")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .wire import StateInfo
+from neuroshard.protocol.peer import StateInfo
 
 AggregationRule = Callable[[Tensor], Tensor]
 """(n, L) float32 rows, one per contributor, sorted by wallet -> (L,) aggregate. In the partitioned

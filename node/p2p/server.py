@@ -32,13 +32,26 @@ from typing import Protocol
 
 from aiohttp import web
 
+from neuroshard.protocol.peer import (
+    ANNOUNCE,
+    MAX_PEER_RECORDS,
+    PEERS,
+    STATE,
+    STATE_HEADER,
+    STATUS,
+    PeerList,
+    PeerRecord,
+    StateInfo,
+)
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.schema import Message
+from neuroshard.protocol.signing import NonceCache
+
 from ..wallet import Wallet
-from . import wire
-from .auth import BODY, PEER_WALLET, Clock, NonceCache, Traffic, auth_middleware
+from .auth import BODY, PEER_WALLET, Clock, Traffic, auth_middleware
 from .codec import encode_state
 from .peers import PeerTable
 from .state import Snapshot
-from .wire import PeerList, PeerRecord, Rejected, StateInfo
 
 STREAM_CHUNK = 1 << 20
 
@@ -116,12 +129,12 @@ class NodeState:
         records = self.peers.records(self.clock())
         if self.announced:
             records = [self.own_record(), *records]
-        return PeerList(peers=tuple(records[: wire.MAX_PEER_RECORDS]))
+        return PeerList(peers=tuple(records[:MAX_PEER_RECORDS]))
 
     async def state_body(self) -> tuple[StateInfo, bytes]:
         """The current snapshot as safetensors, encoded once per snapshot off the event loop."""
         if self.snapshot is None or self._status is None:
-            raise Rejected(503, "not_ready", "this node holds no state yet")
+            raise Refused("not_ready", "this node holds no state yet")
         if self._state_body is None:
             snapshot, status = self.snapshot, self._status
             loop = asyncio.get_running_loop()
@@ -139,7 +152,7 @@ class NodeState:
         return 0  # GET routes carry no body
 
 
-def _json(message: wire.Message) -> web.Response:
+def _json(message: Message) -> web.Response:
     return web.Response(status=200, body=message.to_json(), content_type="application/json")
 
 
@@ -182,22 +195,22 @@ def build_app(
     async def announce(request: web.Request) -> web.StreamResponse:
         record = PeerRecord.from_json(request[BODY])
         if record.wallet != request[PEER_WALLET]:
-            raise Rejected(422, "not_own", "a node can only announce its own record")
+            raise Refused("not_own", "a node can only announce its own record")
         if not record.signature_valid():
-            raise Rejected(422, "bad_record_signature", "the peer record's signature does not verify")
+            raise Refused("bad_record_signature", "the peer record's signature does not verify")
         node.peers.merge([record], node.clock())
         return web.Response(status=204)
 
     async def status(request: web.Request) -> web.StreamResponse:
         if node.status is None:
-            raise Rejected(503, "not_ready", "this node holds no state yet")
+            raise Refused("not_ready", "this node holds no state yet")
         return _json(node.status)
 
     async def state(request: web.Request) -> web.StreamResponse:
         info, body = await node.state_body()
         response = web.StreamResponse(
             status=200,
-            headers={wire.STATE_HEADER: info.to_json().decode(), "Content-Type": "application/octet-stream"},
+            headers={STATE_HEADER: info.to_json().decode(), "Content-Type": "application/octet-stream"},
         )
         response.content_length = len(body)
         await response.prepare(request)
@@ -207,10 +220,10 @@ def build_app(
         await response.write_eof()
         return response
 
-    app.router.add_get(wire.PEERS, peers, name="peers")
-    app.router.add_post(wire.ANNOUNCE, announce, name="announce")
-    app.router.add_get(wire.STATUS, status, name="status")
-    app.router.add_get(wire.STATE, state, name="state")
+    app.router.add_get(PEERS, peers, name="peers")
+    app.router.add_post(ANNOUNCE, announce, name="announce")
+    app.router.add_get(STATUS, status, name="status")
+    app.router.add_get(STATE, state, name="state")
     for extension in extensions:
         extension.add_routes(app)
     return app

@@ -18,10 +18,11 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from neuroshard.protocol.pipeline import micro_batch_id
+
 from ..segments import SegmentRecorder
 from .network import PeerNetwork
 from .pipeline import PipelineClient, PipelineConfig
-from .pipeline_wire import micro_batch_id
 
 
 class PipelineLink:

@@ -12,13 +12,13 @@ import pytest
 from sqlalchemy import insert
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import DataSpan, HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.testing.api import SMALL_NETWORK_TOML, free_port, start_verifier_process
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.wire import DataSpan, HeartbeatRequest, ReceiptRequest, RegisterRequest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -49,7 +49,7 @@ def seed(url: str) -> None:
         with db.write() as s:
             for w in honest + ([attacker] if r < 2 else []):
                 result = f"{r:064x}" if w in honest else f"f{r:063x}"
-                req = ReceiptRequest(
+                req = Receipt(
                     stage=0,
                     round=r,
                     inner_steps=4,

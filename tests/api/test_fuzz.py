@@ -19,9 +19,9 @@ from schemathesis.core import NOT_SET
 
 from neuroshard.api.app import create_app
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 from neuroshard.testing.api import ADDRESS, test_config
 from neuroshard.testing.verifier import ManualClock
-from neuroshard.verifier.auth import sign_request
 
 EXAMPLES = 30
 SIGNER = Wallet.from_token("fuzz-node")

@@ -9,11 +9,11 @@ from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import SIGNATURE_HEADER, WALLET_HEADER
 from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, receipt_doc
 from neuroshard.testing.api import test_config as make_config
 from neuroshard.testing.verifier import ManualClock, signed_json
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SIGNATURE_HEADER, WALLET_HEADER
 from neuroshard.verifier.ratelimit import RateLimitConfig
 
 NODE = Wallet.from_token("node")

@@ -2,7 +2,7 @@
 
 Every test in tests/fuzz takes the session's `tally` and records one outcome per generated
 input: "2xx" (accepted: the input happened to be valid), "4xx" (refused the way the protocol
-says: a WireError, an AuthError, a ValidationError or an HTTP 4xx), "5xx" (anything else: an
+says: a protocol Refused or an HTTP 4xx), "5xx" (anything else: an
 unexpected exception or an HTTP 5xx; each test also fails on it). The table is printed at
 the end of the run, so `pytest tests/fuzz -q` gives the figures for bench/RESULTS.md.
 """

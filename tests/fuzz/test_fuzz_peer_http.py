@@ -18,13 +18,19 @@ from aiohttp import ClientSession, test_utils
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import NonceCache, sign_request
 from neuroshard.node.p2p.objects import ObjectRoutes, ObjectShelf
 from neuroshard.node.p2p.peers import PeerTable
 from neuroshard.node.p2p.server import NodeState, ServerLimits, build_app
-from neuroshard.node.p2p.wire import PeerRecord
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import ANNOUNCE, PEERS, STATUS, PeerRecord
+from neuroshard.protocol.signing import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    WALLET_HEADER,
+    NonceCache,
+    sign_request,
+)
 
 EXAMPLES = 150
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -131,7 +137,7 @@ def test_announce_bodies(peer: Peer, tally: Any) -> None:
     )
     def run(body: bytes) -> None:
         before = peer.fingerprint()
-        status = peer.signed("POST", wire.ANNOUNCE, body)
+        status = peer.signed("POST", ANNOUNCE, body)
         _outcome(tally, "peer POST /p2p/announce body", status)
         if status >= 400:
             assert peer.fingerprint() == before
@@ -139,7 +145,7 @@ def test_announce_bodies(peer: Peer, tally: Any) -> None:
     run()
 
 
-HEADERS = [wire.WALLET_HEADER, wire.TIMESTAMP_HEADER, wire.NONCE_HEADER, wire.SIGNATURE_HEADER]
+HEADERS = [WALLET_HEADER, TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER]
 
 
 def test_signed_headers(peer: Peer, tally: Any) -> None:
@@ -153,11 +159,11 @@ def test_signed_headers(peer: Peer, tally: Any) -> None:
             st.text("0123456789abcdef", min_size=0, max_size=140),
             st.integers(min_value=0, max_value=10**20).map(str),
         ),
-        path=st.sampled_from([wire.ANNOUNCE, wire.STATUS, wire.PEERS]),
+        path=st.sampled_from([ANNOUNCE, STATUS, PEERS]),
     )
     def run(header: str, value: str, path: str) -> None:
         before, nonces = peer.fingerprint(), len(peer.node.nonces)
-        method = "POST" if path == wire.ANNOUNCE else "GET"
+        method = "POST" if path == ANNOUNCE else "GET"
         status = peer.signed(method, path, body if method == "POST" else b"", **{header: value})
         _outcome(tally, "peer signed headers", status)
         if status >= 400:

@@ -1,5 +1,5 @@
 """Property: every JSON decoder of the peer plane answers any input with its message or a
-WireError (HTTP 400/422), nothing else. Inputs: raw bytes, arbitrary JSON, hostile JSON text
+Refused (HTTP 400/422), nothing else. Inputs: raw bytes, arbitrary JSON, hostile JSON text
 (deep nesting, 5,000-digit integers, 1e999, NaN, duplicate keys), each message's own field set
 filled with plausible and random values, and valid messages with one field broken."""
 
@@ -10,7 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neuroshard.node.outer.messages import (
+from neuroshard.node.p2p.auth import status_of
+from neuroshard.node.roster import MemberList, Roster, RosterStage
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import ErrorReply, PeerList, PeerRecord, StateInfo
+from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.round import (
     AggregateClaim,
     Dropped,
     Echo,
@@ -19,19 +25,7 @@ from neuroshard.node.outer.messages import (
     RoundCommitment,
     RoundDigest,
 )
-from neuroshard.node.p2p.pipeline_wire import ActivationHeader, GradientReply
-from neuroshard.node.p2p.wire import (
-    ErrorReply,
-    Message,
-    PeerList,
-    PeerRecord,
-    Signed,
-    StateInfo,
-    WireError,
-    parse_json,
-)
-from neuroshard.node.roster import MemberList, Roster, RosterStage
-from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.schema import Message, Signed, parse_json
 
 EXAMPLES = 80
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -96,8 +90,8 @@ def _decode(cls: type[Message], data: bytes) -> int:
     """The status a peer would answer `data` with; signatures of parsed messages checked too."""
     try:
         made = cls.from_json(data)
-    except WireError as exc:
-        return exc.status
+    except Refused as exc:
+        return status_of(exc.code)
     if isinstance(made, Signed):
         assert made.signature_valid() in (True, False)
     return 200
@@ -137,10 +131,10 @@ def test_any_bytes_or_json_is_a_message_or_a_wire_error(cls: type[Message], tall
 def test_the_schema_filled_at_random_is_a_message_or_a_wire_error(cls: type[Message], tally: Any) -> None:
     @FUZZ
     @given(
-        values=st.fixed_dictionaries({name: plausible for name in cls.FIELDS}),
-        drop=st.sampled_from([None, *cls.FIELDS]),
+        values=st.fixed_dictionaries({name: plausible for name in cls.fields_spec()}),
+        drop=st.sampled_from([None, *cls.fields_spec()]),
         extra=st.none() | st.tuples(st.text(max_size=8), json_values),
-        duplicate=st.none() | st.tuples(st.sampled_from(list(cls.FIELDS)), plausible),
+        duplicate=st.none() | st.tuples(st.sampled_from(list(cls.fields_spec())), plausible),
     )
     def run(
         values: dict[str, Any],
@@ -222,8 +216,8 @@ def test_parse_json_raises_only_malformed(tally: Any) -> None:
         try:
             parse_json(data, "body")
             tally.add("peer parse_json", 200)
-        except WireError as exc:
-            tally.add("peer parse_json", exc.status)
+        except Refused as exc:
+            tally.add("peer parse_json", status_of(exc.code))
         except Exception:
             tally.add("peer parse_json", 500)
             raise

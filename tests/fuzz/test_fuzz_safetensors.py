@@ -1,5 +1,5 @@
 """Property: every binary decoder of the peer plane (Δ parts, replica state, pipeline gradients,
-fraud proofs) answers any body with its tensors or a WireError (400/422), nothing else.
+fraud proofs) answers any body with its tensors or a Refused (400/422), nothing else.
 
 Bodies: random bytes; a random JSON header behind a correct length prefix; the exact expected
 header with one entry's dtype, shape or offsets replaced by any JSON; and the exact header
@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from neuroshard.node.outer.messages import FraudProof
+from neuroshard.node.p2p.auth import status_of
 from neuroshard.node.p2p.codec import Layout, decode_delta, decode_state, delta_layout
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, gradient_layout
-from neuroshard.node.p2p.wire import WireError
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.round import FraudProof
 
 EXAMPLES = 120
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -78,8 +79,8 @@ def _body(header_json: bytes, payload: bytes) -> bytes:
 def _record(tally: Any, label: str, decode: Decoder, data: bytes) -> None:
     try:
         out = decode(data)
-    except WireError as exc:
-        tally.add(label, exc.status)
+    except Refused as exc:
+        tally.add(label, status_of(exc.code))
         return
     except Exception:
         tally.add(label, 500)

@@ -1,7 +1,7 @@
 """Property: the verifier's decoders answer every generated input with a 2xx or a 4xx, never a
 5xx, and a refused write changes nothing in the database; on SQLite and PostgreSQL.
 
-Three layers: the wire schemas alone (verifier.wire, pydantic: a model or a ValidationError),
+Three layers: the wire schemas alone (protocol.reports: a message or a Refused),
 the signed write routes over HTTP with any body (valid bodies with one field replaced or
 written twice, any JSON, any bytes, hostile JSON text), and the signature headers with one
 value broken. Every read endpoint still answers 200 afterwards. Complements tests/api/test_fuzz.py
@@ -15,22 +15,23 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel, ValidationError
 
 from neuroshard.api.app import create_app
 from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
-from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, receipt_doc, test_config
-from neuroshard.testing.verifier import ManualClock
-from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import (
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest, ReinstateRequest
+from neuroshard.protocol.schema import Message
+from neuroshard.protocol.signing import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     WALLET_HEADER,
     sign_request,
 )
-from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest, ReinstateRequest
+from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, receipt_doc, test_config
+from neuroshard.testing.verifier import ManualClock
+from neuroshard.verifier import models as m
 
 SCHEMA_EXAMPLES = 150
 HTTP_EXAMPLES = 120
@@ -61,10 +62,10 @@ VALID: dict[str, dict[str, Any]] = {
     "/api/receipts": receipt_doc(1, "1" * 64),
     "/api/admin/reinstate": {"wallet_id": NODE.wallet_id},
 }
-SCHEMAS: dict[str, type[BaseModel]] = {
+SCHEMAS: dict[str, type[Message]] = {
     "/api/register": RegisterRequest,
     "/api/heartbeat": HeartbeatRequest,
-    "/api/receipts": ReceiptRequest,
+    "/api/receipts": Receipt,
     "/api/admin/reinstate": ReinstateRequest,
 }
 
@@ -109,8 +110,8 @@ def test_wire_schemas(path: str, tally: Any) -> None:
     def run(obj: Any) -> None:
         label = f"verifier wire {schema.__name__}"
         try:
-            schema.model_validate(obj)
-        except ValidationError:
+            schema.from_obj(obj)
+        except Refused:
             tally.add(label, 422)
             return
         except Exception:

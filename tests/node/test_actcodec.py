@@ -10,6 +10,7 @@ import struct
 import pytest
 import torch
 from safetensors.torch import save as st_save
+from tests_support import refused
 from torch import Tensor
 
 from neuroshard.node import actcodec
@@ -17,15 +18,14 @@ from neuroshard.node.actcodec import CODECS, DEFAULT_CODEC, FORMATS, GROUP, Form
 from neuroshard.node.p2p.codec import sha256_hex
 from neuroshard.node.p2p.pipeline import PipelineConfig
 from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
     bytes_per_token,
     decode_activations,
     decode_gradient,
     encode_activations,
     encode_gradient,
 )
-from neuroshard.node.p2p.wire import InvalidMessage, MalformedMessage
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import ActivationHeader
 
 QUANTIZED = sorted(name for name, f in FORMATS.items() if f.quantized)
 B, T, C = 2, 8, 100  # C not a multiple of 64: the last group is padded
@@ -247,7 +247,7 @@ def test_hostile_scales_and_codes_are_invalid(codec: str) -> None:
     for what, (name, index, value) in cases.items():
         tensors = _tensors(codec)
         tensors[name][index] = value
-        with pytest.raises(InvalidMessage):
+        with refused("invalid"):
             _decode(tensors, codec)
         assert what
 
@@ -255,7 +255,7 @@ def test_hostile_scales_and_codes_are_invalid(codec: str) -> None:
 def test_nonzero_padding_is_invalid_without_rotation() -> None:
     tensors = _tensors("int8")
     tensors["hidden.codes"][0, 0, 1, GROUP - 1] = 5  # value 127 of a 100-wide row: padding
-    with pytest.raises(InvalidMessage, match="padding"):
+    with refused("invalid", match="padding"):
         _decode(tensors, "int8")
 
 
@@ -265,18 +265,18 @@ def test_truncated_oversized_and_misshapen_payloads_are_malformed(codec: str) ->
     body = st_save(tensors)
     header = _header(body, codec)
     for bad in (body[:-1], body + b"\0", body[:100], b"", struct.pack("<Q", 10**6) + body[8:]):
-        with pytest.raises(MalformedMessage):
+        with refused("malformed"):
             decode_activations(bad, header, VOCAB)
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         decode_activations(body, _header(body, codec, dim=C + 64), VOCAB)
     other = "int8" if codec == "hadamard4" else "hadamard4"
-    with pytest.raises(MalformedMessage):  # a body in one codec under a header naming another
+    with refused("malformed"):  # a body in one codec under a header naming another
         decode_activations(body, _header(body, other), VOCAB)
     grad = encode_gradient(torch.randn(B, T, C), codec)
     for bad in (grad[:-3], grad + b"\0\0"):
-        with pytest.raises(MalformedMessage):
+        with refused("malformed"):
             decode_gradient(bad, (B, T, C), codec)
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         decode_gradient(grad, (B, T + 1, C), codec)
 
 
@@ -285,13 +285,13 @@ def test_senders_refuse_non_finite_values_and_float_labels() -> None:
     hidden[1, 2, 3] = float("nan")
     labels = torch.zeros(B, T, dtype=torch.long)
     for codec in CODECS:
-        with pytest.raises(InvalidMessage):
+        with refused("invalid"):
             encode_activations(hidden, labels, codec)
-        with pytest.raises(InvalidMessage):
+        with refused("invalid"):
             encode_gradient(hidden, codec)
     with pytest.raises(ValueError, match="integer"):
         encode_activations(torch.randn(B, T, C), labels.float(), "int8")
-    with pytest.raises(InvalidMessage, match="codec"):
+    with refused("invalid", match="codec"):
         encode_gradient(torch.randn(B, T, C), "int3")
 
 

@@ -107,10 +107,10 @@ def test_receipts_commit_to_the_inner_state_the_round_started_from() -> None:
         work.clear()
         doc, record = sent[-1], archive.get(round_)
         assert record is not None
-        assert doc["inner_state_digest"] == starts[round_][0].digest() == record.inner.digest()
-        assert doc["base_hash"] == theta_sha256(starts[round_][1]) == theta_sha256(record.theta_round)
-        assert doc["delta_digest"] == theta_sha256(delta) == theta_sha256(record.delta)
-        assert doc["start_step"] == round_ * H  # the schedule's position, a function of the round
+        assert doc.inner_state_digest == starts[round_][0].digest() == record.inner.digest()
+        assert doc.base_hash == theta_sha256(starts[round_][1]) == theta_sha256(record.theta_round)
+        assert doc.delta_digest == theta_sha256(delta) == theta_sha256(record.delta)
+        assert doc.start_step == round_ * H  # the schedule's position, a function of the round
     assert starts[1][0].digest() != starts[0][0].digest()  # round 1 starts from round 0's moments
 
 

@@ -12,6 +12,7 @@ from neuroshard.cli.embedded import EmbeddedVerifier, start_embedded_verifier
 from neuroshard.node.network_definition import NetworkError
 from neuroshard.node.tracker import Tracker, TrackerConfig, fetch_network
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import Receipt
 from neuroshard.testing.api import free_port, receipt_doc
 from neuroshard.testing.verifier import small_network
 
@@ -105,7 +106,7 @@ def test_registers_heartbeats_and_delivers_receipts(verifier: EmbeddedVerifier) 
     tracker.start()
     try:
         for r in range(3):
-            tracker.submit(receipt_doc(r, f"{r:064x}"))
+            tracker.submit(Receipt.from_obj(receipt_doc(r, f"{r:064x}")))
         _wait(lambda: tracker.delivered == 3)
     finally:
         tracker.stop()
@@ -127,7 +128,7 @@ def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> N
     try:
         started = time.monotonic()
         for r in range(12):
-            tracker.submit(receipt_doc(r, f"{r:064x}"))
+            tracker.submit(Receipt.from_obj(receipt_doc(r, f"{r:064x}")))
         assert time.monotonic() - started < 0.5  # the training thread is never held up
         assert tracker.pending() == 5 and tracker.dropped == 7
         _wait(lambda: any("retrying every" in line for line in lines), timeout_s=5)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.node.wallet import TOKEN_ENV, TokenError, Wallet, resolve_token, verify, wallet_id_of
+from neuroshard.node.wallet import TOKEN_ENV, TokenError, Wallet, resolve_token
+from neuroshard.protocol.identity import verify, wallet_id_of
 
 TOKEN = "correct horse battery staple 7f3a"
 

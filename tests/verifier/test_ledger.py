@@ -6,12 +6,13 @@ import pytest
 from sqlalchemy import func, select
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.wire import HeartbeatRequest, ReceiptRequest, RegisterRequest
 
 CFG = ledger.LedgerConfig(reputation=ReputationConfig(), num_stages=2, nonce_window_s=60)
 NOW = 1_700_000_000.0
@@ -27,7 +28,7 @@ def theta(round_: int, honest: bool = True) -> str:
     return f"{round_:064x}" if honest else f"f{round_:063x}"
 
 
-def receipt(round_: int, result: str, **kw: Any) -> ReceiptRequest:
+def receipt(round_: int, result: str, **kw: Any) -> Receipt:
     doc: dict[str, Any] = {
         "stage": 0,
         "round": round_,
@@ -41,7 +42,7 @@ def receipt(round_: int, result: str, **kw: Any) -> ReceiptRequest:
         "delta_digest": "d" * 64,
     }
     doc.update(kw)
-    return ReceiptRequest.model_validate(doc)
+    return Receipt.from_obj(doc)
 
 
 def register_all(db: Database, wallets: list[Wallet]) -> None:
@@ -51,7 +52,7 @@ def register_all(db: Database, wallets: list[Wallet]) -> None:
             ledger.register(s, who(w), req, now=NOW, cfg=CFG)
 
 
-def submit(db: Database, wallet: Wallet, req: ReceiptRequest, body: str | None = None) -> str:
+def submit(db: Database, wallet: Wallet, req: Receipt, body: str | None = None) -> str:
     with db.write() as s:
         status = ledger.submit_receipt(
             s, who(wallet), req, body_sha256=body or req.result_hash, now=NOW, cfg=CFG
@@ -89,9 +90,9 @@ def test_attacker_in_the_minority_is_refused_and_honest_wallets_gain(db: Databas
         assert [(r.round, r.votes, r.agreeing) for r in rounds] == [(0, 4, 3), (1, 4, 3), (2, 4, 3)]
         assert [r.majority_hash for r in rounds] == [theta(0), theta(1), theta(2)]
         assert [(r.synced, r.sync_checked) for r in rounds] == [(0, 0), (4, 4), (4, 4)]
-    with pytest.raises(ledger.WriteRefused, match="is refused") as err, db.write() as s:
+    with pytest.raises(Refused, match="is refused") as err, db.write() as s:
         ledger.submit_receipt(s, who(BAD), receipt(4, theta(4)), body_sha256="x", now=NOW, cfg=CFG)
-    assert err.value.status == 403
+    assert err.value.code == "wallet_refused"
 
 
 def test_settlement_happens_once_even_if_asked_again(db: Database) -> None:
@@ -164,16 +165,16 @@ def test_identical_resubmission_is_a_duplicate_and_a_different_one_conflicts(db:
     register_all(db, GOOD[:1])
     assert submit(db, GOOD[0], receipt(0, theta(0)), body="body-1") == "recorded"
     assert submit(db, GOOD[0], receipt(0, theta(0)), body="body-1") == "duplicate"
-    with pytest.raises(ledger.WriteRefused, match="different receipt") as err:
+    with pytest.raises(Refused, match="different receipt") as err:
         submit(db, GOOD[0], receipt(0, theta(1)), body="body-2")
-    assert err.value.status == 409
+    assert err.value.code == "conflict"
 
 
 def test_receipts_must_match_the_registered_stage(db: Database) -> None:
     register_all(db, GOOD[:1])
-    with pytest.raises(ledger.WriteRefused, match="registered for stage 0, not stage 1"):
+    with pytest.raises(Refused, match="registered for stage 0, not stage 1"):
         submit(db, GOOD[0], receipt(0, theta(0), stage=1, data=[]))
-    with pytest.raises(ledger.WriteRefused, match="stage 5 does not exist"):
+    with pytest.raises(Refused, match="stage 5 does not exist"):
         submit(db, GOOD[0], receipt(0, theta(0), stage=5, data=[]))
 
 
@@ -181,9 +182,9 @@ def test_nonce_replay_is_refused(db: Database) -> None:
     signed = who(GOOD[0])
     with db.write() as s:
         ledger.use_nonce(s, signed, now=NOW, window_s=60)
-    with pytest.raises(ledger.WriteRefused, match="replayed request") as err, db.write() as s:
+    with pytest.raises(Refused, match="replayed request") as err, db.write() as s:
         ledger.use_nonce(s, signed, now=NOW, window_s=60)
-    assert err.value.status == 409
+    assert err.value.code == "replayed"
 
 
 def test_expired_nonces_are_forgotten(db: Database) -> None:
@@ -211,9 +212,9 @@ def test_reinstate_and_spot_check(db: Database) -> None:
         ledger.reinstate(s, BAD.wallet_id, None, now=NOW, cfg=CFG.reputation)
     row = wallet_row(db, BAD)
     assert (row.status, row.reputation) == (m.STATUS_ACTIVE, CFG.reputation.initial)
-    with pytest.raises(ledger.WriteRefused, match="not registered") as err, db.write() as s:
+    with pytest.raises(Refused, match="not registered") as err, db.write() as s:
         ledger.reinstate(s, GOOD[2].wallet_id, None, now=NOW, cfg=CFG.reputation)
-    assert err.value.status == 404
+    assert err.value.code == "not_found"
     with db.read() as s:
         reasons = s.scalars(select(m.ReputationEvent.reason).order_by(m.ReputationEvent.id)).all()
     assert reasons[0].startswith("spot check failed in stage 0 round 3: cosine 0.1")

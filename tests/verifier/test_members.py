@@ -11,13 +11,14 @@ from sqlalchemy import insert, select
 
 from neuroshard.node.roster import MemberList, Roster
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import Receipt, RegisterRequest
+from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger, members
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.wire import ReceiptRequest, RegisterRequest
 
 NOW = 1_700_000_000.0
 NETWORK = "members-test"
@@ -46,7 +47,7 @@ def theta(round_: int, honest: bool = True) -> str:
     return f"{round_:064x}" if honest else f"f{round_:063x}"
 
 
-def receipt(round_: int, result: str) -> ReceiptRequest:
+def receipt(round_: int, result: str) -> Receipt:
     doc: dict[str, Any] = {
         "stage": 0,
         "round": round_,
@@ -59,7 +60,7 @@ def receipt(round_: int, result: str) -> ReceiptRequest:
         "result_hash": result,
         "delta_digest": "d" * 64,
     }
-    return ReceiptRequest.model_validate(doc)
+    return Receipt.from_obj(doc)
 
 
 def register(
@@ -212,15 +213,13 @@ def _accept(db: Database, roster: Roster, now: float = NOW) -> str:
 
 def test_allowlist_admits_the_roster_and_refuses_the_rest(db: Database) -> None:
     cfg = config(MembershipConfig(policy="allowlist"))
-    with pytest.raises(
-        ledger.WriteRefused, match="not on the operator's roster for stage 0 \\(none accepted yet\\)"
-    ):
+    with pytest.raises(Refused, match="not on the operator's roster for stage 0 \\(none accepted yet\\)"):
         register(db, [HONEST[0]], cfg)
     assert _accept(db, _roster(1, HONEST[:2])) == "accepted"
     register(db, HONEST[:2], cfg)
-    with pytest.raises(ledger.WriteRefused, match="version 1") as refused:
+    with pytest.raises(Refused, match="version 1") as refused:
         register(db, [SYBILS[0]], cfg)
-    assert refused.value.status == 403
+    assert refused.value.code == "not_on_roster"
     with db.read() as s:
         assert s.get(m.Wallet, SYBILS[0].wallet_id) is None  # nothing of the refused registration stays
     doc = listed(db, cfg)
@@ -250,9 +249,9 @@ def test_allowlist_admits_the_roster_and_refuses_the_rest(db: Database) -> None:
 def test_bad_rosters_are_refused_and_change_nothing(
     db: Database, bad: Any, status_: int, message: str
 ) -> None:
-    with pytest.raises(members.MembershipRefused, match=message) as refused:
+    with pytest.raises(Refused, match=message) as refused:
         _accept(db, bad())
-    assert refused.value.status == status_
+    assert refused.value.code == "bad_roster"
     with db.read() as s:
         assert s.scalars(select(m.RosterRow)).all() == []
         assert members.epoch(s, 0) == 0
@@ -261,10 +260,10 @@ def test_bad_rosters_are_refused_and_change_nothing(
 def test_roster_versions_only_move_forward_and_expire(db: Database) -> None:
     assert _accept(db, _roster(2, HONEST[:1])) == "accepted"
     assert _accept(db, _roster(2, HONEST[:1])) == "duplicate"
-    with pytest.raises(members.MembershipRefused, match="different roster version 2") as same:
+    with pytest.raises(Refused, match="different roster version 2") as same:
         _accept(db, _roster(2, HONEST[:2]))
-    assert same.value.status == 409
-    with pytest.raises(members.MembershipRefused, match="older than the held version 2"):
+    assert same.value.code == "conflict"
+    with pytest.raises(Refused, match="older than the held version 2"):
         _accept(db, _roster(1, HONEST))
     with db.read() as s:
         held = members.current_roster(s, now=NOW)

@@ -17,13 +17,10 @@ from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_sha256
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
-    GradientReply,
     decode_activations,
     decode_gradient,
     encode_activations,
     encode_gradient,
-    micro_batch_id,
 )
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import InnerState
@@ -38,6 +35,7 @@ from neuroshard.node.segments import (
     sha256_hex,
 )
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
@@ -407,7 +405,7 @@ def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path)
     sender_steps = [
         StepRecord(
             micro_batch=step.micro_batch,
-            sent=[SentRef("activations", step.received[0].payload_sha256)],
+            sent=[SentRef(kind="activations", payload_sha256=step.received[0].payload_sha256)],
         )
         for step in receiver.steps
     ]
@@ -415,7 +413,7 @@ def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path)
     assert record_mismatches(honest, PREV.public_key_hex, receiver) == []
     assert record_mismatches(honest, NEXT.public_key_hex, receiver) == []  # nothing received from NEXT
     sender_steps[3] = StepRecord(
-        micro_batch=sender_steps[3].micro_batch, sent=[SentRef("activations", "0" * 64)]
+        micro_batch=sender_steps[3].micro_batch, sent=[SentRef(kind="activations", payload_sha256="0" * 64)]
     )
     lying = dataclasses.replace(honest, steps=tuple(sender_steps))
     (problem,) = record_mismatches(lying, PREV.public_key_hex, receiver)

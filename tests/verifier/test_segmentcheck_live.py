@@ -24,13 +24,10 @@ from neuroshard.node.diloco import DiLoCo, copy_into_parameters, flat_parameters
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline_wire import (
-    ActivationHeader,
-    GradientReply,
     decode_activations,
     decode_gradient,
     encode_activations,
     encode_gradient,
-    micro_batch_id,
 )
 from neuroshard.node.p2p.replay import SegmentService
 from neuroshard.node.p2p.state import theta_sha256
@@ -38,6 +35,7 @@ from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.segment_store import SegmentStore
 from neuroshard.node.segments import Received, SegmentConfig, SegmentLog, SegmentRecorder, sha256_hex
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database

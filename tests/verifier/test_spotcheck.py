@@ -12,6 +12,7 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, capture_inner_state
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import DataSpan
 from neuroshard.verifier.spotcheck import (
     SpotCheckError,
     check_data_spans,
@@ -19,7 +20,6 @@ from neuroshard.verifier.spotcheck import (
     compare_deltas,
     replay_inner_steps,
 )
-from neuroshard.verifier.wire import DataSpan
 
 B, T, H = 4, 32, 4
 DILOCO = DiLoCoConfig(inner_steps=H, warmup_steps=2, total_steps=100)

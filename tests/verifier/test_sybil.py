@@ -15,13 +15,13 @@ from sqlalchemy import func, select
 
 from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import Receipt, RegisterRequest
+from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger, members
 from neuroshard.verifier import models as m
-from neuroshard.verifier.auth import SignedBy, new_nonce
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.wire import ReceiptRequest, RegisterRequest
 
 NOW = 1_700_000_000.0
 NETWORK = "sybil-test"
@@ -46,7 +46,7 @@ def theta(round_: int, forged: bool = False) -> str:
     return f"f{round_:063x}" if forged else f"{round_:064x}"
 
 
-def receipt(round_: int, forged: bool = False) -> ReceiptRequest:
+def receipt(round_: int, forged: bool = False) -> Receipt:
     doc: dict[str, Any] = {
         "stage": 0,
         "round": round_,
@@ -59,7 +59,7 @@ def receipt(round_: int, forged: bool = False) -> ReceiptRequest:
         "result_hash": theta(round_, forged),
         "delta_digest": "d" * 64,
     }
-    return ReceiptRequest.model_validate(doc)
+    return Receipt.from_obj(doc)
 
 
 def register(db: Database, wallets: list[Wallet]) -> None:

@@ -27,12 +27,13 @@ from aiohttp import test_utils
 from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.outer.port import MemoryHub, RoundStore, RoutedStore
 from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
-from neuroshard.node.p2p.auth import NonceCache, PeerClient
+from neuroshard.node.p2p.auth import PeerClient
 from neuroshard.node.p2p.bucket import BucketStore, RelayConfig, make_s3_client
 from neuroshard.node.p2p.objects import HttpRoundStore, ObjectRoutes, ObjectShelf
 from neuroshard.node.p2p.peers import PeerTable
 from neuroshard.node.p2p.server import NodeState, ServerLimits, build_app
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import NonceCache
 
 D = 4000
 N = 4

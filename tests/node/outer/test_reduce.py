@@ -18,7 +18,6 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from neuroshard.node.aggregation import aggregate
-from neuroshard.node.outer.messages import AggregateClaim, Dropped, FraudProof, InputList, RoundCommitment
 from neuroshard.node.outer.partition import members_sha256, merkle_proofs, merkle_root, part_bounds
 from neuroshard.node.outer.reduce import (
     AggregationRule,
@@ -36,9 +35,10 @@ from neuroshard.node.outer.reduce import (
     split_slot,
 )
 from neuroshard.node.p2p.codec import decode_delta, encode_delta
-from neuroshard.node.p2p.wire import WireError
 from neuroshard.node.validation import ValidationConfig
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.round import AggregateClaim, Dropped, FraudProof, InputList, RoundCommitment
 
 STAGE, ROUND = 2, 7
 BASE = "cd" * 32
@@ -128,7 +128,7 @@ def test_empty_parts_are_empty_bytes() -> None:
         assert part_matches(commitment, j, 4, proof, data)
         assert (data == b"") == (a == b)
     assert torch.equal(decode_part(b"", "int8", 0), torch.zeros(0))
-    with pytest.raises(WireError, match="empty part must be empty"):
+    with pytest.raises(Refused, match="empty part must be empty"):
         decode_part(b"\x00", "int8", 0)
 
 
@@ -136,14 +136,14 @@ def test_decode_part_refuses_a_part_of_another_length() -> None:
     values = torch.randn(300, generator=torch.Generator().manual_seed(8))
     fp16 = encode_part(values, "fp16")
     for numel in (299, 301, 512):
-        with pytest.raises(WireError):
+        with pytest.raises(Refused):
             decode_part(fp16, "fp16", numel)
     int8 = encode_part(values, "int8")
     for numel in (256, 299, 513):  # another block count, or a nonzero value where padding must be
-        with pytest.raises(WireError):
+        with pytest.raises(Refused):
             decode_part(int8, "int8", numel)
     for data, encoding in ((fp16, "fp16"), (int8, "int8")):
-        with pytest.raises(WireError):
+        with pytest.raises(Refused):
             decode_part(data[:-1], encoding, 300)
 
 

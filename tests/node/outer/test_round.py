@@ -339,7 +339,7 @@ class GroupRouter(MemoryStore):
 
 
 def forged_claim(held: Any, wallet: Wallet, like: Any, **over: Any) -> tuple[Any, bytes]:
-    from neuroshard.node.outer.messages import AggregateClaim, sha256_hex
+    from neuroshard.protocol.round import AggregateClaim, sha256_hex
 
     a, b = held.bounds[J]
     forged = encode_part(torch.ones(b - a), like.encoding)
@@ -355,7 +355,7 @@ class JumpingWitness(OuterRound):
     async def _gather_part(self, held: Any, j: int) -> None:
         if j != J:
             return await super()._gather_part(held, j)
-        from neuroshard.node.outer.messages import Echo
+        from neuroshard.protocol.round import Echo
 
         chain = self._chain(held, j)
         await self._reduce(held, j, replaces=chain[0])
@@ -384,7 +384,7 @@ class OutOfRangeWitness(OuterRound):
     async def _gather_part(self, held: Any, j: int) -> None:
         if j != J:
             return await super()._gather_part(held, j)
-        from neuroshard.node.outer.messages import AggregateClaim, Echo
+        from neuroshard.protocol.round import AggregateClaim, Echo
 
         claim = AggregateClaim.create(
             self.wallet, stage=0, round=1, base_hash=BASE, members_sha256=held.members_sha, part=999,
@@ -408,8 +408,8 @@ class SelfConvictingMember(OuterRound):
     publishes a valid fraud proof against it, named in its digest."""
 
     async def _agree(self, held: Any) -> None:
-        from neuroshard.node.outer.messages import FraudProof, InputList
         from neuroshard.node.outer.reduce import part_spans, split_slot
+        from neuroshard.protocol.round import FraudProof, InputList
 
         n = len(held.inp.members)
         span = part_spans(held.bounds, held.commitment.encoding)[J]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from neuroshard.node.diloco import tensor_sha256
-from neuroshard.node.p2p.auth import NonceCache
 from neuroshard.node.p2p.peers import PeerTable
 from neuroshard.node.p2p.server import NodeState, ServerLimits
 from neuroshard.node.p2p.state import Snapshot
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import NonceCache
 
 NUMEL = 1000
 ROUND = 3

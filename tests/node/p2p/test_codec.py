@@ -7,6 +7,7 @@ import struct
 import pytest
 import torch
 from safetensors.torch import save as st_save
+from tests_support import refused
 
 from neuroshard.node.p2p.codec import (
     INT8_BLOCK,
@@ -18,7 +19,6 @@ from neuroshard.node.p2p.codec import (
     encode_state,
     int8_relative_error,
 )
-from neuroshard.node.p2p.wire import InvalidMessage, MalformedMessage
 
 INT8_ERROR_BOUND = 0.01
 """Measured: 0.0070 relative L2 error on Gaussian Δ (d=100k, block 256); the bound leaves headroom."""
@@ -75,9 +75,9 @@ def test_encoder_refuses_what_the_receiver_would() -> None:
 def test_truncated_payload_is_malformed() -> None:
     data = encode_delta(_delta(), "int8")
     for cut in (3, 20, len(data) // 2, len(data) - 1):
-        with pytest.raises(MalformedMessage):
+        with refused("malformed"):
             decode_delta(data[:cut], "int8", 10_000)
-    with pytest.raises(MalformedMessage, match="trailing"):
+    with refused("malformed", match="trailing"):
         decode_delta(data + b"\0", "int8", 10_000)
 
 
@@ -85,7 +85,7 @@ def test_pickle_and_torch_save_are_not_safetensors() -> None:
     buffer = io.BytesIO()
     torch.save({"delta": _delta()}, buffer)
     for data in (buffer.getvalue(), pickle.dumps(_delta())):
-        with pytest.raises(MalformedMessage, match="not a safetensors file"):
+        with refused("malformed", match="not a safetensors file"):
             decode_delta(data, "fp16", 10_000)
 
 
@@ -102,13 +102,13 @@ def test_pickle_and_torch_save_are_not_safetensors() -> None:
     ],
 )
 def test_wrong_layout_is_malformed(tensors, message) -> None:
-    with pytest.raises(MalformedMessage, match=message):
+    with refused("malformed", match=message):
         decode_delta(st_save(tensors), "fp16", 10_000)
 
 
 def test_metadata_header_is_refused() -> None:
     data = st_save({"delta": torch.zeros(10, dtype=torch.float16)}, metadata={"a": "b"})
-    with pytest.raises(MalformedMessage, match="differ from the expected"):
+    with refused("malformed", match="differ from the expected"):
         decode_delta(data, "fp16", 10)
 
 
@@ -118,12 +118,12 @@ def test_a_deeply_nested_or_overlong_header_is_malformed() -> None:
         b"[" * 3000 + b"]" * 3000,
         b'{"delta": {"dtype": "F16", "shape": [' + b"1" * 5000 + b"]}}",
     ):
-        with pytest.raises(MalformedMessage):
+        with refused("malformed"):
             decode_delta(struct.pack("<Q", len(header)) + header, "fp16", 10)
 
 
 def test_header_length_larger_than_body_is_malformed() -> None:
-    with pytest.raises(MalformedMessage, match="not a safetensors file"):
+    with refused("malformed", match="not a safetensors file"):
         decode_delta(struct.pack("<Q", 10**12) + b"{}", "fp16", 10)
 
 
@@ -131,11 +131,11 @@ def test_header_length_larger_than_body_is_malformed() -> None:
 def test_non_finite_values_are_invalid(bad: float) -> None:
     x = torch.zeros(300, dtype=torch.float16)
     x[7] = bad
-    with pytest.raises(InvalidMessage, match="1 non-finite values"):
+    with refused("invalid", match="1 non-finite values"):
         decode_delta(st_save({"delta": x}), "fp16", 300)
     q = torch.zeros(2, INT8_BLOCK, dtype=torch.int8)
     scale = torch.tensor([1.0, bad])
-    with pytest.raises(InvalidMessage, match="int8 scales must be finite, non-negative"):
+    with refused("invalid", match="int8 scales must be finite, non-negative"):
         decode_delta(st_save({"q": q, "scale": scale}), "int8", 300)
 
 
@@ -143,20 +143,20 @@ def test_int8_code_range_and_padding_are_checked() -> None:
     q = torch.zeros(2, INT8_BLOCK, dtype=torch.int8)
     scale = torch.ones(2)
     q[0, 0] = -128
-    with pytest.raises(InvalidMessage, match="-128"):
+    with refused("invalid", match="-128"):
         decode_delta(st_save({"q": q, "scale": scale}), "int8", 300)
     q[0, 0] = 0
     q[1, -1] = 5  # value 511 > numel 300: padding
-    with pytest.raises(InvalidMessage, match="padding"):
+    with refused("invalid", match="padding"):
         decode_delta(st_save({"q": q, "scale": scale}), "int8", 300)
-    with pytest.raises(InvalidMessage, match="int8 scales must be finite, non-negative"):
+    with refused("invalid", match="int8 scales must be finite, non-negative"):
         decode_delta(st_save({"q": q * 0, "scale": -scale}), "int8", 300)
 
 
 def test_int8_scale_that_would_overflow_is_invalid() -> None:
     q = torch.full((1, INT8_BLOCK), 127, dtype=torch.int8)
     scale = torch.tensor([torch.finfo(torch.float32).max / 100])
-    with pytest.raises(InvalidMessage, match="at most FLT_MAX/127"):
+    with refused("invalid", match="at most FLT_MAX/127"):
         decode_delta(st_save({"q": q, "scale": scale}), "int8", INT8_BLOCK)
 
 
@@ -178,11 +178,11 @@ def test_state_round_trip_with_and_without_momentum() -> None:
     assert torch.equal(t, theta) and m is not None and torch.equal(m, momentum)
     t, m = decode_state(encode_state(theta, None), theta.numel(), with_momentum=False)
     assert torch.equal(t, theta) and m is None
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         decode_state(encode_state(theta, None), theta.numel(), with_momentum=True)
     bad = theta.clone()
     bad[0] = float("nan")
-    with pytest.raises(InvalidMessage, match="non-finite"):
+    with refused("invalid", match="non-finite"):
         decode_state(st_save({"theta_round": bad}), theta.numel(), with_momentum=False)
 
 

@@ -1,4 +1,4 @@
-"""Issue 19: hostile safetensors headers are MalformedMessage (a 400), whatever their size,
+"""Issue 19: hostile safetensors headers are Refused (a 400), whatever their size,
 depth, dtype, shape or offsets; nothing else escapes `check_layout` or the decoders."""
 
 import json
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from tests_support import refused
 
 from neuroshard.node.p2p.codec import (
     MAX_HEADER_BYTES,
@@ -16,7 +17,6 @@ from neuroshard.node.p2p.codec import (
     delta_layout,
     encode_delta,
 )
-from neuroshard.node.p2p.wire import MalformedMessage
 
 NUMEL = 4
 LAYOUT = delta_layout("fp16", NUMEL)
@@ -41,7 +41,7 @@ def test_nested_values_in_any_field_are_malformed(field: str, depth: int) -> Non
     """~1,000 deep fits a 4 KB header; its repr in an error message used to overflow the stack."""
     header = _entry(**{field: 0}).replace(f'"{field}": 0'.encode(), f'"{field}": {_nested(depth)}'.encode())
     assert len(header) <= MAX_HEADER_BYTES
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         check_layout(_body(header), LAYOUT)
 
 
@@ -54,7 +54,7 @@ def test_nested_header_fails_alike_near_the_recursion_limit() -> None:
             return
         for depth in (300, 600, 990):
             header = _entry(shape=0).replace(b'"shape": 0', f'"shape": {_nested(depth)}'.encode())
-            with pytest.raises(MalformedMessage):
+            with refused("malformed"):
                 check_layout(_body(header), LAYOUT)
 
     for frames in (0, 200, sys.getrecursionlimit() - 400):
@@ -85,7 +85,7 @@ def test_nested_header_fails_alike_near_the_recursion_limit() -> None:
     ],
 )
 def test_wrong_dtype_shape_and_offsets_are_named(fields: dict[str, object], message: str) -> None:
-    with pytest.raises(MalformedMessage, match=message):
+    with refused("malformed", match=message):
         check_layout(_body(_entry(**fields)), LAYOUT)
 
 
@@ -115,22 +115,22 @@ def test_wrong_dtype_shape_and_offsets_are_named(fields: dict[str, object], mess
     ],
 )
 def test_hostile_json_in_the_header_is_malformed(header: bytes) -> None:
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         check_layout(_body(header), LAYOUT)
 
 
 @pytest.mark.parametrize("declared", [MAX_HEADER_BYTES + 1, 2**63, 2**64 - 1])
 def test_oversized_header_length_is_malformed(declared: int) -> None:
     data = struct.pack("<Q", declared) + b"{}" + b"\0" * (MAX_HEADER_BYTES + 64)
-    with pytest.raises(MalformedMessage, match="header length"):
+    with refused("malformed", match="header length"):
         check_layout(data, LAYOUT)
 
 
 def test_decoders_raise_only_wire_errors_on_a_nested_header() -> None:
     header = _entry(shape=0).replace(b'"shape": 0', f'"shape": {_nested(900)}'.encode())
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         decode_delta(_body(header), "fp16", NUMEL)
-    with pytest.raises(MalformedMessage):
+    with refused("malformed"):
         decode_state(_body(header), NUMEL, with_momentum=False)
 
 

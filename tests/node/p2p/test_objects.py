@@ -17,11 +17,12 @@ import pytest_asyncio
 from aiohttp import ClientSession, test_utils
 
 from neuroshard.node.outer.port import RoundStore, object_name
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import PeerClient, sign_request
+from neuroshard.node.p2p.auth import PeerClient
 from neuroshard.node.p2p.objects import HttpRoundStore, ObjectRoutes, ObjectShelf, ShelfFull, object_path
 from neuroshard.node.p2p.server import NodeState, build_app
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import ErrorReply
+from neuroshard.protocol.signing import sign_request
 
 DELTA = bytes(range(256)) * 40  # 10240 bytes, every offset distinguishable mod 256
 NAME = object_name(0, 3, "delta")
@@ -59,7 +60,7 @@ class Pair:
 
 
 def _error_code(body: bytes) -> str:
-    return wire.ErrorReply.from_json(body).error
+    return ErrorReply.from_json(body).error
 
 
 async def _replica(

@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
-from neuroshard.node.p2p.auth import NonceCache
 from neuroshard.node.p2p.peers import PeerTable
-from neuroshard.node.p2p.wire import PeerRecord, Rejected
+from neuroshard.protocol.peer import PeerRecord
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.signing import NonceCache
 
 NOW = 1_000_000.0
 
@@ -70,8 +71,8 @@ def test_nonce_cache_rejects_replays_and_forgets_after_the_window() -> None:
     assert cache.add("w", "n1", NOW, NOW)
     assert not cache.add("w", "n1", NOW, NOW + 1)
     assert cache.add("v", "n1", NOW, NOW)  # nonces are per wallet
-    with pytest.raises(Rejected) as full:
+    with pytest.raises(Refused) as full:
         cache.add("w", "n2", NOW, NOW + 1)
-    assert full.value.status == 503
+    assert full.value.code == "busy"
     # After timestamp + window the pair can go: a replay would be stale anyway.
     assert cache.add("w", "n2", NOW + 61, NOW + 61) and len(cache) == 1

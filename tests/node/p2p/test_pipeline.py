@@ -27,23 +27,22 @@ from safetensors.torch import save as st_save
 from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.codec import sha256_hex
 from neuroshard.node.p2p.pipeline import NextStageRouter, PipelineClient, PipelineConfig, PipelineService
-from neuroshard.node.p2p.pipeline_wire import (
+from neuroshard.node.p2p.pipeline_wire import decode_gradient, encode_activations
+from neuroshard.node.p2p.server import NodeState, build_app
+from neuroshard.node.stage_worker import StageWorker, WorkerConfig
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import ErrorReply, PeerRecord
+from neuroshard.protocol.pipeline import (
     ACTIVATION_HEADER,
     FORWARD,
     REPLY_HEADER,
     ActivationHeader,
     GradientReply,
-    decode_gradient,
-    encode_activations,
     micro_batch_id,
 )
-from neuroshard.node.p2p.server import NodeState, build_app
-from neuroshard.node.p2p.wire import ErrorReply, PeerRecord
-from neuroshard.node.stage_worker import StageWorker, WorkerConfig
-from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
 B, T = 2, 8

@@ -20,12 +20,27 @@ import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, test_utils
 
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.codec import decode_state
 from neuroshard.node.p2p.server import NodeState, build_app
-from neuroshard.node.p2p.wire import ErrorReply, PeerList, PeerRecord, StateInfo
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import (
+    ANNOUNCE,
+    PEERS,
+    STATE,
+    STATE_HEADER,
+    STATUS,
+    ErrorReply,
+    PeerList,
+    PeerRecord,
+    StateInfo,
+)
+from neuroshard.protocol.signing import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    WALLET_HEADER,
+    sign_request,
+)
 
 
 @dataclass
@@ -57,7 +72,7 @@ class Served:
             return r.status, r.headers, await r.read()
 
     async def announce(self, wallet: Wallet, body: bytes, **kw: Any) -> tuple[int, str]:
-        status, _, reply = await self.send(wallet, "POST", wire.ANNOUNCE, body, **kw)
+        status, _, reply = await self.send(wallet, "POST", ANNOUNCE, body, **kw)
         return status, _error(status, reply)
 
 
@@ -92,8 +107,8 @@ async def test_forged_request_signature_is_401(served, wallets) -> None:
     body = _record(wallets[1]).to_json()
     before, nonces = _fingerprint(served.node), len(served.node.nonces)
     # Signed by wallet 2 but claiming to be wallet 1.
-    auth = sign_request(wallets[2], "POST", wire.ANNOUNCE, body, time.time())
-    auth[wire.WALLET_HEADER] = wallets[1].public_key_hex
+    auth = sign_request(wallets[2], "POST", ANNOUNCE, body, time.time())
+    auth[WALLET_HEADER] = wallets[1].public_key_hex
     status, reason = await served.announce(wallets[1], body, auth=auth)
     assert status == 401 and "bad_signature" in reason
     # Signed over other bytes than those sent (a relay changed the body).
@@ -101,7 +116,7 @@ async def test_forged_request_signature_is_401(served, wallets) -> None:
     status, reason = await served.announce(wallets[1], body, signed_body=other)
     assert status == 401 and "bad_signature" in reason
     # Signed for another path.
-    auth = sign_request(wallets[1], "POST", wire.PEERS, body, time.time())
+    auth = sign_request(wallets[1], "POST", PEERS, body, time.time())
     assert (await served.announce(wallets[1], body, auth=auth))[0] == 401
     assert _fingerprint(served.node) == before and len(served.node.nonces) == nonces
 
@@ -110,27 +125,27 @@ async def test_forged_request_signature_is_401(served, wallets) -> None:
 @pytest.mark.parametrize(
     ("drop", "replace", "message"),
     [
-        (wire.SIGNATURE_HEADER, None, "missing auth header"),
-        (wire.NONCE_HEADER, None, "missing auth header"),
-        (None, (wire.TIMESTAMP_HEADER, "12.5"), "integer milliseconds"),
-        (None, (wire.NONCE_HEADER, "zz" * 16), "lowercase hex"),
-        (None, (wire.WALLET_HEADER, "AB" * 32), "64 lowercase hex"),
+        (SIGNATURE_HEADER, None, "missing auth header"),
+        (NONCE_HEADER, None, "missing auth header"),
+        (None, (TIMESTAMP_HEADER, "12.5"), "integer milliseconds"),
+        (None, (NONCE_HEADER, "zz" * 16), "lowercase hex"),
+        (None, (WALLET_HEADER, "AB" * 32), "64 lowercase hex"),
     ],
 )
 async def test_missing_or_malformed_auth_headers_are_401(served, wallets, drop, replace, message) -> None:
-    auth = sign_request(wallets[1], "GET", wire.STATUS, b"", time.time())
+    auth = sign_request(wallets[1], "GET", STATUS, b"", time.time())
     if drop:
         del auth[drop]
     if replace:
         auth[replace[0]] = replace[1]
-    status, _, body = await served.send(wallets[1], "GET", wire.STATUS, auth=auth)
+    status, _, body = await served.send(wallets[1], "GET", STATUS, auth=auth)
     assert status == 401 and message in _error(status, body)
 
 
 @pytest.mark.asyncio
 async def test_replayed_nonce_is_409_and_changes_nothing(served, wallets) -> None:
     body = _record(wallets[1]).to_json()
-    auth = sign_request(wallets[1], "POST", wire.ANNOUNCE, body, time.time())
+    auth = sign_request(wallets[1], "POST", ANNOUNCE, body, time.time())
     assert (await served.announce(wallets[1], body, auth=auth))[0] == 204
     after_first = _fingerprint(served.node)
     status, reason = await served.announce(wallets[1], body, auth=dict(auth))
@@ -151,7 +166,7 @@ async def test_stale_timestamp_is_401(served, wallets, offset) -> None:
 
 @pytest.mark.asyncio
 async def test_timestamp_inside_the_window_is_fine(served, wallets) -> None:
-    status, _, body = await served.send(wallets[1], "GET", wire.STATUS, now=time.time() - 50)
+    status, _, body = await served.send(wallets[1], "GET", STATUS, now=time.time() - 50)
     assert status == 200 and StateInfo.from_json(body).signature_valid()
 
 
@@ -168,11 +183,11 @@ async def test_oversized_body_is_413_before_it_is_read(served, wallets) -> None:
             yield b" " * 1024
 
     # Chunked, no Content-Length: the server stops reading at the limit.
-    auth = sign_request(wallets[1], "POST", wire.ANNOUNCE, big, time.time())
-    async with served.session.post(served.server.make_url(wire.ANNOUNCE), data=chunks(), headers=auth) as r:
+    auth = sign_request(wallets[1], "POST", ANNOUNCE, big, time.time())
+    async with served.session.post(served.server.make_url(ANNOUNCE), data=chunks(), headers=auth) as r:
         assert r.status == 413
     # A GET route takes no body at all.
-    status, _, _ = await served.send(wallets[1], "GET", wire.STATUS, b"x")
+    status, _, _ = await served.send(wallets[1], "GET", STATUS, b"x")
     assert status == 413
     assert _fingerprint(served.node) == before
 
@@ -205,7 +220,7 @@ async def test_unknown_route_and_method_are_404_405(served, wallets) -> None:
     for path in ("/p2p/digest", "/p2p/contribution", "/p2p/reveal"):
         status, _, body = await served.send(wallets[1], "POST", path, b"{}")
         assert status == 404 and _error(status, body).startswith("unknown_route")
-    status, _, body = await served.send(wallets[1], "DELETE", wire.STATUS)
+    status, _, body = await served.send(wallets[1], "DELETE", STATUS)
     assert status == 405 and _error(status, body).startswith("method_not_allowed")
     assert _fingerprint(served.node) == before and len(served.node.nonces) == nonces
 
@@ -222,7 +237,7 @@ async def test_announce_takes_only_the_senders_own_valid_record(served, wallets)
     assert len(served.node.peers) == 0
     assert await served.announce(wallets[1], own.to_json()) == (204, "")
     served.node.announced = True
-    status, _, body = await served.send(wallets[2], "GET", wire.PEERS)
+    status, _, body = await served.send(wallets[2], "GET", PEERS)
     listed = PeerList.from_json(body)
     assert {r.wallet for r in listed.peers} == {wallets[0].public_key_hex, wallets[1].public_key_hex}
     assert all(r.signature_valid() for r in listed.peers)
@@ -230,10 +245,10 @@ async def test_announce_takes_only_the_senders_own_valid_record(served, wallets)
 
 @pytest.mark.asyncio
 async def test_state_download_matches_the_signed_status(served, wallets) -> None:
-    status, _, body = await served.send(wallets[1], "GET", wire.STATUS)
+    status, _, body = await served.send(wallets[1], "GET", STATUS)
     info = StateInfo.from_json(body)
-    status, headers, body = await served.send(wallets[1], "GET", wire.STATE)
-    assert status == 200 and StateInfo.from_json(headers[wire.STATE_HEADER]) == info
+    status, headers, body = await served.send(wallets[1], "GET", STATE)
+    assert status == 200 and StateInfo.from_json(headers[STATE_HEADER]) == info
     theta, momentum = decode_state(body, info.numel, with_momentum=False)
     assert momentum is None
     assert hashlib.sha256(theta.numpy().astype("<f4").tobytes()).hexdigest() == info.theta_hash
@@ -243,9 +258,9 @@ async def test_state_download_matches_the_signed_status(served, wallets) -> None
 async def test_client_gone_mid_upload_changes_nothing(served, wallets) -> None:
     body = _record(wallets[1]).to_json()
     before, nonces = _fingerprint(served.node), len(served.node.nonces)
-    auth = sign_request(wallets[1], "POST", wire.ANNOUNCE, body, time.time())
+    auth = sign_request(wallets[1], "POST", ANNOUNCE, body, time.time())
     lines = [
-        f"POST {wire.ANNOUNCE} HTTP/1.1",
+        f"POST {ANNOUNCE} HTTP/1.1",
         f"Host: {served.server.host}",
         f"Content-Length: {len(body)}",
         *(f"{k}: {v}" for k, v in auth.items()),

@@ -14,8 +14,8 @@ from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.quorum import backing, quorum, tolerated, vouched
 from neuroshard.node.p2p.rounds import plurality
 from neuroshard.node.p2p.state import theta_sha256
-from neuroshard.node.p2p.wire import StateInfo
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import StateInfo
 
 H_A, H_B, H_X = "aa" * 32, "bb" * 32, "ee" * 32
 M_1, M_2 = "11" * 32, "22" * 32

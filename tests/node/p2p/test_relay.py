@@ -7,8 +7,9 @@ import pytest
 from neuroshard.cli.node_flags import build_parser, network_config_from_args
 from neuroshard.node.p2p.network import NetworkConfig
 from neuroshard.node.p2p.relay import decode_state_object, encode_state_object, is_relay, relay_address
-from neuroshard.node.p2p.wire import StateInfo, WireError
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import StateInfo
+from neuroshard.protocol.refusal import Refused
 
 
 def test_a_relay_address_parses_as_an_address_but_is_never_a_dialable_one() -> None:
@@ -27,7 +28,7 @@ def test_the_state_object_round_trips_and_refuses_bad_framing() -> None:
     got_info, got_body = decode_state_object(encode_state_object(info, body))
     assert got_info == info and got_body == body
     for bad in (b"", b"\x00\x00", b"\x00\x00\xff\xff" + b"{}", b"\x00\x00\x00\x02{}" + body):
-        with pytest.raises(WireError):
+        with pytest.raises(Refused):
             decode_state_object(bad)
 
 

@@ -11,11 +11,10 @@ import pytest
 import pytest_asyncio
 import torch
 from aiohttp import ClientSession, test_utils
+from tests_support import refused
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p import wire
-from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.p2p.replay import (
     SEGMENT,
     ReplayService,
@@ -30,6 +29,8 @@ from neuroshard.node.replay import InnerState, ReplayArchive, ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.signing import sign_request
 
 NUMEL, TENSORS = 50, 3
 OPERATOR = Wallet.from_token("replay-route-operator")
@@ -60,7 +61,7 @@ async def served(make_node, wallets) -> AsyncIterator[tuple[test_utils.TestServe
 
 async def _get(served, wallet: Wallet, round_: str) -> tuple[int, bytes]:  # type: ignore[no-untyped-def]
     server, session = served
-    path = wire.REPLAY.format(round=round_)
+    path = REPLAY.format(round=round_)
     async with session.get(
         server.make_url(path), headers=sign_request(wallet, "GET", path, b"", time.time())
     ) as r:
@@ -87,9 +88,9 @@ async def test_others_unheld_rounds_and_bad_rounds_are_refused(served, wallets) 
 
 def test_a_body_of_another_layout_is_malformed() -> None:
     body = encode_replay(_record(1))
-    with pytest.raises(wire.MalformedMessage):
+    with refused("malformed"):
         decode_replay(body, 1, NUMEL + 1, TENSORS)  # the verifier's model is another size
-    with pytest.raises(wire.MalformedMessage):
+    with refused("malformed"):
         decode_replay(body[:-4], 1, NUMEL, TENSORS)  # truncated
 
 

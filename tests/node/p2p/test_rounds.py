@@ -3,7 +3,7 @@
 import torch
 
 from neuroshard.node.p2p.rounds import RoundReport, ordered_mean, plurality
-from neuroshard.node.p2p.wire import StateInfo
+from neuroshard.protocol.peer import StateInfo
 
 
 def test_ordered_mean_is_the_mean_and_the_same_bits_whatever_the_thread_count() -> None:

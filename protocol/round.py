@@ -1,4 +1,4 @@
-"""The signed objects of a partitioned round (schemas and checks in the style of ``p2p.wire``).
+"""The outer round's messages: the signed objects of a partitioned round (``node.outer``).
 
 | object (name)              | signed by   | what it binds                                                  |
 |----------------------------|-------------|----------------------------------------------------------------|
@@ -22,16 +22,15 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
+from typing import Annotated
 
-from ..p2p.wire import (
-    _SIGNER,
-    ENCODINGS,
+from .refusal import invalid, malformed
+from .schema import (
     MAX_COUNT,
     MAX_NUMEL,
     MAX_STAGE,
-    InvalidMessage,
-    MalformedMessage,
     Message,
+    PublicKeyHex,
     Signed,
     choice,
     hex_bytes,
@@ -39,25 +38,24 @@ from ..p2p.wire import (
     list_of,
     message,
     parse_json,
-    schema,
     text,
 )
 
 MAX_MEMBERS = 4096
 """Replicas per stage a round takes (the partition has one part per member)."""
 MAX_REASON_CHARS = 300
+ENCODINGS = ("fp16", "int8")
+"""How a contribution's Δ is encoded on the wire (``node.p2p.codec``)."""
+
+Stage = Annotated[int, integer(0, MAX_STAGE)]
+Round = Annotated[int, integer(0, MAX_COUNT)]
+Sha256 = Annotated[str, hex_bytes(32)]
+Part = Annotated[int, integer(0, MAX_MEMBERS - 1)]
+Encoding = Annotated[str, choice(ENCODINGS)]
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-_ROUND = schema(
-    stage=integer(0, MAX_STAGE),
-    round=integer(0, MAX_COUNT),
-    base_hash=hex_bytes(32),
-    members_sha256=hex_bytes(32),
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,25 +65,16 @@ class RoundCommitment(Signed):
 
     NAME = "round commitment"
     DOMAIN = b"neuroshard/round-commitment/v1"
-    stage: int
-    round: int
-    base_hash: str
+    stage: Stage
+    round: Round
+    base_hash: Sha256
     """sha256 of θ_round the Δ was computed from (h_r)."""
-    members_sha256: str
+    members_sha256: Sha256
     """sha256 of the round's sorted member list: the partition the parts follow."""
-    tokens: int
-    encoding: str
-    numel: int
-    parts_root: str
-
-    FIELDS = schema(
-        _SIGNER,
-        _ROUND,
-        tokens=integer(0, MAX_COUNT),
-        encoding=choice(ENCODINGS),
-        numel=integer(1, MAX_NUMEL),
-        parts_root=hex_bytes(32),
-    )
+    tokens: Annotated[int, integer(0, MAX_COUNT)]
+    encoding: Encoding
+    numel: Annotated[int, integer(1, MAX_NUMEL)]
+    parts_root: Sha256
 
     def sha256(self) -> str:
         return sha256_hex(self.to_json())
@@ -94,10 +83,8 @@ class RoundCommitment(Signed):
 @dataclass(frozen=True, kw_only=True)
 class Dropped(Message):
     NAME = "dropped input"
-    wallet: str
-    reason: str
-
-    FIELDS = schema(wallet=hex_bytes(32), reason=text(MAX_REASON_CHARS))
+    wallet: PublicKeyHex
+    reason: Annotated[str, text(MAX_REASON_CHARS)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,20 +94,14 @@ class InputList(Message):
     banned). Its sha256 is in the owner's signed claim, so the list is the owner's statement."""
 
     NAME = "input list"
-    part: int
-    considered: tuple[RoundCommitment, ...]
-    dropped: tuple[Dropped, ...]
-
-    FIELDS = schema(
-        part=integer(0, MAX_MEMBERS - 1),
-        considered=list_of(message(RoundCommitment), MAX_MEMBERS),
-        dropped=list_of(message(Dropped), MAX_MEMBERS),
-    )
+    part: Part
+    considered: Annotated[tuple[RoundCommitment, ...], list_of(message(RoundCommitment), MAX_MEMBERS)]
+    dropped: Annotated[tuple[Dropped, ...], list_of(message(Dropped), MAX_MEMBERS)]
 
     def check(self) -> None:
         wallets = [c.wallet for c in self.considered]
         if wallets != sorted(set(wallets)):
-            raise InvalidMessage("input list: considered commitments must be in wallet order, one per wallet")
+            raise invalid("input list: considered commitments must be in wallet order, one per wallet")
 
     def sha256(self) -> str:
         return sha256_hex(self.to_json())
@@ -134,29 +115,18 @@ class AggregateClaim(Signed):
 
     NAME = "aggregate claim"
     DOMAIN = b"neuroshard/aggregate-claim/v1"
-    stage: int
-    round: int
-    base_hash: str
-    members_sha256: str
-    part: int
-    encoding: str
-    replaces: str
+    stage: Stage
+    round: Round
+    base_hash: Sha256
+    members_sha256: Sha256
+    part: Part
+    encoding: Encoding
+    replaces: Annotated[str, hex_bytes(32, empty_ok=True)]
     """The wallet whose part this backup took over ("" when the signer is the part's first owner)."""
-    inputs_sha256: str
-    accepted: int
+    inputs_sha256: Sha256
+    accepted: Annotated[int, integer(0, MAX_MEMBERS)]
     """How many inputs the screening kept (a count, so the claim stays small)."""
-    aggregate_sha256: str
-
-    FIELDS = schema(
-        _SIGNER,
-        _ROUND,
-        part=integer(0, MAX_MEMBERS - 1),
-        encoding=choice(ENCODINGS),
-        replaces=hex_bytes(32, empty_ok=True),
-        inputs_sha256=hex_bytes(32),
-        accepted=integer(0, MAX_MEMBERS),
-        aggregate_sha256=hex_bytes(32),
-    )
+    aggregate_sha256: Sha256
 
     def sha256(self) -> str:
         return sha256_hex(self.to_json())
@@ -172,20 +142,13 @@ class Echo(Signed):
 
     NAME = "echo"
     DOMAIN = b"neuroshard/echo/v1"
-    stage: int
-    round: int
-    base_hash: str
-    members_sha256: str
-    part: int
-    claims: tuple[AggregateClaim, ...]
+    stage: Stage
+    round: Round
+    base_hash: Sha256
+    members_sha256: Sha256
+    part: Part
+    claims: Annotated[tuple[AggregateClaim, ...], list_of(message(AggregateClaim), 1)]
     """The claim the witness gathered for the part, or () when it gathered none."""
-
-    FIELDS = schema(
-        _SIGNER,
-        _ROUND,
-        part=integer(0, MAX_MEMBERS - 1),
-        claims=list_of(message(AggregateClaim), 1),
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,21 +160,13 @@ class RoundDigest(Signed):
 
     NAME = "round digest"
     DOMAIN = b"neuroshard/round-digest/v2"
-    stage: int
-    round: int
-    base_hash: str
-    members_sha256: str
-    claims_sha256: str
-    frauds: tuple[int, ...]
-    equivocations: tuple[int, ...]
-
-    FIELDS = schema(
-        _SIGNER,
-        _ROUND,
-        claims_sha256=hex_bytes(32),
-        frauds=list_of(integer(0, MAX_MEMBERS - 1), 64),
-        equivocations=list_of(integer(0, MAX_MEMBERS - 1), 64),
-    )
+    stage: Stage
+    round: Round
+    base_hash: Sha256
+    members_sha256: Sha256
+    claims_sha256: Sha256
+    frauds: Annotated[tuple[int, ...], list_of(integer(0, MAX_MEMBERS - 1), 64)]
+    equivocations: Annotated[tuple[int, ...], list_of(integer(0, MAX_MEMBERS - 1), 64)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,9 +175,7 @@ class EquivocationProof(Message):
     round module checks that both are valid claims of the same chain position)."""
 
     NAME = "equivocation proof"
-    claims: tuple[AggregateClaim, ...]
-
-    FIELDS = schema(claims=list_of(message(AggregateClaim), 2))
+    claims: Annotated[tuple[AggregateClaim, ...], list_of(message(AggregateClaim), 2)]
 
 
 def claims_sha256(claims: dict[int, AggregateClaim]) -> str:
@@ -255,30 +208,30 @@ class FraudProof:
     @classmethod
     def decode(cls, data: bytes, max_header: int = 16 << 20) -> FraudProof:
         if len(data) < 8:
-            raise MalformedMessage("fraud proof is truncated")
+            raise malformed("fraud proof is truncated")
         (size,) = struct.unpack("<Q", data[:8])
         if size > min(max_header, len(data) - 8):
-            raise MalformedMessage(f"fraud proof header of {size} bytes does not fit")
+            raise malformed(f"fraud proof header of {size} bytes does not fit")
         header = parse_json(data[8 : 8 + size], "fraud proof")
         if not isinstance(header, dict) or set(header) != {"claim", "inputs", "sizes"}:
-            raise MalformedMessage("fraud proof header must hold exactly claim, inputs and sizes")
+            raise malformed("fraud proof header must hold exactly claim, inputs and sizes")
         claim = AggregateClaim.from_obj(header["claim"], "fraud proof claim")
         inputs = InputList.from_obj(header["inputs"], "fraud proof inputs")
         sizes = header["sizes"]
         if not isinstance(sizes, list) or len(sizes) != len(inputs.considered):
-            raise MalformedMessage("fraud proof sizes must list one (proof, part) size per considered input")
+            raise malformed("fraud proof sizes must list one (proof, part) size per considered input")
         parts, at = [], 8 + size
         for entry in sizes:
             if not (
                 isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)
             ):
-                raise MalformedMessage("fraud proof sizes must be pairs of non-negative integers")
+                raise malformed("fraud proof sizes must be pairs of non-negative integers")
             proof_len, part_len = entry
             end = at + proof_len + part_len
             if end > len(data):
-                raise MalformedMessage("fraud proof is shorter than its sizes say")
+                raise malformed("fraud proof is shorter than its sizes say")
             parts.append((data[at : at + proof_len], data[at + proof_len : end]))
             at = end
         if at != len(data):
-            raise MalformedMessage("fraud proof has trailing bytes")
+            raise malformed("fraud proof has trailing bytes")
         return cls(claim, inputs, tuple(parts))

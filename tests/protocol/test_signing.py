@@ -1,19 +1,20 @@
-"""The verifier checks the peer plane's request signatures (node.p2p): same headers, same bytes."""
+"""Signed requests (protocol/signing.py): one signing and one check for peers and the verifier."""
 
 import hashlib
 
 import pytest
+from tests_support import refused
 
-from neuroshard.node.p2p.auth import sign_request as p2p_sign_request
 from neuroshard.node.wallet import Wallet
-from neuroshard.verifier.auth import (
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.signing import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     WALLET_HEADER,
-    AuthError,
+    NonceCache,
+    request_signing_bytes,
     sign_request,
-    signing_message,
     verify_request,
 )
 
@@ -27,13 +28,15 @@ def signed(body: bytes = BODY) -> dict[str, str]:
 
 
 def test_message_is_the_peer_planes_request_bytes() -> None:
-    message = signing_message("post", "/api/x", b"hello", "12000", "ab" * 16)
+    message = request_signing_bytes(
+        "post", "/api/x", hashlib.sha256(b"hello").hexdigest(), "12000", "ab" * 16
+    )
     expected = "\n".join(["POST", "/api/x", hashlib.sha256(b"hello").hexdigest(), "12000", "ab" * 16])
     assert message == b"neuroshard/request/v1\n" + expected.encode()
 
 
 def test_a_request_signed_by_the_node_client_verifies() -> None:
-    headers = p2p_sign_request(WALLET, "POST", "/api/receipts", BODY, NOW)
+    headers = sign_request(WALLET, "POST", "/api/receipts", BODY, NOW)
     who = verify_request(headers, "POST", "/api/receipts", BODY, now=NOW + 5)
     assert who.public_key_hex == WALLET.public_key_hex
     assert who.wallet_id == WALLET.wallet_id
@@ -46,15 +49,15 @@ def test_a_request_signed_by_the_node_client_verifies() -> None:
     [("PUT", "/api/receipts", BODY), ("POST", "/api/register", BODY), ("POST", "/api/receipts", b'{"a":2}')],
 )
 def test_any_change_to_method_path_or_body_breaks_the_signature(method: str, path: str, body: bytes) -> None:
-    with pytest.raises(AuthError, match="bad signature") as err:
+    with pytest.raises(Refused, match="bad signature") as err:
         verify_request(signed(), method, path, body, now=NOW)
-    assert err.value.status == 401
+    assert err.value.code == "bad_signature"
 
 
 def test_swapping_in_another_wallet_key_is_forgery() -> None:
     headers = signed()
     headers[WALLET_HEADER] = Wallet.from_token("someone else").public_key_hex
-    with pytest.raises(AuthError, match="bad signature"):
+    with pytest.raises(Refused, match="bad signature"):
         verify_request(headers, "POST", "/api/receipts", BODY, now=NOW)
 
 
@@ -62,13 +65,13 @@ def test_changing_the_timestamp_or_nonce_breaks_the_signature() -> None:
     for header, value in ((TIMESTAMP_HEADER, str(int(NOW * 1000) + 1)), (NONCE_HEADER, "00" * 16)):
         headers = signed()
         headers[header] = value
-        with pytest.raises(AuthError, match="bad signature"):
+        with pytest.raises(Refused, match="bad signature"):
             verify_request(headers, "POST", "/api/receipts", BODY, now=NOW)
 
 
 @pytest.mark.parametrize("skew", [-61, 61, 10_000])
 def test_stale_or_future_timestamps_are_refused(skew: int) -> None:
-    with pytest.raises(AuthError, match="stale request"):
+    with refused("stale", match="stale request"):
         verify_request(signed(), "POST", "/api/receipts", BODY, now=NOW + skew, window_s=60)
 
 
@@ -80,7 +83,7 @@ def test_edge_of_the_window_is_accepted() -> None:
 def test_each_header_is_required(missing: str) -> None:
     headers = signed()
     del headers[missing]
-    with pytest.raises(AuthError, match=f"unsigned request: missing {missing}"):
+    with refused("unsigned", match=rf"missing auth header\(s\) {missing}"):
         verify_request(headers, "POST", "/api/receipts", BODY, now=NOW)
 
 
@@ -100,9 +103,18 @@ def test_each_header_is_required(missing: str) -> None:
 def test_malformed_headers_are_refused_before_any_crypto(header: str, value: str) -> None:
     headers = signed()
     headers[header] = value
-    with pytest.raises(AuthError, match=f"malformed {header}"):
+    with refused("bad_auth", match=f"{header} must be"):
         verify_request(headers, "POST", "/api/receipts", BODY, now=NOW)
 
 
 def test_fresh_nonce_per_request() -> None:
     assert signed()[NONCE_HEADER] != signed()[NONCE_HEADER]
+
+
+def test_nonce_cache_refuses_a_replay_and_says_busy_when_full() -> None:
+    cache = NonceCache(window_s=60.0, max_entries=1)
+    assert cache.add("w", "n1", NOW, NOW)
+    assert not cache.add("w", "n1", NOW, NOW + 1)
+    with refused("busy"):
+        cache.add("w", "n2", NOW, NOW + 1)
+    assert cache.add("w", "n2", NOW, NOW + 61)  # n1 expired at NOW + 60: room again
