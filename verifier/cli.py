@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import torch
 
-from neuroshard.node.roster import POLICIES
+from neuroshard.protocol.roster import POLICIES
 
 from .budget import ReplayBudget, segment_check_cost
 from .config import VerifierConfig

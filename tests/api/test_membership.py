@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
 from neuroshard.api.testing import ADDRESS, OPERATOR, Harness, test_config
-from neuroshard.node.roster import MemberList, Roster, solve_pow
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import MemberList, Roster, solve_pow
 from neuroshard.verifier import models as m
 from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.ratelimit import SourceLimitConfig, source_key
