@@ -2,8 +2,8 @@
 
 | route                              | what                                                         |
 |------------------------------------|--------------------------------------------------------------|
-| GET  /api/stages/{stage}/members   | node.roster.MemberList of the stage at its epoch, signed      |
-| GET  /api/roster                   | the operator's roster in force (node.roster.Roster), or 404   |
+| GET  /api/stages/{stage}/members   | protocol.roster.MemberList of the stage at its epoch, signed      |
+| GET  /api/roster                   | the operator's roster in force (protocol.roster.Roster), or 404   |
 | GET  /api/admission                | policy, rounds and spot checks to earn admission, PoW bits    |
 | POST /api/admin/roster             | operator-signed request carrying an operator-signed Roster    |
 
@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
-from neuroshard.node.roster import Roster
 from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.roster import Roster
 from neuroshard.verifier import ledger, members
 
 from .cache import Rendered, cached_response, etag_of
@@ -74,7 +74,7 @@ def stage_members(
 
 @router.get("/api/roster", responses={200: {"content": {"application/json": {}}}, 404: {"model": ErrorOut}})
 def roster(request: Request, services: ServicesDep) -> Response:
-    """The operator-signed roster in force (node.roster.Roster), exactly as accepted."""
+    """The operator-signed roster in force (protocol.roster.Roster), exactly as accepted."""
     with services.db.read() as session:
         held = members.current_roster(session, now=services.now())
     if held is None:
@@ -107,7 +107,7 @@ def admission(services: ServicesDep) -> AdmissionOut:
     "/api/admin/roster", response_model=WriteAck, responses=_ROSTER_ERRORS, tags=["operator"], status_code=200
 )
 def post_roster(auth: Signed, services: ServicesDep) -> WriteAck:
-    """Operator only: install a roster (node.roster.Roster, signed by the operator key). A newer
+    """Operator only: install a roster (protocol.roster.Roster, signed by the operator key). A newer
     version replaces the one in force; an older one, or an expired one, is refused."""
     cfg = services.config
     if auth.signed.public_key_hex != cfg.operator.public_key_hex:

@@ -261,7 +261,7 @@ class CoverageOut(_Out):
 
 
 class MemberListOut(_Out):
-    """node.roster.MemberList: one stage's members at one epoch, signed by the verifier's key.
+    """protocol.roster.MemberList: one stage's members at one epoch, signed by the verifier's key.
     Check it with `MemberList.from_json(body).verify(operator_key, network=..., now=...)`."""
 
     wallet: str = Field(description="The signer: the verifier's (operator's) public key, hex.")
@@ -290,7 +290,7 @@ class AdmissionOut(_Out):
     admission_rounds: int = Field(description="Settled rounds with the stage majority a probationer needs.")
     spot_checks_required: int = Field(description="Replay spot checks passed before admission (stage 0).")
     pow_bits: int = Field(
-        description="Leading zero bits of sha256(node.roster.POW_DOMAIN, network, public key, pow_nonce) "
+        description="Leading zero bits of sha256(protocol.roster.POW_DOMAIN, network, public key, pow_nonce) "
         "a new wallet's registration needs; 0: none."
     )
     new_wallets_per_source_per_hour: float | None = Field(description="None: not limited.")

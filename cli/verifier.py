@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch
 
 from neuroshard.api.app import create_app
-from neuroshard.node.roster import POLICIES
+from neuroshard.protocol.roster import POLICIES
 from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.db import DatabaseURLError, normalise_url

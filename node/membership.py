@@ -31,10 +31,8 @@ import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .roster import MemberList
+from neuroshard.protocol.roster import MemberList
 
 POLICIES = ("allowlist", "probation")
 

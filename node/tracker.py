@@ -36,6 +36,7 @@ from typing import Any, TypeAlias
 from neuroshard.protocol import refusal
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.roster import MemberList, RosterError, solve_pow
 from neuroshard.protocol.signing import sign_request
 
 from .network_definition import (
@@ -45,7 +46,6 @@ from .network_definition import (
     NetworkError,
     verify_network,
 )
-from .roster import MemberList, RosterError, solve_pow
 from .wallet import Wallet
 
 Log = Callable[[str], None]

@@ -22,6 +22,8 @@ Modules and their messages:
 - `pipeline`  the pipeline's headers: `ActivationHeader`, `GradientReply`, `micro_batch_id`
 - `round`     the outer round's objects: `RoundCommitment`, `InputList`, `Dropped`,
               `AggregateClaim`, `Echo`, `RoundDigest`, `EquivocationProof`, `FraudProof`
+- `roster`    membership documents: the operator's `Roster` (with `RosterStage`), the verifier's
+              `MemberList`, and the registration proof of work (`solve_pow`, `pow_ok`)
 - `reports`   what a node tells the verifier: `RegisterRequest`, `HeartbeatRequest`, `Receipt`
               (with `DataSpan`, `AcceptedContribution`, `RejectedContribution`), and the
               operator's `ReinstateRequest`

@@ -55,7 +55,7 @@ class RegisterRequest(Message):
     software_version: Annotated[str, matching(r"[0-9A-Za-z.+\-_]{1,64}", 64, "a version string")]
     """neuroshard version string of the node, e.g. 0.1.0."""
     pow_nonce: Annotated[int | None, optional(integer(0, 2**63 - 1))] = None
-    """Registration proof of work (node.roster.solve_pow): required for a new wallet when the
+    """Registration proof of work (protocol.roster.solve_pow): required for a new wallet when the
     verifier asks for one (GET /api/admission: pow_bits > 0)."""
 
 

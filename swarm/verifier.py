@@ -23,8 +23,8 @@ from typing import Any
 
 from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import Roster
 from neuroshard.protocol.signing import sign_request
 
 STARTUP_TIMEOUT_S = 60.0
@@ -43,7 +43,7 @@ class SwarmVerifier:
     def install_roster(
         self, home: Path, network: str, stages: dict[int, list[str]], days: float = 7.0
     ) -> None:
-        """Sign the operator's roster (node.roster.Roster: these wallets per stage) with the key under
+        """Sign the operator's roster (protocol.roster.Roster: these wallets per stage) with the key under
         `home` and POST it to /api/admin/roster, as an operator would for an allowlist run."""
         key, _ = load_or_create_signing_key(home / "operator.key")
         operator = Wallet(key)

@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from neuroshard.node.roster import MAX_POW_BITS
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import MAX_POW_BITS
 from neuroshard.protocol.signing import FRESHNESS_WINDOW_S
 
 from .evaluator import EvaluatorConfig
@@ -66,7 +66,7 @@ class VerifierConfig:
     registration_limit: SourceLimitConfig | None = field(default_factory=SourceLimitConfig)
     """New wallets per source address (429 beyond); None: unlimited."""
     registration_pow_bits: int = 0
-    """Leading zero bits of the hashcash a new wallet's registration must carry (node.roster.pow_ok):
+    """Leading zero bits of the hashcash a new wallet's registration must carry (protocol.roster.pow_ok):
     ~2^bits sha256 per wallet, 20 ≈ 1 s and 24 ≈ 15 s of one core. 0: none asked."""
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     """Who counts in a stage: open, probation or allowlist (verifier.members; issue 19)."""

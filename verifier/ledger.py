@@ -30,10 +30,10 @@ from sqlalchemy import ColumnElement, case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from neuroshard.node.roster import pow_ok
 from neuroshard.protocol import refusal
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.roster import pow_ok
 from neuroshard.protocol.signing import SignedBy
 
 from . import members
@@ -58,7 +58,7 @@ class LedgerConfig:
     network_name: str = ""
     """The run's name: a registration proof of work is bound to it."""
     registration_pow_bits: int = 0
-    """Proof of work a new wallet's registration must carry (node.roster.pow_ok); 0: none."""
+    """Proof of work a new wallet's registration must carry (protocol.roster.pow_ok); 0: none."""
 
 
 def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float) -> None:
@@ -125,7 +125,7 @@ def register(
             raise Refused(
                 "pow_required",
                 f"registering a new wallet needs a proof of work: a pow_nonce whose sha256 has {bits} leading "
-                f"zero bits (node.roster.solve_pow; GET /api/admission); {given}",
+                f"zero bits (protocol.roster.solve_pow; GET /api/admission); {given}",
             )
         wallet = m.Wallet(
             wallet_id=signed.wallet_id,

@@ -1,7 +1,7 @@
 """Membership with a price (issue 19): who counts in a stage, and the signed member list.
 
 A wallet costs nothing to make, so the verifier does not let new wallets count. Policies
-(`MembershipConfig.policy`, node.roster.POLICIES):
+(`MembershipConfig.policy`, protocol.roster.POLICIES):
 
 - ``open``: every registered wallet is an admitted member at once (no Sybil defence; the
   behaviour before issue 19, and the default until the run definition names a policy);
@@ -13,11 +13,11 @@ A wallet costs nothing to make, so the verifier does not let new wallets count. 
   failed spot check sends an admitted member back to probation. The operator's roster admits
   its wallets directly; while a stage has fewer than `genesis_members` admitted members and
   the roster names none, a registering wallet is admitted at once (a run must start somewhere);
-- ``allowlist``: only the wallets on the operator's signed roster (node.roster.Roster) may
+- ``allowlist``: only the wallets on the operator's signed roster (protocol.roster.Roster) may
   register for the stage, and only they count.
 
 Every change of a stage's membership bumps its epoch (stage_epochs); GET
-/api/stages/{stage}/members serves the stage's `node.roster.MemberList` at its current epoch,
+/api/stages/{stage}/members serves the stage's `protocol.roster.MemberList` at its current epoch,
 signed with the verifier's key. A refused wallet (reputation) is on no list.
 """
 
@@ -30,9 +30,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from neuroshard.node.roster import MAX_LISTED, POLICIES, MemberList, Roster, RosterError
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.roster import MAX_LISTED, POLICIES, MemberList, Roster, RosterError
 
 from . import models as m
 
@@ -40,7 +40,7 @@ from . import models as m
 @dataclass(kw_only=True)
 class MembershipConfig:
     policy: str = "open"
-    """node.roster.POLICIES: 'open', 'probation' or 'allowlist'."""
+    """protocol.roster.POLICIES: 'open', 'probation' or 'allowlist'."""
     admission_rounds: int = 3
     """Settled rounds a probationer must agree with its stage's majority. With H=500 inner steps a
     round is minutes to hours of real training: each admitted wallet costs that much verified work."""

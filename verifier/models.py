@@ -267,7 +267,7 @@ class StageEpoch(Base):
 
 
 class RosterRow(Base):
-    """An operator-signed roster (node.roster.Roster) the verifier accepted; the highest
+    """An operator-signed roster (protocol.roster.Roster) the verifier accepted; the highest
     version not yet expired is in force."""
 
     __tablename__ = "rosters"

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
-from neuroshard.node.roster import MemberList, Roster, solve_pow
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import MemberList, Roster, solve_pow
 from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, test_config
 from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import models as m

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuroshard.node.p2p.auth import status_of
-from neuroshard.node.roster import MemberList, Roster, RosterStage
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import ErrorReply, PeerList, PeerRecord, StateInfo
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.roster import MemberList, Roster, RosterStage
 from neuroshard.protocol.round import (
     AggregateClaim,
     Dropped,

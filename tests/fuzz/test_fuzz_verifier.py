@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuroshard.api.app import create_app
-from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest, ReinstateRequest
+from neuroshard.protocol.roster import Roster
 from neuroshard.protocol.schema import Message
 from neuroshard.protocol.signing import (
     NONCE_HEADER,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select
 
-from neuroshard.node.roster import MemberList, Roster
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import Receipt, RegisterRequest
+from neuroshard.protocol.roster import MemberList, Roster
 from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger, members
 from neuroshard.verifier import models as m

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from neuroshard.node.roster import Roster
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import Receipt, RegisterRequest
+from neuroshard.protocol.roster import Roster
 from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger, members
 from neuroshard.verifier import models as m

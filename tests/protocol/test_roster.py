@@ -1,4 +1,4 @@
-"""The signed membership documents a node checks (node.roster), and the registration hashcash."""
+"""The signed membership documents a node checks (protocol.roster), and the registration hashcash."""
 
 import time
 from dataclasses import replace
@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 from tests_support import refused
 
-from neuroshard.node.roster import MemberList, Roster, RosterError, pow_ok, solve_pow
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import MemberList, Roster, RosterError, pow_ok, solve_pow
 
 OPERATOR = Wallet.from_token("roster-operator")
 OTHER = Wallet.from_token("roster-other")

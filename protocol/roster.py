@@ -1,5 +1,5 @@
 """Signed membership documents (issue 19), shared by the verifier that signs them and the node
-that checks them. Dependency-free beyond the peer plane's wire machinery: no HTTP, no database.
+that checks them, and the registration proof of work. No HTTP, no database.
 
 - `Roster`: the operator's allowlist, signed by the operator key: a version (a newer one
   replaces an older), an expiry, and the admitted wallets of each stage. The verifier accepts
