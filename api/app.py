@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuroshard.protocol.refusal import Refused
 from neuroshard.verifier import ledger
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import Evaluator
 from neuroshard.verifier.leader import Job, LeaderLease
@@ -76,6 +77,9 @@ class BodySizeLimit:
 
 
 def create_app(config: VerifierConfig) -> FastAPI:
+    """The verifier process wired once from `config`: the routes' Services (api.services) and
+    the background jobs, which share one JobContext (verifier.background) and run only in the
+    process that holds the leader lease (verifier.leader)."""
     services = Services.build(config)
 
     def start() -> None:
@@ -83,35 +87,18 @@ def create_app(config: VerifierConfig) -> FastAPI:
         with services.db.write() as session:
             ledger.purge_nonces(session, now=services.now())
 
+    # The background jobs' collaborators, once for all of them; each job adds its own config.
+    ctx = JobContext(
+        db=services.db, network=config.network, operator=config.operator, log=log.info,
+        reputation=config.reputation, clock=config.clock,
+    )  # fmt: skip
     jobs: list[Callable[[], Job]] = []
     if config.live_evaluation is not None:
-        live_evaluation = config.live_evaluation
-        jobs.append(
-            lambda: Evaluator(
-                db=services.db,
-                network=config.network,
-                operator=config.operator,
-                log=log.info,
-                config=live_evaluation,
-                clock=config.clock,
-                peer_ttl_s=config.peer_ttl_s,
-                reputation=config.reputation,
-            )
-        )
+        evaluation = config.live_evaluation
+        jobs.append(lambda: Evaluator(ctx, config=evaluation, peer_ttl_s=config.peer_ttl_s))
     if config.replay_checks is not None:
-        replay_checks = config.replay_checks
-        jobs.append(
-            lambda: ReplayChecker(
-                db=services.db,
-                network=config.network,
-                operator=config.operator,
-                reputation=config.reputation,
-                log=log.info,
-                config=replay_checks,
-                clock=config.clock,
-                membership=config.membership,
-            )
-        )
+        replays = config.replay_checks
+        jobs.append(lambda: ReplayChecker(ctx, config=replays, membership=config.membership))
     # Evaluations and replay spot checks run in one process of all that share the database;
     # each job has its own threads, so a measurement never holds up a request.
     lease = LeaderLease(services.db, jobs, config=config.lease, log=log.info)

@@ -1,13 +1,18 @@
-"""What the verifier's background jobs share (verifier.evaluator, verifier.replaycheck).
+"""What the verifier's background jobs share (verifier.evaluator, verifier.datacheck,
+verifier.replaycheck).
 
-Each job polls on a thread of its own (`PollingThread`), opens the run's data set from the
-network definition (`open_run_dataset`), and fetches material from nodes' peer plane with GETs
-signed by the operator wallet (`signed_get`).
+Each job is built from one `JobContext` (the database, the run's network definition, the
+operator wallet, the log, the clock, the reputation config; built once by the verifier's
+composition root, api.app.create_app, from its VerifierConfig) and its own config. It polls on a
+thread of its own (`PollingThread`), opens the run's data set from the network definition
+(`open_run_dataset`), and fetches material from nodes' peer plane with GETs signed by the
+operator wallet (`signed_get`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +25,30 @@ from neuroshard.data.fetch import FetchConfig
 from neuroshard.node.p2p.auth import sign_request
 from neuroshard.node.wallet import Wallet
 
+from .db import Database
 from .network import NetworkDefinition
+from .reputation import ReputationConfig
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobContext:
+    """What every background job of the verifier works with, whatever its own config says.
+    Built once per verifier process (api.app.create_app) and handed to each job."""
+
+    db: Database
+    """The verifier's database: receipts read, verdicts and measurements written."""
+    network: NetworkDefinition
+    """The run's definition: model, stages, DiLoCo, data set and its publisher key."""
+    operator: Wallet
+    """The operator wallet: signs the jobs' peer-plane GETs and seeds their sampling."""
+    log: Log
+    """Where the jobs' lines go (the neuroshard.verifier logger, a list in tests)."""
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
+    """What a failed check costs and where a wallet is refused (ledger.record_receipt_check)."""
+    clock: Callable[[], float] = time.time
+    """Unix seconds; injected so tests can move time."""
 
 
 @dataclass

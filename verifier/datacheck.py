@@ -15,7 +15,6 @@ its own sample: it costs a round of compute per receipt where this costs microse
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,12 @@ from sqlalchemy import func, select
 
 from neuroshard.data import Manifest, assign_shards, read_manifest
 from neuroshard.data.fetch import FetchConfig, fetch_manifest
-from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import DataSpan
 
 from . import ledger
 from . import models as m
-from .db import Database
+from .background import JobContext
 from .network import NetworkDefinition
-from .reputation import ReputationConfig
 from .sampling import sampled
 from .spotcheck import check_data_spans
 
@@ -71,26 +68,19 @@ def receipt_problems(receipt: m.Receipt, manifest: Manifest, network: NetworkDef
 
 
 class DataChecker:
+    """Checks the data spans of a sample of new stage-0 receipts; run by the evaluator's thread."""
+
     def __init__(
         self,
+        ctx: JobContext,
         *,
-        db: Database,
-        network: NetworkDefinition,
-        operator: Wallet,
-        reputation: ReputationConfig,
-        log: Log,
         config: DataCheckConfig | None = None,
         manifest: Callable[[], Manifest] | None = None,
-        clock: Callable[[], float] = time.time,
     ) -> None:
-        self.db = db
-        self.network = network
-        self.operator = operator
-        self.reputation = reputation
+        """`manifest`: a loader in place of the run's published manifest (tests)."""
+        self.ctx = ctx
         self.config = config or DataCheckConfig()
-        self._log = log
-        self._clock = clock
-        self._load_manifest = manifest or (lambda: load_manifest(network, log))
+        self._load_manifest = manifest or (lambda: load_manifest(ctx.network, ctx.log))
         self._manifest: Manifest | None = None
         self.last_id: int | None = None
         """Receipts up to this id were looked at; None until the first pass, which starts at the
@@ -100,10 +90,10 @@ class DataChecker:
 
     def run_once(self) -> None:
         if self.last_id is None:
-            with self.db.read() as session:
+            with self.ctx.db.read() as session:
                 self.last_id = session.scalar(select(func.max(m.Receipt.id))) or 0
             return
-        with self.db.read() as session:
+        with self.ctx.db.read() as session:
             receipts = session.scalars(
                 select(m.Receipt)
                 .where(m.Receipt.id > self.last_id, m.Receipt.stage == 0)
@@ -114,7 +104,7 @@ class DataChecker:
         for receipt in receipts:
             self.last_id = receipt.id
             if sampled(
-                self.operator,
+                self.ctx.operator,
                 "data",
                 receipt.wallet_id,
                 receipt.stage,
@@ -126,19 +116,19 @@ class DataChecker:
     def check(self, receipt: m.Receipt) -> None:
         if self._manifest is None:
             self._manifest = self._load_manifest()
-        problems = receipt_problems(receipt, self._manifest, self.network)
+        problems = receipt_problems(receipt, self._manifest, self.ctx.network)
         ok = not problems
         detail = "data spans follow the wallet's shard order" if ok else "; ".join(problems)
-        with self.db.write() as session:
+        with self.ctx.db.write() as session:
             ledger.record_receipt_check(
                 session,
                 receipt,
                 ok=ok,
                 detail=f"data check: {detail}",
-                now=self._clock(),
-                cfg=self.reputation,
+                now=self.ctx.clock(),
+                cfg=self.ctx.reputation,
             )
         self.checked += 1
         if not ok:
             self.failed += 1
-            self._log(f"data check: {receipt.wallet_id} round {receipt.round} failed: {detail}")
+            self.ctx.log(f"data check: {receipt.wallet_id} round {receipt.round} failed: {detail}")

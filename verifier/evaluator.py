@@ -30,7 +30,6 @@ would hand a newcomer now. With one stage this is plain DiLoCo's majority θ.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import Message
@@ -46,19 +45,16 @@ from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.model_file import MODELS_DIR, StageProvenance, save_round_model
 from neuroshard.node.p2p.codec import decode_state, state_size_bound
 from neuroshard.node.p2p.state import theta_sha256
-from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import STATE, STATE_HEADER, StateInfo
 from neuroshard.protocol.refusal import Refused
 from neuroshard.tokenizer import BPETokenizer
 
 from . import ledger
 from . import models as m
-from .background import PollingThread, open_run_dataset, signed_get
+from .background import JobContext, PollingThread, open_run_dataset, signed_get
 from .datacheck import DataCheckConfig, DataChecker
-from .db import Database
 from .evaluate import LossMeasurement, measure_loss, stage_hash
 from .network import NetworkDefinition
-from .reputation import ReputationConfig
 
 Log = Callable[[str], None]
 
@@ -153,24 +149,17 @@ class Evaluator:
 
     def __init__(
         self,
+        ctx: JobContext,
         *,
-        db: Database,
-        network: NetworkDefinition,
-        operator: Wallet,
-        log: Log,
         config: EvaluatorConfig | None = None,
         held_out: Callable[[], Tensor] | None = None,
         tokenizer: Callable[[], BPETokenizer] | None = None,
-        clock: Callable[[], float] = time.time,
         peer_ttl_s: float = 90.0,
-        reputation: ReputationConfig | None = None,
     ) -> None:
+        """`held_out`, `tokenizer`: loaders in place of the run's data set (tests). `peer_ttl_s`:
+        a replica is asked for its state while its last heartbeat is younger than this."""
         self.config = config or EvaluatorConfig()
-        self.db = db
-        self.network = network
-        self.operator = operator
-        self._log = log
-        self._clock = clock
+        self.ctx = ctx
         self._peer_ttl_s = peer_ttl_s
         self._held_out: Tensor | None = None
         self._tokenizer: BPETokenizer | None = None
@@ -178,27 +167,18 @@ class Evaluator:
         """The newest round this process kept a file of; an older one is not kept after it."""
         self._load_held_out = held_out or (lambda: self._load_data()[0])
         self._load_tokenizer = tokenizer or (lambda: self._load_data()[1])
-        stages = range(network.num_stages)
+        network = ctx.network
         self._numel = [
             sum(p.numel() for p in build_stage(network.model, s, network.num_stages).parameters())
-            for s in stages
+            for s in range(network.num_stages)
         ]
         self.pending: dict[int, Model] = {}
         """Fetched models waiting for their rounds to settle, by stage 0's round."""
         self.last_fetched = -1
         self.measured: list[tuple[int, LossMeasurement]] = []
-        self._loop = PollingThread("evaluator", self.run_once, self.config.poll_s, log, "evaluator")
-        self.checker: DataChecker | None = None
-        if self.config.data_checks is not None and reputation is not None:
-            self.checker = DataChecker(
-                db=db,
-                network=network,
-                operator=operator,
-                reputation=reputation,
-                log=log,
-                config=self.config.data_checks,
-                clock=clock,
-            )
+        self._loop = PollingThread("evaluator", self.run_once, self.config.poll_s, ctx.log, "evaluator")
+        checks = self.config.data_checks
+        self.checker = None if checks is None else DataChecker(ctx, config=checks)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -219,11 +199,11 @@ class Evaluator:
                 self.checker.run_once()
 
     def _maybe_fetch(self) -> None:
-        every = self.network.evaluate_every_rounds
-        with self.db.read() as session:
+        every = self.ctx.network.evaluate_every_rounds
+        with self.ctx.db.read() as session:
             latest = session.scalar(select(func.max(m.HashVote.round)).where(m.HashVote.stage == 0))
             measured = session.scalar(select(func.max(m.Evaluation.round)))
-            peers = [self._live_replicas(session, s) for s in range(self.network.num_stages)]
+            peers = [self._live_replicas(session, s) for s in range(self.ctx.network.num_stages)]
         if latest is None:
             return  # no receipt yet: no round result anyone voted on
         done = max(self.last_fetched, -1 if measured is None else measured)
@@ -241,7 +221,7 @@ class Evaluator:
         while len(self.pending) > self.config.max_pending:
             dropped = min(self.pending)
             del self.pending[dropped]
-            self._log(f"evaluator: round {dropped} never settled; dropped its fetched state")
+            self.ctx.log(f"evaluator: round {dropped} never settled; dropped its fetched state")
 
     def _live_replicas(self, session: Session, stage: int) -> list[tuple[str, str]]:
         """(address, wallet id) of the stage's live, active replicas, best reputation first."""
@@ -251,7 +231,7 @@ class Evaluator:
             .where(
                 m.Peer.stage == stage,
                 m.Wallet.status == m.STATUS_ACTIVE,
-                m.Peer.last_heartbeat >= self._clock() - self._peer_ttl_s,
+                m.Peer.last_heartbeat >= self.ctx.clock() - self._peer_ttl_s,
             )
             .order_by(m.Wallet.reputation.desc(), m.Wallet.wallet_id)
         ).all()
@@ -266,7 +246,7 @@ class Evaluator:
         return None
 
     def _majority(self, stage: int, round_: int) -> str | None:
-        with self.db.read() as session:
+        with self.ctx.db.read() as session:
             settled = session.get(m.Round, (stage, round_))
             return None if settled is None else settled.majority_hash
 
@@ -280,20 +260,20 @@ class Evaluator:
             minority = [(f, h) for f, h in zip(model, majorities, strict=True) if f.theta_hash != h]
             if minority:
                 for f, h in minority:
-                    self._log(
+                    self.ctx.log(
                         f"evaluator: stage {f.stage} θ_{f.round} from {f.wallet_id} ({f.theta_hash[:16]}) is not "
                         f"the majority ({(h or '')[:16]}); not measured"
                     )
                 continue
             stages = self.build(model)
             result = self.measure(stages)
-            with self.db.write() as session:
+            with self.ctx.db.write() as session:
                 ledger.record_evaluation(
-                    session, round_, result.loss, result.tokens, stderr=result.stderr, now=self._clock()
+                    session, round_, result.loss, result.tokens, stderr=result.stderr, now=self.ctx.clock()
                 )
             self.measured.append((round_, result))
             rounds = ", ".join(f"stage {f.stage} θ_{f.round} {f.theta_hash[:16]}" for f in model)
-            self._log(
+            self.ctx.log(
                 f"evaluator: round {round_} held-out loss {result.loss:.4f} "
                 f"(± {result.stderr or 0.0:.4f}, {result.tokens} tokens) on the majority model ({rounds})"
             )
@@ -301,10 +281,10 @@ class Evaluator:
 
     def build(self, model: Model) -> list[Transformer]:
         """Every stage loaded with its fetched θ and re-hashed, stage 0 first."""
-        num_stages = self.network.num_stages
+        num_stages = self.ctx.network.num_stages
         stages = []
         for fetched in model:
-            stage = build_stage(self.network.model, fetched.stage, num_stages)
+            stage = build_stage(self.ctx.network.model, fetched.stage, num_stages)
             copy_into_parameters(fetched.theta, stage.parameters())
             if stage_hash(stage) != fetched.theta_hash:
                 raise ValueError(
@@ -320,8 +300,8 @@ class Evaluator:
         return measure_loss(
             stages,
             self._held_out,
-            self.network.batch_size,
-            self.network.seq_len,
+            self.ctx.network.batch_size,
+            self.ctx.network.seq_len,
             max_batches=self.config.max_batches,
         )
 
@@ -329,7 +309,9 @@ class Evaluator:
 
     def _load_data(self) -> tuple[Tensor, BPETokenizer]:
         if self._held_out is None or self._tokenizer is None:
-            self._held_out, self._tokenizer = load_held_out(self.network, self.config.cache_dir, self._log)
+            self._held_out, self._tokenizer = load_held_out(
+                self.ctx.network, self.config.cache_dir, self.ctx.log
+            )
         return self._held_out, self._tokenizer
 
     def tokenizer(self) -> BPETokenizer:
@@ -342,7 +324,7 @@ class Evaluator:
         if self.config.models_dir is not None and round_ < self._newest_kept:
             # Pipeline stages settle out of order: a round judged after a later one is measured
             # but not kept, since a round file past the one written counts as an earlier run's.
-            self._log(f"evaluator: round {round_} judged after round {self._newest_kept}: not kept")
+            self.ctx.log(f"evaluator: round {round_} judged after round {self._newest_kept}: not kept")
         elif self.config.models_dir is not None:
             self._newest_kept = round_
             provenance = [StageProvenance(f.stage, f.round, f.theta_hash) for f in model]
@@ -350,20 +332,20 @@ class Evaluator:
                 path = save_round_model(
                     self.config.models_dir,
                     round_,
-                    self.network.model,
+                    self.ctx.network.model,
                     stages,
                     provenance,
                     self.tokenizer(),
                     keep=self.config.keep_models,
                 )
-                self._log(f"evaluator: round {round_}'s majority model kept as {path}")
+                self.ctx.log(f"evaluator: round {round_}'s majority model kept as {path}")
             except (OSError, ValueError) as exc:
-                self._log(f"evaluator: round {round_}'s majority model not kept: {exc}")
+                self.ctx.log(f"evaluator: round {round_}'s majority model not kept: {exc}")
         try:
             if self._sample_due():
                 self.store_sample(round_, stages)
         except (OSError, ValueError) as exc:
-            self._log(f"evaluator: round {round_}: no text sample: {exc}")
+            self.ctx.log(f"evaluator: round {round_}: no text sample: {exc}")
 
     def _sample_due(self) -> bool:
         """True for the first evaluation and then once `sample_every` more were recorded since
@@ -371,7 +353,7 @@ class Evaluator:
         every = self.config.sample_every
         if every == 0:
             return False
-        with self.db.read() as session:
+        with self.ctx.db.read() as session:
             last = session.scalar(select(func.max(m.TextSample.round)))
             since = select(func.count()).select_from(m.Evaluation)
             if last is not None:
@@ -384,11 +366,11 @@ class Evaluator:
         cfg = self.config.sampling
         text = sample_text(
             nn.Sequential(*stages), tokenizer, self.config.sample_prompt, cfg,
-            max_seq_len=self.network.model.max_seq_len,
+            max_seq_len=self.ctx.network.model.max_seq_len,
         )  # fmt: skip
         # Byte tokens can spell NUL, which PostgreSQL's text type refuses.
         text = text.replace("\x00", "\N{REPLACEMENT CHARACTER}")
-        with self.db.write() as session:
+        with self.ctx.db.write() as session:
             session.merge(
                 m.TextSample(
                     round=round_,
@@ -397,10 +379,10 @@ class Evaluator:
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature,
                     seed=cfg.seed,
-                    created_at=self._clock(),
+                    created_at=self.ctx.clock(),
                 )
             )
-        self._log(f"evaluator: round {round_} sample: {self.config.sample_prompt!r} → {text[:60]!r}…")
+        self.ctx.log(f"evaluator: round {round_} sample: {self.config.sample_prompt!r} → {text[:60]!r}…")
         return text
 
     # --- the peer plane, as a client ----------------------------------------------------------
@@ -408,15 +390,15 @@ class Evaluator:
     def _get(self, address: str, path: str, max_bytes: int) -> tuple[bytes, Message] | None:
         try:
             return signed_get(
-                self.operator,
+                self.ctx.operator,
                 address,
                 path,
                 max_bytes=max_bytes,
                 timeout_s=self.config.timeout_s,
-                now=self._clock(),
+                now=self.ctx.clock(),
             )
         except (OSError, ValueError) as exc:  # BodyTooLarge included: ignored like no answer
-            self._log(f"evaluator: {address}{path}: {exc}")
+            self.ctx.log(f"evaluator: {address}{path}: {exc}")
             return None
 
     def fetch_state(self, address: str, wallet_id: str, stage: int = 0) -> Fetched | None:
@@ -429,10 +411,10 @@ class Evaluator:
         try:
             info = StateInfo.from_json(headers.get(STATE_HEADER, ""))
         except Refused as exc:
-            self._log(f"evaluator: state header from {wallet_id}: {exc}")
+            self.ctx.log(f"evaluator: state header from {wallet_id}: {exc}")
             return None
         if not info.signature_valid() or info.numel != numel or info.stage != stage:
-            self._log(
+            self.ctx.log(
                 f"evaluator: state of {wallet_id} refused (bad signature, or stage {info.stage} with "
                 f"{info.numel} values where stage {stage} has {numel})"
             )
@@ -440,10 +422,10 @@ class Evaluator:
         try:
             theta, _ = decode_state(body, info.numel, with_momentum=bool(info.momentum_hash))
         except (Refused, ValueError) as exc:
-            self._log(f"evaluator: state body from {wallet_id}: {exc}")
+            self.ctx.log(f"evaluator: state body from {wallet_id}: {exc}")
             return None
         if theta_sha256(theta) != info.theta_hash:
-            self._log(f"evaluator: state of {wallet_id} does not match its hash; refused")
+            self.ctx.log(f"evaluator: state of {wallet_id} does not match its hash; refused")
             return None
         return Fetched(
             stage=stage, round=info.round, theta_hash=info.theta_hash, theta=theta, wallet_id=wallet_id

@@ -72,21 +72,17 @@ from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound
 from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial
-from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import DataSpan
 
 from . import ledger, members
 from . import models as m
-from .background import BodyTooLarge, PollingThread, open_run_dataset, signed_get
+from .background import BodyTooLarge, JobContext, PollingThread, open_run_dataset, signed_get
 from .budget import ReplayBudget, Standing, check_rates, overdue
 from .coverage import standings
 from .datacheck import receipt_problems
-from .db import Database
 from .members import MembershipConfig
-from .network import NetworkDefinition
-from .reputation import ReputationConfig
 from .sampling import sampled
 from .segmentcheck import draw_segments
 from .segmentlive import judge_segments, max_segment_steps, segment_root
@@ -204,33 +200,28 @@ class Malformed(Exception):
 
 
 class ReplayChecker:
+    """Replays a sample of receipts' inner steps, or their drawn segments, on threads of its own."""
+
     def __init__(
         self,
+        ctx: JobContext,
         *,
-        db: Database,
-        network: NetworkDefinition,
-        operator: Wallet,
-        reputation: ReputationConfig,
-        log: Log,
         config: ReplayCheckConfig | None = None,
         dataset: Callable[[], Dataset] | None = None,
-        clock: Callable[[], float] = time.time,
         membership: MembershipConfig | None = None,
     ) -> None:
-        """`membership`: a pass counts toward a probationer's admission (verifier.members)."""
-        self.db = db
-        self.network = network
-        self.operator = operator
-        self.reputation = reputation
+        """`dataset`: a loader in place of the run's published data set (tests). `membership`: a
+        pass counts toward a probationer's admission (verifier.members)."""
+        self.ctx = ctx
         self.membership = membership or MembershipConfig()
         self.config = config or ReplayCheckConfig()
-        self._log = log
-        self._clock = clock
         self._open_dataset = dataset or (
-            lambda: open_run_dataset(network, self.config.cache_dir, log, needed_by="replay checks need")
+            lambda: open_run_dataset(
+                ctx.network, self.config.cache_dir, ctx.log, needed_by="replay checks need"
+            )
         )
         self._dataset: Dataset | None = None
-        model = build_stage(network.model, 0, 1)
+        model = build_stage(ctx.network.model, 0, 1)
         self._numel = sum(p.numel() for p in model.parameters())
         self._n_tensors = len(list(model.parameters()))
         self._initial_hash = theta_sha256(flat_parameters(model.parameters()))
@@ -248,7 +239,7 @@ class ReplayChecker:
         self.passed = 0
         self.failed = 0
         self.replay_seconds = 0.0
-        self._loop = PollingThread("replay-check", self.run_once, self.config.poll_s, log, "replay check")
+        self._loop = PollingThread("replay-check", self.run_once, self.config.poll_s, ctx.log, "replay check")
         self._replays: ThreadPoolExecutor | None = None
         self._running: Future[None] | None = None
         self._count_lock = threading.Lock()
@@ -258,9 +249,9 @@ class ReplayChecker:
     def start(self) -> None:
         """Sample and fetch on one thread, replay on another: a replay takes about as long as the
         replica's round, and meanwhile other sampled rounds must be fetched before nodes drop them."""
-        if self.network.num_stages != 1:
-            self._log(
-                f"replay check: {self.network.num_stages} stages; receipts with a segment root are checked "
+        if self.ctx.network.num_stages != 1:
+            self.ctx.log(
+                f"replay check: {self.ctx.network.num_stages} stages; receipts with a segment root are checked "
                 "by segment at every stage, others are not replayed"
             )
         self._replays = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay")
@@ -288,7 +279,7 @@ class ReplayChecker:
             self._replay_next()
 
     def _collect(self) -> None:
-        with self.db.read() as session:
+        with self.ctx.db.read() as session:
             if self.last_id is None:
                 self.last_id = session.scalar(select(func.max(m.Receipt.id))) or 0
                 return
@@ -305,7 +296,7 @@ class ReplayChecker:
         for receipt, address in rows:
             self.last_id = receipt.id
             segmented = segment_root(receipt)
-            if segmented is None and (receipt.stage != 0 or self.network.num_stages != 1):
+            if segmented is None and (receipt.stage != 0 or self.ctx.network.num_stages != 1):
                 continue  # no segment root, and no whole round to replay alone
             # A probationer that did its rounds is checked at once: its admission waits on it.
             wanted = receipt.wallet_id in probation and not self._queued(receipt.wallet_id)
@@ -315,18 +306,20 @@ class ReplayChecker:
             if self._dataset is None:
                 self._dataset = self._open_dataset()
             problems = (
-                receipt_problems(receipt, self._dataset.manifest, self.network) if receipt.stage == 0 else []
+                receipt_problems(receipt, self._dataset.manifest, self.ctx.network)
+                if receipt.stage == 0
+                else []
             )
             if segmented is None and receipt.inner_state_digest is None:
                 problems.append("the receipt commits to no inner optimizer state, so it cannot be replayed")
             if problems:
                 self._record(receipt, False, "; ".join(problems))
             elif address is None:
-                self._log(
+                self.ctx.log(
                     f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
                 )
             elif len(self.queue) >= self.config.max_queue:
-                self._log(
+                self.ctx.log(
                     f"replay check: {len(self.queue)} rounds already waiting; "
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
@@ -336,7 +329,7 @@ class ReplayChecker:
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(
-            self.operator,
+            self.ctx.operator,
             receipt.wallet_id,
             receipt.stage,
             receipt.round,
@@ -349,7 +342,7 @@ class ReplayChecker:
 
     def _drawn(self, receipt: m.Receipt) -> bool:
         rate = self.config.sample_rate
-        return sampled(self.operator, "replay", receipt.wallet_id, receipt.stage, receipt.round, rate)
+        return sampled(self.ctx.operator, "replay", receipt.wallet_id, receipt.stage, receipt.round, rate)
 
     def _budget_draw(self, session: Session) -> Callable[[m.Receipt], bool]:
         """This pass's draw under the budget: overdue wallets, else q_w by the operator's signature."""
@@ -382,7 +375,7 @@ class ReplayChecker:
                 self._overdue_picks[receipt.round] = self._overdue_picks.get(receipt.round, 0) + 1
                 return True
             return sampled(
-                self.operator,
+                self.ctx.operator,
                 "replay",
                 receipt.wallet_id,
                 receipt.stage,
@@ -403,7 +396,7 @@ class ReplayChecker:
             record = self._get_replay(challenge.address, receipt.round)
         except ReplicaDeclined as exc:
             self._drop(challenge)
-            self._log(
+            self.ctx.log(
                 f"replay check: {receipt.wallet_id} round {receipt.round} not served ({exc}); skipped without a verdict"
             )
             return
@@ -412,9 +405,9 @@ class ReplayChecker:
             self._record(receipt, False, f"served a malformed replay body: {exc}")
             return
         except (OSError, ValueError) as exc:
-            if self._clock() - receipt.received_at > self.config.retry_s:
+            if self.ctx.clock() - receipt.received_at > self.config.retry_s:
                 self._drop(challenge)
-                self._log(
+                self.ctx.log(
                     f"replay check: {receipt.wallet_id} round {receipt.round} unreachable for "
                     f"{self.config.retry_s:.0f} s ({exc}); skipped without a verdict"
                 )
@@ -443,9 +436,9 @@ class ReplayChecker:
             receipt = challenge.receipt
             trusted = self._base_is_majority(receipt)
             if trusted is None:
-                if self._clock() - receipt.received_at > self.config.retry_s:
+                if self.ctx.clock() - receipt.received_at > self.config.retry_s:
                     self._drop(challenge)
-                    self._log(
+                    self.ctx.log(
                         f"replay check: round {receipt.round - 1} never settled; {receipt.wallet_id} skipped"
                     )
                 continue
@@ -453,7 +446,7 @@ class ReplayChecker:
             if not trusted:
                 # Hash agreement already judges a replica on a minority θ; replaying from it
                 # would check work against weights nobody else holds.
-                self._log(
+                self.ctx.log(
                     f"replay check: {receipt.wallet_id} round {receipt.round} started from a minority θ "
                     f"({receipt.base_hash[:16]}); not replayed"
                 )
@@ -468,7 +461,7 @@ class ReplayChecker:
         """Whether θ_round is the stage's majority θ_r; None while round r−1 is not settled."""
         if receipt.round == 0:
             return receipt.base_hash == self._stage(receipt.stage)[2]
-        with self.db.read() as session:
+        with self.ctx.db.read() as session:
             settled = session.get(m.Round, (receipt.stage, receipt.round - 1))
             majority = None if settled is None else settled.majority_hash
             if settled is not None and majority is None:
@@ -478,7 +471,7 @@ class ReplayChecker:
     def _stage(self, stage: int) -> tuple[int, int, str]:
         """(numel, parameter tensors, θ_0 hash) of `stage`'s model in this run."""
         if stage not in self._stages:
-            model = build_stage(self.network.model, stage, self.network.num_stages)
+            model = build_stage(self.ctx.network.model, stage, self.ctx.network.num_stages)
             params = list(model.parameters())
             self._stages[stage] = (
                 sum(p.numel() for p in params),
@@ -500,7 +493,7 @@ class ReplayChecker:
         device, precision = getattr(receipt, "device", None), getattr(receipt, "precision", None)
         started = time.perf_counter()
         judged = judge_segments(
-            self.network,
+            self.ctx.network,
             receipt,
             challenge.pieces,
             tolerance_for(device, precision, self.config),
@@ -522,12 +515,12 @@ class ReplayChecker:
                 manifest=self._dataset.manifest,
                 wallet_id=receipt.wallet_id,
                 spans=[DataSpan(shard_id=s, offset_start=a, offset_end=b) for s, a, b in receipt.data_spans],
-                batch_size=self.network.batch_size,
-                seq_len=self.network.seq_len,
+                batch_size=self.ctx.network.batch_size,
+                seq_len=self.ctx.network.seq_len,
             )
             replayed = replay_inner_steps(
-                self.network.model,
-                self.network.diloco,
+                self.ctx.network.model,
+                self.ctx.network.diloco,
                 material.theta_round,
                 batches,
                 round_=receipt.round,
@@ -554,14 +547,14 @@ class ReplayChecker:
         self.queue.remove(challenge)
 
     def _record(self, receipt: m.Receipt, ok: bool, detail: str) -> None:
-        with self.db.write() as session:
+        with self.ctx.db.write() as session:
             ledger.record_receipt_check(
                 session,
                 receipt,
                 ok=ok,
                 detail=f"replay: {detail}",
-                now=self._clock(),
-                cfg=self.reputation,
+                now=self.ctx.clock(),
+                cfg=self.ctx.reputation,
                 membership=self.membership,
             )
         with self._count_lock:
@@ -570,7 +563,7 @@ class ReplayChecker:
             else:
                 self.failed += 1
         verdict = "passed" if ok else "FAILED"
-        self._log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
+        self.ctx.log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
 
     def _get_segment(self, address: str, receipt: m.Receipt, segment: int) -> SegmentMaterial:
         """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""
@@ -593,12 +586,12 @@ class ReplayChecker:
         """GET `path` signed by the operator; ReplicaDeclined on 403/404, Malformed past `limit` bytes."""
         try:
             body, _ = signed_get(
-                self.operator,
+                self.ctx.operator,
                 address,
                 path,
                 max_bytes=limit,
                 timeout_s=self.config.timeout_s,
-                now=self._clock(),
+                now=self.ctx.clock(),
             )
         except urllib.error.HTTPError as exc:
             if exc.code in REFUSALS:

@@ -10,6 +10,7 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.budget import (
     SEGMENT_COST,
     ReplayBudget,
@@ -82,9 +83,11 @@ def test_checker_draw_under_a_budget_covers_every_wallet_within_the_gap(db: Data
     gap = budget.max_gap(WALLETS)
     assert gap == 20
     checker = ReplayChecker(
-        db=db, network=small_network(), operator=Wallet.from_token("test-operator"),
-        reputation=ReputationConfig(), log=lambda _: None, config=ReplayCheckConfig(budget=budget),
-    )  # fmt: skip
+        JobContext(
+            db=db, network=small_network(), operator=Wallet.from_token("test-operator"), log=lambda _: None
+        ),
+        config=ReplayCheckConfig(budget=budget),
+    )
     store(db, range(0, 1))
     first_seen: dict[str, int] = {}
     per_round = []

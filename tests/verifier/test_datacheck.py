@@ -10,10 +10,10 @@ from neuroshard.data import assign_shards
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.datacheck import DataCheckConfig, DataChecker
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.sampling import sampled
 
 HONEST, LIAR = Wallet.from_token("datacheck-honest"), Wallet.from_token("datacheck-liar")
@@ -49,9 +49,9 @@ def test_receipts_that_misstate_their_data_are_caught(database_url: str, publish
     liar = assign_shards(LIAR.wallet_id, manifest, exclude={0})
     lines: list[str] = []
     checker = DataChecker(
-        db=db, network=_network(published), operator=OPERATOR, reputation=ReputationConfig(), log=lines.append,
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
         config=DataCheckConfig(sample_rate=1.0),
-    )  # fmt: skip
+    )
     checker.run_once()  # starts at the newest receipt: none yet
     with db.write() as s:
         # Honest: 4 steps of 2 windows, rotating in order from its first shard to its second.

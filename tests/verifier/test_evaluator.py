@@ -15,6 +15,7 @@ from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.evaluate import measure_loss
 from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig
@@ -67,14 +68,14 @@ def _seed_db(database_url: str, address: str, majority_hash: str) -> Database:
     return db
 
 
-def _evaluator(db: Database, published: PublishedData, lines: list[str]) -> Evaluator:
+def _evaluator(
+    db: Database, published: PublishedData, lines: list[str], network: NetworkDefinition | None = None
+) -> Evaluator:
+    """An evaluator of `network` (the one-stage `_network()` by default) on the published shard 0."""
     held_out = published.dataset.source.fetch(published.dataset.manifest.shard(0))
     return Evaluator(
-        db=db,
-        network=_network(),
-        operator=OPERATOR,
-        log=lines.append,
-        config=EvaluatorConfig(max_batches=3),
+        JobContext(db=db, network=network or _network(), operator=OPERATOR, log=lines.append),
+        config=EvaluatorConfig(max_batches=3, data_checks=None),
         held_out=lambda: held_out,
     )
 
@@ -185,20 +186,12 @@ def _seed_pipeline_db(
     return db
 
 
-def _pipeline_evaluator(db: Database, published: PublishedData, lines: list[str]) -> Evaluator:
-    held_out = published.dataset.source.fetch(published.dataset.manifest.shard(0))
-    return Evaluator(
-        db=db, network=_pipeline_network(), operator=OPERATOR, log=lines.append,
-        config=EvaluatorConfig(max_batches=3), held_out=lambda: held_out,
-    )  # fmt: skip
-
-
 def test_a_pipeline_is_measured_on_every_stage_majority_assembled(
     stages: list[tuple[PeerNetwork, DiLoCo]], database_url: str, published: PublishedData
 ) -> None:
     db = _seed_pipeline_db(database_url, stages, [d.weights_hash() for _, d in stages])
     lines: list[str] = []
-    _pipeline_evaluator(db, published, lines).run_once()
+    _evaluator(db, published, lines, _pipeline_network()).run_once()
     with db.read() as s:
         rows = s.scalars(select(m.Evaluation)).all()
     tokens = published.dataset.source.fetch(published.dataset.manifest.shard(0))
@@ -213,7 +206,7 @@ def test_a_pipeline_with_one_minority_stage_is_not_measured(
 ) -> None:
     db = _seed_pipeline_db(database_url, stages, [stages[0][1].weights_hash(), "f" * 64])
     lines: list[str] = []
-    _pipeline_evaluator(db, published, lines).run_once()
+    _evaluator(db, published, lines, _pipeline_network()).run_once()
     with db.read() as s:
         assert s.scalars(select(m.Evaluation)).all() == []
     assert any("stage 1" in line and "is not the majority" in line for line in lines), lines

@@ -26,6 +26,7 @@ from neuroshard.node.model_file import round_models
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.evaluate import stage_hash
 from neuroshard.verifier.evaluator import Evaluator, EvaluatorConfig, Fetched, models_dir_for
@@ -50,12 +51,14 @@ def _evaluator(
 ) -> Evaluator:
     held_out = published.dataset.source.fetch(published.dataset.manifest.shard(0))
     return Evaluator(
-        db=db,
-        network=network,
-        operator=OPERATOR,
-        log=lambda line: None,
+        JobContext(db=db, network=network, operator=OPERATOR, log=lambda line: None),
         config=EvaluatorConfig(
-            max_batches=2, models_dir=models, sample_prompt=PROMPT, sampling=SAMPLING, **config
+            max_batches=2,
+            models_dir=models,
+            sample_prompt=PROMPT,
+            sampling=SAMPLING,
+            data_checks=None,
+            **config,
         ),  # type: ignore[arg-type]
         held_out=lambda: held_out,
         tokenizer=lambda: published.dataset.tokenizer,

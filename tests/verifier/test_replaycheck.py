@@ -21,10 +21,10 @@ from neuroshard.node.replay import ReplayArchive, ReplayRecord, capture_inner_st
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
-from neuroshard.verifier.reputation import ReputationConfig
 
 NODE = Wallet.from_token("replaycheck-node")
 OPERATOR = Wallet.from_token("replaycheck-operator")
@@ -103,11 +103,7 @@ def test_an_honest_round_passes_and_other_material_or_no_commitment_fails(
                      last_heartbeat=now))  # fmt: skip
     lines: list[str] = []
     checker = ReplayChecker(
-        db=db,
-        network=_network(published),
-        operator=OPERATOR,
-        reputation=ReputationConfig(),
-        log=lines.append,
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
         config=ReplayCheckConfig(sample_rate=1.0),
         dataset=lambda: published.dataset,
     )

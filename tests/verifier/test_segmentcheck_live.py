@@ -38,10 +38,10 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, tolerance_for
-from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.segmentcheck import SegmentFraudProof, check_fraud_proof
 
 OPERATOR = Wallet.from_token("segment-live-operator")
@@ -199,10 +199,10 @@ def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
     lines: list[str] = []
     network = _network(published)
     checker = ReplayChecker(
-        db=db, network=network, operator=OPERATOR, reputation=ReputationConfig(), log=lines.append,
+        JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
         config=ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8),
         dataset=lambda: published.dataset,
-    )  # fmt: skip
+    )
     checker.run_once()  # the first pass notes where the receipts end
     with db.write() as s:
         for r in replicas:
