@@ -280,7 +280,6 @@ def _perturbation(kind: str, mu: Tensor, sigma: Tensor) -> Tensor:
 
 
 def _edge(rows: Tensor, mu: Tensor, gamma: float, config: ValidationConfig) -> Tensor:
-    from neuroshard.node.aggregation import coordinate_median
 
     reference = coordinate_median(rows)
     ref_norm = float(reference.norm())

@@ -1,6 +1,6 @@
-"""`neuroshard-node --attack NAME`: a node that lies on the real wire, to test the defences.
+"""`neuroshard-adversary --attack NAME`: a node that lies on the real wire, to test the defences.
 
-TESTING ONLY. An `Attacker` is the one hook `PeerNetwork` calls when built with one: after its
+TESTING ONLY. An `Attacker` is the one hook `PeerPlane` calls when built with one: after its
 H honest inner steps the node hands over its honest `RoundInput` and θ_round, and gets back the
 input the partitioned round (``neuroshard.node.outer.round``) commits to and publishes instead,
 with a note for its round line. The maths of every attack is in ``neuroshard.adversary.attacks``;

@@ -17,9 +17,23 @@ import asyncio
 
 import torch
 
-from neuroshard.node.outer.reduce import encode_part
+from neuroshard.node.outer.reduce import decode_part, delta_object, encode_part
 from neuroshard.node.outer.round import OuterRound, _Held
-from neuroshard.protocol.round import AggregateClaim, sha256_hex
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.round import AggregateClaim
+
+
+def forge_claim(wallet: Wallet, held: _Held, j: int, scale: float) -> tuple[AggregateClaim, bytes]:
+    """A second claim for part j, signed by `wallet`: the same fields as its honest claim, naming
+    `scale` × the honest aggregate; with the forged aggregate's bytes."""
+    honest = held.claims[j]
+    a, b = held.bounds[j]
+    forged = encode_part(decode_part(held.aggregates[j], honest.encoding, b - a) * scale, honest.encoding)
+    fields = {
+        k: v for k, v in honest.to_obj().items() if k not in ("wallet", "signature", "aggregate_sha256")
+    }
+    return AggregateClaim.create(wallet, **fields, aggregate_sha256=sha256_hex(forged)), forged
 
 
 class WrongAggregate(OuterRound):
@@ -29,22 +43,7 @@ class WrongAggregate(OuterRound):
 
     async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
-        honest = held.claims[j]
-        a, b = held.bounds[j]
-        from neuroshard.node.outer.reduce import decode_part
-
-        forged = encode_part(
-            decode_part(held.aggregates[j], honest.encoding, b - a) * self.scale, honest.encoding
-        )
-        claim = AggregateClaim.create(
-            self.wallet,
-            **{
-                k: v
-                for k, v in honest.to_obj().items()
-                if k not in ("wallet", "signature", "aggregate_sha256")
-            },
-            aggregate_sha256=sha256_hex(forged),
-        )
+        claim, forged = forge_claim(self.wallet, held, j, self.scale)
         await self.store.publish(self._agg_name(held.inp, j, claim.aggregate_sha256), forged)
         await self.store.publish(self._name(held.inp, "claim", j), claim.to_json())
         held.claims[j], held.aggregates[j] = claim, forged
@@ -57,20 +56,7 @@ class Equivocator(OuterRound):
 
     async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
-        honest = held.claims[j]
-        a, b = held.bounds[j]
-        from neuroshard.node.outer.reduce import decode_part
-
-        forged = encode_part(decode_part(held.aggregates[j], honest.encoding, b - a) * 2.0, honest.encoding)
-        second = AggregateClaim.create(
-            self.wallet,
-            **{
-                k: v
-                for k, v in honest.to_obj().items()
-                if k not in ("wallet", "signature", "aggregate_sha256")
-            },
-            aggregate_sha256=sha256_hex(forged),
-        )
+        second, forged = forge_claim(self.wallet, held, j, 2.0)
 
         async def switch() -> None:
             await asyncio.sleep(self.delay_s)
@@ -87,20 +73,7 @@ class SplitEquivocator(OuterRound):
 
     async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
-        honest = held.claims[j]
-        a, b = held.bounds[j]
-        from neuroshard.node.outer.reduce import decode_part
-
-        forged = encode_part(decode_part(held.aggregates[j], honest.encoding, b - a) * 2.0, honest.encoding)
-        second = AggregateClaim.create(
-            self.wallet,
-            **{
-                k: v
-                for k, v in honest.to_obj().items()
-                if k not in ("wallet", "signature", "aggregate_sha256")
-            },
-            aggregate_sha256=sha256_hex(forged),
-        )
+        second, forged = forge_claim(self.wallet, held, j, 2.0)
         await self.store.publish(self._agg_name(held.inp, j, second.aggregate_sha256), forged)
         await self.store.publish(self._name(held.inp, "claim-b", j), second.to_json())
 
@@ -116,8 +89,6 @@ class MismatchedPart(OuterRound):
     """Signs the root of its honest Δ, then publishes a Δ object with every part negated."""
 
     async def _scatter(self, held: _Held) -> None:
-        from neuroshard.node.outer.reduce import delta_object
-
         forged, _ = delta_object(-held.inp.delta, held.bounds, self.config.encoding)
         held.delta_bytes = forged
         await self.store.publish(self._name(held.inp, "delta"), forged)

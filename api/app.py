@@ -120,7 +120,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         title="NeuroShard verifier",
         version=VERSION,
         description=(
-            "Tracker, signed work receipts, hash agreement, reputation and the measured training "
+            "VerifierClient, signed work receipts, hash agreement, reputation and the measured training "
             "verdict of a NeuroShard run. Writes are signed (see neuroshard.protocol.signing); reads are open."
         ),
         lifespan=lifespan,

@@ -1,7 +1,7 @@
 """Peer network: sync traffic per round against synchronous data parallel, and outer-round latency,
 for several stage sizes (the partitioned round: a node's bytes should not grow with n).
 
-Replicas are real `PeerNetwork`s on loopback — each in its own process with its own event
+Replicas are real `PeerPlane`s on loopback — each in its own process with its own event
 loop, aiohttp server, client and sockets — around real DiLoCo engines of one stage.
 Training is not what is measured: before each round every replica moves its weights by a
 seeded random step (a stand-in for H inner steps), then all replicas call `finish_round`
@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 from common import DEFAULT_TEXT, bench_dataset
 
+from neuroshard.node.codec import encode_delta, int8_relative_error
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.bucket import RelayConfig
-from neuroshard.node.p2p.codec import encode_delta, int8_relative_error
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.node.wallet import Wallet
 
@@ -96,7 +96,7 @@ def replica_process(
         relay = RelayConfig(
             url=args.bucket_url, endpoint_url=args.endpoint, poll_interval_s=0.05, max_poll_s=0.5
         )
-    config = NetworkConfig(
+    config = PeerPlaneConfig(
         port=0,
         peers=(bootstrap,) if bootstrap and relay is None else (),
         encoding=args.encoding,
@@ -107,7 +107,7 @@ def replica_process(
         relay=relay,
         listen=relay is None,
     )
-    network = PeerNetwork(config, Wallet.from_token(f"bench-network-{index}"), 0, lambda line: None)
+    network = PeerPlane(config, Wallet.from_token(f"bench-network-{index}"), 0, lambda line: None)
     conn.send(network.start())
     model_cfg = ModelConfig.named(args.model, vocab_size=args.vocab)
     diloco = DiLoCo(build_stage(model_cfg, 0, 1), DiLoCoConfig(inner_steps=args.inner_steps, warmup_steps=1))

@@ -12,7 +12,7 @@ Three measurements, each against bf16 (the wire before codecs) and each codec of
    the same run passed through nothing (float32: "uncompressed"). Same θ₀, batches and schedule
    per seed; ≥ 2 seeds; held-out windows from shard 0, which no batch is drawn from.
 3. The live wire: 2 stages × 2 replicas on loopback, threads of one process, each replica a real
-   `PeerNetwork` (own event loop, aiohttp server and client), wired as `neuroshard-node --stages 2`
+   `PeerPlane` (own event loop, aiohttp server and client), wired as `neuroshard-node --stages 2`
    wires them, for each codec in --live-codecs. Traffic is counted at the HTTP layer (bodies,
    request/status lines, headers), bytes *sent* by each node: pipeline (a driver's hidden states,
    a stage-1 replica's gradients) and sync (everything else: the round's objects, statuses, peer
@@ -50,9 +50,9 @@ from neuroshard.node.actcodec import CODECS, DEFAULT_CODEC, FORMATS, Codec, Form
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.auth import Traffic
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline import PipelineConfig
 from neuroshard.node.p2p.pipeline_wire import encode_activations, encode_gradient
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.stages import PipelineLink
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.stage_replica import StageReplica, start_stage_replica
@@ -296,8 +296,8 @@ def loss_table(
 # --- 3. the live wire -------------------------------------------------------------------------
 
 
-def _net(encoding: str, peers: tuple[str, ...]) -> NetworkConfig:
-    return NetworkConfig(
+def _net(encoding: str, peers: tuple[str, ...]) -> PeerPlaneConfig:
+    return PeerPlaneConfig(
         port=0,
         peers=peers,
         encoding=encoding,
@@ -330,7 +330,7 @@ def live_run(model: ModelConfig, args: argparse.Namespace, dataset: Dataset, cod
             )
         )  # fmt: skip
     boot = (stage1[0].network.address,)
-    drivers: list[tuple[Trainer, PeerNetwork, PipelineLink]] = []
+    drivers: list[tuple[Trainer, PeerPlane, PipelineLink]] = []
     with tempfile.TemporaryDirectory() as ckpt:
         for i in range(2):
             stop = threading.Event()
@@ -432,10 +432,10 @@ def _driver(  # type: ignore[no-untyped-def]
     boot: tuple[str, ...],
     ckpt: Path,
     stop: threading.Event,
-) -> tuple[Trainer, PeerNetwork, PipelineLink]:
+) -> tuple[Trainer, PeerPlane, PipelineLink]:
     """A stage-0 replica as `neuroshard-node --stages 2 --stage 0` builds it."""
     wallet = Wallet.from_token(f"bench-pipeline-s0-{i}")
-    network = PeerNetwork(
+    network = PeerPlane(
         _net(args.encoding, boot),
         wallet,
         0,

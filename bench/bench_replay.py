@@ -47,21 +47,21 @@ from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 from neuroshard.data import BatchStream
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.replay import ReplayService, decode_replay
 from neuroshard.node.p2p.rounds import RoundReport
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.pipeline import stage_inner_step
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive
 from neuroshard.node.segment_store import SegmentStore
-from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder, sha256_hex
+from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
 from neuroshard.protocol.reports import DataSpan
@@ -227,8 +227,8 @@ def main() -> None:
         placement=Placement(device=torch.device("cpu"), precision=args.precision),
     )
     receipting.round_started(trainer.diloco)
-    net = PeerNetwork(
-        NetworkConfig(port=0, join_timeout_s=0),
+    net = PeerPlane(
+        PeerPlaneConfig(port=0, join_timeout_s=0),
         Wallet.from_token("bench-replay-node"),
         stage=0,
         log=lambda line: None,
@@ -259,8 +259,8 @@ def main() -> None:
             record, seconds = fetch(net.address, doc["round"], numel, n_tensors)
             start = time.perf_counter()
             digests_ok = (
-                theta_sha256(record.theta_round) == doc["base_hash"]
-                and theta_sha256(record.delta) == doc["delta_digest"]
+                tensor_digest(record.theta_round) == doc["base_hash"]
+                and tensor_digest(record.delta) == doc["delta_digest"]
                 and record.inner.digest() == doc["inner_state_digest"]
             )
             fetch_s.append(seconds + time.perf_counter() - start)
@@ -397,7 +397,7 @@ def later_stage_segments(
         seed="bench-stage1", batch_size=args.batch_size, seq_len=args.seq_len,
     )  # fmt: skip
     recorder.start_round(diloco)
-    base = theta_sha256(diloco.theta_round)
+    base = tensor_digest(diloco.theta_round)
     start = time.perf_counter()
     for i in range(diloco_cfg.inner_steps):
         inputs, labels = stream.next_batch()
@@ -422,7 +422,7 @@ def later_stage_segments(
     log = closed[0]
     claim = SegmentClaim(
         model=model_cfg, diloco=diloco_cfg, num_stages=2, stage=1, round=0, wallet=NODE.public_key_hex,
-        root=log.root(), base_hash=base, delta_digest=theta_sha256(delta),
+        root=log.root(), base_hash=base, delta_digest=tensor_digest(delta),
     )  # fmt: skip
     tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
     verdicts, seconds = [], []

@@ -6,10 +6,10 @@ A node on a GPU trains with bf16 autocast; the verifier replays on its CPU in fp
 distributions of honest replays (same precision, and bf16 claimed against an fp32 replay and
 the reverse) and of the lies the verifier already catches, replayed the verifier's way (fp32):
 
-- scaled Δ: the honest bf16 Δ claimed × f (node.work_lies.claim_scaled_delta, f = 1.25; also
+- scaled Δ: the honest bf16 Δ claimed × f (adversary.work_lies.ScaledDeltaTrainer, f = 1.25; also
   1.10 and 1.05 to find the edge);
 - other data: bf16 training on windows of the assigned shards in an order seeded by another
-  string, claiming the assigned spans (node.work_lies.read_unassigned_windows);
+  string, claiming the assigned spans (adversary.work_lies.UnassignedDataTrainer);
 - skipped steps: the first ¾ (and ½) of the claimed batches trained, all of them claimed;
 - made-up Δ: Gaussian noise with the honest Δ's norm (no work at all).
 

@@ -1,4 +1,4 @@
-"""Every attack on the real wire: 4 honest `neuroshard-node` processes + 1 `--attack NAME`.
+"""Every attack on the real wire: 4 honest `neuroshard-node` processes + 1 `neuroshard-adversary --attack NAME`.
 
 For each attack this runs `neuroshard-swarm --nodes 5 --byzantine 1 --attack NAME` (the
 partitioned round over signed HTTP, int8, per-part screening + the default robust rule) and
@@ -6,7 +6,7 @@ reads the round lines: in how many honest round records the attacker was refused
 which reason: a part's screening verdict, a refused commitment, a proven cheat), how many
 honest contributions were refused, whether the honest replicas agreed on θ every round, and
 their loss in the first and last round — next to a clean run of the 4 honest nodes alone.
-copy, equivocate and nan are not mounted in the partitioned round (node/p2p/byzantine.py):
+copy, equivocate and nan are not mounted in the partitioned round (adversary/contributions.py):
 their attacker sends its honest Δ. The adaptive families (``attacks.ADAPTIVE``) run at the
 realistic knowledge level: the attacker commits to the largest parameter its own estimate says
 passes the per-part screening (honest Δ in round 0, before any aggregate is revealed).

@@ -1,6 +1,6 @@
 """Byzantine robustness on the DiLoCo simulator: adaptive attacks × aggregation rules, tiny LM, real text.
 
-M honest + K Byzantine replicas train a small transformer with node/simulate.py, with the outer
+M honest + K Byzantine replicas train a small transformer with adversary/simulate.py, with the outer
 optimizer a bare ``DiLoCoConfig`` carries (Nesterov, lr 1.0, momentum 0.5), for 20 rounds of
 H = 10 inner steps (H = 500, the production default, would make one run ~50× longer). The text
 is the standard library's source (``common.fresh_clone_text``: what any fresh clone builds), every
@@ -51,11 +51,11 @@ from torch import Tensor
 from neuroshard.adversary import attacks
 from neuroshard.adversary.simulate import simulate
 from neuroshard.node import aggregation
-from neuroshard.node.diloco import DiLoCoConfig, tensor_sha256
+from neuroshard.node.diloco import DiLoCoConfig, tensor_digest
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.partition import part_bounds
 from neuroshard.node.outer.reduce import MIN_SCREENED, reduce_part
-from neuroshard.node.validation import ValidationConfig, Verdict, screen_round
+from neuroshard.node.validation import ValidationConfig, ValidationResult, screen_round
 
 RULES = (
     "mean",
@@ -213,7 +213,9 @@ def attacker_generator(seed: int, round_index: int, attacker: int) -> torch.Gene
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def fitted_screen(rows: dict[str, Tensor], d: int, base: ValidationConfig = VALIDATION) -> dict[str, Verdict]:
+def fitted_screen(
+    rows: dict[str, Tensor], d: int, base: ValidationConfig = VALIDATION
+) -> dict[str, ValidationResult]:
     """screen_round with the norm-ratio and cosine limits fitted to the round: median ± FIT_K
     robust standard deviations of the contributions' own statistics, inside ``base``'s limits."""
     first = screen_round(rows, (d,), base)
@@ -398,7 +400,7 @@ class AttackedAggregate:
                 row = attacks.nan(mine, 1, gen)
             elif attack == "equivocate":
                 row, other = attacks.equivocate(mine, gen)
-                equivocated += tensor_sha256(row) != tensor_sha256(other)
+                equivocated += tensor_digest(row) != tensor_digest(other)
             elif attack == "wrong_base":
                 on = r >= WRONG_BASE_K
                 old = self.thetas[r - WRONG_BASE_K] if on else self.thetas[r]
@@ -449,7 +451,7 @@ class AttackedAggregate:
     def _record(
         self,
         wallets: list[str],
-        plain: dict[str, Verdict],
+        plain: dict[str, ValidationResult],
         refused: dict[str, str],
         active: list[bool],
         honest: Tensor,

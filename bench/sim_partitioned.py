@@ -27,7 +27,7 @@ forged Δ (``neuroshard.adversary.attacks``): sign flip ×−4; ALIE and IPM (ε
 estimate the honest mean and spread from their own honest Δs (commit-then-reveal shows them no
 one else's before they commit) and add 10% noise each so they are not copies of one another.
 Wallets reported in any honest replica's ``RoundResult.cheats`` are banned in later rounds and
-leave the member list (``RoundInput.banned``, ``PeerNetwork.members``), as a node does on a fraud
+leave the member list (``RoundInput.banned``, ``PeerPlane.members``), as a node does on a fraud
 proof that spreads to the whole stage.
 
 Measured per n, over honest replicas and rounds: bytes fetched (received) and served (sent) per
@@ -393,7 +393,7 @@ def round_inputs(
 ) -> tuple[list[RoundInput], Tensor]:
     """Every replica's input to `round_`, and the mean of the honest Δs (d,) (what a perfect rule gives)."""
     direction = direction_of(config)
-    members = tuple(r.key for r in replicas if r.key not in banned)  # as PeerNetwork.members()
+    members = tuple(r.key for r in replicas if r.key not in banned)  # as PeerPlane.members()
     owns = [own_delta(config, direction, round_, r.index) for r in replicas]
     byzantine = [i for i, r in enumerate(replicas) if r.role != "honest"]
     colluders = torch.stack([owns[i] for i in byzantine]) if byzantine else torch.zeros(0, config.d)

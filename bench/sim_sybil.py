@@ -6,7 +6,7 @@ them on the stage's probation list (the worst case: each passed the verifier's r
 proof of work and rate limit). Every round each flood wallet commits to the members' list,
 publishes a Δ that pushes the model up the loss (−4 × an honest Δ), and publishes a signed
 status voting for a θ hash of its own. What a member does with them is what
-``neuroshard.node.membership`` and ``PeerNetwork`` do:
+``neuroshard.node.membership`` and ``PeerPlane`` do:
 
 - the round's probationers are the capped, hash-ranked few of the 1,000
   (``split_members``; ``ProbationCap`` default: 25% of the admitted, at most 16: 2 here);

@@ -54,8 +54,8 @@ from neuroshard.node.inner_loop import lone_replica
 from neuroshard.node.model import MODEL_SIZES, ModelConfig
 from neuroshard.node.network_definition import NetworkDefinition
 from neuroshard.node.outer.round import OuterRound, RoundFactory
-from neuroshard.node.p2p.network import PeerNetwork
 from neuroshard.node.p2p.pipeline import PipelineUnavailable
+from neuroshard.node.p2p.plane import PeerPlane
 from neuroshard.node.p2p.rounds import AggregationRule
 from neuroshard.node.p2p.stages import PipelineLink
 from neuroshard.node.pipeline import remote_loss, stage_fingerprint
@@ -272,7 +272,7 @@ def main(
 
 def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: Roles) -> int:
     """Wire one node process from its flags and train until done or stopped."""
-    network: PeerNetwork | None = None
+    network: PeerPlane | None = None
     link: PipelineLink | None = None
     reporting: Reporting | None = None
     if roles.banner:
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         finish_round = lone_replica
         receipting = None
         if network_config is not None:
-            network = PeerNetwork(
+            network = PeerPlane(
                 network_config,
                 wallet,
                 stage=0,
@@ -431,7 +431,7 @@ def _engine(trainer: Trainer | None):
     return trainer.diloco
 
 
-def _close(link: PipelineLink | None, network: PeerNetwork | None, reporting: Reporting | None) -> None:
+def _close(link: PipelineLink | None, network: PeerPlane | None, reporting: Reporting | None) -> None:
     if link is not None:
         link.close()
     if network is not None:

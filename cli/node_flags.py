@@ -18,8 +18,8 @@ from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import MODEL_SIZES
 from neuroshard.node.network_definition import NetworkDefinition
 from neuroshard.node.p2p.bucket import RelayConfig
-from neuroshard.node.p2p.network import NetworkConfig
 from neuroshard.node.p2p.pipeline import PipelineConfig
+from neuroshard.node.p2p.plane import PeerPlaneConfig
 from neuroshard.node.reporting import join_network
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.wallet import TOKEN_ENV
@@ -169,7 +169,7 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
 
 
 def _add_network_arguments(parser: argparse.ArgumentParser) -> None:
-    d = NetworkConfig()
+    d = PeerPlaneConfig()
     g = parser.add_argument_group("peer network (signed aiohttp protocol between the stage's replicas)")
     g.add_argument("--host", default=d.host, help="address the peer server binds (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=int, default=d.port, help="peer server TCP port (0: any free port)")
@@ -332,7 +332,7 @@ def diloco_config_from_args(args: argparse.Namespace) -> DiLoCoConfig:
 
 def network_config_from_args(
     args: argparse.Namespace, *, reporting: bool, pipeline: bool
-) -> NetworkConfig | None:
+) -> PeerPlaneConfig | None:
     """The peer plane the flags ask for; None trains alone. A node that reports to a verifier
     (`reporting`) serves its peer plane on a free port unless --port says otherwise (the verifier
     fetches the majority weights from it); a pipeline stage always serves one."""
@@ -346,8 +346,8 @@ def network_config_from_args(
     elif reporting and relay is None:
         port = 0  # any free port: the verifier learns it at registration
     else:
-        port = NetworkConfig().port
-    return NetworkConfig(
+        port = PeerPlaneConfig().port
+    return PeerPlaneConfig(
         host=args.host,
         port=port,
         announce=args.announce,

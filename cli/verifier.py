@@ -8,7 +8,7 @@ at a time runs the evaluations and spot checks (verifier.leader).
 
 This is a composition root, one of the two modules of the package allowed to import
 `neuroshard.api` (which depends on the verifier, never the other way round); the other is
-verifier.embedded, the same service inside a node process.
+cli.embedded, the same service inside a node process.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def groups(dim: int) -> int:
 # --- layout: the tensors a packed (…, C) tensor becomes ----------------------------------------
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]
-"""Tensor name -> (safetensors dtype, shape), as `p2p.codec.check_layout` takes it."""
+"""Tensor name -> (safetensors dtype, shape), as `node.codec.check_layout` takes it."""
 
 
 def codes_name(name: str) -> str:

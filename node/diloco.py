@@ -165,7 +165,7 @@ def copy_into_parameters(vector: Tensor, params: Iterable[nn.Parameter]) -> None
         offset += n
 
 
-def tensor_sha256(vector: Tensor) -> str:
+def tensor_digest(vector: Tensor) -> str:
     """sha256 hex of a tensor's little-endian float32 bytes; replicas compare θ by it. On a
     little-endian machine the bytes are hashed from the tensor's memory, without a copy (0.16 s
     instead of 0.22 s per 29.5M values)."""
@@ -315,7 +315,7 @@ class DiLoCo:
         its log line hash hundreds of MB once."""
         key = (id(self.theta_round), self.theta_round._version)
         if self._hash_memo is None or self._hash_memo[0] != key:
-            self._hash_memo = (key, tensor_sha256(self.theta_round))
+            self._hash_memo = (key, tensor_digest(self.theta_round))
         return self._hash_memo[1]
 
     def move_to(self, placement: Placement) -> None:

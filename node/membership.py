@@ -125,7 +125,7 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:
     """A replica's roster from the verifier's signed member list (its signature, network, stage,
-    expiry and epoch order checked by the caller: ``node.tracker``); None for an ``open`` stage."""
+    expiry and epoch order checked by the caller: ``node.verifier_client``); None for an ``open`` stage."""
     if members.policy == "open":
         return None
     return StageRoster(

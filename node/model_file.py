@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from neuroshard.tokenizer import BPETokenizer
 
-from .diloco import tensor_sha256
+from .diloco import tensor_digest
 from .model import ModelConfig, Transformer, build_stage
 
 MODEL_FILE_FORMAT = "neuroshard-model"
@@ -110,7 +110,7 @@ class StageProvenance:
     round: int
     """The stage's own round R_s: its weights are θ_{R_s}, the result of its round R_s − 1."""
     theta_hash: str
-    """The settled majority hash of that result (node.diloco.tensor_sha256 of the flat θ)."""
+    """The settled majority hash of that result (node.diloco.tensor_digest of the flat θ)."""
 
 
 def round_model_path(directory: Path, round_: int) -> Path:
@@ -193,7 +193,7 @@ def _stage_hash(state: Mapping[str, Tensor], config: ModelConfig, stage: int, nu
             f"stage {stage} of {num_stages}: {n} is {tuple(state[n].shape)}, the model needs "
             f"{tuple(shapes[n])} ({len(wrong)} tensors of the wrong shape)"
         )
-    return tensor_sha256(torch.cat([state[n].detach().to("cpu", torch.float32).flatten() for n in names]))
+    return tensor_digest(torch.cat([state[n].detach().to("cpu", torch.float32).flatten() for n in names]))
 
 
 def latest_models_dir(home: Path) -> Path:

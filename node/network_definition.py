@@ -3,7 +3,7 @@
 Lives in the node package because both sides need it: the verifier parses `network.toml`
 into it and signs its canonical JSON (neuroshard.verifier.network); a node started with
 `--join` fetches that JSON, checks the operator's signature and builds its stage from it
-(neuroshard.node.tracker). The file format is documented in neuroshard.verifier.network.
+(neuroshard.node.verifier_client). The file format is documented in neuroshard.verifier.network.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Round receipts: the signed work report a replica sends the verifier after every round.
 
-`Receipting` wraps the round hook (PeerNetwork.finish_round). Before the hook it reads
+`Receipting` wraps the round hook (PeerPlane.finish_round). Before the hook it reads
 what only the engine knows at the round's end — θ_r's hash, the inner steps, Δ's digest —
 and after it what the peer exchange decided (RoundReport: the result hash, accepted and
 rejected contributions, equivocators); with the trainer's RoundWork (data spans, losses)
 that is the whole receipt (``neuroshard.protocol.reports.Receipt``, checked here as the verifier
-will check it). The receipt goes to the Tracker's queue; the round never waits for the verifier.
+will check it). The receipt goes to the VerifierClient's queue; the round never waits for the verifier.
 
 With a ReplayArchive it also snapshots the inner AdamW state whenever a round starts,
 commits to its digest in the receipt (`inner_state_digest`), and keeps the round's
@@ -32,10 +32,9 @@ from neuroshard.protocol.reports import (
     RejectedContribution,
 )
 
-from .diloco import DiLoCo
+from .diloco import DiLoCo, tensor_digest
 from .inner_loop import RoundFinisher
 from .p2p.rounds import RoundReport
-from .p2p.state import theta_sha256
 from .replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from .segments import SegmentLog, SegmentRecorder
 from .wallet import Wallet
@@ -144,10 +143,10 @@ class Receipting:
     def __call__(self, diloco: DiLoCo) -> None:
         steps = diloco.steps_in_round
         theta_round = diloco.theta_round.detach().clone()
-        base_hash = theta_sha256(theta_round)
+        base_hash = tensor_digest(theta_round)
         # Δ as the replica computed it, float32 before any wire encoding: what a spot check replays.
         delta = diloco.pseudo_gradient()
-        delta_digest = theta_sha256(delta)
+        delta_digest = tensor_digest(delta)
         start_step = diloco.schedule_step - steps
         inner = self._inner_state_of_round(diloco, steps)
         round_ = diloco.round

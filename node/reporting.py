@@ -1,7 +1,7 @@
 """Wiring a node to its verifier: `--join URL`, or the embedded default, or neither.
 
 - `--join http://host:port`: fetch the run's definition (signed by the operator, checked
-  by node.tracker.fetch_network) and train by it: its model, stage count, DiLoCo
+  by node.verifier_client.fetch_network) and train by it: its model, stage count, DiLoCo
   settings, batch shape, data set and held-out shard override the corresponding flags
   (`--stage` still picks which stage this node holds).
 - no `--join`: start the verifier in this process on 127.0.0.1:--verifier-port (SQLite
@@ -34,14 +34,14 @@ from .diloco import DiLoCoConfig
 from .membership import roster_of
 from .model import ModelConfig
 from .network_definition import NetworkDefinition
-from .p2p.network import PeerNetwork
+from .p2p.plane import PeerPlane
 from .p2p.replay import ReplayService, SegmentService
 from .p2p.server import ServerExtension
 from .receipt import Receipting
 from .replay import ReplayArchive
 from .segment_store import SegmentStore
 from .segments import SegmentConfig, SegmentRecorder
-from .tracker import Tracker, TrackerConfig, VerifierUnreachable, fetch_network
+from .verifier_client import VerifierClient, VerifierClientConfig, VerifierUnreachable, fetch_network
 from .wallet import Wallet
 from .work import RoundWork
 
@@ -138,7 +138,7 @@ class Reporting:
     segments: SegmentStore | None = None
     """Recent rounds' segment checkpoints and received messages (node.segments), for the segment
     checks of a joined verifier at any stage; None without one."""
-    tracker: Tracker | None = field(default=None, init=False)
+    tracker: VerifierClient | None = field(default=None, init=False)
 
     @classmethod
     def nobody(cls, log: Log) -> Reporting:
@@ -166,7 +166,7 @@ class Reporting:
 
     def receipting(
         self,
-        network: PeerNetwork,
+        network: PeerPlane,
         work: RoundWork,
         wallet: Wallet,
         *,
@@ -196,12 +196,14 @@ class Reporting:
             return
         self.tracker.submit(receipt)
 
-    def track(self, network: PeerNetwork, wallet: Wallet, progress: Callable[[], tuple[int, int]]) -> Tracker:
+    def track(
+        self, network: PeerPlane, wallet: Wallet, progress: Callable[[], tuple[int, int]]
+    ) -> VerifierClient:
         """Register with the verifier and keep the registration alive; the tracker also brings the
         stage's peers and member lists to `network`. Its `submit` delivers receipts."""
         assert self.url is not None
-        tracker = Tracker(
-            TrackerConfig(
+        tracker = VerifierClient(
+            VerifierClientConfig(
                 url=self.url,
                 address=network.address,
                 stage=network.stage,

@@ -36,6 +36,7 @@ from typing import Annotated, Any, TypeVar
 
 from torch import Tensor
 
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.refusal import malformed
 from neuroshard.protocol.schema import (
     MAX_COUNT,
@@ -49,7 +50,7 @@ from neuroshard.protocol.schema import (
     parse_json,
 )
 
-from .diloco import DiLoCo, flat_parameters, tensor_sha256
+from .diloco import DiLoCo, flat_parameters, tensor_digest
 from .replay import InnerState, capture_inner_state
 from .wallet import Wallet
 
@@ -91,16 +92,12 @@ class SegmentConfig:
             )
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # --- checkpoints ------------------------------------------------------------------------------
 
 
 def checkpoint_sha256(weights: Tensor, inner: InnerState) -> str:
     """The commitment to a replica's local state: its weights (d,) and inner AdamW state."""
-    text = f"checkpoint\n{tensor_sha256(weights)}\n{inner.digest()}".encode()
+    text = f"checkpoint\n{tensor_digest(weights)}\n{inner.digest()}".encode()
     return sha256_hex(DOMAIN + b"\n" + text)
 
 

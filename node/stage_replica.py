@@ -1,6 +1,6 @@
 """A stage > 0 replica of a pipeline: no data of its own; its peer server takes micro-batches
 (`PipelineService`), a `StageWorker` trains on them, a non-last stage forwards its own output through
-its own `PipelineLink`, and it runs its stage's DiLoCo outer rounds through `PeerNetwork`."""
+its own `PipelineLink`, and it runs its stage's DiLoCo outer rounds through `PeerPlane`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from .diloco import DiLoCo, DiLoCoConfig
 from .inner_loop import RoundFinisher, TrainResult
 from .model import ModelConfig, build_stage
-from .p2p.network import NetworkConfig, PeerNetwork
 from .p2p.pipeline import PipelineConfig, PipelineService
+from .p2p.plane import PeerPlane, PeerPlaneConfig
 from .p2p.rounds import AggregationRule, ordered_mean
 from .p2p.server import ServerExtension
 from .p2p.stages import PipelineLink
@@ -28,7 +28,7 @@ class StageReplica:
 
     diloco: DiLoCo
     worker: StageWorker
-    network: PeerNetwork
+    network: PeerPlane
     service: PipelineService
     link: PipelineLink | None
 
@@ -50,7 +50,7 @@ def start_stage_replica(
     stage: int,
     model_config: ModelConfig,
     diloco_config: DiLoCoConfig,
-    network_config: NetworkConfig,
+    network_config: PeerPlaneConfig,
     pipeline_config: PipelineConfig,
     worker_config: WorkerConfig,
     stop: threading.Event,
@@ -78,7 +78,7 @@ def start_stage_replica(
         wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=jobs
     )
     extensions: list[ServerExtension] = [service, *reporting.extensions()]
-    network = PeerNetwork(
+    network = PeerPlane(
         network_config, wallet, stage, log, aggregate=aggregate, stop=stop, extensions=extensions
     )
     network.start()

@@ -37,7 +37,7 @@ from .vocab import grow_replica
 from .work import RoundWork
 
 RoundClosing = Callable[[int], bool]
-"""Whether the stage is already closing round r (PeerNetwork.round_closing): stop and contribute."""
+"""Whether the stage is already closing round r (PeerPlane.round_closing): stop and contribute."""
 
 EARLY_CLOSE_FRACTION = 0.75
 """A replica asked to close its round early does so only after this share of H inner steps. Its Δ

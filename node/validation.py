@@ -77,7 +77,7 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Verdict:
+class ValidationResult:
     """The outcome for one contribution. ``reason`` is "" when ok, else "<code>: <details with
     the numbers>"; codes: type, dtype, shape, nonfinite, zero, norm_ratio, cosine,
     variance_ratio, duplicate."""
@@ -198,7 +198,7 @@ def contribution_stats(delta: Tensor, reference: Tensor) -> dict[str, float]:
 
 def validate_contribution(
     delta: object, reference: Tensor, config: ValidationConfig | None = None
-) -> Verdict:
+) -> ValidationResult:
     """Accept or reject one contribution Δ (d,) against a robust reference (d,)."""
     _check_reference(reference)
     config = config or ValidationConfig()
@@ -209,7 +209,7 @@ def validate_contribution(
     return _judge(contribution_stats(delta, reference), config)
 
 
-def _judge(stats: Mapping[str, float], config: ValidationConfig) -> Verdict:
+def _judge(stats: Mapping[str, float], config: ValidationConfig) -> ValidationResult:
     """The verdict on a structurally valid Δ from its statistics against the reference."""
     checks = [
         (stats["norm"] > 0, "zero: Δ is all zeros (free rider)"),
@@ -230,8 +230,8 @@ def _judge(stats: Mapping[str, float], config: ValidationConfig) -> Verdict:
     ]
     for ok, reason in checks:
         if not ok:
-            return Verdict(ok=False, reason=reason, stats=dict(stats))
-    return Verdict(ok=True, stats=dict(stats))
+            return ValidationResult(ok=False, reason=reason, stats=dict(stats))
+    return ValidationResult(ok=True, stats=dict(stats))
 
 
 def _check_reference(reference: Tensor) -> None:
@@ -287,7 +287,7 @@ def screen_round(
     shape: tuple[int, ...],
     config: ValidationConfig | None = None,
     copiers: Callable[[frozenset[str]], Iterable[str]] | None = None,
-) -> dict[str, Verdict]:
+) -> dict[str, ValidationResult]:
     """Verdicts for every wallet's contribution to one round of one stage.
 
     Structural checks (type, dtype, shape, finite) first; the reference is the coordinate median
@@ -314,13 +314,13 @@ def screen_round(
     ref = len(rows)
     if moments.norm(ref) == 0:
         raise ValueError(f"reference of {reference.numel()} values is all zeros; nothing to compare against")
-    verdicts: dict[str, Verdict] = {w: v for w, v in structural.items() if v is not None}
+    verdicts: dict[str, ValidationResult] = {w: v for w, v in structural.items() if v is not None}
     for i, wallet in enumerate(wallets):
         verdicts[wallet] = _judge(moments.stats(i, ref), config)
     for group in _copy_groups(wallets, moments, config.duplicate_tolerance):
         for wallet in group if copiers is None else sorted(set(copiers(group)) & group):
             others = ", ".join(sorted(group - {wallet}))
-            verdicts[wallet] = Verdict(
+            verdicts[wallet] = ValidationResult(
                 ok=False,
                 reason=f"duplicate: within {config.duplicate_tolerance:.0%} relative L2 of {others}",
                 stats=verdicts[wallet].stats,
@@ -328,17 +328,17 @@ def screen_round(
     return {w: verdicts[w] for w in deltas_by_wallet}
 
 
-def _structural(delta: object, shape: tuple[int, ...], config: ValidationConfig) -> Verdict | None:
+def _structural(delta: object, shape: tuple[int, ...], config: ValidationConfig) -> ValidationResult | None:
     """The verdict of the reference-free checks, or None if Δ passes them."""
     if not isinstance(delta, Tensor):
-        return Verdict(ok=False, reason=f"type: expected a Tensor, got {type(delta).__name__}")
+        return ValidationResult(ok=False, reason=f"type: expected a Tensor, got {type(delta).__name__}")
     if delta.dtype != config.dtype:
-        return Verdict(ok=False, reason=f"dtype: got {delta.dtype}, expected {config.dtype}")
+        return ValidationResult(ok=False, reason=f"dtype: got {delta.dtype}, expected {config.dtype}")
     if tuple(delta.shape) != tuple(shape):
-        return Verdict(ok=False, reason=f"shape: got {tuple(delta.shape)}, expected {tuple(shape)}")
+        return ValidationResult(ok=False, reason=f"shape: got {tuple(delta.shape)}, expected {tuple(shape)}")
     if delta.numel() and not all(map(math.isfinite, map(float, torch.aminmax(delta)))):
         # min and max are NaN if any value is, ±inf if any is: one reduction, no (d,) mask
         # (8 ms against 0.35 s for isfinite().all() at 29.5M values on one thread).
         bad = int((~torch.isfinite(delta)).sum())
-        return Verdict(ok=False, reason=f"nonfinite: {bad} of {delta.numel()} values are NaN or inf")
+        return ValidationResult(ok=False, reason=f"nonfinite: {bad} of {delta.numel()} values are NaN or inf")
     return None

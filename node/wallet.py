@@ -8,7 +8,6 @@ keeps it, and `Wallet.__repr__` shows only the public identity.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from nacl.signing import SigningKey
 
 from neuroshard.data.keys import signature_is_valid
+from neuroshard.protocol.identity import wallet_id_of
 
 # Fixed HKDF context. Changing either string changes every wallet in the network,
 # so they are versioned rather than edited.
@@ -40,11 +40,6 @@ def derive_seed(token: str) -> bytes:
         raise TokenError("the token is empty")
     hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=_HKDF_SALT, info=_HKDF_INFO)
     return hkdf.derive(token.encode("utf-8"))
-
-
-def wallet_id_of(public_key: bytes) -> str:
-    """Short hex digest of a public key: the wallet's name in logs, files and the API."""
-    return hashlib.sha256(public_key).hexdigest()[:WALLET_ID_HEX_CHARS]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What a replica did in the current round: the data it read and its inner-step losses.
 
 The trainer fills it step by step; whoever finishes the round (the receipt reporter,
-node.tracker) reads it, and the trainer clears it once the round is done. The spans are
+node.verifier_client) reads it, and the trainer clears it once the round is done. The spans are
 exactly what data.shards.BatchStream read, so the verifier can recompute the batches
 (verifier.spotcheck.claimed_batches).
 """

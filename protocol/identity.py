@@ -38,3 +38,8 @@ def verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
     except (BadSignatureError, ValueError, TypeError):
         return False
     return True
+
+
+def sha256_hex(data: bytes) -> str:
+    """The hex SHA-256 of a body: how messages name the bytes they commit to."""
+    return hashlib.sha256(data).hexdigest()

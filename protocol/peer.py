@@ -1,6 +1,6 @@
 """The peer plane's own messages and routes: peer records, peer lists, state info, error replies.
 
-Tensors never travel as JSON: they are safetensors bodies (``neuroshard.node.p2p.codec``),
+Tensors never travel as JSON: they are safetensors bodies (``neuroshard.node.codec``),
 bound to a signed message by their sha256 (a state by `StateInfo.theta_hash`, a Δ by its
 round commitment's Merkle root, ``protocol.round``).
 """

@@ -18,12 +18,12 @@ replica reads only for the parts it checks or when something went wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from dataclasses import dataclass
 from typing import Annotated
 
+from .identity import sha256_hex
 from .refusal import invalid, malformed
 from .schema import (
     MAX_COUNT,
@@ -45,17 +45,13 @@ MAX_MEMBERS = 4096
 """Replicas per stage a round takes (the partition has one part per member)."""
 MAX_REASON_CHARS = 300
 ENCODINGS = ("fp16", "int8")
-"""How a contribution's Δ is encoded on the wire (``node.p2p.codec``)."""
+"""How a contribution's Δ is encoded on the wire (``node.codec``)."""
 
 Stage = Annotated[int, integer(0, MAX_STAGE)]
 Round = Annotated[int, integer(0, MAX_COUNT)]
 Sha256 = Annotated[str, hex_bytes(32)]
 Part = Annotated[int, integer(0, MAX_MEMBERS - 1)]
 Encoding = Annotated[str, choice(ENCODINGS)]
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start_verifier(args: argparse.Namespace, data: list[str]) -> SwarmVerifier:
-    """One verifier for the swarm, defined by what the nodes would train (swarm_verifier)."""
+    """One verifier for the swarm, defined by what the nodes would train (swarm.verifier)."""
     node = node_parser().parse_args([a for a in args.node_args if a != "--"])
     tables = network_tables(
         node,

@@ -111,7 +111,7 @@ def network_tables(
         "model": model.to_dict(),
         "stages": {"count": num_stages},
         "diloco": {
-            # As node.cli builds DiLoCoConfig from the same flags.
+            # As cli.node_flags builds DiLoCoConfig from the same flags.
             "inner_steps": inner_steps,
             "inner_lr": node.inner_lr,
             "warmup_steps": min(node.warmup_steps, node.total_steps),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from neuroshard.node.diloco import flat_parameters, tensor_sha256
+from neuroshard.node.diloco import flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, Transformer, build_stage, cross_entropy_loss
 
 
@@ -103,7 +103,7 @@ def evaluate_model(
 
 def stage_hash(model: nn.Module) -> str:
     """The θ hash replicas vote with: sha256 of the flat float32 parameters (node.diloco)."""
-    return tensor_sha256(flat_parameters(model.parameters()))
+    return tensor_digest(flat_parameters(model.parameters()))
 
 
 def build_from_state_dicts(

@@ -39,12 +39,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from torch import Tensor, nn
 
-from neuroshard.node.diloco import copy_into_parameters
+from neuroshard.node.codec import decode_state, state_size_bound
+from neuroshard.node.diloco import copy_into_parameters, tensor_digest
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.model_file import MODELS_DIR, StageProvenance, save_round_model
-from neuroshard.node.p2p.codec import decode_state, state_size_bound
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.protocol.peer import STATE, STATE_HEADER, StateInfo
 from neuroshard.protocol.refusal import Refused
 from neuroshard.tokenizer import BPETokenizer
@@ -424,7 +423,7 @@ class Evaluator:
         except (Refused, ValueError) as exc:
             self.ctx.log(f"evaluator: state body from {wallet_id}: {exc}")
             return None
-        if theta_sha256(theta) != info.theta_hash:
+        if tensor_digest(theta) != info.theta_hash:
             self.ctx.log(f"evaluator: state of {wallet_id} does not match its hash; refused")
             return None
         return Fetched(

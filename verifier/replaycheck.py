@@ -1,7 +1,7 @@
 """Live replay spot checks: re-run a sampled receipt's inner steps and compare the replica's Δ.
 
 A background thread (never the API's request path; one torch thread in the verifier
-process, verifier.cli) does, every `poll_s`:
+process, cli.verifier) does, every `poll_s`:
 
 1. **sample** — new receipts (stage 0's, and every stage's that commits to a segment root,
    below), each with probability `sample_rate`, picked by the
@@ -66,10 +66,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from neuroshard.data import Dataset
-from neuroshard.node.diloco import flat_parameters
+from neuroshard.node.diloco import flat_parameters, tensor_digest
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound, segment_size_bound
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.protocol.peer import REPLAY
@@ -224,7 +223,7 @@ class ReplayChecker:
         model = build_stage(ctx.network.model, 0, 1)
         self._numel = sum(p.numel() for p in model.parameters())
         self._n_tensors = len(list(model.parameters()))
-        self._initial_hash = theta_sha256(flat_parameters(model.parameters()))
+        self._initial_hash = tensor_digest(flat_parameters(model.parameters()))
         self._stages: dict[int, tuple[int, int, str]] = {}
         """Stage → (numel, parameter tensors, θ_0 hash) of that stage's model."""
         self.fraud_proofs: deque[bytes] = deque(maxlen=16)
@@ -415,8 +414,8 @@ class ReplayChecker:
         mismatched = [
             what
             for what, digest, committed in (
-                ("θ_round", theta_sha256(record.theta_round), receipt.base_hash),
-                ("Δ", theta_sha256(record.delta), receipt.delta_digest),
+                ("θ_round", tensor_digest(record.theta_round), receipt.base_hash),
+                ("Δ", tensor_digest(record.delta), receipt.delta_digest),
                 ("inner optimizer state", record.inner.digest(), receipt.inner_state_digest),
             )
             if digest != committed
@@ -476,7 +475,7 @@ class ReplayChecker:
             self._stages[stage] = (
                 sum(p.numel() for p in params),
                 len(params),
-                theta_sha256(flat_parameters(params)),
+                tensor_digest(flat_parameters(params)),
             )
         return self._stages[stage]
 

@@ -41,15 +41,16 @@ from neuroshard.node.diloco import (
     DiLoCoConfig,
     copy_into_parameters,
     flat_parameters,
-    tensor_sha256,
+    tensor_digest,
 )
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import decode_activations, decode_gradient
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
-from neuroshard.node.segments import Received, SegmentLog, StepRecord, sha256_hex
+from neuroshard.node.segments import Received, SegmentLog, StepRecord
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused
 
@@ -167,14 +168,14 @@ def _round_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]
     if claim.base_hash is None:
         return []
     theta = material.theta_round
-    if tensor_sha256(theta) != claim.base_hash:
+    if tensor_digest(theta) != claim.base_hash:
         return ["the served θ_round is not the receipt's base_hash"]
     j, last = material.segment, material.log.segments - 1
     out = []
     if j == 0 and not torch.equal(material.start.weights, theta):
         out.append("segment 0 does not start from θ_round")
     delta = theta - material.end.weights
-    if j == last and claim.delta_digest is not None and tensor_sha256(delta) != claim.delta_digest:
+    if j == last and claim.delta_digest is not None and tensor_digest(delta) != claim.delta_digest:
         out.append("the receipt's Δ is not θ_round minus the chain's last checkpoint")
     return out
 

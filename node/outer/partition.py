@@ -28,7 +28,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
-from ..p2p.codec import INT8_BLOCK
+from ..codec import INT8_BLOCK
 
 ALIGN = {"int8": INT8_BLOCK, "fp16": INT8_BLOCK}
 """Coordinates per alignment unit, by encoding. fp16 needs none, but one alignment for both keeps

@@ -27,10 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.refusal import Refused, malformed
-from neuroshard.protocol.round import FraudProof, InputList, RoundCommitment, sha256_hex
+from neuroshard.protocol.round import FraudProof, InputList, RoundCommitment
 
-from ..p2p.codec import decode_delta, encode_delta
+from ..codec import decode_delta, encode_delta
 from ..validation import ValidationConfig, screen_round
 from .partition import merkle_proofs, merkle_root, merkle_verify, proof_depth
 

@@ -118,7 +118,7 @@ class RoundConfig:
     tests and the simulator shorten the deadlines."""
 
     encoding: str = "int8"
-    """Encoding of this replica's parts and of the aggregates it owns (``p2p.codec``)."""
+    """Encoding of this replica's parts and of the aggregates it owns (``node.codec``)."""
     commit_timeout_s: float = 30.0
     """How long to wait for the members' commitments before closing the commit phase."""
     part_timeout_s: float = 60.0
@@ -241,6 +241,17 @@ class _Held:
     """The claims as decided from the echoes, before any fraud proof replaced a part: what the
     check seed and the digest hash, so a fraud found by some replicas only changes neither."""
     result: RoundResult | None = None
+
+    def scope(self) -> dict[str, Any]:
+        """The fields that tie a signed claim, echo or digest to this round of this stage, from
+        these members on this base: every message of the round carries them."""
+        inp = self.inp
+        return {
+            "stage": inp.stage,
+            "round": inp.round,
+            "base_hash": inp.base_hash,
+            "members_sha256": self.members_sha,
+        }
 
 
 RoundFactory = Callable[
@@ -488,10 +499,7 @@ class OuterRound:
             )
         claim = AggregateClaim.create(
             self.wallet,
-            stage=inp.stage,
-            round=inp.round,
-            base_hash=inp.base_hash,
-            members_sha256=held.members_sha,
+            **held.scope(),
             part=j,
             encoding=self.config.encoding,
             replaces=replaces,
@@ -683,10 +691,7 @@ class OuterRound:
             await self.store.publish(self._agg_name(inp, j, claim.aggregate_sha256), held.aggregates[j])
         echo = Echo.create(
             self.wallet,
-            stage=inp.stage,
-            round=inp.round,
-            base_hash=inp.base_hash,
-            members_sha256=held.members_sha,
+            **held.scope(),
             part=j,
             claims=() if claim is None else (claim,),
         )
@@ -933,10 +938,7 @@ class OuterRound:
         inp = held.inp
         digest = RoundDigest.create(
             self.wallet,
-            stage=inp.stage,
-            round=inp.round,
-            base_hash=inp.base_hash,
-            members_sha256=held.members_sha,
+            **held.scope(),
             claims_sha256=claims_sha256(held.gathered),
             frauds=tuple(sorted(held.frauds))[:64],
             equivocations=tuple(sorted(held.equivocations))[:64],

@@ -2,7 +2,7 @@
 vote after a round, and state sync.
 
 The outer round runs in ``neuroshard.node.outer.round`` over the object store (objects.py);
-`PeerNetwork.finish_round` steps with its aggregate, then calls `agree` here to collect the
+`PeerPlane.finish_round` steps with its aggregate, then calls `agree` here to collect the
 peers' θ hashes for the new round, and re-syncs (`fetch_from`, `sync_state`) if this replica is
 in the minority or behind. `join_state` uses `statuses` and `fetch_from` the same way.
 
@@ -24,14 +24,14 @@ from torch import Tensor
 from neuroshard.protocol.peer import ANNOUNCE, PEERS, STATE, STATE_HEADER, STATUS, PeerList, StateInfo
 from neuroshard.protocol.refusal import Refused, malformed
 
+from ..codec import decode_state, state_size_bound
+from ..diloco import tensor_digest
 from .auth import PeerClient, PeerReply, PeerUnreachable
-from .codec import decode_state, state_size_bound
 from .peers import PeerEntry
 from .quorum import backing, quorum, vouched
 from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, decode_state_object, is_relay
-from .rounds import Vote, plurality
+from .rounds import HashVote, plurality
 from .server import NodeState
-from .state import theta_sha256
 
 MIN_POLL_S = 0.02
 """First wait between status polls; it grows ×1.5 up to the configured poll interval."""
@@ -59,7 +59,7 @@ class Adopted:
 
 @dataclass(frozen=True)
 class Agreement:
-    vote: Vote
+    vote: HashVote
     """Hashes at the new round, this replica's own included."""
     ahead: int | None
     """The highest round a peer reported beyond the new one (this replica is behind), else None."""
@@ -287,7 +287,7 @@ class Exchange:
             await asyncio.sleep(interval)
             interval = min(interval * 1.5, self.timings.poll_interval_s)
 
-    async def fetch_from(self, vote: Vote, need: int = 1) -> Adopted | None:
+    async def fetch_from(self, vote: HashVote, need: int = 1) -> Adopted | None:
         """Download the voted state from one of its holders; θ (and momentum) verified by hash.
         Refuses (None) unless at least `need` holders report the same θ and momentum hashes."""
         momentum_hash, holders = backing(vote)
@@ -343,8 +343,8 @@ class Exchange:
         except Refused as exc:
             self.log(f"state from {peer.wallet[:12]} refused: {exc}")
             return None
-        theta_hash = await loop.run_in_executor(None, theta_sha256, theta)
-        momentum_hash = "" if momentum is None else await loop.run_in_executor(None, theta_sha256, momentum)
+        theta_hash = await loop.run_in_executor(None, tensor_digest, theta)
+        momentum_hash = "" if momentum is None else await loop.run_in_executor(None, tensor_digest, momentum)
         if (theta_hash, momentum_hash) != (info.theta_hash, info.momentum_hash):
             self.log(f"state from {peer.wallet[:12]} does not match its hashes; skipped")
             return None

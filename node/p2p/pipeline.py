@@ -63,6 +63,7 @@ from aiohttp import web
 from torch import Tensor
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import (
     ACTIVATION_DTYPES,
     ACTIVATION_HEADER,
@@ -80,7 +81,6 @@ from ..pipeline import NonFiniteStep
 from ..segments import Received, SegmentRecorder
 from ..wallet import Wallet
 from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
-from .codec import sha256_hex
 from .peers import PeerEntry, PeerTable
 from .pipeline_wire import (
     activation_size_bound,

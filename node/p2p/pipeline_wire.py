@@ -25,7 +25,7 @@ from neuroshard.protocol.refusal import invalid, malformed
 
 from .. import actcodec
 from ..actcodec import CODECS, DEFAULT_CODEC, Codec, PayloadError
-from .codec import HEADER_SLACK, Layout, check_layout
+from ..codec import HEADER_SLACK, Layout, check_layout
 
 if tuple(sorted(CODECS)) != tuple(sorted(CODEC_NAMES)):
     raise ImportError(f"actcodec implements {sorted(CODECS)}, the protocol names {sorted(CODEC_NAMES)}")

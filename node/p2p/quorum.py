@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from neuroshard.protocol.peer import StateInfo
 
-from .rounds import Vote, plurality
+from .rounds import HashVote, plurality
 
 
 def tolerated(voters: int) -> int:
@@ -39,7 +39,7 @@ def quorum(voters: int) -> int:
     return tolerated(voters) + 1
 
 
-def backing(vote: Vote) -> tuple[str, int]:
+def backing(vote: HashVote) -> tuple[str, int]:
     """(momentum hash, holders) of the largest group of the vote's holders that agree on the
     momentum too (ties: the smallest hash): a state is θ *and* momentum, both must be vouched for."""
     momenta = Counter(h.momentum_hash for h in vote.holders)
@@ -49,7 +49,7 @@ def backing(vote: Vote) -> tuple[str, int]:
     return min(h for h, c in momenta.items() if c == best), best
 
 
-def vouched(statuses: Iterable[StateInfo], min_round: int, voters: int) -> Vote | None:
+def vouched(statuses: Iterable[StateInfo], min_round: int, voters: int) -> HashVote | None:
     """The highest round ≥ `min_round` whose plurality state is backed by a quorum of `voters`.
 
     Rounds are tried from the highest down, so one status claiming a far-ahead round is skipped

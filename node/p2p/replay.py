@@ -27,10 +27,10 @@ from torch import Tensor
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused, malformed
 
+from ..codec import HEADER_SLACK, check_layout
 from ..replay import InnerState, ReplayArchive, ReplayRecord
 from ..segment_store import SegmentStore
 from .auth import PEER_WALLET
-from .codec import HEADER_SLACK, check_layout
 
 SEGMENT = "/p2p/segment/{round}/{segment}"
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"

@@ -38,7 +38,7 @@ def ordered_mean(stack: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Vote:
+class HashVote:
     """The hash most replicas at `round` report, and who reported it."""
 
     round: int
@@ -51,7 +51,7 @@ class Vote:
     """Votes per θ hash."""
 
 
-def plurality(statuses: Iterable[StateInfo], round_: int, own_hash: str | None) -> Vote | None:
+def plurality(statuses: Iterable[StateInfo], round_: int, own_hash: str | None) -> HashVote | None:
     """Count θ hashes at `round_` (this replica's own counts when `own_hash` is given).
 
     The hash with the most votes wins; a tie goes to the smallest hash. Every replica that
@@ -68,7 +68,7 @@ def plurality(statuses: Iterable[StateInfo], round_: int, own_hash: str | None) 
     best = max(counts.values())
     winner = min(h for h, c in counts.items() if c == best)
     holders = tuple(s for s in at_round if s.theta_hash == winner)
-    return Vote(round_, winner, best, sum(counts.values()), holders, dict(counts))
+    return HashVote(round_, winner, best, sum(counts.values()), holders, dict(counts))
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class RoundReport:
     """Of `rejected`: wallets proven to have signed two commitments, or two claims for one part."""
     late: bool
     """True when this replica adopted the peers' result instead of stepping. The partitioned round
-    has no late path (a replica behind re-syncs after the θ-hash vote): PeerNetwork sets False."""
+    has no late path (a replica behind re-syncs after the θ-hash vote): PeerPlane sets False."""
     next_round: int
     """The round this replica is at afterwards: round + 1, or later if it adopted the state of
     peers that were further ahead."""

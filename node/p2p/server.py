@@ -10,7 +10,7 @@ Routes (every refusal is a JSON `ErrorReply`):
 | GET  /p2p/state        | -> `X-NeuroShard-State` header + safetensors θ, momentum      | 200     | 503         |
 | GET  /p2p/obj/{name}   | [Range] [?wait=] -> an outer-round object (objects.py)        | 200 206 | 400 404 416 |
 
-The object route is a `ServerExtension` (``objects.ObjectRoutes``) that `PeerNetwork` always
+The object route is a `ServerExtension` (``objects.ObjectRoutes``) that `PeerPlane` always
 adds; the pipeline's forward route (``pipeline``) and the verifier's GET /p2p/replay/{round}
 (``replay``) are extensions the CLI adds where they apply.
 
@@ -20,7 +20,7 @@ short, 409 replayed nonce, 503 nonce cache full. 400 = malformed (schema, JSON);
 well-formed but wrong (a record not signed by the requesting wallet, a bad signature).
 
 The event loop owns `NodeState`; the training thread only hands it new snapshots
-through the loop (`PeerNetwork`), so handlers never see a half-updated state.
+through the loop (`PeerPlane`), so handlers never see a half-updated state.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.schema import Message
 from neuroshard.protocol.signing import NonceCache
 
+from ..codec import encode_state
 from ..wallet import Wallet
 from .auth import BODY, PEER_WALLET, Clock, Traffic, auth_middleware
-from .codec import encode_state
 from .peers import PeerTable
 from .state import Snapshot
 

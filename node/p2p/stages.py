@@ -7,7 +7,7 @@ thread. The stage > 0 replica that serves micro-batches is built in node.stage_r
 - A stage i > 0 replica (node.stage_replica) has no data: its peer server takes micro-batches
   (`PipelineService`), a `StageWorker` trains on them, and a non-last stage forwards its own
   output through its own `PipelineLink`.
-- Every stage runs its own DiLoCo outer rounds among its replicas through `PeerNetwork`
+- Every stage runs its own DiLoCo outer rounds among its replicas through `PeerPlane`
   (already per stage), counted in inner steps per replica (H).
 """
 
@@ -21,8 +21,8 @@ from torch import Tensor
 from neuroshard.protocol.pipeline import micro_batch_id
 
 from ..segments import SegmentRecorder
-from .network import PeerNetwork
 from .pipeline import PipelineClient, PipelineConfig
+from .plane import PeerPlane
 
 
 class PipelineLink:
@@ -30,7 +30,7 @@ class PipelineLink:
 
     def __init__(
         self,
-        network: PeerNetwork,
+        network: PeerPlane,
         config: PipelineConfig,
         *,
         stop: threading.Event,

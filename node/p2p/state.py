@@ -16,12 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..diloco import DiLoCo, copy_into_parameters, tensor_sha256
-
-
-def theta_sha256(vector: Tensor) -> str:
-    """The θ digest replicas vote with: `diloco.tensor_sha256` (one implementation)."""
-    return tensor_sha256(vector)
+from ..diloco import DiLoCo, copy_into_parameters, tensor_digest
 
 
 @dataclass(frozen=True)
@@ -55,8 +50,8 @@ def snapshot_of(diloco: DiLoCo) -> Snapshot:
         round=diloco.round,
         theta=theta,
         momentum=momentum,
-        theta_hash=theta_sha256(theta),
-        momentum_hash="" if momentum is None else theta_sha256(momentum),
+        theta_hash=tensor_digest(theta),
+        momentum_hash="" if momentum is None else tensor_digest(momentum),
     )
 
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from neuroshard.node.codec import Layout, decode_delta, decode_state, delta_layout
 from neuroshard.node.p2p.auth import status_of
-from neuroshard.node.p2p.codec import Layout, decode_delta, decode_state, delta_layout
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, gradient_layout
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.round import FraudProof

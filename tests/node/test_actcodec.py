@@ -15,7 +15,6 @@ from torch import Tensor
 
 from neuroshard.node import actcodec
 from neuroshard.node.actcodec import CODECS, DEFAULT_CODEC, FORMATS, GROUP, Format
-from neuroshard.node.p2p.codec import sha256_hex
 from neuroshard.node.p2p.pipeline import PipelineConfig
 from neuroshard.node.p2p.pipeline_wire import (
     bytes_per_token,
@@ -25,6 +24,7 @@ from neuroshard.node.p2p.pipeline_wire import (
     encode_gradient,
 )
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader
 
 QUANTIZED = sorted(name for name, f in FORMATS.items() if f.quantized)

@@ -17,7 +17,7 @@ from neuroshard.node.diloco import (
     default_inner_optimizer,
     flat_parameters,
     lr_factor,
-    tensor_sha256,
+    tensor_digest,
 )
 from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
 from neuroshard.node.network_definition import parse_network
@@ -309,7 +309,7 @@ def test_copy_into_parameters_round_trips_and_checks_the_length() -> None:
 
 
 def test_weights_hash_is_sha256_of_little_endian_float32() -> None:
-    assert tensor_sha256(torch.tensor([1.0])) == hashlib.sha256(bytes([0, 0, 0x80, 0x3F])).hexdigest()
+    assert tensor_digest(torch.tensor([1.0])) == hashlib.sha256(bytes([0, 0, 0x80, 0x3F])).hexdigest()
     a = DiLoCo(Transformer(MODEL), DiLoCoConfig())
     b = DiLoCo(Transformer(MODEL), DiLoCoConfig())
     assert a.weights_hash() == b.weights_hash()
@@ -344,13 +344,13 @@ def test_the_remembered_weights_hash_follows_every_in_place_change_of_theta() ->
     torch.manual_seed(0)
     engine = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2))
     first = engine.weights_hash()
-    assert first == tensor_sha256(engine.theta_round) and engine.weights_hash() == first
+    assert first == tensor_digest(engine.theta_round) and engine.weights_hash() == first
     engine.outer_step(torch.full_like(engine.theta_round.detach(), 0.5))
-    assert engine.weights_hash() == tensor_sha256(engine.theta_round) != first
+    assert engine.weights_hash() == tensor_digest(engine.theta_round) != first
     with torch.no_grad():
         engine.theta_round.copy_(torch.zeros_like(engine.theta_round))  # as an adopted state does
-    assert engine.weights_hash() == tensor_sha256(torch.zeros_like(engine.theta_round))
+    assert engine.weights_hash() == tensor_digest(torch.zeros_like(engine.theta_round))
     engine.load_state_dict(
         {**engine.state_dict(), "theta_round": torch.ones_like(engine.theta_round.detach())}
     )
-    assert engine.weights_hash() == tensor_sha256(torch.ones_like(engine.theta_round))
+    assert engine.weights_hash() == tensor_digest(torch.ones_like(engine.theta_round))

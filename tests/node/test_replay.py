@@ -7,10 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, tensor_digest
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.rounds import RoundReport
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive, ReplayRecord, capture_inner_state, install_inner_state
 from neuroshard.node.work import RoundWork
@@ -108,8 +107,8 @@ def test_receipts_commit_to_the_inner_state_the_round_started_from() -> None:
         doc, record = sent[-1], archive.get(round_)
         assert record is not None
         assert doc.inner_state_digest == starts[round_][0].digest() == record.inner.digest()
-        assert doc.base_hash == theta_sha256(starts[round_][1]) == theta_sha256(record.theta_round)
-        assert doc.delta_digest == theta_sha256(delta) == theta_sha256(record.delta)
+        assert doc.base_hash == tensor_digest(starts[round_][1]) == tensor_digest(record.theta_round)
+        assert doc.delta_digest == tensor_digest(delta) == tensor_digest(record.delta)
         assert doc.start_step == round_ * H  # the schedule's position, a function of the round
     assert starts[1][0].digest() != starts[0][0].digest()  # round 1 starts from round 0's moments
 

@@ -12,7 +12,7 @@ from neuroshard.node.diloco import DiLoCoConfig, flat_parameters
 from neuroshard.node.model import ModelConfig, Transformer
 from neuroshard.node.validation import (
     ValidationConfig,
-    Verdict,
+    ValidationResult,
     contribution_stats,
     find_copies,
     robust_reference,
@@ -180,7 +180,7 @@ def test_statistics_and_thresholds_by_hand() -> None:
     assert validate_contribution(2 * reference, reference).ok
     strict = ValidationConfig(max_norm_ratio=1.5)
     verdict = validate_contribution(2 * reference, reference, strict)
-    assert verdict == Verdict(
+    assert verdict == ValidationResult(
         ok=False, reason="norm_ratio: ‖Δ‖/‖reference‖ = 2 outside [0.5, 1.5]", stats=stats
     )
     # A constant vector of the right norm: its variance is 0.

@@ -2,7 +2,7 @@
 
 Real processes on loopback, the real partitioned round: each of the two colluders commits, before
 anything of the round is revealed, to the Δ its search picks from its own honest Δ and the
-aggregates earlier rounds revealed (node/p2p/byzantine.py), aimed just inside the per-part
+aggregates earlier rounds revealed (adversary/contributions.py), aimed just inside the per-part
 screening. The honest replicas must still agree on θ every round, refuse none of each other's
 contributions, and learn. Short (micro model, H = 10, 5 rounds) and marked slow. First, without a
 network, what the wire attacker reads back and forges.

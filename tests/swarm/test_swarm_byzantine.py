@@ -3,7 +3,7 @@
 Real processes, the real wire: the attacker commits to its forged Δ and publishes it like any
 member of the partitioned round, and owns a part like any member. Each run is short (micro
 model, H=10, 5 rounds) so four attacks fit in CI. copy, equivocate and nan are not mounted in
-the partitioned round (node/p2p/byzantine.py) and are not run here.
+the partitioned round (adversary/contributions.py) and are not run here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import build_stage
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
@@ -34,11 +34,11 @@ def _network() -> NetworkDefinition:
 
 
 @pytest.fixture
-def node() -> Iterator[tuple[PeerNetwork, DiLoCo]]:
+def node() -> Iterator[tuple[PeerPlane, DiLoCo]]:
     """A replica one round in (θ_1), serving its state on a loopback port."""
     torch.manual_seed(0)
     diloco = DiLoCo(build_stage(_network().model, 0, 1), DiLoCoConfig(inner_steps=2, warmup_steps=0))
-    net = PeerNetwork(NetworkConfig(port=0, join_timeout_s=0), NODE, stage=0, log=lambda line: None)
+    net = PeerPlane(PeerPlaneConfig(port=0, join_timeout_s=0), NODE, stage=0, log=lambda line: None)
     net.start()
     net.join_state(diloco)
     tokens = torch.randint(0, 512, (2, 4, 32), generator=torch.Generator().manual_seed(1))
@@ -81,7 +81,7 @@ def _evaluator(
 
 
 def test_the_majority_weights_are_fetched_measured_and_recorded(
-    node: tuple[PeerNetwork, DiLoCo], database_url: str, published: PublishedData
+    node: tuple[PeerPlane, DiLoCo], database_url: str, published: PublishedData
 ) -> None:
     net, diloco = node
     db = _seed_db(database_url, f"http://{net.address}", diloco.weights_hash())
@@ -102,7 +102,7 @@ def test_the_majority_weights_are_fetched_measured_and_recorded(
 
 
 def test_a_minority_state_is_not_measured(
-    node: tuple[PeerNetwork, DiLoCo], database_url: str, published: PublishedData
+    node: tuple[PeerPlane, DiLoCo], database_url: str, published: PublishedData
 ) -> None:
     net, _ = node
     db = _seed_db(database_url, f"http://{net.address}", "f" * 64)
@@ -115,7 +115,7 @@ def test_a_minority_state_is_not_measured(
 
 
 def test_an_unsettled_round_waits(
-    node: tuple[PeerNetwork, DiLoCo], database_url: str, published: PublishedData
+    node: tuple[PeerPlane, DiLoCo], database_url: str, published: PublishedData
 ) -> None:
     net, diloco = node
     db = _seed_db(database_url, f"http://{net.address}", diloco.weights_hash())
@@ -144,7 +144,7 @@ def _pipeline_network() -> NetworkDefinition:
 
 
 @pytest.fixture
-def stages() -> Iterator[list[tuple[PeerNetwork, DiLoCo]]]:
+def stages() -> Iterator[list[tuple[PeerPlane, DiLoCo]]]:
     """One replica per stage, each one round in and serving its stage's θ_1; stage 1 took a
     different number of inner steps (rounds are per stage)."""
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def stages() -> Iterator[list[tuple[PeerNetwork, DiLoCo]]]:
     replicas = []
     for s, wallet in enumerate(STAGE_WALLETS):
         diloco = DiLoCo(build_stage(config, s, 2), DiLoCoConfig(inner_steps=2, warmup_steps=0))
-        net = PeerNetwork(NetworkConfig(port=0, join_timeout_s=0), wallet, stage=s, log=lambda line: None)
+        net = PeerPlane(PeerPlaneConfig(port=0, join_timeout_s=0), wallet, stage=s, log=lambda line: None)
         net.start()
         net.join_state(diloco)
         for p in diloco.params:  # a stand-in for inner steps: any move away from θ_0
@@ -166,7 +166,7 @@ def stages() -> Iterator[list[tuple[PeerNetwork, DiLoCo]]]:
 
 
 def _seed_pipeline_db(
-    database_url: str, replicas: list[tuple[PeerNetwork, DiLoCo]], majorities: list[str]
+    database_url: str, replicas: list[tuple[PeerPlane, DiLoCo]], majorities: list[str]
 ) -> Database:
     db = Database(database_url)
     now = time.time()
@@ -187,7 +187,7 @@ def _seed_pipeline_db(
 
 
 def test_a_pipeline_is_measured_on_every_stage_majority_assembled(
-    stages: list[tuple[PeerNetwork, DiLoCo]], database_url: str, published: PublishedData
+    stages: list[tuple[PeerPlane, DiLoCo]], database_url: str, published: PublishedData
 ) -> None:
     db = _seed_pipeline_db(database_url, stages, [d.weights_hash() for _, d in stages])
     lines: list[str] = []
@@ -202,7 +202,7 @@ def test_a_pipeline_is_measured_on_every_stage_majority_assembled(
 
 
 def test_a_pipeline_with_one_minority_stage_is_not_measured(
-    stages: list[tuple[PeerNetwork, DiLoCo]], database_url: str, published: PublishedData
+    stages: list[tuple[PeerPlane, DiLoCo]], database_url: str, published: PublishedData
 ) -> None:
     db = _seed_pipeline_db(database_url, stages, [stages[0][1].weights_hash(), "f" * 64])
     lines: list[str] = []

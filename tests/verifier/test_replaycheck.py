@@ -12,11 +12,10 @@ from conftest import PublishedData
 from sqlalchemy import select
 
 from neuroshard.data import BatchStream, assign_shards
-from neuroshard.node.diloco import DiLoCo
+from neuroshard.node.diloco import DiLoCo, tensor_digest
 from neuroshard.node.model import build_stage
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.replay import ReplayService
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.replay import ReplayArchive, ReplayRecord, capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
@@ -41,7 +40,7 @@ def _network(published: PublishedData) -> NetworkDefinition:
 
 
 @pytest.fixture
-def node(published: PublishedData) -> Iterator[tuple[PeerNetwork, ReplayArchive, list[list[int]]]]:
+def node(published: PublishedData) -> Iterator[tuple[PeerPlane, ReplayArchive, list[list[int]]]]:
     """A replica that ran round 0 on its assigned data and serves it to the operator."""
     network = _network(published)
     manifest = published.dataset.manifest
@@ -62,8 +61,8 @@ def node(published: PublishedData) -> Iterator[tuple[PeerNetwork, ReplayArchive,
     archive = ReplayArchive()
     archive.add(ReplayRecord(round=0, theta_round=theta, inner=inner, delta=diloco.pseudo_gradient()))
     service = ReplayService(archive, allowed_wallet=OPERATOR.public_key_hex)
-    net = PeerNetwork(
-        NetworkConfig(port=0, join_timeout_s=0), NODE, stage=0, log=lambda line: None, extensions=[service]
+    net = PeerPlane(
+        PeerPlaneConfig(port=0, join_timeout_s=0), NODE, stage=0, log=lambda line: None, extensions=[service]
     )
     net.start()
     yield net, archive, [[order[0], 0, H * B]]
@@ -74,8 +73,8 @@ def _receipt(round_: int, record: ReplayRecord, spans: list[list[int]], **overri
     fields: dict[str, object] = {
         "wallet_id": NODE.wallet_id, "stage": 0, "round": round_, "inner_steps": H, "start_step": round_ * H,
         "tokens": H * B * T, "shard_id": spans[0][0], "offset_start": spans[0][1], "offset_end": spans[0][2],
-        "data_spans": spans, "losses": [], "base_hash": theta_sha256(record.theta_round),
-        "result_hash": "1" * 64, "delta_digest": theta_sha256(record.delta),
+        "data_spans": spans, "losses": [], "base_hash": tensor_digest(record.theta_round),
+        "result_hash": "1" * 64, "delta_digest": tensor_digest(record.delta),
         "inner_state_digest": record.inner.digest(), "accepted": [], "rejected": [], "equivocators": [],
         "body_sha256": f"{round_:064d}", "received_at": time.time(),
     }  # fmt: skip
@@ -89,7 +88,7 @@ def _verdicts(db: Database) -> list[str]:
 
 
 def test_an_honest_round_passes_and_other_material_or_no_commitment_fails(
-    node: tuple[PeerNetwork, ReplayArchive, list[list[int]]], db: Database, published: PublishedData
+    node: tuple[PeerPlane, ReplayArchive, list[list[int]]], db: Database, published: PublishedData
 ) -> None:
     net, archive, spans = node
     record = archive.get(0)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_sha256
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import (
     decode_activations,
@@ -174,13 +174,13 @@ def train_round(
             received = [recorded(i, m) for m in received]
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
     recorder.end_round(diloco)
-    base_hash, delta = tensor_sha256(diloco.theta_round), diloco.pseudo_gradient()
+    base_hash, delta = tensor_digest(diloco.theta_round), diloco.pseudo_gradient()
     diloco.outer_step(delta)
     closed = recorder.close_round(REPLICA)
     assert closed is not None
     log, commitment = closed
     assert commitment is not None and commitment.root == log.root() and log.segments == H // K
-    return Run(stage, num_stages, store, log.root(), spans, base_hash, tensor_sha256(delta))
+    return Run(stage, num_stages, store, log.root(), spans, base_hash, tensor_digest(delta))
 
 
 def check(run: Run, segment: int, precision: str = "fp32", trained: str = "fp32") -> SegmentVerdict:
@@ -375,7 +375,7 @@ def test_the_receipts_theta_and_delta_must_be_the_chains_ends(tmp_path: Path) ->
     material = run.material(0)
     shifted = dataclasses.replace(material, theta_round=material.theta_round + 1e-3)
     tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
-    claim = dataclasses.replace(run.claim(), base_hash=tensor_sha256(shifted.theta_round))
+    claim = dataclasses.replace(run.claim(), base_hash=tensor_digest(shifted.theta_round))
     assert "segment 0 does not start from θ_round" in check_segment(claim, shifted, tolerance).reason
 
 

@@ -20,21 +20,21 @@ from torch import Tensor
 
 from neuroshard.data import BatchStream, assign_shards
 from neuroshard.node.actcodec import DEFAULT_CODEC
-from neuroshard.node.diloco import DiLoCo, copy_into_parameters, flat_parameters
+from neuroshard.node.diloco import DiLoCo, copy_into_parameters, flat_parameters, tensor_digest
 from neuroshard.node.model import build_stage
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline_wire import (
     decode_activations,
     decode_gradient,
     encode_activations,
     encode_gradient,
 )
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.replay import SegmentService
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.segment_store import SegmentStore
-from neuroshard.node.segments import Received, SegmentConfig, SegmentLog, SegmentRecorder, sha256_hex
+from neuroshard.node.segments import Received, SegmentConfig, SegmentLog, SegmentRecorder
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
@@ -63,7 +63,7 @@ def _network(published: PublishedData) -> NetworkDefinition:
 class Replica:
     wallet: Wallet
     stage: int
-    net: PeerNetwork
+    net: PeerPlane
     log: SegmentLog
     base_hash: str
     delta_digest: str
@@ -120,7 +120,7 @@ def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *,
         order=assign_shards(wallet.wallet_id, manifest, exclude={network.held_out_shard}),
     )  # fmt: skip
     recorder.start_round(diloco)
-    base, spans, start = theta_sha256(diloco.theta_round), [], None
+    base, spans, start = tensor_digest(diloco.theta_round), [], None
     for i in range(H):
         if stage == 0:
             before = stream.position.offset
@@ -147,8 +147,12 @@ def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *,
     closed = recorder.close_round(wallet)
     assert closed is not None
     service = SegmentService(store, allowed_wallet=OPERATOR.public_key_hex)
-    net = PeerNetwork(
-        NetworkConfig(port=0, join_timeout_s=0), wallet, stage=stage, log=lambda _: None, extensions=[service]
+    net = PeerPlane(
+        PeerPlaneConfig(port=0, join_timeout_s=0),
+        wallet,
+        stage=stage,
+        log=lambda _: None,
+        extensions=[service],
     )
     net.start()
     merged: list[list[int]] = []
@@ -157,7 +161,7 @@ def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *,
             merged[-1][2] = b
         else:
             merged.append([s, a, b])
-    return Replica(wallet, stage, net, closed[0], base, theta_sha256(delta), merged)
+    return Replica(wallet, stage, net, closed[0], base, tensor_digest(delta), merged)
 
 
 @pytest.fixture

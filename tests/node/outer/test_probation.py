@@ -154,10 +154,10 @@ def test_a_wallet_off_the_list_observes() -> None:
 
 
 def test_only_admitted_members_are_asked_for_their_vote() -> None:
-    from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+    from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 
     me, other, newcomer = (Wallet.from_token(f"vote-{i}").public_key_hex for i in range(3))
-    network = PeerNetwork(NetworkConfig(port=0), Wallet.from_token("vote-0"), stage=0, log=lambda line: None)
+    network = PeerPlane(PeerPlaneConfig(port=0), Wallet.from_token("vote-0"), stage=0, log=lambda line: None)
     exchange = network._exchange
     assert exchange.counts(newcomer)  # no roster: every live peer votes, as before
     network.set_roster(
@@ -192,9 +192,9 @@ async def test_a_probationer_left_out_by_the_cap_observes_and_steps_with_the_sta
 
 
 def test_a_new_member_list_takes_effect_at_its_round_on_every_replica() -> None:
-    from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+    from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 
-    network = PeerNetwork(NetworkConfig(port=0), Wallet.from_token("sched"), stage=0, log=lambda line: None)
+    network = PeerPlane(PeerPlaneConfig(port=0), Wallet.from_token("sched"), stage=0, log=lambda line: None)
     old = StageRoster(stage=0, policy="probation", admitted=frozenset({"a"}), probation=frozenset({"b"}))
     new = StageRoster(stage=0, policy="probation", admitted=frozenset({"a", "b"}))
     network.set_roster(old, effective_round=4)  # the first list is in force at once (a joiner)

@@ -18,6 +18,7 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from neuroshard.node.aggregation import aggregate
+from neuroshard.node.codec import decode_delta, encode_delta
 from neuroshard.node.outer.partition import members_sha256, merkle_proofs, merkle_root, part_bounds
 from neuroshard.node.outer.reduce import (
     AggregationRule,
@@ -34,7 +35,6 @@ from neuroshard.node.outer.reduce import (
     sha256_hex,
     split_slot,
 )
-from neuroshard.node.p2p.codec import decode_delta, encode_delta
 from neuroshard.node.validation import ValidationConfig
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused

@@ -339,7 +339,8 @@ class GroupRouter(MemoryStore):
 
 
 def forged_claim(held: Any, wallet: Wallet, like: Any, **over: Any) -> tuple[Any, bytes]:
-    from neuroshard.protocol.round import AggregateClaim, sha256_hex
+    from neuroshard.protocol.identity import sha256_hex
+    from neuroshard.protocol.round import AggregateClaim
 
     a, b = held.bounds[J]
     forged = encode_part(torch.ones(b - a), like.encoding)

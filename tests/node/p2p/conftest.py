@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from neuroshard.node.diloco import tensor_sha256
+from neuroshard.node.diloco import tensor_digest
 from neuroshard.node.p2p.peers import PeerTable
 from neuroshard.node.p2p.server import NodeState, ServerLimits
 from neuroshard.node.p2p.state import Snapshot
@@ -43,7 +43,7 @@ def clock() -> Clock:
 def _snapshot(round_: int = ROUND, numel: int = NUMEL, seed: int = 0) -> Snapshot:
     theta = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     return Snapshot(
-        round=round_, theta=theta, momentum=None, theta_hash=tensor_sha256(theta), momentum_hash=""
+        round=round_, theta=theta, momentum=None, theta_hash=tensor_digest(theta), momentum_hash=""
     )
 
 

@@ -27,12 +27,12 @@ from safetensors.torch import save as st_save
 from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p.codec import sha256_hex
 from neuroshard.node.p2p.pipeline import NextStageRouter, PipelineClient, PipelineConfig, PipelineService
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, encode_activations
 from neuroshard.node.p2p.server import NodeState, build_app
 from neuroshard.node.stage_worker import StageWorker, WorkerConfig
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.peer import ErrorReply, PeerRecord
 from neuroshard.protocol.pipeline import (
     ACTIVATION_HEADER,

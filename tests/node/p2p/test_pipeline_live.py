@@ -17,8 +17,8 @@ import torch
 
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.pipeline import PipelineConfig
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.stages import PipelineLink
 from neuroshard.node.pipeline import remote_loss
 from neuroshard.node.stage_replica import StageReplica, start_stage_replica
@@ -33,12 +33,12 @@ DILOCO = DiLoCoConfig(inner_steps=H, inner_lr=1e-2, warmup_steps=2, total_steps=
 PIPE = PipelineConfig(num_stages=2, request_timeout_s=10.0, deadline_s=30.0, ban_s=5.0)
 
 
-def _net(**over: object) -> NetworkConfig:
+def _net(**over: object) -> PeerPlaneConfig:
     values: dict[str, object] = dict(
         host="127.0.0.1", port=0, round_timeout_s=15.0, hash_check_timeout_s=5.0, join_timeout_s=3.0,
         poll_interval_s=0.1, gossip_interval_s=0.2, peer_ttl_s=10.0, request_timeout_s=5.0, connect_timeout_s=2.0,
     )  # fmt: skip
-    return NetworkConfig(**{**values, **over})  # type: ignore[arg-type]
+    return PeerPlaneConfig(**{**values, **over})  # type: ignore[arg-type]
 
 
 def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -50,7 +50,7 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 class Driver:
-    """A stage-0 replica: Trainer + PeerNetwork + PipelineLink, as `neuroshard-node --stage 0` builds them."""
+    """A stage-0 replica: Trainer + PeerPlane + PipelineLink, as `neuroshard-node --stage 0` builds them."""
 
     def __init__(  # type: ignore[no-untyped-def]
         self,
@@ -64,7 +64,7 @@ class Driver:
         self.wallet = Wallet.from_token(f"pipeline-driver-{index}")
         self.stop = threading.Event()
         self.lines: list[str] = []
-        self.network = PeerNetwork(_net(peers=bootstrap), self.wallet, 0, self.lines.append, stop=self.stop)
+        self.network = PeerPlane(_net(peers=bootstrap), self.wallet, 0, self.lines.append, stop=self.stop)
         self.network.start()
         self.link = PipelineLink(
             self.network,
@@ -195,7 +195,7 @@ def _finish(drivers: list[Driver], timeout: float) -> None:
         assert d.error is None, f"driver raised {d.error!r}"
 
 
-def _stage_agrees(networks: list[PeerNetwork], rounds: range) -> None:
+def _stage_agrees(networks: list[PeerPlane], rounds: range) -> None:
     for round_ in rounds:
         reports = [{r.round: r for r in n.reports}[round_] for n in networks]
         assert len({rep.theta_hash for rep in reports}) == 1, f"round {round_} diverged"

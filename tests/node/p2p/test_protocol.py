@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, test_utils
 
-from neuroshard.node.p2p.codec import decode_state
+from neuroshard.node.codec import decode_state
 from neuroshard.node.p2p.server import NodeState, build_app
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import (

@@ -9,11 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, tensor_digest
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.quorum import backing, quorum, tolerated, vouched
 from neuroshard.node.p2p.rounds import plurality
-from neuroshard.node.p2p.state import theta_sha256
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import StateInfo
 
@@ -80,8 +79,8 @@ def _engine(seed: int, round_: int) -> DiLoCo:
     return diloco
 
 
-def _network(index: int, peers: tuple[str, ...], lines: list[str]) -> PeerNetwork:
-    config = NetworkConfig(
+def _network(index: int, peers: tuple[str, ...], lines: list[str]) -> PeerPlane:
+    config = PeerPlaneConfig(
         port=0,
         peers=peers,
         join_timeout_s=5.0,
@@ -90,20 +89,20 @@ def _network(index: int, peers: tuple[str, ...], lines: list[str]) -> PeerNetwor
         request_timeout_s=5.0,
         connect_timeout_s=2.0,
     )
-    return PeerNetwork(
+    return PeerPlane(
         config, Wallet.from_token(f"quorum-live-{index}"), 0, lines.append, stop=threading.Event()
     )
 
 
 @pytest.fixture
-def networks() -> Iterator[list[PeerNetwork]]:
-    started: list[PeerNetwork] = []
+def networks() -> Iterator[list[PeerPlane]]:
+    started: list[PeerPlane] = []
     yield started
     for network in started:
         network.stop()
 
 
-def test_a_joiner_takes_the_honest_state_not_the_liars(networks: list[PeerNetwork]) -> None:
+def test_a_joiner_takes_the_honest_state_not_the_liars(networks: list[PeerPlane]) -> None:
     lines: list[str] = []
     honest = [_engine(seed=1, round_=5) for _ in range(3)]
     liar = _engine(seed=2, round_=1000)  # a forged θ "far ahead": the state it wants others to take
@@ -123,8 +122,8 @@ def test_a_joiner_takes_the_honest_state_not_the_liars(networks: list[PeerNetwor
 
     assert joiner.join_state(joiner_engine)
     assert joiner_engine.round == 5
-    assert theta_sha256(joiner_engine.theta_round) == theta_sha256(honest[0].theta_round)
-    assert theta_sha256(joiner_engine.theta_round) != theta_sha256(liar.theta_round)
+    assert tensor_digest(joiner_engine.theta_round) == tensor_digest(honest[0].theta_round)
+    assert tensor_digest(joiner_engine.theta_round) != tensor_digest(liar.theta_round)
 
 
 def test_fetch_refuses_a_state_with_fewer_holders_than_the_quorum(make_node, wallets) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from neuroshard.cli.node_flags import build_parser, network_config_from_args
-from neuroshard.node.p2p.network import NetworkConfig
+from neuroshard.node.p2p.plane import PeerPlaneConfig
 from neuroshard.node.p2p.relay import decode_state_object, encode_state_object, is_relay, relay_address
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import StateInfo
@@ -32,7 +32,7 @@ def test_the_state_object_round_trips_and_refuses_bad_framing() -> None:
             decode_state_object(bad)
 
 
-def parse(*argv: str) -> NetworkConfig:
+def parse(*argv: str) -> PeerPlaneConfig:
     """The peer plane `neuroshard-node` builds from these flags (neuroshard.cli.node)."""
     config = network_config_from_args(build_parser().parse_args(list(argv)), reporting=False, pipeline=False)
     assert config is not None
@@ -49,7 +49,7 @@ def test_relay_without_a_port_listens_nowhere_and_with_one_serves_as_well() -> N
     with pytest.raises(ValueError, match="s3://"):
         parse("--relay", "https://stage/run1")
     with pytest.raises(ValueError, match="relay bucket"):
-        NetworkConfig(listen=False)
+        PeerPlaneConfig(listen=False)
 
 
 class _Bucket:

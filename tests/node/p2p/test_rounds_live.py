@@ -1,6 +1,6 @@
 """Replicas on real sockets (threads in one process, loopback): rounds that agree, and the failure paths.
 
-Each replica is a real `Trainer` with a real `PeerNetwork`, exactly as the CLI wires
+Each replica is a real `Trainer` with a real `PeerPlane`, exactly as the CLI wires
 them; only the process boundary is missing (test_swarm.py has that).
 """
 
@@ -22,8 +22,8 @@ from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.port import object_name
 from neuroshard.node.outer.round import OuterRound, RoundResult
 from neuroshard.node.p2p.auth import PEER_WALLET
-from neuroshard.node.p2p.network import NetworkConfig, PeerNetwork
 from neuroshard.node.p2p.objects import ObjectRoutes
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.rounds import AggregationRule, RoundReport, ordered_mean
 from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
 from neuroshard.node.wallet import Wallet
@@ -35,7 +35,7 @@ WARMING_UP = DiLoCoConfig(inner_steps=H, inner_lr=3e-3, warmup_steps=60, total_s
 """A warm-up longer than the whole join test: a joiner must continue it where the others are."""
 
 
-def _config(**over: object) -> NetworkConfig:
+def _config(**over: object) -> PeerPlaneConfig:
     values: dict[str, object] = dict(
         host="127.0.0.1",
         port=0,
@@ -48,14 +48,14 @@ def _config(**over: object) -> NetworkConfig:
         request_timeout_s=5.0,
         connect_timeout_s=2.0,
     )
-    return NetworkConfig(**{**values, **over})  # type: ignore[arg-type]
+    return PeerPlaneConfig(**{**values, **over})  # type: ignore[arg-type]
 
 
 @dataclass
 class Replica:
     index: int
     wallet: Wallet
-    network: PeerNetwork
+    network: PeerPlane
     trainer: Trainer
     stop: threading.Event
     lines: list[str] = field(default_factory=list)
@@ -110,7 +110,7 @@ class Swarm:
         stop = threading.Event()
         lines: list[str] = []
         bootstrap = (self.replicas[0].network.address,) if self.replicas else ()
-        network = PeerNetwork(
+        network = PeerPlane(
             _config(peers=bootstrap, **config),
             wallet,
             0,

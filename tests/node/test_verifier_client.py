@@ -10,7 +10,7 @@ import pytest
 
 from neuroshard.cli.embedded import EmbeddedVerifier, start_embedded_verifier
 from neuroshard.node.network_definition import NetworkError
-from neuroshard.node.tracker import Tracker, TrackerConfig, fetch_network
+from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import Receipt
 from neuroshard.testing.api import free_port, receipt_doc
@@ -101,8 +101,8 @@ def test_a_restart_while_the_verifier_is_down_trains_by_the_saved_definition(tmp
 def test_registers_heartbeats_and_delivers_receipts(verifier: EmbeddedVerifier) -> None:
     lines: list[str] = []
     peers_seen: list[list[str]] = []
-    config = TrackerConfig(url=verifier.url, address="127.0.0.1:7999", peers_every_s=0.2)
-    tracker = Tracker(config, NODE, lines.append, progress=lambda: (2, 1), on_peers=peers_seen.append)
+    config = VerifierClientConfig(url=verifier.url, address="127.0.0.1:7999", peers_every_s=0.2)
+    tracker = VerifierClient(config, NODE, lines.append, progress=lambda: (2, 1), on_peers=peers_seen.append)
     tracker.start()
     try:
         for r in range(3):
@@ -121,9 +121,9 @@ def test_registers_heartbeats_and_delivers_receipts(verifier: EmbeddedVerifier) 
 
 def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> None:
     lines: list[str] = []
-    config = TrackerConfig(url=f"http://127.0.0.1:{free_port()}", address="127.0.0.1:7999", queue_size=5,
+    config = VerifierClientConfig(url=f"http://127.0.0.1:{free_port()}", address="127.0.0.1:7999", queue_size=5,
                            retry_s=0.1, timeout_s=0.5)  # fmt: skip
-    tracker = Tracker(config, NODE, lines.append)
+    tracker = VerifierClient(config, NODE, lines.append)
     tracker.start()
     try:
         started = time.monotonic()
@@ -144,7 +144,7 @@ def test_join_asks_again_until_the_verifier_answers_or_time_is_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from neuroshard.node import reporting
-    from neuroshard.node.tracker import VerifierUnreachable
+    from neuroshard.node.verifier_client import VerifierUnreachable
 
     monkeypatch.setattr(reporting, "JOIN_TIMEOUT_S", 0.1)
     lines: list[str] = []

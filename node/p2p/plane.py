@@ -1,6 +1,6 @@
-"""`PeerNetwork`: the bridge between the synchronous training loop and the asyncio peer plane.
+"""`PeerPlane`: the bridge between the synchronous training loop and the asyncio peer plane.
 
-The trainer runs on its own thread and knows nothing of the network. `PeerNetwork` runs
+The trainer runs on its own thread and knows nothing of the network. `PeerPlane` runs
 an event loop in a background thread (the aiohttp server, the client, peer gossip) and
 offers the trainer two blocking calls:
 
@@ -16,26 +16,25 @@ offers the trainer two blocking calls:
   suspect). If the round fails, the replica steps with its own Δ and the vote
   re-syncs it.
 
-With ``NetworkConfig.relay`` (``--relay s3://BUCKET/PREFIX``) the round's objects of relay
+With ``PeerPlaneConfig.relay`` (``--relay s3://BUCKET/PREFIX``) the round's objects of relay
 replicas are read from the stage bucket (``outer.port.RoutedStore``); with ``listen=False`` too
 (no ``--port``) this replica opens no port and puts everything its server would answer into
 the bucket instead (``relay.py``).
 
-The network also answers one non-blocking query, ``round_closing(r)``, for
-``Trainer.close_rounds_when``: always
+The plane also answers one non-blocking query, ``round_closing(r)``, a trainer's
+``round_closing``: always
 False for now. The majority early close ("slow replicas contribute what they have", issue #4)
 counted commitments in the old all-to-all exchange and is not ported to the partitioned round
 yet, so every replica runs its full H inner steps.
 
-Wiring in a CLI::
+Wiring (neuroshard.cli.node does it, through constructors)::
 
-    network = PeerNetwork(network_config_from_args(args), wallet, stage=0, log=log, stop=stop)
-    network.start()
-    trainer = Trainer(..., finish_round=network.finish_round)
-    trainer.close_rounds_when(network.round_closing)
-    network.join_state(trainer.diloco)
+    plane = PeerPlane(config, wallet, stage=0, log=log, stop=stop)
+    plane.start()
+    trainer = Trainer(..., finish_round=plane.finish_round, round_closing=plane.round_closing)
+    plane.join_state(trainer.diloco)
     try: trainer.run(stop)
-    finally: network.stop()
+    finally: plane.stop()
 """
 
 from __future__ import annotations
@@ -100,7 +99,7 @@ joiner may ask for a round its holders have just left (they serve the round they
 
 
 @dataclass(kw_only=True)
-class NetworkConfig:
+class PeerPlaneConfig:
     """The peer plane of one node. Defaults suit a node on the open internet at production H."""
 
     host: str = "127.0.0.1"
@@ -163,35 +162,35 @@ class NetworkConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
-            raise ValueError(f"NetworkConfig.port must lie in [0, 65535], got {self.port}")
+            raise ValueError(f"PeerPlaneConfig.port must lie in [0, 65535], got {self.port}")
         if self.encoding not in ENCODINGS:
-            raise ValueError(f"NetworkConfig.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+            raise ValueError(f"PeerPlaneConfig.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         for name in ("round_timeout_s", "hash_check_timeout_s", "poll_interval_s", "commit_timeout_s", "gossip_interval_s",
                      "peer_ttl_s", "connect_timeout_s", "request_timeout_s", "control_timeout_s", "state_timeout_s",
                      "replay_window_s"):  # fmt: skip
             if getattr(self, name) <= 0:
-                raise ValueError(f"NetworkConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"PeerPlaneConfig.{name} must be > 0, got {getattr(self, name)}")
         if not self.listen and self.relay is None:
             raise ValueError(
-                "NetworkConfig.listen=False needs a relay bucket: nobody could read this replica"
+                "PeerPlaneConfig.listen=False needs a relay bucket: nobody could read this replica"
             )
         if self.join_timeout_s < 0 or self.ban_s < 0 or self.ban_after_failures < 1 or self.min_peers < 0:
             raise ValueError(
-                "NetworkConfig: join_timeout_s, ban_s and min_peers must be >= 0, ban_after_failures >= 1"
+                "PeerPlaneConfig: join_timeout_s, ban_s and min_peers must be >= 0, ban_after_failures >= 1"
             )
         try:
             for address in (*self.peers, *([self.announce] if self.announce else [])):
                 parse_address(address)
         except Refused as exc:
-            raise ValueError(f"NetworkConfig: {exc}") from None
+            raise ValueError(f"PeerPlaneConfig: {exc}") from None
 
 
-class PeerNetwork:
+class PeerPlane:
     """One replica's peer plane, running on a background event loop."""
 
     def __init__(
         self,
-        config: NetworkConfig,
+        config: PeerPlaneConfig,
         wallet: Wallet,
         stage: int,
         log: Callable[[str], None],
@@ -305,13 +304,13 @@ class PeerNetwork:
     @property
     def address(self) -> str:
         if self.node.address is None:
-            raise RuntimeError("PeerNetwork.start() was not called")
+            raise RuntimeError("PeerPlane.start() was not called")
         return self.node.address
 
     def start(self) -> str:
         """Bind the server, start gossip; returns the announce address."""
         if self._loop is not None:
-            raise RuntimeError("PeerNetwork already started")
+            raise RuntimeError("PeerPlane already started")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"p2p-{self.wallet.wallet_id[:8]}", daemon=True
@@ -364,7 +363,7 @@ class PeerNetwork:
         self._gossip = asyncio.create_task(self._gossip_forever())
 
     def round_closing(self, round_: int) -> bool:
-        """Whether the stage is already closing round `round_` (``Trainer.close_rounds_when``):
+        """Whether the stage is already closing round `round_` (a trainer's ``round_closing``):
         always False. The majority early close is not ported to the partitioned round yet (module
         docstring): the old one counted commitments in the all-to-all exchange's round books."""
         return False
@@ -414,7 +413,7 @@ class PeerNetwork:
         if self._relay is not None:
             self._relay.store.close()
 
-    def __enter__(self) -> PeerNetwork:
+    def __enter__(self) -> PeerPlane:
         self.start()
         return self
 
@@ -425,7 +424,7 @@ class PeerNetwork:
         """Run `coro` on the network loop and wait for it from the calling (training) thread."""
         if self._loop is None:
             coro.close()
-            raise RuntimeError("PeerNetwork.start() was not called")
+            raise RuntimeError("PeerPlane.start() was not called")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
@@ -461,7 +460,7 @@ class PeerNetwork:
         return self._call(read(), timeout=10.0)
 
     def add_bootstrap(self, addresses: list[str]) -> None:
-        """Also dial these host:port addresses when gossiping (the verifier's peer list, node.tracker)."""
+        """Also dial these host:port addresses when gossiping (the verifier's peer list, node.verifier_client)."""
 
         async def add() -> None:
             known = self.node.peers.bootstrap

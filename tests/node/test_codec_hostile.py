@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests_support import refused
 
-from neuroshard.node.p2p.codec import (
+from neuroshard.node.codec import (
     MAX_HEADER_BYTES,
     check_layout,
     decode_delta,

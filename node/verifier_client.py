@@ -3,7 +3,7 @@
 `neuroshard-node --join http://verifier:8000` first fetches GET /api/network and checks
 the operator's signature (`fetch_network`) against a pinned key (--operator-key) or, on
 first contact, trusts the served key and remembers it under HOME/verifiers/ so a later
-swap is refused (trust on first use). Then a `Tracker` thread registers the wallet,
+swap is refused (trust on first use). Then a `VerifierClient` thread registers the wallet,
 heartbeats, reads GET /api/peers?stage= for discovery and submits the round receipts
 (node.receipt) queued by the training thread.
 
@@ -189,7 +189,7 @@ the list only says whether the operator changed the policy)."""
 
 
 @dataclass(kw_only=True)
-class TrackerConfig:
+class VerifierClientConfig:
     url: str
     """Base URL of the verifier, e.g. http://127.0.0.1:8000."""
     address: str
@@ -233,15 +233,15 @@ class TrackerConfig:
             )
             <= 0
         ):
-            raise ValueError(f"TrackerConfig: queue_size must be ≥ 1 and every period > 0, got {self}")
+            raise ValueError(f"VerifierClientConfig: queue_size must be ≥ 1 and every period > 0, got {self}")
 
 
-class Tracker:
+class VerifierClient:
     """A thread that keeps this replica registered and its receipts delivered; never blocks training."""
 
     def __init__(
         self,
-        config: TrackerConfig,
+        config: VerifierClientConfig,
         wallet: Wallet,
         log: Log,
         *,
@@ -291,7 +291,7 @@ class Tracker:
 
     def start(self) -> None:
         if self._thread is not None:
-            raise RuntimeError("Tracker already started")
+            raise RuntimeError("VerifierClient already started")
         self._thread = threading.Thread(target=self._run, name="tracker", daemon=True)
         self._thread.start()
 

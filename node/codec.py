@@ -18,7 +18,6 @@ Encodings of Δ (d,) float32:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 
@@ -43,10 +42,6 @@ HEADER_SLACK = 1024
 
 _DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "I8": 1, "I32": 4}
 Layout = dict[str, tuple[str, tuple[int, ...]]]
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def int8_blocks(numel: int) -> int:
