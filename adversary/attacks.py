@@ -24,6 +24,7 @@ from statistics import NormalDist
 import torch
 from torch import Tensor
 
+from neuroshard.node.aggregation import coordinate_median
 from neuroshard.node.validation import ValidationConfig, screen_round
 
 FIXED = (
@@ -280,7 +281,6 @@ def _perturbation(kind: str, mu: Tensor, sigma: Tensor) -> Tensor:
 
 
 def _edge(rows: Tensor, mu: Tensor, gamma: float, config: ValidationConfig) -> Tensor:
-
     reference = coordinate_median(rows)
     ref_norm = float(reference.norm())
     u = _unit(reference)

@@ -50,7 +50,8 @@ from neuroshard.node import aggregation
 from neuroshard.node.aggregation import default_rule
 from neuroshard.node.outer.partition import part_bounds
 from neuroshard.node.outer.reduce import reduce_part
-from neuroshard.node.outer.round import OuterRound, RoundFactory, RoundInput, RoundResult
+from neuroshard.node.outer.round import OuterRound, RoundFactory
+from neuroshard.node.outer.state import RoundInput, RoundResult
 from neuroshard.node.validation import ValidationConfig
 
 DEFAULT_PARAMS: dict[str, float] = {

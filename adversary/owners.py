@@ -18,13 +18,14 @@ import asyncio
 import torch
 
 from neuroshard.node.outer.reduce import decode_part, delta_object, encode_part
-from neuroshard.node.outer.round import OuterRound, _Held
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import Held
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.round import AggregateClaim
 
 
-def forge_claim(wallet: Wallet, held: _Held, j: int, scale: float) -> tuple[AggregateClaim, bytes]:
+def forge_claim(wallet: Wallet, held: Held, j: int, scale: float) -> tuple[AggregateClaim, bytes]:
     """A second claim for part j, signed by `wallet`: the same fields as its honest claim, naming
     `scale` × the honest aggregate; with the forged aggregate's bytes."""
     honest = held.claims[j]
@@ -41,7 +42,7 @@ class WrongAggregate(OuterRound):
 
     scale = -3.0
 
-    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+    async def _reduce(self, held: Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
         claim, forged = forge_claim(self.wallet, held, j, self.scale)
         await self.store.publish(self._agg_name(held.inp, j, claim.aggregate_sha256), forged)
@@ -54,7 +55,7 @@ class Equivocator(OuterRound):
 
     delay_s = 0.05
 
-    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+    async def _reduce(self, held: Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
         second, forged = forge_claim(self.wallet, held, j, 2.0)
 
@@ -71,7 +72,7 @@ class SplitEquivocator(OuterRound):
     """Two signed claims per owned part, both aggregates published (by hash); which claim a reader
     gets is the carrier's choice: ``claim/j`` is the honest one, ``claim-b/j`` the forged one."""
 
-    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+    async def _reduce(self, held: Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
         second, forged = forge_claim(self.wallet, held, j, 2.0)
         await self.store.publish(self._agg_name(held.inp, j, second.aggregate_sha256), forged)
@@ -81,14 +82,14 @@ class SplitEquivocator(OuterRound):
 class Withholder(OuterRound):
     """Never publishes the aggregates of the parts it owns (its own contribution stays honest)."""
 
-    async def _reduce_owned(self, held: _Held) -> None:
+    async def _reduce_owned(self, held: Held) -> None:
         return None
 
 
 class MismatchedPart(OuterRound):
     """Signs the root of its honest Δ, then publishes a Δ object with every part negated."""
 
-    async def _scatter(self, held: _Held) -> None:
+    async def _scatter(self, held: Held) -> None:
         forged, _ = delta_object(-held.inp.delta, held.bounds, self.config.encoding)
         held.delta_bytes = forged
         await self.store.publish(self._name(held.inp, "delta"), forged)

@@ -78,7 +78,8 @@ from neuroshard.adversary.owners import (
 from neuroshard.node import aggregation, validation
 from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import encoded_size
-from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import RoundConfig, RoundInput, RoundResult
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol import schema as protocol_schema
 

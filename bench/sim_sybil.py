@@ -37,7 +37,8 @@ import torch
 from neuroshard.node.aggregation import network_rule
 from neuroshard.node.membership import StageRoster, split_members
 from neuroshard.node.outer.port import MemoryHub
-from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import RoundConfig, RoundInput, RoundResult
 from neuroshard.node.p2p.quorum import quorum
 from neuroshard.node.p2p.rounds import plurality
 from neuroshard.node.wallet import Wallet

@@ -40,7 +40,7 @@ without them.
 
 The module knows no carrier: HTTP, S3 and the simulator each implement ``port.RoundStore``.
 It knows no DiLoCo either: the caller steps its engine with the result (``neuroshard.node.p2p.
-network``; the simulator). Per replica and round it moves about 2·d encoded bytes — its parts out
+plane``; the simulator). Per replica and round it moves about 2·d encoded bytes — its parts out
 to their owners, every aggregated part in — plus ≈ 1.6–1.9·d for the checks (each re-reads one
 part's n inputs) and O(n) small signed objects (n commitments, ~``backups``·n echoes, n
 digests): nothing grows with n but the small objects.
@@ -49,16 +49,13 @@ digests): nothing grows with n but the small objects.
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torch import Tensor
 
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.round import (
@@ -74,7 +71,6 @@ from neuroshard.protocol.round import (
     sha256_hex,
 )
 
-from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .partition import backup_chain, members_sha256, owners, part_bounds
 from .port import RoundStore, object_name
@@ -91,6 +87,7 @@ from .reduce import (
     recompute,
     split_slot,
 )
+from .state import Held, Phase, RoundConfig, RoundInput, RoundResult, check_probability
 
 _RoundSigned = TypeVar("_RoundSigned", Echo, RoundDigest)
 """The small signed objects a replica reads by `OuterRound._read_signed`."""
@@ -99,159 +96,6 @@ SMALL_OBJECT_BYTES = 64 << 10
 """Cap on a commitment, claim or digest read (each is < 2 KB)."""
 LIST_BYTES_PER_MEMBER = 2048
 """Cap per member on an input list read (an entry is < 1 KB)."""
-
-
-class Phase(enum.Enum):
-    COMMIT = "commit"
-    SCATTER = "scatter"
-    REDUCE = "reduce"
-    GATHER = "gather"
-    ECHO = "echo"
-    CHECK = "check"
-    AGREE = "agree"
-    DONE = "done"
-
-
-@dataclass(kw_only=True)
-class RoundConfig:
-    """Deadlines and knobs of one round. Defaults suit a stage on the open internet at production H;
-    tests and the simulator shorten the deadlines."""
-
-    encoding: str = "int8"
-    """Encoding of this replica's parts and of the aggregates it owns (``node.codec``)."""
-    commit_timeout_s: float = 30.0
-    """How long to wait for the members' commitments before closing the commit phase."""
-    part_timeout_s: float = 60.0
-    """How long an owner waits for a committed member's part (a ranged read of its Δ)."""
-    gather_timeout_s: float = 60.0
-    """How long to wait for an owner's claim and aggregate before turning to its backup."""
-    agree_timeout_s: float = 15.0
-    """How long to wait for the members' digests, and for an aggregate a claim names. Echoes are
-    waited for as long as a witness's slowest gather can take (``_echo``): a witness that never
-    publishes its echo makes every round wait that long (3.75 minutes at the defaults)."""
-    check_miss: float = 0.2
-    """Target probability that a cheating owner's part goes unchecked in one round, with 80% of the
-    members honest: 0.2 catches it within 3 rounds with probability ≥ 0.992. Each replica checks
-    each part it does not own with probability p = 1 − miss^(1/(0.8·n − 1)) (`check_probability`):
-    ~1.6 parts at n = 4, ~1.9 at n ≥ 24 — the fewest checks (each costs ≈ d·(n−1)/n bytes in) that
-    hold the target at every n."""
-    checks: int | None = None
-    """Check exactly this many parts instead (tests, benchmarks); None: `check_miss` decides."""
-    backups: int = 2
-    """How far down the backup chain a missing part is looked for before it is taken as zero; the
-    same members witness the part (``Echo``)."""
-    validation: ValidationConfig | None = field(default_factory=ValidationConfig)
-    """Per-part content screening (``reduce`` module docstring); None skips it."""
-
-    def __post_init__(self) -> None:
-        for name in ("commit_timeout_s", "part_timeout_s", "gather_timeout_s", "agree_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RoundConfig.{name} must be > 0, got {getattr(self, name)}")
-        if (self.checks is not None and self.checks < 0) or self.backups < 0:
-            raise ValueError(
-                f"RoundConfig.checks and backups must be >= 0, got {self.checks}, {self.backups}"
-            )
-        if not 0 < self.check_miss < 1:
-            raise ValueError(f"RoundConfig.check_miss must lie in (0, 1), got {self.check_miss}")
-
-
-HONEST_SHARE = 0.8
-"""The share of honest members the check rate is sized for (the simulator's 20% Byzantine)."""
-
-
-def check_probability(n: int, miss: float) -> float:
-    """Probability with which a replica checks each part it does not own, so that a part goes
-    unchecked by all ≈ 0.8·n − 1 other honest replicas with probability ≤ `miss`."""
-    checkers = max(1.0, HONEST_SHARE * n - 1)
-    return min(1.0, 1.0 - miss ** (1.0 / checkers))
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoundInput:
-    stage: int
-    round: int
-    base_hash: str
-    """sha256 of θ_round (h_r): every member's Δ must be computed from it."""
-    members: tuple[str, ...]
-    """The round's admitted member wallets, sorted; this replica among them unless it is a
-    probationer. Parts, ownership, witnesses and digests are theirs (``neuroshard.node.membership``)."""
-    delta: Tensor
-    """This replica's Δ (d,) float32, on the CPU."""
-    tokens: int
-    banned: frozenset[str] = frozenset()
-    """Wallets this replica refuses as inputs (proven cheats of earlier rounds)."""
-    probationers: tuple[str, ...] = ()
-    """Probationers of this round as this replica sees them, sorted, none of them a member: they
-    commit to the members' list and send their parts like members; an owner reads and screens
-    their parts (``RoundResult.probation``) but never aggregates them, and they own, witness,
-    check and count for nothing. A replica's own view: it changes nothing another computes."""
-
-
-@dataclass(kw_only=True)
-class RoundResult:
-    aggregate: Tensor
-    """Δ_agg (d,) float32: every part's aggregate, zero where no valid one was found."""
-    committed: tuple[str, ...] = ()
-    """Members whose valid commitment this replica held when it closed the commit phase."""
-    claims: dict[int, AggregateClaim] = field(default_factory=dict)
-    """Part -> the claim this replica stepped with."""
-    refused: dict[str, str] = field(default_factory=dict)
-    """Wallet -> why a part (or its commitment) of it was refused, in the parts this replica saw."""
-    cheats: dict[str, str] = field(default_factory=dict)
-    """Wallet -> proof-backed reason to ban it (fraud, equivocation): the caller bans these."""
-    silent: dict[str, str] = field(default_factory=dict)
-    """Wallet -> what it did not deliver (no commitment, an owner without its aggregate)."""
-    missing_parts: tuple[int, ...] = ()
-    checked: tuple[int, ...] = ()
-    probation: dict[str, str] = field(default_factory=dict)
-    """Probationer -> this replica's verdict on it as an owner: "part j: passed screening (no
-    weight)", "part j: refused: …", or why its commitment or part did not come (never in any
-    aggregate either way)."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Phase -> wall seconds spent in it."""
-
-
-@dataclass
-class _Held:
-    """What one round holds while it runs (one instance per `run`)."""
-
-    inp: RoundInput
-    members_sha: str
-    bounds: list[tuple[int, int]]
-    owners: list[str]
-    commitment: RoundCommitment
-    delta_bytes: bytes
-    commitments: dict[str, RoundCommitment] = field(default_factory=dict)
-    """Admitted members' valid commitments (this replica's own included, if it is a member)."""
-    probation: dict[str, RoundCommitment] = field(default_factory=dict)
-    """Probationers' valid commitments (read by members only: owners screen their parts)."""
-    claims: dict[int, AggregateClaim] = field(default_factory=dict)
-    aggregates: dict[int, bytes] = field(default_factory=dict)
-    """Part -> encoded aggregate to step with (the claim's, or a fraud proof's recomputation)."""
-    encodings: dict[int, str] = field(default_factory=dict)
-    frauds: set[int] = field(default_factory=set)
-    """Parts whose owner this replica holds a checked fraud proof against."""
-    equivocations: set[int] = field(default_factory=set)
-    """Parts whose deciding signer this replica holds two claims of (zero this round)."""
-    screening: list[asyncio.Future[None]] = field(default_factory=list)
-    """Owners' screenings of probationers' parts, running beside the later phases (`_settle_probation`)."""
-    probation_reads: asyncio.Future[Any] | None = None
-    """The probationers' commitment reads (`_probation_commitments`), started by the first screening."""
-    gathered: dict[int, AggregateClaim] = field(default_factory=dict)
-    """The claims as decided from the echoes, before any fraud proof replaced a part: what the
-    check seed and the digest hash, so a fraud found by some replicas only changes neither."""
-    result: RoundResult | None = None
-
-    def scope(self) -> dict[str, Any]:
-        """The fields that tie a signed claim, echo or digest to this round of this stage, from
-        these members on this base: every message of the round carries them."""
-        inp = self.inp
-        return {
-            "stage": inp.stage,
-            "round": inp.round,
-            "base_hash": inp.base_hash,
-            "members_sha256": self.members_sha,
-        }
 
 
 RoundFactory = Callable[
@@ -311,7 +155,7 @@ class OuterRound:
         await self._settle_probation(held)
         return self._finish(held)
 
-    async def _commit(self, inp: RoundInput) -> _Held:
+    async def _commit(self, inp: RoundInput) -> Held:
         self.phase = Phase.COMMIT
         n, d = len(inp.members), inp.delta.numel()
         bounds = part_bounds(d, n)
@@ -330,7 +174,7 @@ class OuterRound:
         )
         if self._takes_part(inp):
             await self.store.publish(self._name(inp, "commit"), commitment.to_json())
-        held = _Held(
+        held = Held(
             inp=inp,
             members_sha=members_sha,
             bounds=bounds,
@@ -348,7 +192,7 @@ class OuterRound:
         """Whether this replica contributes this round (a member or a probationer), or only observes."""
         return self.me in inp.members or self.me in inp.probationers
 
-    async def _read_commitments(self, held: _Held) -> None:
+    async def _read_commitments(self, held: Held) -> None:
         inp, result = held.inp, held.result
         assert result is not None
 
@@ -378,7 +222,7 @@ class OuterRound:
         await asyncio.gather(*(read(m) for m in inp.members if m != self.me))
         result.committed = tuple(sorted(held.commitments))
 
-    def _probation_commitments(self, held: _Held) -> asyncio.Future[Any]:
+    def _probation_commitments(self, held: Held) -> asyncio.Future[Any]:
         """The probationers' commitments, read once per round in the background when this replica
         first reduces a part (only owners and backups screen probationers). Nothing of the members'
         round waits for them: the screening that needs them runs beside the round, and whatever is
@@ -389,7 +233,7 @@ class OuterRound:
             )
         return held.probation_reads
 
-    async def _read_probationer(self, held: _Held, wallet: str) -> None:
+    async def _read_probationer(self, held: Held, wallet: str) -> None:
         """`wallet`'s commitment as a probationer, into `held.probation` if valid (else a verdict)."""
         assert held.result is not None
         raw = await self.store.fetch(
@@ -414,7 +258,7 @@ class OuterRound:
         else:
             held.probation[wallet] = commitment
 
-    def _commitment_problem(self, held: _Held, author: str, c: RoundCommitment) -> str | None:
+    def _commitment_problem(self, held: Held, author: str, c: RoundCommitment) -> str | None:
         inp = held.inp
         if c.wallet != author or not c.signature_valid():
             return "commitment not signed by its author"
@@ -426,16 +270,16 @@ class OuterRound:
             return f"numel {c.numel} is not the stage's {inp.delta.numel()}"
         return None
 
-    async def _scatter(self, held: _Held) -> None:
+    async def _scatter(self, held: Held) -> None:
         if self._takes_part(held.inp):
             await self.store.publish(self._name(held.inp, "delta"), held.delta_bytes)
 
-    async def _reduce_owned(self, held: _Held) -> None:
+    async def _reduce_owned(self, held: Held) -> None:
         mine = [j for j, owner in enumerate(held.owners) if owner == self.me]
         await asyncio.gather(*(self._reduce(held, j, replaces="") for j in mine))
 
     async def _read_part(
-        self, held: _Held, author: str, j: int, wait_s: float, commitment: RoundCommitment | None = None
+        self, held: Held, author: str, j: int, wait_s: float, commitment: RoundCommitment | None = None
     ) -> tuple[bytes, bytes] | str:
         """(proof, part bytes) of `author`'s part j checked against its commitment (the member's held
         one unless given), or why not."""
@@ -455,7 +299,7 @@ class OuterRound:
             return f"part {j} does not match its signed commitment"
         return proof, data
 
-    async def _reduce(self, held: _Held, j: int, replaces: str) -> None:
+    async def _reduce(self, held: Held, j: int, replaces: str) -> None:
         """Reduce part j as its owner (or as the backup of `replaces`) and publish the claim."""
         inp = held.inp
         a, b = held.bounds[j]
@@ -519,7 +363,7 @@ class OuterRound:
             held.screening.append(asyncio.ensure_future(self._screen_probationers(held, j, inputs, parts)))
 
     async def _screen_probationers(
-        self, held: _Held, j: int, inputs: InputList, parts: Mapping[str, bytes]
+        self, held: Held, j: int, inputs: InputList, parts: Mapping[str, bytes]
     ) -> None:
         """Read and screen the probationers' parts j beside the members' (after the claim is out: the
         aggregate never waits for them). Screening judges each row against the round's robust
@@ -564,7 +408,7 @@ class OuterRound:
                 w, f"part {j}: refused: {reason}" if reason else f"part {j}: passed screening (no weight)"
             )
 
-    async def _read_claim(self, held: _Held, j: int, owner: str, replaces: str, wait_s: float) -> bool:
+    async def _read_claim(self, held: Held, j: int, owner: str, replaces: str, wait_s: float) -> bool:
         """Read part j's claim and aggregate from `owner`; True when both check out (then held)."""
         if owner == self.me:
             return j in held.claims and held.claims[j].wallet == self.me
@@ -588,7 +432,7 @@ class OuterRound:
         return await self._take_claim(held, claim, min(wait_s, self.config.agree_timeout_s))
 
     async def _take_claim(
-        self, held: _Held, claim: AggregateClaim, wait_s: float, holders: tuple[str, ...] = ()
+        self, held: Held, claim: AggregateClaim, wait_s: float, holders: tuple[str, ...] = ()
     ) -> bool:
         """Read the aggregate `claim` names (by its hash, so an owner that signs two claims cannot
         tear a reader between one claim and the other's bytes) from its signer, else from `holders`
@@ -611,15 +455,15 @@ class OuterRound:
             return True
         return False
 
-    async def _gather(self, held: _Held) -> None:
+    async def _gather(self, held: Held) -> None:
         """Witnesses gather the parts they witness; nobody else reads an owner's claim (see `_echo`),
         except where a part has no witness (one member, or ``backups`` = 0)."""
         await asyncio.gather(*(self._gather_part(held, j) for j in range(len(held.bounds))))
 
-    def _chain(self, held: _Held, j: int) -> list[str]:
+    def _chain(self, held: Held, j: int) -> list[str]:
         return backup_chain(held.owners, j, self.config.backups)
 
-    async def _gather_part(self, held: _Held, j: int) -> None:
+    async def _gather_part(self, held: Held, j: int) -> None:
         chain = self._chain(held, j)
         if len(chain) == 1:
             if chain[0] != self.me and not await self._read_claim(
@@ -632,7 +476,7 @@ class OuterRound:
             await self._witness(held, j, chain)
             await self._publish_echo(held, j)
 
-    async def _witness(self, held: _Held, j: int, chain: list[str]) -> None:
+    async def _witness(self, held: Held, j: int, chain: list[str]) -> None:
         """Gather part j as one of its witnesses: down the chain, owner first, taking at each step
         the first valid claim to come, from the member at that step or from another witness's echo
         (so an owner that answers some witnesses only does not split them). When this replica's
@@ -669,7 +513,7 @@ class OuterRound:
                 task.cancel()
 
     async def _take_echo(
-        self, held: _Held, j: int, chain: list[str], step: int, witness: str, wait_s: float
+        self, held: Held, j: int, chain: list[str], step: int, witness: str, wait_s: float
     ) -> bool:
         """Take the claim `witness` echoes for part j (its aggregate from the signer or the witness),
         if it is a claim of part j at chain position `step` or earlier: a witness must not jump
@@ -683,7 +527,7 @@ class OuterRound:
             return False
         return await self._take_claim(held, echo.claims[0], wait_s=2.0, holders=(witness,))
 
-    async def _publish_echo(self, held: _Held, j: int) -> None:
+    async def _publish_echo(self, held: Held, j: int) -> None:
         """As a witness of part j: publish the claim gathered for it (or none), and a copy of its
         aggregate for readers the signer does not serve."""
         inp, claim = held.inp, held.claims.get(j)
@@ -697,13 +541,13 @@ class OuterRound:
         )
         await self.store.publish(self._name(inp, "echo", j), echo.to_json())
 
-    async def _read_echo(self, held: _Held, j: int, witness: str, wait_s: float) -> Echo | None:
+    async def _read_echo(self, held: Held, j: int, witness: str, wait_s: float) -> Echo | None:
         """`witness`'s echo of part j, if it is signed by it and of this round and part."""
         echo = await self._read_signed(held, witness, self._name(held.inp, "echo", j), Echo, wait_s)
         return echo if echo is not None and echo.part == j else None
 
     async def _read_signed(
-        self, held: _Held, author: str, name: str, kind: type[_RoundSigned], wait_s: float
+        self, held: Held, author: str, name: str, kind: type[_RoundSigned], wait_s: float
     ) -> _RoundSigned | None:
         """`author`'s small signed object `name`, if it parses as `kind`, is signed by `author` and
         belongs to this round (stage, round, base hash and member list); else None."""
@@ -720,7 +564,7 @@ class OuterRound:
             return None
         return msg if msg.signature_valid() else None
 
-    async def _echo(self, held: _Held) -> None:
+    async def _echo(self, held: Held) -> None:
         """Decide every part from its witnesses' echoes (``Echo``), which honest witnesses show alike
         to every replica, owners and witnesses included: an owner that shows different readers
         different claims, or some of them none, cannot split them. Of the chain positions the echoes
@@ -760,7 +604,7 @@ class OuterRound:
         )
         held.gathered = dict(held.claims)
 
-    def _position(self, held: _Held, chain: list[str], claim: AggregateClaim) -> int | None:
+    def _position(self, held: Held, chain: list[str], claim: AggregateClaim) -> int | None:
         """The chain position `claim` is valid at (its signer's, naming the owner it replaces), or None."""
         inp = held.inp
         if claim.wallet not in chain:
@@ -774,7 +618,7 @@ class OuterRound:
         return k
 
     async def _decide(
-        self, held: _Held, j: int, chain: list[str], echoed: list[tuple[str, AggregateClaim]]
+        self, held: Held, j: int, chain: list[str], echoed: list[tuple[str, AggregateClaim]]
     ) -> None:
         result = held.result
         assert result is not None
@@ -810,7 +654,7 @@ class OuterRound:
                 f"round {held.inp.round}: part {j}: witnesses hold {claim.wallet[:12]}'s claim; its aggregate did not come"
             )
 
-    def _apply_equivocation(self, held: _Held, j: int, signer: str) -> None:
+    def _apply_equivocation(self, held: Held, j: int, signer: str) -> None:
         """Zero part j this round (every replica holding the proof alike) and report its signer."""
         assert held.result is not None
         if j not in held.equivocations:
@@ -822,7 +666,7 @@ class OuterRound:
         held.aggregates.pop(j, None)
         held.equivocations.add(j)
 
-    def _check_seed(self, held: _Held) -> random.Random:
+    def _check_seed(self, held: Held) -> random.Random:
         """The checks' seed: a hash of this replica's own signature over the round and the claims it
         gathered. Fixed only after every claim is in (an owner cannot re-sign after seeing it), and
         unpredictable to everyone else (Ed25519 signatures are deterministic but need the secret key),
@@ -830,7 +674,7 @@ class OuterRound:
         message = f"neuroshard/check/v2\n{held.inp.stage}\n{held.inp.round}\n{claims_sha256(held.gathered)}"
         return random.Random(hashlib.sha256(self.wallet.sign(message.encode())).digest())
 
-    async def _check(self, held: _Held) -> None:
+    async def _check(self, held: Held) -> None:
         result = held.result
         assert result is not None
         if self.me not in held.inp.members:
@@ -847,7 +691,7 @@ class OuterRound:
         result.checked = tuple(picked)
         await asyncio.gather(*(self._check_part(held, j) for j in picked))
 
-    async def _check_part(self, held: _Held, j: int) -> None:
+    async def _check_part(self, held: Held, j: int) -> None:
         result, inp, claim = held.result, held.inp, held.claims[j]
         assert result is not None
         n = len(inp.members)
@@ -879,7 +723,7 @@ class OuterRound:
             await self.store.publish(self._name(inp, "fraud", j), proof.encode())
             self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
 
-    async def _verify(self, held: _Held, proof: FraudProof) -> FraudCheck:
+    async def _verify(self, held: Held, proof: FraudProof) -> FraudCheck:
         """`reduce.check_fraud` of `proof` against this round, on a worker thread."""
         inp = held.inp
         return await asyncio.to_thread(
@@ -896,7 +740,7 @@ class OuterRound:
             validation=self.config.validation,
         )
 
-    async def _read_input(self, held: _Held, c: RoundCommitment, j: int) -> tuple[bytes, bytes] | None:
+    async def _read_input(self, held: Held, c: RoundCommitment, j: int) -> tuple[bytes, bytes] | None:
         saved = held.commitments.get(c.wallet)
         held.commitments[c.wallet] = c  # read it against the commitment the owner used
         try:
@@ -909,7 +753,7 @@ class OuterRound:
         return None if isinstance(got, str) else got
 
     def _apply_fraud(
-        self, held: _Held, j: int, claim: AggregateClaim, reason: str, aggregate: bytes | None
+        self, held: Held, j: int, claim: AggregateClaim, reason: str, aggregate: bytes | None
     ) -> None:
         """Replace part j by the aggregate its signed inputs give (what a backup owner would compute
         from the same inputs, so every replica holding the proof steps alike) and report the owner.
@@ -925,7 +769,7 @@ class OuterRound:
         if j not in held.equivocations:  # an equivocated part is zero, whatever else was proven
             held.aggregates[j], held.encodings[j] = aggregate, claim.encoding
 
-    async def _agree(self, held: _Held) -> None:
+    async def _agree(self, held: Held) -> None:
         """Publish this replica's digest, read every member's, and check the proofs others name.
 
         A fraud proof replaces a part only when it convicts the very claim this replica decided
@@ -968,13 +812,13 @@ class OuterRound:
                 f"round {inp.round}: {differ} of {len(digests)} digests name other claims than this replica's"
             )
 
-    async def _read_digest(self, held: _Held, member: str) -> RoundDigest | None:
+    async def _read_digest(self, held: Held, member: str) -> RoundDigest | None:
         return await self._read_signed(
             held, member, self._name(held.inp, "digest"), RoundDigest, self.config.agree_timeout_s
         )
 
     async def _read_fraud_proof(
-        self, held: _Held, finder: str, j: int
+        self, held: Held, finder: str, j: int
     ) -> tuple[FraudProof, FraudCheck] | None:
         """`finder`'s fraud proof for part j and its verdict, if it convicts the claim this replica
         decided part j with; else None."""
@@ -995,7 +839,7 @@ class OuterRound:
         verdict = await self._verify(held, proof)
         return (proof, verdict) if verdict.fraud else None
 
-    async def _settle_probation(self, held: _Held) -> None:
+    async def _settle_probation(self, held: Held) -> None:
         """End the probationers' screenings with the round: what is not done by now is cancelled and
         its probationers marked unscreened (a part that never came costs the members nothing)."""
         assert held.result is not None
@@ -1012,7 +856,7 @@ class OuterRound:
             else:
                 held.result.probation.setdefault(wallet, "no commitment during the round")
 
-    def _finish(self, held: _Held) -> RoundResult:
+    def _finish(self, held: Held) -> RoundResult:
         result = held.result
         assert result is not None
         out = result.aggregate

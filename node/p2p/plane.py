@@ -59,7 +59,8 @@ from neuroshard.protocol.signing import FRESHNESS_WINDOW_S, NonceCache
 from ..diloco import DiLoCo
 from ..membership import Split, StageRoster, split_members
 from ..outer.port import RoundStore, RoutedStore
-from ..outer.round import OuterRound, RoundConfig, RoundFactory, RoundInput, RoundResult
+from ..outer.round import OuterRound, RoundFactory
+from ..outer.state import RoundConfig, RoundInput, RoundResult
 from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .auth import Clock, PeerClient, Traffic

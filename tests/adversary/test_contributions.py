@@ -14,7 +14,8 @@ from neuroshard.adversary.cli import build_parser as adversary_parser
 from neuroshard.adversary.contributions import AttackConfig, Attacker, ForgingRound, warning
 from neuroshard.cli.node import Roles
 from neuroshard.cli.node_flags import build_parser
-from neuroshard.node.outer.round import OuterRound, RoundInput
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import RoundInput
 from neuroshard.node.trainer import Trainer
 from neuroshard.node.wallet import Wallet
 from neuroshard.swarm.cli import Node, report_rounds

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from neuroshard.adversary.contributions import AttackConfig, Attacker, revealed_aggregate
-from neuroshard.node.outer.round import RoundInput
+from neuroshard.node.outer.state import RoundInput
 from neuroshard.node.wallet import Wallet
 from tests.swarm.test_swarm import swarm_command
 

@@ -26,7 +26,8 @@ from aiohttp import test_utils
 
 from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.outer.port import MemoryHub, RoundStore, RoutedStore
-from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import RoundConfig, RoundInput, RoundResult
 from neuroshard.node.p2p.auth import PeerClient
 from neuroshard.node.p2p.bucket import BucketStore, RelayConfig, make_s3_client
 from neuroshard.node.p2p.objects import HttpRoundStore, ObjectRoutes, ObjectShelf

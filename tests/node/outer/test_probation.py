@@ -12,7 +12,8 @@ import torch
 from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.membership import ProbationCap, StageRoster, split_members
 from neuroshard.node.outer.port import MemoryHub
-from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult, _Held
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import Held, RoundConfig, RoundInput, RoundResult
 from neuroshard.node.wallet import Wallet
 
 D = 3000
@@ -32,7 +33,7 @@ def config() -> RoundConfig:
 class SilentAfterCommit(OuterRound):
     """A flooding probationer: commits, then never publishes its Δ (owners' reads of it time out)."""
 
-    async def _scatter(self, held: _Held) -> None:
+    async def _scatter(self, held: Held) -> None:
         return None
 
 

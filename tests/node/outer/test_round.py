@@ -21,7 +21,8 @@ from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.outer.partition import backup_chain, owners, part_bounds
 from neuroshard.node.outer.port import MemoryHub, MemoryStore
 from neuroshard.node.outer.reduce import decode_part, encode_part
-from neuroshard.node.outer.round import OuterRound, RoundConfig, RoundInput, RoundResult
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import RoundConfig, RoundInput, RoundResult
 from neuroshard.node.wallet import Wallet
 
 D = 3000

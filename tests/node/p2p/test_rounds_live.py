@@ -20,7 +20,8 @@ from aiohttp import web
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.port import object_name
-from neuroshard.node.outer.round import OuterRound, RoundResult
+from neuroshard.node.outer.round import OuterRound
+from neuroshard.node.outer.state import RoundResult
 from neuroshard.node.p2p.auth import PEER_WALLET
 from neuroshard.node.p2p.objects import ObjectRoutes
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
