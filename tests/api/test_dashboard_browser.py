@@ -12,7 +12,13 @@ import pytest
 from sqlalchemy import insert
 
 from neuroshard.node.wallet import Wallet
-from neuroshard.protocol.reports import DataSpan, HeartbeatRequest, Receipt, RegisterRequest
+from neuroshard.protocol.reports import (
+    DataSpan,
+    HeartbeatRequest,
+    Receipt,
+    RegisterRequest,
+    RejectedContribution,
+)
 from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.testing.api import SMALL_NETWORK_TOML, free_port, start_verifier_process
 from neuroshard.verifier import ledger
@@ -60,7 +66,7 @@ def seed(url: str) -> None:
                     base_hash=f"{r - 1:064x}" if r else "0" * 64,
                     result_hash=result,
                     delta_digest="d" * 64,
-                    rejected=[{"wallet": attacker.wallet_id, "reason": "norm 40x the median"}]
+                    rejected=[RejectedContribution(wallet=attacker.wallet_id, reason="norm 40x the median")]
                     if w in honest and r < 2
                     else [],
                 )
