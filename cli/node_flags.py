@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
+from neuroshard.cli.parser import Parser
 from neuroshard.node import device
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.diloco import DiLoCoConfig
@@ -34,15 +34,8 @@ standard library under `--home`, then train a tiny model on this wallet's shards
 DiLoCo, alone, printing progress and saving checkpoints. Ctrl-C stops cleanly."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of the full usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ident = p.add_argument_group("identity (the token is a secret: it never leaves this machine)")
     ident.add_argument("--token", help=f"wallet token; visible to `ps` — prefer --token-file or ${TOKEN_ENV}")
     ident.add_argument("--token-file", type=Path, help="file holding the token (must be mode 0600)")

@@ -18,11 +18,11 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
 from neuroshard.api.app import create_app
+from neuroshard.cli.parser import Parser
 from neuroshard.protocol.roster import POLICIES
 from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
 from neuroshard.verifier.config import VerifierConfig
@@ -37,15 +37,8 @@ from neuroshard.verifier.workers import Supervisor, SupervisorConfig, listen
 PROG = "neuroshard-verifier"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of the full usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--network", type=Path, required=True, help="the run's definition (network.toml)")
     p.add_argument(
         "--home",
