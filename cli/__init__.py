@@ -5,6 +5,10 @@
 - ``verifier``: `neuroshard-verifier`: the verifier's workers, database and API.
 - ``embedded``: the verifier and its API inside a node process (SQLite under the node's home).
 - ``publish_shards``, ``publish_tokenizer``: `neuroshard-publish-shards`, `neuroshard-publish-tokenizer`.
+- ``export``, ``generate``: `neuroshard-export` and `neuroshard-generate` over node.export and
+  node.generate, with the flags that name a trained model.
+- ``node_flags``: the flags of `neuroshard-node` and the typed settings they become;
+  ``parser``: the argparse parser every composition root here uses.
 
 Only these modules (and the launchers above them: neuroshard.swarm, neuroshard.adversary) know
 argparse; the packages below take typed configs.

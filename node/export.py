@@ -1,4 +1,4 @@
-"""`neuroshard-export`: a trained model as a Hugging Face Llama folder that standard tools load.
+"""A trained model as a Hugging Face Llama folder that standard tools load (`neuroshard-export`, cli.export).
 
 Our architecture (node.model) is Llama's (Touvron et al. 2023) with the same conventions, so the
 export renames and splits tensors and changes no value:
@@ -25,15 +25,14 @@ re-hashed against the majority hash the round names before anything is written.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import tempfile
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +47,6 @@ from neuroshard.tokenizer.bpe import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK
 from .checkpoint import read_checkpoint
 from .model import MODEL_SIZES, ModelConfig, Transformer
 from .model_file import (
-    MODELS_DIR,
     RoundHeader,
     TrainedModel,
     latest_models_dir,
@@ -60,7 +58,6 @@ from .model_file import (
 )
 from .network_definition import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER, verify_network
 
-PROG = "neuroshard-export"
 MAX_TOKENIZER_BYTES = 64 << 20
 """A tokenizer.json of a million merges is ~30 MB; a verifier's answer past this is refused."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -369,51 +366,42 @@ def _check_architecture(base: str, path: Path, num_stages: int, timeout_s: float
         )
 
 
-def add_source_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        help="a node checkpoint (HOME/checkpoints/WALLET-stage0.pt), a whole-model .safetensors file, "
-        "or a round number (or 'latest') of the verifier's majority models (see --models)",
-    )
-    p.add_argument(
-        "--models",
-        type=Path,
-        help=f"the verifier's round files, for a round --checkpoint (default: the run under "
-        f"HOME/{MODELS_DIR}/ measured last)",
-    )
-    p.add_argument(
-        "--verifier",
-        help="download a round --checkpoint from this verifier's API instead (http://HOST:PORT)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        type=Path,
-        action="append",
-        default=[],
-        help="tokenizer.json or a data set directory holding it (default: HOME/data/default)",
-    )
-    p.add_argument("--home", type=Path, default=Path.home() / ".neuroshard", help="node state directory")
-    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), help="preset (default: found by fingerprint)")
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where a trained model comes from (`neuroshard-export` and `neuroshard-generate` flags)."""
+
+    checkpoint: str
+    """A node checkpoint, a whole-model .safetensors file, or a round number (or 'latest') of the
+    verifier's majority models."""
+    models: Path | None = None
+    """The verifier's round files, for a round `checkpoint` (None: the run under HOME/models measured last)."""
+    verifier: str | None = None
+    """Download a round `checkpoint` from this verifier's API instead (http://HOST:PORT)."""
+    tokenizers: tuple[Path, ...] = ()
+    """tokenizer.json files or data set directories holding one, tried before HOME/data/default."""
+    home: Path = Path.home() / ".neuroshard"
+    model_size: str | None = None
+    """The preset (None: found by fingerprint)."""
 
 
-def open_source(args: argparse.Namespace) -> tuple[TrainedModel, BPETokenizer | None]:
-    candidates = [*args.tokenizer, args.home / "data" / "default"]
-    if not (is_round(args.checkpoint) and not Path(args.checkpoint).exists()):
-        if args.verifier:
+def open_source(source: ModelSource) -> tuple[TrainedModel, BPETokenizer | None]:
+    """The model `source` names, and its tokenizer if one is found."""
+    candidates = [*source.tokenizers, source.home / "data" / "default"]
+    if not (is_round(source.checkpoint) and not Path(source.checkpoint).exists()):
+        if source.verifier:
             raise ValueError(
-                f"--verifier needs a round --checkpoint (a number or 'latest'), got {args.checkpoint!r}"
+                f"--verifier needs a round --checkpoint (a number or 'latest'), got {source.checkpoint!r}"
             )
-        model = load_trained_model(Path(args.checkpoint), model_size=args.model_size)
+        model = load_trained_model(Path(source.checkpoint), model_size=source.model_size)
         return model, find_tokenizer(model, candidates)
-    if args.verifier:
+    if source.verifier:
         download = Path(tempfile.mkdtemp(prefix="neuroshard-round-"))
         try:
-            round_ = download_round(args.verifier, args.checkpoint, download)
+            round_ = download_round(source.verifier, source.checkpoint, download)
             return _open_round(download, str(round_), candidates)
         finally:
             shutil.rmtree(download, ignore_errors=True)
-    return _open_round(args.models or latest_models_dir(args.home), args.checkpoint, candidates)
+    return _open_round(source.models or latest_models_dir(source.home), source.checkpoint, candidates)
 
 
 def _open_round(models: Path, which: str, candidates: list[Path]) -> tuple[TrainedModel, BPETokenizer | None]:
@@ -421,28 +409,3 @@ def _open_round(models: Path, which: str, candidates: list[Path]) -> tuple[Train
     if model.tokenizer_sha256 is not None:  # the verifier keeps it beside the round files
         candidates = [*candidates, round_tokenizer_path(models, model.tokenizer_sha256)]
     return model, find_tokenizer(model, candidates)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_source_arguments(p)
-    p.add_argument("--out", type=Path, required=True, help="folder to write (created if missing)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="tensor type of model.safetensors")
-    args = p.parse_args(argv)
-    try:
-        model, tokenizer = open_source(args)
-        if tokenizer is None:
-            raise ValueError("no tokenizer.json found: pass --tokenizer (a file or the data set directory)")
-        files = export_hf(args.out, model, tokenizer, dtype=args.dtype)
-    except (ValueError, OSError, KeyError, TypeError) as exc:  # urllib's errors are OSErrors
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    n = sum(v.numel() for v in model.state_dict.values())
-    print(f"exported {n:,} parameters ({args.dtype}) to {args.out}: {', '.join(f.name for f in files)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

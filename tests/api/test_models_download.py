@@ -14,7 +14,7 @@ from tests_support import majority_stages
 
 from neuroshard.api import reads
 from neuroshard.api.app import create_app
-from neuroshard.node.export import main as export_main
+from neuroshard.cli.export import main as export_main
 from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import StageProvenance, round_model_path, save_round_model
 from neuroshard.node.wallet import Wallet

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from neuroshard.cli.export import main
+from neuroshard.cli.generate import main as generate_main
 from neuroshard.node.diloco import DiLoCoConfig
-from neuroshard.node.export import export_hf, load_trained_model, main
-from neuroshard.node.generate import main as generate_main
+from neuroshard.node.export import export_hf, load_trained_model
 from neuroshard.node.model import ModelConfig, Transformer, build_stage
 from neuroshard.node.model_file import (
     StageProvenance,

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuroshard.cli.generate import main
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.export import TrainedModel, export_hf
-from neuroshard.node.generate import SamplingConfig, TextStream, generate, main, next_token, sample_text
+from neuroshard.node.generate import SamplingConfig, TextStream, generate, next_token, sample_text
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.tokenizer.bpe import BYTE_OFFSET

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from sqlalchemy import select
 from tests_support import majority_stages
 
+from neuroshard.cli.export import main as export_main
 from neuroshard.cli.verifier import build_config, build_parser
 from neuroshard.node.diloco import flat_parameters
-from neuroshard.node.export import main as export_main
 from neuroshard.node.generate import SamplingConfig, sample_text
 from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import round_models
