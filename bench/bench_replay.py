@@ -57,7 +57,7 @@ from neuroshard.node.pipeline import stage_inner_step
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive
 from neuroshard.node.segment_store import SegmentStore
-from neuroshard.node.segments import Received, SegmentConfig, SegmentRecorder
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
@@ -65,6 +65,7 @@ from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
 from neuroshard.protocol.reports import DataSpan
+from neuroshard.protocol.segments import Received
 from neuroshard.protocol.signing import sign_request
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, SegmentVerdict, check_segment

@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from neuroshard.protocol.segments import Received
+
 from .diloco import DiLoCo
-from .segments import Received, SegmentRecorder
+from .segments import SegmentRecorder
 from .work import RoundWork
 
 RoundFinisher = Callable[[DiLoCo], None]

@@ -31,12 +31,13 @@ from neuroshard.protocol.reports import (
     Receipt,
     RejectedContribution,
 )
+from neuroshard.protocol.segments import SegmentLog
 
 from .diloco import DiLoCo, tensor_digest
 from .inner_loop import RoundFinisher
 from .p2p.rounds import RoundReport
 from .replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
-from .segments import SegmentLog, SegmentRecorder
+from .segments import SegmentRecorder
 from .wallet import Wallet
 from .work import RoundWork
 

@@ -35,18 +35,10 @@ from torch import Tensor
 
 from neuroshard.protocol.refusal import malformed
 from neuroshard.protocol.schema import parse_json
+from neuroshard.protocol.segments import KINDS, MAX_MESSAGES_PER_STEP, Received, SegmentCommitment, SegmentLog
 
 from .replay import InnerState
-from .segments import (
-    KINDS,
-    MAX_MESSAGES_PER_STEP,
-    Received,
-    SegmentCheckpoint,
-    SegmentCommitment,
-    SegmentConfig,
-    SegmentLog,
-    SegmentSink,
-)
+from .segments import SegmentCheckpoint, SegmentConfig, SegmentSink
 
 
 def _round_dir(directory: Path, round_: int) -> Path:

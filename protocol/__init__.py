@@ -24,6 +24,8 @@ Modules and their messages:
               `AggregateClaim`, `Echo`, `RoundDigest`, `EquivocationProof`, `FraudProof`
 - `roster`    membership documents: the operator's `Roster` (with `RosterStage`), the verifier's
               `MemberList`, and the registration proof of work (`solve_pow`, `pow_ok`)
+- `segments`  a round's segment log: `StepRecord` (with `ReceivedRef`, `SentRef`), `SegmentLog` and
+              its root, `SegmentCommitment`; `Received` (a consumed message with its bytes)
 - `reports`   what a node tells the verifier: `RegisterRequest`, `HeartbeatRequest`, `Receipt`
               (with `DataSpan`, `AcceptedContribution`, `RejectedContribution`), and the
               operator's `ReinstateRequest`

@@ -48,11 +48,11 @@ from neuroshard.node.p2p.pipeline_wire import decode_activations, decode_gradien
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
-from neuroshard.node.segments import Received, SegmentLog, StepRecord
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.segments import Received, SegmentLog, StepRecord
 
 from .spotcheck import SpotCheckConfig, compare_deltas
 

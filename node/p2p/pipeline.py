@@ -75,10 +75,11 @@ from neuroshard.protocol.pipeline import (
 )
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import MAX_STAGE
+from neuroshard.protocol.segments import Received
 
 from ..model import ModelConfig
 from ..pipeline import NonFiniteStep
-from ..segments import Received, SegmentRecorder
+from ..segments import SegmentRecorder
 from ..wallet import Wallet
 from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
 from .peers import PeerEntry, PeerTable

@@ -18,23 +18,25 @@ from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
 from neuroshard.node.segments import (
-    Received,
-    ReceivedRef,
     SegmentCheckpoint,
-    SegmentCommitment,
     SegmentConfig,
-    SegmentLog,
     SegmentRecorder,
     SegmentSink,
-    SentRef,
-    StepRecord,
-    segment_boundaries,
     sha256_hex,
 )
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
 from neuroshard.protocol.reports import DataSpan, Receipt
+from neuroshard.protocol.segments import (
+    Received,
+    ReceivedRef,
+    SegmentCommitment,
+    SegmentLog,
+    SentRef,
+    StepRecord,
+    segment_boundaries,
+)
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, check_segment
 from neuroshard.verifier.spotcheck import claimed_batches

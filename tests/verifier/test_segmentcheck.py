@@ -25,17 +25,10 @@ from neuroshard.node.p2p.pipeline_wire import (
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import InnerState
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
-from neuroshard.node.segments import (
-    Received,
-    SegmentCommitment,
-    SegmentConfig,
-    SegmentRecorder,
-    SentRef,
-    StepRecord,
-    sha256_hex,
-)
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
+from neuroshard.protocol.segments import Received, SegmentCommitment, SentRef, StepRecord
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,

@@ -32,10 +32,11 @@ from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.replay import SegmentService
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.segment_store import SegmentStore
-from neuroshard.node.segments import Received, SegmentConfig, SegmentLog, SegmentRecorder
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
+from neuroshard.protocol.segments import Received, SegmentLog
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext

@@ -1,0 +1,234 @@
+"""A round's segment log: what a replica commits to about its inner steps, so a verifier can replay
+any k-step segment of any stage (node.segments records it; verifier.segmentcheck checks it).
+
+- `StepRecord`: one inner step: the data span it read (stage 0) or the micro-batch it trained on,
+  the messages it consumed (`ReceivedRef`, by hashes) and sent (`SentRef`);
+- `SegmentLog`: a round's step records and checkpoint hashes; its `root()` is a hash chain over
+  them, which the receipt carries (`Receipt.segment_root`);
+- `SegmentCommitment`: the replica's signature on that root;
+- `Received`: a consumed message with its bytes (the signed header and the payload), as kept on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from .identity import sha256_hex
+from .refusal import malformed
+from .schema import (
+    MAX_COUNT,
+    MAX_STAGE,
+    Message,
+    Signed,
+    canonical_json,
+    choice,
+    hex_bytes,
+    integer,
+    parse_json,
+)
+
+DOMAIN = b"neuroshard/segments/v1"
+KINDS = ("activations", "gradient")
+"""What crosses a stage boundary: activations forward (with labels), activation gradients back."""
+MAX_STEPS = 1_000_000
+"""Inner steps a log may hold (protocol.reports.Receipt.inner_steps' bound)."""
+MAX_MESSAGES_PER_STEP = 8
+"""A step receives at most an activation and a gradient, and sends at most one of each; 8 leaves
+room for a retry recorded twice without letting a log grow without bound."""
+
+
+_KIND = choice(KINDS)
+_SHA256 = hex_bytes(32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceivedRef(Message):
+    """A message a step consumed, by hashes: `Received` without its bytes."""
+
+    NAME = "received message"
+    kind: Annotated[str, _KIND]
+    sender: Annotated[str, hex_bytes(32)]
+    """The sender's Ed25519 public key, 64 hex characters (its wallet)."""
+    header_sha256: Annotated[str, _SHA256]
+    payload_sha256: Annotated[str, _SHA256]
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message as it arrived: the sender's signed header (JSON bytes, which sign the payload's
+    sha256) and the payload bytes. Kept on disk so the verifier can decode what the step used."""
+
+    kind: str
+    sender: str
+    header: bytes
+    body: bytes
+
+    def ref(self) -> ReceivedRef:
+        return ReceivedRef(
+            kind=self.kind,
+            sender=self.sender,
+            header_sha256=sha256_hex(self.header),
+            payload_sha256=sha256_hex(self.body),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SentRef(Message):
+    """A payload this replica sent on: the counterpart holds it under this replica's signature."""
+
+    NAME = "sent message"
+    kind: Annotated[str, _KIND]
+    payload_sha256: Annotated[str, _SHA256]
+
+
+@dataclass
+class StepRecord:
+    """One inner step. Mutable only inside the recorder, until its round closes (a gradient reply is
+    encoded after the step it answers, so its `sent` entry arrives late)."""
+
+    data: tuple[int, int, int] | None = None
+    """Stage 0: (shard_id, offset_start, offset_end) of the windows trained on."""
+    micro_batch: str = ""
+    """The pipeline's micro-batch id (hex), "" when none travelled (single-stage runs)."""
+    received: list[ReceivedRef] = field(default_factory=list)
+    sent: list[SentRef] = field(default_factory=list)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "data": None if self.data is None else list(self.data),
+            "micro_batch": self.micro_batch,
+            "received": [r.to_obj() for r in self.received],
+            "sent": [s.to_obj() for s in self.sent],
+        }
+
+    @classmethod
+    def from_obj(cls, obj: Any, where: str) -> StepRecord:
+        if not isinstance(obj, dict) or set(obj) != {"data", "micro_batch", "received", "sent"}:
+            raise malformed(f"{where} must hold exactly data, micro_batch, received, sent")
+        data = obj["data"]
+        if data is not None:
+            if not (isinstance(data, list) and len(data) == 3):
+                raise malformed(f"{where}.data must be [shard_id, offset_start, offset_end] or null")
+            span = tuple(integer(0, MAX_COUNT)(v, f"{where}.data") for v in data)
+            if span[2] < span[1]:
+                raise malformed(f"{where}.data ends at {span[2]} before it starts at {span[1]}")
+            data = (span[0], span[1], span[2])
+        micro = obj["micro_batch"]
+        if not (isinstance(micro, str) and len(micro) <= 64 and all(c in "0123456789abcdef" for c in micro)):
+            raise malformed(f"{where}.micro_batch must be lower-case hex of at most 64 characters")
+        return cls(
+            data=data,
+            micro_batch=micro,
+            received=[ReceivedRef.from_obj(r, f"{where}.received") for r in _items(obj["received"], where)],
+            sent=[SentRef.from_obj(s, f"{where}.sent") for s in _items(obj["sent"], where)],
+        )
+
+    def sha256(self) -> str:
+        return sha256_hex(DOMAIN + b"\nstep\n" + canonical_json(self.to_obj()))
+
+
+def _items(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list) or len(value) > MAX_MESSAGES_PER_STEP:
+        raise malformed(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
+    return value
+
+
+# --- the round's log and its root -------------------------------------------------------------
+
+
+def segment_boundaries(steps: int, k: int) -> list[int]:
+    """Inner-step indices with a checkpoint: 0, k, 2k, … and `steps` (the round's end)."""
+    return [*range(0, steps, k), steps] if steps > 0 else [0]
+
+
+@dataclass(frozen=True)
+class SegmentLog:
+    """A round's step records and checkpoint hashes, in order; `root()` is what the replica commits."""
+
+    stage: int
+    round: int
+    segment_steps: int
+    start_step: int
+    """The schedule step at the round's start (DiLoCo.schedule_step): where the inner lr was."""
+    steps: tuple[StepRecord, ...]
+    checkpoints: tuple[str, ...]
+    """sha256 of the checkpoint at each of `segment_boundaries(len(steps), segment_steps)`."""
+
+    def __post_init__(self) -> None:
+        wanted = len(self.boundaries)
+        if len(self.checkpoints) != wanted:
+            raise malformed(
+                f"segment log of {len(self.steps)} steps in segments of {self.segment_steps} needs "
+                f"{wanted} checkpoint hashes, has {len(self.checkpoints)}"
+            )
+
+    @property
+    def boundaries(self) -> list[int]:
+        return segment_boundaries(len(self.steps), self.segment_steps)
+
+    @property
+    def segments(self) -> int:
+        return len(self.boundaries) - 1
+
+    def segment(self, j: int) -> tuple[int, int]:
+        """[first, end) inner-step indices of segment j."""
+        b = self.boundaries
+        if not 0 <= j < len(b) - 1:
+            raise IndexError(f"segment {j} of a round with {len(b) - 1} segments")
+        return b[j], b[j + 1]
+
+    def root(self) -> str:
+        """h ← sha256(h ‖ entry) over the header, then checkpoints and step records in step order."""
+        head = {"stage": self.stage, "round": self.round, "k": self.segment_steps, "start": self.start_step}
+        h = hashlib.sha256(DOMAIN + b"\nhead\n" + canonical_json(head)).digest()
+        at = dict(zip(self.boundaries, self.checkpoints, strict=True))
+        for i in range(len(self.steps) + 1):
+            if i in at:
+                h = hashlib.sha256(h + b"C" + bytes.fromhex(at[i])).digest()
+            if i < len(self.steps):
+                h = hashlib.sha256(h + b"S" + bytes.fromhex(self.steps[i].sha256())).digest()
+        return h.hex()
+
+    def to_json(self) -> bytes:
+        return canonical_json(
+            {
+                "stage": self.stage,
+                "round": self.round,
+                "segment_steps": self.segment_steps,
+                "start_step": self.start_step,
+                "steps": [s.to_obj() for s in self.steps],
+                "checkpoints": list(self.checkpoints),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> SegmentLog:
+        obj = parse_json(data, "segment log")
+        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints"}
+        if not isinstance(obj, dict) or set(obj) != keys:
+            raise malformed(f"segment log must hold exactly {', '.join(sorted(keys))}")
+        steps, hashes = obj["steps"], obj["checkpoints"]
+        if not isinstance(steps, list) or len(steps) > MAX_STEPS or not isinstance(hashes, list):
+            raise malformed(f"segment log steps must be a list of at most {MAX_STEPS}")
+        return cls(
+            stage=integer(0, MAX_STAGE)(obj["stage"], "segment log stage"),
+            round=integer(0, MAX_COUNT)(obj["round"], "segment log round"),
+            segment_steps=integer(1, MAX_STEPS)(obj["segment_steps"], "segment log segment_steps"),
+            start_step=integer(0, MAX_COUNT)(obj["start_step"], "segment log start_step"),
+            steps=tuple(StepRecord.from_obj(s, f"segment log step {i}") for i, s in enumerate(steps)),
+            checkpoints=tuple(hex_bytes(32)(h, "segment log checkpoint") for h in hashes),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentCommitment(Signed):
+    """A replica's signature on its round's segment root: with the log and a segment's material it
+    makes a failed segment check re-checkable by anyone (verifier.segmentcheck.SegmentFraudProof)."""
+
+    NAME = "segment commitment"
+    DOMAIN = b"neuroshard/segment-commitment/v1"
+    stage: Annotated[int, integer(0, MAX_STAGE)]
+    round: Annotated[int, integer(0, MAX_COUNT)]
+    root: Annotated[str, hex_bytes(32)]
