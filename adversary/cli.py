@@ -65,11 +65,12 @@ def roles_from_args(args: argparse.Namespace) -> node.Roles:
 
         return node.Roles(
             rounds=owner_rounds,
+            needs_peers=True,
             banner=f"WARNING: ATTACK MODE owner {args.owner_attack}: this node cheats in the parts it owns, "
             "for testing the round's fraud proofs",
         )
     attacker = attacker_from_args(args)
-    return node.Roles(rounds=forging_rounds(attacker), banner=warning(attacker))
+    return node.Roles(rounds=forging_rounds(attacker), banner=warning(attacker), needs_peers=True)
 
 
 def attacker_from_args(args: argparse.Namespace) -> Attacker:

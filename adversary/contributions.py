@@ -1,9 +1,9 @@
 """`neuroshard-adversary --attack NAME`: a node that lies on the real wire, to test the defences.
 
-TESTING ONLY. An `Attacker` is the one hook `PeerPlane` calls when built with one: after its
-H honest inner steps the node hands over its honest `RoundInput` and θ_round, and gets back the
-input the partitioned round (``neuroshard.node.outer.round``) commits to and publishes instead,
-with a note for its round line. The maths of every attack is in ``neuroshard.adversary.attacks``;
+TESTING ONLY. An `Attacker` decides what a Byzantine replica commits to. Its round,
+`ForgingRound` (an ``OuterRound`` subclass the node's composition root builds in place of the
+honest one, ``neuroshard.cli.node.Roles``), hands it the honest `RoundInput` and θ_round after
+the H honest inner steps, commits to and publishes the forged input instead, and logs a note. The maths of every attack is in ``neuroshard.adversary.attacks``;
 this module only decides what to feed it:
 
 - ``sign_flip``, ``scale`` (×k), ``gaussian`` (σ = param · RMS of the honest Δ), ``zero``:
@@ -34,6 +34,7 @@ inside the round, in the parts the node owns, not in its contribution (``adversa
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
@@ -245,7 +246,9 @@ class ForgingRound(OuterRound):
         self.theta_round = theta_round
 
     async def run(self, inp: RoundInput) -> RoundResult:
-        forged, note = self.attacker.forge_input(inp, self.theta_round())
+        # Off the event loop, which also serves this node's peer routes: an adaptive search screens
+        # many candidates. The training thread waits in finish_round meanwhile.
+        forged, note = await asyncio.to_thread(self.attacker.forge_input, inp, self.theta_round())
         self.log(f"round {inp.round}: ATTACKER sent {note}")
         return await super().run(forged)
 

@@ -133,6 +133,8 @@ class Roles:
     trainer: type[Trainer] = Trainer
     banner: str | None = None
     """A line printed at start (an adversary's loud warning)."""
+    needs_peers: bool = False
+    """Whether these parts only make sense on the peer plane (an attacker of the round)."""
 
 
 def _reporting(
@@ -279,6 +281,15 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         _log(roles.banner)
     try:
         run_ = run_settings(args, _log)
+        if args.relay and run_.num_stages > 1:
+            raise ValueError(
+                "--relay takes a data-parallel stage (--stages 1): pipeline stages need open ports"
+            )
+        if args.stage > 0 and roles != Roles():
+            raise ValueError(
+                f"--stage {args.stage}: the adversary's parts are mounted at stage 0 only; "
+                "a stage > 0 replica would run honestly"
+            )
         placement = placement_from_args(args, run_.num_stages)
         dataset, updates = _open_data(args, run_)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
@@ -301,13 +312,9 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         network_config = network_config_from_args(
             args, reporting=reporting.active, pipeline=run_.num_stages > 1
         )
-        if network_config is None and roles.banner:
+        if network_config is None and roles.needs_peers:
             raise ValueError(
                 "an attacker needs the peer network (--peers or --port): there is nobody to attack"
-            )
-        if network_config is not None and network_config.relay is not None and run_.num_stages > 1:
-            raise ValueError(
-                "--relay takes a data-parallel stage (--stages 1): pipeline stages need open ports"
             )
         trainer_config = TrainerConfig(
             batch_size=run_.batch_size,
@@ -396,11 +403,18 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             if receipting is not None:
                 receipting.round_started(engine)
             if reporting.active:
-                reporting.track(network, wallet, progress=lambda: (engine.round, engine.steps_in_round))
+                reporting.track(
+                    network,
+                    wallet,
+                    progress=lambda: (_engine(trainer).round, _engine(trainer).steps_in_round),
+                )
             network.join_state(engine)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
         _close(link, network, reporting)
         return _fail(str(exc))
+    except BaseException:  # anything else (out of memory, a bug): stop what was started, then raise
+        _close(link, network, reporting)
+        raise
 
     manifest = dataset.manifest
     _log(

@@ -116,8 +116,8 @@ class Job:
 
 
 class JobSink(Protocol):
-    """What the pipeline route hands micro-batches to: a stage > 0 replica's worker
-    (node.stage_worker.StageWorker), with the segment recorder of its rounds."""
+    """What the pipeline route hands micro-batches to: a stage > 0 replica's job queue
+    (node.stage_worker.JobQueue, which its worker takes from), with the segment recorder of its rounds."""
 
     segments: SegmentRecorder | None
 

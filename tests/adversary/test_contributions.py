@@ -1,4 +1,4 @@
-"""The attacker of `neuroshard-node --attack`: the round input it forges, per attack, without a network."""
+"""The attacker of `neuroshard-adversary --attack`: the round input it forges, per attack, without a network."""
 
 from __future__ import annotations
 
@@ -181,3 +181,15 @@ def test_owner_attack_and_work_lie_flags_mount_the_adversary_parts() -> None:
         adversary_parser().parse_args(["--owner-attack", "bribe"])
     with pytest.raises(SystemExit):  # one wrong at a time
         adversary_parser().parse_args(["--attack", "scale", "--work-lie", "delta"])
+
+
+def test_an_adversary_at_a_later_stage_is_refused_rather_than_running_honestly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from neuroshard.adversary.cli import main
+
+    monkeypatch.setenv("NEUROSHARD_TOKEN", "adversary-stage-test")
+    argv = ["--home", str(tmp_path), "--stages", "2", "--stage", "1", "--attack", "scale", "--threads", "1"]
+    assert main(argv) == 2
+    assert "mounted at stage 0 only" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from neuroshard.cli.node_flags import build_parser, network_config_from_args
@@ -50,6 +52,44 @@ def test_relay_without_a_port_listens_nowhere_and_with_one_serves_as_well() -> N
         parse("--relay", "https://stage/run1")
     with pytest.raises(ValueError, match="relay bucket"):
         PeerPlaneConfig(listen=False)
+
+
+def test_the_port_a_node_opens_follows_what_it_is_for() -> None:
+    """No peers and no verifier: none; a verifier to serve: any free port; a pipeline stage or
+    peers: the default port; --relay without --port: none (the bucket carries everything)."""
+    args = build_parser().parse_args
+    assert network_config_from_args(args([]), reporting=False, pipeline=False) is None
+    served = network_config_from_args(args([]), reporting=True, pipeline=False)
+    assert served is not None and (served.port, served.listen) == (0, True)
+    staged = network_config_from_args(args(["--stages", "2"]), reporting=False, pipeline=True)
+    assert staged is not None and (staged.port, staged.listen) == (PeerPlaneConfig().port, True)
+    peered = network_config_from_args(args(["--peers", "127.0.0.1:1"]), reporting=True, pipeline=False)
+    assert peered is not None and (peered.port, peered.listen) == (0, True)
+    relayed = network_config_from_args(args(["--relay", "s3://stage/run1"]), reporting=True, pipeline=False)
+    assert relayed is not None and not relayed.listen
+
+
+def test_a_pipeline_stage_refuses_the_relay_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from neuroshard.cli.node import main
+
+    monkeypatch.setenv("NEUROSHARD_TOKEN", "relay-stage-test")
+    argv = [
+        "--home",
+        str(tmp_path),
+        "--stages",
+        "2",
+        "--stage",
+        "1",
+        "--relay",
+        "s3://stage/run1",
+        "--threads",
+        "1",
+    ]
+    assert main(argv) == 2
+    assert "--relay takes a data-parallel stage" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # refused before the data set is built
 
 
 class _Bucket:
