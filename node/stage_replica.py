@@ -34,7 +34,10 @@ class StageReplica:
 
     def run(self, stop: threading.Event) -> TrainResult:
         try:
-            return self.worker.run(stop)
+            result = self.worker.run(stop)
+            if not result.stopped_by_signal:
+                self.network.linger(max_s=self.network.config.hash_check_timeout_s)
+            return result
         finally:
             self.close()
 

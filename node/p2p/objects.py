@@ -87,6 +87,11 @@ class ObjectShelf:
     def __len__(self) -> int:
         return len(self._objects)
 
+    @property
+    def waiting(self) -> int:
+        """Readers now long-polling for an object not yet published."""
+        return sum(self._waiters.values())
+
     def get(self, name: str) -> bytes | None:
         return self._objects.get(name)
 

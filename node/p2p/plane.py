@@ -389,6 +389,38 @@ class PeerPlane:
             await self._relay.put(STATUS_OBJECT, status.to_json())
             await self._relay.serve_wanted(status.round, self.node.state_body)
 
+    def linger(self, max_s: float, idle_s: float = 2.0) -> None:
+        """After this node's last round, keep serving until no replica has read a round object, a
+        status or a state for `idle_s` (and none is long-polling), or `max_s` has passed.
+
+        The replicas of a round leave it together, but not all at the same instant: an observer
+        (which publishes nothing, so nobody waits for it) or a member slowed by its machine may still
+        be reading this round's commitments, echoes and votes. A node that closed its server the
+        moment its own round ended would leave them a round with missing parts, stepping to another
+        θ. Gossip does not count as a read (it never stops). A relay replica's objects stay in its
+        bucket, and a node without stage peers has no reader: both return at once."""
+        if self._loop is None or not self.config.listen or max_s <= 0:
+            return
+        if not self.node.peers.live(self.node.clock(), stage=self.stage):
+            return
+        self._call(self._linger(max_s, idle_s), timeout=max_s + 10.0)
+
+    async def _linger(self, max_s: float, idle_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        started = quiet_since = loop.time()
+
+        def reads() -> int:
+            return self._shelf.served.requests + self.node.state_reads
+
+        seen = reads()
+        while loop.time() - started < max_s:
+            await asyncio.sleep(min(0.25, idle_s))
+            now = loop.time()
+            if reads() != seen or self._shelf.waiting:
+                seen, quiet_since = reads(), now
+            elif now - quiet_since >= idle_s:
+                return
+
     def stop(self) -> None:
         """Stop gossip, close the client and server, end the loop thread. Idempotent."""
         loop, thread = self._loop, self._thread

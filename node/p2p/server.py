@@ -94,6 +94,9 @@ class NodeState:
         self.snapshot: Snapshot | None = None
         self.traffic = Traffic()
         """What the server received and answered (the client counts its own requests)."""
+        self.state_reads = 0
+        """GET /p2p/status and /p2p/state answered: the reads of a replica that is still in a round
+        (its θ-hash vote, a re-sync), as opposed to gossip (`PeerPlane.linger` watches them)."""
         self._status: StateInfo | None = None
         self._state_body: asyncio.Task[tuple[StateInfo, bytes]] | None = None
 
@@ -202,11 +205,13 @@ def build_app(
         return web.Response(status=204)
 
     async def status(request: web.Request) -> web.StreamResponse:
+        node.state_reads += 1
         if node.status is None:
             raise Refused("not_ready", "this node holds no state yet")
         return _json(node.status)
 
     async def state(request: web.Request) -> web.StreamResponse:
+        node.state_reads += 1
         info, body = await node.state_body()
         response = web.StreamResponse(
             status=200,
