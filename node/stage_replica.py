@@ -31,10 +31,18 @@ class StageReplica:
     network: PeerPlane
     service: PipelineService
     link: PipelineLink | None
+    log: Callable[[str], None]
 
     def run(self, stop: threading.Event) -> TrainResult:
+        """Train until `max_steps`, `stop`, or the end of every replica that feeds this one; then
+        tell the next stage (if any) that this one sends no more, and serve the last round to
+        the stage's replicas still in it before closing."""
         try:
             result = self.worker.run(stop)
+            if self.worker.ended_because is not None:
+                self.log(f"ending: {self.worker.ended_because}")
+            if self.link is not None:
+                self.link.end(self.diloco.round, self.diloco.step)
             if not result.stopped_by_signal:
                 self.network.linger(max_s=self.network.config.hash_check_timeout_s)
             return result
@@ -110,6 +118,7 @@ def start_stage_replica(
             checkpoint=checkpoint,
             segments=recorder,
             work=work,
+            upstream_over=service.upstream.over,
         )
         network.join_state(diloco)
     except BaseException:
@@ -123,4 +132,4 @@ def start_stage_replica(
         f"{'last stage (head, loss)' if link is None else 'forwards to stage ' + str(stage + 1)}; "
         f"H={diloco_config.inner_steps}; serving micro-batches at {network.address}"
     )
-    return StageReplica(diloco=diloco, worker=worker, network=network, service=service, link=link)
+    return StageReplica(diloco=diloco, worker=worker, network=network, service=service, link=link, log=log)

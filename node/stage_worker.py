@@ -164,11 +164,14 @@ class StageWorker(InnerLoop):
         checkpoint: StageCheckpoint | None = None,
         segments: SegmentRecorder | None = None,
         work: RoundWork | None = None,
+        upstream_over: Callable[[], str | None] | None = None,
         poll_s: float = 0.1,
     ) -> None:
         """`jobs`: where the micro-batches arrive (default: a queue of `config.max_pending`);
         `downstream`: the next stages (None on the last); `finish_round`: the round's finisher;
-        `segments` records every inner step's received and sent messages (node.segments)."""
+        `segments` records every inner step's received and sent messages (node.segments);
+        `upstream_over` says why no more work will come (the stage before ended), else None:
+        the worker then ends as at `max_steps`."""
         self.diloco = diloco
         self.segments = segments
         self.config = config
@@ -182,6 +185,9 @@ class StageWorker(InnerLoop):
         self.stats = WorkerStats()
         self.work = work or RoundWork()
         """This round's losses and tokens, for the round's receipt (node.receipt); cleared after each round."""
+        self.upstream_over = upstream_over
+        self.ended_because: str | None = None
+        """Why the worker ended before `max_steps` without a stop (the stage before it ended)."""
 
     @property
     def finished(self) -> bool:
@@ -200,7 +206,11 @@ class StageWorker(InnerLoop):
         return self._run_loop(stop)
 
     def _finished(self) -> bool:
-        return self.finished
+        if self.finished:
+            return True
+        if self.upstream_over is not None and self.ended_because is None:
+            self.ended_because = self.upstream_over()
+        return self.ended_because is not None
 
     def _step(self, result: TrainResult) -> Stepped | None:
         job = self.jobs.take(self.poll_s)

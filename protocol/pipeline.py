@@ -21,6 +21,7 @@ from typing import Annotated
 from .schema import MAX_COUNT, MAX_STAGE, Signed, choice, hex_bytes, integer, number
 
 FORWARD = "/p2p/pipeline/forward"
+END = "/p2p/pipeline/end"
 ACTIVATION_HEADER = "X-NeuroShard-Activation"
 REPLY_HEADER = "X-NeuroShard-Gradient"
 
@@ -71,6 +72,25 @@ class GradientReply(Signed):
     codec: Annotated[str, choice(CODEC_NAMES)]
     """The codec of the gradient in the body: the one of the activation header it answers."""
     payload_sha256: Annotated[str, hex_bytes(32)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineEnd(Signed):
+    """A replica's last word to the stage after it: it sends no more micro-batches.
+
+    POSTed (as the signed body of POST /p2p/pipeline/end) to every replica of the next stage it
+    sent work to, when its run ends (``--max-steps`` reached, or stopped). A replica that holds one
+    from every replica that sent it work lately has nothing left to train on: it ends too, and
+    says so to the stage after it, so a stage-0 ``--max-steps`` ends the whole pipeline."""
+
+    NAME = "pipeline end"
+    DOMAIN = b"neuroshard/pipeline-end/v1"
+    stage: Annotated[int, integer(0, MAX_STAGE - 1)]
+    """The sender's stage (the receiver's is the next one)."""
+    round: Annotated[int, integer(0, MAX_COUNT)]
+    """The sender's outer round when it ended."""
+    step: Annotated[int, integer(0, MAX_COUNT)]
+    """The sender's inner steps in all when it ended."""
 
 
 def micro_batch_id(driver_wallet_hex: str, round_: int, sequence: int) -> str:

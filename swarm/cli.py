@@ -12,7 +12,9 @@ then SIGKILL for any still running after the grace period.
 
 With ``--stages S`` the model is cut into S pipeline stages and node i holds stage i mod S.
 Stage-0 nodes read data and drive (``--max-steps`` counts their inner steps); the later
-stages train on what arrives and are stopped (SIGTERM) once every stage-0 node is done.
+stages train on what arrives and end by themselves when every driver has sent them its signed
+end (``PipelineEnd``), each telling the stage after it; one still running `END_GRACE_S` after
+the last driver exited is stopped with SIGTERM (and says so).
 Round results are printed per stage. The swarm's verifier defines the run with S stages and
 every node joins it with its stage: hash agreement is judged per stage, and the measured
 loss is that of every stage's majority weights assembled into the whole model.
@@ -56,6 +58,9 @@ ROUND_DONE = re.compile(r"^p2p round=\d+ .*; θ_(\d+) ([0-9a-f]+) ")
 """A node's per-round report line (`RoundReport.line`): θ_N's hash, the result of round N-1."""
 STOP_GRACE_S = 15.0
 """How long a node gets after SIGTERM to finish its step and write a checkpoint before SIGKILL."""
+END_GRACE_S = 60.0
+"""How long the later stages get, after the last driver exited, to end on their drivers' signed
+ends (their last round, a checkpoint, the end passed on) before the swarm sends SIGTERM."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,22 +295,33 @@ def consume(
     deadline: float | None,
 ) -> bool:
     """Print node lines and round results until every node's output ended (True) or the deadline (False)."""
+    drivers_done: float | None = None
+    """When the last stage-0 node exited: the later stages should end on their own soon after."""
     while any(n.exit_code is None and n.process is not None for n in nodes):
-        timeout = None if deadline is None else deadline - time.monotonic()
-        if timeout is not None and timeout <= 0:
+        now = time.monotonic()
+        if drivers_done is not None and now > drivers_done + END_GRACE_S:
+            late = [n for n in nodes if n.exit_code is None and not n.stopped_by_us]
+            if late:
+                _log(f"[swarm] nodes {[n.index for n in late]} did not end {END_GRACE_S:.0f} s after "
+                     "the drivers did; SIGTERM")  # fmt: skip
+                terminate(late)
+        wake = [t for t in (deadline, None if drivers_done is None else drivers_done + END_GRACE_S) if t]
+        timeout = None if not wake else max(0.0, min(wake) - now)
+        if deadline is not None and deadline - now <= 0:
             return False
         try:
             index, line = lines.get(timeout=timeout)
         except queue.Empty:
-            return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            continue
         node = nodes[index]
         if line is None:
             assert node.process is not None
             node.exit_code = node.process.wait()
             _log(f"[swarm] node {index} exited with code {node.exit_code}")
-            if all(n.exit_code is not None for n in nodes if n.stage == 0):
-                # Later stages only serve the drivers: they are done too (one SIGTERM each).
-                terminate([n for n in nodes if not n.stopped_by_us])
+            if drivers_done is None and all(n.exit_code is not None for n in nodes if n.stage == 0):
+                drivers_done = time.monotonic()
         else:
             _log(f"[{index}] {line}")
             match = ROUND_DONE.search(line)

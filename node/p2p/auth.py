@@ -81,6 +81,7 @@ STATUS: Mapping[str, int] = {
     "not_verifier": 403,
     "micro_batch_reused": 409,
     "bad_activation_signature": 422,
+    "bad_end_signature": 422,
     "payload_mismatch": 422,
     "wrong_stage": 422,
     "wrong_shape": 422,

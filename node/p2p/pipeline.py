@@ -32,12 +32,18 @@ the gradient of the reply it got, and counts the micro-batch's tokens once. What
 guarantees is that no replica steps twice on one micro-batch, not that exactly one replica of
 the next stage does.
 
+The end of a run. A sender whose run ends POSTs a signed `PipelineEnd` to every next-stage
+replica it sent work to (`PipelineClient.end`); a replica's `Upstream` records who sends it work
+and who ended, and says the pipeline is over for it once every sender heard from in the last
+`upstream_ttl_s` has ended (node.stage_replica then ends the worker and passes the end on).
+
 Route (every refusal is a JSON `ErrorReply`):
 
 | route                        | in -> out                                                        | ok  | refusals        |
 |------------------------------|------------------------------------------------------------------|-----|-----------------|
 | POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
 |                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
+| POST /p2p/pipeline/end       | `PipelineEnd` (JSON: the sender sends no more micro-batches)     | 204 | 400 422         |
 
 Bodies are packed in the run's codec (`PipelineConfig.codec`, `pipeline_wire`); a micro-batch
 in another codec is refused with 422 `wrong_codec`. 422 also answers a micro-batch on which the
@@ -68,10 +74,12 @@ from neuroshard.protocol.pipeline import (
     ACTIVATION_DTYPES,
     ACTIVATION_HEADER,
     CODEC_NAMES,
+    END,
     FORWARD,
     REPLY_HEADER,
     ActivationHeader,
     GradientReply,
+    PipelineEnd,
 )
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import MAX_STAGE
@@ -91,6 +99,9 @@ from .pipeline_wire import (
     encode_gradient,
     gradient_size_bound,
 )
+
+MAX_END_BYTES = 2048
+"""A `PipelineEnd` is ~400 bytes of JSON."""
 
 JobResult = tuple[Tensor, float, int] | BaseException
 """(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
@@ -165,6 +176,10 @@ class PipelineConfig:
     reply comes right after the sender's `request_timeout_s`, when at most `max_pending` + 1 other
     micro-batches per sender have been taken here since; each outcome held costs its gradient,
     B·T·C·4 bytes (512 KiB for the tiny model at 8 × 128: 16 MiB for the window)."""
+    upstream_ttl_s: float = 600.0
+    """A stage > 0 replica ends when every replica of the stage before it that sent it a micro-batch
+    in the last `upstream_ttl_s` has sent a signed `PipelineEnd` (a sender quiet for longer, gone
+    without a word, no longer counts)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_stages <= MAX_STAGE + 1:
@@ -181,7 +196,8 @@ class PipelineConfig:
             self.codec = self.dtype
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"PipelineConfig.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
-        for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s", "dedup_window"):
+        for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s", "dedup_window",
+                     "upstream_ttl_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"PipelineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.ban_s < 0 or self.busy_s < 0 or self.max_pending < 0:
@@ -262,6 +278,48 @@ class NextStageRouter:
         self._link(wallet).skip_until = now + self.busy_s
 
 
+class Upstream:
+    """Which replicas of the stage before this one sent it work lately, and which of them ended.
+
+    No I/O; safe from any thread (the route writes on the event loop, the worker reads on its
+    own). The pipeline is over for this replica when at least one sender ended and every sender
+    heard from in the last `ttl_s` has ended: a sender that sends again after its end (restarted)
+    counts as live again, and one silent for `ttl_s` (gone without a word) no longer counts."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._last_sent: dict[str, float] = {}
+        self._ended: dict[str, PipelineEnd] = {}
+
+    def sent(self, wallet: str) -> None:
+        """`wallet` sent a micro-batch now (it is live, whatever it said before)."""
+        with self._lock:
+            self._last_sent[wallet] = self.clock()
+            self._ended.pop(wallet, None)
+
+    def ended(self, end: PipelineEnd) -> None:
+        """`end.wallet` said it sends no more (its signature checked by the caller)."""
+        with self._lock:
+            self._ended[end.wallet] = end
+
+    def over(self) -> str | None:
+        """Why this replica has no more work to wait for, or None while a recent sender is live."""
+        with self._lock:
+            if not self._ended:
+                return None
+            now = self.clock()
+            live = [w for w, t in self._last_sent.items() if now - t <= self.ttl_s and w not in self._ended]
+            if live:
+                return None
+            last = max(self._ended.values(), key=lambda e: (e.round, e.step))
+            return (
+                f"{len(self._ended)} replica(s) of stage {last.stage} sent a signed end "
+                f"(the last at its round {last.round}, step {last.step}) and none sends work"
+            )
+
+
 class PipelineClient:
     """Sends micro-batches to the next stage. Its coroutines run on the peer network's event loop."""
 
@@ -297,6 +355,8 @@ class PipelineClient:
             request_timeout_s=config.request_timeout_s,
         )  # fmt: skip
         self.retries = 0
+        self.sent_to: set[str] = set()
+        """Replicas of the next stage that took a micro-batch from this one: where `end` goes."""
 
     @property
     def traffic(self) -> Traffic:
@@ -348,6 +408,7 @@ class PipelineClient:
             outcome = await self._try(live[pick], body, headers, header, reply_bound)
             if isinstance(outcome, tuple):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
+                self.sent_to.add(pick)
                 return outcome
             self.retries += 1
             if outcome == "busy":
@@ -360,6 +421,29 @@ class PipelineClient:
                 self.router.failed(pick, self.clock())
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} failed ({outcome}); "
                          f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
+
+    async def end(self, round_: int, step: int) -> tuple[int, int]:
+        """Tell every next-stage replica this one sent work to that it sends no more (a signed
+        `PipelineEnd`); returns (told, tried). One small POST per replica it used, once per run."""
+        end = PipelineEnd.create(self.wallet, stage=self.stage, round=round_, step=step)
+        body = end.to_json()
+        wallets = sorted(self.sent_to)
+
+        async def tell(wallet: str) -> bool:
+            peer = self.peers.get(wallet)
+            if peer is None:
+                return False
+            try:
+                reply = await self.client.request(
+                    "POST", peer.address, END, body=body, max_bytes=4096,
+                    timeout_s=min(10.0, self.config.request_timeout_s),
+                )  # fmt: skip
+            except PeerUnreachable:
+                return False
+            return reply.status == 204
+
+        told = await asyncio.gather(*(tell(w) for w in wallets))
+        return sum(told), len(wallets)
 
     async def _try(
         self,
@@ -422,6 +506,7 @@ class PipelineService:
     """POST /p2p/pipeline/forward on a stage > 0 replica; a `server.ServerExtension`."""
 
     ROUTE = "pipeline_forward"
+    END_ROUTE = "pipeline_end"
 
     def __init__(
         self,
@@ -445,11 +530,15 @@ class PipelineService:
         self.duplicates = 0
         """Requests answered from a micro-batch already taken (retries): no second inner step."""
         self._taken: OrderedDict[tuple[str, str], _Taken] = OrderedDict()
+        self.upstream = Upstream(config.upstream_ttl_s)
+        """Who sends this replica work, and who of them ended (the stage replica ends on `over`)."""
         self.traffic = Traffic()
         """Answered micro-batches at the HTTP layer (as the middleware counts them): the pipeline's
         share of this server's traffic, so a bench can tell it from the round exchange's."""
 
     def body_limit(self, route: str) -> int | None:
+        if route == self.END_ROUTE:
+            return MAX_END_BYTES
         if route != self.ROUTE:
             return None
         cfg = self.model_config
@@ -457,6 +546,7 @@ class PipelineService:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(FORWARD, self._forward, name=self.ROUTE)
+        app.router.add_post(END, self._end, name=self.END_ROUTE)
 
     def _check(self, header: ActivationHeader, request: web.Request) -> None:
         cfg = self.model_config
@@ -489,6 +579,7 @@ class PipelineService:
             raise Refused("malformed", f"missing {ACTIVATION_HEADER} header")
         header = ActivationHeader.from_json(raw)
         self._check(header, request)
+        self.upstream.sent(header.wallet)
         taken = self._known(header) or await self._take(header, request[BODY])
         try:
             outcome = await asyncio.wait_for(asyncio.shield(taken.outcome), self.reply_timeout_s)
@@ -496,6 +587,20 @@ class PipelineService:
             # Still queued or computing: the outcome stays here for a retry of the same id.
             raise Refused("busy", f"no result within {self.reply_timeout_s:.0f} s") from None
         return await self._reply(request, header, outcome)
+
+    async def _end(self, request: web.Request) -> web.StreamResponse:
+        end = PipelineEnd.from_json(request[BODY])
+        if end.wallet != request[PEER_WALLET]:
+            raise Refused("not_own", "a pipeline end must be signed by the wallet that sends it")
+        if not end.signature_valid():
+            raise Refused("bad_end_signature", "the pipeline end's signature does not verify")
+        if end.stage != self.stage - 1:
+            raise Refused(
+                "wrong_stage",
+                f"an end from stage {end.stage}; this replica hears from stage {self.stage - 1}",
+            )
+        self.upstream.ended(end)
+        return web.Response(status=204)
 
     def _known(self, header: ActivationHeader) -> _Taken | None:
         """The micro-batch this sender already handed over under this id; 409 if its payload differs."""

@@ -42,6 +42,7 @@ class PipelineLink:
         """`segments`: where the sent activations and the gradient replies are recorded, if anywhere."""
         self.network = network
         self.config = config
+        self.log = log
         self.round_of = round_of
         self.step_of = step_of
         self.client = PipelineClient(
@@ -60,6 +61,19 @@ class PipelineLink:
 
     def close(self) -> None:
         self.network.call(self.client.close(), timeout=10.0)
+
+    def end(self, round_: int, step: int) -> None:
+        """Tell the next stage's replicas this one sent work to that it sends no more (a signed
+        `PipelineEnd`): when every replica feeding one of them has said so, it ends too."""
+        try:
+            told, tried = self.network.call(self.client.end(round_, step), timeout=30.0)
+        except Exception as exc:  # leaving regardless: the next stage falls back on upstream_ttl_s
+            self.log(f"pipeline: could not tell the next stage this one ends ({type(exc).__name__}: {exc})")
+            return
+        if tried:
+            self.log(
+                f"pipeline: told {told}/{tried} stage {self.network.stage + 1} replica(s) this one sends no more"
+            )
 
     def downstream(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         """The driver's `Downstream`: (hidden (B, T, C), labels (B, T)) -> (∂loss/∂hidden, loss), sent

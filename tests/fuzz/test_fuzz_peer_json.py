@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from neuroshard.node.p2p.auth import status_of
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import ErrorReply, PeerList, PeerRecord, StateInfo
-from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
+from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, PipelineEnd
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.roster import MemberList, Roster, RosterStage
 from neuroshard.protocol.round import (
@@ -45,6 +45,7 @@ MESSAGES: list[type[Message]] = [
     EquivocationProof,
     ActivationHeader,
     GradientReply,
+    PipelineEnd,
     Roster,
     RosterStage,
     MemberList,
@@ -159,6 +160,7 @@ def _valid_messages() -> list[Message]:
         PeerList(peers=(record,)),
         StateInfo.create(SIGNER, stage=1, round=3, theta_hash="a" * 64, momentum_hash="", numel=1000),
         ErrorReply(error="bad", detail="a sentence"),
+        PipelineEnd.create(SIGNER, stage=0, round=8, step=160),
         Roster.build(SIGNER, network="n", version=3, expires_at=2**40, stages={0: [SIGNER.public_key_hex]}),
         MemberList.create(
             SIGNER,

@@ -44,6 +44,15 @@ def test_swarm_with_two_stages_trains_through_the_pipeline_and_each_stage_agrees
             assert agreed.get((stage, r)) == (2, 2), f"stage {stage} round {r}: {agreed.get((stage, r))}"
     for driver in (0, 2):
         assert f"[{driver}] done at step={rounds * h} round={rounds}" in text
+        assert re.search(rf"^\[{driver}\] pipeline: told [12]/[12] stage 1 replica\(s\) this one sends no more$",
+                         text, re.M)  # fmt: skip
+    # The drivers' signed ends, not a SIGTERM from the launcher, end stage 1.
+    assert "SIGTERM" not in text
+    for replica in (1, 3):
+        assert re.search(
+            rf"^\[{replica}\] ending: [12] replica\(s\) of stage 0 sent a signed end", text, re.M
+        )
+        assert re.search(rf"^\[{replica}\] done at step=\d+ round=\d+ \(stage 1\)", text, re.M)
     # Stage 1 nodes hold the head: the loss they log falls; so does the drivers' (remote) loss.
     for node in (0, 1, 2, 3):
         losses = [float(m[3]) for m in map(LOSS.match, swarm.lines) if m and int(m[1]) == node]
