@@ -15,6 +15,8 @@ from typing import Any
 
 from nacl.signing import SigningKey
 
+from neuroshard.protocol.schema import parse_json
+
 from .keys import signature_is_valid
 
 MANIFEST_NAME = "manifest.json"
@@ -57,15 +59,6 @@ def resolve_inside(directory: Path, relative: str, what: str) -> Path:
     if not path.resolve().is_relative_to(directory.resolve()):
         raise ManifestError(f"{what} {relative!r} leads outside {directory}")
     return path
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate JSON key {key[:40]!r}")
-        out[key] = value
-    return out
 
 
 def _integer(value: object, what: str, lo: int, hi: int = 2**53 - 1) -> int:
@@ -150,15 +143,10 @@ class Manifest:
     @classmethod
     def from_bytes(cls, raw: bytes, source: str = "manifest") -> Manifest:
         try:
-            # Same rules as every wire message: no duplicate keys, no NaN or Infinity.
-            doc = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-            return _parse(doc)
+            # The rules of every wire message: no duplicate keys, no NaN or Infinity, bounded nesting.
+            return _parse(parse_json(raw, source))
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ManifestError(f"{source} is malformed: {str(exc)[:200]}") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"JSON constant {name} is not allowed")
 
 
 def _fields(obj: object, names: set[str], what: str) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from neuroshard.protocol.refusal import malformed
-from neuroshard.protocol.schema import parse_json
+from neuroshard.protocol.schema import split_header
 from neuroshard.protocol.segments import KINDS, MAX_MESSAGES_PER_STEP, Received, SegmentCommitment, SegmentLog
 
 from .replay import InnerState
@@ -216,12 +215,7 @@ MAX_MATERIAL_HEADER = 16 << 20
 
 def _metadata(data: bytes) -> dict[str, str]:
     """The string metadata of a safetensors body, read before any tensor is (bounded, strict)."""
-    if len(data) < 8:
-        raise malformed("segment material is truncated")
-    (size,) = struct.unpack("<Q", data[:8])
-    if size > min(MAX_MATERIAL_HEADER, len(data) - 8):
-        raise malformed(f"segment material header of {size} bytes does not fit")
-    header = parse_json(data[8 : 8 + size], "segment material header")
+    header, _ = split_header(data, "segment material", MAX_MATERIAL_HEADER)
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise malformed("segment material has no string metadata")

@@ -37,7 +37,7 @@ from .schema import (
     integer,
     list_of,
     message,
-    parse_json,
+    split_header,
     text,
 )
 
@@ -203,12 +203,7 @@ class FraudProof:
 
     @classmethod
     def decode(cls, data: bytes, max_header: int = 16 << 20) -> FraudProof:
-        if len(data) < 8:
-            raise malformed("fraud proof is truncated")
-        (size,) = struct.unpack("<Q", data[:8])
-        if size > min(max_header, len(data) - 8):
-            raise malformed(f"fraud proof header of {size} bytes does not fit")
-        header = parse_json(data[8 : 8 + size], "fraud proof")
+        header, at = split_header(data, "fraud proof", max_header)
         if not isinstance(header, dict) or set(header) != {"claim", "inputs", "sizes"}:
             raise malformed("fraud proof header must hold exactly claim, inputs and sizes")
         claim = AggregateClaim.from_obj(header["claim"], "fraud proof claim")
@@ -216,7 +211,7 @@ class FraudProof:
         sizes = header["sizes"]
         if not isinstance(sizes, list) or len(sizes) != len(inputs.considered):
             raise malformed("fraud proof sizes must list one (proof, part) size per considered input")
-        parts, at = [], 8 + size
+        parts = []
         for entry in sizes:
             if not (
                 isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import re
+import struct
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -98,6 +99,18 @@ def parse_json(data: bytes | str, what: str) -> Any:
         raise  # from the hooks: a duplicate key, a NaN, an overflowing float
     except ValueError as exc:  # int() of a number longer than sys.get_int_max_str_digits()
         raise malformed(f"{what} is not acceptable JSON: {str(exc)[:120]}") from None
+
+
+def split_header(data: bytes, what: str, max_header: int) -> tuple[Any, int]:
+    """(the JSON header, where the payload starts) of a body laid out as safetensors is: an 8-byte
+    little-endian header length, the header, the payload. Refused("malformed") when the length
+    does not fit the body or `max_header`, or the header is not strict JSON."""
+    if len(data) < 8:
+        raise malformed(f"{what} is truncated")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > min(max_header, len(data) - 8):
+        raise malformed(f"{what} header of {size} bytes does not fit")
+    return parse_json(data[8 : 8 + size], f"{what} header"), 8 + size
 
 
 # Field checks: each takes the JSON value and where it sits, returns the Python value.
