@@ -48,6 +48,7 @@ from neuroshard.data.dataset import open_remote_dataset, remote_updates
 from neuroshard.data.fetch import FetchConfig
 from neuroshard.node import aggregation
 from neuroshard.node.checkpoint import CheckpointIdentity, CheckpointMismatch, checkpoint_path
+from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.embedded import ensure_default_dataset
 from neuroshard.node.inner_loop import lone_replica
@@ -197,6 +198,7 @@ def _run_stage_replica(
     diloco_config: DiLoCoConfig,
     stop: threading.Event,
     tokenizer_sha256: str,
+    placement: Placement,
 ) -> int:
     """A stage > 0 replica: no data of its own, it trains on the micro-batches stage i-1 sends,
     and reports to the verifier it joined (if any; a pipeline has no embedded verifier)."""
@@ -229,6 +231,7 @@ def _run_stage_replica(
             checkpoint=checkpoint,
             fresh=args.fresh,
             reporting=reporting,
+            placement=placement,
         )
         result = replica.run(stop)
     finally:
@@ -299,7 +302,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         if args.stage > 0:
             dataset.source.close()
             sha = dataset.manifest.tokenizer.sha256
-            return _run_stage_replica(args, run_, wallet, model_config, diloco_config, stop, sha)
+            return _run_stage_replica(args, run_, wallet, model_config, diloco_config, stop, sha, placement)
         held_out = held_out_shards(run_.joined, run_.embedded_verifier, dataset)
         reporting = _reporting(
             args,

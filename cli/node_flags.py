@@ -367,13 +367,12 @@ def checkpoint_interval(args: argparse.Namespace, placement: device.Placement) -
 
 
 def placement_from_args(args: argparse.Namespace, num_stages: int) -> device.Placement:
-    """The inner loop's device and precision. Pipeline stages (S > 1) train on the CPU in fp32 for
-    now: activations cross stages as CPU tensors (node.pipeline), not moved yet."""
-    if num_stages > 1:
-        if args.device not in ("auto", "cpu") or args.precision not in ("auto", "fp32"):
-            raise ValueError(
-                f"--device {args.device} --precision {args.precision}: pipeline stages (--stages "
-                f"{num_stages}) train on the CPU in fp32 for now; use --device cpu or --stages 1"
-            )
-        return device.Placement.cpu()
-    return device.resolve(args.device, args.precision)
+    """The inner loop's device and precision. Every pipeline stage takes the device it is given
+    (activations and gradients cross stages as CPU float32, node.pipeline), in fp32 or bf16: fp16
+    needs a loss scale, and a stage's activation gradients cross the wire unscaled."""
+    if num_stages > 1 and args.precision == "fp16":
+        raise ValueError(
+            f"--precision fp16: pipeline stages (--stages {num_stages}) train in fp32 or bf16 "
+            "(fp16 needs a loss scale the pipeline's gradients do not carry)"
+        )
+    return device.resolve(args.device, args.precision)  # "auto" picks bf16 or fp32, never fp16

@@ -40,13 +40,14 @@ class _RemoteLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, labels: Tensor, downstream: Downstream) -> Tensor:
-        grad, loss = downstream(hidden.detach(), labels)
+        # The wire takes CPU float32 whatever this stage runs on (a no-op on a CPU fp32 stage).
+        grad, loss = downstream(hidden.detach().float().cpu(), labels.cpu())
         if grad.shape != hidden.shape:
             raise ValueError(
                 f"downstream returned a gradient of shape {tuple(grad.shape)}, expected {tuple(hidden.shape)}"
             )
-        ctx.save_for_backward(grad.to(hidden.dtype))
-        return torch.tensor(loss, dtype=hidden.dtype)
+        ctx.save_for_backward(grad.to(device=hidden.device, dtype=hidden.dtype))
+        return torch.tensor(loss, dtype=hidden.dtype, device=hidden.device)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
@@ -70,9 +71,10 @@ def stage_inner_step(
     """One inner step of a stage > 0 on a received micro-batch.
 
     `hidden` (B, T, C) is the previous stage's output; `downstream` is None on the last stage
-    (which holds the head and computes the loss). Returns (∂loss/∂hidden (B, T, C) float32, loss)
-    after the inner optimizer stepped. On an exception nothing was stepped and no gradient is
-    left behind.
+    (which holds the head and computes the loss). Returns (∂loss/∂hidden (B, T, C) float32 on the
+    CPU, loss) after the inner optimizer stepped. The layers run on the replica's placement
+    (device and autocast); what crosses to the neighbours is CPU float32 either way. On an
+    exception nothing was stepped and no gradient is left behind.
     """
     place = diloco.placement
     x = place.to_device(hidden.detach().float()).requires_grad_(True)
@@ -88,7 +90,7 @@ def stage_inner_step(
                 loss.backward()
                 value = loss.item()
             else:
-                grad_out, value = downstream(out.detach(), labels)
+                grad_out, value = downstream(out.detach().float().cpu(), labels)
                 out.backward(place.to_device(grad_out).to(out.dtype))
         assert x.grad is not None
         if not (
@@ -104,7 +106,7 @@ def stage_inner_step(
         diloco.inner_optimizer.zero_grad(set_to_none=True)
         raise
     diloco.inner_update()
-    return x.grad, value
+    return x.grad.cpu(), value
 
 
 class NonFiniteStep(ValueError):

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .device import Placement
 from .diloco import DiLoCo, DiLoCoConfig
 from .inner_loop import RoundFinisher, TrainResult
 from .model import ModelConfig, build_stage
@@ -70,14 +71,16 @@ def start_stage_replica(
     checkpoint: StageCheckpoint | None = None,
     fresh: bool = False,
     reporting: Reporting | None = None,
+    placement: Placement | None = None,
 ) -> StageReplica:
     """Build a stage > 0 replica: model, DiLoCo (resumed from `checkpoint` unless `fresh`), worker,
     peer server with the pipeline route; join the stage's state; ready to `run`. With an active
     `reporting` it sends a receipt after every round, records every inner step (node.segments)
-    and serves segments to the verifier's operator key."""
+    and serves segments to the verifier's operator key. `placement`: the device and precision of the
+    inner steps (default CPU fp32); the outer round stays on the CPU in fp32 (node.diloco)."""
     reporting = reporting or Reporting.nobody(log)
     model = build_stage(model_config, stage, pipeline_config.num_stages)
-    diloco = DiLoCo(model, diloco_config)
+    diloco = DiLoCo(model, diloco_config, placement=placement)
     if checkpoint is not None and not fresh and checkpoint.load(diloco):
         log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
     recorder = reporting.recorder(stage)
@@ -130,6 +133,7 @@ def start_stage_replica(
     log(
         f"stage {stage}/{pipeline_config.num_stages}: layers {list(model.layer_range)}, {params:,} parameters, "
         f"{'last stage (head, loss)' if link is None else 'forwards to stage ' + str(stage + 1)}; "
-        f"H={diloco_config.inner_steps}; serving micro-batches at {network.address}"
+        f"H={diloco_config.inner_steps}; inner loop on {diloco.placement.describe()}; "
+        f"serving micro-batches at {network.address}"
     )
     return StageReplica(diloco=diloco, worker=worker, network=network, service=service, link=link, log=log)

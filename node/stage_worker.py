@@ -26,6 +26,7 @@ from pathlib import Path
 from torch import Tensor
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
+from .device import snapshot_to_cpu
 from .diloco import DiLoCo
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .p2p.pipeline import Busy, Job
@@ -52,8 +53,8 @@ class StageCheckpoint:
         return True
 
     def save(self, diloco: DiLoCo, *, wait: bool) -> None:
-        state = {
-            "model": {name: t.detach().clone() for name, t in diloco.model.state_dict().items()},
+        state = {  # on the CPU: a checkpoint loads on any machine
+            "model": snapshot_to_cpu(diloco.model.state_dict()),
             "diloco": diloco.state_dict(),
         }
         self.writer.submit(self.path, self.identity, state)

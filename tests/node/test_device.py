@@ -75,8 +75,11 @@ def test_auto_on_cuda_picks_bf16_autocast() -> None:
 def test_cli_flags_reach_the_placement() -> None:
     args = build_parser().parse_args(["--device", "cpu", "--precision", "bf16"])
     assert placement_from_args(args, 1) == Placement(device=CPU, precision="bf16")
-    with pytest.raises(ValueError, match="pipeline stages"):
-        placement_from_args(args, 2)
+    assert placement_from_args(args, 2) == Placement(device=CPU, precision="bf16")  # a pipeline stage too
+    fp16 = build_parser().parse_args(["--device", "cpu", "--precision", "fp16"])
+    assert placement_from_args(fp16, 1) == Placement(device=CPU, precision="fp16")
+    with pytest.raises(ValueError, match=r"pipeline stages .* fp32 or bf16"):
+        placement_from_args(fp16, 2)
 
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_the_loss_falls() -> None:

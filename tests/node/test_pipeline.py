@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
@@ -68,3 +71,46 @@ def test_a_failing_downstream_leaves_the_stage_untouched() -> None:
     assert stage.step == 0
     assert all(p.grad is None for p in stage.model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, stage.model.parameters(), strict=True))
+
+
+def _placements() -> list[object]:
+    cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return [
+        pytest.param(Placement(device=torch.device("cpu"), precision="bf16"), id="cpu-bf16"),
+        pytest.param("cuda-fp32", id="cuda-fp32", marks=cuda),
+        pytest.param("cuda-bf16", id="cuda-bf16", marks=cuda),
+    ]
+
+
+def _placement(spec: object) -> Placement:
+    if isinstance(spec, Placement):
+        return spec
+    precision = str(spec).split("-")[1]
+    return Placement(device=torch.device("cuda", 0), precision=precision)
+
+
+@pytest.mark.parametrize("spec", _placements())
+def test_chained_stages_on_a_device_hand_their_neighbours_cpu_float32(spec: object) -> None:
+    """Every stage runs its layers on its placement; what crosses a stage boundary (the wire's
+    input) is CPU float32 both ways, so stages on different hardware can be chained."""
+    placement = _placement(spec)
+    seen: list[tuple[str, torch.dtype, str]] = []
+    config = DiLoCoConfig(inner_steps=100, inner_lr=1e-2, warmup_steps=0, total_steps=100)
+    stages = [DiLoCo(build_stage(MODEL, i, 3), config, placement=placement) for i in range(3)]
+
+    def boundary(stage: DiLoCo, downstream):  # type: ignore[no-untyped-def]
+        def call(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+            seen.append((hidden.device.type, hidden.dtype, labels.device.type))
+            grad, loss = stage_inner_step(stage, hidden, labels, downstream)
+            seen.append((grad.device.type, grad.dtype, "cpu"))
+            return grad, loss
+
+        return call
+
+    stages[0].loss_fn = remote_loss(boundary(stages[1], boundary(stages[2], None)))
+    losses = [stages[0].inner_step(*_batch(0)) for _ in range(8)]  # one batch, learnt
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert seen and set(seen) == {("cpu", torch.float32, "cpu")}
+    for stage in stages:
+        assert all(p.device.type == placement.device.type and p.dtype == torch.float32 for p in stage.params)
+        assert stage.theta_round.device.type == "cpu"  # the outer round stays on the CPU in fp32

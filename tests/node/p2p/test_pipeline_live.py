@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.p2p.pipeline import PipelineConfig
@@ -60,6 +61,7 @@ class Driver:
         bootstrap: tuple[str, ...],
         pipe: PipelineConfig = PIPE,
         model: ModelConfig = MODEL,
+        placement: Placement | None = None,
     ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-driver-{index}")
         self.stop = threading.Event()
@@ -88,6 +90,7 @@ class Driver:
             finish_round=self.network.finish_round,
             num_stages=pipe.num_stages,
             loss_fn=remote_loss(self.link.downstream),
+            placement=placement,
         )
         self.result: TrainResult | None = None
         self.error: BaseException | None = None
@@ -123,6 +126,7 @@ class Stage1:
         stage: int = 1,
         pipe: PipelineConfig = PIPE,
         model: ModelConfig = MODEL,
+        placement: Placement | None = None,
         **net: object,
     ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-stage{stage}-{index}")
@@ -138,6 +142,7 @@ class Stage1:
             worker_config=WorkerConfig(max_steps=max_steps, log_every=1000),
             stop=self.stop,
             log=self.lines.append,
+            placement=placement,
         )
         self.result: TrainResult | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -159,12 +164,17 @@ Build2x2 = Callable[..., tuple[list[Driver], list[Stage1]]]
 def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
     made: list[Driver | Stage1] = []
 
-    def build(stage1_max_steps: int | None, **stage1_net: object) -> tuple[list[Driver], list[Stage1]]:
-        first = Stage1(0, (), stage1_max_steps, **stage1_net)
+    def build(
+        stage1_max_steps: int | None,
+        placements: tuple[Placement | None, Placement | None] = (None, None),
+        **stage1_net: object,
+    ) -> tuple[list[Driver], list[Stage1]]:
+        """`placements`: replica 0's and replica 1's (of each stage); None is CPU fp32."""
+        first = Stage1(0, (), stage1_max_steps, placement=placements[0], **stage1_net)
         made.append(first)
         boot = (first.replica.network.address,)
-        made.append(Stage1(1, boot, stage1_max_steps, **stage1_net))
-        made.extend(Driver(i, published, tmp_path, boot) for i in range(2))
+        made.append(Stage1(1, boot, stage1_max_steps, placement=placements[1], **stage1_net))
+        made.extend(Driver(i, published, tmp_path, boot, placement=placements[i]) for i in range(2))
         drivers = [m for m in made if isinstance(m, Driver)]
         for d in drivers:
             d.network.join_state(d.trainer.diloco)  # announces the driver (stage 1 joined at start)
@@ -240,6 +250,28 @@ def test_two_stages_by_two_replicas_train_through_the_pipeline(build_2x2: Build2
     sent = drivers[0].link.client.traffic.bytes_sent
     assert sent >= ROUNDS * H * 4 * 32 * (32 * 2 + 4)
     assert torch.isfinite(drivers[0].trainer.diloco.theta_round).all()
+
+
+def test_replicas_of_each_stage_in_fp32_and_bf16_autocast_agree_every_round(build_2x2: Build2x2) -> None:
+    """Mixed hardware in a pipeline: in each stage one replica runs its layers in fp32, the other
+    under bf16 autocast (CPU autocast: the device path a GPU takes, minus the device). The outer
+    round is CPU fp32 either way, so each stage still ends every round bit-identical."""
+    bf16 = Placement(device=torch.device("cpu"), precision="bf16")
+    drivers, stage1 = build_2x2(ROUNDS * H, placements=(None, bf16))
+    for d in drivers:
+        d.start()
+    _finish(drivers, 120.0)
+    for s in stage1:
+        s.thread.join(30.0)
+        assert not s.thread.is_alive(), "a stage-1 replica did not finish its steps"
+    assert [d.trainer.diloco.placement.precision for d in drivers] == ["fp32", "bf16"]
+    assert [s.replica.diloco.placement.precision for s in stage1] == ["fp32", "bf16"]
+    for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
+        _stage_agrees(stage_networks, range(ROUNDS))
+        assert all(len(r.accepted) == 2 for n in stage_networks for r in n.reports)
+    assert drivers[0].trainer.diloco.weights_hash() == drivers[1].trainer.diloco.weights_hash()
+    assert stage1[0].replica.diloco.weights_hash() == stage1[1].replica.diloco.weights_hash()
+    _loss_fell(drivers, 0.3)
 
 
 def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2x2: Build2x2) -> None:
