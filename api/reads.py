@@ -1,4 +1,4 @@
-"""The read-only endpoints: tracker, training status, history, nodes, network, metrics.
+"""The read-only endpoints: tracker, training status, history, nodes, fraud proofs, network, metrics.
 
 Each renders its JSON through the read cache (api.cache): computed from the database when
 the data changed (at most every few seconds), served from memory with an ETag otherwise.
@@ -23,7 +23,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from neuroshard.node.model_file import read_round_header, round_model_path, round_models, round_tokenizer_path
-from neuroshard.verifier import coverage, summary
+from neuroshard.protocol.refusal import Refused
+from neuroshard.verifier import coverage, fraudproofs, summary
 from neuroshard.verifier import models as m
 from neuroshard.verifier.network import NETWORK_SIGNATURE_HEADER, OPERATOR_HEADER
 
@@ -34,6 +35,8 @@ from .schemas import (
     DiLoCoOut,
     ErrorOut,
     EvaluationOut,
+    FraudProofOut,
+    FraudProofsOut,
     GlobalOut,
     HistoryOut,
     ModelFileOut,
@@ -427,6 +430,96 @@ def spot_checks(
         return _json(out), ()
 
     return _cached(request, services, f"spot-checks:{window}:{limit}:{offset}", render)
+
+
+FRAUD_PROOFS = "/api/fraud-proofs"
+
+
+def _fraud_proof_out(row: m.FraudProof) -> FraudProofOut:
+    return FraudProofOut(
+        sha256=row.sha256, wallet_id=row.wallet_id, stage=row.stage, round=row.round, segment=row.segment,
+        reason=row.reason, size_bytes=row.size_bytes, data_spans=row.data_spans, device=row.device,
+        precision=row.precision, created_at=row.created_at, download=f"{FRAUD_PROOFS}/{row.sha256}",
+    )  # fmt: skip
+
+
+@_cached_get(FRAUD_PROOFS, FraudProofsOut, "fraud proofs", paged=True)
+def fraud_proofs(request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0) -> Response:
+    """Segment fraud proofs the replay checks found (verifier.fraudproofs), newest first: whose,
+    which stage, round and segment, why, and where to download each. A proof re-checks alone with
+    `neuroshard-check-proof FILE --network network.toml [--spans DATA_SPANS]`. X-Total-Count is
+    the number kept (the newest few); Link names the next page."""
+    served = services.config.fraud_proofs_served is not None
+
+    def render() -> tuple[bytes, Headers]:
+        with services.db.read() as session:
+            rows, total = fraudproofs.page(session, limit=limit, offset=offset)
+            proofs = [_fraud_proof_out(r) for r in rows]
+        return _json(FraudProofsOut(proofs=proofs, served=served)), _page_headers(
+            request, total, limit, offset
+        )
+
+    return _cached(request, services, f"fraud-proofs:{limit}:{offset}", render)
+
+
+@router.get(
+    FRAUD_PROOFS + "/{sha256}",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "The proof's bytes (safetensors: SegmentFraudProof.encode).",
+            "headers": {
+                "ETag": {"description": "The proof's sha256, quoted.", "schema": {"type": "string"}},
+                "Content-Length": {"description": "Size in bytes.", "schema": {"type": "integer"}},
+            },
+        },
+        **_NOT_MODIFIED,
+        404: {"model": ErrorOut, "description": "No such proof kept here, or not a sha256."},
+    },
+    tags=["fraud proofs"],
+)
+def fraud_proof_file(
+    request: Request,
+    services: ServicesDep,
+    sha256: Annotated[str, Path(description="The proof's sha256: 64 lowercase hex digits.")],
+) -> Response:
+    """One segment fraud proof's bytes, streamed. Anyone can check it alone with the run's
+    definition (and, at stage 0, its data): `neuroshard-check-proof`."""
+    if not fraudproofs.is_sha256(sha256):
+        raise Refused(
+            "not_found", f"a fraud proof is named by its sha256, 64 lowercase hex digits; not {sha256[:80]!r}"
+        )
+    directory = services.config.fraud_proofs_served
+    if directory is None:
+        raise Refused("not_held", "this verifier process keeps no fraud proofs (no fraud-proof directory)")
+    try:
+        f = fraudproofs.proof_path(directory, sha256).open(
+            "rb"
+        )  # held open: a pruned proof is still sent whole
+    except OSError:
+        raise Refused("not_found", f"fraud proof {sha256} is not kept here") from None
+    etag = f'"{sha256}"'
+    cache = {"ETag": etag, "Cache-Control": f"public, max-age={int(services.config.reads.max_age_s)}"}
+    if _matches(request.headers.get("if-none-match"), etag):
+        f.close()
+        return Response(status_code=304, headers=cache)
+    size = os.fstat(f.fileno()).st_size
+    headers = {
+        **cache,
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{sha256}{fraudproofs.SUFFIX}"',
+    }
+    if request.scope.get(HEAD_SCOPE_KEY):
+        f.close()
+        return Response(status_code=200, headers=headers, media_type="application/octet-stream")
+
+    def chunks() -> Iterator[bytes]:
+        with f:
+            while block := f.read(1 << 20):
+                yield block
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
 
 @_cached_get("/api/peers", list[PeerOut], "tracker")

@@ -39,6 +39,7 @@ STATUS: Mapping[str, int] = {
     "wrong_stage": 409,
     "conflict": 409,
     "not_found": 404,
+    "not_held": 404,
     "not_a_roster": 400,
     "bad_roster": 422,
     "rate_limited": 429,

@@ -223,6 +223,35 @@ class ModelsOut(_Out):
     )
 
 
+class FraudProofOut(_Out):
+    sha256: str = Field(
+        description="sha256 of the proof's bytes: its name in GET /api/fraud-proofs/{sha256}."
+    )
+    wallet_id: str = Field(description="The wallet whose signed commitment the proof holds.")
+    stage: int
+    round: int
+    segment: int = Field(description="The round's segment whose replay failed.")
+    reason: str = Field(description="The verifier's verdict on the segment.")
+    size_bytes: int
+    data_spans: list[list[int]] = Field(
+        description="Stage 0: the receipt's [[shard_id, offset_start, offset_end], ...], for "
+        "neuroshard-check-proof --spans; [] at later stages."
+    )
+    device: str | None = Field(
+        description="The receipt's device (None: CPU); with precision it sets the tolerance."
+    )
+    precision: str | None = Field(description="The receipt's precision (None: fp32).")
+    created_at: float
+    download: str = Field(description="Path of the proof's bytes on this verifier.")
+
+
+class FraudProofsOut(_Out):
+    proofs: list[FraudProofOut] = Field(description="Segment fraud proofs, newest first.")
+    served: bool = Field(
+        description="Whether this verifier process serves the proofs' bytes (false: listed, not kept here)."
+    )
+
+
 class UnnoticedOut(_Out):
     lie_fraction: float = Field(description="Share of its rounds a wallet lies in.")
     rounds: int

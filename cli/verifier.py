@@ -28,6 +28,7 @@ from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.db import DatabaseURLError, normalise_url
 from neuroshard.verifier.evaluator import EvaluatorConfig, models_dir_for
+from neuroshard.verifier.fraudproofs import DIRECTORY_NAME
 from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.network import NetworkError, load_network, load_operator_key
 from neuroshard.verifier.ratelimit import SourceLimitConfig
@@ -215,10 +216,14 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
             sample_every=args.sample_every,
         ),
         replay_checks=ReplayCheckConfig(
-            sample_rate=args.replay_rate, cache_dir=args.home / "cache", budget=budget
+            sample_rate=args.replay_rate,
+            cache_dir=args.home / "cache",
+            budget=budget,
+            fraud_proof_dir=args.home / DIRECTORY_NAME,
         )
         if replays
         else None,
+        fraud_proof_dir=args.home / DIRECTORY_NAME,
         membership=_membership(args, replays),
         registration_pow_bits=args.registration_pow_bits,
         registration_limit=SourceLimitConfig(per_hour=args.new_wallets_per_hour)

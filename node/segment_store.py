@@ -266,6 +266,16 @@ class SegmentMaterial:
                 metadata[f"m{i}.{j}"] = f"{m.kind}:{m.sender}"
         return st_save(tensors, metadata=metadata)
 
+    @staticmethod
+    def read_commitment(data: bytes) -> SegmentCommitment:
+        """The signed commitment of encoded material, from its header alone (no tensor is read):
+        what a reader needs to learn the stage, and so the shapes `decode` expects. Refused when
+        the header or the commitment does not parse."""
+        metadata = _metadata(data)
+        if "commitment" not in metadata:
+            raise malformed("segment material metadata holds no commitment")
+        return SegmentCommitment.from_json(metadata["commitment"])
+
     @classmethod
     def decode(cls, data: bytes, *, numel: int, n_tensors: int) -> SegmentMaterial:
         """Bytes -> material with exactly the expected tensors and shapes; Refused otherwise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.roster import MAX_POW_BITS
@@ -92,6 +93,17 @@ class VerifierConfig:
     None leaves the evaluations table to whoever calls ledger.record_evaluation (API tests)."""
     replay_checks: ReplayCheckConfig | None = None
     """Replay a sample of receipts' inner steps in background threads (verifier.replaycheck); None: don't."""
+    fraud_proof_dir: Path | None = None
+    """Where the segment fraud proofs are kept (HOME/fraud-proofs, verifier.fraudproofs), served on
+    GET /api/fraud-proofs/{sha256}; None: `replay_checks.fraud_proof_dir`, and with neither the
+    list still answers from the database but no proof is served from here."""
+
+    @property
+    def fraud_proofs_served(self) -> Path | None:
+        """The directory GET /api/fraud-proofs/{sha256} serves proofs from, if any."""
+        if self.fraud_proof_dir is not None:
+            return self.fraud_proof_dir
+        return None if self.replay_checks is None else self.replay_checks.fraud_proof_dir
 
     def __post_init__(self) -> None:
         checks = [

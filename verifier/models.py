@@ -277,3 +277,34 @@ class RosterRow(Base):
     """The signed document as canonical JSON (what GET /api/roster serves)."""
     expires_at: Mapped[int] = mapped_column(BigInteger)
     received_at: Mapped[float] = mapped_column(Double)
+
+
+FRAUD_REASON_LEN = 400
+"""The verdict text kept with a fraud proof (as ledger.record_receipt_check cuts its detail)."""
+
+
+class FraudProof(Base):
+    """A segment fraud proof the replay checker found (verifier.fraudproofs): the bytes are in
+    HOME/fraud-proofs/<sha256>.proof, this row says whose they are and why they prove fraud. The
+    file is written before the row is committed, so a row never names a missing file."""
+
+    __tablename__ = "fraud_proofs"
+
+    sha256: Mapped[str] = mapped_column(String(HASH_LEN), primary_key=True)
+    """sha256 of the proof's bytes (SegmentFraudProof.encode): its name on disk and in the API."""
+    wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), index=True)
+    stage: Mapped[int] = mapped_column(Integer)
+    round: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer)
+    """The failed segment of the round (node.segments)."""
+    reason: Mapped[str] = mapped_column(String(FRAUD_REASON_LEN))
+    """The verdict, e.g. 'segment 3 of 4: norm ratio 1.25 …'."""
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    data_spans: Mapped[list[Any]] = mapped_column(JSON)
+    """The receipt's [[shard_id, offset_start, offset_end], ...]: what a stage-0 re-check compares
+    the signed log's spans with (neuroshard-check-proof --spans); [] at later stages."""
+    device: Mapped[str | None] = mapped_column(String(8), default=None)
+    """The receipt's device and precision, which chose the replay tolerance
+    (verifier.replaycheck.tolerance_for); None from nodes that did not state them (CPU, fp32)."""
+    precision: Mapped[str | None] = mapped_column(String(8), default=None)
+    created_at: Mapped[float] = mapped_column(Double, index=True)

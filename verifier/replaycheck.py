@@ -44,8 +44,11 @@ stage, round) — fixed only once the receipt, and so the chain, is committed
 stage is settled with θ_round as its majority, checks each segment against the receipt and
 replays it (verifier.segmentcheck.check_segment): stage 0 re-reads its batches from the
 assignment, later stages decode the activations and gradients their senders signed. A replay
-that fails on material matching the signed commitment is kept as a fraud proof
-(`fraud_proofs`, the last 16) besides costing reputation. Receipts without a segment root
+that fails on material matching the signed commitment is kept as a fraud proof besides
+costing reputation: in memory (`fraud_proofs`, the last 16) and, with `fraud_proof_dir` set,
+as a file there and a row in `fraud_proofs`, the newest `keep_fraud_proofs` of them
+(verifier.fraudproofs), which GET /api/fraud-proofs lists and serves and
+`neuroshard-check-proof` re-checks alone. Receipts without a segment root
 (nodes before issue 17) keep the whole-round replay at stage 0 of single-stage runs; at later
 stages they are not replayed. A check costs `segments_per_check` · k/H of the round's work.
 """
@@ -57,7 +60,7 @@ import threading
 import time
 import urllib.error
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -75,12 +78,13 @@ from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import DataSpan
 
-from . import ledger, members
+from . import fraudproofs, ledger, members
 from . import models as m
 from .background import BodyTooLarge, JobContext, PollingThread, open_run_dataset, signed_get
 from .budget import ReplayBudget, Standing, check_rates, overdue
 from .coverage import standings
 from .datacheck import receipt_problems
+from .fraudproofs import DEFAULT_KEEP
 from .members import MembershipConfig
 from .sampling import sampled
 from .segmentcheck import draw_segments
@@ -153,6 +157,11 @@ class ReplayCheckConfig:
     probability 1 − 0.9^44 = 0.990 (bench/bench_replay.py's simulation)."""
     max_message_bytes: int = 64 << 20
     """Largest recorded pipeline message accepted in a segment body (bounds the fetch)."""
+    fraud_proof_dir: Path | None = None
+    """Where segment fraud proofs are kept as files (the verifier's HOME/fraud-proofs; listed in
+    the `fraud_proofs` table, verifier.fraudproofs). None: only in memory (`ReplayChecker.fraud_proofs`)."""
+    keep_fraud_proofs: int = DEFAULT_KEEP
+    """Proofs kept in `fraud_proof_dir`; the oldest files and rows beyond this are deleted."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.sample_rate <= 1:
@@ -161,9 +170,9 @@ class ReplayCheckConfig:
             self.poll_s <= 0
             or self.timeout_s <= 0
             or self.retry_s < 0
-            or min(self.max_queue, self.max_per_pass, self.segments_per_check) < 1
+            or min(self.max_queue, self.max_per_pass, self.segments_per_check, self.keep_fraud_proofs) < 1
         ):
-            raise ValueError(f"ReplayCheckConfig: periods must be > 0 and max_queue ≥ 1, got {self}")
+            raise ValueError(f"ReplayCheckConfig: periods must be > 0 and counts ≥ 1, got {self}")
 
 
 @dataclass
@@ -501,8 +510,26 @@ class ReplayChecker:
         seconds = time.perf_counter() - started
         with self._count_lock:
             self.replay_seconds += seconds
-        self.fraud_proofs.extend(judged.proofs)
-        self._record(receipt, judged.ok, f"{judged.detail}; {seconds:.2f} s")
+        self.fraud_proofs.extend(proof for _, proof in judged.proofs)
+        kept = [k for k in (self._write_proof(receipt, j, proof) for j, proof in judged.proofs) if k]
+        self._record(
+            receipt, judged.ok, f"{judged.detail}; {seconds:.2f} s", proofs=kept, reason=judged.detail
+        )
+
+    def _write_proof(self, receipt: m.Receipt, segment: int, proof: bytes) -> tuple[int, str, int] | None:
+        """Write a proof's file before its row is committed; (segment, sha256, size), or None
+        when there is nowhere to keep it or the write failed (the verdict stands either way)."""
+        directory = self.config.fraud_proof_dir
+        if directory is None:
+            return None
+        try:
+            return segment, fraudproofs.write_proof(directory, proof), len(proof)
+        except OSError as exc:
+            self.ctx.log(
+                f"replay check: the fraud proof of {receipt.wallet_id} round {receipt.round} segment "
+                f"{segment} could not be written to {directory} ({exc}); kept in memory only"
+            )
+            return None
 
     def _replay(self, receipt: m.Receipt, material: ReplayRecord) -> None:
         """Replay one round and record the verdict (on the replay thread when started)."""
@@ -545,16 +572,52 @@ class ReplayChecker:
     def _drop(self, challenge: Challenge) -> None:
         self.queue.remove(challenge)
 
-    def _record(self, receipt: m.Receipt, ok: bool, detail: str) -> None:
+    def _record(
+        self,
+        receipt: m.Receipt,
+        ok: bool,
+        detail: str,
+        *,
+        proofs: Sequence[tuple[int, str, int]] = (),
+        reason: str = "",
+    ) -> None:
+        """Record the verdict and list the fraud proofs (segment, sha256, size) already written to
+        `fraud_proof_dir`, in one transaction; then delete the files of rows pruned beyond
+        `keep_fraud_proofs` and old files no row names."""
+        now = self.ctx.clock()
+        dropped: list[str] = []
+        held: list[str] = []
         with self.ctx.db.write() as session:
             ledger.record_receipt_check(
                 session,
                 receipt,
                 ok=ok,
                 detail=f"replay: {detail}",
-                now=self.ctx.clock(),
+                now=now,
                 cfg=self.ctx.reputation,
                 membership=self.membership,
+            )
+            for segment, sha256, size in proofs:
+                fraudproofs.add_row(
+                    session,
+                    sha256=sha256,
+                    size=size,
+                    receipt=receipt,
+                    segment=segment,
+                    reason=reason,
+                    now=now,
+                )
+            if proofs:
+                dropped = fraudproofs.prune_rows(session, self.config.keep_fraud_proofs)
+                held = fraudproofs.listed(session)
+        directory = self.config.fraud_proof_dir
+        if proofs and directory is not None:
+            fraudproofs.remove_files(directory, dropped)
+            fraudproofs.sweep_orphans(directory, held, now=time.time())
+        for _, sha256, size in proofs:
+            self.ctx.log(
+                f"replay check: fraud proof {sha256} ({size / 1e6:.1f} MB) of {receipt.wallet_id} "
+                f"round {receipt.round} kept in {directory}"
             )
         with self._count_lock:
             if ok:

@@ -52,9 +52,9 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused
-from neuroshard.protocol.segments import Received, SegmentLog, StepRecord
+from neuroshard.protocol.segments import Received, SegmentCommitment, SegmentLog, StepRecord
 
-from .spotcheck import SpotCheckConfig, compare_deltas
+from .spotcheck import SpotCheckConfig, SpotCheckError, compare_deltas
 
 BatchReader = Callable[[tuple[int, int, int]], tuple[Tensor, Tensor]]
 """(shard_id, offset_start, offset_end) -> (inputs, labels) (B, T) int64, read as the node read it
@@ -361,7 +361,9 @@ def check_segment(
 class SegmentFraudProof:
     """A segment whose material matched the replica's signed commitment and failed its replay.
     The bytes are the material's (node.segment_store.SegmentMaterial.encode): the commitment's
-    signature ties them to the wallet, the senders' signatures tie the inputs to them."""
+    signature ties them to the wallet, the senders' signatures tie the inputs to them. The
+    verifier keeps them under HOME/fraud-proofs (verifier.fraudproofs) and serves them on GET
+    /api/fraud-proofs/{sha256}; `neuroshard-check-proof` re-checks one (cli.check_proof)."""
 
     material: SegmentMaterial
 
@@ -371,6 +373,58 @@ class SegmentFraudProof:
     @classmethod
     def decode(cls, data: bytes, *, numel: int, n_tensors: int) -> SegmentFraudProof:
         return cls(SegmentMaterial.decode(data, numel=numel, n_tensors=n_tensors))
+
+    @staticmethod
+    def commitment(data: bytes) -> SegmentCommitment:
+        """The signed commitment in proof bytes, read from the header alone: its stage says which
+        stage's model (numel, tensors) `decode` needs. Refused when it does not parse; whether
+        the signature holds is `check_fraud_proof`'s question."""
+        return SegmentMaterial.read_commitment(data)
+
+
+@dataclass(frozen=True)
+class FraudProofVerdict:
+    proves: bool
+    """Whether the proof proves fraud by its own signed content."""
+    reason: str
+    """Why it does (the failed replay's comparison) or why it does not."""
+
+
+def judge_fraud_proof(
+    proof: SegmentFraudProof,
+    *,
+    model: ModelConfig,
+    diloco: DiLoCoConfig,
+    num_stages: int,
+    tolerance: SpotCheckConfig,
+    read_batch: BatchReader | None = None,
+    spans: Sequence[tuple[int, int, int]] = (),
+    trained_precision: str | None = None,
+) -> FraudProofVerdict:
+    """Whether `proof` proves fraud by its own signed content, and why: the commitment is valid
+    and the material matches it, and the replay fails. Needs only the run's definition (and, at
+    stage 0, its data); the claim is read from the signed commitment itself. `spans`: the
+    receipt's stage-0 data spans, which the signed log must match (not compared when empty).
+    `trained_precision`: the receipt's, when fp16 (its optimizer may skip overflowed steps)."""
+    c = proof.material.commitment
+    if not 0 <= c.stage < num_stages:
+        return FraudProofVerdict(False, f"the commitment is for stage {c.stage}; the run has {num_stages}")
+    claim = SegmentClaim(
+        model=model, diloco=diloco, num_stages=num_stages, stage=c.stage, round=c.round,
+        wallet=c.wallet, root=c.root, spans=spans, trained_precision=trained_precision,
+    )  # fmt: skip
+    problems = commitment_problems(proof.material, claim)
+    if problems:  # not attributable: the material is not what the wallet signed
+        return FraudProofVerdict(False, "; ".join(problems[:4]))
+    try:
+        verdict = check_segment(claim, proof.material, tolerance, read_batch=read_batch)
+    except SpotCheckError as exc:
+        return FraudProofVerdict(False, f"the segment cannot be replayed: {exc}")
+    if verdict.ok:
+        return FraudProofVerdict(False, f"the replay agrees with the committed end: {verdict.reason}")
+    if not verdict.replayed:
+        return FraudProofVerdict(False, verdict.reason)
+    return FraudProofVerdict(True, verdict.reason)
 
 
 def check_fraud_proof(
@@ -382,16 +436,10 @@ def check_fraud_proof(
     tolerance: SpotCheckConfig,
     read_batch: BatchReader | None = None,
     spans: Sequence[tuple[int, int, int]] = (),
+    trained_precision: str | None = None,
 ) -> bool:
-    """Whether `proof` proves fraud by its own signed content: the commitment is valid and the
-    material matches it, and the replay fails. Needs only the run's definition (and, at stage 0,
-    its data); the claim is read from the signed commitment itself."""
-    c = proof.material.commitment
-    claim = SegmentClaim(
-        model=model, diloco=diloco, num_stages=num_stages, stage=c.stage, round=c.round,
-        wallet=c.wallet, root=c.root, spans=spans,
-    )  # fmt: skip
-    if commitment_problems(proof.material, claim):
-        return False  # not attributable: the material is not what the wallet signed
-    verdict = check_segment(claim, proof.material, tolerance, read_batch=read_batch)
-    return verdict.replayed and not verdict.ok
+    """Whether `proof` proves fraud by its own signed content (`judge_fraud_proof`, without the reason)."""
+    return judge_fraud_proof(
+        proof, model=model, diloco=diloco, num_stages=num_stages, tolerance=tolerance,
+        read_batch=read_batch, spans=spans, trained_precision=trained_precision,
+    ).proves  # fmt: skip

@@ -55,8 +55,8 @@ def batch_reader(dataset: Dataset, network: NetworkDefinition, wallet_id: str) -
 class SegmentsJudged:
     ok: bool
     detail: str
-    proofs: list[bytes] = field(default_factory=list)
-    """SegmentFraudProof bytes of segments that failed their replay on committed material."""
+    proofs: list[tuple[int, bytes]] = field(default_factory=list)
+    """(segment, SegmentFraudProof bytes) of segments that failed their replay on committed material."""
 
 
 def judge_segments(
@@ -91,7 +91,7 @@ def judge_segments(
         except SpotCheckError as exc:
             return SegmentsJudged(False, f"segment {j} cannot be replayed: {exc}")
         if not verdict.ok:
-            proofs = [SegmentFraudProof(material).encode()] if verdict.replayed else []
+            proofs = [(j, SegmentFraudProof(material).encode())] if verdict.replayed else []
             return SegmentsJudged(False, f"segment {j} of {root[1]}: {verdict.reason}", proofs)
         if verdict.cosine is not None:
             cosines.append(verdict.cosine)

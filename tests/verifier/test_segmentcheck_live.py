@@ -3,10 +3,13 @@ stages record their rounds (node.segments), serve segments from their peer serve
 (GET /p2p/segment), and the checker draws segments of their receipts, fetches them signed with
 the operator key and replays them. The honest replicas of stage 0 and stage 1 pass; a stage-1
 replica that scaled its update in one segment (and committed to it, as a liar must) fails, loses
-reputation, and leaves a fraud proof that re-checks alone (SQLite, and PostgreSQL when configured)."""
+reputation, and leaves a fraud proof: kept as a file and a row, listed and served by the API, and
+re-checked alone by neuroshard-check-proof (SQLite, and PostgreSQL when configured)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PublishedData
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 from torch import Tensor
 
+from neuroshard.api.app import create_app
+from neuroshard.cli import check_proof
 from neuroshard.data import BatchStream, assign_shards
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.diloco import DiLoCo, copy_into_parameters, flat_parameters, tensor_digest
@@ -37,7 +43,8 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.segments import Received, SegmentLog
-from neuroshard.testing.verifier import small_network
+from neuroshard.testing.api import test_config
+from neuroshard.testing.verifier import ManualClock, small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
@@ -46,7 +53,9 @@ from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, to
 from neuroshard.verifier.segmentcheck import SegmentFraudProof, check_fraud_proof
 
 OPERATOR = Wallet.from_token("segment-live-operator")
-DRIVER, HONEST, LIAR = (Wallet.from_token(f"segment-live-{n}") for n in ("driver", "honest", "liar"))
+DRIVER, HONEST, LIAR, LIAR0 = (
+    Wallet.from_token(f"segment-live-{n}") for n in ("driver", "honest", "liar", "liar0")
+)
 H, K, B, T = 8, 2, 2, 32
 
 
@@ -123,6 +132,9 @@ def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *,
     recorder.start_round(diloco)
     base, spans, start = tensor_digest(diloco.theta_round), [], None
     for i in range(H):
+        if i == H - K:
+            start = flat_parameters(diloco.params)
+        span, received = None, []
         if stage == 0:
             before = stream.position.offset
             inputs, labels = stream.next_batch()
@@ -131,17 +143,15 @@ def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *,
             mb = micro_batch_id(wallet.public_key_hex, 0, i)
             current[:] = [_gradient(i, mb, HONEST)]
             diloco.inner_step(inputs, labels)
-            recorder.record_step(diloco, data=span, micro_batch=mb)
         else:
             act, mb = _activations(i, DRIVER)
             hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
-            if i == H - K:
-                start = flat_parameters(diloco.params)
             stage_inner_step(diloco, hidden, labels, None)
-            if lie and i == H - 1:  # the last segment's update, inflated by 25% and committed
-                assert start is not None
-                copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
-            recorder.record_step(diloco, micro_batch=mb, received=[act])
+            received = [act]
+        if lie and i == H - 1:  # the last segment's update, inflated by 25% and committed
+            assert start is not None
+            copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
+        recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
     recorder.end_round(diloco)
     delta = diloco.pseudo_gradient()
     diloco.outer_step(delta)
@@ -189,9 +199,7 @@ def _receipt(r: Replica) -> m.Receipt:
     )  # fmt: skip
 
 
-def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
-    replicas: list[Replica], db: Database, published: PublishedData
-) -> None:
+def _register(db: Database, replicas: list[Replica]) -> None:
     now = time.time()
     with db.write() as s:
         for r in replicas:
@@ -201,19 +209,53 @@ def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
         for r in replicas:
             s.add(m.Peer(wallet_id=r.wallet.wallet_id, address=f"http://{r.net.address}", stage=r.stage,
                          registered_at=now, last_heartbeat=now))  # fmt: skip
+
+
+def _check(
+    db: Database, published: PublishedData, replicas: list[Replica], config: ReplayCheckConfig
+) -> tuple[ReplayChecker, list[str]]:
+    """Register the replicas, post their receipts and run the checker until it judged them all."""
+    _register(db, replicas)
     lines: list[str] = []
-    network = _network(published)
     checker = ReplayChecker(
-        JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
-        config=ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8),
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+        config=config,
         dataset=lambda: published.dataset,
     )
     checker.run_once()  # the first pass notes where the receipts end
     with db.write() as s:
         for r in replicas:
             s.add(_receipt(r))
-    for _ in range(4):  # one replay per pass
+    for _ in range(len(replicas) + 1):  # one replay per pass
         checker.run_once()
+    return checker, lines
+
+
+def _proofs(db: Database) -> list[m.FraudProof]:
+    with db.read() as s:
+        rows = list(s.scalars(select(m.FraudProof).order_by(m.FraudProof.created_at)))
+        s.expunge_all()
+    return rows
+
+
+def _check_proof(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = check_proof.main(argv)
+    out = capsys.readouterr()
+    return code, (out.out + out.err).strip()
+
+
+def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
+    replicas: list[Replica],
+    db: Database,
+    database_url: str,
+    published: PublishedData,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    network = _network(published)
+    kept = tmp_path / "fraud-proofs"
+    config = ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8, fraud_proof_dir=kept)
+    checker, lines = _check(db, published, replicas, config)
     assert checker.passed == 2 and checker.failed == 1, lines
     with db.read() as s:
         events = {e.wallet_id: e.reason for e in s.scalars(select(m.ReputationEvent))}
@@ -236,3 +278,111 @@ def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
         proof, model=network.model, diloco=network.diloco, num_stages=2,
         tolerance=tolerance_for("cpu", "fp32", ReplayCheckConfig()),
     )  # fmt: skip
+
+    # Kept: the file, named by its sha256, and its row.
+    (row,) = _proofs(db)
+    path = kept / f"{row.sha256}.proof"
+    assert path.read_bytes() == proof_bytes and hashlib.sha256(proof_bytes).hexdigest() == row.sha256
+    assert (row.wallet_id, row.stage, row.round, row.segment) == (LIAR.wallet_id, 1, 0, 3)
+    assert row.size_bytes == len(proof_bytes) and row.data_spans == [] and "norm ratio" in row.reason
+    assert [p.name for p in kept.iterdir()] == [path.name]  # no temporary file left behind
+
+    # Served: listed and downloaded through the API.
+    with TestClient(create_app(test_config(database_url, ManualClock(), network=network))) as client:
+        listing = client.get("/api/fraud-proofs")
+        assert listing.status_code == 200 and listing.headers["x-total-count"] == "1"
+        assert listing.json()["served"] is False  # this app was given no directory
+        assert client.get(f"/api/fraud-proofs/{row.sha256}").json()["error"] == "not_held"
+    app = create_app(test_config(database_url, ManualClock(), network=network, fraud_proof_dir=kept))
+    with TestClient(app) as client:
+        (listed,) = client.get("/api/fraud-proofs").json()["proofs"]
+        assert listed["sha256"] == row.sha256 and listed["wallet_id"] == LIAR.wallet_id
+        assert (listed["stage"], listed["round"], listed["segment"]) == (1, 0, 3)
+        download = client.get(listed["download"])
+        assert download.status_code == 200 and download.content == proof_bytes
+        assert download.headers["content-type"] == "application/octet-stream"
+        assert download.headers["content-length"] == str(len(proof_bytes))
+        assert download.headers["etag"] == f'"{row.sha256}"'
+        network_json = client.get("/api/network").content  # what a third party fetches
+
+    # Checked alone, from the downloaded bytes and the signed run definition.
+    (tmp_path / "network.json").write_bytes(network_json)
+    fetched = tmp_path / "fetched.proof"
+    fetched.write_bytes(download.content)
+    code, out = _check_proof([str(fetched), "--network", str(tmp_path / "network.json")], capsys)
+    assert code == 0 and out.startswith(
+        f"PROVES FRAUD: wallet {LIAR.wallet_id} stage 1 round 0 segment 3 ("
+    ), out
+    tampered = bytearray(proof_bytes)
+    tampered[len(tampered) // 2] ^= 0x01
+    (tmp_path / "tampered.proof").write_bytes(bytes(tampered))
+    code, out = _check_proof(
+        [str(tmp_path / "tampered.proof"), "--network", str(tmp_path / "network.json")], capsys
+    )
+    assert (
+        code == 1 and out.startswith("does not prove fraud: ") and "does not match its committed hash" in out
+    ), out
+    (tmp_path / "cut.proof").write_bytes(proof_bytes[:1000])
+    code, out = _check_proof(
+        [str(tmp_path / "cut.proof"), "--network", str(tmp_path / "network.json")], capsys
+    )
+    assert code == 2 and "not a segment fraud proof" in out, out
+
+
+def _toml(published: PublishedData) -> str:
+    """_network(published) as a network.toml."""
+    return f"""name = "test"
+[model]
+size = "micro"
+vocab_size = 512
+[stages]
+count = 2
+[diloco]
+inner_steps = {H}
+warmup_steps = 2
+total_steps = 100
+[training]
+batch_size = {B}
+seq_len = {T}
+[data]
+manifest_url = "{published.directory}"
+publisher_key = "{published.public_key_hex}"
+"""
+
+
+def test_a_stage_0_proof_checks_against_the_data_and_only_the_newest_proofs_are_kept(
+    published: PublishedData, db: Database, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two liars, one at each stage, with room for one proof: the older proof's file and row go;
+    the stage-0 one re-checks alone against the run's data and the receipt's spans."""
+    liars = [
+        _replica(published, tmp_path, LIAR, 1, lie=True),
+        _replica(published, tmp_path, LIAR0, 0, lie=True),
+    ]
+    kept = tmp_path / "fraud-proofs"
+    try:
+        config = ReplayCheckConfig(
+            sample_rate=1.0, segments_per_check=4, fraud_proof_dir=kept, keep_fraud_proofs=1
+        )
+        checker, lines = _check(db, published, liars, config)
+    finally:
+        for r in liars:
+            r.net.stop()
+    assert checker.failed == 2 and len(checker.fraud_proofs) == 2, lines
+    (row,) = _proofs(db)
+    assert (row.wallet_id, row.stage, row.segment) == (LIAR0.wallet_id, 0, 3)
+    assert row.data_spans == liars[1].spans
+    assert [p.name for p in kept.iterdir()] == [f"{row.sha256}.proof"]  # the stage-1 proof's file is gone
+
+    (tmp_path / "network.toml").write_text(_toml(published))
+    proof = str(kept / f"{row.sha256}.proof")
+    base = [proof, "--network", str(tmp_path / "network.toml"), "--cache-dir", str(tmp_path / "cache")]
+    code, out = _check_proof([*base, "--spans", json.dumps(row.data_spans)], capsys)
+    assert code == 0 and out.startswith(
+        f"PROVES FRAUD: wallet {LIAR0.wallet_id} stage 0 round 0 segment 3"
+    ), out
+    code, out = _check_proof([*base, "--device", "cpu", "--precision", "fp32"], capsys)  # no spans to compare
+    assert code == 0, out
+    shard, start, end = row.data_spans[0]
+    code, out = _check_proof([*base, "--spans", json.dumps([[shard, start + B, end + B]])], capsys)
+    assert code == 1 and "data spans differ" in out, out

@@ -1,0 +1,50 @@
+"""`neuroshard-check-proof`'s answers when it cannot read what it is given: exit 2 and one line
+(a real proof checked alone: tests/verifier/test_segmentcheck_live.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neuroshard.cli.check_proof import main
+from neuroshard.testing.verifier import small_network
+
+
+@pytest.fixture
+def network(tmp_path: Path) -> Path:
+    path = tmp_path / "network.json"
+    path.write_bytes(small_network().canonical_bytes())
+    return path
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, (out.out + out.err).strip()
+
+
+def test_a_missing_proof_file(network: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run([str(tmp_path / "nope.proof"), "--network", str(network)], capsys)
+    assert code == 2 and "cannot read" in out and "\n" not in out
+
+
+def test_bytes_that_are_no_proof(network: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x.proof").write_bytes(b"not a proof at all")
+    code, out = _run([str(tmp_path / "x.proof"), "--network", str(network)], capsys)
+    assert code == 2 and "is not a segment fraud proof" in out
+
+
+def test_a_missing_network(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x.proof").write_bytes(b"x")
+    code, out = _run([str(tmp_path / "x.proof"), "--network", str(tmp_path / "none.toml")], capsys)
+    assert code == 2 and "cannot read network definition" in out
+
+
+@pytest.mark.parametrize("spans", ["[[1, 2]]", "not json", "[[1, 2, -3]]", '{"a": 1}'])
+def test_bad_spans(network: Path, tmp_path: Path, spans: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run([str(tmp_path / "x.proof"), "--network", str(network), "--spans", spans], capsys)
+    assert code == 2 and "--spans" in out

@@ -1,0 +1,204 @@
+"""Segment fraud proofs kept where a third party can fetch them (issue 17).
+
+A segment that fails its replay on material matching the replica's signed commitment
+(verifier.segmentcheck.SegmentFraudProof) proves fraud to anyone holding the run's definition
+(and, at stage 0, its data). The replay checker (verifier.replaycheck) keeps each one:
+
+- the bytes in `<directory>/<sha256>.proof` (the verifier's HOME/fraud-proofs): two checkpoints of
+  12 bytes per parameter plus the segment's inputs, tens of MB for the tiny model, so files, not
+  rows. Written to a temporary file in the same directory, fsynced and renamed: a reader sees a
+  whole proof or none;
+- a row in `fraud_proofs` (verifier.models.FraudProof): whose, which stage, round and segment,
+  the verdict, the size, and the receipt's data spans a stage-0 re-check compares the signed log
+  with. Added in the transaction that records the verdict, after the file is on disk, so a row
+  never names a missing file.
+
+Bounded: at most `keep` proofs (ReplayCheckConfig.keep_fraud_proofs, default 64). Beyond that the
+oldest rows are deleted in the same transaction and their files after it commits; a file left
+without a row (a crash between the write and the commit, or a failed delete) is removed by a
+later pass once it is `ORPHAN_GRACE_S` old. A proof whose bytes are already held (the same sha256)
+is neither written nor listed twice.
+
+GET /api/fraud-proofs lists the rows, GET /api/fraud-proofs/{sha256} serves a file (api.reads),
+and `neuroshard-check-proof` re-checks one alone (cli.check_proof).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from . import models as m
+
+DIRECTORY_NAME = "fraud-proofs"
+"""The proofs' directory under the verifier's HOME."""
+SUFFIX = ".proof"
+DEFAULT_KEEP = 64
+"""Proofs kept by default (each tens of MB for the tiny model, 24 bytes per parameter and more)."""
+ORPHAN_GRACE_S = 600.0
+"""A proof file with no row is removed once it is this old (seconds): younger ones may be about
+to be committed."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256(name: str) -> bool:
+    """Whether `name` is 64 lowercase hex digits: the only names a proof is looked up by."""
+    return _SHA256.fullmatch(name) is not None
+
+
+def proof_path(directory: Path, sha256: str) -> Path:
+    """Where the proof named `sha256` lies; ValueError for anything but 64 lowercase hex digits,
+    so no name reaches the file system unchecked."""
+    if not is_sha256(sha256):
+        raise ValueError(
+            f"a fraud proof is named by its sha256 (64 lowercase hex digits), not {sha256[:80]!r}"
+        )
+    return directory / f"{sha256}{SUFFIX}"
+
+
+def write_proof(directory: Path, data: bytes) -> str:
+    """Write `data` as `<sha256>.proof` in `directory` (created if missing): a temporary file in
+    the same directory, fsynced, renamed over the name, and the directory fsynced. Returns the
+    sha256. Bytes already held under their name are not written again."""
+    sha256 = hashlib.sha256(data).hexdigest()
+    path = proof_path(directory, sha256)
+    directory.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and path.stat().st_size == len(data):
+        return sha256
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sha256[:16]}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+    return sha256
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable (POSIX); platforms that cannot open a directory skip it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def add_row(
+    session: Session,
+    *,
+    sha256: str,
+    size: int,
+    receipt: m.Receipt,
+    segment: int,
+    reason: str,
+    now: float,
+) -> bool:
+    """List a proof already written with `write_proof` (in the caller's transaction); False when
+    these bytes are already listed."""
+    if session.get(m.FraudProof, sha256) is not None:
+        return False
+    session.add(
+        m.FraudProof(
+            sha256=sha256,
+            wallet_id=receipt.wallet_id,
+            stage=receipt.stage,
+            round=receipt.round,
+            segment=segment,
+            reason=reason[: m.FRAUD_REASON_LEN],
+            size_bytes=size,
+            data_spans=[list(span) for span in receipt.data_spans] if receipt.stage == 0 else [],
+            device=getattr(receipt, "device", None),
+            precision=getattr(receipt, "precision", None),
+            created_at=now,
+        )
+    )
+    return True
+
+
+def prune_rows(session: Session, keep: int) -> list[str]:
+    """Delete the rows beyond the newest `keep` (in the caller's transaction); returns their
+    hashes, whose files the caller removes once the transaction has committed."""
+    session.flush()
+    old = list(
+        session.scalars(
+            select(m.FraudProof.sha256)
+            .order_by(m.FraudProof.created_at.desc(), m.FraudProof.sha256.desc())
+            .offset(keep)
+        )
+    )
+    for sha256 in old:
+        row = session.get(m.FraudProof, sha256)
+        if row is not None:
+            session.delete(row)
+    return old
+
+
+def remove_files(directory: Path, hashes: Iterable[str]) -> None:
+    """Delete the named proofs' files (after their rows are gone); missing ones are skipped."""
+    for sha256 in hashes:
+        with contextlib.suppress(OSError):
+            proof_path(directory, sha256).unlink(missing_ok=True)
+
+
+def sweep_orphans(
+    directory: Path, listed: Sequence[str], *, now: float | None = None, grace_s: float = ORPHAN_GRACE_S
+) -> list[str]:
+    """Remove proof and temporary files no row names that are older than `grace_s`; returns the
+    names removed."""
+    if not directory.is_dir():
+        return []
+    held, now = set(listed), time.time() if now is None else now
+    removed = []
+    for entry in directory.iterdir():
+        name = entry.name
+        ours = (name.endswith(SUFFIX) and is_sha256(name[: -len(SUFFIX)])) or (
+            name.startswith(".") and name.endswith(".tmp")
+        )
+        if not ours or name[: -len(SUFFIX)] in held:
+            continue
+        try:
+            if now - entry.stat().st_mtime > grace_s:
+                entry.unlink()
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def listed(session: Session) -> list[str]:
+    """Every listed proof's sha256."""
+    return list(session.scalars(select(m.FraudProof.sha256)))
+
+
+def page(session: Session, *, limit: int, offset: int) -> tuple[list[m.FraudProof], int]:
+    """A page of the listed proofs, newest first, and how many there are."""
+    rows = list(
+        session.scalars(
+            select(m.FraudProof)
+            .order_by(m.FraudProof.created_at.desc(), m.FraudProof.sha256.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+    )
+    total = session.scalar(select(func.count()).select_from(m.FraudProof)) or 0
+    return rows, total
