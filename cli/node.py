@@ -427,7 +427,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
     )
     try:
         result = trainer.run(stop)
-        if link is not None:  # stage 0 of S > 1: the later stages end when their drivers have
+        if link is not None and not result.stopped_by_signal:  # done: the later stages end with their drivers
             link.end(trainer.diloco.round, trainer.diloco.step)
         if network is not None and not result.stopped_by_signal:
             network.linger(max_s=network.config.hash_check_timeout_s)  # replicas a little behind finish

@@ -35,14 +35,15 @@ class StageReplica:
     log: Callable[[str], None]
 
     def run(self, stop: threading.Event) -> TrainResult:
-        """Train until `max_steps`, `stop`, or the end of every replica that feeds this one; then
-        tell the next stage (if any) that this one sends no more, and serve the last round to
-        the stage's replicas still in it before closing."""
+        """Train until `max_steps`, `stop`, or the end of every replica that feeds this one. Done
+        (not stopped): tell the next stage (if any) that this one sends no more, and serve the
+        last round to the stage's replicas still in it before closing. Stopped by a signal: leave
+        without a word (the replicas it fed go on with whoever else sends them work)."""
         try:
             result = self.worker.run(stop)
             if self.worker.ended_because is not None:
                 self.log(f"ending: {self.worker.ended_because}")
-            if self.link is not None:
+            if self.link is not None and not result.stopped_by_signal:
                 self.link.end(self.diloco.round, self.diloco.step)
             if not result.stopped_by_signal:
                 self.network.linger(max_s=self.network.config.hash_check_timeout_s)

@@ -201,7 +201,8 @@ class StageWorker(InnerLoop):
         self.jobs.offer(job)
 
     def run(self, stop: threading.Event, poll_s: float | None = None) -> TrainResult:
-        """Train on arriving micro-batches until `max_steps` or `stop`; drains refused work on exit."""
+        """Train on arriving micro-batches until `max_steps`, `stop`, or `upstream_over` gives a reason
+        (kept in `ended_because`); drains refused work on exit."""
         if poll_s is not None:
             self.poll_s = poll_s
         return self._run_loop(stop)

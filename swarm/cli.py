@@ -295,33 +295,42 @@ def consume(
     deadline: float | None,
 ) -> bool:
     """Print node lines and round results until every node's output ended (True) or the deadline (False)."""
-    drivers_done: float | None = None
-    """When the last stage-0 node exited: the later stages should end on their own soon after."""
+    term_at: float | None = None
+    """When later-stage nodes still running get SIGTERM: END_GRACE_S after the last driver exited."""
+    kill_at: float | None = None
+    """When those that ignored it get SIGKILL: STOP_GRACE_S after the SIGTERM."""
     while any(n.exit_code is None and n.process is not None for n in nodes):
         now = time.monotonic()
-        if drivers_done is not None and now > drivers_done + END_GRACE_S:
+        if term_at is not None and now >= term_at:
+            term_at = None
             late = [n for n in nodes if n.exit_code is None and not n.stopped_by_us]
             if late:
                 _log(f"[swarm] nodes {[n.index for n in late]} did not end {END_GRACE_S:.0f} s after "
                      "the drivers did; SIGTERM")  # fmt: skip
                 terminate(late)
-        wake = [t for t in (deadline, None if drivers_done is None else drivers_done + END_GRACE_S) if t]
-        timeout = None if not wake else max(0.0, min(wake) - now)
-        if deadline is not None and deadline - now <= 0:
+                kill_at = now + STOP_GRACE_S
+        if kill_at is not None and now >= kill_at:
+            kill_at = None
+            kill_stragglers(nodes)
+        if deadline is not None and now >= deadline:
             return False
+        wake = [t for t in (deadline, term_at, kill_at) if t is not None]
         try:
-            index, line = lines.get(timeout=timeout)
+            index, line = lines.get(timeout=None if not wake else max(0.01, min(wake) - now))
         except queue.Empty:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            continue
+            continue  # a deadline, a SIGTERM or a SIGKILL is due: the top of the loop sees to it
         node = nodes[index]
         if line is None:
             assert node.process is not None
             node.exit_code = node.process.wait()
             _log(f"[swarm] node {index} exited with code {node.exit_code}")
-            if drivers_done is None and all(n.exit_code is not None for n in nodes if n.stage == 0):
-                drivers_done = time.monotonic()
+            if (
+                term_at is None
+                and kill_at is None
+                and all(n.exit_code is not None for n in nodes if n.stage == 0)
+            ):
+                # Later stages end on their drivers' signed ends; a grace before the launcher steps in.
+                term_at = time.monotonic() + END_GRACE_S
         else:
             _log(f"[{index}] {line}")
             match = ROUND_DONE.search(line)

@@ -82,6 +82,7 @@ STATUS: Mapping[str, int] = {
     "micro_batch_reused": 409,
     "bad_activation_signature": 422,
     "bad_end_signature": 422,
+    "not_a_sender": 409,
     "payload_mismatch": 422,
     "wrong_stage": 422,
     "wrong_shape": 422,

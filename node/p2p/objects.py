@@ -142,7 +142,9 @@ class ObjectShelf:
         return len(old)
 
     def close(self) -> None:
-        """Wake every waiting reader (server shutdown): no long poll holds the shutdown up."""
+        """Wake every waiting reader, and answer every later wait at once (server shutdown, or a node
+        lingering after its last round): no long poll holds the shutdown up, while what is
+        published is still served."""
         self._closed = True
         for event in self._events.values():
             event.set()

@@ -36,6 +36,9 @@ The end of a run. A sender whose run ends POSTs a signed `PipelineEnd` to every 
 replica it sent work to (`PipelineClient.end`); a replica's `Upstream` records who sends it work
 and who ended, and says the pipeline is over for it once every sender heard from in the last
 `upstream_ttl_s` has ended (node.stage_replica then ends the worker and passes the end on).
+Only a replica's own recent senders can end it (409 `not_a_sender` for anyone else). A sender
+ends only when its run is done (``--max-steps``): one stopped by a signal or by a failure sends
+nothing, so the replicas it fed keep serving whoever else sends, or the next driver to come.
 
 Route (every refusal is a JSON `ErrorReply`):
 
@@ -43,7 +46,7 @@ Route (every refusal is a JSON `ErrorReply`):
 |------------------------------|------------------------------------------------------------------|-----|-----------------|
 | POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
 |                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
-| POST /p2p/pipeline/end       | `PipelineEnd` (JSON: the sender sends no more micro-batches)     | 204 | 400 422         |
+| POST /p2p/pipeline/end       | `PipelineEnd` (JSON: the sender sends no more micro-batches)     | 204 | 400 409 422     |
 
 Bodies are packed in the run's codec (`PipelineConfig.codec`, `pipeline_wire`); a micro-batch
 in another codec is refused with 422 `wrong_codec`. 422 also answers a micro-batch on which the
@@ -278,46 +281,77 @@ class NextStageRouter:
         self._link(wallet).skip_until = now + self.busy_s
 
 
+MAX_SENDERS = 4096
+"""Senders (and ends) an `Upstream` remembers: far beyond any stage's replica count; a flood of
+fresh wallets pushes out the oldest instead of growing the tables."""
+
+
 class Upstream:
     """Which replicas of the stage before this one sent it work lately, and which of them ended.
 
     No I/O; safe from any thread (the route writes on the event loop, the worker reads on its
-    own). The pipeline is over for this replica when at least one sender ended and every sender
-    heard from in the last `ttl_s` has ended: a sender that sends again after its end (restarted)
-    counts as live again, and one silent for `ttl_s` (gone without a word) no longer counts."""
+    own). The pipeline is over for this replica once a sender has ended and every sender heard
+    from in the last `ttl_s` has ended: a sender that sends again after its end (restarted) is
+    live again, and one silent for `ttl_s` (gone without a word) no longer holds the end up.
+    Only a wallet whose micro-batch this replica took in the last `ttl_s` can end it: an end
+    from anyone else is not recorded (`ended` says so; the route refuses it), so a stranger
+    cannot end an idle replica. Both tables are bounded by `max_senders`, oldest out first."""
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_senders: int = MAX_SENDERS
+    ) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
+        self.max_senders = max_senders
         self._lock = threading.Lock()
-        self._last_sent: dict[str, float] = {}
-        self._ended: dict[str, PipelineEnd] = {}
+        self._last_sent: OrderedDict[str, float] = OrderedDict()
+        """Sender -> when its last micro-batch was taken, oldest first; none older than `ttl_s`."""
+        self._ended: OrderedDict[str, PipelineEnd] = OrderedDict()
 
     def sent(self, wallet: str) -> None:
-        """`wallet` sent a micro-batch now (it is live, whatever it said before)."""
+        """This replica took a micro-batch from `wallet` now (it is live, whatever it said before)."""
         with self._lock:
             self._last_sent[wallet] = self.clock()
+            self._last_sent.move_to_end(wallet)
             self._ended.pop(wallet, None)
+            self._trim()
 
-    def ended(self, end: PipelineEnd) -> None:
-        """`end.wallet` said it sends no more (its signature checked by the caller)."""
+    def ended(self, end: PipelineEnd) -> bool:
+        """Record that `end.wallet` sends no more (its signature checked by the caller); False, and
+        nothing recorded, when no micro-batch of that wallet was taken here in the last `ttl_s`."""
         with self._lock:
+            self._trim()
+            if end.wallet not in self._last_sent:
+                return False
             self._ended[end.wallet] = end
+            self._ended.move_to_end(end.wallet)
+            while len(self._ended) > self.max_senders:
+                self._ended.popitem(last=False)
+            return True
 
     def over(self) -> str | None:
         """Why this replica has no more work to wait for, or None while a recent sender is live."""
         with self._lock:
             if not self._ended:
                 return None
-            now = self.clock()
-            live = [w for w, t in self._last_sent.items() if now - t <= self.ttl_s and w not in self._ended]
-            if live:
+            self._trim()
+            if any(wallet not in self._ended for wallet in self._last_sent):
                 return None
             last = max(self._ended.values(), key=lambda e: (e.round, e.step))
             return (
                 f"{len(self._ended)} replica(s) of stage {last.stage} sent a signed end "
                 f"(the last at its round {last.round}, step {last.step}) and none sends work"
             )
+
+    def _trim(self) -> None:
+        """Forget senders quiet for `ttl_s` (they no longer hold the end up) and the oldest beyond
+        `max_senders`. Called with the lock held."""
+        now = self.clock()
+        while self._last_sent:
+            wallet, at = next(iter(self._last_sent.items()))
+            if now - at <= self.ttl_s and len(self._last_sent) <= self.max_senders:
+                break
+            del self._last_sent[wallet]
 
 
 class PipelineClient:
@@ -356,7 +390,8 @@ class PipelineClient:
         )  # fmt: skip
         self.retries = 0
         self.sent_to: set[str] = set()
-        """Replicas of the next stage that took a micro-batch from this one: where `end` goes."""
+        """Replicas of the next stage this one offered a micro-batch to: where `end` goes (one that
+        never took one refuses the end, harmlessly)."""
 
     @property
     def traffic(self) -> Traffic:
@@ -405,10 +440,10 @@ class PipelineClient:
                 await asyncio.sleep(self.config.retry_pause_s)
                 continue
             started = time.monotonic()
+            self.sent_to.add(pick)  # tried is enough: it may have taken the micro-batch and lost the reply
             outcome = await self._try(live[pick], body, headers, header, reply_bound)
             if isinstance(outcome, tuple):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
-                self.sent_to.add(pick)
                 return outcome
             self.retries += 1
             if outcome == "busy":
@@ -579,8 +614,8 @@ class PipelineService:
             raise Refused("malformed", f"missing {ACTIVATION_HEADER} header")
         header = ActivationHeader.from_json(raw)
         self._check(header, request)
-        self.upstream.sent(header.wallet)
         taken = self._known(header) or await self._take(header, request[BODY])
+        self.upstream.sent(header.wallet)  # taken: this sender is live (`_take` raised if busy)
         try:
             outcome = await asyncio.wait_for(asyncio.shield(taken.outcome), self.reply_timeout_s)
         except TimeoutError:
@@ -599,7 +634,12 @@ class PipelineService:
                 "wrong_stage",
                 f"an end from stage {end.stage}; this replica hears from stage {self.stage - 1}",
             )
-        self.upstream.ended(end)
+        if not self.upstream.ended(end):
+            raise Refused(
+                "not_a_sender",
+                f"this replica took no micro-batch from {end.wallet[:12]} in the last "
+                f"{self.upstream.ttl_s:.0f} s: only its senders can end it",
+            )
         return web.Response(status=204)
 
     def _known(self, header: ActivationHeader) -> _Taken | None:

@@ -389,23 +389,30 @@ class PeerPlane:
             await self._relay.put(STATUS_OBJECT, status.to_json())
             await self._relay.serve_wanted(status.round, self.node.state_body)
 
-    def linger(self, max_s: float, idle_s: float = 2.0) -> None:
+    def linger(self, max_s: float, idle_s: float = 3.0) -> None:
         """After this node's last round, keep serving until no replica has read a round object, a
-        status or a state for `idle_s` (and none is long-polling), or `max_s` has passed.
+        status or a state for `idle_s` (and none is long-polling), `max_s` has passed, or the node
+        is told to stop. Never raises: the run is over, whatever happens here.
 
         The replicas of a round leave it together, but not all at the same instant: an observer
         (which publishes nothing, so nobody waits for it) or a member slowed by its machine may still
         be reading this round's commitments, echoes and votes. A node that closed its server the
         moment its own round ended would leave them a round with missing parts, stepping to another
-        θ. Gossip does not count as a read (it never stops). A relay replica's objects stay in its
-        bucket, and a node without stage peers has no reader: both return at once."""
+        θ. What this node will never publish (its next round's objects) is answered at once, so the
+        stage's replicas that train on do not wait for it. Gossip does not count as a read (it never
+        stops). A relay replica's objects stay in its bucket, and a node without stage peers has
+        no reader: both return at once. A replica further behind than `idle_s` re-syncs later."""
         if self._loop is None or not self.config.listen or max_s <= 0:
             return
-        if not self.node.peers.live(self.node.clock(), stage=self.stage):
-            return
-        self._call(self._linger(max_s, idle_s), timeout=max_s + 10.0)
+        try:
+            self._call(self._linger(max_s, idle_s), timeout=max_s + 10.0)
+        except Exception as exc:  # leaving anyway: say why, then close
+            self._log(f"linger: {type(exc).__name__}: {exc}")
 
     async def _linger(self, max_s: float, idle_s: float) -> None:
+        if not self.node.peers.live(self.node.clock(), stage=self.stage):
+            return  # read on the loop, which owns the peer table
+        self._shelf.close()  # published objects are still served; unpublished names answered at once
         loop = asyncio.get_running_loop()
         started = quiet_since = loop.time()
 
@@ -413,7 +420,7 @@ class PeerPlane:
             return self._shelf.served.requests + self.node.state_reads
 
         seen = reads()
-        while loop.time() - started < max_s:
+        while loop.time() - started < max_s and not self._stop.is_set():
             await asyncio.sleep(min(0.25, idle_s))
             now = loop.time()
             if reads() != seen or self._shelf.waiting:

@@ -114,3 +114,34 @@ def test_chained_stages_on_a_device_hand_their_neighbours_cpu_float32(spec: obje
     for stage in stages:
         assert all(p.device.type == placement.device.type and p.dtype == torch.float32 for p in stage.params)
         assert stage.theta_round.device.type == "cpu"  # the outer round stays on the CPU in fp32
+
+
+class _Bf16Out(torch.nn.Module):
+    """A stage whose output comes out in bf16 (a Linear under bf16 autocast, no fp32 residual after
+    it): what a device stage can hand its neighbour, and the wire must still get CPU float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(MODEL.dim, MODEL.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).to(torch.bfloat16)
+
+
+def test_low_precision_outputs_cross_a_stage_boundary_as_float32() -> None:
+    received: list[torch.dtype] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        received.append(hidden.dtype)
+        return torch.ones_like(hidden), 1.5
+
+    hidden = torch.randn(2, 8, MODEL.dim).to(torch.bfloat16).requires_grad_(True)
+    loss = remote_loss(downstream)(hidden, torch.zeros(2, 8, dtype=torch.long))
+    loss.backward()
+    assert received == [torch.float32] and hidden.grad is not None and hidden.grad.dtype == torch.bfloat16
+    engine = DiLoCo(_Bf16Out(), SGD, inner_optimizer=_sgd)
+    grad, value = stage_inner_step(
+        engine, torch.randn(2, 8, MODEL.dim), torch.zeros(2, 8, dtype=torch.long), downstream
+    )
+    assert received == [torch.float32, torch.float32] and value == 1.5
+    assert grad.dtype == torch.float32 and grad.device.type == "cpu"

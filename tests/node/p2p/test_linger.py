@@ -12,9 +12,9 @@ from neuroshard.node.wallet import Wallet
 NAME = object_name(0, 7, "commit")
 
 
-def _plane(token: str) -> PeerPlane:
+def _plane(token: str, stop: threading.Event | None = None) -> PeerPlane:
     config = PeerPlaneConfig(port=0, request_timeout_s=5.0, connect_timeout_s=2.0, gossip_interval_s=60.0)
-    return PeerPlane(config, Wallet.from_token(token), stage=0, log=lambda line: None)
+    return PeerPlane(config, Wallet.from_token(token), stage=0, log=lambda line: None, stop=stop)
 
 
 def _introduce(a: PeerPlane, b: PeerPlane) -> None:
@@ -77,3 +77,36 @@ def test_linger_stops_at_max_s_while_reads_go_on() -> None:
             time.sleep(0.2)
         thread.join(timeout=5.0)
         assert took and 1.4 <= took[0] < 2.5
+
+
+def test_while_lingering_what_will_never_be_published_is_answered_at_once() -> None:
+    """A peer training on long-polls this node's next round: it must not wait for a node that left."""
+    ending, other = _plane("linger-leaving"), _plane("linger-training-on")
+    with ending, other:
+        _introduce(ending, other)
+        thread, took = _timed_linger(ending, max_s=10.0, idle_s=1.0)
+        time.sleep(0.3)
+        began = time.monotonic()
+        got = other._call(
+            other._store.fetch(
+                ending.wallet.public_key_hex, object_name(0, 8, "commit"), max_bytes=64, wait_s=5.0
+            ),
+            10.0,
+        )
+        assert got is None and time.monotonic() - began < 2.0
+        thread.join(timeout=15.0)
+        assert took and took[0] < 5.0
+
+
+def test_linger_returns_when_the_node_is_told_to_stop() -> None:
+    stop = threading.Event()
+    ending, reader = _plane("linger-stopped", stop), _plane("linger-busy-reader")
+    with ending, reader:
+        _introduce(ending, reader)
+        ending._call(ending._store.publish(NAME, b"x"), timeout=5.0)
+        thread, took = _timed_linger(ending, max_s=20.0, idle_s=5.0)
+        time.sleep(0.5)
+        stop.set()  # Ctrl-C while a reader still reads
+        reader._call(reader._store.fetch(ending.wallet.public_key_hex, NAME, max_bytes=16), 5.0)
+        thread.join(timeout=25.0)
+        assert took and took[0] < 3.0

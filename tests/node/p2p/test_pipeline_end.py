@@ -1,5 +1,6 @@
 """The end of a pipeline run: a driver's signed `PipelineEnd` ends the later stage's replicas it fed,
-and nothing else does (another stage's end, another wallet's, a forged one; a sender still live)."""
+and nothing else does (a stranger's end, another stage's, another wallet's, a forged one; a sender
+still live)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import pytest_asyncio
 
 from neuroshard.node.p2p.peers import PeerTable
 from neuroshard.node.p2p.pipeline import PipelineClient, Upstream
+from neuroshard.node.p2p.pipeline_wire import encode_activations
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import PeerRecord
 from neuroshard.protocol.pipeline import END, PipelineEnd
 from neuroshard.protocol.signing import sign_request
-from tests.node.p2p.test_pipeline import PIPE, Served, _micro_batch, _serve
+from tests.node.p2p.test_pipeline import PIPE, Served, _micro_batch, _serve, _signed
 
 
 @pytest_asyncio.fixture
@@ -61,10 +63,36 @@ def test_a_sender_silent_for_ttl_no_longer_holds_the_end_up(wallets) -> None:
     up = Upstream(ttl_s=100.0, clock=clock)
     up.sent(wallets[0].public_key_hex)
     up.sent(wallets[1].public_key_hex)  # this one will vanish without a word
-    up.ended(_end(wallets[0]))
+    clock.now += 50.0
+    assert up.ended(_end(wallets[0]))
     assert up.over() is None
+    clock.now += 51.0
+    assert up.over() is not None  # wallet 1 quiet for 101 s; wallet 0's end still counts
+
+
+def test_only_a_recent_sender_can_end_a_replica(wallets) -> None:
+    """A stranger's end, or one from a sender gone quiet for ttl, is not recorded: an idle replica
+    cannot be ended by anyone who holds a key."""
+    clock = Clock()
+    up = Upstream(ttl_s=100.0, clock=clock)
+    assert not up.ended(_end(wallets[2]))  # never sent anything here
+    assert up.over() is None
+    up.sent(wallets[0].public_key_hex)
     clock.now += 101.0
-    assert up.over() is not None
+    assert not up.ended(_end(wallets[0]))  # its last micro-batch is older than ttl
+    assert up.over() is None
+
+
+def test_the_tables_stay_bounded_whatever_a_flood_of_wallets_sends(wallets) -> None:
+    clock = Clock()
+    up = Upstream(ttl_s=100.0, clock=clock, max_senders=8)
+    for i in range(100):
+        up.sent(f"{i:064x}")
+    assert len(up._last_sent) == 8 and f"{99:064x}" in up._last_sent and f"{0:064x}" not in up._last_sent
+    for w in wallets[:3]:
+        up.sent(w.public_key_hex)
+        assert up.ended(_end(w))
+    assert len(up._ended) == 3 and len(up._last_sent) <= 8
 
 
 async def _post_end(replica: Served, sender: Wallet, body: bytes) -> tuple[int, str]:
@@ -84,10 +112,16 @@ async def test_the_end_route_refuses_what_is_not_a_valid_end_from_the_stage_befo
         (driver, _end(driver, stage=1).to_json(), 422, "wrong_stage"),
         (driver, b"{not json", 400, "malformed"),
     ]
+    got, text = await _post_end(fed, driver, _end(driver).to_json())
+    assert (got, json.loads(text)["error"]) == (409, "not_a_sender"), text  # it sent nothing here yet
+    hidden, labels = _micro_batch(7)
+    body = encode_activations(hidden, labels, PIPE.codec)
+    status, _, _ = await fed.send(driver, body, _signed(driver, body, micro_batch="07" * 16))
+    assert status == 200
     for sender, body, status, code in cases:
         got, text = await _post_end(fed, sender, body)
         assert (got, json.loads(text)["error"]) == (status, code), text
-    assert fed.service.upstream._ended == {}  # nothing refused changed anything
+    assert not fed.service.upstream._ended  # nothing refused changed anything
     assert await _post_end(fed, driver, _end(driver).to_json()) == (204, "")
     assert fed.service.upstream.over() is not None
 
