@@ -134,6 +134,8 @@ class Setup:
     eval_batches: int = 8
     quick: bool = False
     """The --quick text (tiny) instead of the fresh-clone text."""
+    outer: str | None = None
+    """``LR:MOMENTUM:n|s`` (Nesterov or plain SGD) in place of the bare DiLoCoConfig's outer step."""
 
 
 @dataclass(kw_only=True)
@@ -505,6 +507,7 @@ def run_job(job: Job, setup: Setup) -> Outcome:
         inner_lr=setup.inner_lr,
         warmup_steps=min(10, total),
         total_steps=total,
+        **outer_settings(setup.outer),
     )
     outcome = Outcome(job=job, final_loss=math.nan, seconds=0.0)
     start = time.perf_counter()
@@ -637,6 +640,16 @@ def print_honest_ranges(outcomes: list[Outcome]) -> None:
         )
 
 
+def outer_settings(spec: str | None) -> dict[str, float | bool]:
+    """DiLoCoConfig's outer fields from ``LR:MOMENTUM:n|s`` (n: Nesterov, s: plain SGD); {} for None."""
+    if spec is None:
+        return {}
+    lr, momentum, kind = spec.split(":")
+    if kind not in ("n", "s"):
+        raise ValueError(f"--outer {spec!r}: the third field is n (Nesterov) or s (SGD)")
+    return {"outer_lr": float(lr), "outer_momentum": float(momentum), "outer_nesterov": kind == "n"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -655,8 +668,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=Setup.rounds)
     parser.add_argument("--inner-steps", type=int, default=Setup.inner_steps)
     parser.add_argument("--workers", type=int, default=2, help="processes, one torch thread each")
+    parser.add_argument(
+        "--outer",
+        help="LR:MOMENTUM:n|s, the outer step of every run (default: DiLoCoConfig's, Nesterov 1.0 / 0.5)",
+    )
     args = parser.parse_args()
-    setup = Setup(rounds=args.rounds, inner_steps=args.inner_steps)
+    outer_settings(args.outer)  # refuse a malformed spec before any run starts
+    setup = Setup(rounds=args.rounds, inner_steps=args.inner_steps, outer=args.outer)
     splits, data_modes = args.splits, args.data
     if args.quick:
         setup, splits, args.seeds = Setup(rounds=3, inner_steps=1, eval_batches=1, quick=True), "5+1", 1
@@ -684,7 +702,7 @@ def main() -> None:
     load_tokens(setup.vocab_size, setup.quick)  # build the data set once before the workers start
     print(
         f"{len(jobs)} runs: data {data_modes}, splits {splits}, {args.seeds} seed(s), {len(attack_names)} attacks × "
-        f"{len(rules)} rules; {asdict(setup)}; outer: DiLoCoConfig defaults; {args.workers} workers × 1 thread"
+        f"{len(rules)} rules; {asdict(setup)}; outer: {args.outer or 'DiLoCoConfig defaults'}; {args.workers} workers × 1 thread"
     )
     start = time.perf_counter()
     outcomes: list[Outcome] = []
