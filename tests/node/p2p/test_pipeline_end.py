@@ -14,8 +14,9 @@ import pytest
 import pytest_asyncio
 
 from neuroshard.node.p2p.peers import PeerTable
-from neuroshard.node.p2p.pipeline import PipelineClient, Upstream
+from neuroshard.node.p2p.pipeline import PipelineClient
 from neuroshard.node.p2p.pipeline_wire import encode_activations
+from neuroshard.node.p2p.upstream import Upstream
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.peer import PeerRecord
 from neuroshard.protocol.pipeline import END, PipelineEnd
