@@ -17,7 +17,8 @@ bodies ``neuroshard.node.codec``):
 - ``exchange`` the asynchronous steps around a round: gossip, statuses, the θ-hash vote, state sync
 - ``replay``  GET /p2p/replay/{round} and /p2p/segment/...: what the verifier's checks replay
 - ``pipeline_wire`` the pipeline's safetensors bodies: activations forward, gradients back, in the run's codec
-- ``pipeline`` next-stage routing by measured throughput, the client that retries, the forward route
+- ``pipeline`` next-stage routing by measured throughput, the client that retries, the forward and end routes
+- ``upstream`` who feeds a stage > 0 replica and whether they all sent their signed end
 - ``stages``  a replica's ``PipelineLink`` to the next stage (the stage > 0 replica: node.stage_replica)
 
 The outer round itself (commit, scatter, reduce, gather, check, agree) is
