@@ -1,8 +1,10 @@
-"""`neuroshard-check-proof`: check a segment fraud proof alone, trusting no verifier.
+"""`neuroshard-check-proof`: check a segment fraud proof alone, without the verifier's verdict.
 
     curl -s VERIFIER/api/fraud-proofs                       # sha256, wallet, stage, data_spans, ...
     curl -so p.proof VERIFIER/api/fraud-proofs/SHA256
-    neuroshard-check-proof p.proof --network network.toml [--spans '[[3,0,16]]'] [--cache-dir DIR]
+    curl -sD headers -o network.json VERIFIER/api/network   # X-NeuroShard-Signature in headers
+    neuroshard-check-proof p.proof --network network.json [--operator-key HEX --signature HEX]
+        [--wallet W] [--spans '[[3,0,16]]'] [--cache-dir DIR]
 
 The proof (verifier.segmentcheck.SegmentFraudProof) holds one segment of a replica's round: its
 signed commitment, its hash-chained log, the checkpoints at the segment's two ends and the
@@ -13,40 +15,72 @@ data set (the definition names the manifest and its publisher key; one served ov
 in --cache-dir); --spans, the receipt's data spans as GET /api/fraud-proofs lists them, must then
 match the signed log's.
 
---network takes the definition as TOML, or as the JSON body of the verifier's GET /api/network.
-The tolerance is the one that holds for every receipt whatever it trained on
-(verifier.replaycheck.CALIBRATED_TOLERANCE) unless --device and --precision name the receipt's
-(as the list shows them), which give the verifier's own (verifier.replaycheck.tolerance_for).
+What the verdict depends on, besides the proof's own signed bytes:
 
-Prints one line. Exit 0: `PROVES FRAUD: wallet W stage S round R segment J (reason)`; exit 1:
-`does not prove fraud: reason`; exit 2: the proof, the definition or the data cannot be read.
+- the definition (--network: a network.toml, or the JSON body of GET /api/network). Its sha256
+  (of its canonical bytes) is printed with the verdict. It is checked only with --operator-key
+  and --signature (the operator's public key, and the X-NeuroShard-Signature header GET
+  /api/network answers with): the same check a node joining the run makes
+  (node.network_definition.verify_network); a definition that fails it is refused. Without them,
+  the definition is whatever the file says;
+- the tolerance and step-count flags. With neither --device nor --precision (the default) the
+  replay is held to the tolerance that holds for every receipt whatever it trained on
+  (verifier.replaycheck.CALIBRATED_TOLERANCE) and to the step-count rule every precision meets
+  (fp16's: counts may fall short of the steps, uniformly): the most lenient, and the only verdict
+  that does not depend on the verifier's listing. --device and --precision, given together as the
+  list shows the receipt's, apply the verifier's own tolerance and count rule
+  (verifier.replaycheck.tolerance_for), which are only as right as the listing;
+- the wallet printed is the one whose key signed the commitment (a proof does not prove fraud
+  unless that signature holds); --wallet (a wallet id or public key) refuses a proof signed by
+  any other.
+
+The file is bounded before it is loaded: its header is read first (the commitment and the log),
+a log of more steps than the run's rounds is refused, and so is a file larger than the stage's
+largest segment body (node.p2p.replay.segment_size_bound).
+
+Prints one line. Exit 0: `PROVES FRAUD: wallet W stage S round R segment J (reason) [definition
+…]`; exit 1: `does not prove fraud: reason [definition …]`; exit 2: the proof, the definition or
+the data cannot be read or are refused (unverified definition, another wallet, too large).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from neuroshard.cli.parser import Parser
 from neuroshard.node.model import build_stage
+from neuroshard.node.network_definition import verify_network
+from neuroshard.node.p2p.replay import segment_size_bound
+from neuroshard.node.segment_store import MAX_MATERIAL_HEADER, SegmentMaterial
 from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.refusal import Refused
 from neuroshard.verifier.background import open_run_dataset
 from neuroshard.verifier.network import NetworkDefinition, NetworkError, load_network, parse_network
 from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE, ReplayCheckConfig, tolerance_for
-from neuroshard.verifier.segmentcheck import BatchReader, SegmentFraudProof, judge_fraud_proof
+from neuroshard.verifier.segmentcheck import (
+    ANY_PRECISION,
+    BatchReader,
+    SegmentFraudProof,
+    judge_fraud_proof,
+)
 from neuroshard.verifier.segmentlive import batch_reader
 
 PROG = "neuroshard-check-proof"
 DEVICES = ("cpu", "cuda", "mps")
 PRECISIONS = ("fp32", "bf16", "fp16")
+MAX_MESSAGE_BYTES = ReplayCheckConfig().max_message_bytes
+"""Largest message a proof's step may carry: what the verifier accepts when it fetches a segment."""
 
 
 class Unreadable(Exception):
-    """The proof, the definition or the data cannot be read (exit 2)."""
+    """The proof, the definition or the data cannot be read, or are refused (exit 2)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's definition: network.toml, or the JSON of GET /api/network",
     )
     p.add_argument(
+        "--operator-key",
+        type=_hex_bytes(32, "--operator-key"),
+        help="the operator's public key (64 hex): refuse a definition it did not sign (needs --signature)",
+    )
+    p.add_argument(
+        "--signature",
+        type=_hex_bytes(64, "--signature"),
+        help="the definition's signature: GET /api/network's X-NeuroShard-Signature header (128 hex)",
+    )
+    p.add_argument(
+        "--wallet",
+        help="the wallet the proof must be signed by (wallet id or public key); another's is refused",
+    )
+    p.add_argument(
         "--spans",
         type=_spans,
         default=[],
@@ -69,9 +117,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="where a data set served over HTTP is cached (stage 0; default ~/.neuroshard/cache)",
     )
-    p.add_argument("--device", choices=DEVICES, help="the receipt's device (the list's device)")
-    p.add_argument("--precision", choices=PRECISIONS, help="the receipt's precision (the list's precision)")
+    p.add_argument(
+        "--device", choices=DEVICES, help="the receipt's device (the list's device; with --precision)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="the receipt's precision (the list's precision; with --device)",
+    )
     return p
+
+
+def _hex_bytes(n: int, flag: str) -> Any:
+    def parse(text: str) -> bytes:
+        try:
+            value = bytes.fromhex(text)
+        except ValueError:
+            value = b""
+        if len(value) != n:
+            raise argparse.ArgumentTypeError(f"{flag} must be {2 * n} hex characters")
+        return value
+
+    return parse
 
 
 def _spans(text: str) -> list[tuple[int, int, int]]:
@@ -86,43 +153,128 @@ def _spans(text: str) -> list[tuple[int, int, int]]:
     return [(s[0], s[1], s[2]) for s in value]
 
 
-def _network(path: Path) -> NetworkDefinition:
+def _network(args: argparse.Namespace) -> tuple[NetworkDefinition, str]:
+    """(the definition, how it was checked); NetworkError when it cannot be read or, with
+    --operator-key, is not signed by that key."""
+    path: Path = args.network
     if path.suffix != ".json":
-        return load_network(path)
-    try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise NetworkError(f"cannot read network definition {path}: {exc}") from None
-    if not isinstance(doc, dict):
-        raise NetworkError(f"{path} does not hold a network definition object")
-    return parse_network(doc, str(path))
+        network = load_network(path)
+        body = network.canonical_bytes()  # what the operator signs (node.network_definition.sign_network)
+    else:
+        try:
+            body = path.read_bytes()
+            doc = json.loads(body)
+        except (OSError, ValueError) as exc:
+            raise NetworkError(f"cannot read network definition {path}: {exc}") from None
+        if not isinstance(doc, dict):
+            raise NetworkError(f"{path} does not hold a network definition object")
+        network = parse_network(doc, str(path))
+    if args.operator_key is None:
+        return network, "not checked against an operator key"
+    network = verify_network(body, args.signature.hex(), args.operator_key)
+    return network, f"signed by operator {args.operator_key.hex()[:16]}…"
+
+
+def _read_head(path: Path) -> tuple[int, bytes]:
+    """(the file's size, its safetensors length prefix and header): enough to read the commitment
+    and the log without loading any tensor."""
+    with path.open("rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return size, prefix
+        (n,) = struct.unpack("<Q", prefix)
+        return size, prefix + f.read(min(n, MAX_MATERIAL_HEADER + 1))
+
+
+@dataclass(frozen=True)
+class Loaded:
+    network: NetworkDefinition
+    about: str
+    """The verdict line's tail: the definition's digest and whether its signature was checked."""
+    wallet: str
+    proof: SegmentFraudProof
+    read: BatchReader | None
 
 
 def check(args: argparse.Namespace) -> tuple[bool, str]:
-    """(proves, the line to print); raises Unreadable."""
+    """(proves, the line to print); raises Unreadable when the proof, the definition or the data
+    cannot be read (whatever the exception), not when the replay fails."""
+    try:
+        loaded = load(args)
+    except Unreadable:
+        raise
+    except Exception as exc:  # crafted input must end in one line, not a traceback
+        raise Unreadable(f"cannot read {args.proof}: {type(exc).__name__}: {exc}") from None
+    if isinstance(loaded, str):
+        return False, loaded
+    network, proof, about = loaded.network, loaded.proof, loaded.about
+    if args.device is None:  # and --precision: main() takes both or neither
+        tolerance, trained = CALIBRATED_TOLERANCE, ANY_PRECISION
+    else:
+        tolerance, trained = tolerance_for(args.device, args.precision, ReplayCheckConfig()), args.precision
+    verdict = judge_fraud_proof(
+        proof, model=network.model, diloco=network.diloco, num_stages=network.num_stages,
+        tolerance=tolerance, read_batch=loaded.read, spans=args.spans, trained_precision=trained,
+    )  # fmt: skip
+    if not verdict.proves:
+        return False, f"does not prove fraud: {verdict.reason}{about}"
+    c = proof.material.commitment
+    where = f"wallet {loaded.wallet} stage {c.stage} round {c.round} segment {proof.material.segment}"
+    return True, f"PROVES FRAUD: {where} ({verdict.reason}){about}"
+
+
+def load(args: argparse.Namespace) -> Loaded | str:
+    """The definition, the proof (bounded before it is loaded) and, at stage 0, the data; a
+    `does not prove fraud` line when the proof is for a stage the run does not have."""
+    try:
+        size, head = _read_head(args.proof)
+    except OSError as exc:
+        raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
+    try:
+        network, checked = _network(args)
+    except NetworkError as exc:
+        raise Unreadable(str(exc)) from None
+    digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
+    about = f" [definition sha256 {digest}, {checked}]"
+    try:
+        commitment = SegmentFraudProof.commitment(head)
+        log, segment = SegmentMaterial.read_log(head)
+    except Refused as exc:
+        raise Unreadable(f"{args.proof} is not a segment fraud proof: {exc.detail}") from None
+    signer = bytes.fromhex(commitment.wallet)
+    wallet = wallet_id_of(signer)
+    if args.wallet is not None and args.wallet.lower() not in (wallet, commitment.wallet):
+        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    stage, stages = commitment.stage, network.num_stages
+    if not 0 <= stage < stages:
+        return f"does not prove fraud: the proof is for stage {stage}, the run has {stages}{about}"
+    inner = network.diloco.inner_steps
+    if len(log.steps) > inner:
+        raise Unreadable(
+            f"{args.proof} is not a proof of this run: its log has {len(log.steps)} steps, a round has {inner}"
+        )
+    params = list(build_stage(network.model, stage, stages).parameters())
+    numel, n_tensors = sum(p.numel() for p in params), len(params)
+    first, end = log.segment(segment)
+    bound = segment_size_bound(numel, n_tensors, end - first, MAX_MESSAGE_BYTES)
+    if size > bound:
+        raise Unreadable(
+            f"{args.proof} holds {size} bytes, more than a stage-{stage} segment of {end - first} steps "
+            f"can ({bound})"
+        )
     try:
         data = args.proof.read_bytes()
     except OSError as exc:
         raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
     try:
-        network = _network(args.network)
-    except NetworkError as exc:
-        raise Unreadable(str(exc)) from None
-    try:
-        commitment = SegmentFraudProof.commitment(data)
-    except Refused as exc:
-        raise Unreadable(f"{args.proof} is not a segment fraud proof: {exc.detail}") from None
-    stage, stages = commitment.stage, network.num_stages
-    if not 0 <= stage < stages:
-        return False, f"does not prove fraud: the proof is for stage {stage}, the run has {stages}"
-    params = list(build_stage(network.model, stage, stages).parameters())
-    try:
-        proof = SegmentFraudProof.decode(data, numel=sum(p.numel() for p in params), n_tensors=len(params))
+        proof = SegmentFraudProof.decode(data, numel=numel, n_tensors=n_tensors)
     except Refused as exc:
         raise Unreadable(
             f"{args.proof} is not a stage-{stage} proof of this run's model: {exc.detail}"
         ) from None
-    wallet = wallet_id_of(bytes.fromhex(commitment.wallet))
+    del data
     read: BatchReader | None = None
     if stage == 0:
         cache = args.cache_dir or Path.home() / ".neuroshard" / "cache"
@@ -136,22 +288,16 @@ def check(args: argparse.Namespace) -> tuple[bool, str]:
         except (OSError, ValueError) as exc:  # Refused is a ValueError
             raise Unreadable(f"cannot open the run's data set: {exc}") from None
         read = batch_reader(dataset, network, wallet)
-    if args.device is None and args.precision is None:
-        tolerance = CALIBRATED_TOLERANCE
-    else:
-        tolerance = tolerance_for(args.device, args.precision, ReplayCheckConfig())
-    verdict = judge_fraud_proof(
-        proof, model=network.model, diloco=network.diloco, num_stages=stages, tolerance=tolerance,
-        read_batch=read, spans=args.spans, trained_precision=args.precision,
-    )  # fmt: skip
-    if not verdict.proves:
-        return False, f"does not prove fraud: {verdict.reason}"
-    where = f"wallet {wallet} stage {stage} round {commitment.round} segment {proof.material.segment}"
-    return True, f"PROVES FRAUD: {where} ({verdict.reason})"
+    return Loaded(network, about, wallet, proof, read)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.device is None) != (args.precision is None):
+        parser.error("--device and --precision go together (both as the list shows them, or neither)")
+    if (args.operator_key is None) != (args.signature is None):
+        parser.error("--operator-key and --signature go together")
     try:
         proves, line = check(args)
     except Unreadable as exc:

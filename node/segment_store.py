@@ -276,6 +276,20 @@ class SegmentMaterial:
             raise malformed("segment material metadata holds no commitment")
         return SegmentCommitment.from_json(metadata["commitment"])
 
+    @staticmethod
+    def read_log(data: bytes) -> tuple[SegmentLog, int]:
+        """(the round's log, the segment's index) of encoded material, from its header alone: what
+        a reader needs to bound the rest before loading it. Refused when they do not parse or the
+        index is not one of the log's segments."""
+        metadata = _metadata(data)
+        try:
+            log, segment = SegmentLog.from_json(metadata["log"]), int(metadata["segment"])
+        except (KeyError, ValueError) as exc:
+            raise malformed(f"segment material metadata is incomplete: {exc}") from None
+        if not 0 <= segment < log.segments:
+            raise malformed(f"segment {segment} of a round with {log.segments} segments")
+        return log, segment
+
     @classmethod
     def decode(cls, data: bytes, *, numel: int, n_tensors: int) -> SegmentMaterial:
         """Bytes -> material with exactly the expected tensors and shapes; Refused otherwise

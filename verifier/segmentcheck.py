@@ -56,6 +56,12 @@ from neuroshard.protocol.segments import Received, SegmentCommitment, SegmentLog
 
 from .spotcheck import SpotCheckConfig, SpotCheckError, compare_deltas
 
+ANY_PRECISION = "any"
+"""`SegmentClaim.trained_precision` when the receipt's precision is not known: the step-count rule
+that holds for every precision (fp16's) applies."""
+LENIENT_COUNTS = ("fp16", ANY_PRECISION)
+"""Trained precisions whose optimizer step counts may fall short of a segment's steps, uniformly."""
+
 BatchReader = Callable[[tuple[int, int, int]], tuple[Tensor, Tensor]]
 """(shard_id, offset_start, offset_end) -> (inputs, labels) (B, T) int64, read as the node read it
 (verifier.spotcheck.claimed_batches over one span)."""
@@ -80,7 +86,10 @@ class SegmentClaim:
     """The replay's placement precision (the verifier's CPU, fp32 by default)."""
     trained_precision: str | None = None
     """The receipt's precision. fp16 training skips the optimizer step of a micro-batch whose scaled
-    gradients overflowed (GradScaler), so its step counts may fall short of the segment's steps."""
+    gradients overflowed (GradScaler), so its step counts may fall short of the segment's steps.
+    `ANY_PRECISION`: not known (a proof checked without the receipt's listing), so the count rule
+    is fp16's, the most lenient. Only the count rule reads it; the replay's own precision is
+    `precision`."""
     base_hash: str | None = None
     """The receipt's θ_round hash: segment 0 must start from it."""
     delta_digest: str | None = None
@@ -339,7 +348,7 @@ def check_segment(
     start = material.start.weights
     result = compare_deltas(material.end.weights - start, replayed - start, tolerance)
     counted = material.end.inner.steps - material.start.inner.steps
-    if claim.trained_precision == "fp16":
+    if claim.trained_precision in LENIENT_COUNTS:
         uniform = bool((counted == counted[0]).all()) and 0 <= float(counted[0]) <= len(steps)
     else:
         uniform = torch.equal(counted, torch.full_like(counted, float(len(steps))))
@@ -405,7 +414,9 @@ def judge_fraud_proof(
     and the material matches it, and the replay fails. Needs only the run's definition (and, at
     stage 0, its data); the claim is read from the signed commitment itself. `spans`: the
     receipt's stage-0 data spans, which the signed log must match (not compared when empty).
-    `trained_precision`: the receipt's, when fp16 (its optimizer may skip overflowed steps)."""
+    `trained_precision`: the receipt's (fp16's optimizer may skip overflowed steps), or
+    `ANY_PRECISION` when not known: the step counts are then held to the rule every precision
+    meets; the replay itself does not depend on it."""
     c = proof.material.commitment
     if not 0 <= c.stage < num_stages:
         return FraudProofVerdict(False, f"the commitment is for stage {c.stage}; the run has {num_stages}")

@@ -48,3 +48,29 @@ def test_a_missing_network(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_bad_spans(network: Path, tmp_path: Path, spans: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run([str(tmp_path / "x.proof"), "--network", str(network), "--spans", spans], capsys)
     assert code == 2 and "--spans" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--device", "cpu"], "--device and --precision go together"),
+        (["--precision", "fp16"], "--device and --precision go together"),
+        (["--operator-key", "ab" * 32], "--operator-key and --signature go together"),
+        (["--signature", "cd" * 64], "--operator-key and --signature go together"),
+        (["--operator-key", "xyz", "--signature", "cd" * 64], "--operator-key must be 64 hex"),
+    ],
+)
+def test_flags_that_go_together(
+    network: Path, tmp_path: Path, flags: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _run([str(tmp_path / "x.proof"), "--network", str(network), *flags], capsys)
+    assert code == 2 and why in out and "\n" not in out, out
+
+
+def test_a_definition_the_operator_did_not_sign_is_refused(
+    network: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "x.proof").write_bytes(b"x")
+    flags = ["--operator-key", "ab" * 32, "--signature", "cd" * 64]
+    code, out = _run([str(tmp_path / "x.proof"), "--network", str(network), *flags], capsys)
+    assert code == 2 and "not signed by the operator key" in out, out

@@ -5,13 +5,16 @@ checkpoint that does not match its hash, inputs that disagree with the sender's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from neuroshard.cli import check_proof
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_digest
@@ -29,7 +32,8 @@ from neuroshard.node.segments import SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.segments import Received, SegmentCommitment, SentRef, StepRecord
-from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
+from neuroshard.testing.verifier import small_network
+from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE, ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
     SegmentFraudProof,
@@ -439,3 +443,151 @@ def test_fp16_step_counts_may_fall_short_but_must_agree(tmp_path: Path) -> None:
     skewed = train_round(tmp_path / "uneven", stage=1, num_stages=2, tamper=uneven)
     claim = dataclasses.replace(skewed.claim(), trained_precision="fp16")
     assert "optimizer counted" in check_segment(claim, skewed.material(1), tolerance).reason
+
+
+# --- neuroshard-check-proof on real material ---------------------------------------------------
+
+OPERATOR = Wallet.from_token("segment-operator")
+
+
+def _definition(tmp_path: Path, **changes: Any) -> Path:
+    """The run these tests train (MODEL, DILOCO, 2 stages, k = K) as GET /api/network's body."""
+    network = dataclasses.replace(
+        small_network(training={"batch_size": B, "seq_len": T}),
+        **{"model": MODEL, "diloco": DILOCO, "num_stages": 2, "segment_steps": K, **changes},
+    )
+    path = tmp_path / "network.json"
+    path.write_bytes(network.canonical_bytes())
+    return path
+
+
+def _cli(
+    tmp_path: Path, material: SegmentMaterial, capsys: pytest.CaptureFixture[str], *flags: str, **net: Any
+) -> tuple[int, str]:
+    proof = tmp_path / "p.proof"
+    proof.write_bytes(SegmentFraudProof(material).encode())
+    try:
+        code = check_proof.main([str(proof), "--network", str(_definition(tmp_path, **net)), *flags])
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, (out.out + out.err).strip()
+
+
+def _one_short(i: int, diloco: DiLoCo) -> None:
+    """After the round's last step, every optimizer step count one short: an fp16 replica whose
+    GradScaler skipped a step, as far as the counts show (the weights replay exactly)."""
+    if i == H - 1:
+        for state in diloco.inner_optimizer.state.values():
+            state["step"] -= 1
+
+
+def test_the_cli_defaults_hold_step_counts_to_the_loosest_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = train_round(tmp_path, stage=1, num_stages=2, after_step=_one_short)
+    material = run.material(1)
+    counts = material.end.inner.steps - material.start.inner.steps
+    assert counts.tolist() == [K - 1] * counts.numel()
+    code, out = _cli(tmp_path, material, capsys)
+    assert code == 1 and out.startswith("does not prove fraud: the replay agrees"), out
+    code, out = _cli(tmp_path, material, capsys, "--device", "cpu", "--precision", "fp16")
+    assert code == 1, out
+    code, out = _cli(tmp_path, material, capsys, "--device", "cpu", "--precision", "fp32")
+    assert code == 0 and "optimizer counted" in out, out  # the listing said fp32: counts must match
+
+
+def test_honest_material_does_not_prove_fraud(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    code, out = _cli(tmp_path, run.material(0), capsys)
+    assert code == 1 and out.startswith("does not prove fraud: the replay agrees"), out
+    assert "[definition sha256 " in out and "not checked against an operator key" in out
+    code, out = _cli(tmp_path, run.material(0), capsys, num_stages=1)
+    assert code == 1 and out.startswith("does not prove fraud: the proof is for stage 1, the run has 1"), out
+
+
+def _scaled_run(tmp_path: Path) -> Run:
+    """A stage-1 replica that scaled its update ×1.25 in segment 1 (and committed to it)."""
+    starts: dict[int, Tensor] = {}
+
+    def scale(i: int, diloco: DiLoCo) -> None:
+        if i == K:
+            starts[1] = flat_parameters(diloco.params)
+        if i == 2 * K - 1:
+            copy_into_parameters(
+                starts[1] + 1.25 * (flat_parameters(diloco.params) - starts[1]), diloco.params
+            )
+
+    return train_round(tmp_path, stage=1, num_stages=2, after_step=scale)
+
+
+def test_a_proof_names_its_signer_and_the_checked_definition(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    material = _scaled_run(tmp_path).material(1)
+    code, out = _cli(tmp_path, material, capsys)
+    assert code == 0 and out.startswith(f"PROVES FRAUD: wallet {REPLICA.wallet_id} stage 1 round 0 segment 1")
+    digest = hashlib.sha256(_definition(tmp_path).read_bytes()).hexdigest()
+    assert f"[definition sha256 {digest}, " in out
+    for who in (REPLICA.wallet_id, REPLICA.public_key_hex):
+        assert _cli(tmp_path, material, capsys, "--wallet", who)[0] == 0
+    code, out = _cli(tmp_path, material, capsys, "--wallet", PREV.wallet_id)
+    assert code == 2 and f"signed by wallet {REPLICA.wallet_id}, not {PREV.wallet_id}" in out, out
+    # The definition, checked as a joining node checks GET /api/network's body.
+    signature = OPERATOR.sign(_definition(tmp_path).read_bytes()).hex()
+    key = ["--operator-key", OPERATOR.public_key_hex]
+    code, out = _cli(tmp_path, material, capsys, *key, "--signature", signature)
+    assert code == 0 and f"signed by operator {OPERATOR.public_key_hex[:16]}" in out, out
+    other = PREV.sign(_definition(tmp_path).read_bytes()).hex()
+    code, out = _cli(tmp_path, material, capsys, *key, "--signature", other)
+    assert code == 2 and "not signed by the operator key" in out, out
+    code, out = _cli(tmp_path, material, capsys, *key, "--signature", signature, name="another run")
+    assert code == 2 and "not signed by the operator key" in out, out  # a definition edited after signing
+
+
+def test_a_commitment_naming_the_victim_without_its_signature_proves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An attacker re-signs a failing segment's commitment with its own key and names the victim's
+    wallet in it: the replay still fails, but nothing ties the material to the victim."""
+    material = _scaled_run(tmp_path).material(1)
+    mallory = Wallet.from_token("segment-mallory")
+    c = material.commitment
+    forged = SegmentCommitment.create(mallory, stage=c.stage, round=c.round, root=c.root)
+    forged = dataclasses.replace(forged, wallet=REPLICA.public_key_hex)
+    framed = dataclasses.replace(material, commitment=forged)
+    code, out = _cli(tmp_path, framed, capsys)
+    assert code == 1 and "not signed by the receipt's wallet" in out, out
+    kw = dict(model=MODEL, diloco=DILOCO, num_stages=2, read_batch=read_batch)
+    assert not check_fraud_proof(SegmentFraudProof(framed), tolerance=CALIBRATED_TOLERANCE, **kw)
+
+
+def test_a_proof_is_bounded_before_it_is_loaded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    material = train_round(tmp_path, stage=1, num_stages=2).material(0)
+    short_rounds = dataclasses.replace(DILOCO, inner_steps=H // 2)
+    code, out = _cli(tmp_path, material, capsys, diloco=short_rounds)
+    assert code == 2 and f"its log has {H} steps, a round has {H // 2}" in out, out
+    proof, network = tmp_path / "big.proof", _definition(tmp_path)
+    proof.write_bytes(SegmentFraudProof(material).encode())
+    with proof.open("r+b") as f:
+        f.truncate(4 << 30)  # sparse: past any stage-1 segment of K steps of this model
+    code = check_proof.main([str(proof), "--network", str(network)])
+    out = capsys.readouterr().err
+    assert code == 2 and "more than a stage-1 segment of 4 steps can" in out, out
+
+
+def test_an_unexpected_failure_to_read_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    material = train_round(tmp_path, stage=1, num_stages=2).material(0)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a decoder bug")
+
+    monkeypatch.setattr(SegmentFraudProof, "decode", broken)
+    code, out = _cli(tmp_path, material, capsys)
+    assert (
+        code == 2
+        and out
+        == f"{check_proof.PROG}: error: cannot read {tmp_path / 'p.proof'}: RuntimeError: a decoder bug"
+    )
