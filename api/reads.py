@@ -493,10 +493,13 @@ def fraud_proof_file(
     directory = services.config.fraud_proofs_served
     if directory is None:
         raise Refused("not_held", "this verifier process keeps no fraud proofs (no fraud-proof directory)")
+    with services.db.read() as session:  # only listed proofs: not an orphan, not one being pruned
+        listed = session.get(m.FraudProof, sha256) is not None
+    if not listed:
+        raise Refused("not_found", f"fraud proof {sha256} is not kept here")
     try:
-        f = fraudproofs.proof_path(directory, sha256).open(
-            "rb"
-        )  # held open: a pruned proof is still sent whole
+        # Held open: a proof pruned meanwhile is still sent whole.
+        f = fraudproofs.proof_path(directory, sha256).open("rb")
     except OSError:
         raise Refused("not_found", f"fraud proof {sha256} is not kept here") from None
     etag = f'"{sha256}"'

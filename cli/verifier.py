@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         "A replay costs about what the round cost the node (default %(default)s)",
     )
     p.add_argument(
+        "--keep-fraud-gb",
+        type=float,
+        default=ReplayCheckConfig().keep_fraud_bytes / 2**30,
+        help="GiB the kept segment fraud proofs (HOME/fraud-proofs, ~28 bytes per parameter each) may "
+        "hold together; the oldest are deleted beyond it (default %(default)s)",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -197,6 +204,8 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         if args.replay_budget is None
         else ReplayBudget(replicas=args.replay_budget, check_cost=segment_check_cost(SEGMENTS_PER_CHECK))
     )
+    if not args.keep_fraud_gb > 0:
+        raise ValueError(f"--keep-fraud-gb must be > 0, got {args.keep_fraud_gb}")
     if args.eval_threads < 1:
         raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
     if args.new_wallets_per_hour < 0:
@@ -220,6 +229,7 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
             cache_dir=args.home / "cache",
             budget=budget,
             fraud_proof_dir=args.home / DIRECTORY_NAME,
+            keep_fraud_bytes=int(args.keep_fraud_gb * 2**30),
         )
         if replays
         else None,

@@ -46,7 +46,8 @@ replays it (verifier.segmentcheck.check_segment): stage 0 re-reads its batches f
 assignment, later stages decode the activations and gradients their senders signed. A replay
 that fails on material matching the signed commitment is kept as a fraud proof besides
 costing reputation: in memory (`fraud_proofs`, the last 16) and, with `fraud_proof_dir` set,
-as a file there and a row in `fraud_proofs`, the newest `keep_fraud_proofs` of them
+as a file there and a row in `fraud_proofs`, the newest `keep_fraud_proofs` of them within
+`keep_fraud_bytes`
 (verifier.fraudproofs), which GET /api/fraud-proofs lists and serves and
 `neuroshard-check-proof` re-checks alone. Receipts without a segment root
 (nodes before issue 17) keep the whole-round replay at stage 0 of single-stage runs; at later
@@ -84,7 +85,7 @@ from .background import BodyTooLarge, JobContext, PollingThread, open_run_datase
 from .budget import ReplayBudget, Standing, check_rates, overdue
 from .coverage import standings
 from .datacheck import receipt_problems
-from .fraudproofs import DEFAULT_KEEP
+from .fraudproofs import DEFAULT_KEEP, DEFAULT_KEEP_BYTES
 from .members import MembershipConfig
 from .sampling import sampled
 from .segmentcheck import draw_segments
@@ -162,6 +163,10 @@ class ReplayCheckConfig:
     the `fraud_proofs` table, verifier.fraudproofs). None: only in memory (`ReplayChecker.fraud_proofs`)."""
     keep_fraud_proofs: int = DEFAULT_KEEP
     """Proofs kept in `fraud_proof_dir`; the oldest files and rows beyond this are deleted."""
+    keep_fraud_bytes: int = DEFAULT_KEEP_BYTES
+    """Bytes the proofs in `fraud_proof_dir` may hold together (a proof is ~28 bytes per parameter,
+    3.5 GB at 125M); the oldest are deleted beyond it (the newest is kept even alone over it).
+    `neuroshard-verifier --keep-fraud-gb`."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.sample_rate <= 1:
@@ -170,7 +175,14 @@ class ReplayCheckConfig:
             self.poll_s <= 0
             or self.timeout_s <= 0
             or self.retry_s < 0
-            or min(self.max_queue, self.max_per_pass, self.segments_per_check, self.keep_fraud_proofs) < 1
+            or min(
+                self.max_queue,
+                self.max_per_pass,
+                self.segments_per_check,
+                self.keep_fraud_proofs,
+                self.keep_fraud_bytes,
+            )
+            < 1
         ):
             raise ValueError(f"ReplayCheckConfig: periods must be > 0 and counts ≥ 1, got {self}")
 
@@ -463,7 +475,16 @@ class ReplayChecker:
                 self._check(challenge)
             else:
                 self._running = self._replays.submit(self._check, challenge)
+                self._running.add_done_callback(self._log_failure)
             return
+
+    def _log_failure(self, future: Future[None]) -> None:
+        """Log what a replay on the replay thread raised: nothing else reads its result."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
+            self.ctx.log(f"replay check: a replay failed: {type(exc).__name__}: {exc}")
 
     def _base_is_majority(self, receipt: m.Receipt) -> bool | None:
         """Whether θ_round is the stage's majority θ_r; None while round r−1 is not settled."""
@@ -523,6 +544,13 @@ class ReplayChecker:
         if directory is None:
             return None
         try:
+            short = fraudproofs.room_for(directory, len(proof))
+            if short is not None:
+                self.ctx.log(
+                    f"replay check: the fraud proof of {receipt.wallet_id} round {receipt.round} segment "
+                    f"{segment} is not written to {directory} ({short}); kept in memory only"
+                )
+                return None
             return segment, fraudproofs.write_proof(directory, proof), len(proof)
         except OSError as exc:
             self.ctx.log(
@@ -608,7 +636,9 @@ class ReplayChecker:
                     now=now,
                 )
             if proofs:
-                dropped = fraudproofs.prune_rows(session, self.config.keep_fraud_proofs)
+                dropped = fraudproofs.prune_rows(
+                    session, self.config.keep_fraud_proofs, self.config.keep_fraud_bytes
+                )
                 held = fraudproofs.listed(session)
         directory = self.config.fraud_proof_dir
         if proofs and directory is not None:

@@ -89,6 +89,17 @@ def test_an_unknown_or_malformed_name_is_refused_with_404(kept: Harness, name: s
     assert body["error"] == "not_found" and why in body["detail"]
 
 
+def test_a_file_no_row_lists_is_not_served(kept: Harness) -> None:
+    """An orphan (written, its row never committed or already pruned) is not served."""
+    directory = kept.config.fraud_proof_dir
+    assert directory is not None
+    orphan = fraudproofs.write_proof(directory, b"an orphan's bytes")
+    listed = _keep(kept, b"a listed proof", 1)
+    reply = kept.client.get(f"/api/fraud-proofs/{orphan}")
+    assert reply.status_code == 404 and reply.json()["error"] == "not_found"
+    assert kept.client.get(f"/api/fraud-proofs/{listed}").content == b"a listed proof"
+
+
 def test_a_path_out_of_the_directory_finds_nothing(kept: Harness) -> None:
     for path in ("..%2F..%2Fetc%2Fpasswd", "..%2Ffp%2F" + "0" * 64 + ".proof", "%2E%2E"):
         assert kept.client.get(f"/api/fraud-proofs/{path}").status_code == 404

@@ -120,6 +120,16 @@ def test_replay_budget_flag(network_file: Path, tmp_path: Path, capsys: pytest.C
     assert code == 2 and "--replay-budget must be > 0 replicas, got 0.0" in one_line(err)
 
 
+def test_keep_fraud_gb_flag(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
+    default = build_config(build_parser().parse_args(base)).replay_checks
+    assert default is not None and default.keep_fraud_bytes == 8 << 30
+    config = build_config(build_parser().parse_args([*base, "--keep-fraud-gb", "0.5"])).replay_checks
+    assert config is not None and config.keep_fraud_bytes == 1 << 29
+    code, err = run([*base, "--keep-fraud-gb", "0"], capsys)
+    assert code == 2 and "--keep-fraud-gb must be > 0, got 0.0" in one_line(err)
+
+
 def test_membership_flags(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
     default = build_config(build_parser().parse_args(base))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import PublishedData
@@ -126,3 +127,22 @@ def test_an_honest_round_passes_and_other_material_or_no_commitment_fails(
     )
     with db.read() as s:
         assert s.get(m.Wallet, NODE.wallet_id).reputation < 0.5  # type: ignore[union-attr]
+
+
+def test_an_exception_on_the_replay_thread_is_logged(db: Database, published: PublishedData) -> None:
+    """Nothing reads a replay future's result: what it raised (say, the verdict's transaction
+    failing) reaches the log through its done-callback instead of vanishing."""
+    lines: list[str] = []
+    checker = ReplayChecker(
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+        config=ReplayCheckConfig(sample_rate=1.0),
+        dataset=lambda: published.dataset,
+    )
+
+    def fails() -> None:
+        raise RuntimeError("the verdict's transaction failed")
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(fails).add_done_callback(checker._log_failure)
+        pool.submit(lambda: None).add_done_callback(checker._log_failure)
+    assert lines == ["replay check: a replay failed: RuntimeError: the verdict's transaction failed"]
