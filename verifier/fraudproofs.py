@@ -34,7 +34,6 @@ import hashlib
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -42,6 +41,8 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+
+from neuroshard.data.files import atomic_write
 
 from . import models as m
 
@@ -85,33 +86,8 @@ def write_proof(directory: Path, data: bytes) -> str:
     if path.is_file() and path.stat().st_size == len(data):
         os.utime(path)  # a sweep spares a file this young: the row about to name it is not committed yet
         return sha256
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sha256[:16]}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
     return sha256
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable (POSIX); platforms that cannot open a directory skip it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def add_row(
