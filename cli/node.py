@@ -427,10 +427,11 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
     )
     try:
         result = trainer.run(stop)
-        if link is not None and not result.stopped_by_signal:  # done: the later stages end with their drivers
-            link.end(trainer.diloco.round, trainer.diloco.step)
-        if network is not None and not result.stopped_by_signal:
-            network.linger(max_s=network.config.hash_check_timeout_s)  # replicas a little behind finish
+        if not result.stopped_by_signal:  # done: the later stages end with their drivers (stopped: no word)
+            if link is not None:
+                link.end(trainer.diloco.round, trainer.diloco.step)
+            if network is not None:
+                network.linger(max_s=network.config.hash_check_timeout_s)  # replicas a little behind finish
     except (ShardError, OSError) as exc:  # OSError: a checkpoint that cannot be written (disk full, …)
         return _fail(str(exc))
     finally:

@@ -43,9 +43,9 @@ class StageReplica:
             result = self.worker.run(stop)
             if self.worker.ended_because is not None:
                 self.log(f"ending: {self.worker.ended_because}")
-            if self.link is not None and not result.stopped_by_signal:
-                self.link.end(self.diloco.round, self.diloco.step)
             if not result.stopped_by_signal:
+                if self.link is not None:
+                    self.link.end(self.diloco.round, self.diloco.step)
                 self.network.linger(max_s=self.network.config.hash_check_timeout_s)
             return result
         finally:

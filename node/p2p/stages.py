@@ -67,7 +67,7 @@ class PipelineLink:
         `PipelineEnd`): when every replica feeding one of them has said so, it ends too."""
         try:
             told, tried = self.network.call(self.client.end(round_, step), timeout=30.0)
-        except Exception as exc:  # leaving regardless: the next stage falls back on upstream_ttl_s
+        except Exception as exc:  # leaving regardless: to the next stage this one left without a word
             self.log(f"pipeline: could not tell the next stage this one ends ({type(exc).__name__}: {exc})")
             return
         if tried:
