@@ -194,12 +194,6 @@ class StageWorker(InnerLoop):
     def finished(self) -> bool:
         return self.config.max_steps is not None and self.diloco.step >= self.config.max_steps
 
-    def offer(self, job: Job) -> None:
-        """Queue a micro-batch on `jobs`, or raise Busy (nothing queued, nothing changed)."""
-        if self.finished:
-            self.jobs.close("this replica is done")
-        self.jobs.offer(job)
-
     def run(self, stop: threading.Event, poll_s: float | None = None) -> TrainResult:
         """Train on arriving micro-batches until `max_steps`, `stop`, or `upstream_over` gives a reason
         (kept in `ended_because`); drains refused work on exit."""

@@ -62,7 +62,7 @@ def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(t
         deadline = time.monotonic() + 10.0
         while len(results) <= i and time.monotonic() < deadline:
             try:
-                worker.offer(_job(results, i))
+                worker.jobs.offer(_job(results, i))
             except Busy:  # the reply to the H-th step comes before the round: the next offer may land in it
                 refusals += 1
                 time.sleep(0.005)
@@ -77,7 +77,7 @@ def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(t
     assert worker.jobs.refused == refusals
     assert [r[2] for r in results if isinstance(r, tuple)] == [0] * H + [1] * H  # the round each step was in
     with pytest.raises(Busy):  # finished: nothing more is taken
-        worker.offer(_job(results, 99))
+        worker.jobs.offer(_job(results, 99))
 
     resumed = _engine()
     assert StageCheckpoint(path=checkpoint.path, identity=_identity()).load(resumed)
@@ -102,10 +102,10 @@ def test_a_full_queue_refuses_and_queued_jobs_get_busy_when_the_round_starts() -
         engine, WorkerConfig(max_pending=1, max_steps=1), log=lambda s: None, finish_round=finish
     )
     results: list[JobResult] = []
-    worker.offer(_job(results, 0))
-    worker.offer(_job(results, 1))
+    worker.jobs.offer(_job(results, 0))
+    worker.jobs.offer(_job(results, 1))
     with pytest.raises(Busy, match="already wait"):
-        worker.offer(_job(results, 2))
+        worker.jobs.offer(_job(results, 2))
     assert worker.jobs.refused == 1
     # Entering the round drains what waits: those senders retry elsewhere, nothing was stepped for them.
     engine.steps_in_round = H - 1

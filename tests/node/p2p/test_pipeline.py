@@ -157,7 +157,7 @@ async def _serve(
     worker = StageWorker(
         DiLoCo(build_stage(MODEL, 1, 2), cfg), WorkerConfig(log_every=1000), log=lambda s: None
     )
-    service = PipelineService(wallet=wallet, stage=1, model_config=MODEL, config=config, worker=worker)
+    service = PipelineService(wallet=wallet, stage=1, model_config=MODEL, config=config, worker=worker.jobs)
     server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
     await server.start_server()
     stop = threading.Event()
@@ -315,7 +315,7 @@ async def test_a_replica_in_its_outer_round_answers_503_and_changes_nothing(make
         log=lambda s: None,
         finish_round=slow_round,
     )
-    service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=worker)
+    service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=worker.jobs)
     server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
     await server.start_server()
     stop = threading.Event()
