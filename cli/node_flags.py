@@ -85,7 +85,8 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
         "--precision",
         choices=device.PRECISIONS,
         default="auto",
-        help="inner-loop precision over fp32 master weights (auto: bf16 autocast on CUDA with bf16, else fp32)",
+        help="inner-loop precision over fp32 master weights (auto: bf16 autocast on CUDA with bf16, else fp32; "
+        "pipeline stages take fp32 or bf16)",
     )
     model.add_argument(
         "--activation-checkpointing",
