@@ -205,6 +205,16 @@ def _finish(drivers: list[Driver], timeout: float) -> None:
         assert d.error is None, f"driver raised {d.error!r}"
 
 
+def _run_all(drivers: list[Driver], stage1: list[Stage1]) -> None:
+    """Start the drivers and wait for them and for the stage-1 replicas' last steps."""
+    for d in drivers:
+        d.start()
+    _finish(drivers, 120.0)
+    for s in stage1:
+        s.thread.join(30.0)
+        assert not s.thread.is_alive(), "a stage-1 replica did not finish its steps"
+
+
 def _stage_agrees(networks: list[PeerPlane], rounds: range) -> None:
     for round_ in rounds:
         reports = [{r.round: r for r in n.reports}[round_] for n in networks]
@@ -222,12 +232,7 @@ def _loss_fell(drivers: list[Driver], by: float) -> tuple[float, float]:
 def test_two_stages_by_two_replicas_train_through_the_pipeline(build_2x2: Build2x2) -> None:
     drivers, stage1 = build_2x2(ROUNDS * H)
     started = time.monotonic()
-    for d in drivers:
-        d.start()
-    _finish(drivers, 120.0)
-    for s in stage1:
-        s.thread.join(30.0)
-        assert not s.thread.is_alive(), "a stage-1 replica did not finish its steps"
+    _run_all(drivers, stage1)
     elapsed = time.monotonic() - started
 
     # Every stage did ROUNDS rounds, and in each its two replicas agree on θ with both contributions.
@@ -258,12 +263,7 @@ def test_replicas_of_each_stage_in_fp32_and_bf16_autocast_agree_every_round(buil
     round is CPU fp32 either way, so each stage still ends every round bit-identical."""
     bf16 = Placement(device=torch.device("cpu"), precision="bf16")
     drivers, stage1 = build_2x2(ROUNDS * H, placements=(None, bf16))
-    for d in drivers:
-        d.start()
-    _finish(drivers, 120.0)
-    for s in stage1:
-        s.thread.join(30.0)
-        assert not s.thread.is_alive(), "a stage-1 replica did not finish its steps"
+    _run_all(drivers, stage1)
     assert [d.trainer.diloco.placement.precision for d in drivers] == ["fp32", "bf16"]
     assert [s.replica.diloco.placement.precision for s in stage1] == ["fp32", "bf16"]
     for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
