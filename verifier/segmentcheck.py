@@ -387,7 +387,7 @@ class SegmentFraudProof:
     def commitment(data: bytes) -> SegmentCommitment:
         """The signed commitment in proof bytes, read from the header alone: its stage says which
         stage's model (numel, tensors) `decode` needs. Refused when it does not parse; whether
-        the signature holds is `check_fraud_proof`'s question."""
+        the signature holds is `judge_fraud_proof`'s question."""
         return SegmentMaterial.read_commitment(data)
 
 
@@ -436,21 +436,3 @@ def judge_fraud_proof(
     if not verdict.replayed:
         return FraudProofVerdict(False, verdict.reason)
     return FraudProofVerdict(True, verdict.reason)
-
-
-def check_fraud_proof(
-    proof: SegmentFraudProof,
-    *,
-    model: ModelConfig,
-    diloco: DiLoCoConfig,
-    num_stages: int,
-    tolerance: SpotCheckConfig,
-    read_batch: BatchReader | None = None,
-    spans: Sequence[tuple[int, int, int]] = (),
-    trained_precision: str | None = None,
-) -> bool:
-    """Whether `proof` proves fraud by its own signed content (`judge_fraud_proof`, without the reason)."""
-    return judge_fraud_proof(
-        proof, model=model, diloco=diloco, num_stages=num_stages, tolerance=tolerance,
-        read_batch=read_batch, spans=spans, trained_precision=trained_precision,
-    ).proves  # fmt: skip

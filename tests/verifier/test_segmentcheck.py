@@ -38,8 +38,8 @@ from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
     SegmentFraudProof,
     SegmentVerdict,
-    check_fraud_proof,
     check_segment,
+    judge_fraud_proof,
     record_mismatches,
 )
 
@@ -234,8 +234,8 @@ def test_a_scaled_update_is_refused_and_proves_fraud(tmp_path: Path, stage: int,
     )
     kw = dict(model=MODEL, diloco=DILOCO, num_stages=num_stages, read_batch=read_batch, spans=run.spans)
     tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
-    assert check_fraud_proof(proof, tolerance=tolerance, **kw)
-    assert not check_fraud_proof(SegmentFraudProof(run.material(0)), tolerance=tolerance, **kw)
+    assert judge_fraud_proof(proof, tolerance=tolerance, **kw).proves
+    assert not judge_fraud_proof(SegmentFraudProof(run.material(0)), tolerance=tolerance, **kw).proves
 
 
 def _skip_half(counters: bool) -> Tamper:
@@ -309,10 +309,10 @@ def test_a_checkpoint_that_does_not_match_its_hash_is_refused(
     )  # fmt: skip
     verdict = check_segment(run.claim(), moments, tolerance, read_batch=read_batch)
     assert not verdict.ok and "step 0 does not match" in verdict.reason
-    assert not check_fraud_proof(
+    assert not judge_fraud_proof(
         SegmentFraudProof(doctored), model=MODEL, diloco=DILOCO, num_stages=num_stages,
         tolerance=tolerance, read_batch=read_batch, spans=run.spans,
-    )  # fmt: skip  # not signed as served: no proof against the wallet
+    ).proves  # fmt: skip  # not signed as served: no proof against the wallet
 
 
 def test_made_up_activations_are_refused_at_a_later_stage(tmp_path: Path) -> None:
@@ -559,7 +559,7 @@ def test_a_commitment_naming_the_victim_without_its_signature_proves_nothing(
     code, out = _cli(tmp_path, framed, capsys)
     assert code == 1 and "not signed by the receipt's wallet" in out, out
     kw = dict(model=MODEL, diloco=DILOCO, num_stages=2, read_batch=read_batch)
-    assert not check_fraud_proof(SegmentFraudProof(framed), tolerance=CALIBRATED_TOLERANCE, **kw)
+    assert not judge_fraud_proof(SegmentFraudProof(framed), tolerance=CALIBRATED_TOLERANCE, **kw).proves
 
 
 def test_a_proof_is_bounded_before_it_is_loaded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

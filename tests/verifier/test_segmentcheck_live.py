@@ -50,7 +50,7 @@ from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, tolerance_for
-from neuroshard.verifier.segmentcheck import SegmentFraudProof, check_fraud_proof
+from neuroshard.verifier.segmentcheck import SegmentFraudProof, judge_fraud_proof
 
 OPERATOR = Wallet.from_token("segment-live-operator")
 DRIVER, HONEST, LIAR, LIAR0 = (
@@ -274,10 +274,10 @@ def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
         n_tensors=len(list(stage_model.parameters())),
     )
     assert proof.material.commitment.wallet == LIAR.public_key_hex
-    assert check_fraud_proof(
+    assert judge_fraud_proof(
         proof, model=network.model, diloco=network.diloco, num_stages=2,
         tolerance=tolerance_for("cpu", "fp32", ReplayCheckConfig()),
-    )  # fmt: skip
+    ).proves  # fmt: skip
 
     # Kept: the file, named by its sha256, and its row.
     (row,) = _proofs(db)
