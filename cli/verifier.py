@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         "A replay costs about what the round cost the node (default %(default)s)",
     )
     p.add_argument(
+        "--segments-per-check",
+        type=int,
+        default=SEGMENTS_PER_CHECK,
+        help="segments of a receipt's round one check replays, drawn by the operator's signature; "
+        "each costs k/H of the round's work (default %(default)s)",
+    )
+    p.add_argument(
         "--keep-fraud-gb",
         type=float,
         default=ReplayCheckConfig().keep_fraud_bytes / 2**30,
@@ -198,11 +205,13 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         )
     if args.replay_budget is not None and not args.replay_budget > 0:
         raise ValueError(f"--replay-budget must be > 0 replicas, got {args.replay_budget}")
-    # Nodes commit to segments (issue 17): a check replays SEGMENTS_PER_CHECK of them, not a round.
+    if args.segments_per_check < 1:
+        raise ValueError(f"--segments-per-check must be ≥ 1, got {args.segments_per_check}")
+    # Nodes commit to segments (issue 17): a check replays --segments-per-check of them, not a round.
     budget = (
         None
         if args.replay_budget is None
-        else ReplayBudget(replicas=args.replay_budget, check_cost=segment_check_cost(SEGMENTS_PER_CHECK))
+        else ReplayBudget(replicas=args.replay_budget, check_cost=segment_check_cost(args.segments_per_check))
     )
     if not args.keep_fraud_gb > 0:
         raise ValueError(f"--keep-fraud-gb must be > 0, got {args.keep_fraud_gb}")
@@ -228,6 +237,7 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
             sample_rate=args.replay_rate,
             cache_dir=args.home / "cache",
             budget=budget,
+            segments_per_check=args.segments_per_check,
             fraud_proof_dir=args.home / DIRECTORY_NAME,
             keep_fraud_bytes=int(args.keep_fraud_gb * 2**30),
         )
