@@ -41,6 +41,8 @@ from neuroshard.protocol.schema import (
 MAX_LISTED = 4096
 """Wallets per list of one stage (admitted, or probationers): beyond any stage's replica count."""
 MAX_NETWORK_CHARS = 128
+MAX_VOCAB = 1 << 24
+"""Largest vocabulary a member list may name (16.7M ids: far beyond any BPE a run publishes)."""
 POLICIES = ("open", "probation", "allowlist")
 """How a stage admits: ``open`` (every registered wallet counts: no Sybil defence), ``probation``
 (new wallets earn admission by verified rounds), ``allowlist`` (only the operator's roster)."""
@@ -142,6 +144,14 @@ class MemberList(_Expiring):
     """Wallets earning admission: exchanged and screened, never counted; sorted."""
     admission_rounds: Annotated[int, integer(0, MAX_COUNT)]
     """Rounds a probationer must agree with the stage's majority (and pass spot checks) to be admitted."""
+    vocab_size: Annotated[int, integer(0, MAX_VOCAB)] = 0
+    """The vocabulary the stage's embedding or head has from `vocab_from_round` on, after the
+    publisher grew the tokenizer (node.vocab); 0: the network definition's, never grown. The
+    verifier schedules the last stage (the head) first and stage 0 (the embedding) after the head
+    has grown, so a label is never beyond the head that scores it (verifier.vocab)."""
+    vocab_from_round: Annotated[int, integer(0, MAX_COUNT)] = 0
+    """The first round of this stage trained at `vocab_size`: every replica grows at the same round
+    boundary, so the stage's replicas stay bit-identical."""
 
     def check(self) -> None:
         _sorted_unique(self.admitted, "member list admitted")

@@ -116,3 +116,12 @@ def test_proof_of_work() -> None:
     assert not pow_ok("net", A, -1, 1)
     with pytest.raises(ValueError):
         solve_pow("net", A, 64)
+
+
+def test_member_list_vocab_growth_fields_default_to_none_scheduled() -> None:
+    plain = _list()
+    assert (plain.vocab_size, plain.vocab_from_round) == (0, 0)
+    grown = _list(vocab_size=600, vocab_from_round=12)
+    parsed = MemberList.from_json(grown.to_json())
+    assert (parsed.vocab_size, parsed.vocab_from_round) == (600, 12)
+    parsed.verify(OPERATOR.public_key_hex, network="net", now=NOW)
