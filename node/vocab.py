@@ -6,23 +6,63 @@ AdamW moments, outer momentum — are carried over untouched. New rows take the
 deterministic initialisation of a model built at the new size (`init_seed` and the
 parameter's name), so every replica that grows to the same vocabulary gets the same rows;
 their optimizer moments and outer momentum start at zero.
+
+In a network every replica of a stage must grow at the same round boundary, or the stage's
+θ hashes part. The verifier sets that round per stage in its signed member list
+(`VocabSchedule`, fed by the tracker): the last stage (the head) first, stage 0 (the embedding)
+once the head has grown, so no label ever reaches a head without a row for it. A stage in
+between holds neither and never grows. A lone node (no verifier to schedule) grows as soon as it
+takes the grown manifest. Whoever checks a grown replica's work reads the vocabulary off what it
+checks (`stage_vocab`): the rows of a checkpoint, the length of a θ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from .device import Placement
 from .diloco import DiLoCo
-from .model import Transformer
+from .model import ModelConfig, Transformer, build_stage
 
 VOCAB_PARAMS = ("embedding.weight", "head.weight")
 """Parameters whose first dimension is the vocabulary."""
 
 Params = dict[str, torch.nn.Parameter]
 """A model's parameters by name (`named_parameters`), in parameter order."""
+
+
+def holds_vocab(stage: int, num_stages: int) -> bool:
+    """Whether stage `stage` of `num_stages` holds vocabulary rows (the embedding or the head)."""
+    return stage in (0, num_stages - 1)
+
+
+def stage_vocab(config: ModelConfig, stage: int, num_stages: int, numel: int) -> int | None:
+    """The vocabulary of stage `stage` whose parameters number `numel` (θ's length), from the
+    network definition's `config`: `config.vocab_size` plus the rows grown since; None when no
+    vocabulary ≥ the definition's gives that length (another model, or a stage without rows
+    whose length differs)."""
+    base = sum(p.numel() for p in build_stage(config, stage, num_stages).parameters())
+    per_row = config.dim * sum(1 for s in (0, num_stages - 1) if s == stage)  # embedding, head
+    extra = numel - base
+    if extra == 0:
+        return config.vocab_size
+    if per_row == 0 or extra < 0 or extra % per_row:
+        return None
+    return config.vocab_size + extra // per_row
+
+
+def state_vocab(state: Mapping[str, Tensor], default: int) -> int:
+    """The vocabulary of a stage's model state dict: the rows of its embedding or head; `default`
+    for a stage that holds neither."""
+    for name in VOCAB_PARAMS:
+        if name in state:
+            return int(state[name].shape[0])
+    return default
 
 
 def _grow_rows(old: Tensor, fill: Tensor) -> Tensor:
@@ -103,3 +143,49 @@ def _carry_outer_state(old: DiLoCo, new: DiLoCo, old_params: Params, new_params:
         ]
     )
     new.outer_optimizer.state[new.theta_round] = {"momentum_buffer": grown_m}
+
+
+def regrow(diloco: DiLoCo, vocab_size: int) -> DiLoCo:
+    """`grow_replica` for a replica on any placement: grown on the CPU (where the new rows'
+    initialisation is the same on every machine), moved back to its placement, activation
+    checkpointing kept. Returns the new engine; its `.model` is the grown model."""
+    placement = diloco.placement
+    checkpointing = diloco.model.activation_checkpointing
+    diloco.move_to(Placement.cpu())
+    model, grown = grow_replica(diloco.model, diloco, vocab_size)
+    grown.move_to(placement)
+    model.activation_checkpointing = checkpointing
+    return grown
+
+
+class VocabSchedule:
+    """The vocabulary a stage trains at from a round on, as the verifier's signed member list last
+    said (protocol.roster.MemberList `vocab_size`, `vocab_from_round`). The tracker's thread sets
+    it; the training thread reads it at round boundaries (`due`) and reports each growth
+    (`grown`), which `on_grown` hears: the peer plane republishes the replica's state at its new
+    shape, so a joiner or a hash check never reads the old one."""
+
+    def __init__(self, on_grown: Callable[[DiLoCo], None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._size = 0
+        self._from_round = 0
+        self.on_grown = on_grown
+
+    def set(self, vocab_size: int, from_round: int) -> None:
+        with self._lock:
+            self._size, self._from_round = vocab_size, from_round
+
+    @property
+    def planned(self) -> tuple[int, int]:
+        """(vocab_size, from_round) as last set; vocab_size 0: no growth scheduled."""
+        with self._lock:
+            return self._size, self._from_round
+
+    def due(self, round_: int) -> int:
+        """The vocabulary a replica starting round `round_` must have; 0 when none is due yet."""
+        size, start = self.planned
+        return size if size and round_ >= start else 0
+
+    def grown(self, diloco: DiLoCo) -> None:
+        if self.on_grown is not None:
+            self.on_grown(diloco)
