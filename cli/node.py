@@ -71,6 +71,7 @@ from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.stage_replica import start_stage_replica
 from neuroshard.node.stage_worker import StageCheckpoint, WorkerConfig
 from neuroshard.node.trainer import DatasetUpdates, Trainer, TrainerConfig
+from neuroshard.node.vocab import VocabSchedule
 from neuroshard.node.wallet import TokenError, Wallet, resolve_token
 from neuroshard.node.work import RoundWork
 
@@ -158,6 +159,7 @@ def _reporting(
             # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
             # inner steps depend on the other stages' replicas: neither keeps replay material.
             archive=ReplayArchive(args.replay_rounds) if joined.num_stages == 1 else None,
+            vocab=VocabSchedule(),
         )
     if not run.embedded_verifier:
         return Reporting.nobody(_log)
@@ -197,7 +199,7 @@ def _run_stage_replica(
     model_config: ModelConfig,
     diloco_config: DiLoCoConfig,
     stop: threading.Event,
-    tokenizer_sha256: str,
+    dataset: Dataset,
     placement: Placement,
 ) -> int:
     """A stage > 0 replica: no data of its own, it trains on the micro-batches stage i-1 sends,
@@ -210,8 +212,9 @@ def _run_stage_replica(
             wallet_id=wallet.wallet_id,
             stage=args.stage,
             model_fingerprint=stage_fingerprint(model_config, run.num_stages),
-            tokenizer_sha256=tokenizer_sha256,
+            tokenizer_sha256=dataset.manifest.tokenizer.sha256,
         ),
+        older_tokenizers=tuple(t.sha256 for t in dataset.manifest.tokenizers[:-1]),
     )
     reporting = _reporting(args, run, (), lambda: NotImplemented)
     network_config = network_config_from_args(args, reporting=False, pipeline=True)
@@ -232,6 +235,8 @@ def _run_stage_replica(
             fresh=args.fresh,
             reporting=reporting,
             placement=placement,
+            vocab_schedule=reporting.vocab,
+            vocab_size=dataset.tokenizer.vocab_size,
         )
         result = replica.run(stop)
     finally:
@@ -301,8 +306,9 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             model_config, diloco_config = run_.joined.model, run_.joined.diloco
         if args.stage > 0:
             dataset.source.close()
-            sha = dataset.manifest.tokenizer.sha256
-            return _run_stage_replica(args, run_, wallet, model_config, diloco_config, stop, sha, placement)
+            return _run_stage_replica(
+                args, run_, wallet, model_config, diloco_config, stop, dataset, placement
+            )
         held_out = held_out_shards(run_.joined, run_.embedded_verifier, dataset)
         reporting = _reporting(
             args,
@@ -357,6 +363,8 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             )
             network.start()
             finish_round = network.finish_round
+            if reporting.vocab is not None:
+                reporting.vocab.on_grown = network.republish
             if reporting.active:
                 receipting = reporting.receipting(
                     network,
@@ -400,6 +408,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             if run_.num_stages > 1
             else None,
             placement=placement,
+            vocab_schedule=reporting.vocab,
         )
         if network is not None:
             engine = trainer.diloco

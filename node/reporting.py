@@ -29,6 +29,7 @@ from typing import Protocol
 
 from neuroshard.data import Dataset
 from neuroshard.protocol.reports import Receipt
+from neuroshard.protocol.roster import MemberList
 
 from .diloco import DiLoCoConfig
 from .membership import roster_of
@@ -42,6 +43,7 @@ from .replay import ReplayArchive
 from .segment_store import SegmentStore
 from .segments import SegmentConfig, SegmentRecorder
 from .verifier_client import VerifierClient, VerifierClientConfig, VerifierUnreachable, fetch_network
+from .vocab import VocabSchedule
 from .wallet import Wallet
 from .work import RoundWork
 
@@ -138,6 +140,9 @@ class Reporting:
     segments: SegmentStore | None = None
     """Recent rounds' segment checkpoints and received messages (node.segments), for the segment
     checks of a joined verifier at any stage; None without one."""
+    vocab: VocabSchedule | None = None
+    """The stage's vocabulary growth round, from the verifier's member lists (node.vocab); None
+    where no verifier schedules growth (a lone node grows when it takes a grown manifest)."""
     tracker: VerifierClient | None = field(default=None, init=False)
 
     @classmethod
@@ -216,11 +221,21 @@ class Reporting:
             self.log,
             progress=progress,
             on_peers=network.add_bootstrap,
-            on_members=lambda members: network.set_roster(roster_of(members), members.effective_round),
+            on_members=lambda members: self._take_members(network, members),
         )
         tracker.start()
         self.tracker = tracker
         return tracker
+
+    def _take_members(self, network: PeerPlane, members: MemberList) -> None:
+        network.set_roster(roster_of(members), members.effective_round)
+        if self.vocab is not None and members.vocab_size:
+            if members.vocab_size > self.vocab.planned[0]:
+                self.log(
+                    f"tracker: the verifier schedules vocabulary {members.vocab_size} for stage {members.stage} "
+                    f"from round {members.vocab_from_round}"
+                )
+            self.vocab.set(members.vocab_size, members.vocab_from_round)
 
     def close(self) -> None:
         if self.tracker is not None:

@@ -4,6 +4,7 @@ its own `PipelineLink`, and it runs its stage's DiLoCo outer rounds through `Pee
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from .p2p.server import ServerExtension
 from .p2p.stages import PipelineLink
 from .reporting import Reporting
 from .stage_worker import JobQueue, StageCheckpoint, StageWorker, WorkerConfig
+from .vocab import VocabSchedule, regrow, vocab_of
 from .wallet import Wallet
 from .work import RoundWork
 
@@ -27,12 +29,16 @@ from .work import RoundWork
 class StageReplica:
     """A running stage > 0 replica (built by `start_stage_replica`, run by `run`)."""
 
-    diloco: DiLoCo
     worker: StageWorker
     network: PeerPlane
     service: PipelineService
     link: PipelineLink | None
     log: Callable[[str], None]
+
+    @property
+    def diloco(self) -> DiLoCo:
+        """The replica's engine (the worker's: a vocabulary growth replaces it)."""
+        return self.worker.diloco
 
     def run(self, stop: threading.Event) -> TrainResult:
         """Train until `max_steps`, `stop`, or the end of every replica that feeds this one. Done
@@ -73,35 +79,73 @@ def start_stage_replica(
     fresh: bool = False,
     reporting: Reporting | None = None,
     placement: Placement | None = None,
+    vocab_schedule: VocabSchedule | None = None,
+    vocab_size: int | None = None,
 ) -> StageReplica:
     """Build a stage > 0 replica: model, DiLoCo (resumed from `checkpoint` unless `fresh`), worker,
     peer server with the pipeline route; join the stage's state; ready to `run`. With an active
     `reporting` it sends a receipt after every round, records every inner step (node.segments)
     and serves segments to the verifier's operator key. `placement`: the device and precision of the
-    inner steps (default CPU fp32); the outer round stays on the CPU in fp32 (node.diloco)."""
+    inner steps (default CPU fp32); the outer round stays on the CPU in fp32 (node.diloco).
+
+    Vocabulary growth (node.vocab), where a verifier schedules it (`vocab_schedule`, fed by the
+    reporting's tracker): the last stage grows its head at the round the verifier's member list
+    names; `vocab_size`, the run's current tokenizer's, is where a last stage starting after a
+    growth begins. A stage in between holds no vocabulary rows and never grows."""
     reporting = reporting or Reporting.nobody(log)
-    model = build_stage(model_config, stage, pipeline_config.num_stages)
+    num_stages = pipeline_config.num_stages
+    model = build_stage(model_config, stage, num_stages)
     diloco = DiLoCo(model, diloco_config, placement=placement)
-    if checkpoint is not None and not fresh and checkpoint.load(diloco):
-        log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
+    if checkpoint is not None and not fresh:
+        resumed = checkpoint.load(diloco)
+        if resumed is not None:
+            diloco = resumed
+            log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
+    last = stage == num_stages - 1
+    schedule = vocab_schedule if last else None
+    if schedule is not None and vocab_size is not None and vocab_size > vocab_of(diloco):
+        # Started after the run's tokenizer grew: train at its size, as the stage's peers do.
+        log(f"vocabulary {vocab_of(diloco)} -> {vocab_size}: the run's tokenizer grew; head extended")
+        diloco = regrow(diloco, vocab_size)
     recorder = reporting.recorder(stage)
     # Built in the order they need each other: the queue the pipeline route fills, the network
     # that serves the route, the link onward and the round's finisher, then the worker.
     jobs = JobQueue(worker_config.max_pending, recorder)
     work = RoundWork()
     service = PipelineService(
-        wallet=wallet, stage=stage, model_config=model_config, config=pipeline_config, worker=jobs
+        wallet=wallet,
+        stage=stage,
+        model_config=dataclasses.replace(model_config, vocab_size=vocab_of(diloco)),
+        config=pipeline_config,
+        worker=jobs,
     )
     extensions: list[ServerExtension] = [service, *reporting.extensions()]
     network = PeerPlane(
         network_config, wallet, stage, log, aggregate=aggregate, stop=stop, extensions=extensions
     )
     network.start()
+    if schedule is not None:
+
+        def grown(engine: DiLoCo) -> None:
+            service.set_vocab(vocab_of(engine))
+            network.republish(engine)
+
+        schedule.on_grown = grown
     link: PipelineLink | None = None
+    worker: StageWorker | None = None
+
+    def engine() -> DiLoCo:
+        return diloco if worker is None else worker.diloco  # a growth replaces the worker's
+
     try:
-        if stage < pipeline_config.num_stages - 1:
+        if not last:
             link = PipelineLink(
-                network, pipeline_config, stop=stop, round_of=lambda: diloco.round, log=log, segments=recorder
+                network,
+                pipeline_config,
+                stop=stop,
+                round_of=lambda: engine().round,
+                log=log,
+                segments=recorder,
             )
             link.start()
         finish_round: RoundFinisher = network.finish_round
@@ -111,7 +155,7 @@ def start_stage_replica(
             )
             receipting.round_started(diloco)
             finish_round = receipting
-            reporting.track(network, wallet, progress=lambda: (diloco.round, diloco.steps_in_round))
+            reporting.track(network, wallet, progress=lambda: (engine().round, engine().steps_in_round))
         worker = StageWorker(
             diloco,
             worker_config,
@@ -123,6 +167,7 @@ def start_stage_replica(
             segments=recorder,
             work=work,
             upstream_over=service.upstream.over,
+            vocab_schedule=schedule,
         )
         network.join_state(diloco)
     except BaseException:
@@ -133,8 +178,8 @@ def start_stage_replica(
     params = sum(p.numel() for p in model.parameters())
     log(
         f"stage {stage}/{pipeline_config.num_stages}: layers {list(model.layer_range)}, {params:,} parameters, "
-        f"{'last stage (head, loss)' if link is None else 'forwards to stage ' + str(stage + 1)}; "
+        f"{'last stage (head, loss)' if last else 'forwards to stage ' + str(stage + 1)}; "
         f"H={diloco_config.inner_steps}; inner loop on {diloco.placement.describe()}; "
         f"serving micro-batches at {network.address}"
     )
-    return StageReplica(diloco=diloco, worker=worker, network=network, service=service, link=link, log=log)
+    return StageReplica(worker=worker, network=network, service=service, link=link, log=log)

@@ -32,6 +32,7 @@ from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_rep
 from .p2p.pipeline import Busy, Job
 from .pipeline import Downstream, stage_inner_step
 from .segments import SegmentRecorder
+from .vocab import VocabSchedule, regrow, state_vocab, vocab_of
 from .work import RoundWork
 
 
@@ -43,17 +44,24 @@ class StageCheckpoint:
     identity: CheckpointIdentity
     writer: CheckpointWriter = field(default_factory=CheckpointWriter)
 
-    def load(self, diloco: DiLoCo) -> bool:
-        """Resume `diloco` from the checkpoint if there is one; CheckpointMismatch if it is another's."""
-        state = load_checkpoint(self.path, self.identity)
+    older_tokenizers: tuple[str, ...] = ()
+    """The current tokenizer's ancestors: a checkpoint made before the tokenizer grew still loads."""
+
+    def load(self, diloco: DiLoCo) -> DiLoCo | None:
+        """`diloco` resumed from the checkpoint — regrown first when the checkpoint's vocabulary is
+        larger (its stage grew) — or None when there is none; CheckpointMismatch if it is another's."""
+        state = load_checkpoint(self.path, self.identity, older_tokenizers=self.older_tokenizers)
         if state is None:
-            return False
+            return None
+        vocab = state_vocab(state["model"], vocab_of(diloco))
+        if vocab > vocab_of(diloco):
+            diloco = regrow(diloco, vocab)
         diloco.model.load_state_dict(state["model"])
         diloco.load_state_dict(state["diloco"])
-        return True
+        return diloco
 
     def save(self, diloco: DiLoCo, *, wait: bool) -> None:
-        state = {  # on the CPU: a checkpoint loads on any machine
+        state = {  # on the CPU: a checkpoint loads on any machine; its vocabulary is its rows'
             "model": snapshot_to_cpu(diloco.model.state_dict()),
             "diloco": diloco.state_dict(),
         }
@@ -166,13 +174,15 @@ class StageWorker(InnerLoop):
         segments: SegmentRecorder | None = None,
         work: RoundWork | None = None,
         upstream_over: Callable[[], str | None] | None = None,
+        vocab_schedule: VocabSchedule | None = None,
         poll_s: float = 0.1,
     ) -> None:
         """`jobs`: where the micro-batches arrive (default: a queue of `config.max_pending`);
         `downstream`: the next stages (None on the last); `finish_round`: the round's finisher;
         `segments` records every inner step's received and sent messages (node.segments);
         `upstream_over` says why no more work will come (the stage before ended), else None:
-        the worker then ends as at `max_steps`."""
+        the worker then ends as at `max_steps`. `vocab_schedule` (the last stage's, which holds the
+        head): the round from which the replica trains at a grown vocabulary (node.vocab)."""
         self.diloco = diloco
         self.segments = segments
         self.config = config
@@ -187,6 +197,7 @@ class StageWorker(InnerLoop):
         self.work = work or RoundWork()
         """This round's losses and tokens, for the round's receipt (node.receipt); cleared after each round."""
         self.upstream_over = upstream_over
+        self.vocab_schedule = vocab_schedule
         self.ended_because: str | None = None
         """Why the worker ended before `max_steps` without a stop (the stage before it ended)."""
 
@@ -239,6 +250,20 @@ class StageWorker(InnerLoop):
         if self.checkpoint is not None:
             self.checkpoint.save(self.diloco, wait=True)
 
+    def _grow_as_scheduled(self) -> None:
+        """At a round boundary: grow the head if the verifier scheduled this round (or an earlier one)."""
+        old = vocab_of(self.diloco)
+        grown = None if self.vocab_schedule is None else self.vocab_schedule.grow_due(self.diloco)
+        if grown is None:
+            return
+        self.diloco = grown
+        if self.segments is not None:  # the round's first checkpoint again, at the grown shape
+            self.segments.start_round(grown)
+        self._log(
+            f"vocabulary grew {old} -> {vocab_of(grown)} at round {grown.round} as scheduled: "
+            "head extended, existing rows kept"
+        )
+
     def _onward(self, job: Job) -> Downstream | None:
         """The next stage for this job (None on the last stage), reached under the job's id."""
         forward = self.downstream
@@ -251,6 +276,7 @@ class StageWorker(InnerLoop):
         try:
             with timed(seconds, "round"):
                 self._finish_round_hook(self.diloco)
+                self._grow_as_scheduled()
             with timed(seconds, "checkpoint"):
                 if self.checkpoint is not None:
                     self.checkpoint.save(self.diloco, wait=False)

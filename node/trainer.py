@@ -33,7 +33,7 @@ from .model import ModelConfig, build_stage, cross_entropy_loss
 from .pipeline import stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .segments import SegmentRecorder
-from .vocab import grow_replica
+from .vocab import VocabSchedule, model_of, regrow
 from .work import RoundWork
 
 RoundClosing = Callable[[int], bool]
@@ -117,6 +117,7 @@ class Trainer(InnerLoop):
         num_stages: int = 1,
         loss_fn: LossFn | None = None,
         placement: Placement | None = None,
+        vocab_schedule: VocabSchedule | None = None,
     ) -> None:
         """`num_stages` > 1 makes this replica stage 0 of a pipeline (embedding and the first
         layers); `loss_fn` then sends its output on (`pipeline.remote_loss`). `placement`: where
@@ -126,12 +127,17 @@ class Trainer(InnerLoop):
         verifier is watched); `round_closing`, when given, ends a round before H inner steps once
         it says the stage's majority already contributed it (after EARLY_CLOSE_FRACTION of H);
         `work` collects the round's data spans and losses for whoever finishes the round, and
-        `segments` records each inner step for the round's segment log (node.segments)."""
+        `segments` records each inner step for the round's segment log (node.segments).
+
+        `vocab_schedule`: in a network with a verifier, the round from which the stage's replicas
+        train at a grown vocabulary (node.vocab); a grown manifest then waits until that round, so
+        every replica grows at the same boundary. Without one, a lone replica grows as soon as it
+        takes a grown manifest; a pipeline stage never does (its head lives on another stage)."""
         if config.seq_len > model_config.max_seq_len:
             raise ValueError(
                 f"seq_len {config.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
             )
-        if model_config.vocab_size != dataset.tokenizer.vocab_size:
+        if model_config.vocab_size != dataset.tokenizer.vocab_size and vocab_schedule is None:
             raise ValueError(
                 f"model vocab_size {model_config.vocab_size} != tokenizer vocab_size {dataset.tokenizer.vocab_size}"
             )
@@ -141,6 +147,9 @@ class Trainer(InnerLoop):
         self._finish_round_hook = finish_round
         self._round_closing = round_closing
         self._dataset_updates = dataset_updates
+        self.vocab_schedule = vocab_schedule
+        self._held: Dataset | None = None
+        """A newer data set whose tokenizer is ahead of the model, held until the scheduled growth."""
         self.wallet_id = wallet_id
         self.dataset = dataset
         self.checkpoint_file = checkpoint_path(checkpoint_dir, wallet_id, stage=0)
@@ -179,7 +188,11 @@ class Trainer(InnerLoop):
                 f"resumed from {self.checkpoint_file} at step={self.diloco.step} round={self.diloco.round} "
                 f"(shard {saved['shard_id']}, offset {position.offset})"
             )
-        self._grow_vocab(model_config.vocab_size)
+        # A replica that starts (or restarts) after the run's tokenizer grew trains at its size: the
+        # stage's peers grew at their scheduled round, and join_state takes their state at that shape.
+        self._grow_vocab(
+            dataset.tokenizer.vocab_size if vocab_schedule is not None else model_config.vocab_size
+        )
         self.batches = BatchStream(
             source=dataset.source,
             manifest=dataset.manifest,
@@ -223,26 +236,53 @@ class Trainer(InnerLoop):
         return load_checkpoint(self.checkpoint_file, expected, older_tokenizers=ancestors)
 
     def _grow_vocab(self, vocab_size: int) -> None:
-        if vocab_size == self.model.config.vocab_size:
+        if vocab_size <= self.model.config.vocab_size:
             return
         old = self.model.config.vocab_size
-        if self.num_stages > 1:  # the head lives on another stage, which would have to grow in the same round
-            raise ValueError(
-                f"vocabulary growth {old} -> {vocab_size} is not supported with pipeline stages yet"
-            )
-        self.diloco.move_to(Placement.cpu())  # grow_replica builds the grown model on the CPU
-        self.model, self.diloco = grow_replica(self.model, self.diloco, vocab_size)
-        self.diloco.move_to(self.placement)
-        self.model.activation_checkpointing = self.config.activation_checkpointing
-        self._log(f"vocabulary grew {old} -> {vocab_size}: embedding and head extended, existing rows kept")
+        self.diloco = regrow(self.diloco, vocab_size)
+        self.model = model_of(self.diloco)
+        rows = "embedding and head" if self.num_stages == 1 else "embedding"
+        self._log(
+            f"vocabulary grew {old} -> {vocab_size} at round {self.diloco.round}: {rows} extended, existing rows kept"
+        )
+
+    def _grow_as_scheduled(self) -> None:
+        """At a round boundary: grow if the verifier scheduled this round (or an earlier one) for it."""
+        old = self.model.config.vocab_size
+        grown = None if self.vocab_schedule is None else self.vocab_schedule.grow_due(self.diloco)
+        if grown is None:
+            return
+        self.diloco, self.model = grown, model_of(grown)
+        if self.segments is not None:  # the round's first checkpoint again, at the grown shape
+            self.segments.start_round(grown)
+        rows = "embedding and head" if self.num_stages == 1 else "embedding"
+        self._log(
+            f"vocabulary grew {old} -> {self.model.config.vocab_size} at round {grown.round} as scheduled: {rows} extended"
+        )
 
     def _apply_dataset_update(self) -> None:
-        """At a round boundary: move to a newer manifest (more shards, maybe a grown tokenizer)."""
-        if self._dataset_updates is None:
-            return
-        update = self._dataset_updates()
+        """At a round boundary: grow if scheduled, then move to a newer manifest (more shards,
+        maybe a grown tokenizer) — one whose tokenizer is ahead of the model waits for its growth."""
+        self._grow_as_scheduled()
+        update = self._held
+        if self._dataset_updates is not None:
+            update = self._dataset_updates() or update
         if update is None:
             return
+        ahead = update.tokenizer.vocab_size > self.model.config.vocab_size
+        if ahead and (self.vocab_schedule is not None or self.num_stages > 1):
+            if self._held is None or self._held.manifest.version != update.manifest.version:
+                self._log(
+                    f"manifest version {update.manifest.version} grows the vocabulary to {update.tokenizer.vocab_size}; "
+                    + (
+                        "it is taken at the round the verifier schedules for this stage"
+                        if self.vocab_schedule is not None
+                        else "a pipeline grows only on a verifier's schedule, and this run has none: staying on the old manifest"
+                    )
+                )
+            self._held = update
+            return
+        self._held = None
         self.dataset = update
         self._grow_vocab(update.tokenizer.vocab_size)
         order = assign_shards(self.wallet_id, update.manifest, exclude=self.config.held_out_shards)

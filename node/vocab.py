@@ -145,14 +145,27 @@ def _carry_outer_state(old: DiLoCo, new: DiLoCo, old_params: Params, new_params:
     new.outer_optimizer.state[new.theta_round] = {"momentum_buffer": grown_m}
 
 
+def model_of(diloco: DiLoCo) -> Transformer:
+    """The engine's model, as the Transformer it is (DiLoCo holds any module)."""
+    model = diloco.model
+    if not isinstance(model, Transformer):
+        raise TypeError(f"vocabulary growth needs a Transformer, got {type(model).__name__}")
+    return model
+
+
+def vocab_of(diloco: DiLoCo) -> int:
+    """The vocabulary the engine's model trains at."""
+    return model_of(diloco).config.vocab_size
+
+
 def regrow(diloco: DiLoCo, vocab_size: int) -> DiLoCo:
     """`grow_replica` for a replica on any placement: grown on the CPU (where the new rows'
     initialisation is the same on every machine), moved back to its placement, activation
     checkpointing kept. Returns the new engine; its `.model` is the grown model."""
     placement = diloco.placement
-    checkpointing = diloco.model.activation_checkpointing
+    checkpointing = model_of(diloco).activation_checkpointing
     diloco.move_to(Placement.cpu())
-    model, grown = grow_replica(diloco.model, diloco, vocab_size)
+    model, grown = grow_replica(model_of(diloco), diloco, vocab_size)
     grown.move_to(placement)
     model.activation_checkpointing = checkpointing
     return grown
@@ -186,6 +199,13 @@ class VocabSchedule:
         size, start = self.planned
         return size if size and round_ >= start else 0
 
-    def grown(self, diloco: DiLoCo) -> None:
+    def grow_due(self, diloco: DiLoCo) -> DiLoCo | None:
+        """At a round boundary: the engine regrown to the vocabulary due at its round (and
+        `on_grown` told), or None when no growth is due."""
+        size = self.due(diloco.round)
+        if size <= vocab_of(diloco):
+            return None
+        grown = regrow(diloco, size)
         if self.on_grown is not None:
-            self.on_grown(diloco)
+            self.on_grown(grown)
+        return grown

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import threading
 import time
@@ -85,6 +86,7 @@ from neuroshard.protocol.pipeline import (
     PipelineEnd,
 )
 from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.roster import MAX_VOCAB
 from neuroshard.protocol.schema import MAX_STAGE
 from neuroshard.protocol.segments import Received
 
@@ -499,6 +501,16 @@ class PipelineService:
         """Answered micro-batches at the HTTP layer (as the middleware counts them): the pipeline's
         share of this server's traffic, so a bench can tell it from the round exchange's."""
 
+    def set_vocab(self, vocab_size: int) -> None:
+        """The head grew (node.vocab): labels below the new vocabulary are taken from now on."""
+        self.model_config = dataclasses.replace(self.model_config, vocab_size=vocab_size)
+
+    @property
+    def label_bound(self) -> int:
+        """Labels must lie below this. Only the last stage scores them against its head; a stage in
+        between passes them on and holds no vocabulary rows, so it takes any id a grown tokenizer gives."""
+        return self.model_config.vocab_size if self.stage == self.config.num_stages - 1 else MAX_VOCAB
+
     def body_limit(self, route: str) -> int | None:
         if route == self.END_ROUTE:
             return MAX_END_BYTES
@@ -585,9 +597,7 @@ class PipelineService:
     async def _take(self, header: ActivationHeader, body: bytes) -> _Taken:
         """Decode the micro-batch and queue it on the worker, remembering its id; Busy -> 503."""
         loop = asyncio.get_running_loop()
-        hidden, labels = await loop.run_in_executor(
-            None, decode_activations, body, header, self.model_config.vocab_size
-        )
+        hidden, labels = await loop.run_in_executor(None, decode_activations, body, header, self.label_bound)
         key = (header.wallet, header.micro_batch)
         taken = _Taken(header.payload_sha256, loop.create_future())
 

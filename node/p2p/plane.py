@@ -528,6 +528,12 @@ class PeerPlane:
 
         self._call(publish(), timeout=30.0)
 
+    def republish(self, diloco: DiLoCo) -> None:
+        """Serve `diloco`'s state from now on instead of the snapshot published at the round's end:
+        its shape changed at the round boundary (node.vocab: the vocabulary grew), and a joiner or a
+        hash check must read the state this replica trains from."""
+        self._publish(diloco)
+
     # --- joining ------------------------------------------------------------------------------
 
     def join_state(self, diloco: DiLoCo) -> bool:

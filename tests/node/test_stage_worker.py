@@ -16,6 +16,7 @@ from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
 from neuroshard.node.pipeline import stage_fingerprint
 from neuroshard.node.stage_worker import StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
+from neuroshard.node.vocab import VocabSchedule, vocab_of
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
 H = 3
@@ -122,3 +123,58 @@ def test_a_full_queue_refuses_and_queued_jobs_get_busy_when_the_round_starts() -
         release.set()
         thread.join(10.0)
     assert engine.step == 1 and engine.round == 1
+
+
+def _feed(worker: StageWorker, steps: int) -> list[JobResult]:
+    """Offer `steps` jobs one at a time, as a sender waiting for each reply, until the worker ends."""
+    results: list[JobResult] = []
+    thread = threading.Thread(target=lambda: worker.run(threading.Event(), 0.01), daemon=True)
+    thread.start()
+    for i in range(steps):
+        deadline = time.monotonic() + 10.0
+        while len(results) <= i and time.monotonic() < deadline:
+            try:
+                worker.jobs.offer(_job(results, i))
+            except Busy:
+                time.sleep(0.005)
+                continue
+            while len(results) <= i and time.monotonic() < deadline:
+                time.sleep(0.005)
+    thread.join(10.0)
+    assert not thread.is_alive()
+    return results
+
+
+def test_the_last_stage_grows_its_head_at_the_scheduled_round_and_its_checkpoint_resumes_grown(
+    tmp_path: Path,
+) -> None:
+    schedule = VocabSchedule()
+    schedule.set(80, 1)
+    told: list[int] = []
+    schedule.on_grown = lambda engine: told.append(engine.round)
+    lines: list[str] = []
+    checkpoint = StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity())
+    worker = StageWorker(
+        _engine(), WorkerConfig(max_steps=2 * H, max_pending=10), log=lines.append,
+        finish_round=lambda d: d.outer_step(d.pseudo_gradient()), checkpoint=checkpoint, vocab_schedule=schedule,
+    )  # fmt: skip
+    results = _feed(worker, 2 * H)
+    assert all(isinstance(r, tuple) for r in results)  # the steps after the growth trained on the grown head
+    assert told == [1] and vocab_of(worker.diloco) == 80
+    assert "vocabulary grew 64 -> 80 at round 1 as scheduled: head extended, existing rows kept" in lines
+    # A restart builds the definition's vocabulary; the checkpoint's rows say the stage grew.
+    resumed = StageCheckpoint(path=checkpoint.path, identity=_identity()).load(_engine())
+    assert resumed is not None and vocab_of(resumed) == 80
+    assert resumed.weights_hash() == worker.diloco.weights_hash() and resumed.round == 2
+
+
+def test_a_stage_resumes_a_checkpoint_made_before_the_tokenizer_grew(tmp_path: Path) -> None:
+    old = _identity()
+    StageCheckpoint(path=tmp_path / "s1.pt", identity=old).save(_engine(), wait=True)
+    grown_tokenizer = CheckpointIdentity(
+        wallet_id="w", stage=1, model_fingerprint=old.model_fingerprint, tokenizer_sha256="u" * 64
+    )
+    with pytest.raises(CheckpointMismatch, match="tokenizer_sha256"):
+        StageCheckpoint(path=tmp_path / "s1.pt", identity=grown_tokenizer).load(_engine())
+    lineage = StageCheckpoint(path=tmp_path / "s1.pt", identity=grown_tokenizer, older_tokenizers=("t" * 64,))
+    assert lineage.load(_engine()) is not None

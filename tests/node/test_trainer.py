@@ -16,6 +16,7 @@ from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
+from neuroshard.node.vocab import VocabSchedule
 from neuroshard.tokenizer import BPETokenizer
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
@@ -95,7 +96,7 @@ def test_restart_after_the_tokenizer_grew_resumes_and_grows_the_vocabulary(publi
     lines: list[str] = []
     second = _trainer_on(extended, tmp_path / "ck", 12, lines)
     assert any("resumed from" in line and "step=6 round=1" in line for line in lines)
-    assert "vocabulary grew 512 -> 536: embedding and head extended, existing rows kept" in lines
+    assert "vocabulary grew 512 -> 536 at round 1: embedding and head extended, existing rows kept" in lines
     assert torch.equal(second.model.embedding.weight[:512], before)  # type: ignore[union-attr]
     result = second.run(threading.Event())
     assert (result.steps, result.rounds) == (12, 2)
@@ -183,3 +184,47 @@ def test_the_time_breakdown_charges_a_slow_round_hook_to_round(published, tmp_pa
     assert set(result.seconds) == {"data", "round", "checkpoint", "log"}
     other = float(result.breakdown().rsplit("other ", 1)[1].removesuffix(" s"))
     assert 0 <= other < 0.1 * result.wall_seconds
+
+
+def test_a_scheduled_replica_holds_a_grown_manifest_until_its_round(published, tmp_path: Path) -> None:
+    """In a network the verifier names the round (VocabSchedule): the grown manifest seen at round 1
+    waits, and the replica grows and takes it at round 2 — the round every replica of its stage grows."""
+    extended = _extended_copy(published, tmp_path)
+    updates = iter([extended])
+    schedule = VocabSchedule()
+    schedule.set(536, 2)
+    grown_at: list[int] = []
+    schedule.on_grown = lambda diloco: grown_at.append(diloco.round)
+    lines: list[str] = []
+    trainer = _trainer_on(
+        published.dataset,
+        tmp_path / "ck",
+        18,
+        lines,
+        dataset_updates=lambda: next(updates, None),
+        vocab_schedule=schedule,
+    )
+    trainer.run(threading.Event())
+    assert grown_at == [2]
+    assert trainer.model.config.vocab_size == 536 and trainer.dataset is extended
+    held = next(i for i, line in enumerate(lines) if "taken at the round the verifier schedules" in line)
+    grew = lines.index("vocabulary grew 512 -> 536 at round 2 as scheduled: embedding and head extended")
+    taken = next(i for i, line in enumerate(lines) if "data set updated to manifest version 2" in line)
+    assert held < grew < taken
+
+
+def test_a_pipeline_stage_without_a_schedule_stays_on_the_old_manifest(published, tmp_path: Path) -> None:
+    extended = _extended_copy(published, tmp_path)
+    lines: list[str] = []
+    trainer = _trainer_on(
+        published.dataset,
+        tmp_path / "ck",
+        12,
+        lines,
+        dataset_updates=lambda: extended,
+        num_stages=2,
+        loss_fn=lambda out, labels: out.float().pow(2).mean(),
+    )
+    trainer.run(threading.Event())
+    assert trainer.model.config.vocab_size == 512 and trainer.dataset is published.dataset
+    assert sum("this run has none: staying on the old manifest" in line for line in lines) == 1

@@ -1,10 +1,16 @@
-"""Growing the vocabulary keeps every old row and all optimizer state; new rows are deterministic."""
+"""Growing the vocabulary keeps every old row and all optimizer state; new rows are deterministic;
+a replica grows at the round its verifier schedules; a checker reads the vocabulary off what it checks."""
+
+import dataclasses
 
 import torch
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.model import ModelConfig, Transformer
-from neuroshard.node.vocab import grow_replica
+from neuroshard.node.model import ModelConfig, Transformer, build_stage
+from neuroshard.node.reporting import Reporting
+from neuroshard.node.vocab import VocabSchedule, grow_replica, stage_vocab, state_vocab, vocab_of
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import MemberList
 
 CONFIG = ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 DILOCO = DiLoCoConfig(inner_steps=3, warmup_steps=0, total_steps=100)
@@ -56,3 +62,57 @@ def test_grown_replica_keeps_training() -> None:
     assert torch.isfinite(torch.tensor(loss))
     g.outer_step(g.pseudo_gradient())
     assert g.round == diloco.round + 1
+
+
+def test_a_checker_reads_the_vocabulary_off_a_theta_s_length_or_a_checkpoint_s_rows() -> None:
+    three = dataclasses.replace(CONFIG, n_layers=3)
+    for stage in range(3):
+        grown = build_stage(dataclasses.replace(three, vocab_size=340), stage, 3)
+        numel = sum(p.numel() for p in grown.parameters())
+        expected = 300 if stage == 1 else 340  # the middle stage holds no rows: its θ does not change
+        assert stage_vocab(three, stage, 3, numel) == expected
+        assert state_vocab(grown.state_dict(), 300) == expected
+        assert stage_vocab(three, stage, 3, numel + 1) is None  # no whole number of rows
+    whole = sum(p.numel() for p in Transformer(CONFIG).parameters())
+    assert stage_vocab(CONFIG, 0, 1, whole + 2 * 32 * 5) == 305  # one row in each of embedding and head
+    assert stage_vocab(CONFIG, 0, 1, whole - 2 * 32) is None  # a vocabulary never shrinks
+
+
+def test_a_schedule_grows_an_engine_only_from_its_round() -> None:
+    _, diloco = _trained()  # at round 2
+    schedule = VocabSchedule()
+    assert schedule.grow_due(diloco) is None  # nothing scheduled
+    schedule.set(340, 3)
+    assert schedule.due(2) == 0 and schedule.due(3) == schedule.due(9) == 340
+    assert schedule.grow_due(diloco) is None
+    heard: list[int] = []
+    schedule.on_grown = lambda engine: heard.append(vocab_of(engine))
+    diloco.round = 3
+    grown = schedule.grow_due(diloco)
+    assert grown is not None and vocab_of(grown) == 340 and heard == [340]
+    assert schedule.grow_due(grown) is None  # already there
+
+
+def test_the_tracker_hands_a_member_list_s_vocabulary_to_the_replica_s_schedule() -> None:
+    class Network:
+        def set_roster(self, roster: object, effective_round: int) -> None:
+            self.effective_round = effective_round
+
+    operator, member = Wallet.from_token("vocab-operator"), Wallet.from_token("vocab-member")
+    lines: list[str] = []
+    reporting = Reporting(url="http://127.0.0.1:9", operator_key=operator.public_key_hex, log=lines.append)
+    reporting.vocab = VocabSchedule()
+
+    def members(vocab_size: int, from_round: int) -> MemberList:
+        return MemberList.create(
+            operator, network="n", expires_at=2**40, stage=1, epoch=2, effective_round=5, policy="open",
+            admitted=(member.public_key_hex,), probation=(), admission_rounds=3,
+            vocab_size=vocab_size, vocab_from_round=from_round,
+        )  # fmt: skip
+
+    network = Network()
+    reporting._take_members(network, members(0, 0))  # type: ignore[arg-type]
+    assert reporting.vocab.planned == (0, 0) and network.effective_round == 5
+    reporting._take_members(network, members(600, 7))  # type: ignore[arg-type]
+    assert reporting.vocab.planned == (600, 7)
+    assert lines == ["tracker: the verifier schedules vocabulary 600 for stage 1 from round 7"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import pickle
 import random
 import socket
@@ -42,6 +43,7 @@ from neuroshard.protocol.pipeline import (
     GradientReply,
     micro_batch_id,
 )
+from neuroshard.protocol.roster import MAX_VOCAB
 from neuroshard.protocol.signing import sign_request
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
@@ -519,3 +521,16 @@ async def test_a_driver_refused_409_sends_the_micro_batch_elsewhere_without_a_ba
         router.ranking([a.wallet.public_key_hex, b.wallet.public_key_hex], time.time())[0]
         == a.wallet.public_key_hex
     )
+
+
+def test_only_the_last_stage_bounds_labels_by_its_head_and_a_growth_moves_the_bound(wallets) -> None:
+    jobs = StageWorker(
+        DiLoCo(build_stage(MODEL, 1, 2), DiLoCoConfig(inner_steps=5)), WorkerConfig(), log=lambda s: None
+    ).jobs
+    last = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=jobs)
+    assert last.label_bound == MODEL.vocab_size
+    last.set_vocab(MODEL.vocab_size + 40)  # its head grew at a round boundary (node.vocab)
+    assert last.label_bound == MODEL.vocab_size + 40
+    three = dataclasses.replace(PIPE, num_stages=3)
+    middle = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=three, worker=jobs)
+    assert middle.label_bound == MAX_VOCAB  # no rows of its own: it passes a grown tokenizer's ids on

@@ -25,6 +25,7 @@ from neuroshard.node.pipeline import remote_loss
 from neuroshard.node.stage_replica import StageReplica, start_stage_replica
 from neuroshard.node.stage_worker import WorkerConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
+from neuroshard.node.vocab import VocabSchedule, vocab_of
 from neuroshard.node.wallet import Wallet
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
@@ -62,6 +63,7 @@ class Driver:
         pipe: PipelineConfig = PIPE,
         model: ModelConfig = MODEL,
         placement: Placement | None = None,
+        vocab: VocabSchedule | None = None,
     ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-driver-{index}")
         self.stop = threading.Event()
@@ -91,7 +93,10 @@ class Driver:
             num_stages=pipe.num_stages,
             loss_fn=remote_loss(self.link.downstream),
             placement=placement,
+            vocab_schedule=vocab,
         )
+        if vocab is not None:
+            vocab.on_grown = self.network.republish
         self.result: TrainResult | None = None
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -127,6 +132,7 @@ class Stage1:
         pipe: PipelineConfig = PIPE,
         model: ModelConfig = MODEL,
         placement: Placement | None = None,
+        vocab: VocabSchedule | None = None,
         **net: object,
     ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-stage{stage}-{index}")
@@ -143,6 +149,7 @@ class Stage1:
             stop=self.stop,
             log=self.lines.append,
             placement=placement,
+            vocab_schedule=vocab,
         )
         self.result: TrainResult | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -167,14 +174,26 @@ def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
     def build(
         stage1_max_steps: int | None,
         placements: tuple[Placement | None, Placement | None] = (None, None),
+        growth: tuple[int, int, int] | None = None,
         **stage1_net: object,
     ) -> tuple[list[Driver], list[Stage1]]:
-        """`placements`: replica 0's and replica 1's (of each stage); None is CPU fp32."""
-        first = Stage1(0, (), stage1_max_steps, placement=placements[0], **stage1_net)
+        """`placements`: replica 0's and replica 1's (of each stage); None is CPU fp32. `growth`:
+        (vocabulary, stage 1's round, stage 0's round), each replica told as its tracker would tell it."""
+
+        def vocab(stage: int) -> VocabSchedule | None:
+            if growth is None:
+                return None
+            schedule = VocabSchedule()
+            schedule.set(growth[0], growth[2 - stage])
+            return schedule
+
+        first = Stage1(0, (), stage1_max_steps, placement=placements[0], vocab=vocab(1), **stage1_net)
         made.append(first)
         boot = (first.replica.network.address,)
-        made.append(Stage1(1, boot, stage1_max_steps, placement=placements[1], **stage1_net))
-        made.extend(Driver(i, published, tmp_path, boot, placement=placements[i]) for i in range(2))
+        made.append(Stage1(1, boot, stage1_max_steps, placement=placements[1], vocab=vocab(1), **stage1_net))
+        made.extend(
+            Driver(i, published, tmp_path, boot, placement=placements[i], vocab=vocab(0)) for i in range(2)
+        )
         drivers = [m for m in made if isinstance(m, Driver)]
         for d in drivers:
             d.network.join_state(d.trainer.diloco)  # announces the driver (stage 1 joined at start)
@@ -272,6 +291,30 @@ def test_replicas_of_each_stage_in_fp32_and_bf16_autocast_agree_every_round(buil
     assert drivers[0].trainer.diloco.weights_hash() == drivers[1].trainer.diloco.weights_hash()
     assert stage1[0].replica.diloco.weights_hash() == stage1[1].replica.diloco.weights_hash()
     _loss_fell(drivers, 0.3)
+
+
+def test_a_vocabulary_growth_keeps_every_stage_s_replicas_bit_identical(build_2x2: Build2x2) -> None:
+    """The verifier schedules the head (stage 1) to grow at its round 1 and the embedding (stage 0)
+    at its round 2; each replica grows at that boundary, and every round of both stages agrees."""
+    drivers, stage1 = build_2x2(ROUNDS * H, growth=(600, 1, 2))
+    _run_all(drivers, stage1)
+    for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
+        _stage_agrees(stage_networks, range(ROUNDS))
+        assert all(len(r.accepted) == 2 for n in stage_networks for r in n.reports)
+    assert [vocab_of(d.trainer.diloco) for d in drivers] == [600, 600]
+    assert [vocab_of(s.replica.diloco) for s in stage1] == [600, 600]
+    assert stage1[0].replica.service.label_bound == 600
+    assert drivers[0].trainer.diloco.weights_hash() == drivers[1].trainer.diloco.weights_hash()
+    assert stage1[0].replica.diloco.weights_hash() == stage1[1].replica.diloco.weights_hash()
+    assert all(
+        any("grew 512 -> 600 at round 1 as scheduled: head" in line for line in s.lines) for s in stage1
+    )
+    assert all(
+        any("grew 512 -> 600 at round 2 as scheduled: embedding" in line for line in d.lines) for d in drivers
+    )
+    # What each replica serves its stage (joiners, hash checks) is the grown state.
+    assert all(s.replica.network.node.snapshot.numel == s.replica.diloco.theta_round.numel() for s in stage1)
+    _loss_fell(drivers, 0.2)
 
 
 def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2x2: Build2x2) -> None:
