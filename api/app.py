@@ -29,6 +29,7 @@ from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import Evaluator
 from neuroshard.verifier.leader import Job, LeaderLease
 from neuroshard.verifier.replaycheck import ReplayChecker
+from neuroshard.verifier.vocab import VocabWatch
 
 from . import membership, reads, writes
 from .cache import HeadAsGet
@@ -99,8 +100,11 @@ def create_app(config: VerifierConfig) -> FastAPI:
     if config.replay_checks is not None:
         replays = config.replay_checks
         jobs.append(lambda: ReplayChecker(ctx, config=replays, membership=config.membership))
-    # Evaluations and replay spot checks run in one process of all that share the database;
-    # each job has its own threads, so a measurement never holds up a request.
+    if config.vocab_watch is not None:
+        vocab = config.vocab_watch
+        jobs.append(lambda: VocabWatch(ctx, config=vocab, membership=config.membership))
+    # Evaluations, replay spot checks and vocabulary schedules run in one process of all that
+    # share the database; each job has its own threads, so a measurement never holds up a request.
     lease = LeaderLease(services.db, jobs, config=config.lease, log=log.info)
     services.lease = lease
 

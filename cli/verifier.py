@@ -33,6 +33,7 @@ from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.network import NetworkError, load_network, load_operator_key
 from neuroshard.verifier.ratelimit import SourceLimitConfig
 from neuroshard.verifier.replaycheck import SEGMENTS_PER_CHECK, ReplayCheckConfig
+from neuroshard.verifier.vocab import VocabWatchConfig
 from neuroshard.verifier.workers import Supervisor, SupervisorConfig, listen
 
 PROG = "neuroshard-verifier"
@@ -103,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=ReplayCheckConfig().keep_fraud_bytes / 2**30,
         help="GiB the kept segment fraud proofs (HOME/fraud-proofs, ~28 bytes per parameter each) may "
         "hold together; the oldest are deleted beyond it (default %(default)s)",
+    )
+    p.add_argument(
+        "--vocab-check-every",
+        type=float,
+        default=VocabWatchConfig().period_s,
+        help="seconds between reads of the run's manifest for a grown tokenizer, whose new ids the "
+        "stages' embedding and head are scheduled to grow to (verifier.vocab; 0: never grow; "
+        "default %(default)s)",
     )
     p.add_argument(
         "--workers",
@@ -219,6 +228,8 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         raise ValueError(f"--eval-threads must be ≥ 1, got {args.eval_threads}")
     if args.new_wallets_per_hour < 0:
         raise ValueError(f"--new-wallets-per-hour must be ≥ 0, got {args.new_wallets_per_hour}")
+    if not args.vocab_check_every >= 0:
+        raise ValueError(f"--vocab-check-every must be ≥ 0 seconds, got {args.vocab_check_every}")
     replays = args.replay_rate > 0 or budget is not None
     return VerifierConfig(
         database_url=url,
@@ -244,6 +255,7 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
         if replays
         else None,
         fraud_proof_dir=args.home / DIRECTORY_NAME,
+        vocab_watch=VocabWatchConfig(period_s=args.vocab_check_every) if args.vocab_check_every else None,
         membership=_membership(args, replays),
         registration_pow_bits=args.registration_pow_bits,
         registration_limit=SourceLimitConfig(per_hour=args.new_wallets_per_hour)

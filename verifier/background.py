@@ -1,5 +1,5 @@
 """What the verifier's background jobs share (verifier.evaluator, verifier.datacheck,
-verifier.replaycheck).
+verifier.replaycheck, verifier.vocab).
 
 Each job is built from one `JobContext` (the database, the run's network definition, the
 operator wallet, the log, the clock, the reputation config; built once by the verifier's

@@ -19,6 +19,7 @@ from .ratelimit import RateLimitConfig, SourceLimitConfig
 from .replaycheck import ReplayCheckConfig
 from .reputation import ReputationConfig
 from .verdict import VerdictConfig
+from .vocab import VocabWatchConfig
 
 
 @dataclass(kw_only=True)
@@ -93,6 +94,9 @@ class VerifierConfig:
     None leaves the evaluations table to whoever calls ledger.record_evaluation (API tests)."""
     replay_checks: ReplayCheckConfig | None = None
     """Replay a sample of receipts' inner steps in background threads (verifier.replaycheck); None: don't."""
+    vocab_watch: VocabWatchConfig | None = None
+    """Read the run's manifest in a background thread and schedule the stages' vocabulary growth
+    when the publisher grows the tokenizer (verifier.vocab); None: the vocabulary never grows."""
     fraud_proof_dir: Path | None = None
     """Where the segment fraud proofs are kept (HOME/fraud-proofs, verifier.fraudproofs), served on
     GET /api/fraud-proofs/{sha256}; None: `replay_checks.fraud_proof_dir`, and with neither the

@@ -41,7 +41,8 @@ Log = Callable[[str], None]
 
 
 class Job(Protocol):
-    """A background worker with its own threads (verifier.evaluator, verifier.replaycheck)."""
+    """A background worker with its own threads (verifier.evaluator, verifier.replaycheck,
+    verifier.vocab)."""
 
     def start(self) -> None: ...
 

@@ -16,9 +16,10 @@ A wallet costs nothing to make, so the verifier does not let new wallets count. 
 - ``allowlist``: only the wallets on the operator's signed roster (protocol.roster.Roster) may
   register for the stage, and only they count.
 
-Every change of a stage's membership bumps its epoch (stage_epochs); GET
-/api/stages/{stage}/members serves the stage's `protocol.roster.MemberList` at its current epoch,
-signed with the verifier's key. A refused wallet (reputation) is on no list.
+Every change of a stage's membership, or of its vocabulary schedule (verifier.vocab), bumps its
+epoch (stage_epochs); GET /api/stages/{stage}/members serves the stage's
+`protocol.roster.MemberList` at its current epoch, signed with the verifier's key. A refused
+wallet (reputation) is on no list.
 """
 
 from __future__ import annotations
@@ -145,6 +146,15 @@ def bump_epoch(session: Session, stage: int, *, now: float) -> None:
 
 def epoch(session: Session, stage: int) -> int:
     return session.scalar(select(m.StageEpoch.epoch).where(m.StageEpoch.stage == stage)) or 0
+
+
+def vocab_schedule(session: Session, stage: int) -> tuple[int, int]:
+    """The stage's (vocab_size, vocab_from_round) (verifier.vocab); (0, 0): the network
+    definition's vocabulary, never grown."""
+    row = session.execute(
+        select(m.StageEpoch.vocab_size, m.StageEpoch.vocab_from_round).where(m.StageEpoch.stage == stage)
+    ).one_or_none()
+    return (0, 0) if row is None else (row.vocab_size, row.vocab_from_round)
 
 
 def effective_round(session: Session, stage: int, cfg: MembershipConfig) -> int:
@@ -380,6 +390,7 @@ def member_list(
             key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key),
         )
         probation = [r.public_key for r in waiting[: cfg.max_probation_listed]]
+    vocab_size, vocab_from_round = vocab_schedule(session, stage)
     try:
         return MemberList.create(
             signer,
@@ -392,6 +403,8 @@ def member_list(
             admitted=tuple(sorted(admitted)[:MAX_LISTED]),
             probation=tuple(sorted(probation)),
             admission_rounds=cfg.admission_rounds,
+            vocab_size=vocab_size,
+            vocab_from_round=vocab_from_round,
         )
     except Refused as exc:  # a roster or table that cannot be listed is the verifier's bug, said plainly
         raise RuntimeError(f"stage {stage}'s member list does not build: {exc}") from exc

@@ -254,7 +254,8 @@ class Membership(Base):
 
 
 class StageEpoch(Base):
-    """A stage's membership epoch: +1 with every change of who is admitted or on probation."""
+    """A stage's membership epoch: +1 with every change of who is admitted or on probation, or of
+    the stage's vocabulary schedule (verifier.vocab)."""
 
     __tablename__ = "stage_epochs"
 
@@ -264,6 +265,13 @@ class StageEpoch(Base):
     changed_round: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     """The newest round any replica of the stage had reported when the epoch last changed: the
     member list of this epoch takes effect `MembershipConfig.lead_rounds` after it."""
+    vocab_size: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """The vocabulary the stage's embedding (stage 0) or head (the last stage) has from
+    `vocab_from_round` on, after the publisher grew the tokenizer; 0: the network definition's,
+    never grown. Set by verifier.vocab, served in the stage's member list."""
+    vocab_from_round: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """The first round of the stage trained at `vocab_size`: every replica grows at this round
+    boundary, so the replicas stay bit-identical."""
 
 
 class RosterRow(Base):

@@ -16,6 +16,7 @@ from neuroshard.testing.verifier import ManualClock
 from neuroshard.verifier import models as m
 from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.ratelimit import SourceLimitConfig, source_key
+from neuroshard.verifier.vocab import VocabWatchConfig, schedule_growth
 
 WALLETS = [Wallet.from_token(f"api-members-{i}") for i in range(4)]
 REGISTRATION = {"address": ADDRESS, "stage": 0, "software_version": "0.1.0"}
@@ -172,3 +173,27 @@ def test_new_wallets_are_limited_per_source(database_url: str) -> None:
 def test_source_keys(host: str | None, key: str | None) -> None:
     assert source_key(host, exempt_loopback=True) == key
     assert source_key("127.0.0.1", exempt_loopback=False) == "127.0.0.1"
+
+
+def test_member_list_serves_the_vocabulary_schedule_and_the_leader_watches_the_manifest(
+    database_url: str,
+) -> None:
+    """The vocabulary schedule (verifier.vocab) travels in the signed member list; with
+    `vocab_watch` set the leader runs the job that makes it."""
+    for h in _harness(database_url, vocab_watch=VocabWatchConfig(period_s=3600)):
+        assert h.client.app.state.lease.running()["VocabWatch"] == 1  # type: ignore[attr-defined]
+        before = _members(h)
+        assert (before.vocab_size, before.vocab_from_round) == (0, 0)
+        with h.services.db.write() as session:
+            line = schedule_growth(
+                session,
+                num_stages=1,
+                network_vocab=h.config.network.model.vocab_size,
+                target_vocab=h.config.network.model.vocab_size + 88,
+                cfg=h.config.membership,
+                now=h.clock(),
+            )
+        assert line is not None
+        after = _members(h)
+        assert after.newer_than(before)
+        assert (after.vocab_size, after.vocab_from_round) == (h.config.network.model.vocab_size + 88, 2)

@@ -157,3 +157,16 @@ def test_membership_flags(network_file: Path, tmp_path: Path, capsys: pytest.Cap
     assert code == 2 and "registration_pow_bits must be in [0, 40]" in one_line(err)
     code, err = run([*base, "--admission", "anyone"], capsys)
     assert code == 2 and "invalid choice" in err
+
+
+def test_vocab_check_every_flag(
+    network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
+    default = build_config(build_parser().parse_args(base)).vocab_watch
+    assert default is not None and default.period_s == 60
+    config = build_config(build_parser().parse_args([*base, "--vocab-check-every", "5"]))
+    assert config.vocab_watch is not None and config.vocab_watch.period_s == 5
+    assert build_config(build_parser().parse_args([*base, "--vocab-check-every", "0"])).vocab_watch is None
+    code, err = run([*base, "--vocab-check-every", "-1"], capsys)
+    assert code == 2 and "--vocab-check-every must be ≥ 0 seconds, got -1.0" in one_line(err)

@@ -51,7 +51,7 @@ def post(base: str, signer: Wallet, path: str, doc: object) -> int:
 def sample_metrics(base: str, requests: int = 64) -> dict[int, int]:
     """worker pid → its background_leader gauge, from `requests` fresh connections, 8 at a time
     (each connection goes to whichever worker accepts it). A leader must be running the
-    evaluator and the replay checker, a follower neither."""
+    evaluator, the replay checker and the vocabulary watch, a follower none."""
 
     def one(_: int) -> tuple[int, int]:
         with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
@@ -60,7 +60,11 @@ def sample_metrics(base: str, requests: int = 64) -> dict[int, int]:
         leader = re.search(r"^neuroshard_background_leader (\d+)", text_, re.M)
         assert pid and leader, text_
         jobs = re.findall(r'^neuroshard_background_jobs\{job="(\w+)"\} (\d+)', text_, re.M)
-        expected = [("Evaluator", "1"), ("ReplayChecker", "1")] if leader.group(1) == "1" else []
+        expected = (
+            [("Evaluator", "1"), ("ReplayChecker", "1"), ("VocabWatch", "1")]
+            if leader.group(1) == "1"
+            else []
+        )
         assert jobs == expected, text_
         return int(pid.group(1)), int(leader.group(1))
 
