@@ -34,9 +34,11 @@ What the verdict depends on, besides the proof's own signed bytes:
   unless that signature holds); --wallet (a wallet id or public key) refuses a proof signed by
   any other.
 
-The file is bounded before it is loaded: its header is read first (the commitment and the log),
-a log of more steps than the run's rounds is refused, and so is a file larger than the stage's
-largest segment body (node.p2p.replay.segment_size_bound).
+The file is bounded before it is loaded: its header is read first (the commitment, the log and
+the length of θ: the definition's, or the stage's grown with the tokenizer, node.vocab), a log of
+more steps than the run's rounds is refused, and so is a file larger than a segment body of that
+stage can be (node.p2p.replay.segment_size_bound). The replay builds the stage at that
+vocabulary (verifier.stageshape).
 
 Prints one line. Exit 0: `PROVES FRAUD: wallet W stage S round R segment J (reason) [definition
 …]`; exit 1: `does not prove fraud: reason [definition …]`; exit 2: the proof, the definition or
@@ -55,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 from neuroshard.cli.parser import Parser
-from neuroshard.node.model import build_stage
 from neuroshard.node.network_definition import verify_network
 from neuroshard.node.p2p.replay import segment_size_bound
 from neuroshard.node.segment_store import MAX_MATERIAL_HEADER, SegmentMaterial
@@ -71,6 +72,7 @@ from neuroshard.verifier.segmentcheck import (
     judge_fraud_proof,
 )
 from neuroshard.verifier.segmentlive import batch_reader
+from neuroshard.verifier.stageshape import declared_length, stage_config, stage_size
 
 PROG = "neuroshard-check-proof"
 DEVICES = ("cpu", "cuda", "mps")
@@ -255,8 +257,12 @@ def load(args: argparse.Namespace) -> Loaded | str:
         raise Unreadable(
             f"{args.proof} is not a proof of this run: its log has {len(log.steps)} steps, a round has {inner}"
         )
-    params = list(build_stage(network.model, stage, stages).parameters())
-    numel, n_tensors = sum(p.numel() for p in params), len(params)
+    try:  # the definition's length, or the stage's grown with the tokenizer (node.vocab)
+        numel = declared_length(head, "theta_round", "the proof")
+        stage_config(network.model, stage, stages, numel)
+    except ValueError as exc:  # Refused included
+        raise Unreadable(f"{args.proof} is not a stage-{stage} proof of this run's model: {exc}") from None
+    n_tensors = stage_size(network.model, stage, stages)[1]
     first, end = log.segment(segment)
     bound = segment_size_bound(numel, n_tensors, end - first, MAX_MESSAGE_BYTES)
     if size > bound:

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 from neuroshard.node.diloco import flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, Transformer, build_stage, cross_entropy_loss
 
+from .stageshape import state_config
+
 
 @dataclass(frozen=True)
 class LossMeasurement:
@@ -111,13 +113,14 @@ def build_from_state_dicts(
     state_dicts: Sequence[Mapping[str, Tensor]],
     expected_hashes: Sequence[str] | None = None,
 ) -> list[Transformer]:
-    """Every stage of the model with the given weights; each checked against its majority hash."""
+    """Every stage of the model with the given weights; each checked against its majority hash,
+    and each at the vocabulary its weights hold (grown with the tokenizer, or the definition's)."""
     num_stages = len(state_dicts)
     if expected_hashes is not None and len(expected_hashes) != num_stages:
         raise ValueError(f"{len(expected_hashes)} expected hashes for {num_stages} stages")
     stages = []
     for s, state in enumerate(state_dicts):
-        stage = build_stage(config, s, num_stages)
+        stage = build_stage(state_config(config, state), s, num_stages)
         stage.load_state_dict(dict(state))
         if expected_hashes is not None and stage_hash(stage) != expected_hashes[s]:
             raise ValueError(

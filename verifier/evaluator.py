@@ -8,7 +8,9 @@ A background thread (never the API's request path) does, every `poll_s`:
    /p2p/state, signed with the operator wallet like any peer request; safetensors, never
    pickle). Each stage's θ bytes are checked against the hash in its node's signed status,
    and the per-stage pairs (round R_s, hash h_s) are kept pending together. A node serves the
-   state it holds *now*, so the verifier takes whatever round each stage is at.
+   state it holds *now*, so the verifier takes whatever round each stage is at. A stage whose
+   vocabulary grew with the tokenizer (node.vocab) is fetched, built and measured at the
+   vocabulary its θ holds (verifier.stageshape).
 2. **judge** — a pending model counts only once, for every stage s, round R_s−1 of s is
    settled (verifier.ledger) and its majority result hash is h_s: each stage's weights are
    then that stage's majority, not one node's word. A model with any minority stage is
@@ -29,6 +31,7 @@ would hand a newcomer now. With one stage this is plain DiLoCo's majority θ.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,8 +45,9 @@ from torch import Tensor, nn
 from neuroshard.node.codec import decode_state, state_size_bound
 from neuroshard.node.diloco import copy_into_parameters, tensor_digest
 from neuroshard.node.generate import SamplingConfig, sample_text
-from neuroshard.node.model import Transformer, build_stage
+from neuroshard.node.model import ModelConfig, Transformer, build_stage
 from neuroshard.node.model_file import MODELS_DIR, StageProvenance, save_round_model
+from neuroshard.node.vocab import holds_vocab
 from neuroshard.protocol.peer import STATE, STATE_HEADER, StateInfo
 from neuroshard.protocol.refusal import Refused
 from neuroshard.tokenizer import BPETokenizer
@@ -54,6 +58,7 @@ from .background import JobContext, PollingThread, open_run_dataset, signed_get
 from .datacheck import DataCheckConfig, DataChecker
 from .evaluate import LossMeasurement, measure_loss, stage_hash
 from .network import NetworkDefinition
+from .stageshape import largest_numel, stage_config
 
 Log = Callable[[str], None]
 
@@ -167,10 +172,10 @@ class Evaluator:
         self._load_held_out = held_out or (lambda: self._load_data()[0])
         self._load_tokenizer = tokenizer or (lambda: self._load_data()[1])
         network = ctx.network
-        self._numel = [
-            sum(p.numel() for p in build_stage(network.model, s, network.num_stages).parameters())
-            for s in range(network.num_stages)
+        self._largest = [
+            largest_numel(network.model, s, network.num_stages) for s in range(network.num_stages)
         ]
+        """The most values a stage's θ may hold (at the largest grown vocabulary, verifier.stageshape)."""
         self.pending: dict[int, Model] = {}
         """Fetched models waiting for their rounds to settle, by stage 0's round."""
         self.last_fetched = -1
@@ -279,11 +284,13 @@ class Evaluator:
             self._keep(round_, model, stages)
 
     def build(self, model: Model) -> list[Transformer]:
-        """Every stage loaded with its fetched θ and re-hashed, stage 0 first."""
-        num_stages = self.ctx.network.num_stages
+        """Every stage loaded with its fetched θ and re-hashed, stage 0 first; each at the
+        vocabulary its θ holds (grown with the tokenizer, or the definition's)."""
+        network = self.ctx.network
         stages = []
         for fetched in model:
-            stage = build_stage(self.ctx.network.model, fetched.stage, num_stages)
+            config = stage_config(network.model, fetched.stage, network.num_stages, fetched.theta.numel())
+            stage = build_stage(config, fetched.stage, network.num_stages)
             copy_into_parameters(fetched.theta, stage.parameters())
             if stage_hash(stage) != fetched.theta_hash:
                 raise ValueError(
@@ -331,7 +338,7 @@ class Evaluator:
                 path = save_round_model(
                     self.config.models_dir,
                     round_,
-                    self.ctx.network.model,
+                    self.assembled_config(stages),
                     stages,
                     provenance,
                     self.tokenizer(),
@@ -345,6 +352,17 @@ class Evaluator:
                 self.store_sample(round_, stages)
         except (OSError, ValueError) as exc:
             self.ctx.log(f"evaluator: round {round_}: no text sample: {exc}")
+
+    def assembled_config(self, stages: list[Transformer]) -> ModelConfig:
+        """The config of the whole model the stages make, at their vocabulary. A model file holds
+        one: while the head has grown and the embedding not yet (the verifier grows the last stage
+        first), the stages make no whole model and ValueError says so (the round is not kept)."""
+        vocabs = {st.config.vocab_size for s, st in enumerate(stages) if holds_vocab(s, len(stages))}
+        if len(vocabs) != 1:
+            raise ValueError(
+                f"its embedding and head hold vocabularies {sorted(vocabs)}; a model file holds one"
+            )
+        return dataclasses.replace(self.ctx.network.model, vocab_size=vocabs.pop())
 
     def _sample_due(self) -> bool:
         """True for the first evaluation and then once `sample_every` more were recorded since
@@ -360,11 +378,20 @@ class Evaluator:
             return last is None or (session.scalar(since) or 0) >= every
 
     def store_sample(self, round_: int, stages: list[Transformer]) -> str:
-        """Continue the fixed prompt with the measured model (node.generate) and store the text."""
+        """Continue the fixed prompt with the measured model (node.generate) and store the text.
+
+        Only ids below the embedding's rows, the head's and the tokenizer's vocabulary are drawn
+        (`FirstLogits`): a model may hold more rows than the tokenizer the verifier loaded spells
+        (a definition's padded vocabulary, or rows grown for a tokenizer published since), and
+        during a growth the head holds more than the embedding can take back. ValueError (no
+        sample) when the prompt itself needs an id past them."""
         tokenizer = self.tokenizer()
         cfg = self.config.sampling
+        usable = min(stages[0].config.vocab_size, stages[-1].config.vocab_size, tokenizer.vocab_size)
+        if max(tokenizer.encode(self.config.sample_prompt), default=0) >= usable:
+            raise ValueError(f"the prompt encodes to an id past the {usable} the model and tokenizer share")
         text = sample_text(
-            nn.Sequential(*stages), tokenizer, self.config.sample_prompt, cfg,
+            nn.Sequential(*stages, FirstLogits(usable)), tokenizer, self.config.sample_prompt, cfg,
             max_seq_len=self.ctx.network.model.max_seq_len,
         )  # fmt: skip
         # Byte tokens can spell NUL, which PostgreSQL's text type refuses.
@@ -402,8 +429,8 @@ class Evaluator:
 
     def fetch_state(self, address: str, wallet_id: str, stage: int = 0) -> Fetched | None:
         """The node's current θ_round of `stage`, checked against the hash in its signed state header."""
-        numel = self._numel[stage]
-        got = self._get(address, STATE, state_size_bound(numel))
+        network = self.ctx.network
+        got = self._get(address, STATE, state_size_bound(self._largest[stage]))
         if got is None:
             return None
         body, headers = got
@@ -412,11 +439,15 @@ class Evaluator:
         except Refused as exc:
             self.ctx.log(f"evaluator: state header from {wallet_id}: {exc}")
             return None
-        if not info.signature_valid() or info.numel != numel or info.stage != stage:
+        if not info.signature_valid() or info.stage != stage:
             self.ctx.log(
-                f"evaluator: state of {wallet_id} refused (bad signature, or stage {info.stage} with "
-                f"{info.numel} values where stage {stage} has {numel})"
+                f"evaluator: state of {wallet_id} refused (bad signature, or stage {info.stage} for {stage})"
             )
+            return None
+        try:  # the definition's length, or the stage's grown with the tokenizer (node.vocab)
+            stage_config(network.model, stage, network.num_stages, info.numel)
+        except ValueError as exc:
+            self.ctx.log(f"evaluator: state of {wallet_id} refused: {exc}")
             return None
         try:
             theta, _ = decode_state(body, info.numel, with_momentum=bool(info.momentum_hash))
@@ -429,3 +460,14 @@ class Evaluator:
         return Fetched(
             stage=stage, round=info.round, theta_hash=info.theta_hash, theta=theta, wallet_id=wallet_id
         )
+
+
+class FirstLogits(nn.Module):
+    """Keeps the first `n` logits of the model before it: (..., V) -> (..., n)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, logits: Tensor) -> Tensor:
+        return logits[..., : self.n]

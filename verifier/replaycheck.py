@@ -21,7 +21,8 @@ process, cli.verifier) does, every `poll_s`:
    node reads them and the inner steps re-run from that θ and state
    (verifier.spotcheck.replay_inner_steps), and the Δs compared by cosine and norm. The
    verdict is recorded like the other spot checks (ledger.record_spot_check: a failure costs
-   the wallet `spot_check_penalty`).
+   the wallet `spot_check_penalty`). A stage whose vocabulary grew with the tokenizer
+   (node.vocab) is decoded and replayed at the vocabulary its θ holds (verifier.stageshape).
 
 What a pass proves: this Δ is what H inner steps of the run's DiLoCo give from the majority
 θ_round, from the committed optimizer state, on the data the wallet was assigned. What it
@@ -72,11 +73,11 @@ from sqlalchemy.orm import Session
 from neuroshard.data import Dataset
 from neuroshard.node.diloco import flat_parameters, tensor_digest
 from neuroshard.node.model import build_stage
-from neuroshard.node.p2p.replay import SEGMENT, decode_replay, replay_size_bound, segment_size_bound
+from neuroshard.node.p2p.replay import SEGMENT, THETA, decode_replay, replay_size_bound, segment_size_bound
 from neuroshard.node.replay import ReplayRecord
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.protocol.peer import REPLAY
-from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.reports import DataSpan
 
 from . import fraudproofs, ledger, members
@@ -91,6 +92,7 @@ from .sampling import sampled
 from .segmentcheck import draw_segments
 from .segmentlive import judge_segments, max_segment_steps, segment_root
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches, compare_deltas, replay_inner_steps
+from .stageshape import declared_length, largest_numel, stage_config, stage_size
 
 Log = Callable[[str], None]
 
@@ -241,10 +243,6 @@ class ReplayChecker:
             )
         )
         self._dataset: Dataset | None = None
-        model = build_stage(ctx.network.model, 0, 1)
-        self._numel = sum(p.numel() for p in model.parameters())
-        self._n_tensors = len(list(model.parameters()))
-        self._initial_hash = tensor_digest(flat_parameters(model.parameters()))
         self._stages: dict[int, tuple[int, int, str]] = {}
         """Stage → (numel, parameter tensors, θ_0 hash) of that stage's model."""
         self.fraud_proofs: deque[bytes] = deque(maxlen=16)
@@ -498,7 +496,8 @@ class ReplayChecker:
         return None if majority is None else majority == receipt.base_hash
 
     def _stage(self, stage: int) -> tuple[int, int, str]:
-        """(numel, parameter tensors, θ_0 hash) of `stage`'s model in this run."""
+        """(numel, parameter tensors, θ_0 hash) of `stage`'s model in this run's definition (a stage
+        grown with the tokenizer holds more values: `_decoded_numel`)."""
         if stage not in self._stages:
             model = build_stage(self.ctx.network.model, stage, self.ctx.network.num_stages)
             params = list(model.parameters())
@@ -659,14 +658,17 @@ class ReplayChecker:
 
     def _get_segment(self, address: str, receipt: m.Receipt, segment: int) -> SegmentMaterial:
         """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""
-        numel, n_tensors, _ = self._stage(receipt.stage)
+        stage, num_stages = receipt.stage, self.ctx.network.num_stages
+        _, n_tensors, _ = self._stage(stage)
         committed = segment_root(receipt)
         assert committed is not None
         k = max_segment_steps(receipt.inner_steps, committed[1])
-        limit = segment_size_bound(numel, n_tensors, k, self.config.max_message_bytes)
+        largest = largest_numel(self.ctx.network.model, stage, num_stages)
+        limit = segment_size_bound(largest, n_tensors, k, self.config.max_message_bytes)
         path = SEGMENT.format(round=receipt.round, segment=segment)
         body = self._signed_get(address, path, limit)
         try:
+            numel = self._decoded_numel(body, "theta_round", stage, num_stages, "segment material")
             material = SegmentMaterial.decode(body, numel=numel, n_tensors=n_tensors)
         except Refused as exc:
             raise Malformed(str(exc)) from None
@@ -697,8 +699,22 @@ class ReplayChecker:
         """The replica's replay material for `round_`; raises ReplicaDeclined or Malformed, or OSError or
         ValueError when there is no usable answer."""
         path = REPLAY.format(round=round_)
-        body = self._signed_get(address, path, replay_size_bound(self._numel, self._n_tensors))
+        _, n_tensors = stage_size(self.ctx.network.model, 0, 1)
+        largest = largest_numel(self.ctx.network.model, 0, 1)
+        body = self._signed_get(address, path, replay_size_bound(largest, n_tensors))
         try:
-            return decode_replay(body, round_, self._numel, self._n_tensors)
+            numel = self._decoded_numel(body, THETA, 0, 1, "replay body")
+            return decode_replay(body, round_, numel, n_tensors)
         except Refused as exc:
             raise Malformed(str(exc)) from None
+
+    def _decoded_numel(self, body: bytes, theta: str, stage: int, num_stages: int, what: str) -> int:
+        """The values θ in `body` holds, by its header: this stage's, at the definition's
+        vocabulary or a grown one (verifier.stageshape); Refused otherwise. The body's other
+        vectors are decoded at that length."""
+        numel = declared_length(body, theta, what)
+        try:
+            stage_config(self.ctx.network.model, stage, num_stages, numel)
+        except ValueError as exc:
+            raise malformed(f"{what}: {exc}") from None
+        return numel

@@ -14,7 +14,8 @@ two ends and the messages each step consumed. `check_segment` then
 2. replays the segment's k steps from the start checkpoint with the production step functions
    (stage 0: the batches re-read from the data set, and at S > 1 the recorded gradients through
    `pipeline.remote_loss`; later stages: the recorded activations, labels and gradients through
-   `pipeline.stage_inner_step`);
+   `pipeline.stage_inner_step`), the stage's model at the vocabulary the checkpoint holds (grown
+   with the tokenizer, node.vocab; verifier.stageshape);
 3. compares the committed end − start with the replayed end − start by cosine and norm ratio, at
    the tolerance the receipt's precision calls for (verifier.replaycheck.tolerance_for), and the
    optimizer's step counts exactly.
@@ -43,7 +44,7 @@ from neuroshard.node.diloco import (
     flat_parameters,
     tensor_digest,
 )
-from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
 from neuroshard.node.p2p.pipeline_wire import decode_activations, decode_gradient
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
@@ -55,6 +56,7 @@ from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import Received, SegmentCommitment, SegmentLog, StepRecord
 
 from .spotcheck import SpotCheckConfig, SpotCheckError, compare_deltas
+from .stageshape import label_bound, stage_config
 
 ANY_PRECISION = "any"
 """`SegmentClaim.trained_precision` when the receipt's precision is not known: the step-count rule
@@ -272,8 +274,9 @@ def record_mismatches(sender: SegmentLog, sender_wallet: str, receiver: SegmentL
 def step_inputs(
     material: SegmentMaterial, claim: SegmentClaim, read_batch: BatchReader | None
 ) -> list[StepInputs]:
-    """Decode each step's inputs (after `commitment_problems` came back empty). Raises Refused
-    for a payload that does not decode (which its sender signed: a fault of the sender)."""
+    """Decode each step's inputs (after `commitment_problems` came back empty; `claim` at the
+    material's vocabulary, `at_material_vocab`). Raises Refused for a payload that does not decode
+    (which its sender signed: a fault of the sender)."""
     first, end = material.log.segment(material.segment)
     out = []
     for i, messages in zip(range(first, end), material.received, strict=True):
@@ -286,7 +289,8 @@ def step_inputs(
         else:
             act = by_kind["activations"]
             header = ActivationHeader.from_json(act.header)
-            inputs, labels = decode_activations(act.body, header, claim.model.vocab_size)
+            vocab = label_bound(claim.model, claim.stage, claim.num_stages)
+            inputs, labels = decode_activations(act.body, header, vocab)
             shape = (header.batch, header.seq_len, header.dim)
         grad, loss = None, 0.0
         if "gradient" in by_kind:
@@ -297,8 +301,20 @@ def step_inputs(
     return out
 
 
+def at_material_vocab(claim: SegmentClaim, material: SegmentMaterial) -> SegmentClaim:
+    """`claim` with the model at the vocabulary the material's weights hold: the definition's, or
+    grown (verifier.stageshape). ValueError when they are no vocabulary of this stage's model, or
+    the checkpoints and θ_round differ in length."""
+    sizes = {material.start.weights.numel(), material.end.weights.numel(), material.theta_round.numel()}
+    if len(sizes) != 1:
+        raise ValueError(f"the checkpoints and θ_round differ in length: {sorted(sizes)} values")
+    model = stage_config(claim.model, claim.stage, claim.num_stages, sizes.pop())
+    return dataclasses.replace(claim, model=model)
+
+
 def replay_segment(claim: SegmentClaim, material: SegmentMaterial, steps: Sequence[StepInputs]) -> Tensor:
-    """The weights (d,) after replaying the segment's steps from its start checkpoint."""
+    """The weights (d,) after replaying the segment's steps from its start checkpoint (`claim`'s
+    model at the material's vocabulary: `at_material_vocab`)."""
     model = build_stage(claim.model, claim.stage, claim.num_stages)
     copy_into_parameters(material.start.weights, model.parameters())
     current: list[StepInputs] = []
@@ -310,8 +326,8 @@ def replay_segment(claim: SegmentClaim, material: SegmentMaterial, steps: Sequen
 
     placement = dataclasses.replace(Placement.cpu(), precision=claim.precision)
     last = claim.stage == claim.num_stages - 1
-    kwargs = {} if last or claim.stage > 0 else {"loss_fn": remote_loss(recorded)}
-    diloco = DiLoCo(model, claim.diloco, placement=placement, **kwargs)
+    loss_fn = remote_loss(recorded) if claim.stage == 0 and not last else cross_entropy_loss
+    diloco = DiLoCo(model, claim.diloco, placement=placement, loss_fn=loss_fn)
     install_inner_state(diloco, material.start.inner)
     first, _ = material.log.segment(material.segment)
     diloco.round, diloco.steps_in_round = claim.round, first
@@ -340,6 +356,10 @@ def check_segment(
     problems = commitment_problems(material, claim)
     if problems:
         return SegmentVerdict(False, "; ".join(problems[:4]))
+    try:
+        claim = at_material_vocab(claim, material)
+    except ValueError as exc:
+        return SegmentVerdict(False, f"the material is not this stage's model: {exc}")
     try:
         steps = step_inputs(material, claim, read_batch)
     except Refused as exc:

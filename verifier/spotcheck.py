@@ -38,6 +38,8 @@ from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, install_inner_state
 from neuroshard.protocol.reports import DataSpan
 
+from .stageshape import stage_config
+
 
 class SpotCheckError(ValueError):
     """A claim that cannot even be replayed (inconsistent spans, wrong shapes)."""
@@ -141,17 +143,21 @@ def replay_inner_steps(
     inner_state: InnerState | None = None,
     placement: Placement | None = None,
 ) -> Tensor:
-    """Δ = θ_round − θ_local after one inner step per batch, from θ_round, single-stage model.
+    """Δ = θ_round − θ_local after one inner step per batch, from θ_round, single-stage model
+    (`model_config` at the vocabulary θ_round holds: the definition's, or grown).
 
     `round_` puts the learning-rate schedule where the replica's was (it is a function of the
     round: DiLoCo.schedule_step); with the replica's `inner_state` (AdamW moments at the
     round's start) the replay is exact. `placement`: where and in what precision to replay
     (default: CPU fp32, the verifier's; a replay matching the receipt's precision lands closer).
     """
+    if theta_round.ndim != 1:
+        raise SpotCheckError(f"θ_round has shape {tuple(theta_round.shape)}, the model needs a flat vector")
+    try:  # the vocabulary θ holds: the definition's, or grown with the tokenizer (node.vocab)
+        model_config = stage_config(model_config, 0, 1, theta_round.numel())
+    except ValueError as exc:
+        raise SpotCheckError(f"θ_round has shape {tuple(theta_round.shape)}: {exc}") from None
     model = build_stage(model_config, 0, 1)
-    n_params = sum(p.numel() for p in model.parameters())
-    if theta_round.shape != (n_params,):
-        raise SpotCheckError(f"θ_round has shape {tuple(theta_round.shape)}, the model needs ({n_params},)")
     copy_into_parameters(theta_round.float(), model.parameters())
     diloco = DiLoCo(model, diloco_config, placement=placement)
     diloco.round = round_
