@@ -53,6 +53,11 @@ as a file there and a row in `fraud_proofs`, the newest `keep_fraud_proofs` of t
 `neuroshard-check-proof` re-checks alone. Receipts without a segment root
 (nodes before issue 17) keep the whole-round replay at stage 0 of single-stage runs; at later
 stages they are not replayed. A check costs `segments_per_check` · k/H of the round's work.
+Every segment check also fetches the round's last segment, drawn or not, and checks it against
+the commitments without replaying it: its end checkpoint is where the receipt's Δ must come from
+(Δ = θ_round − end), so a Δ changed after the last inner step (scaled, say) is caught by every
+check, not only by those that happen to draw the last segment. It costs one more segment's
+download and hashing, no replay.
 """
 
 from __future__ import annotations
@@ -198,13 +203,22 @@ class Challenge:
     material: ReplayRecord | None = None
     segments: tuple[int, ...] = ()
     """The drawn segments of a receipt that commits to a segment root; () for a whole-round replay."""
+    last: int | None = None
+    """The round's last segment, fetched on every segment check (replayed only when drawn): its end
+    checkpoint is the one the receipt's Δ must come from."""
     pieces: dict[int, SegmentMaterial] = field(default_factory=dict)
     """Fetched segment material, by segment."""
 
     @property
+    def wanted(self) -> tuple[int, ...]:
+        """The segments to fetch: the drawn ones and the last."""
+        extra = () if self.last is None or self.last in self.segments else (self.last,)
+        return (*self.segments, *extra)
+
+    @property
     def ready(self) -> bool:
-        """Everything to replay has been fetched."""
-        return len(self.pieces) == len(self.segments) if self.segments else self.material is not None
+        """Everything to check has been fetched."""
+        return len(self.pieces) == len(self.wanted) if self.segments else self.material is not None
 
 
 REFUSALS = (403, 404)
@@ -343,7 +357,8 @@ class ReplayChecker:
                 )
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
-                self.queue.append(Challenge(receipt, address, segments=drawn))
+                last = None if segmented is None else segmented[1] - 1
+                self.queue.append(Challenge(receipt, address, segments=drawn, last=last))
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(
@@ -407,7 +422,7 @@ class ReplayChecker:
         receipt = challenge.receipt
         try:
             if challenge.segments:
-                for j in challenge.segments:
+                for j in challenge.wanted:
                     if j not in challenge.pieces:
                         challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
                 return
@@ -526,6 +541,7 @@ class ReplayChecker:
             challenge.pieces,
             tolerance_for(device, precision, self.config),
             self._dataset,
+            replay=challenge.segments,
         )
         seconds = time.perf_counter() - started
         with self._count_lock:

@@ -8,7 +8,7 @@ is the same for whole-round replays and segment checks.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -20,7 +20,7 @@ from neuroshard.protocol.reports import DataSpan
 
 from . import models as m
 from .network import NetworkDefinition
-from .segmentcheck import BatchReader, SegmentClaim, SegmentFraudProof, check_segment
+from .segmentcheck import BatchReader, SegmentClaim, SegmentFraudProof, check_segment, commitment_problems
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches
 
 
@@ -65,8 +65,12 @@ def judge_segments(
     pieces: Mapping[int, SegmentMaterial],
     tolerance: SpotCheckConfig,
     dataset: Dataset | None,
+    *,
+    replay: Collection[int] | None = None,
 ) -> SegmentsJudged:
-    """Check the drawn segments of a receipt in order; the first that fails decides."""
+    """Check the segments of a receipt in order; the first that fails decides. Those in `replay`
+    (default: all) are replayed; the others are checked against the commitments only (the round's
+    last segment, fetched for its end checkpoint: the receipt's Δ must come from it)."""
     root = segment_root(receipt)
     if root is None:
         raise ValueError(f"receipt of {receipt.wallet_id} round {receipt.round} commits to no segment root")
@@ -86,6 +90,13 @@ def judge_segments(
         if receipt.stage == 0:
             assert dataset is not None, "stage-0 segments re-read the wallet's data"
             read = batch_reader(dataset, network, receipt.wallet_id)
+        if replay is not None and j not in replay:
+            problems = commitment_problems(material, claim)
+            if problems:
+                return SegmentsJudged(
+                    False, f"segment {j} of {root[1]} (not replayed): {'; '.join(problems)}"
+                )
+            continue
         try:
             verdict = check_segment(claim, material, tolerance, read_batch=read)
         except SpotCheckError as exc:
@@ -95,6 +106,9 @@ def judge_segments(
             return SegmentsJudged(False, f"segment {j} of {root[1]}: {verdict.reason}", proofs)
         if verdict.cosine is not None:
             cosines.append(verdict.cosine)
+    replayed = sorted(pieces) if replay is None else sorted(set(pieces) & set(replay))
+    also = sorted(set(pieces) - set(replayed))
+    checked = f"; segment {also[0]} checked against its commitments" if also else ""
     return SegmentsJudged(
-        True, f"segments {sorted(pieces)} of {root[1]} replayed, cosine ≥ {min(cosines):.6f}"
+        True, f"segments {replayed} of {root[1]} replayed, cosine ≥ {min(cosines):.6f}{checked}"
     )

@@ -33,7 +33,8 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.segments import Received, SegmentCommitment, SentRef, StepRecord
 from neuroshard.testing.verifier import small_network
-from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE, ReplayCheckConfig, tolerance_for
+from neuroshard.verifier import models as m
+from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE, Challenge, ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
     SegmentFraudProof,
@@ -42,6 +43,7 @@ from neuroshard.verifier.segmentcheck import (
     judge_fraud_proof,
     record_mismatches,
 )
+from neuroshard.verifier.segmentlive import judge_segments
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, ffn_dim=64, max_seq_len=16)
 H, K, B, T = 8, 4, 2, 16
@@ -591,3 +593,38 @@ def test_an_unexpected_failure_to_read_is_one_line(
         and out
         == f"{check_proof.PROG}: error: cannot read {tmp_path / 'p.proof'}: RuntimeError: a decoder bug"
     )
+
+
+def test_every_check_holds_the_receipt_s_delta_to_the_last_segment_even_undrawn(tmp_path: Path) -> None:
+    """The live checker fetches the round's last segment on every check and checks it against the
+    commitments without replaying it: a Δ changed after the last step fails even when only segment 0
+    is drawn for replay, and honest material passes the same way."""
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    network = small_network(
+        model={"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 16},
+        stages={"count": 2},
+        diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
+        training={"batch_size": B, "seq_len": T},
+    )
+    last = H // K - 1
+    pieces = {0: run.material(0), last: run.material(last)}
+    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+
+    def receipt(delta_digest: str) -> m.Receipt:
+        return m.Receipt(
+            wallet_id=REPLICA.wallet_id, stage=1, round=ROUND, segment_root=run.root, segments=H // K,
+            data_spans=[], base_hash=run.base_hash, delta_digest=delta_digest,
+        )  # fmt: skip
+
+    honest = judge_segments(network, receipt(run.delta_digest), pieces, tolerance, None, replay=(0,))
+    assert honest.ok, honest.detail
+    assert f"segments [0] of {H // K} replayed" in honest.detail
+    assert f"segment {last} checked against its commitments" in honest.detail
+    lie = judge_segments(network, receipt("ab" * 32), pieces, tolerance, None, replay=(0,))
+    assert not lie.ok and not lie.proofs
+    assert (
+        f"segment {last} of {H // K} (not replayed)" in lie.detail
+        and "receipt's Δ is not θ_round" in lie.detail
+    )
+    assert Challenge(receipt("ab" * 32), "x", segments=(0, 1), last=last).wanted == (0, 1)
+    assert Challenge(receipt("ab" * 32), "x", segments=(0,), last=last).wanted == (0, last)
