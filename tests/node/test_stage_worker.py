@@ -42,24 +42,15 @@ def _identity(stage: int = 1, stages: int = 2) -> CheckpointIdentity:
     )
 
 
-def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(tmp_path: Path) -> None:
-    rounds: list[int] = []
-
-    def finish(diloco: DiLoCo) -> None:
-        rounds.append(diloco.steps_in_round)
-        diloco.outer_step(diloco.pseudo_gradient())
-
-    checkpoint = StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity())
-    worker = StageWorker(
-        _engine(), WorkerConfig(max_steps=2 * H, max_pending=10), log=lambda s: None,
-        finish_round=finish, checkpoint=checkpoint,
-    )  # fmt: skip
+def _feed(worker: StageWorker, steps: int) -> tuple[list[JobResult], int, TrainResult]:
+    """Run the worker and offer it `steps` jobs one at a time, as a sender waiting for each reply
+    (and retrying when busy), until it ends: (replies, refusals, its result)."""
     results: list[JobResult] = []
     outcome: list[TrainResult] = []
     thread = threading.Thread(target=lambda: outcome.append(worker.run(threading.Event(), 0.01)), daemon=True)
     thread.start()
     refusals = 0
-    for i in range(2 * H):  # one at a time, as a sender waiting for each reply (and retrying when busy)
+    for i in range(steps):
         deadline = time.monotonic() + 10.0
         while len(results) <= i and time.monotonic() < deadline:
             try:
@@ -72,7 +63,22 @@ def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(t
                 time.sleep(0.005)
     thread.join(10.0)
     assert not thread.is_alive()
-    result = outcome[0]
+    return results, refusals, outcome[0]
+
+
+def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(tmp_path: Path) -> None:
+    rounds: list[int] = []
+
+    def finish(diloco: DiLoCo) -> None:
+        rounds.append(diloco.steps_in_round)
+        diloco.outer_step(diloco.pseudo_gradient())
+
+    checkpoint = StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity())
+    worker = StageWorker(
+        _engine(), WorkerConfig(max_steps=2 * H, max_pending=10), log=lambda s: None,
+        finish_round=finish, checkpoint=checkpoint,
+    )  # fmt: skip
+    results, refusals, result = _feed(worker, 2 * H)
     assert (result.steps, result.rounds) == (2 * H, 2) and rounds == [H, H]
     assert len(results) == 2 * H and all(isinstance(r, tuple) for r in results)
     assert worker.jobs.refused == refusals
@@ -125,26 +131,6 @@ def test_a_full_queue_refuses_and_queued_jobs_get_busy_when_the_round_starts() -
     assert engine.step == 1 and engine.round == 1
 
 
-def _feed(worker: StageWorker, steps: int) -> list[JobResult]:
-    """Offer `steps` jobs one at a time, as a sender waiting for each reply, until the worker ends."""
-    results: list[JobResult] = []
-    thread = threading.Thread(target=lambda: worker.run(threading.Event(), 0.01), daemon=True)
-    thread.start()
-    for i in range(steps):
-        deadline = time.monotonic() + 10.0
-        while len(results) <= i and time.monotonic() < deadline:
-            try:
-                worker.jobs.offer(_job(results, i))
-            except Busy:
-                time.sleep(0.005)
-                continue
-            while len(results) <= i and time.monotonic() < deadline:
-                time.sleep(0.005)
-    thread.join(10.0)
-    assert not thread.is_alive()
-    return results
-
-
 def test_the_last_stage_grows_its_head_at_the_scheduled_round_and_its_checkpoint_resumes_grown(
     tmp_path: Path,
 ) -> None:
@@ -158,7 +144,7 @@ def test_the_last_stage_grows_its_head_at_the_scheduled_round_and_its_checkpoint
         _engine(), WorkerConfig(max_steps=2 * H, max_pending=10), log=lines.append,
         finish_round=lambda d: d.outer_step(d.pseudo_gradient()), checkpoint=checkpoint, vocab_schedule=schedule,
     )  # fmt: skip
-    results = _feed(worker, 2 * H)
+    results, _, _ = _feed(worker, 2 * H)
     assert all(isinstance(r, tuple) for r in results)  # the steps after the growth trained on the grown head
     assert told == [1] and vocab_of(worker.diloco) == 80
     assert "vocabulary grew 64 -> 80 at round 1 as scheduled: head extended, existing rows kept" in lines
