@@ -309,14 +309,15 @@ class MemberListOut(_Out):
         description="Public keys earning admission: exchanged, screened, not counted."
     )
     admission_rounds: int
-    vocab_size: int = Field(
-        default=0,
+    vocab_size: int | None = Field(
+        default=None,
         description="The vocabulary the stage's embedding (stage 0) or head (the last stage) has from "
-        "vocab_from_round on, after the publisher grew the tokenizer; 0: the network definition's.",
+        "vocab_from_round on, after the publisher grew the tokenizer; absent: the network definition's.",
     )
-    vocab_from_round: int = Field(
-        default=0,
-        description="The first round of the stage trained at vocab_size: every replica grows there.",
+    vocab_from_round: int | None = Field(
+        default=None,
+        description="The first round of the stage trained at vocab_size (every replica grows there); "
+        "given with vocab_size.",
     )
 
 

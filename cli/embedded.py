@@ -1,9 +1,8 @@
 """The verifier inside a node process: `neuroshard-node --token T` with no `--join`.
 
 uvicorn serves the API and dashboard from a thread on loopback, backed by SQLite under
-the node's home, with the live evaluator (verifier.evaluator) and the vocabulary schedule
-(verifier.vocab) on. Started by the node's composition root (cli.node) when it runs the
-embedded default.
+the node's home, with the live evaluator on (verifier.evaluator). Started by the node's
+composition root (cli.node) when it runs the embedded default.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from neuroshard.api.app import create_app
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import EvaluatorConfig, models_dir_for
 from neuroshard.verifier.network import NetworkDefinition, load_operator_key
-from neuroshard.verifier.vocab import VocabWatchConfig
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -83,7 +81,6 @@ def start_embedded_verifier(
         network=network,
         operator=operator,
         live_evaluation=EvaluatorConfig(cache_dir=home / "cache", models_dir=models_dir_for(home, network)),
-        vocab_watch=VocabWatchConfig(),
     )
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level))
     failed: list[BaseException] = []

@@ -229,13 +229,14 @@ class Reporting:
 
     def _take_members(self, network: PeerPlane, members: MemberList) -> None:
         network.set_roster(roster_of(members), members.effective_round)
-        if self.vocab is not None and members.vocab_size:
-            if members.vocab_size > self.vocab.planned[0]:
-                self.log(
-                    f"tracker: the verifier schedules vocabulary {members.vocab_size} for stage {members.stage} "
-                    f"from round {members.vocab_from_round}"
-                )
-            self.vocab.set(members.vocab_size, members.vocab_from_round)
+        if self.vocab is None or members.vocab_size is None or members.vocab_from_round is None:
+            return
+        if members.vocab_size > self.vocab.planned[0]:
+            self.log(
+                f"tracker: the verifier schedules vocabulary {members.vocab_size} for stage {members.stage} "
+                f"from round {members.vocab_from_round}"
+            )
+        self.vocab.set(members.vocab_size, members.vocab_from_round)
 
     def close(self) -> None:
         if self.tracker is not None:

@@ -35,6 +35,7 @@ from neuroshard.protocol.schema import (
     integer,
     list_of,
     message,
+    optional,
     text,
 )
 
@@ -144,14 +145,15 @@ class MemberList(_Expiring):
     """Wallets earning admission: exchanged and screened, never counted; sorted."""
     admission_rounds: Annotated[int, integer(0, MAX_COUNT)]
     """Rounds a probationer must agree with the stage's majority (and pass spot checks) to be admitted."""
-    vocab_size: Annotated[int, integer(0, MAX_VOCAB)] = 0
+    vocab_size: Annotated[int | None, optional(integer(1, MAX_VOCAB))] = None
     """The vocabulary the stage's embedding or head has from `vocab_from_round` on, after the
-    publisher grew the tokenizer (node.vocab); 0: the network definition's, never grown. The
+    publisher grew the tokenizer (node.vocab); None (left out of the JSON, so a node that predates
+    the field still reads lists without a growth): the network definition's, never grown. The
     verifier schedules the last stage (the head) first and stage 0 (the embedding) after the head
     has grown, so a label is never beyond the head that scores it (verifier.vocab)."""
-    vocab_from_round: Annotated[int, integer(0, MAX_COUNT)] = 0
+    vocab_from_round: Annotated[int | None, optional(integer(0, MAX_COUNT))] = None
     """The first round of this stage trained at `vocab_size`: every replica grows at the same round
-    boundary, so the stage's replicas stay bit-identical."""
+    boundary, so the stage's replicas stay bit-identical. Given exactly when `vocab_size` is."""
 
     def check(self) -> None:
         _sorted_unique(self.admitted, "member list admitted")
@@ -160,6 +162,8 @@ class MemberList(_Expiring):
             raise invalid("a wallet cannot be both admitted and on probation")
         if self.policy != "probation" and self.probation:
             raise invalid(f"a {self.policy} member list has no probationers")
+        if (self.vocab_size is None) != (self.vocab_from_round is None):
+            raise invalid("a member list names vocab_size and vocab_from_round together or neither")
 
     def newer_than(self, other: MemberList | None) -> bool:
         """Whether this list should replace `other` (same stage): a higher epoch, or the same epoch

@@ -403,8 +403,8 @@ def member_list(
             admitted=tuple(sorted(admitted)[:MAX_LISTED]),
             probation=tuple(sorted(probation)),
             admission_rounds=cfg.admission_rounds,
-            vocab_size=vocab_size,
-            vocab_from_round=vocab_from_round,
+            vocab_size=vocab_size or None,
+            vocab_from_round=vocab_from_round if vocab_size else None,
         )
     except Refused as exc:  # a roster or table that cannot be listed is the verifier's bug, said plainly
         raise RuntimeError(f"stage {stage}'s member list does not build: {exc}") from exc

@@ -183,7 +183,7 @@ def test_member_list_serves_the_vocabulary_schedule_and_the_leader_watches_the_m
     for h in _harness(database_url, vocab_watch=VocabWatchConfig(period_s=3600)):
         assert h.client.app.state.lease.running()["VocabWatch"] == 1  # type: ignore[attr-defined]
         before = _members(h)
-        assert (before.vocab_size, before.vocab_from_round) == (0, 0)
+        assert (before.vocab_size, before.vocab_from_round) == (None, None)
         with h.services.db.write() as session:
             line = schedule_growth(
                 session,

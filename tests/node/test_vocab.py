@@ -103,7 +103,7 @@ def test_the_tracker_hands_a_member_list_s_vocabulary_to_the_replica_s_schedule(
     reporting = Reporting(url="http://127.0.0.1:9", operator_key=operator.public_key_hex, log=lines.append)
     reporting.vocab = VocabSchedule()
 
-    def members(vocab_size: int, from_round: int) -> MemberList:
+    def members(vocab_size: int | None, from_round: int | None) -> MemberList:
         return MemberList.create(
             operator, network="n", expires_at=2**40, stage=1, epoch=2, effective_round=5, policy="open",
             admitted=(member.public_key_hex,), probation=(), admission_rounds=3,
@@ -111,7 +111,7 @@ def test_the_tracker_hands_a_member_list_s_vocabulary_to_the_replica_s_schedule(
         )  # fmt: skip
 
     network = Network()
-    reporting._take_members(network, members(0, 0))  # type: ignore[arg-type]
+    reporting._take_members(network, members(None, None))  # type: ignore[arg-type]
     assert reporting.vocab.planned == (0, 0) and network.effective_round == 5
     reporting._take_members(network, members(600, 7))  # type: ignore[arg-type]
     assert reporting.vocab.planned == (600, 7)

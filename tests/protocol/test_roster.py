@@ -7,6 +7,7 @@ import pytest
 from tests_support import refused
 
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.roster import MemberList, Roster, RosterError, pow_ok, solve_pow
 
 OPERATOR = Wallet.from_token("roster-operator")
@@ -118,10 +119,13 @@ def test_proof_of_work() -> None:
         solve_pow("net", A, 64)
 
 
-def test_member_list_vocab_growth_fields_default_to_none_scheduled() -> None:
+def test_member_list_vocab_growth_fields_are_absent_until_a_growth_is_scheduled() -> None:
     plain = _list()
-    assert (plain.vocab_size, plain.vocab_from_round) == (0, 0)
+    assert (plain.vocab_size, plain.vocab_from_round) == (None, None)
+    assert b"vocab" not in plain.to_json()  # a node from before the fields reads it as it always did
     grown = _list(vocab_size=600, vocab_from_round=12)
     parsed = MemberList.from_json(grown.to_json())
     assert (parsed.vocab_size, parsed.vocab_from_round) == (600, 12)
     parsed.verify(OPERATOR.public_key_hex, network="net", now=NOW)
+    with pytest.raises(Refused, match="together or neither"):
+        _list(vocab_size=600)

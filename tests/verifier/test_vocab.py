@@ -59,14 +59,15 @@ def listed(db: Database, stage: int) -> MemberList:
 
 
 def schedule(db: Database, stage: int) -> tuple[int, int]:
+    """The listed (vocab_size, vocab_from_round); (0, 0) for a list that names no growth."""
     doc = listed(db, stage)
-    return doc.vocab_size, doc.vocab_from_round
+    return doc.vocab_size or 0, doc.vocab_from_round or 0
 
 
 def test_one_stage_grows_in_one_step_from_a_later_round(db: Database) -> None:
     """Stage 0 is the head too: no wait. The stage had no epoch row yet (receipts alone make none)."""
     before = listed(db, 0)
-    assert (before.epoch, before.vocab_size, before.vocab_from_round) == (0, 0, 0)
+    assert (before.epoch, before.vocab_size, before.vocab_from_round) == (0, None, None)
     report(db, 0, 5)
     line = grow(db, 1, 600)
     assert line is not None and "stage 0" in line and "600" in line and "round 7" in line
@@ -132,7 +133,7 @@ def test_middle_stages_are_never_scheduled(db: Database) -> None:
     assert grow(db, 3, 600) is None
     assert schedule(db, 2) == (600, 6) and schedule(db, 0) == (600, 6)
     middle = listed(db, 1)
-    assert (middle.epoch, middle.vocab_size, middle.vocab_from_round) == (0, 0, 0)
+    assert (middle.epoch, middle.vocab_size, middle.vocab_from_round) == (0, None, None)
 
 
 def test_a_membership_change_keeps_the_schedule(db: Database) -> None:
