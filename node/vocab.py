@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from neuroshard.protocol.roster import MAX_VOCAB
+
 from .device import Placement
 from .diloco import DiLoCo
 from .model import ModelConfig, Transformer, build_stage
@@ -34,6 +36,21 @@ VOCAB_PARAMS = ("embedding.weight", "head.weight")
 
 Params = dict[str, torch.nn.Parameter]
 """A model's parameters by name (`named_parameters`), in parameter order."""
+
+
+GROWTH_FACTOR = 4
+"""A grown vocabulary is at most this many times the definition's (or `GROWTH_ROWS` more, if that is
+larger). A run's BPE grows by appended merges, a few thousand at a time; 4x takes a 32k tokenizer
+to 128k, as large as any published LLM's. It bounds what a state or segment body may hold: a 125m
+stage 0 (dim 768, vocab 32k) may then be 75M values larger than the definition's."""
+GROWTH_ROWS = 1 << 16
+"""Rows a small definition's vocabulary may grow by whatever its size (a 512-id test run to 64k)."""
+
+
+def vocab_cap(vocab_size: int) -> int:
+    """The largest vocabulary a run defined at `vocab_size` may grow to: the verifier schedules no
+    growth past it, its checks accept no stage beyond it, and a middle stage takes no label past it."""
+    return min(MAX_VOCAB, max(GROWTH_FACTOR * vocab_size, vocab_size + GROWTH_ROWS))
 
 
 def holds_vocab(stage: int, num_stages: int) -> bool:

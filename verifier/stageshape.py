@@ -22,25 +22,18 @@ from torch import Tensor
 
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.vocab import holds_vocab, stage_vocab, state_vocab
+from neuroshard.node.vocab import vocab_cap as grown_cap
 from neuroshard.protocol.refusal import malformed
-from neuroshard.protocol.roster import MAX_VOCAB
 from neuroshard.protocol.schema import split_header
 
-GROWTH_FACTOR = 4
-"""A grown vocabulary is at most this many times the definition's (or `GROWTH_ROWS` more, if that is
-larger). A run's BPE grows by appended merges, a few thousand at a time; 4x takes a 32k tokenizer
-to 128k, as large as any published LLM's. It bounds what a state or segment body may hold: a 125m
-stage 0 (dim 768, vocab 32k) may then be 75M values larger than the definition's."""
-GROWTH_ROWS = 1 << 16
-"""Rows a small definition's vocabulary may grow by whatever its size (a 512-id test run to 64k)."""
 MAX_SAFETENSORS_HEADER = 16 << 20
 """Largest safetensors header read for a tensor's declared length (node.segment_store's bound)."""
 
 
 def vocab_cap(config: ModelConfig) -> int:
-    """The largest vocabulary a stage of a run defined with `config` is accepted at."""
-    grown = max(GROWTH_FACTOR * config.vocab_size, config.vocab_size + GROWTH_ROWS)
-    return min(MAX_VOCAB, grown)
+    """The largest vocabulary a stage of a run defined with `config` is accepted at (node.vocab.vocab_cap:
+    the verifier schedules no growth past it, and a middle stage takes no label beyond it)."""
+    return grown_cap(config.vocab_size)
 
 
 def stage_size(config: ModelConfig, stage: int, num_stages: int) -> tuple[int, int]:

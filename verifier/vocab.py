@@ -29,7 +29,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from neuroshard.data import Manifest
-from neuroshard.protocol.roster import MAX_VOCAB
+from neuroshard.node.vocab import vocab_cap
 
 from . import members
 from . import models as m
@@ -60,22 +60,49 @@ def vocab_in_force(session: Session, stage: int, network_vocab: int) -> int:
     return size or network_vocab
 
 
-def newest_round(session: Session, stage: int) -> int | None:
-    """The newest round any replica of the stage reported; None before its first receipt."""
-    return session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage))
+RECENT_S = 3600.0
+"""Receipts younger than this say where a stage is now (`current_round`); older ones only when no
+replica of the stage reported that recently."""
 
 
-def _schedule(session: Session, stage: int, size: int, cfg: MembershipConfig, *, now: float) -> int:
-    """Grow `stage` to `size` from its next member list's effective round, which is returned."""
+def current_round(session: Session, stage: int, *, now: float) -> int | None:
+    """The stage's round as most of its replicas report it: the lower median, over wallets, of each
+    one's newest receipt round (receipts of the last `RECENT_S`; all of them when none is that
+    recent); None before the stage's first receipt. A wallet that claims a far-off round moves it
+    only when it is half the stage: the newest round of all would let one receipt put a growth
+    rounds away that never come, or schedule the embedding before the head has grown."""
+
+    def newest_per_wallet(since: float | None) -> list[int]:
+        query = select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)
+        if since is not None:
+            query = query.where(m.Receipt.received_at >= since)
+        return sorted(session.scalars(query.group_by(m.Receipt.wallet_id)))
+
+    rounds = newest_per_wallet(now - RECENT_S) or newest_per_wallet(None)
+    return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+
+def _schedule(session: Session, stage: int, size: int, cfg: MembershipConfig, *, now: float) -> int | None:
+    """Grow `stage` to `size` from `lead_rounds` past its current round; that round, or None when
+    another leader scheduled it first (the update only ever raises a stage's vocabulary). The
+    stage's epoch moves so its replicas read the new list."""
+    from_round = (current_round(session, stage, now=now) or 0) + cfg.lead_rounds
     members.bump_epoch(session, stage, now=now)
-    from_round = members.effective_round(session, stage, cfg)
-    session.execute(
+    moved = session.execute(
         update(m.StageEpoch)
-        .where(m.StageEpoch.stage == stage)
+        .where(m.StageEpoch.stage == stage, m.StageEpoch.vocab_size < size)
         .values(vocab_size=size, vocab_from_round=from_round)
         .execution_options(synchronize_session=False)
     )
-    return from_round
+    return from_round if moved.rowcount else None  # type: ignore[attr-defined]
+
+
+def _pending(session: Session, stage: int, *, now: float) -> bool:
+    """Whether the stage has a growth scheduled that its replicas have not reached: a new one waits
+    for it (a replica that crossed the first round would grow to the first size, the others to the
+    second)."""
+    size, from_round = members.vocab_schedule(session, stage)
+    return bool(size) and (current_round(session, stage, now=now) or 0) < from_round
 
 
 def schedule_growth(
@@ -96,24 +123,32 @@ def schedule_growth(
         raise ValueError(
             f"schedule_growth: num_stages ({num_stages}) and network_vocab ({network_vocab}) must be ≥ 1"
         )
-    if target_vocab > MAX_VOCAB:
+    if target_vocab > vocab_cap(network_vocab):
         raise ValueError(
-            f"schedule_growth: target vocabulary {target_vocab} is beyond MAX_VOCAB ({MAX_VOCAB})"
+            f"schedule_growth: target vocabulary {target_vocab} is beyond what a run defined at "
+            f"{network_vocab} ids may grow to ({vocab_cap(network_vocab)}: node.vocab.vocab_cap); "
+            "its checks would refuse every grown replica. Start a new run with a larger [model] vocab_size"
         )
     last = num_stages - 1
     head = vocab_in_force(session, last, network_vocab)
     if head < target_vocab:
+        if _pending(session, last, now=now):
+            return None
         from_round = _schedule(session, last, target_vocab, cfg, now=now)
+        if from_round is None:
+            return None
         where = "stage 0 (embedding and head)" if last == 0 else f"stage {last} (head)"
         return f"vocab: {where} grows from {head} to {target_vocab} ids from round {from_round}"
     embedding = vocab_in_force(session, 0, network_vocab)
-    if last == 0 or embedding >= target_vocab:
+    if last == 0 or embedding >= target_vocab or _pending(session, 0, now=now):
         return None
     _, head_from = members.vocab_schedule(session, last)
-    reported = newest_round(session, last)
+    reported = current_round(session, last, now=now)
     if reported is None or reported < head_from:
         return None  # the head has not trained at its grown size yet: no new id may reach it
     from_round = _schedule(session, 0, target_vocab, cfg, now=now)
+    if from_round is None:
+        return None
     return (
         f"vocab: stage 0 (embedding) grows from {embedding} to {target_vocab} ids from round {from_round} "
         f"(stage {last}'s head reported round {reported}, at {head} ids since round {head_from})"
@@ -137,6 +172,8 @@ class VocabWatch:
         self.config = config or VocabWatchConfig()
         self._load_manifest = manifest or (lambda: load_manifest(ctx.network, ctx.log))
         self._loop = PollingThread("vocab-watch", self.run_once, self.config.period_s, ctx.log, "vocab watch")
+        self._refused: int | None = None
+        """The last target refused (logged once, not every period)."""
 
     def start(self) -> None:
         self._loop.start()
@@ -152,14 +189,20 @@ class VocabWatch:
             self.ctx.log(f"vocab watch: the manifest did not load: {type(exc).__name__}: {exc}")
             return
         network = self.ctx.network
-        with self.ctx.db.write() as session:
-            line = schedule_growth(
-                session,
-                num_stages=network.num_stages,
-                network_vocab=network.model.vocab_size,
-                target_vocab=target,
-                cfg=self.membership,
-                now=self.ctx.clock(),
-            )
+        try:
+            with self.ctx.db.write() as session:
+                line = schedule_growth(
+                    session,
+                    num_stages=network.num_stages,
+                    network_vocab=network.model.vocab_size,
+                    target_vocab=target,
+                    cfg=self.membership,
+                    now=self.ctx.clock(),
+                )
+        except ValueError as exc:  # a tokenizer grown past the cap: said once per target
+            if self._refused != target:
+                self._refused = target
+                self.ctx.log(f"vocab watch: not scheduled: {exc}")
+            return
         if line is not None:
             self.ctx.log(line)

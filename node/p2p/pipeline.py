@@ -86,13 +86,13 @@ from neuroshard.protocol.pipeline import (
     PipelineEnd,
 )
 from neuroshard.protocol.refusal import Refused, malformed
-from neuroshard.protocol.roster import MAX_VOCAB
 from neuroshard.protocol.schema import MAX_STAGE
 from neuroshard.protocol.segments import Received
 
 from ..model import ModelConfig
 from ..pipeline import NonFiniteStep
 from ..segments import SegmentRecorder
+from ..vocab import vocab_cap
 from ..wallet import Wallet
 from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
 from .peers import PeerEntry, PeerTable
@@ -509,7 +509,8 @@ class PipelineService:
     def label_bound(self) -> int:
         """Labels must lie below this. Only the last stage scores them against its head; a stage in
         between passes them on and holds no vocabulary rows, so it takes any id a grown tokenizer gives."""
-        return self.model_config.vocab_size if self.stage == self.config.num_stages - 1 else MAX_VOCAB
+        last = self.stage == self.config.num_stages - 1
+        return self.model_config.vocab_size if last else vocab_cap(self.model_config.vocab_size)
 
     def body_limit(self, route: str) -> int | None:
         if route == self.END_ROUTE:

@@ -3,6 +3,7 @@ grows first, the embedding (stage 0) only once the last stage reported a round a
 middle stages never; a schedule is a new epoch of the stage's member list, which carries it; a
 vocabulary only grows; the background job reads the manifest and survives one that does not load."""
 
+import hashlib
 import time
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from sqlalchemy import select, text
 
 from neuroshard.data import Manifest
 from neuroshard.data.manifest import ManifestError, TokenizerInfo
+from neuroshard.node.vocab import vocab_cap
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.roster import MAX_VOCAB, MemberList
 from neuroshard.testing.verifier import small_network
@@ -30,17 +32,21 @@ OPERATOR = Wallet.from_token("vocab-operator")
 REPLICA = Wallet.from_token("vocab-replica")
 
 
-def report(db: Database, stage: int, round_: int) -> None:
-    """A receipt of `round_` from a replica of `stage` (all the schedule reads of receipts)."""
+def add_wallet(db: Database, wallet: Wallet) -> None:
     with db.write() as s:
-        if s.get(m.Wallet, REPLICA.wallet_id) is None:
-            s.add(m.Wallet(wallet_id=REPLICA.wallet_id, public_key=REPLICA.public_key_hex, reputation=1.0,
+        if s.get(m.Wallet, wallet.wallet_id) is None:
+            s.add(m.Wallet(wallet_id=wallet.wallet_id, public_key=wallet.public_key_hex, reputation=1.0,
                            registered_at=NOW, software_version="x"))  # fmt: skip
-            s.flush()
-        s.add(m.Receipt(wallet_id=REPLICA.wallet_id, stage=stage, round=round_, inner_steps=4, start_step=0,
+
+
+def report(db: Database, stage: int, round_: int, wallet: Wallet = REPLICA) -> None:
+    """A receipt of `round_` from a replica of `stage` (all the schedule reads of receipts)."""
+    add_wallet(db, wallet)
+    with db.write() as s:
+        s.add(m.Receipt(wallet_id=wallet.wallet_id, stage=stage, round=round_, inner_steps=4, start_step=0,
                         tokens=1, shard_id=None, offset_start=None, offset_end=None, data_spans=[], losses=[],
                         base_hash="0" * 64, result_hash="1" * 64, delta_digest="2" * 64, accepted=[],
-                        rejected=[], equivocators=[], body_sha256=f"{stage}{round_:063x}", received_at=NOW))  # fmt: skip
+                        rejected=[], equivocators=[], body_sha256=hashlib.sha256(f"{wallet.wallet_id}/{stage}/{round_}".encode()).hexdigest(), received_at=NOW))  # fmt: skip
 
 
 def grow(db: Database, num_stages: int, target: int) -> str | None:
@@ -85,7 +91,9 @@ def test_a_vocabulary_only_grows(db: Database) -> None:
     held = listed(db, 0)
     assert grow(db, 1, 600) is None
     assert listed(db, 0) == held
-    with pytest.raises(ValueError, match="beyond MAX_VOCAB"):
+    with pytest.raises(ValueError, match="may grow to"):  # past what the checks accept (vocab_cap)
+        grow(db, 1, vocab_cap(NETWORK_VOCAB) + 1)
+    with pytest.raises(ValueError, match="may grow to"):
         grow(db, 1, MAX_VOCAB + 1)
 
 
@@ -121,7 +129,24 @@ def test_a_newer_target_regrows_the_head_and_the_embedding_waits_for_it(db: Data
     report(db, 1, 5)
     assert grow(db, 2, 800) is None and schedule(db, 0)[0] == 600
     report(db, 1, 6)
-    assert grow(db, 2, 800) is not None and schedule(db, 0)[0] == 800
+    assert grow(db, 2, 800) is None, "stage 0 has not reached its first growth (round 2) yet"
+    report(db, 0, 2)
+    assert grow(db, 2, 800) is not None and schedule(db, 0) == (800, 2 + CFG.lead_rounds)
+
+
+def test_one_far_off_receipt_moves_no_schedule(db: Database) -> None:
+    """The stage's round is the median over its wallets' newest receipts: a wallet that claims a
+    far-off round neither puts the head's growth out of reach nor lets the embedding go first."""
+    others = [Wallet.from_token(f"vocab-honest-{i}") for i in range(2)]
+    liar = Wallet.from_token("vocab-liar")
+    for wallet in [*others, liar]:
+        add_wallet(db, wallet)
+    for wallet in others:
+        report(db, 1, 4, wallet)
+    report(db, 1, 10**9, liar)
+    assert grow(db, 2, 600) is not None and schedule(db, 1) == (600, 4 + CFG.lead_rounds)
+    assert grow(db, 2, 600) is None, "the honest replicas have not reached round 6: the embedding waits"
+    assert schedule(db, 0) == (0, 0)
 
 
 def test_middle_stages_are_never_scheduled(db: Database) -> None:

@@ -32,6 +32,7 @@ from neuroshard.node.p2p.pipeline import NextStageRouter, PipelineClient, Pipeli
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, encode_activations
 from neuroshard.node.p2p.server import NodeState, build_app
 from neuroshard.node.stage_worker import StageWorker, WorkerConfig
+from neuroshard.node.vocab import vocab_cap
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.peer import ErrorReply, PeerRecord
@@ -43,7 +44,6 @@ from neuroshard.protocol.pipeline import (
     GradientReply,
     micro_batch_id,
 )
-from neuroshard.protocol.roster import MAX_VOCAB
 from neuroshard.protocol.signing import sign_request
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
@@ -533,4 +533,4 @@ def test_only_the_last_stage_bounds_labels_by_its_head_and_a_growth_moves_the_bo
     assert last.label_bound == MODEL.vocab_size + 40
     three = dataclasses.replace(PIPE, num_stages=3)
     middle = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=three, worker=jobs)
-    assert middle.label_bound == MAX_VOCAB  # no rows of its own: it passes a grown tokenizer's ids on
+    assert middle.label_bound == vocab_cap(MODEL.vocab_size)  # no rows: it passes a grown tokenizer's ids on
