@@ -217,6 +217,7 @@ def _run_stage_replica(
         older_tokenizers=tuple(t.sha256 for t in dataset.manifest.tokenizers[:-1]),
     )
     reporting = _reporting(args, run, (), lambda: NotImplemented)
+    reporting.read_vocab(args.stage)
     network_config = network_config_from_args(args, reporting=False, pipeline=True)
     assert network_config is not None
     try:
@@ -236,7 +237,6 @@ def _run_stage_replica(
             reporting=reporting,
             placement=placement,
             vocab_schedule=reporting.vocab,
-            vocab_size=dataset.tokenizer.vocab_size,
         )
         result = replica.run(stop)
     finally:
@@ -318,6 +318,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
                 dataset, model_config, diloco_config, batch_size=run_.batch_size, seq_len=run_.seq_len
             ),
         )
+        reporting.read_vocab(0)
         network_config = network_config_from_args(
             args, reporting=reporting.active, pipeline=run_.num_stages > 1
         )

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Protocol
 
 from neuroshard.data import Dataset
+from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import Receipt
-from neuroshard.protocol.roster import MemberList
+from neuroshard.protocol.roster import MemberList, RosterError
 
 from .diloco import DiLoCoConfig
 from .membership import roster_of
@@ -42,7 +43,13 @@ from .receipt import Receipting
 from .replay import ReplayArchive
 from .segment_store import SegmentStore
 from .segments import SegmentConfig, SegmentRecorder
-from .verifier_client import VerifierClient, VerifierClientConfig, VerifierUnreachable, fetch_network
+from .verifier_client import (
+    VerifierClient,
+    VerifierClientConfig,
+    VerifierUnreachable,
+    fetch_member_list,
+    fetch_network,
+)
 from .vocab import VocabSchedule
 from .wallet import Wallet
 from .work import RoundWork
@@ -227,8 +234,26 @@ class Reporting:
         self.tracker = tracker
         return tracker
 
+    def read_vocab(self, stage: int) -> None:
+        """Before the replica is built: read the stage's member list once, so a replica that (re)starts
+        after its stage grew starts at the grown vocabulary (the tracker reads it again every few
+        seconds from then on). A verifier that cannot be read is logged, and growth waits for the tracker."""
+        if self.vocab is None or self.url is None or self.operator_key is None or self.network_name is None:
+            return
+        try:
+            members = fetch_member_list(self.url, stage, self.operator_key, self.network_name)
+        except (Refused, RosterError, VerifierUnreachable) as exc:
+            self.log(
+                f"verifier: stage {stage}'s member list not read at start ({exc}); the tracker reads it later"
+            )
+            return
+        self._take_vocab(members)
+
     def _take_members(self, network: PeerPlane, members: MemberList) -> None:
         network.set_roster(roster_of(members), members.effective_round)
+        self._take_vocab(members)
+
+    def _take_vocab(self, members: MemberList) -> None:
         if self.vocab is None or members.vocab_size is None or members.vocab_from_round is None:
             return
         if members.vocab_size > self.vocab.planned[0]:

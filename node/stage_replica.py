@@ -80,7 +80,6 @@ def start_stage_replica(
     reporting: Reporting | None = None,
     placement: Placement | None = None,
     vocab_schedule: VocabSchedule | None = None,
-    vocab_size: int | None = None,
 ) -> StageReplica:
     """Build a stage > 0 replica: model, DiLoCo (resumed from `checkpoint` unless `fresh`), worker,
     peer server with the pipeline route; join the stage's state; ready to `run`. With an active
@@ -89,13 +88,14 @@ def start_stage_replica(
     inner steps (default CPU fp32); the outer round stays on the CPU in fp32 (node.diloco).
 
     Vocabulary growth (node.vocab), where a verifier schedules it (`vocab_schedule`, fed by the
-    reporting's tracker): the last stage grows its head at the round the verifier's member list
-    names; `vocab_size`, the run's current tokenizer's, is where a last stage starting after a
-    growth begins. A stage in between holds no vocabulary rows and never grows."""
+    reporting's tracker, read once before this is called): the last stage grows its head at the
+    round the verifier's member list names, and one (re)started after its stage grew starts at the
+    grown size. A stage in between holds no vocabulary rows and never grows."""
     reporting = reporting or Reporting.nobody(log)
     num_stages = pipeline_config.num_stages
     model = build_stage(model_config, stage, num_stages)
     diloco = DiLoCo(model, diloco_config, placement=placement)
+    resumed = None
     if checkpoint is not None and not fresh:
         resumed = checkpoint.load(diloco)
         if resumed is not None:
@@ -103,10 +103,15 @@ def start_stage_replica(
             log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
     last = stage == num_stages - 1
     schedule = vocab_schedule if last else None
-    if schedule is not None and vocab_size is not None and vocab_size > vocab_of(diloco):
-        # Started after the run's tokenizer grew: train at its size, as the stage's peers do.
-        log(f"vocabulary {vocab_of(diloco)} -> {vocab_size}: the run's tokenizer grew; head extended")
-        diloco = regrow(diloco, vocab_size)
+    scheduled = 0
+    if schedule is not None:  # resumed: grown if its round reached the growth's; new: the stage's likely size
+        scheduled = schedule.due(diloco.round) if resumed is not None else schedule.planned[0]
+    if scheduled > vocab_of(diloco):
+        # Started after the verifier scheduled the stage's growth: train at that size, as its peers do.
+        log(
+            f"vocabulary {vocab_of(diloco)} -> {scheduled}: the verifier scheduled this stage's growth; head extended"
+        )
+        diloco = regrow(diloco, scheduled)
     recorder = reporting.recorder(stage)
     # Built in the order they need each other: the queue the pipeline route fills, the network
     # that serves the route, the link onward and the round's finisher, then the worker.
@@ -175,7 +180,7 @@ def start_stage_replica(
             link.close()
         network.stop()
         raise
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in diloco.model.parameters())
     log(
         f"stage {stage}/{pipeline_config.num_stages}: layers {list(model.layer_range)}, {params:,} parameters, "
         f"{'last stage (head, loss)' if last else 'forwards to stage ' + str(stage + 1)}; "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from .checkpoint import CheckpointIdentity, CheckpointWriter, load_checkpoint
+from .checkpoint import CheckpointIdentity, CheckpointMismatch, CheckpointWriter, load_checkpoint
 from .device import snapshot_to_cpu
 from .diloco import DiLoCo
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
@@ -54,6 +54,11 @@ class StageCheckpoint:
         if state is None:
             return None
         vocab = state_vocab(state["model"], vocab_of(diloco))
+        if vocab < vocab_of(diloco):  # built at a grown tokenizer's size, which this stage never took
+            raise CheckpointMismatch(
+                f"{self.path} holds a model of {vocab} ids, this replica is built at {vocab_of(diloco)}: the "
+                "tokenizer grew since, and a pipeline grows its vocabulary only on a verifier's schedule (--join)"
+            )
         if vocab > vocab_of(diloco):
             diloco = regrow(diloco, vocab)
         diloco.model.load_state_dict(state["model"])

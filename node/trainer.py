@@ -88,6 +88,20 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be ≥ 0, got {self.max_steps}")
 
 
+def _ahead_of_the_model(tokenizer: int, model: int, schedule: VocabSchedule | None) -> str:
+    """Why a replica cannot start on a data set whose tokenizer has more ids than its model."""
+    if schedule is not None:
+        return (
+            f"the run's tokenizer has {tokenizer} ids and the verifier has not scheduled this stage's "
+            f"embedding at that size yet (it is at {model}; the head grows first, the embedding a few rounds "
+            "later): start this replica again once GET /api/stages/0/members names that vocab_size"
+        )
+    return (
+        f"the data set's tokenizer grew to {tokenizer} ids since this replica's checkpoint ({model} ids); "
+        "a pipeline grows its vocabulary only on a verifier's schedule (--join), and this run has none"
+    )
+
+
 DatasetUpdates = Callable[[], Dataset | None]
 """Polled at round boundaries: a newer verified data set (manifest version) or None."""
 
@@ -188,11 +202,20 @@ class Trainer(InnerLoop):
                 f"resumed from {self.checkpoint_file} at step={self.diloco.step} round={self.diloco.round} "
                 f"(shard {saved['shard_id']}, offset {position.offset})"
             )
-        # A replica that starts (or restarts) after the run's tokenizer grew trains at its size: the
-        # stage's peers grew at their scheduled round, and join_state takes their state at that shape.
-        self._grow_vocab(
-            dataset.tokenizer.vocab_size if vocab_schedule is not None else model_config.vocab_size
-        )
+        if vocab_schedule is not None:
+            # Started after the verifier scheduled the stage's growth (read before this replica was
+            # built): resumed, it grows if its round has reached the growth's; new, it takes the size
+            # its stage most likely trains at by now, and join_state takes their state at it.
+            due = vocab_schedule.due(self.diloco.round) if state is not None else vocab_schedule.planned[0]
+            self._grow_vocab(max(model_config.vocab_size, due))
+        elif num_stages == 1:
+            self._grow_vocab(model_config.vocab_size)  # a lone replica: the tokenizer's size, at once
+        if dataset.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise ValueError(
+                _ahead_of_the_model(
+                    dataset.tokenizer.vocab_size, self.model.config.vocab_size, vocab_schedule
+                )
+            )
         self.batches = BatchStream(
             source=dataset.source,
             manifest=dataset.manifest,

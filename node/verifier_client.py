@@ -112,6 +112,25 @@ def _request(
         raise VerifierUnreachable(f"{method} {path}: {exc}") from None
 
 
+def checked_member_list(raw: bytes, stage: int, operator_key: str, network: str, *, now: float) -> MemberList:
+    """A member list read from the verifier, checked: signed by the operator for this network,
+    unexpired, of this stage. Raises Refused (malformed) or RosterError."""
+    members = MemberList.from_json(raw)
+    members.verify(operator_key, network=network, now=now)
+    if members.stage != stage:
+        raise RosterError(f"a member list of stage {members.stage}, not {stage}")
+    return members
+
+
+def fetch_member_list(
+    url: str, stage: int, operator_key: str, network: str, *, timeout_s: float = 10.0
+) -> MemberList:
+    """GET the stage's member list once, checked (`checked_member_list`). Raises Refused,
+    RosterError or VerifierUnreachable."""
+    raw, _ = _request(_base(url), f"/api/stages/{stage}/members", timeout_s=timeout_s)
+    return checked_member_list(raw, stage, operator_key, network, now=time.time())
+
+
 def fetch_network(
     url: str, *, operator_key: str | None, known_keys: Path | None, log: Log, timeout_s: float = 10.0
 ) -> tuple[NetworkDefinition, str]:
@@ -368,10 +387,7 @@ class VerifierClient:
             self._on_members = None  # an older verifier: stop asking
             return
         try:
-            members = MemberList.from_json(raw)
-            members.verify(cfg.operator_key, network=cfg.network, now=self._clock())
-            if members.stage != cfg.stage:
-                raise RosterError(f"a member list of stage {members.stage}, not {cfg.stage}")
+            members = checked_member_list(raw, cfg.stage, cfg.operator_key, cfg.network, now=self._clock())
             newer = members.newer_than(self.members)
         except (Refused, RosterError) as exc:
             self._log(f"tracker: member list refused: {exc}")

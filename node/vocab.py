@@ -89,11 +89,15 @@ def _grow_rows(old: Tensor, fill: Tensor) -> Tensor:
     return grown
 
 
-def grow_replica(model: Transformer, diloco: DiLoCo, vocab_size: int) -> tuple[Transformer, DiLoCo]:
+def grow_replica(
+    model: Transformer, diloco: DiLoCo, vocab_size: int, *, placement: Placement | None = None
+) -> tuple[Transformer, DiLoCo]:
     """A new (model, DiLoCo) pair at `vocab_size` carrying all state of the old pair.
 
-    Call it at a round boundary (model weights == θ_round), as the trainer does. The new
-    DiLoCo uses the default inner optimizer and the old one's config.
+    Call it at a round boundary (model weights == θ_round), as the trainer does, with the old pair
+    on the CPU. The new DiLoCo uses the default inner optimizer (built for `placement`, default the
+    CPU: fused AdamW on CUDA) and the old one's config; its carried optimizer state is on the CPU
+    until the caller moves the engine (`DiLoCo.move_to`, as `regrow` does).
     """
     old_vocab = model.config.vocab_size
     if vocab_size < old_vocab:
@@ -110,7 +114,7 @@ def grow_replica(model: Transformer, diloco: DiLoCo, vocab_size: int) -> tuple[T
         for name, param in new_params.items():
             param.copy_(_grow_rows(old_params[name], param) if name in VOCAB_PARAMS else old_params[name])
 
-    new_diloco = DiLoCo(grown, diloco.config, loss_fn=diloco.loss_fn)
+    new_diloco = DiLoCo(grown, diloco.config, loss_fn=diloco.loss_fn, placement=placement)
     _carry_inner_state(diloco, new_diloco, old_params, new_params)
     _carry_outer_state(diloco, new_diloco, old_params, new_params)
     new_diloco.step, new_diloco.round, new_diloco.steps_in_round = (
@@ -182,8 +186,8 @@ def regrow(diloco: DiLoCo, vocab_size: int) -> DiLoCo:
     placement = diloco.placement
     checkpointing = model_of(diloco).activation_checkpointing
     diloco.move_to(Placement.cpu())
-    model, grown = grow_replica(model_of(diloco), diloco, vocab_size)
-    grown.move_to(placement)
+    model, grown = grow_replica(model_of(diloco), diloco, vocab_size, placement=placement)
+    grown.move_to(placement)  # the carried optimizer state
     model.activation_checkpointing = checkpointing
     return grown
 
@@ -191,9 +195,9 @@ def regrow(diloco: DiLoCo, vocab_size: int) -> DiLoCo:
 class VocabSchedule:
     """The vocabulary a stage trains at from a round on, as the verifier's signed member list last
     said (protocol.roster.MemberList `vocab_size`, `vocab_from_round`). The tracker's thread sets
-    it; the training thread reads it at round boundaries (`due`) and reports each growth
-    (`grown`), which `on_grown` hears: the peer plane republishes the replica's state at its new
-    shape, so a joiner or a hash check never reads the old one."""
+    it; the training thread reads it at round boundaries and grows there (`grow_due`), which
+    `on_grown` hears: the peer plane republishes the replica's state at its new shape, so a joiner
+    or a hash check never reads the old one."""
 
     def __init__(self, on_grown: Callable[[DiLoCo], None] | None = None) -> None:
         self._lock = threading.Lock()

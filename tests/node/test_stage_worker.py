@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -164,3 +165,15 @@ def test_a_stage_resumes_a_checkpoint_made_before_the_tokenizer_grew(tmp_path: P
         StageCheckpoint(path=tmp_path / "s1.pt", identity=grown_tokenizer).load(_engine())
     lineage = StageCheckpoint(path=tmp_path / "s1.pt", identity=grown_tokenizer, older_tokenizers=("t" * 64,))
     assert lineage.load(_engine()) is not None
+
+
+def test_a_checkpoint_from_before_a_growth_this_stage_never_took_is_refused(tmp_path: Path) -> None:
+    """Without a verifier a pipeline never grows: a replica built at a grown tokenizer's size does not
+    load the older, smaller checkpoint into its larger head (it says why instead of a shape error)."""
+    StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity()).save(_engine(), wait=True)
+    grown = DiLoCo(
+        build_stage(dataclasses.replace(MODEL, vocab_size=80), 1, 2),
+        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
+    )
+    with pytest.raises(CheckpointMismatch, match="holds a model of 64 ids, this replica is built at 80"):
+        StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity()).load(grown)

@@ -192,7 +192,6 @@ def test_a_scheduled_replica_holds_a_grown_manifest_until_its_round(published, t
     extended = _extended_copy(published, tmp_path)
     updates = iter([extended])
     schedule = VocabSchedule()
-    schedule.set(536, 2)
     grown_at: list[int] = []
     schedule.on_grown = lambda diloco: grown_at.append(diloco.round)
     lines: list[str] = []
@@ -204,6 +203,7 @@ def test_a_scheduled_replica_holds_a_grown_manifest_until_its_round(published, t
         dataset_updates=lambda: next(updates, None),
         vocab_schedule=schedule,
     )
+    schedule.set(536, 2)  # the tracker reads the verifier's list once the replica runs
     trainer.run(threading.Event())
     assert grown_at == [2]
     assert trainer.model.config.vocab_size == 536 and trainer.dataset is extended
@@ -228,3 +228,30 @@ def test_a_pipeline_stage_without_a_schedule_stays_on_the_old_manifest(published
     trainer.run(threading.Event())
     assert trainer.model.config.vocab_size == 512 and trainer.dataset is published.dataset
     assert sum("this run has none: staying on the old manifest" in line for line in lines) == 1
+
+
+def test_a_replica_started_after_its_stage_s_growth_was_scheduled_starts_grown(
+    published, tmp_path: Path
+) -> None:
+    """Joined (its model the definition's 512 ids): new, it takes the scheduled size (its stage
+    trains at it by now); resumed, only once its own round reached the growth's; on a grown data
+    set it cannot start below the tokenizer's size."""
+    extended = _extended_copy(published, tmp_path)
+    schedule = VocabSchedule()
+
+    def joined(dataset, directory: str, max_steps: int) -> Trainer:  # type: ignore[no-untyped-def]
+        return Trainer(
+            wallet_id="feedface", dataset=dataset, model_config=MODEL, diloco_config=DILOCO,
+            config=TrainerConfig(batch_size=2, seq_len=32, max_steps=max_steps, checkpoint_every=4, log_every=1),
+            checkpoint_dir=tmp_path / directory, log=lambda line: None, vocab_schedule=schedule,
+        )  # fmt: skip
+
+    schedule.set(536, 1)
+    assert joined(extended, "new", 4).model.config.vocab_size == 536
+    _trainer(published, tmp_path / "old", 6, []).run(threading.Event())  # a checkpoint at round 1
+    resumed = joined(published.dataset, "old", 12)
+    assert resumed.diloco.round == 1 and resumed.model.config.vocab_size == 536
+    schedule.set(536, 5)
+    assert joined(published.dataset, "old", 12).model.config.vocab_size == 512  # round 5 not reached
+    with pytest.raises(ValueError, match="has not scheduled this stage's embedding at that size yet"):
+        joined(extended, "old", 12)

@@ -116,3 +116,17 @@ def test_the_tracker_hands_a_member_list_s_vocabulary_to_the_replica_s_schedule(
     reporting._take_members(network, members(600, 7))  # type: ignore[arg-type]
     assert reporting.vocab.planned == (600, 7)
     assert lines == ["tracker: the verifier schedules vocabulary 600 for stage 1 from round 7"]
+
+
+def test_a_verifier_that_cannot_be_read_at_start_leaves_the_schedule_to_the_tracker() -> None:
+    lines: list[str] = []
+    reporting = Reporting(
+        url="http://127.0.0.1:9",
+        operator_key="ab" * 32,
+        log=lines.append,
+        network_name="n",
+        vocab=VocabSchedule(),
+    )
+    reporting.read_vocab(1)
+    assert reporting.vocab is not None and reporting.vocab.planned == (0, 0)
+    assert len(lines) == 1 and "stage 1's member list not read at start" in lines[0]

@@ -180,11 +180,13 @@ def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
         """`placements`: replica 0's and replica 1's (of each stage); None is CPU fp32. `growth`:
         (vocabulary, stage 1's round, stage 0's round), each replica told as its tracker would tell it."""
 
+        told: list[tuple[VocabSchedule, int]] = []  # set once all are built, as a tracker would tell them
+
         def vocab(stage: int) -> VocabSchedule | None:
             if growth is None:
                 return None
             schedule = VocabSchedule()
-            schedule.set(growth[0], growth[2 - stage])
+            told.append((schedule, growth[2 - stage]))
             return schedule
 
         first = Stage1(0, (), stage1_max_steps, placement=placements[0], vocab=vocab(1), **stage1_net)
@@ -194,6 +196,8 @@ def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
         made.extend(
             Driver(i, published, tmp_path, boot, placement=placements[i], vocab=vocab(0)) for i in range(2)
         )
+        for schedule, from_round in told:
+            schedule.set(growth[0], from_round)  # type: ignore[index]
         drivers = [m for m in made if isinstance(m, Driver)]
         for d in drivers:
             d.network.join_state(d.trainer.diloco)  # announces the driver (stage 1 joined at start)
