@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument(
         "--sim-codecs",
         default="all",
-        help="comma list of the codecs the loss runs compare with fp32, or 'all'",
+        help="comma list of the codecs the loss runs compare with fp32, 'all', or 'none'",
     )
     p.add_argument(
         "--runs-cache",
@@ -93,6 +93,14 @@ def main() -> None:
         default=None,
         help="JSON file of finished loss runs, shared between invocations",
     )
+    p.add_argument(
+        "--bottleneck-ranks",
+        type=lambda v: [int(r) for r in v.split(",") if r],
+        default=[],
+        help="comma list of ranks r: loss runs with a trained rank-r cut of the residual stream at the "
+        "boundary (a model-side change, not offered: measured), its r values sent in --bottleneck-codec",
+    )
+    p.add_argument("--bottleneck-codec", default="bf16", choices=sorted(CODECS))
     p.add_argument("--live-codecs", default="bf16,int8,hadamard4", help="comma list, or 'none'")
     p.add_argument("--inner-steps", type=int, default=50, help="H of the live run")
     p.add_argument("--rounds", type=int, default=3, help="outer rounds of the live run")
@@ -159,6 +167,14 @@ def bytes_table(model: ModelConfig, args: argparse.Namespace, codecs: dict[str, 
             "backward": round(back, 2),
             "codec_ms": _codec_ms(codec, hidden, grad),
         }
+    for r in args.bottleneck_ranks:  # r values per token cross the wire instead of C
+        name = args.bottleneck_codec
+        small_h, small_g = hidden[..., :r].contiguous(), grad[..., :r].contiguous()
+        rows[f"r{r}+{name}"] = {
+            "forward": round(len(encode_activations(small_h, labels, name)) / (b * t), 2),
+            "backward": round(len(encode_gradient(small_g, name)) / (b * t), 2),
+            "codec_ms": _codec_ms(CODECS[name], small_h, small_g),
+        }
     bf16 = rows["bf16"]["forward"] + rows["bf16"]["backward"]
     print(
         f"\nbytes per token per boundary ({args.model}, C = {c}, micro-batch {b}x{t}, labels int32); codec ms:"
@@ -170,8 +186,11 @@ def bytes_table(model: ModelConfig, args: argparse.Namespace, codecs: dict[str, 
     for name, row in rows.items():
         both = row["forward"] + row["backward"]
         row["ratio_to_bf16"] = round(both / bf16, 4)
-        f, k = codecs[name].forward, codecs[name].backward
-        bits = f"{_bits(f, c):.2f}/{_bits(k, c):.2f}"
+        if name in codecs:
+            f, k = codecs[name].forward, codecs[name].backward
+            bits = f"{_bits(f, c):.2f}/{_bits(k, c):.2f}"
+        else:  # a bottleneck: bits per value of the full width C it stands for
+            bits = f"{8 * (row['forward'] - 4) / c:.2f}/{8 * row['backward'] / c:.2f}"
         print(
             f"{name:<11} {bits:>14} {row['forward']:>9.1f} {row['backward']:>9.1f} {both:>8.1f} {both / bf16:>7.3f} "
             f"{row['codec_ms']:>9.2f}"
@@ -217,14 +236,39 @@ def _batch(tokens: Tensor, seed: int, step: int, b: int, t: int) -> tuple[Tensor
     return rows[:, :-1], rows[:, 1:]
 
 
+def _bottleneck(cfg: ModelConfig, rank: int) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """A rank-`rank` cut of the residual stream at the boundary: stage 0 ends with down (C -> r),
+    stage 1 starts with up (r -> C). Both start from one seeded orthonormal basis Q (C, r), down =
+    Qᵀ and up = Q, so the pair starts as a projection onto r directions; both train."""
+    g = torch.Generator().manual_seed(cfg.init_seed + 7)
+    q, _ = torch.linalg.qr(torch.randn(cfg.dim, rank, generator=g))
+    down, up = torch.nn.Linear(cfg.dim, rank, bias=False), torch.nn.Linear(rank, cfg.dim, bias=False)
+    with torch.no_grad():
+        down.weight.copy_(q.T)
+        up.weight.copy_(q)
+    return down, up
+
+
 def train_pipeline(
-    model: ModelConfig, codec: Codec | None, tokens: Tokens, seed: int, steps: int, b: int, t: int
+    model: ModelConfig,
+    codec: Codec | None,
+    tokens: Tokens,
+    seed: int,
+    steps: int,
+    b: int,
+    t: int,
+    rank: int | None = None,
 ) -> float:
     """Stages 0 and 1 trained for `steps` inner steps with `codec` at the boundary (None: float32
-    as is); returns the held-out loss of the two stages assembled."""
+    as is), through a rank-`rank` bottleneck when given; returns the held-out loss of the two
+    stages assembled."""
     cfg = ModelConfig(**{**model.to_dict(), "init_seed": seed})
     diloco = DiLoCoConfig(inner_steps=steps, warmup_steps=min(20, steps), total_steps=steps)
-    last = DiLoCo(build_stage(cfg, 1, 2), diloco)
+    stage0, stage1 = build_stage(cfg, 0, 2), build_stage(cfg, 1, 2)
+    if rank is not None:
+        down, up = _bottleneck(cfg, rank)
+        stage0, stage1 = torch.nn.Sequential(stage0, down), torch.nn.Sequential(up, stage1)  # type: ignore[assignment]
+    last = DiLoCo(stage1, diloco)
 
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         if codec is not None:
@@ -232,7 +276,7 @@ def train_pipeline(
         grad, loss = stage_inner_step(last, hidden, labels, None)
         return (grad if codec is None else actcodec.round_trip(grad, codec.backward)), loss
 
-    first = DiLoCo(build_stage(cfg, 0, 2), diloco, loss_fn=remote_loss(downstream))
+    first = DiLoCo(stage0, diloco, loss_fn=remote_loss(downstream))
     for step in range(steps):
         first.inner_step(*_batch(tokens.train, seed, step, b, t))
     return measure_loss([first.model, last.model], tokens.held_out, b, t, max_batches=EVAL_BATCHES).loss
@@ -247,18 +291,23 @@ def loss_table(
     started = time.perf_counter()
     # fp16 is a cast like bf16 with 3 more mantissa bits: nothing to learn from it here.
     wanted = [n for n in codecs if n != "fp16"] if args.sim_codecs == "all" else args.sim_codecs.split(",")
+    wanted = [n for n in wanted if n and n != "none"]
     cache: dict[str, float] = {}
     if args.runs_cache is not None and args.runs_cache.exists():
         cache = json.loads(args.runs_cache.read_text())
-    for name in [UNCOMPRESSED, *wanted]:
-        codec = None if name == UNCOMPRESSED else codecs[name]
+    plan: list[tuple[str, Codec | None, int | None]] = [(UNCOMPRESSED, None, None)]
+    plan += [(name, codecs[name], None) for name in wanted]
+    plan += [
+        (f"r{r}+{args.bottleneck_codec}", CODECS[args.bottleneck_codec], r) for r in args.bottleneck_ranks
+    ]
+    for name, codec, rank in plan:
         runs[name] = []
         for seed in seeds:
             # Everything that decides a run's loss (the text is the bench's one text).
             key = f"{args.model}/{name}/seed{seed}/steps{args.sim_steps}/{args.batch_size}x{args.seq_len}"
             if key not in cache:
                 cache[key] = train_pipeline(
-                    model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len
+                    model, codec, tokens, seed, args.sim_steps, args.batch_size, args.seq_len, rank
                 )
                 if args.runs_cache is not None:
                     args.runs_cache.write_text(json.dumps(cache, indent=1, sort_keys=True))
