@@ -95,7 +95,6 @@ def start_stage_replica(
     num_stages = pipeline_config.num_stages
     model = build_stage(model_config, stage, num_stages)
     diloco = DiLoCo(model, diloco_config, placement=placement)
-    resumed = None
     if checkpoint is not None and not fresh:
         resumed = checkpoint.load(diloco)
         if resumed is not None:
@@ -103,9 +102,7 @@ def start_stage_replica(
             log(f"resumed from {checkpoint.path} at step={diloco.step} round={diloco.round}")
     last = stage == num_stages - 1
     schedule = vocab_schedule if last else None
-    scheduled = 0
-    if schedule is not None:  # resumed: grown if its round reached the growth's; new: the stage's likely size
-        scheduled = schedule.due(diloco.round) if resumed is not None else schedule.planned[0]
+    scheduled = 0 if schedule is None else schedule.planned[0]  # new or resumed: the stage's likely size
     if scheduled > vocab_of(diloco):
         # Started after the verifier scheduled the stage's growth: train at that size, as its peers do.
         log(

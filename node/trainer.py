@@ -92,9 +92,12 @@ def _ahead_of_the_model(tokenizer: int, model: int, schedule: VocabSchedule | No
     """Why a replica cannot start on a data set whose tokenizer has more ids than its model."""
     if schedule is not None:
         return (
-            f"the run's tokenizer has {tokenizer} ids and the verifier has not scheduled this stage's "
-            f"embedding at that size yet (it is at {model}; the head grows first, the embedding a few rounds "
-            "later): start this replica again once GET /api/stages/0/members names that vocab_size"
+            f"the run's tokenizer has {tokenizer} ids, and stage 0 is not scheduled to grow to them yet "
+            f"(this replica is at {model}). The verifier reads the manifest every minute and, in a pipeline, "
+            "grows stage 0's embedding only once the last stage's head has trained a round at the new "
+            "size: a few rounds of the last stage after the tokenizer was published (or its member list "
+            "could not be read at start: see above). Start this replica again once GET "
+            f"/api/stages/0/members names vocab_size {tokenizer}"
         )
     return (
         f"the data set's tokenizer grew to {tokenizer} ids since this replica's checkpoint ({model} ids); "
@@ -204,10 +207,10 @@ class Trainer(InnerLoop):
             )
         if vocab_schedule is not None:
             # Started after the verifier scheduled the stage's growth (read before this replica was
-            # built): resumed, it grows if its round has reached the growth's; new, it takes the size
-            # its stage most likely trains at by now, and join_state takes their state at it.
-            due = vocab_schedule.due(self.diloco.round) if state is not None else vocab_schedule.planned[0]
-            self._grow_vocab(max(model_config.vocab_size, due))
+            # built), new or resumed: the size its stage most likely trains at by now (a replica back
+            # from a while away is behind the growth round; join_state takes the grown peers' state).
+            # One started between the scheduling and that round is ahead for those rounds.
+            self._grow_vocab(max(model_config.vocab_size, vocab_schedule.planned[0]))
         elif num_stages == 1:
             self._grow_vocab(model_config.vocab_size)  # a lone replica: the tokenizer's size, at once
         if dataset.tokenizer.vocab_size > self.model.config.vocab_size:

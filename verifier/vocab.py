@@ -8,8 +8,9 @@ against labels). Every replica of a stage must grow at the same round boundary o
 models stop being bit-identical and their hashes disagree; rounds are counted per stage, so the
 schedule is per stage too. It travels in the stage's signed member list (MemberList.vocab_size,
 vocab_from_round), which every node already reads; a new schedule bumps the stage's epoch so nodes
-take the new list, and `vocab_from_round` is that list's effective round (`MembershipConfig
-.lead_rounds` past the newest round the stage reported): time for every replica to read it.
+take the new list, and `vocab_from_round` is `MembershipConfig.lead_rounds` past the stage's
+current round (`current_round`: not moved by a minority of wallets claiming far-off rounds): time
+for every replica to read it. A stage grows once more only after it reached its last growth.
 
 The head grows first and the embedding only once the last stage has reported a round trained at the
 grown head. The other order would let stage 0 feed a new id through the pipeline while the head
@@ -65,28 +66,36 @@ RECENT_S = 3600.0
 replica of the stage reported that recently."""
 
 
-def current_round(session: Session, stage: int, *, now: float) -> int | None:
-    """The stage's round as most of its replicas report it: the lower median, over wallets, of each
-    one's newest receipt round (receipts of the last `RECENT_S`; all of them when none is that
-    recent); None before the stage's first receipt. A wallet that claims a far-off round moves it
-    only when it is half the stage: the newest round of all would let one receipt put a growth
-    rounds away that never come, or schedule the embedding before the head has grown."""
+def current_round(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> int | None:
+    """The stage's round as its replicas report it, not as its most extreme wallets do: each
+    wallet's newest receipt round (receipts of the last `RECENT_S`, all of them when none is that
+    recent; only wallets whose votes count, under a probation or allowlist policy), sorted, with the
+    top f = ⌊(n − 1)/3⌋ left out — the highest round that more than f wallets reached or passed.
+    Replicas that lag or left lower it no more than they hold it back (a median would put a growth
+    round in the past of the stage's leaders when half of its wallets lag); a minority of f wallets
+    that claim a far-off round moves it not at all. None before the stage's first receipt."""
+    counted = members.counted(session, stage, cfg, now=now)
 
     def newest_per_wallet(since: float | None) -> list[int]:
-        query = select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)
+        query = select(m.Receipt.wallet_id, func.max(m.Receipt.round)).where(m.Receipt.stage == stage)
         if since is not None:
             query = query.where(m.Receipt.received_at >= since)
-        return sorted(session.scalars(query.group_by(m.Receipt.wallet_id)))
+        rows = session.execute(query.group_by(m.Receipt.wallet_id))
+        return sorted(r for w, r in rows if counted is None or w in counted)
 
     rounds = newest_per_wallet(now - RECENT_S) or newest_per_wallet(None)
-    return rounds[(len(rounds) - 1) // 2] if rounds else None
+    if not rounds:
+        return None
+    return rounds[len(rounds) - 1 - (len(rounds) - 1) // 3]
 
 
 def _schedule(session: Session, stage: int, size: int, cfg: MembershipConfig, *, now: float) -> int | None:
     """Grow `stage` to `size` from `lead_rounds` past its current round; that round, or None when
-    another leader scheduled it first (the update only ever raises a stage's vocabulary). The
-    stage's epoch moves so its replicas read the new list."""
-    from_round = (current_round(session, stage, now=now) or 0) + cfg.lead_rounds
+    it is already at that size (another leader scheduled it first: the update only ever raises a
+    stage's vocabulary). The stage's epoch moves so its replicas read the new list."""
+    if members.vocab_schedule(session, stage)[0] >= size:
+        return None
+    from_round = (current_round(session, stage, cfg, now=now) or 0) + cfg.lead_rounds
     members.bump_epoch(session, stage, now=now)
     moved = session.execute(
         update(m.StageEpoch)
@@ -97,12 +106,12 @@ def _schedule(session: Session, stage: int, size: int, cfg: MembershipConfig, *,
     return from_round if moved.rowcount else None  # type: ignore[attr-defined]
 
 
-def _pending(session: Session, stage: int, *, now: float) -> bool:
+def _pending(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> bool:
     """Whether the stage has a growth scheduled that its replicas have not reached: a new one waits
     for it (a replica that crossed the first round would grow to the first size, the others to the
     second)."""
     size, from_round = members.vocab_schedule(session, stage)
-    return bool(size) and (current_round(session, stage, now=now) or 0) < from_round
+    return bool(size) and (current_round(session, stage, cfg, now=now) or 0) < from_round
 
 
 def schedule_growth(
@@ -123,16 +132,20 @@ def schedule_growth(
         raise ValueError(
             f"schedule_growth: num_stages ({num_stages}) and network_vocab ({network_vocab}) must be ≥ 1"
         )
-    if target_vocab > vocab_cap(network_vocab):
-        raise ValueError(
-            f"schedule_growth: target vocabulary {target_vocab} is beyond what a run defined at "
-            f"{network_vocab} ids may grow to ({vocab_cap(network_vocab)}: node.vocab.vocab_cap); "
-            "its checks would refuse every grown replica. Start a new run with a larger [model] vocab_size"
-        )
     last = num_stages - 1
+    if target_vocab > vocab_cap(network_vocab):
+        head = vocab_in_force(session, last, network_vocab)
+        if last > 0 and vocab_in_force(session, 0, network_vocab) < head:
+            target_vocab = head  # no growth past the cap, but the embedding still catches up with the head
+        else:
+            raise ValueError(
+                f"schedule_growth: target vocabulary {target_vocab} is beyond what a run defined at "
+                f"{network_vocab} ids may grow to ({vocab_cap(network_vocab)}: node.vocab.vocab_cap); "
+                "its checks would refuse every grown replica. Start a new run with a larger [model] vocab_size"
+            )
     head = vocab_in_force(session, last, network_vocab)
     if head < target_vocab:
-        if _pending(session, last, now=now):
+        if _pending(session, last, cfg, now=now):
             return None
         from_round = _schedule(session, last, target_vocab, cfg, now=now)
         if from_round is None:
@@ -140,10 +153,10 @@ def schedule_growth(
         where = "stage 0 (embedding and head)" if last == 0 else f"stage {last} (head)"
         return f"vocab: {where} grows from {head} to {target_vocab} ids from round {from_round}"
     embedding = vocab_in_force(session, 0, network_vocab)
-    if last == 0 or embedding >= target_vocab or _pending(session, 0, now=now):
+    if last == 0 or embedding >= target_vocab or _pending(session, 0, cfg, now=now):
         return None
     _, head_from = members.vocab_schedule(session, last)
-    reported = current_round(session, last, now=now)
+    reported = current_round(session, last, cfg, now=now)
     if reported is None or reported < head_from:
         return None  # the head has not trained at its grown size yet: no new id may reach it
     from_round = _schedule(session, 0, target_vocab, cfg, now=now)

@@ -233,9 +233,9 @@ def test_a_pipeline_stage_without_a_schedule_stays_on_the_old_manifest(published
 def test_a_replica_started_after_its_stage_s_growth_was_scheduled_starts_grown(
     published, tmp_path: Path
 ) -> None:
-    """Joined (its model the definition's 512 ids): new, it takes the scheduled size (its stage
-    trains at it by now); resumed, only once its own round reached the growth's; on a grown data
-    set it cannot start below the tokenizer's size."""
+    """Joined (its model the definition's 512 ids): new or resumed, it takes the scheduled size
+    (its stage trains at it by now, or will in a few rounds); on a grown data set that its stage is
+    not scheduled to reach yet, it refuses to start and says why."""
     extended = _extended_copy(published, tmp_path)
     schedule = VocabSchedule()
 
@@ -251,7 +251,12 @@ def test_a_replica_started_after_its_stage_s_growth_was_scheduled_starts_grown(
     _trainer(published, tmp_path / "old", 6, []).run(threading.Event())  # a checkpoint at round 1
     resumed = joined(published.dataset, "old", 12)
     assert resumed.diloco.round == 1 and resumed.model.config.vocab_size == 536
-    schedule.set(536, 5)
-    assert joined(published.dataset, "old", 12).model.config.vocab_size == 512  # round 5 not reached
-    with pytest.raises(ValueError, match="has not scheduled this stage's embedding at that size yet"):
-        joined(extended, "old", 12)
+    schedule.set(536, 5)  # back from a while away: its checkpoint's round 1 is behind the growth's
+    assert joined(extended, "old", 12).model.config.vocab_size == 536
+    unscheduled = VocabSchedule()
+    with pytest.raises(ValueError, match="stage 0 is not scheduled to grow to them yet"):
+        Trainer(
+            wallet_id="feedface", dataset=extended, model_config=MODEL, diloco_config=DILOCO,
+            config=TrainerConfig(batch_size=2, seq_len=32, max_steps=4), checkpoint_dir=tmp_path / "u",
+            log=lambda line: None, vocab_schedule=unscheduled,
+        )  # fmt: skip

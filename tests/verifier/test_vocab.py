@@ -135,14 +135,15 @@ def test_a_newer_target_regrows_the_head_and_the_embedding_waits_for_it(db: Data
 
 
 def test_one_far_off_receipt_moves_no_schedule(db: Database) -> None:
-    """The stage's round is the median over its wallets' newest receipts: a wallet that claims a
-    far-off round neither puts the head's growth out of reach nor lets the embedding go first."""
-    others = [Wallet.from_token(f"vocab-honest-{i}") for i in range(2)]
+    """The stage's round leaves out the top third of its wallets' newest rounds: a wallet that claims
+    a far-off round neither puts the head's growth out of reach nor lets the embedding go first,
+    and a replica that lags does not put the growth round in the past of the others."""
+    others = [Wallet.from_token(f"vocab-honest-{i}") for i in range(3)]
     liar = Wallet.from_token("vocab-liar")
     for wallet in [*others, liar]:
         add_wallet(db, wallet)
-    for wallet in others:
-        report(db, 1, 4, wallet)
+    for wallet, round_ in zip(others, (1, 4, 4), strict=True):  # one lags (or left)
+        report(db, 1, round_, wallet)
     report(db, 1, 10**9, liar)
     assert grow(db, 2, 600) is not None and schedule(db, 1) == (600, 4 + CFG.lead_rounds)
     assert grow(db, 2, 600) is None, "the honest replicas have not reached round 6: the embedding waits"
