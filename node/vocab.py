@@ -29,7 +29,7 @@ from neuroshard.protocol.roster import MAX_VOCAB
 
 from .device import Placement
 from .diloco import DiLoCo
-from .model import ModelConfig, Transformer, build_stage
+from .model import ModelConfig, Transformer, stage_layers
 
 VOCAB_PARAMS = ("embedding.weight", "head.weight")
 """Parameters whose first dimension is the vocabulary."""
@@ -63,7 +63,8 @@ def stage_vocab(config: ModelConfig, stage: int, num_stages: int, numel: int) ->
     network definition's `config`: `config.vocab_size` plus the rows grown since; None when no
     vocabulary ≥ the definition's gives that length (another model, or a stage without rows
     whose length differs)."""
-    base = sum(p.numel() for p in build_stage(config, stage, num_stages).parameters())
+    layers = stage_layers(config.n_layers, stage, num_stages)
+    base = config.num_params(layers=layers, embedding=stage == 0, head=stage == num_stages - 1)
     per_row = config.dim * sum(1 for s in (0, num_stages - 1) if s == stage)  # embedding, head
     extra = numel - base
     if extra == 0:
