@@ -21,6 +21,7 @@ from neuroshard.protocol.segments import Received
 
 from .diloco import DiLoCo
 from .segments import SegmentRecorder
+from .vocab import VocabSchedule, vocab_of
 from .work import RoundWork
 
 RoundFinisher = Callable[[DiLoCo], None]
@@ -89,6 +90,10 @@ class InnerLoop:
     (node.receipt.Receipting) starts, ends and closes its rounds."""
     log_every: int
     _log: Callable[[str], None]
+    vocab_schedule: VocabSchedule | None = None
+    """Where a verifier schedules the stage's vocabulary growth (node.vocab); None: it never grows here."""
+    vocab_rows = "head"
+    """The rows a growth extends on this replica's stage (for the log)."""
 
     def _finished(self) -> bool:
         """Whether `max_steps` is reached."""
@@ -106,6 +111,27 @@ class InnerLoop:
     def _progress(self, step: int, window: list[float], seconds: float) -> str:
         """The progress line after `step`; `window` holds the losses since the last one."""
         raise NotImplementedError
+
+    def _grow_as_scheduled(self) -> None:
+        """At a round boundary: grow if the verifier scheduled this round (or an earlier one) for the
+        stage, and restart the round's segment log from the grown checkpoint."""
+        if self.vocab_schedule is None:
+            return
+        old = vocab_of(self.diloco)
+        grown = self.vocab_schedule.grow_due(self.diloco)
+        if grown is None:
+            return
+        self._replace_engine(grown)
+        if self.segments is not None:
+            self.segments.start_round(grown)
+        self._log(
+            f"vocabulary grew {old} -> {vocab_of(grown)} at round {grown.round} as scheduled: "
+            f"{self.vocab_rows} extended, existing rows kept"
+        )
+
+    def _replace_engine(self, engine: DiLoCo) -> None:
+        """Train with `engine` from now on (a vocabulary growth built it)."""
+        self.diloco = engine
 
     def _round_done(self) -> bool:
         return self.diloco.round_complete

@@ -255,20 +255,6 @@ class StageWorker(InnerLoop):
         if self.checkpoint is not None:
             self.checkpoint.save(self.diloco, wait=True)
 
-    def _grow_as_scheduled(self) -> None:
-        """At a round boundary: grow the head if the verifier scheduled this round (or an earlier one)."""
-        old = vocab_of(self.diloco)
-        grown = None if self.vocab_schedule is None else self.vocab_schedule.grow_due(self.diloco)
-        if grown is None:
-            return
-        self.diloco = grown
-        if self.segments is not None:  # the round's first checkpoint again, at the grown shape
-            self.segments.start_round(grown)
-        self._log(
-            f"vocabulary grew {old} -> {vocab_of(grown)} at round {grown.round} as scheduled: "
-            "head extended, existing rows kept"
-        )
-
     def _onward(self, job: Job) -> Downstream | None:
         """The next stage for this job (None on the last stage), reached under the job's id."""
         forward = self.downstream

@@ -265,26 +265,18 @@ class Trainer(InnerLoop):
         if vocab_size <= self.model.config.vocab_size:
             return
         old = self.model.config.vocab_size
-        self.diloco = regrow(self.diloco, vocab_size)
-        self.model = model_of(self.diloco)
-        rows = "embedding and head" if self.num_stages == 1 else "embedding"
+        self._replace_engine(regrow(self.diloco, vocab_size))
         self._log(
-            f"vocabulary grew {old} -> {vocab_size} at round {self.diloco.round}: {rows} extended, existing rows kept"
+            f"vocabulary grew {old} -> {vocab_size} at round {self.diloco.round}: {self.vocab_rows} extended, "
+            "existing rows kept"
         )
 
-    def _grow_as_scheduled(self) -> None:
-        """At a round boundary: grow if the verifier scheduled this round (or an earlier one) for it."""
-        old = self.model.config.vocab_size
-        grown = None if self.vocab_schedule is None else self.vocab_schedule.grow_due(self.diloco)
-        if grown is None:
-            return
-        self.diloco, self.model = grown, model_of(grown)
-        if self.segments is not None:  # the round's first checkpoint again, at the grown shape
-            self.segments.start_round(grown)
-        rows = "embedding and head" if self.num_stages == 1 else "embedding"
-        self._log(
-            f"vocabulary grew {old} -> {self.model.config.vocab_size} at round {grown.round} as scheduled: {rows} extended"
-        )
+    @property
+    def vocab_rows(self) -> str:  # type: ignore[override]
+        return "embedding and head" if self.num_stages == 1 else "embedding"
+
+    def _replace_engine(self, engine: DiLoCo) -> None:
+        self.diloco, self.model = engine, model_of(engine)
 
     def _apply_dataset_update(self) -> None:
         """At a round boundary: grow if scheduled, then move to a newer manifest (more shards,

@@ -208,7 +208,9 @@ def test_a_scheduled_replica_holds_a_grown_manifest_until_its_round(published, t
     assert grown_at == [2]
     assert trainer.model.config.vocab_size == 536 and trainer.dataset is extended
     held = next(i for i, line in enumerate(lines) if "taken at the round the verifier schedules" in line)
-    grew = lines.index("vocabulary grew 512 -> 536 at round 2 as scheduled: embedding and head extended")
+    grew = lines.index(
+        "vocabulary grew 512 -> 536 at round 2 as scheduled: embedding and head extended, existing rows kept"
+    )
     taken = next(i for i, line in enumerate(lines) if "data set updated to manifest version 2" in line)
     assert held < grew < taken
 
