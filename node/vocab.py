@@ -11,9 +11,10 @@ In a network every replica of a stage must grow at the same round boundary, or t
 θ hashes part. The verifier sets that round per stage in its signed member list
 (`VocabSchedule`, fed by the tracker): the last stage (the head) first, stage 0 (the embedding)
 once the head has grown, so no label ever reaches a head without a row for it. A stage in
-between holds neither and never grows. A lone node (no verifier to schedule) grows as soon as it
-takes the grown manifest. Whoever checks a grown replica's work reads the vocabulary off what it
-checks (`stage_vocab`): the rows of a checkpoint, the length of a θ.
+between holds neither and never grows; a pipeline without a verifier never grows. A lone node (no
+verifier to schedule) grows as soon as it takes the grown manifest. Whoever checks a grown
+replica's work reads the vocabulary off what it checks: the length of a θ (`stage_vocab`), the
+rows of a checkpoint (`state_vocab`); nothing grows past `vocab_cap`.
 """
 
 from __future__ import annotations
