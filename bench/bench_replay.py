@@ -46,7 +46,7 @@ from common import DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.data import BatchStream
 from neuroshard.node.actcodec import DEFAULT_CODEC
-from neuroshard.node.device import Placement
+from neuroshard.node.device import Placement, resolve_device
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations
@@ -166,7 +166,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
-        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the node's (CPU)"
+        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the node's inner loop"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the node trains: cpu, cuda, cuda:N (the verifier replays on the CPU)",
     )
     parser.add_argument("--segment-steps", type=int, default=None, help="k (default: H/10)")
     parser.add_argument("--draws", type=int, default=4, help="segments the verifier checks per round")
@@ -191,7 +196,8 @@ def main() -> None:
     print(f"text: {'the quick text' if args.quick else args.text}")
     model_cfg = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
     diloco_cfg = DiLoCoConfig(inner_steps=h, warmup_steps=20, total_steps=20_000)
-    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
+    args.placement = Placement(device=resolve_device(args.device), precision=args.precision)
+    tolerance = tolerance_for(args.placement.device.type, args.precision, ReplayCheckConfig())
     reports: list[RoundReport] = []
     receipts: list[dict[str, Any]] = []
 
@@ -225,7 +231,7 @@ def main() -> None:
         finish_round=receipting,
         work=work,
         segments=recorder,
-        placement=Placement(device=torch.device("cpu"), precision=args.precision),
+        placement=args.placement,
     )
     receipting.round_started(trainer.diloco)
     net = PeerPlane(
@@ -240,7 +246,7 @@ def main() -> None:
     numel, n_tensors = sum(p.numel() for p in params), len(params)
     print(
         f"model {args.model_size} ({numel:,} params), batch {args.batch_size}x{args.seq_len}, H={h}, "
-        f"node precision {args.precision} (verdict at cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}), "
+        f"node {args.placement.describe()} (verdict at cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}), "
         f"torch threads {args.threads}, load average {os.getloadavg()[0]:.2f} at start"
     )
     node_s, fetch_s, read_s, replay_s = [], [], [], []
@@ -311,7 +317,7 @@ def main() -> None:
         f"recording {statistics.median(record_s):.3f} s per round = {statistics.median(record_s) / n:.3f} of it"
     )
     print(
-        f"honest segments ({args.precision} node, fp32 replay, cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}): "
+        f"honest segments ({args.placement.describe()} node, CPU fp32 replay, cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}): "
         f"{len(honest) - len(refused)}/{len(honest)} passed, false refusals {len(refused)}; cosine min {min(cosines):.6f}, "
         f"norm ratio {min(ratios):.4f}..{max(ratios):.4f}"
     )
@@ -352,7 +358,7 @@ def check_segments(
         model=model_cfg, diloco=diloco_cfg, num_stages=1, stage=0, round=doc["round"],
         wallet=NODE.public_key_hex, root=doc["segment_root"], spans=spans,
     )  # fmt: skip
-    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
+    tolerance = tolerance_for(args.placement.device.type, args.precision, ReplayCheckConfig())
     seconds = []
     for j in range(doc["segments"]):
         start = time.perf_counter()
@@ -387,7 +393,7 @@ def later_stage_segments(
     stage0 = build_stage(model_cfg, 0, 2).eval()
     diloco = DiLoCo(
         build_stage(model_cfg, 1, 2), diloco_cfg,
-        placement=Placement(device=torch.device("cpu"), precision=args.precision),
+        placement=args.placement,
     )  # fmt: skip
     config = SegmentConfig(segment_steps=k, keep_rounds=1)
     store = SegmentStore(scratch(), config, log=print)
@@ -425,7 +431,7 @@ def later_stage_segments(
         model=model_cfg, diloco=diloco_cfg, num_stages=2, stage=1, round=0, wallet=NODE.public_key_hex,
         root=log.root(), base_hash=base, delta_digest=tensor_digest(delta),
     )  # fmt: skip
-    tolerance = tolerance_for("cpu", args.precision, ReplayCheckConfig())
+    tolerance = tolerance_for(args.placement.device.type, args.precision, ReplayCheckConfig())
     verdicts, seconds = [], []
     for j in range(log.segments):
         t = time.perf_counter()
@@ -437,7 +443,7 @@ def later_stage_segments(
     ratios = [v.norm_ratio for v in verdicts if v.norm_ratio is not None]
     refused = [v.reason for v in verdicts if not v.ok]
     print(
-        f"later stage (stage 1 of 2, {args.precision} replica on {DEFAULT_CODEC}-coded activations, fp32 replay): "
+        f"later stage (stage 1 of 2, {args.placement.describe()} replica on {DEFAULT_CODEC}-coded activations, fp32 replay): "
         f"{len(verdicts) - len(refused)}/{len(verdicts)} segments passed, false refusals {len(refused)}"
         f"{' (' + refused[0] + ')' if refused else ''}; cosine min {min(cosines):.6f}, norm ratio "
         f"{min(ratios):.4f}..{max(ratios):.4f}; a segment check {statistics.median(seconds):.3f} s = "
@@ -470,7 +476,7 @@ def liar_segments(
         wallet_id="liar", dataset=dataset, model_config=model_cfg, diloco_config=diloco_cfg,
         config=TrainerConfig(batch_size=args.batch_size, seq_len=args.seq_len, checkpoint_every=10**9, log_every=10**9),
         checkpoint_dir=scratch(), log=lambda line: None, finish_round=receipting, work=work, segments=recorder,
-        placement=Placement(device=torch.device("cpu"), precision=args.precision),
+        placement=args.placement,
     )  # fmt: skip
     receipting.round_started(trainer.diloco)
     trainer.config.max_steps = diloco_cfg.inner_steps

@@ -158,6 +158,10 @@ def copy_into_parameters(vector: Tensor, params: Iterable[nn.Parameter]) -> None
     total = sum(p.numel() for p in params)
     if vector.shape != (total,):
         raise ValueError(f"vector has shape {tuple(vector.shape)}, the parameters need ({total},)")
+    if params and params[0].device != vector.device:
+        # One host-to-device transfer, then copies on the device, rather than one small transfer
+        # from pageable CPU memory per parameter.
+        vector = vector.to(params[0].device)
     offset = 0
     for p in params:
         n = p.numel()
@@ -313,10 +317,16 @@ class DiLoCo:
         Remembered until θ_round changes in place (its autograd version counter moves with every
         in-place write: the outer step, a state load, an adopted state), so the round's vote and
         its log line hash hundreds of MB once."""
+        hashed = self.known_weights_hash()
+        if hashed is None:
+            hashed = tensor_digest(self.theta_round)
+            self._hash_memo = ((id(self.theta_round), self.theta_round._version), hashed)
+        return hashed
+
+    def known_weights_hash(self) -> str | None:
+        """`weights_hash()` if it is already computed for θ_round as it is now, else None."""
         key = (id(self.theta_round), self.theta_round._version)
-        if self._hash_memo is None or self._hash_memo[0] != key:
-            self._hash_memo = (key, tensor_digest(self.theta_round))
-        return self._hash_memo[1]
+        return self._hash_memo[1] if self._hash_memo is not None and self._hash_memo[0] == key else None
 
     def move_to(self, placement: Placement) -> None:
         """Move the model and the inner optimizer's state to another placement (θ_round stays)."""

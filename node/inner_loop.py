@@ -45,9 +45,10 @@ class TrainResult:
     """Wall time of this run, rounds and checkpoints included."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where the wall time outside inner steps went, by part: data (next batch), round (the round
-    hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (snapshots on this
-    thread and the final write), log (progress lines, the θ hash of the round line). What the
-    parts leave of the wall time is loop bookkeeping."""
+    hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (periodic snapshots
+    on this thread), final checkpoint (the write that ends a run, once per run), log (progress
+    lines, the θ hash of the round line). What the parts leave of the wall time is loop
+    bookkeeping."""
 
     def breakdown(self) -> str:
         """'inner 51.20 s, round 2.31 s, ...; other 0.10 s': the parts of the wall time."""

@@ -246,6 +246,28 @@ def test_a_cuda_trainer_checkpoint_loads_on_the_cpu(published, tmp_path: Path) -
     assert resumed.run(threading.Event()).steps == 12
 
 
+@needs_cuda
+def test_a_cuda_lone_replica_logs_each_rounds_hash_in_round_order(published, tmp_path: Path) -> None:
+    """On an accelerator a lone replica hashes θ for its round line on a background thread
+    (Trainer._log_round_done); by the time run() returns every line is there, in round order,
+    naming the θ that round ended with."""
+    thetas: list[Tensor] = []
+
+    def finish(diloco: DiLoCo) -> None:  # a round hook that never hashes θ itself
+        diloco.outer_step(diloco.pseudo_gradient())
+        thetas.append(diloco.theta_round.detach().clone())
+
+    lines: list[str] = []
+    trainer = _trainer(
+        published, tmp_path, resolve("cuda", "bf16"), max_steps=18, log=lines.append, finish_round=finish
+    )
+    trainer.run(threading.Event())
+    logged = [re.fullmatch(r"round=(\d+) done; θ hash (\w+)", line) for line in lines]
+    hashes = [(int(m[1]), m[2]) for m in logged if m is not None]
+    assert hashes == [(r + 1, tensor_digest(theta)[:16]) for r, theta in enumerate(thetas)]
+    assert len(hashes) == 3
+
+
 def test_the_look_ahead_feed_trains_on_and_records_exactly_the_same_batches(
     published, tmp_path: Path
 ) -> None:
