@@ -94,8 +94,12 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
                 assert all(" aggregated 4" in line for line in aggregated), aggregated
         else:
             # Committed (a contributor), then refused by each owner's screening of its own part:
-            # every honest replica reports it for the part it reduced.
-            assert all(re.search(rf"rejected {bad}: part \d+: ", line) for line in aggregated), aggregated
+            # every honest replica reports it for the part it reduced. In round 0 the nodes are
+            # still starting, and one replica may have reduced no part of it (seen once in CI on a
+            # loaded machine: all agreed on θ_1, one line had no refusal to report), so there one
+            # line may lack it.
+            reporting = [line for line in aggregated if re.search(rf"rejected {bad}: part \d+: ", line)]
+            assert reporting == aggregated if r > 0 else len(reporting) >= len(aggregated) - 1, aggregated
             assert all(" aggregated 5" in line for line in aggregated), aggregated
     # The attacker's own round (adversary.contributions.ForgingRound) says what it sent, every round.
     sent = [
