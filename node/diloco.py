@@ -307,9 +307,13 @@ class DiLoCo:
                 f"pseudo-gradient has shape {tuple(delta.shape)} dtype {delta.dtype}; "
                 f"expected ({self.theta_round.numel()},) torch.float32"
             )
-        finite = torch.isfinite(delta)
-        if not bool(finite.all()):
-            bad = int((~finite).sum())
+        # A NaN or ±inf anywhere makes the sum non-finite, so a finite sum proves every value
+        # finite in one pass (isfinite + all took 0.3 s per 91M values on 2 cores); an
+        # overflowing sum of finite values only sends it to the exact count.
+        if bool(torch.isfinite(delta.sum())):
+            return
+        bad = int((~torch.isfinite(delta)).sum())
+        if bad:
             raise ValueError(f"pseudo-gradient has {bad} non-finite values out of {delta.numel()}")
 
     def weights_hash(self) -> str:
