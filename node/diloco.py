@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
+from .codec import all_finite
 from .device import Placement, snapshot_to_cpu
 from .model import cross_entropy_loss
 
@@ -307,13 +308,8 @@ class DiLoCo:
                 f"pseudo-gradient has shape {tuple(delta.shape)} dtype {delta.dtype}; "
                 f"expected ({self.theta_round.numel()},) torch.float32"
             )
-        # A NaN or ±inf anywhere makes the sum non-finite, so a finite sum proves every value
-        # finite in one pass (isfinite + all took 0.3 s per 91M values on 2 cores); an
-        # overflowing sum of finite values only sends it to the exact count.
-        if bool(torch.isfinite(delta.sum())):
-            return
-        bad = int((~torch.isfinite(delta)).sum())
-        if bad:
+        if not all_finite(delta):  # one dot product, not isfinite().all(): 0.3 s per 91M values
+            bad = int((~torch.isfinite(delta)).sum())
             raise ValueError(f"pseudo-gradient has {bad} non-finite values out of {delta.numel()}")
 
     def weights_hash(self) -> str:

@@ -211,19 +211,19 @@ def test_outer_step_rejects_bad_pseudo_gradients() -> None:
     with pytest.raises(ValueError, match=rf"2 non-finite values out of {d}"):
         diloco.outer_step(bad)
     opposite = torch.zeros(d)
-    opposite[0], opposite[1] = float("inf"), float("-inf")  # their sum is NaN, not 0
+    opposite[0], opposite[1] = float("inf"), float("-inf")
     with pytest.raises(ValueError, match=rf"2 non-finite values out of {d}"):
         diloco.outer_step(opposite)
     assert torch.equal(diloco.theta_round.detach(), theta) and diloco.round == 0
 
 
-def test_outer_step_takes_finite_values_whose_sum_overflows() -> None:
-    """The finiteness check sums Δ first; a sum that overflows float32 must not refuse a Δ whose
-    every value is finite."""
+def test_outer_step_takes_finite_values_whose_square_overflows() -> None:
+    """The finiteness check takes Δ·Δ first (codec.all_finite); a dot that overflows float32 must
+    not refuse a Δ whose every value is finite."""
     diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig())
     huge = torch.zeros(MODEL.num_params())
     huge[:4] = 3e38
-    assert not torch.isfinite(huge.sum())
+    assert not torch.isfinite(torch.dot(huge, huge))
     diloco.outer_step(huge)
     assert diloco.round == 1
 
