@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -59,13 +61,23 @@ def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 2
     tag = f"{file_sha256(text_path)[:12]}-m{MANIFEST_FORMAT}-v{vocab_size}-s{shard_tokens}"
     directory = CACHE_DIR / tag
     if not (directory / MANIFEST_NAME).exists():
-        directory.mkdir(parents=True, exist_ok=True)
+        # Built beside its place and renamed into it: benchmarks started at once (the tests run
+        # them on parallel workers) never read a half-written set, and the loser of the race
+        # throws its copy away.
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=CACHE_DIR))
         text = text_path.read_text(encoding="utf-8")
         start = time.perf_counter()
         tokenizer = BPETokenizer.train([text[:1_500_000]], vocab_size)
-        tokenizer.save(directory / TOKENIZER_NAME)
+        tokenizer.save(building / TOKENIZER_NAME)
         # One document per paragraph, so EOS marks real boundaries.
-        publish_shards(text.split("\n\n"), out=directory, key=BENCH_KEY, shard_tokens=shard_tokens)
+        publish_shards(text.split("\n\n"), out=building, key=BENCH_KEY, shard_tokens=shard_tokens)
+        try:
+            building.rename(directory)
+        except OSError:  # another run got there first (or an old, partial directory is in the way)
+            shutil.rmtree(building)
+            if not (directory / MANIFEST_NAME).exists():
+                raise
         print(f"(built bench data set {directory} in {time.perf_counter() - start:.1f}s)")
     return open_dataset(directory, bytes(BENCH_KEY.verify_key))
 

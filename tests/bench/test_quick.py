@@ -18,11 +18,19 @@ TIMEOUT_S = 180
 
 def test_every_benchmark_is_listed() -> None:
     assert "bench_verifier.py" in BENCHMARKS and len(BENCHMARKS) >= 10
+    assert set(BENCHMARKS) >= SWARMS
     assert "bench_convergence.py" in BENCHMARKS  # DiLoCo vs data parallel (issue 18)
 
 
+SWARMS = {"bench_swarm_attacks.py", "bench_swarm_utilisation.py"}
+"""Benchmarks that start a swarm of node processes: run one at a time with the swarm tests."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xdist_group("swarms")) if n in SWARMS else n for n in BENCHMARKS],
+)
 def test_quick_mode_runs(name: str, tmp_path: Path) -> None:
     argv = [sys.executable, str(BENCH / name), "--quick"]
     if name.startswith("bench_verifier") and not os.environ.get("NEUROSHARD_TEST_DATABASE_URL"):

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from tests_support import free_port_block
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 AGREE = re.compile(r"^\[swarm\] round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
 
 

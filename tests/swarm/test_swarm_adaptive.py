@@ -23,6 +23,8 @@ from neuroshard.node.outer.state import RoundInput
 from neuroshard.node.wallet import Wallet
 from tests.swarm.test_swarm import swarm_command
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 NODES, BYZANTINE, H, ROUNDS = 6, 2, 10, 5
 HONEST = range(NODES - BYZANTINE)
 AGREE = re.compile(

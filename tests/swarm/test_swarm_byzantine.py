@@ -18,6 +18,8 @@ import pytest
 from neuroshard.node.wallet import Wallet
 from tests.swarm.test_swarm import swarm_command
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 NODES, H, ROUNDS = 5, 10, 5
 ATTACKER = NODES - 1
 HONEST = range(NODES - 1)

@@ -19,6 +19,8 @@ import pytest
 
 from tests.swarm.test_swarm import swarm_command
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 ROUND = re.compile(r"^\[(\d)\] p2p round=(\d+) aggregated (\d+)")
 TAKES_EFFECT = re.compile(r"^\[(\d)\] membership: 3 admitted, 0 on probation .*, from round (\d+)$")
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.swarm.test_swarm import SwarmProcess
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 STAGE_AGREE = re.compile(r"^\[swarm\] stage (\d) round (\d+): (\d+)/(\d+) nodes agree on θ hash [0-9a-f]+$")
 LOSS = re.compile(r"^\[(\d+)\] step=(\d+) round=\d+ loss=([0-9.]+)")
 

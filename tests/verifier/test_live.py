@@ -29,6 +29,8 @@ from tests_support import free_port_block
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 SWARM = str(Path(sys.executable).parent / "neuroshard-swarm")
 NODES = 3
 VERIFY_TIMEOUT_S = 150.0
