@@ -22,7 +22,8 @@ from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports, parse_wit
 
 UTILISATION = re.compile(r"^\[(\d+)\] compute utilisation=([0-9.]+) \(([0-9.]+) s of ([0-9.]+) s")
 BREAKDOWN = re.compile(r"^\[(\d+)\] time breakdown: (.*)$")
-PART = re.compile(r"(\w+) (-?[0-9.]+) s")
+PART = re.compile(r"(\w+(?: \w+)*) (-?[0-9.]+) s")
+"""One 'name seconds s' of a breakdown; names may have words ("final checkpoint 1.20 s")."""
 ROUND = re.compile(
     # "exchange 0.17 (commit 0.05)": the commit phase's share of the partitioned round
     r"^\[(\d+)\] p2p round=(\d+) .*\(([0-9.]+) s: exchange ([0-9.]+)(?: \(commit [0-9.]+\))?, "

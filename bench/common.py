@@ -72,9 +72,11 @@ def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 2
         tokenizer.save(building / TOKENIZER_NAME)
         # One document per paragraph, so EOS marks real boundaries.
         publish_shards(text.split("\n\n"), out=building, key=BENCH_KEY, shard_tokens=shard_tokens)
+        if directory.exists() and not (directory / MANIFEST_NAME).exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a partial set an interrupted run left
         try:
             building.rename(directory)
-        except OSError:  # another run got there first (or an old, partial directory is in the way)
+        except OSError:  # another run got there first
             shutil.rmtree(building)
             if not (directory / MANIFEST_NAME).exists():
                 raise

@@ -47,7 +47,8 @@ class TrainResult:
     """Where the wall time outside inner steps went, by part: data (next batch), round (the round
     hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (periodic snapshots
     on this thread), final checkpoint (the write that ends a run, once per run), log (progress
-    lines, the θ hash of the round line). What the parts leave of the wall time is loop
+    lines, the θ hash of the round line; a lone replica on an accelerator hashes a copy of θ in
+    the background, so only the copy is counted). What the parts leave of the wall time is loop
     bookkeeping."""
 
     def breakdown(self) -> str:

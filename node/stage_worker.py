@@ -253,7 +253,8 @@ class StageWorker(InnerLoop):
     def _end(self, result: TrainResult) -> None:
         self.jobs.close("this replica is stopping")
         if self.checkpoint is not None:
-            self.checkpoint.save(self.diloco, wait=True)
+            with timed(result.seconds, "final checkpoint"):
+                self.checkpoint.save(self.diloco, wait=True)
 
     def _onward(self, job: Job) -> Downstream | None:
         """The next stage for this job (None on the last stage), reached under the job's id."""

@@ -181,6 +181,7 @@ class Trainer(InnerLoop):
         """Periodic checkpoints skipped because the previous write was still in flight."""
         self._round_log: threading.Thread | None = None
         """The last round's log line, hashing θ in the background (`_log_round_done`)."""
+        self._round_log_error: BaseException | None = None
         self._last_checkpoint = -math.inf  # the first turn writes (a --fresh run replaces the old file)
         self.work = work or RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
@@ -378,16 +379,25 @@ class Trainer(InnerLoop):
             self._log(line + (known or self.diloco.weights_hash())[:16])
             return
         theta = self.diloco.theta_round.detach().clone()
-        self._round_log = threading.Thread(
-            target=lambda: self._log(line + tensor_digest(theta)[:16]), name="round-log", daemon=True
-        )
+
+        def hash_and_log() -> None:
+            try:
+                self._log(line + tensor_digest(theta)[:16])
+            except BaseException as exc:  # raised on the training thread at the next join
+                self._round_log_error = exc
+
+        self._round_log = threading.Thread(target=hash_and_log, name="round-log", daemon=True)
         self._round_log.start()
 
     def _join_round_log(self) -> None:
-        """Wait for the last round's background log line (lines stay in round order)."""
+        """Wait for the last round's background log line (lines stay in round order) and raise
+        what it raised."""
         if self._round_log is not None:
             self._round_log.join()
             self._round_log = None
+        error, self._round_log_error = self._round_log_error, None
+        if error is not None:
+            raise error
 
     def run(self, stop: threading.Event) -> TrainResult:
         """Train until `max_steps` or until `stop` is set; always leaves a checkpoint behind."""

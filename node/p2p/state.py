@@ -50,7 +50,7 @@ def snapshot_of(diloco: DiLoCo) -> Snapshot:
         round=diloco.round,
         theta=theta,
         momentum=momentum,
-        theta_hash=tensor_digest(theta),
+        theta_hash=diloco.weights_hash(),  # remembered: the round line and the next vote reuse it
         momentum_hash="" if momentum is None else tensor_digest(momentum),
     )
 

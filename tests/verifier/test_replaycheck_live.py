@@ -30,6 +30,8 @@ from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from tests.swarm.test_swarm import free_base_port
 
+pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
+
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 ADVERSARY = str(Path(sys.executable).parent / "neuroshard-adversary")
 H = 24
