@@ -72,6 +72,8 @@ RULES = (
     "val+centered_clip",
     "val+nnm+default",
     "val+bucket+default",
+    "val+clip+default",
+    "part:clip+default",
     "fit+default",
     "fit+mean",
     "part:default",
@@ -87,7 +89,10 @@ to the round's own spread (``fitted_screen``); "part:" is the partitioned round'
 (``neuroshard.node.outer.reduce.reduce_part``: Δ cut into n = M + K parts, each screened on its
 own statistics and aggregated alone, as the round's owners do). centered_clip's center is the
 previous round's aggregate (Karimireddy et al. 2021); "bucket+" averages random pairs first
-(Karimireddy, He & Jaggi 2022, s = 2, the permutation seeded by the round)."""
+(Karimireddy, He & Jaggi 2022, s = 2, the permutation seeded by the round); "clip+" scales every
+row longer than the rows' median norm down to it first (norm bounding, Sun et al. 2019, "Can You
+Really Backdoor Federated Learning?"), so a Δ screened in at the norm-ratio limit weighs no more
+than a typical one."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
 DEFAULT_ATTACKS = (
@@ -248,6 +253,15 @@ def bucketed(stack: Tensor, generator: torch.Generator, size: int = 2) -> Tensor
     order = torch.randperm(n, generator=generator)
     groups = [torch.sort(order[i : i + size]).values for i in range(0, n, size)]
     return torch.stack([aggregation.mean(stack[g]) for g in groups])
+
+
+def norm_clipped(stack: Tensor) -> Tensor:
+    """Rows longer than the median row norm scaled down to it (norms in float64: the same on every
+    replica for the same rows)."""
+    norms = stack.double().norm(dim=1)
+    cap = norms.median()
+    scale = torch.where(norms > cap, cap / norms, torch.ones_like(norms)).to(stack.dtype)
+    return stack * scale[:, None]
 
 
 def split_rule(rule: str) -> tuple[str, str]:
@@ -436,6 +450,8 @@ class AttackedAggregate:
                 self.job.seed, self.round, 1_000_000
             )  # the round's seed, not an attacker's
             return self._apply(rule[len("bucket+") :], bucketed(stack, gen), span)
+        if rule.startswith("clip+"):
+            return self._apply(rule[len("clip+") :], norm_clipped(stack), span)
         if rule == "centered_clip":
             # Karimireddy et al. 2021: center = the previous aggregate; 3 iterations as in their experiments.
             previous = self.previous
