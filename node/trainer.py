@@ -368,10 +368,11 @@ class Trainer(InnerLoop):
             self._log_round_done()
 
     def _log_round_done(self) -> None:
-        """The round's log line with θ's hash. Where the round's vote has not hashed θ already (a
-        lone replica) and the steps run on an accelerator, a copy of θ is hashed on a background
-        thread while the device starts the next round: the CPU is idle then, and sha256 of a 125M
-        model's θ took 0.28 s of a 5.4 s round on an H100 (bench/RESULTS.md, issue 14)."""
+        """The round's log line with θ's hash. Where the round has not hashed θ already (a lone
+        replica; a networked one hashes it to publish and vote) and the steps run on an
+        accelerator, a copy of θ is hashed on a background thread while the device starts the
+        next round: the CPU is idle then, and sha256 of a 125M model's θ took 0.28 s of a 5.4 s
+        round on an H100 (bench/RESULTS.md, issue 14)."""
         self._join_round_log()
         line = f"round={self.diloco.round} done; θ hash "
         known = self.diloco.known_weights_hash()
