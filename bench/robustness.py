@@ -256,8 +256,7 @@ def bucketed(stack: Tensor, generator: torch.Generator, size: int = 2) -> Tensor
 
 
 def norm_clipped(stack: Tensor) -> Tensor:
-    """Rows longer than the median row norm scaled down to it (norms in float64: the same on every
-    replica for the same rows)."""
+    """Rows longer than the median row norm scaled down to it (norms taken in float64)."""
     norms = stack.double().norm(dim=1)
     cap = norms.median()
     scale = torch.where(norms > cap, cap / norms, torch.ones_like(norms)).to(stack.dtype)

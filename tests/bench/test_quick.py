@@ -16,14 +16,14 @@ TIMEOUT_S = 180
 """Per benchmark; the slowest quick run (a five-node swarm) takes ~20 s on 2 shared cores."""
 
 
+SWARMS = {"bench_swarm_attacks.py", "bench_swarm_utilisation.py"}
+"""Benchmarks that start a swarm of node processes: run one at a time with the swarm tests."""
+
+
 def test_every_benchmark_is_listed() -> None:
     assert "bench_verifier.py" in BENCHMARKS and len(BENCHMARKS) >= 10
     assert set(BENCHMARKS) >= SWARMS
     assert "bench_convergence.py" in BENCHMARKS  # DiLoCo vs data parallel (issue 18)
-
-
-SWARMS = {"bench_swarm_attacks.py", "bench_swarm_utilisation.py"}
-"""Benchmarks that start a swarm of node processes: run one at a time with the swarm tests."""
 
 
 @pytest.mark.slow
