@@ -51,18 +51,26 @@ class WrongAggregate(OuterRound):
 
 
 class Equivocator(OuterRound):
-    """Publishes its honest claim, waits `delay_s`, then overwrites it with a forged one."""
+    """Publishes its honest claim, waits (`delay_s` by default), then overwrites it with a forged one."""
 
     delay_s = 0.05
+
+    async def _before_switch(self, j: int) -> None:
+        """When the claim of part j is overwritten: after `delay_s` (a test may wait for a reader)."""
+        await asyncio.sleep(self.delay_s)
+
+    async def _after_switch(self, j: int) -> None:
+        """Called once the second claim of part j is published."""
 
     async def _reduce(self, held: Held, j: int, replaces: str) -> None:
         await super()._reduce(held, j, replaces)
         second, forged = forge_claim(self.wallet, held, j, 2.0)
 
         async def switch() -> None:
-            await asyncio.sleep(self.delay_s)
+            await self._before_switch(j)
             await self.store.publish(self._agg_name(held.inp, j, second.aggregate_sha256), forged)
             await self.store.publish(self._name(held.inp, "claim", j), second.to_json())
+            await self._after_switch(j)
 
         held.tasks = getattr(held, "tasks", [])
         held.tasks.append(asyncio.create_task(switch()))

@@ -122,16 +122,79 @@ async def test_a_withholding_owner_is_replaced_by_its_backup() -> None:
         assert any(c.replaces == wallets[1].public_key_hex for c in r.claims.values())
 
 
+class ReadGate:
+    """Orders an overwriting owner against its readers, per part: the first reader of a claim gets
+    it at once and lets the owner overwrite it; later readers wait until the owner has."""
+
+    def __init__(self) -> None:
+        self.first: set[str] = set()
+        """Parts whose first reader has started (taken before any await: one first reader each)."""
+        self.read: dict[str, asyncio.Event] = {}
+        self.switched: dict[str, asyncio.Event] = {}
+
+    def event(self, table: dict[str, asyncio.Event], part: str) -> asyncio.Event:
+        return table.setdefault(part, asyncio.Event())
+
+
+class GatedReader(MemoryStore):
+    def __init__(self, hub: MemoryHub, wallet: str, cheat: str, gate: ReadGate) -> None:
+        super().__init__(hub, wallet)
+        self.cheat, self.gate = cheat, gate
+
+    async def fetch(self, author: str, name: str, **kw: Any) -> bytes | None:
+        kind, part = name.split("/")[2], name.split("/")[-1]
+        if kind == "echo":
+            await asyncio.sleep(0.5)  # each witness reads the claim before another's echo
+        if author == self.cheat and kind == "claim":
+            if part in self.gate.first:
+                await asyncio.wait_for(self.gate.event(self.gate.switched, part).wait(), 5.0)
+            else:
+                self.gate.first.add(part)
+                data = await super().fetch(author, name, **kw)
+                self.gate.event(self.gate.read, part).set()
+                return data
+        return await super().fetch(author, name, **kw)
+
+
+class GatedEquivocator(Equivocator):
+    gate: ReadGate
+
+    async def _before_switch(self, j: int) -> None:
+        await self.gate.event(self.gate.read, str(j)).wait()
+
+    async def _after_switch(self, j: int) -> None:
+        self.gate.event(self.gate.switched, str(j)).set()
+
+
 @pytest.mark.asyncio
-async def test_an_owner_that_signs_two_aggregates_is_caught_as_an_equivocator() -> None:
-    Equivocator.delay_s = 0.0
-    wallets, results = await run_stage(6, {3: Equivocator})
-    bad = wallets[3].public_key_hex
-    honest = [r for i, r in enumerate(results) if i != 3]
-    assert all(r is not None for r in honest)
-    # Replicas read the first or the second claim; the digests expose the two signatures.
-    caught = [r for r in honest if r is not None and bad in r.cheats]
-    assert caught, "no honest replica saw the two claims"
+async def test_an_owner_that_overwrites_its_claim_is_caught_as_an_equivocator() -> None:
+    """The owner overwrites a claim once its first witness has read it, before the next reads
+    it: the witnesses echo two signed claims, and every honest replica reports the owner."""
+    n, cheat_at = 6, 3
+    wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    cheat, hub, gate = members[cheat_at], MemoryHub(), ReadGate()
+    assert len(witnesses_of(cheat, n)) >= 2
+    rounds: list[OuterRound] = []
+    for i, wallet in enumerate(wallets):
+        store = hub.stores[wallet.public_key_hex] = GatedReader(hub, wallet.public_key_hex, cheat, gate)
+        if i == cheat_at:
+            owner = GatedEquivocator(store, wallet, median_rule, fast_config(checks=0))
+            owner.gate = gate
+            rounds.append(owner)
+        else:
+            rounds.append(OuterRound(store, wallet, median_rule, fast_config(checks=0)))
+    ds = deltas(n)
+    inputs = [
+        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
+        for i in range(n)
+    ]
+    results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    honest = [r for i, r in enumerate(results) if i != cheat_at]
+    for r in honest:
+        assert r is not None
+        assert torch.equal(r.aggregate, honest[0].aggregate)  # type: ignore[union-attr]
+        assert r.cheats.get(cheat, "").startswith("equivocation"), r.cheats
 
 
 class ClaimRouter(MemoryStore):
