@@ -2,7 +2,8 @@
 
 Both train the same model (same init), with the same batch shape, optimizer settings, device,
 precision and thread count. Ours is the real `Trainer.run`: shard streaming, DiLoCo inner steps
-(AdamW, clipping, schedule), outer steps at round ends (θ_round and Δ on the CPU), periodic
+(AdamW, clipping, schedule), outer steps at round ends (on CUDA a lone replica's outer step runs
+on the device, with θ_round and the momentum kept on the CPU), periodic
 checkpoints and progress lines (each run prints where its wall time went). The baseline is the loop a PyTorch user writes by hand over
 batches already on the device (same autocast, same fused AdamW); "engine alone" is the DiLoCo
 engine's inner steps over those batches (clipping, schedule), to place a gap. Runs alternate (ours, bare,

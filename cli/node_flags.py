@@ -79,7 +79,10 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
         "--device",
         default="auto",
         metavar="{auto,cpu,cuda,cuda:N,mps}",
-        help="where the inner loop runs (auto: CUDA, else MPS, else CPU); the outer round stays on the CPU",
+        help=(
+            "where the inner loop runs (auto: CUDA, else MPS, else CPU); θ_round, aggregation and hashes "
+            "stay on the CPU in fp32, and the outer step gives the same bits on every device"
+        ),
     )
     model.add_argument(
         "--precision",

@@ -1,9 +1,12 @@
 """Where the inner loop runs and in what precision: `--device` and `--precision`.
 
-Only the inner loop (forward, backward, inner AdamW) runs on the device. Master weights stay
-float32 there (autocast computes matmuls in bf16/fp16 from fp32 weights); θ_round, the outer
-step, encoding, aggregation and the weight hash stay on the CPU in fp32 (node.diloco), so a stage
-whose replicas train on different devices or precisions still ends every round bit-identical.
+The inner loop (forward, backward, inner AdamW) runs on the device. Master weights stay float32
+there (autocast computes matmuls in bf16/fp16 from fp32 weights); θ_round, the outer momentum,
+encoding, aggregation and the weight hash stay on the CPU in fp32. The outer step's arithmetic
+runs on CUDA where the model is, in float32 operations that each round once
+(`node.diloco.outer_sgd_step`: no fused multiply-add), which give the CPU's bits; elsewhere it
+runs on the CPU. So a stage whose replicas train on different devices or precisions still ends
+every round bit-identical.
 
 Pure torch: the CLI parses the flags and calls `resolve`.
 """

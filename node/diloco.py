@@ -13,7 +13,7 @@ import copy
 import hashlib
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,42 @@ def copy_into_parameters(vector: Tensor, params: Iterable[nn.Parameter]) -> None
         offset += n
 
 
+def float32_scalar(value: float) -> float:
+    """`value` rounded to the nearest float32, as a Python float: a scalar every kernel, whatever
+    precision it takes scalars in, multiplies by exactly."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+@torch.no_grad()
+def outer_sgd_step(
+    theta: Tensor, buffer: Tensor | None, delta: Tensor, *, lr: float, momentum: float, nesterov: bool
+) -> Tensor | None:
+    """One outer SGD step on the flat float32 θ in place, torch.optim.SGD's rule (no dampening or
+    weight decay); returns the momentum buffer (created on the first step, updated in place after),
+    or None without momentum.
+
+        b ← μ·b + Δ  (b ← Δ on the first step);   u = Δ + μ·b (Nesterov) or b;   θ ← θ − lr·u
+
+    Every operation is one correctly rounded float32 multiply, add or subtract, with no fused
+    multiply-add anywhere: torch.optim.SGD's ``add(x, alpha=a)`` is a fused multiply-add on some
+    kernels (vectorised CPU code, CUDA) and two roundings on others, so its last bit depends on the
+    hardware. This sequence gives the same bits on every IEEE-754 device, which lets a CUDA replica
+    take the outer step where θ's model lives and still agree bit for bit with a CPU replica.
+    """
+    lr, momentum = float32_scalar(lr), float32_scalar(momentum)
+    if momentum == 0.0:
+        update = delta
+        buffer = None
+    else:
+        if buffer is None:
+            buffer = delta.clone()
+        else:
+            buffer.mul_(momentum).add_(delta)
+        update = torch.mul(buffer, momentum).add_(delta) if nesterov else buffer
+    theta.sub_(torch.mul(update, lr))
+    return buffer
+
+
 def tensor_digest(vector: Tensor) -> str:
     """sha256 hex of a tensor's little-endian float32 bytes; replicas compare θ by it. On a
     little-endian machine the bytes are hashed from the tensor's memory, without a copy (0.16 s
@@ -184,8 +220,15 @@ class DiLoCo:
     """One replica's DiLoCo state: the model it trains, θ_round, and both optimizers.
 
     The model, its inner optimizer and the batches live on `placement.device` (forward and loss
-    under its autocast); θ_round, its outer optimizer, Δ and the weight hash live on the CPU in
-    float32, so replicas on different devices or precisions take bit-identical outer steps.
+    under its autocast). θ_round and the outer momentum are float32 vectors kept on the CPU: what
+    the weight hash, checkpoints, receipts and peers read. The outer step itself is
+    `outer_sgd_step`, whose operations round the same way on every IEEE-754 device, so on CUDA it
+    runs on the device (where the model and, for a lone replica, Δ already are) on copies of
+    θ_round and the momentum made for the step, and the CPU vectors are refreshed from them;
+    elsewhere it runs on the CPU. Either way replicas on different devices or precisions end every round
+    bit-identical. ``outer_optimizer`` is a torch.optim.SGD that holds the outer rule's settings
+    and the momentum buffer (its state_dict is the checkpoint's format); its own ``step`` is never
+    called (see `outer_sgd_step` for why).
     """
 
     def __init__(
@@ -215,7 +258,9 @@ class DiLoCo:
         )
         self._peak_lrs = [float(group["lr"]) for group in self.inner_optimizer.param_groups]
         # θ_round: the round's start, one flat float32 vector (d,), the outer optimizer's only parameter.
-        self.theta_round = flat_parameters(self.params).clone().requires_grad_(True)
+        # Pinned next to a CUDA model: refreshing it from the device's outer step is then one fast copy.
+        theta = flat_parameters(self.params).clone()
+        self.theta_round = (theta.pin_memory() if self.placement.is_cuda else theta).requires_grad_(True)
         self._hash_memo: tuple[tuple[int, int], str] | None = None
         self.outer_optimizer = torch.optim.SGD(
             [self.theta_round],
@@ -293,12 +338,99 @@ class DiLoCo:
     def outer_step(self, delta: Tensor) -> None:
         """Apply the aggregated Δ (d,) to θ_round with the outer SGD, then load θ_round into the model."""
         self._check_delta(delta)
-        self.theta_round.grad = delta.to(self.theta_round.device)
-        self.outer_optimizer.step()
-        self.theta_round.grad = None
-        copy_into_parameters(self.theta_round.detach(), self.params)
+        if self._outer_on_device:
+            self._device_step(delta)
+        else:
+            group = self.outer_optimizer.param_groups[0]
+            state = self.outer_optimizer.state[self.theta_round]
+            buffer = outer_sgd_step(
+                self.theta_round.detach(),
+                state.get("momentum_buffer"),
+                delta.to(self.theta_round.device),
+                lr=group["lr"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+            )
+            if buffer is not None:  # torch.optim.SGD keeps no state without momentum
+                state["momentum_buffer"] = buffer
+            copy_into_parameters(self.theta_round.detach(), self.params)
         self.round += 1
         self.steps_in_round = 0
+
+    def local_outer_step(self) -> None:
+        """`outer_step(pseudo_gradient())` for a replica alone in its stage, with the same bits;
+        on CUDA, Δ is formed and applied on the device and never crosses to the CPU."""
+        if not self._outer_on_device:
+            self.outer_step(self.pseudo_gradient())
+            return
+        self._check_local_delta()
+        self._device_step(None)
+        self.round += 1
+        self.steps_in_round = 0
+
+    @property
+    def _outer_on_device(self) -> bool:
+        """Whether the outer step runs on the model's device: CUDA, whose float32 kernels round
+        IEEE-754 (torch is built without fast-math); MPS is not relied on for that."""
+        return self.placement.is_cuda and self.params[0].device.type == "cuda"
+
+    def _slices(self) -> Iterator[tuple[nn.Parameter, slice]]:
+        """Each parameter with its slice of θ_round."""
+        offset = 0
+        for p in self.params:
+            yield p, slice(offset, offset + p.numel())
+            offset += p.numel()
+
+    @torch.no_grad()
+    def _check_local_delta(self) -> None:
+        """`_check_delta` of θ_round − θ_local, formed on the device one parameter at a time."""
+        theta = self.theta_round.detach()
+        squares = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for p, span in self._slices():
+            part = torch.sub(theta[span].to(p.device, non_blocking=True), p.detach().reshape(-1))
+            squares += torch.dot(part, part)
+        if not math.isfinite(float(squares)):  # non-finite, or squares that overflow: check exactly
+            self._check_delta(torch.sub(theta, flat_parameters(self.params)))
+
+    @torch.no_grad()
+    def _device_step(self, delta: Tensor | None) -> None:
+        """The outer step on the model's CUDA device, one parameter at a time: its slices of
+        θ_round, the momentum and Δ (given, or θ_round − θ_local when None) go up from pinned CPU
+        memory, `outer_sgd_step` runs there, θ goes into the parameter, and θ_round's and the
+        momentum's slices come back. Nothing stays on the device between rounds, and what the
+        step holds there at once is a few copies of the largest parameter, not of the model
+        (the 1b preset's 15 GB of training state leaves no room on a 24 GB card for three more
+        model-sized vectors)."""
+        group = self.outer_optimizer.param_groups[0]
+        rule = {"lr": group["lr"], "momentum": group["momentum"], "nesterov": group["nesterov"]}
+        theta_host = self.theta_round.detach()
+        state = self.outer_optimizer.state[self.theta_round]
+        previous = state.get("momentum_buffer")
+        momentum = None
+        if float(group["momentum"]) != 0.0:
+            momentum = previous if previous is not None and previous.is_pinned() else None
+            if momentum is None:  # the first step, or a loaded checkpoint's (pageable) buffer
+                momentum = torch.empty(theta_host.shape, dtype=torch.float32, pin_memory=True)
+                if previous is not None:
+                    momentum.copy_(previous)
+        for p, span in self._slices():
+            theta = theta_host[span].to(p.device, non_blocking=True)
+            if delta is None:
+                step_delta = torch.sub(theta, p.detach().reshape(-1))
+            else:
+                step_delta = delta[span].to(p.device, non_blocking=True)
+            buffer = None
+            if momentum is not None and previous is not None:
+                buffer = momentum[span].to(p.device, non_blocking=True)
+            buffer = outer_sgd_step(theta, buffer, step_delta, **rule)
+            p.copy_(theta.view_as(p))
+            # Queued on the same stream after the uploads that read these slices: in order.
+            theta_host[span].copy_(theta, non_blocking=True)
+            if momentum is not None and buffer is not None:
+                momentum[span].copy_(buffer, non_blocking=True)
+        torch.cuda.current_stream(self.params[0].device).synchronize()  # the CPU vectors are whole
+        if momentum is not None:
+            state["momentum_buffer"] = momentum
 
     def _check_delta(self, delta: Tensor) -> None:
         if not isinstance(delta, Tensor):

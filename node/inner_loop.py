@@ -30,7 +30,7 @@ RoundFinisher = Callable[[DiLoCo], None]
 
 def lone_replica(diloco: DiLoCo) -> None:
     """A node alone in its stage applies its own pseudo-gradient."""
-    diloco.outer_step(diloco.pseudo_gradient())
+    diloco.local_outer_step()
 
 
 @dataclass

@@ -85,7 +85,8 @@ def start_stage_replica(
     peer server with the pipeline route; join the stage's state; ready to `run`. With an active
     `reporting` it sends a receipt after every round, records every inner step (node.segments)
     and serves segments to the verifier's operator key. `placement`: the device and precision of the
-    inner steps (default CPU fp32); the outer round stays on the CPU in fp32 (node.diloco).
+    inner steps (default CPU fp32); the outer round's state stays on the CPU in fp32 and its step
+    gives the same bits on any device (node.diloco).
 
     Vocabulary growth (node.vocab), where a verifier schedules it (`vocab_schedule`, fed by the
     reporting's tracker, read once before this is called): the last stage grows its head at the

@@ -21,7 +21,14 @@ from neuroshard.cli.node_flags import build_parser, checkpoint_interval, placeme
 from neuroshard.node import aggregation
 from neuroshard.node.checkpoint import CheckpointIdentity, load_checkpoint
 from neuroshard.node.device import Placement, resolve, resolve_device, resolve_precision
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, flat_parameters, tensor_digest
+from neuroshard.node.diloco import (
+    DiLoCo,
+    DiLoCoConfig,
+    copy_into_parameters,
+    flat_parameters,
+    outer_sgd_step,
+    tensor_digest,
+)
 from neuroshard.node.model import ModelConfig, Transformer
 from neuroshard.node.pipeline import stage_fingerprint
 from neuroshard.node.replay import capture_inner_state, install_inner_state
@@ -145,6 +152,76 @@ def test_a_cpu_and_a_cuda_bf16_replica_end_every_round_bit_identical() -> None:
     hashes = _mixed_stage([Placement.cpu(), cuda, Placement(device=cuda.device, precision="fp32")], rounds=2)
     for round_hashes in hashes:
         assert len(set(round_hashes)) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_the_outer_step_on_cuda_gives_the_cpus_bits(nesterov: bool) -> None:
+    """The outer rule on CUDA and on the CPU, from the same values (subnormals, zeros, values near
+    overflow among them), three steps with momentum: the same bits every step."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1_000_003
+    scale = torch.pow(10.0, torch.randint(-8, 4, (n,), generator=gen).float())
+    theta = torch.randn(n, generator=gen) * scale
+    theta[::13] = torch.randn(theta[::13].shape, generator=gen) * 1e-39
+    theta[::101] = torch.randn(theta[::101].shape, generator=gen) * 1e37
+    on_cuda, on_cpu = theta.cuda(), theta.clone()
+    buffer_cuda = buffer_cpu = None
+    for step in range(3):
+        delta = torch.randn(n, generator=gen) * torch.pow(
+            10.0, torch.randint(-9, 2, (n,), generator=gen).float()
+        )
+        delta[::7] = torch.randn(delta[::7].shape, generator=gen) * 1e-40
+        kw = {"lr": 0.7, "momentum": 0.9, "nesterov": nesterov}
+        buffer_cuda = outer_sgd_step(on_cuda, buffer_cuda, delta.cuda(), **kw)  # type: ignore[arg-type]
+        buffer_cpu = outer_sgd_step(on_cpu, buffer_cpu, delta, **kw)  # type: ignore[arg-type]
+        assert torch.equal(on_cuda.cpu().view(torch.int32), on_cpu.view(torch.int32)), step
+        assert buffer_cuda is not None and buffer_cpu is not None
+        assert torch.equal(buffer_cuda.cpu().view(torch.int32), buffer_cpu.view(torch.int32)), step
+
+
+@needs_cuda
+def test_a_cuda_lone_replica_steps_on_the_device_and_matches_the_cpu_rule() -> None:
+    """A lone CUDA replica's outer step (Δ formed and applied on the device, one parameter at a
+    time) gives the bits the CPU computes from the same θ_round, momentum and local weights; a
+    state loaded mid-run (pageable CPU vectors) is taken up."""
+    engine = DiLoCo(Transformer(MODEL), DILOCO, placement=resolve("cuda", "bf16"))
+    group = engine.outer_optimizer.param_groups[0]
+    for r in range(4):
+        for step in range(DILOCO.inner_steps):
+            engine.inner_step(*batch(0, r * DILOCO.inner_steps + step))
+        theta = engine.theta_round.detach().clone()
+        momentum = engine.outer_optimizer.state.get(engine.theta_round, {}).get("momentum_buffer")
+        momentum = None if momentum is None else momentum.clone()
+        delta = theta - flat_parameters(engine.params)
+        outer_sgd_step(
+            theta, momentum, delta, lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"]
+        )
+        engine.local_outer_step()
+        assert engine.theta_round.device == CPU
+        assert torch.equal(engine.theta_round.detach().view(torch.int32), theta.view(torch.int32)), r
+        assert torch.equal(flat_parameters(engine.params), theta)
+        if r == 1:  # a checkpoint loaded into the running engine replaces θ_round and the momentum
+            state = engine.state_dict()
+            state["theta_round"] = state["theta_round"] * 0.5
+            engine.load_state_dict(state)
+            copy_into_parameters(engine.theta_round.detach(), engine.params)
+    assert engine.round == 4
+
+
+@needs_cuda
+def test_a_cuda_lone_replica_refuses_non_finite_weights_and_changes_nothing() -> None:
+    engine = DiLoCo(Transformer(MODEL), DILOCO, placement=resolve("cuda", "fp32"))
+    engine.inner_step(*batch(0, 0))
+    engine.local_outer_step()
+    theta, momentum = engine.theta_round.detach().clone(), engine.state_dict()["outer_optimizer"]
+    with torch.no_grad():
+        engine.params[-1].view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match="1 non-finite"):
+        engine.local_outer_step()
+    assert torch.equal(engine.theta_round.detach(), theta) and engine.round == 1
+    after = engine.state_dict()["outer_optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(after, momentum["state"][0]["momentum_buffer"])
 
 
 def test_move_to_another_placement_and_back_changes_nothing() -> None:

@@ -17,6 +17,7 @@ from neuroshard.node.diloco import (
     default_inner_optimizer,
     flat_parameters,
     lr_factor,
+    outer_sgd_step,
     tensor_digest,
 )
 from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
@@ -124,6 +125,77 @@ def test_nesterov_outer_steps_match_the_hand_computed_formula() -> None:
     theta_2 = theta_1 - lr * (delta_2 + mu * buffer)
     torch.testing.assert_close(diloco.theta_round.detach(), theta_2, atol=1e-7, rtol=0)
     assert diloco.round == 2
+
+
+def awkward_values(n: int, seed: int) -> Tensor:
+    """float32 values that catch a fused multiply-add or a flushed subnormal: normal values of
+    every scale, subnormals, zeros of both signs and values near the overflow edge."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.pow(10.0, torch.randint(-6, 3, (n,), generator=gen).float())
+    x[::17] = torch.randn(x[::17].shape, generator=gen) * 1e-39  # subnormal
+    x[::31] = 0.0
+    x[1::31] = -0.0
+    x[::97] = torch.randn(x[::97].shape, generator=gen) * 1e37
+    return x
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, True), (0.5, False), (0.0, False)])
+def test_the_outer_step_rounds_every_operation_once(momentum: float, nesterov: bool) -> None:
+    """Bit for bit the float32 sequence numpy computes one correctly rounded operation at a time:
+    no fused multiply-add, no flushed subnormals, scalars rounded to float32 first."""
+    np = pytest.importorskip("numpy")
+    lr = 0.7
+    theta, buffer = awkward_values(20_011, 0), None
+    want_theta = theta.numpy().copy()
+    want_buffer = None
+    lr32, mu32 = np.float32(lr), np.float32(momentum)
+    for step in range(3):
+        delta = awkward_values(20_011, step + 1)
+        buffer = outer_sgd_step(theta, buffer, delta, lr=lr, momentum=momentum, nesterov=nesterov)
+        d = delta.numpy()
+        if momentum == 0.0:
+            update = d
+        else:
+            want_buffer = d.copy() if want_buffer is None else want_buffer * mu32 + d
+            update = want_buffer * mu32 + d if nesterov else want_buffer
+        want_theta = want_theta - update * lr32
+        assert np.array_equal(theta.numpy().view(np.uint32), want_theta.view(np.uint32)), step
+        if momentum == 0.0:
+            assert buffer is None
+        else:
+            assert buffer is not None
+            assert np.array_equal(buffer.numpy().view(np.uint32), want_buffer.view(np.uint32)), step
+
+
+def test_the_outer_step_agrees_with_torch_sgd_to_the_last_bits() -> None:
+    """The same rule as torch.optim.SGD (Nesterov, no dampening): equal up to the rounding of
+    its fused multiply-adds."""
+    theta = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    reference = theta.clone().requires_grad_(True)
+    sgd_ = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    buffer = None
+    for step in range(4):
+        delta = torch.randn(5000, generator=torch.Generator().manual_seed(10 + step)) * 1e-2
+        buffer = outer_sgd_step(theta, buffer, delta, lr=0.7, momentum=0.9, nesterov=True)
+        reference.grad = delta.clone()
+        sgd_.step()
+    torch.testing.assert_close(theta, reference.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_lone_replicas_outer_step_equals_the_step_on_its_pseudo_gradient() -> None:
+    config = DiLoCoConfig(inner_steps=2, warmup_steps=1, total_steps=20)
+    one, two = DiLoCo(Transformer(MODEL), config), DiLoCo(Transformer(MODEL), config)
+    two.model.load_state_dict(one.model.state_dict())
+    two.load_state_dict(one.state_dict())
+    for r in range(3):
+        for step in range(2):
+            one.inner_step(*batch(0, 2 * r + step))
+            two.inner_step(*batch(0, 2 * r + step))
+        one.local_outer_step()
+        two.outer_step(two.pseudo_gradient())
+        assert one.weights_hash() == two.weights_hash()
+        assert torch.equal(flat_parameters(one.params), one.theta_round.detach())
+    assert one.round == two.round == 3
 
 
 def test_pseudo_gradient_points_from_local_weights_to_the_round_start() -> None:
