@@ -44,7 +44,9 @@ class TrainResult:
     wall_seconds: float = 0.0
     """Wall time of this run, rounds and checkpoints included."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Where the wall time outside inner steps went, by part: data (next batch), round (the round
+    """Where the wall time outside inner steps went, by part: data (next batch), data ahead (on
+    CUDA, reading and starting the copy of the batch after it while this step's kernels run: time
+    the step's wait then does not spend), round (the round
     hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (periodic snapshots
     on this thread), final checkpoint (the write that ends a run, once per run), log (progress
     lines, the θ hash of the round line; a lone replica on an accelerator hashes a copy of θ in

@@ -421,7 +421,7 @@ class Trainer(InnerLoop):
         step_start = time.perf_counter()
         queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
         queued_s = time.perf_counter() - step_start
-        with timed(result.seconds, "data"):
+        with timed(result.seconds, "data ahead"):
             self._feed.read_ahead()  # on CUDA: the next batch's copy overlaps this step's kernels
         step_start = time.perf_counter()
         loss = queued.item()
