@@ -3,8 +3,9 @@
 The node's outer step (`DiLoCo.local_outer_step`: Δ = θ_round − θ_local, the finiteness check,
 the Nesterov step, θ back into the model, θ_round and the momentum refreshed on the CPU) runs
 on CUDA where the model is, because `outer_sgd_step` rounds every operation once and so gives
-the CPU's bits there. The baseline is the same engine with the step forced onto the CPU (Δ off
-the device, the step in CPU memory, θ back onto the device): the design before that change.
+the CPU's bits there. The baseline is the same engine with the step forced onto the CPU path (Δ
+off the device, `outer_sgd_step` in CPU memory, θ back onto the device): where the step ran
+before (with torch.optim.SGD's step then, of about the same cost).
 Both start from the same weights and take the same perturbed "inner" weights each round; after
 every round the bench checks that both hold the same θ_round bits, so it is also a check of
 cross-device agreement at the model's real size. Rounds alternate (ours, baseline, ...).

@@ -406,13 +406,34 @@ class DiLoCo:
         theta_host = self.theta_round.detach()
         state = self.outer_optimizer.state[self.theta_round]
         previous = state.get("momentum_buffer")
+        device = self.params[0].device
+        pin = device.type == "cuda"
         momentum = None
-        if float(group["momentum"]) != 0.0:
-            momentum = previous if previous is not None and previous.is_pinned() else None
+        if float32_scalar(group["momentum"]) != 0.0:  # as outer_sgd_step decides it
+            momentum = previous if previous is not None and (previous.is_pinned() or not pin) else None
             if momentum is None:  # the first step, or a loaded checkpoint's (pageable) buffer
-                momentum = torch.empty(theta_host.shape, dtype=torch.float32, pin_memory=True)
+                momentum = torch.empty(theta_host.shape, dtype=torch.float32, pin_memory=pin)
                 if previous is not None:
                     momentum.copy_(previous)
+        try:
+            self._device_step_slices(theta_host, momentum, previous is not None, delta, rule)
+        finally:
+            # The CPU vectors are whole only after this. An error part-way (a CUDA fault, out of
+            # memory) propagates and leaves a half-applied step: the engine must not be used
+            # again; a restarted node resumes from its last checkpoint.
+            if pin:
+                torch.cuda.current_stream(device).synchronize()
+        if momentum is not None:
+            state["momentum_buffer"] = momentum
+
+    def _device_step_slices(  # on the CPU (tests) the copies are views and the step is in place
+        self,
+        theta_host: Tensor,
+        momentum: Tensor | None,
+        had_momentum: bool,
+        delta: Tensor | None,
+        rule: dict[str, Any],
+    ) -> None:
         for p, span in self._slices():
             theta = theta_host[span].to(p.device, non_blocking=True)
             if delta is None:
@@ -420,7 +441,7 @@ class DiLoCo:
             else:
                 step_delta = delta[span].to(p.device, non_blocking=True)
             buffer = None
-            if momentum is not None and previous is not None:
+            if momentum is not None and had_momentum:
                 buffer = momentum[span].to(p.device, non_blocking=True)
             buffer = outer_sgd_step(theta, buffer, step_delta, **rule)
             p.copy_(theta.view_as(p))
@@ -428,9 +449,6 @@ class DiLoCo:
             theta_host[span].copy_(theta, non_blocking=True)
             if momentum is not None and buffer is not None:
                 momentum[span].copy_(buffer, non_blocking=True)
-        torch.cuda.current_stream(self.params[0].device).synchronize()  # the CPU vectors are whole
-        if momentum is not None:
-            state["momentum_buffer"] = momentum
 
     def _check_delta(self, delta: Tensor) -> None:
         if not isinstance(delta, Tensor):
@@ -461,7 +479,10 @@ class DiLoCo:
         return self._hash_memo[1] if self._hash_memo is not None and self._hash_memo[0] == key else None
 
     def move_to(self, placement: Placement) -> None:
-        """Move the model and the inner optimizer's state to another placement (θ_round stays)."""
+        """Move the model and the inner optimizer's state to another placement (θ_round stays,
+        and stays pageable when an engine built on the CPU moves to CUDA: the outer step is then
+        correct but its copies are staged, slower than from the pinned θ_round a CUDA engine
+        builds)."""
         self.placement = placement
         self.model.to(placement.device)  # same Parameter objects: the optimizer's keys stay valid
         for state in self.inner_optimizer.state.values():

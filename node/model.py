@@ -73,7 +73,9 @@ TRAIN_STATE_BYTES_PER_PARAM = 16
 Autocast keeps no bf16 weight copy beyond the per-op casts (freed after each op)."""
 ROUND_STATE_BYTES_PER_PARAM = 12
 """On the CPU: θ_round (4) + the outer Nesterov momentum (4) + Δ while the round runs (4); the
-round's encoded parts and received contributions add about 2·d values (ARCHITECTURE.md)."""
+round's encoded parts and received contributions add about 2·d values (ARCHITECTURE.md). Next
+to a CUDA model θ_round and the momentum are page-locked, and torch's pinned allocator rounds
+each up to a power of two bytes (up to twice these 8)."""
 
 # Standard deviation of the normal initialisation of embeddings and linears (GPT-2, Radford et al. 2019).
 INIT_STD = 0.02

@@ -198,6 +198,50 @@ def test_a_lone_replicas_outer_step_equals_the_step_on_its_pseudo_gradient() -> 
     assert one.round == two.round == 3
 
 
+class SlicedOuterStep(DiLoCo):
+    """The outer step's CUDA path (one parameter at a time) forced on the CPU."""
+
+    @property
+    def _outer_on_device(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.5, True), (0.9, False), (0.0, False)])
+def test_the_sliced_outer_step_gives_the_whole_vector_steps_bits(momentum: float, nesterov: bool) -> None:
+    """The CUDA path's logic (per-parameter slices, the momentum built on the first step, a state
+    loaded mid-run, a refused Δ changing nothing), run on the CPU against the whole-vector step."""
+    config = DiLoCoConfig(
+        inner_steps=2, warmup_steps=1, total_steps=20, outer_momentum=momentum, outer_nesterov=nesterov
+    )
+    plain, sliced = DiLoCo(Transformer(MODEL), config), SlicedOuterStep(Transformer(MODEL), config)
+    sliced.model.load_state_dict(plain.model.state_dict())
+    sliced.load_state_dict(plain.state_dict())
+    for r in range(4):
+        for step in range(2):
+            plain.inner_step(*batch(0, 2 * r + step))
+            sliced.inner_step(*batch(0, 2 * r + step))
+        plain.outer_step(plain.pseudo_gradient())
+        if r % 2:
+            sliced.outer_step(sliced.pseudo_gradient())
+        else:
+            sliced.local_outer_step()
+        assert sliced.weights_hash() == plain.weights_hash(), r
+        assert torch.equal(flat_parameters(sliced.params), sliced.theta_round.detach())
+        mine, theirs = sliced.state_dict()["outer_optimizer"], plain.state_dict()["outer_optimizer"]
+        assert mine["state"].keys() == theirs["state"].keys()
+        if momentum:
+            assert torch.equal(mine["state"][0]["momentum_buffer"], theirs["state"][0]["momentum_buffer"])
+        if r == 1:
+            sliced.load_state_dict(plain.state_dict())  # a loaded checkpoint's buffer is taken up
+    before = sliced.state_dict()
+    with torch.no_grad():
+        sliced.params[0].view(-1)[0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        sliced.local_outer_step()
+    after = sliced.state_dict()
+    assert torch.equal(after["theta_round"], before["theta_round"]) and after["round"] == before["round"]
+
+
 def test_pseudo_gradient_points_from_local_weights_to_the_round_start() -> None:
     config = DiLoCoConfig(inner_steps=1, grad_clip=None, **CONSTANT_LR)  # type: ignore[arg-type]
     diloco = DiLoCo(Transformer(MODEL), config, inner_optimizer=sgd(0.5))
