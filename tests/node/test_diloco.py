@@ -182,15 +182,25 @@ def test_the_outer_step_agrees_with_torch_sgd_to_the_last_bits() -> None:
     torch.testing.assert_close(theta, reference.detach(), rtol=0, atol=1e-6)
 
 
-def test_a_lone_replicas_outer_step_equals_the_step_on_its_pseudo_gradient() -> None:
-    config = DiLoCoConfig(inner_steps=2, warmup_steps=1, total_steps=20)
-    one, two = DiLoCo(Transformer(MODEL), config), DiLoCo(Transformer(MODEL), config)
+def twins(config: DiLoCoConfig, cls: type[DiLoCo] = DiLoCo) -> tuple[DiLoCo, DiLoCo]:
+    """A plain engine and a `cls` engine in the same state, each stepped with `step_both`."""
+    one, two = DiLoCo(Transformer(MODEL), config), cls(Transformer(MODEL), config)
     two.model.load_state_dict(one.model.state_dict())
     two.load_state_dict(one.state_dict())
+    return one, two
+
+
+def step_both(engines: tuple[DiLoCo, DiLoCo], round_: int) -> None:
+    """Two inner steps of round `round_` on each engine, on the same batches."""
+    for step in range(2):
+        for engine in engines:
+            engine.inner_step(*batch(0, 2 * round_ + step))
+
+
+def test_a_lone_replicas_outer_step_equals_the_step_on_its_pseudo_gradient() -> None:
+    two, one = twins(DiLoCoConfig(inner_steps=2, warmup_steps=1, total_steps=20))
     for r in range(3):
-        for step in range(2):
-            one.inner_step(*batch(0, 2 * r + step))
-            two.inner_step(*batch(0, 2 * r + step))
+        step_both((one, two), r)
         one.local_outer_step()
         two.outer_step(two.pseudo_gradient())
         assert one.weights_hash() == two.weights_hash()
@@ -213,13 +223,9 @@ def test_the_sliced_outer_step_gives_the_whole_vector_steps_bits(momentum: float
     config = DiLoCoConfig(
         inner_steps=2, warmup_steps=1, total_steps=20, outer_momentum=momentum, outer_nesterov=nesterov
     )
-    plain, sliced = DiLoCo(Transformer(MODEL), config), SlicedOuterStep(Transformer(MODEL), config)
-    sliced.model.load_state_dict(plain.model.state_dict())
-    sliced.load_state_dict(plain.state_dict())
+    plain, sliced = twins(config, SlicedOuterStep)
     for r in range(4):
-        for step in range(2):
-            plain.inner_step(*batch(0, 2 * r + step))
-            sliced.inner_step(*batch(0, 2 * r + step))
+        step_both((plain, sliced), r)
         plain.outer_step(plain.pseudo_gradient())
         if r % 2:
             sliced.outer_step(sliced.pseudo_gradient())

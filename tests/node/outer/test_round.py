@@ -49,6 +49,13 @@ def deltas(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [common + torch.randn(D, generator=g) * 0.003 for _ in range(n)]
 
 
+async def run_round(rounds: list[OuterRound], members: tuple[str, ...]) -> list[RoundResult]:
+    """Round 1 of stage 0 on every replica at once, replica i contributing `deltas(n)[i]`."""
+    ds = deltas(len(rounds))
+    inputs = [RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=d, tokens=100) for d in ds]
+    return list(await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True))))
+
+
 async def run_stage(
     n: int,
     kinds: dict[int, type[OuterRound]] | None = None,
@@ -64,12 +71,7 @@ async def run_stage(
         rounds.append(
             cls(hub.store(wallet.public_key_hex), wallet, median_rule, config or fast_config(checks=checks))
         )
-    ds = deltas(n)
-    inputs = [
-        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
-        for i in range(n)
-    ]
-    results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    results = await run_round(rounds, members)
     return wallets, list(results)
 
 
@@ -184,12 +186,7 @@ async def test_an_owner_that_overwrites_its_claim_is_caught_as_an_equivocator() 
             rounds.append(owner)
         else:
             rounds.append(OuterRound(store, wallet, median_rule, fast_config(checks=0)))
-    ds = deltas(n)
-    inputs = [
-        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
-        for i in range(n)
-    ]
-    results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    results = await run_round(rounds, members)
     honest = [r for i, r in enumerate(results) if i != cheat_at]
     for r in honest:
         assert r is not None
@@ -232,12 +229,7 @@ async def run_split(
         )
         cls = SplitEquivocator if i == cheat_at else OuterRound
         rounds.append(cls(store, wallet, median_rule, fast_config(checks=0)))
-    ds = deltas(n)
-    inputs = [
-        RoundInput(stage=0, round=1, base_hash=BASE, members=members, delta=ds[i], tokens=100)
-        for i in range(n)
-    ]
-    results = await asyncio.gather(*(r.run(x) for r, x in zip(rounds, inputs, strict=True)))
+    results = await run_round(rounds, members)
     return cheat, [r for i, r in enumerate(results) if i != cheat_at]
 
 
