@@ -72,6 +72,7 @@ def simulate(
     inner_optimizer: InnerOptimizerFactory | None = None,
     log: Callable[[str], None] | None = None,
     delayed_outer: bool = False,
+    proxy: str = "own",
 ) -> SimulationResult:
     """Run ``rounds`` DiLoCo rounds of ``replicas`` replicas that all start from θ₀(init_seed).
 
@@ -79,9 +80,14 @@ def simulate(
     outer update of eager updates, Kale et al. 2025, and streaming DiLoCo's overlap, Douillard
     et al. 2025). A replica contributes its own progress over the round and trains on at once;
     the aggregate lands one round later on θ_round, and the replica goes on from the new θ_round
-    plus its own progress since (``_run_delayed``). Same number of outer steps: the last
-    aggregate is applied after the last round.
+    plus a stand-in for the aggregate still in flight (``_run_delayed``): with ``proxy="own"``
+    its own progress over the round; with ``proxy="eager"`` eager updates' (Kale et al. 2025)
+    1/M of its own progress plus 1/M of each other replica's progress over the round before
+    (the freshest of theirs it could hold). Same number of outer steps: the last aggregate is
+    applied after the last round.
     """
+    if proxy not in ("own", "eager"):
+        raise ValueError(f"proxy must be 'own' or 'eager', got {proxy!r}")
     if replicas < 1 or rounds < 0:
         raise ValueError(f"need replicas >= 1 and rounds >= 0, got replicas={replicas} rounds={rounds}")
     if eval_batches is not None and len(eval_batches) == 0:
@@ -91,7 +97,7 @@ def simulate(
         for _ in range(replicas)
     ]
     if delayed_outer:
-        return _run_delayed(engines, model_config, rounds, batches, aggregate, eval_batches, log)
+        return _run_delayed(engines, model_config, rounds, batches, aggregate, eval_batches, log, proxy)
     initial_eval = evaluate(engines[0].model, eval_batches) if eval_batches else None
     inner_losses: list[float] = []
     eval_losses: list[float] = []
@@ -126,6 +132,7 @@ def _run_delayed(
     aggregate: AggregateFn,
     eval_batches: Sequence[Batch] | None,
     log: Callable[[str], None] | None,
+    proxy: str = "own",
 ) -> SimulationResult:
     """simulate(delayed_outer=True). Replica i's round r runs from s_i to e_i and contributes
     Δ_i = s_i − e_i; at the round's end θ_round takes the previous round's aggregate (none after
@@ -136,6 +143,7 @@ def _run_delayed(
     initial_eval = evaluate(scorer, eval_batches) if eval_batches else None
     starts = [flat_parameters(engine.params) for engine in engines]
     pending = torch.zeros_like(starts[0])
+    before = [torch.zeros_like(pending) for _ in engines]  # each replica's progress a round earlier
     inner_losses: list[float] = []
     eval_losses: list[float] = []
     for r in range(rounds + 1):
@@ -144,10 +152,15 @@ def _run_delayed(
             progress = [start - flat_parameters(e.params) for start, e in zip(starts, engines, strict=True)]
         else:  # the last aggregate lands after training: the same outer steps as without overlap
             progress = [torch.zeros_like(pending) for _ in engines]
+        stand_ins = progress
+        if proxy == "eager" and r < rounds:
+            others = torch.stack(before).sum(dim=0)
+            stand_ins = [(p + others - b) / len(engines) for p, b in zip(progress, before, strict=True)]
         for i, engine in enumerate(engines):
             engine.outer_step(pending)
-            starts[i] = engine.theta_round.detach() - progress[i]
+            starts[i] = engine.theta_round.detach() - stand_ins[i]
             copy_into_parameters(starts[i], engine.params)
+        before = progress
         if r < rounds:
             pending = aggregate(torch.stack(progress))  # (M, d) → (d,), applied next round
         if eval_batches and r > 0:

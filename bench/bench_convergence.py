@@ -167,6 +167,7 @@ def train(
     outer: Outer | None = None,
     rule: str = "mean",
     delayed: bool = False,
+    proxy: str = "own",
 ) -> dict[str, Any]:
     """One run; returns its held-out curve [(inner step, loss)] and final held-out loss."""
     model = ModelConfig(
@@ -220,6 +221,7 @@ def train(
         aggregate=rule_fn,
         eval_batches=evals,
         delayed_outer=delayed,
+        proxy=proxy,
     )
     curve = [(0, result.initial_eval_loss)] + [
         ((r + 1) * every, loss) for r, loss in enumerate(result.eval_loss)
@@ -263,7 +265,7 @@ def table(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     head = ["M", "H", "data parallel", "one replica"]
     head += [f"DiLoCo {spec}" for spec in args.outer] + ["robust rule (defaults)"]
-    head += ["overlapped (one-round-delayed outer step)"] if args.overlap else []
+    head += [f"overlapped (one-round-delayed outer step, {args.overlap_proxy} proxy)"] if args.overlap else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for m in args.replicas:
         dp = [runs.get(kind="dp", replicas=m, seed=s) for s in args.seeds]
@@ -315,8 +317,12 @@ def table(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
             cells.append(robust)
             if args.overlap and m in args.compare_at:
                 outer = Outer.parse("defaults", h)
+                # The key names the proxy only where it is not "own": earlier runs' keys stay valid.
+                proxy = {"proxy": args.overlap_proxy} if args.overlap_proxy != "own" else {}
                 got = [
-                    runs.get(kind="diloco", replicas=m, seed=s, inner_steps=h, outer=outer, delayed=True)
+                    runs.get(
+                        kind="diloco", replicas=m, seed=s, inner_steps=h, outer=outer, delayed=True, **proxy
+                    )
                     for s in args.seeds
                 ]
                 loss = mean_final(got)
@@ -381,6 +387,13 @@ def main() -> None:
         "--overlap",
         action="store_true",
         help="also run the defaults with a one-round-delayed outer step (--compare-at M)",
+    )
+    p.add_argument(
+        "--overlap-proxy",
+        choices=["own", "eager"],
+        default="own",
+        help="with --overlap, what stands in for the aggregate in flight: the replica's own progress, "
+        "or eager updates' 1/M of its own plus 1/M of each other's from the round before",
     )
     p.add_argument("--steps", type=int, default=500, help="inner steps per replica (and for both baselines)")
     p.add_argument("--dim", type=int, default=64)

@@ -140,3 +140,26 @@ def test_delayed_outer_step_lags_a_round_and_still_learns() -> None:
     assert not torch.allclose(now.theta, late.theta)  # the overlap changes the maths
     assert late.initial_eval_loss == now.initial_eval_loss
     assert late.eval_loss[-1] < 0.5 * late.initial_eval_loss
+
+
+def test_eager_updates_stand_in_for_the_aggregate_in_flight_and_still_learn() -> None:
+    """proxy="eager": a replica goes on from θ_round plus 1/M of its own progress and 1/M of each
+    other replica's from the round before; a different trajectory from the own-progress proxy,
+    and it learns. An unknown proxy is refused."""
+    runs = {
+        proxy: simulate(
+            MODEL,
+            DILOCO,
+            replicas=2,
+            rounds=4,
+            batches=replica_batches,
+            eval_batches=EVAL,
+            delayed_outer=True,
+            proxy=proxy,
+        )
+        for proxy in ("own", "eager")
+    }
+    assert not torch.allclose(runs["own"].theta, runs["eager"].theta)
+    assert runs["eager"].eval_loss[-1] < 0.5 * runs["eager"].initial_eval_loss
+    with pytest.raises(ValueError, match="proxy"):
+        simulate(MODEL, DILOCO, replicas=1, rounds=1, batches=replica_batches, proxy="psychic")
