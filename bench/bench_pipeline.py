@@ -67,6 +67,8 @@ EXPLORE = {
     # Not wire codecs: how far bits can go down before the loss moves (measured, not offered).
     "h4/h4": Codec("h4/h4", FORMATS["h4"], FORMATS["h4"]),
     "h2/h4": Codec("h2/h4", Format("h2", 2, True), FORMATS["h4"]),
+    # The mirror of the wire's hadamard43 (3 bits forward, 4 back): which direction takes 3 bits.
+    "h3/h4": Codec("h3/h4", FORMATS["h3"], FORMATS["h4"]),
 }
 EVAL_BATCHES = 16
 

@@ -12,7 +12,7 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
   round(x / s) in [-127, 127]; 64 + 2 bytes per 64 values = 8.25 bits. One range per group,
   not per tensor: activations have outlier channels (LLM.int8(), Dettmers et al. 2022) that a
   per-tensor range would let flatten every other channel to zero.
-- ``h8``, ``h6``, ``h4``: the same with 8, 6 or 4 bits after a fixed rotation of each group,
+- ``h8``, ``h6``, ``h4``, ``h3``: the same with 8, 6, 4 or 3 bits after a fixed rotation of each group,
   y = H·D·x / 8 (H the 64×64 Sylvester–Hadamard matrix, D fixed ±1 signs): the rotation
   spreads one outlier over the whole group, so the group's range fits its typical values
   (QuaRot, Ashkboos et al. 2024; TAH-Quant, 2025, rotates pipeline activations the same way).
@@ -107,6 +107,7 @@ FORMATS = MappingProxyType(
             Format("h8", 8, True),
             Format("h6", 6, True),
             Format("h4", 4, True),
+            Format("h3", 3, True),
         )
     }
 )
@@ -130,6 +131,10 @@ CODECS = MappingProxyType(
         # 4 bits forward, 6 back: gradients lose more to coarse codes than activations do
         # (TAH-Quant, 2025: ≈4.3 bits forward, ≈6.5 back at unchanged convergence on GPT-2 XL).
         "hadamard4": Codec("hadamard4", FORMATS["h4"], FORMATS["h6"]),
+        # 4 bits forward, 3 back: under a quarter of bf16's bytes. Measured on the tiny model the
+        # other way round from TAH-Quant: 3-bit gradients cost +0.004 nats, 3-bit activations
+        # +0.08 (bench/RESULTS.md, issue 17).
+        "hadamard43": Codec("hadamard43", FORMATS["h4"], FORMATS["h3"]),
     }
 )
 DEFAULT_CODEC = "int8"
