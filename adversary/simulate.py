@@ -80,11 +80,13 @@ def simulate(
     outer update of eager updates, Kale et al. 2025, and streaming DiLoCo's overlap, Douillard
     et al. 2025). A replica contributes its own progress over the round and trains on at once;
     the aggregate lands one round later on θ_round, and the replica goes on from the new θ_round
-    plus a stand-in for the aggregate still in flight (``_run_delayed``): with ``proxy="own"``
-    its own progress over the round; with ``proxy="eager"`` eager updates' (Kale et al. 2025)
-    1/M of its own progress plus 1/M of each other replica's progress over the round before
-    (the freshest of theirs it could hold). Same number of outer steps: the last aggregate is
-    applied after the last round.
+    plus its own progress over the round as a stand-in for the aggregate still in flight
+    (``proxy="own"``, ``_run_delayed``). ``proxy="eager"``: eager updates (Kale et al. 2025,
+    ``_run_eager``): each replica takes its own outer step at once, on 1/M of its own progress
+    plus 1/M of each other replica's progress over the round before (the freshest of theirs it
+    holds), so replicas' θ_round differ by their own latest progress; eager uses the plain mean
+    (its step is a mean by construction) and ignores ``aggregate``. Same number of outer steps:
+    the last aggregate is applied after the last round.
     """
     if proxy not in ("own", "eager"):
         raise ValueError(f"proxy must be 'own' or 'eager', got {proxy!r}")
@@ -97,7 +99,9 @@ def simulate(
         for _ in range(replicas)
     ]
     if delayed_outer:
-        return _run_delayed(engines, model_config, rounds, batches, aggregate, eval_batches, log, proxy)
+        if proxy == "eager":
+            return _run_eager(engines, model_config, rounds, batches, eval_batches, log)
+        return _run_delayed(engines, model_config, rounds, batches, aggregate, eval_batches, log)
     initial_eval = evaluate(engines[0].model, eval_batches) if eval_batches else None
     inner_losses: list[float] = []
     eval_losses: list[float] = []
@@ -132,7 +136,6 @@ def _run_delayed(
     aggregate: AggregateFn,
     eval_batches: Sequence[Batch] | None,
     log: Callable[[str], None] | None,
-    proxy: str = "own",
 ) -> SimulationResult:
     """simulate(delayed_outer=True). Replica i's round r runs from s_i to e_i and contributes
     Δ_i = s_i − e_i; at the round's end θ_round takes the previous round's aggregate (none after
@@ -143,7 +146,6 @@ def _run_delayed(
     initial_eval = evaluate(scorer, eval_batches) if eval_batches else None
     starts = [flat_parameters(engine.params) for engine in engines]
     pending = torch.zeros_like(starts[0])
-    before = [torch.zeros_like(pending) for _ in engines]  # each replica's progress a round earlier
     inner_losses: list[float] = []
     eval_losses: list[float] = []
     for r in range(rounds + 1):
@@ -152,15 +154,10 @@ def _run_delayed(
             progress = [start - flat_parameters(e.params) for start, e in zip(starts, engines, strict=True)]
         else:  # the last aggregate lands after training: the same outer steps as without overlap
             progress = [torch.zeros_like(pending) for _ in engines]
-        stand_ins = progress
-        if proxy == "eager" and r < rounds:
-            others = torch.stack(before).sum(dim=0)
-            stand_ins = [(p + others - b) / len(engines) for p, b in zip(progress, before, strict=True)]
         for i, engine in enumerate(engines):
             engine.outer_step(pending)
-            starts[i] = engine.theta_round.detach() - stand_ins[i]
+            starts[i] = engine.theta_round.detach() - progress[i]
             copy_into_parameters(starts[i], engine.params)
-        before = progress
         if r < rounds:
             pending = aggregate(torch.stack(progress))  # (M, d) → (d,), applied next round
         if eval_batches and r > 0:
@@ -168,6 +165,50 @@ def _run_delayed(
             eval_losses.append(evaluate(scorer, eval_batches))
         if log is not None and r < rounds:
             log(f"round {r}: inner loss {inner_losses[-1]:.4f} (outer step one round behind)")
+    return SimulationResult(
+        inner_loss=inner_losses,
+        eval_loss=eval_losses,
+        initial_eval_loss=initial_eval,
+        theta=engines[0].theta_round.detach().clone(),
+    )
+
+
+def _run_eager(
+    engines: list[DiLoCo],
+    model_config: ModelConfig,
+    rounds: int,
+    batches: BatchFn,
+    eval_batches: Sequence[Batch] | None,
+    log: Callable[[str], None] | None,
+) -> SimulationResult:
+    """simulate(delayed_outer=True, proxy="eager"). At the end of round r replica i steps its own
+    θ_round on Δ̃_i = (Δ_i(r) + Σ_{j≠i} Δ_j(r−1)) / M — its fresh progress and the others' of the
+    round before, each replica's progress passing through every outer optimizer exactly once —
+    and trains on from there. After the last round each applies the others' last progress. Replica
+    0's θ_round is evaluated (its model, which goes on training, is left alone)."""
+    scorer = Transformer(model_config)
+    initial_eval = evaluate(scorer, eval_batches) if eval_batches else None
+    m = len(engines)
+    before = [torch.zeros_like(engines[0].theta_round.detach()) for _ in engines]
+    inner_losses: list[float] = []
+    eval_losses: list[float] = []
+    for r in range(rounds + 1):
+        if r < rounds:
+            inner_losses.append(_run_inner_steps(engines, batches))
+            progress = [engine.pseudo_gradient() for engine in engines]
+        else:  # the others' last progress lands after training
+            progress = [torch.zeros_like(b) for b in before]
+        others = torch.stack(before).sum(dim=0)
+        for i, engine in enumerate(engines):
+            engine.outer_step((progress[i] + (others - before[i])) / m)
+        before = progress
+        # One evaluation per round: after rounds 0 … R−2 (the others' latest still to come), and
+        # the last once every progress has landed.
+        if eval_batches and rounds > 0 and r != rounds - 1:
+            copy_into_parameters(engines[0].theta_round.detach(), scorer.parameters())
+            eval_losses.append(evaluate(scorer, eval_batches))
+        if log is not None and r < rounds:
+            log(f"round {r}: inner loss {inner_losses[-1]:.4f} (eager: others' progress one round behind)")
     return SimulationResult(
         inner_loss=inner_losses,
         eval_loss=eval_losses,

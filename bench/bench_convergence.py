@@ -326,7 +326,7 @@ def table(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
                     for s in args.seeds
                 ]
                 loss = mean_final(got)
-                row["curves"]["DiLoCo defaults, overlapped"] = got[0]["curve"]
+                row["curves"][f"DiLoCo defaults, overlapped ({args.overlap_proxy})"] = got[0]["curve"]
                 base = row["diloco"].get("defaults")
                 cells.append(f"{loss:.4f}" + (f" ({loss / base:.3f}× defaults)" if base else ""))
             print("| " + " | ".join(cells) + " |", flush=True)
@@ -393,7 +393,8 @@ def main() -> None:
         choices=["own", "eager"],
         default="own",
         help="with --overlap, what stands in for the aggregate in flight: the replica's own progress, "
-        "or eager updates' 1/M of its own plus 1/M of each other's from the round before",
+        "or eager updates (each replica steps at once on 1/M of its own progress plus 1/M of each "
+        "other's from the round before)",
     )
     p.add_argument("--steps", type=int, default=500, help="inner steps per replica (and for both baselines)")
     p.add_argument("--dim", type=int, default=64)

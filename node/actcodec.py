@@ -74,7 +74,7 @@ class Format:
 
     name: str
     bits: int
-    """Bits per value: 16 for the float casts, 4, 6 or 8 for codes."""
+    """Bits per value: 16 for the float casts, 3 to 8 for codes."""
     rotate: bool = False
     """Rotate each group by H·D/8 before quantising (quantised formats only)."""
 

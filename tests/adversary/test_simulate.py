@@ -142,10 +142,36 @@ def test_delayed_outer_step_lags_a_round_and_still_learns() -> None:
     assert late.eval_loss[-1] < 0.5 * late.initial_eval_loss
 
 
+def test_eager_updates_with_one_replica_and_plain_outer_sgd_are_local_training() -> None:
+    # Alone, eager's step is the replica's own fresh progress: no lag at all.
+    plain = DiLoCoConfig(
+        inner_steps=5,
+        inner_lr=1e-2,
+        warmup_steps=2,
+        total_steps=100,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_nesterov=False,
+    )
+    now = simulate(MODEL, plain, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL)
+    eager = simulate(
+        MODEL,
+        plain,
+        replicas=1,
+        rounds=3,
+        batches=replica_batches,
+        eval_batches=EVAL,
+        delayed_outer=True,
+        proxy="eager",
+    )
+    assert torch.equal(now.theta, eager.theta)
+    assert eager.eval_loss == now.eval_loss
+
+
 def test_eager_updates_stand_in_for_the_aggregate_in_flight_and_still_learn() -> None:
-    """proxy="eager": a replica goes on from θ_round plus 1/M of its own progress and 1/M of each
-    other replica's from the round before; a different trajectory from the own-progress proxy,
-    and it learns. An unknown proxy is refused."""
+    """proxy="eager": each replica steps at once on 1/M of its own progress and 1/M of each other
+    replica's from the round before; a different trajectory from the own-progress stand-in, and
+    it learns. An unknown proxy is refused."""
     runs = {
         proxy: simulate(
             MODEL,

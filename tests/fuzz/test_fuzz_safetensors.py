@@ -53,6 +53,10 @@ DECODERS: dict[str, tuple[Decoder, Layout]] = {
         lambda b: decode_gradient(b, (2, 3, 70), "hadamard4"),
         gradient_layout(2, 3, 70, "hadamard4"),
     ),
+    "pipeline_wire.decode_gradient hadamard43": (
+        lambda b: decode_gradient(b, (2, 3, 70), "hadamard43"),
+        gradient_layout(2, 3, 70, "hadamard43"),
+    ),
 }
 
 

@@ -17,6 +17,7 @@ from neuroshard.node import actcodec
 from neuroshard.node.actcodec import CODECS, DEFAULT_CODEC, FORMATS, GROUP, Format
 from neuroshard.node.p2p.pipeline import PipelineConfig
 from neuroshard.node.p2p.pipeline_wire import (
+    GRAD,
     bytes_per_token,
     decode_activations,
     decode_gradient,
@@ -63,7 +64,7 @@ def test_unrotated_codes_err_by_at_most_half_a_step_of_their_group(name: str) ->
     assert bool((s >= absmax / fmt.qmax).all()) and bool((s <= absmax / fmt.qmax * (1 + 2**-7)).all())
 
 
-@pytest.mark.parametrize("name", ["h8", "h6", "h4"])
+@pytest.mark.parametrize("name", ["h8", "h6", "h4", "h3"])
 def test_rotated_codes_err_by_at_most_half_a_step_per_value_in_l2_per_group(name: str) -> None:
     """The rotation is orthonormal: a group's L2 error is its rotated coefficients' error, each ≤ s/2."""
     fmt = FORMATS[name]
@@ -196,7 +197,7 @@ def _sylvester() -> Tensor:
     return h
 
 
-@pytest.mark.parametrize("name", ["h8", "h6", "h4"])
+@pytest.mark.parametrize("name", ["h8", "h6", "h4", "h3"])
 def test_rotated_decoding_equals_a_float64_matrix_reference_bit_for_bit(name: str) -> None:
     """Decoding rounds once: fl32((H·q)·s) exactly as computed in float64 then rounded, whatever
     the order the butterflies add in (they add integers). An independent check of the claim."""
@@ -216,7 +217,7 @@ def test_packing_is_little_endian_bit_by_bit() -> None:
     u = torch.arange(1, 65, dtype=torch.uint8).remainder(16).clamp(min=1).view(1, 64)
     packed = actcodec._pack(u, 4)
     assert packed.shape == (1, 32) and int(packed[0, 0]) == int(u[0, 0]) | int(u[0, 1]) << 4
-    for bits in (4, 6, 8):
+    for bits in (3, 4, 6, 8):  # 3 bits: values straddle byte boundaries
         v = torch.randint(1, 2**bits, (3, 2, 64), dtype=torch.uint8)
         assert torch.equal(actcodec._unpack(actcodec._pack(v, bits), bits), v)
 
@@ -260,6 +261,27 @@ def test_hostile_scales_and_codes_are_invalid(codec: str) -> None:
         tensors[name][index] = value
         with refused("invalid"):
             _decode(tensors, codec)
+        assert what
+
+
+@pytest.mark.parametrize("codec", ["int8", "hadamard4", "hadamard43"])
+def test_hostile_gradient_scales_and_codes_are_invalid(codec: str) -> None:
+    """The same refusals on the way back, in the codec's backward format (h3 for hadamard43)."""
+    fmt = CODECS[codec].backward
+    cases = {
+        "NaN scale": ("scales", (0, 0, 0), float("nan")),
+        "negative scale": ("scales", (1, 3, 1), -1.0),
+        "overflowing scale": ("scales", (0, 0, 0), 3e38),
+        "asymmetric code": ("codes", (1, 1, 0, 0), 0),
+    }
+    grad = torch.randn(B, T, C) * 1e-4
+    decode_gradient(encode_gradient(grad, codec), (B, T, C), codec)  # the untouched payload decodes
+    for what, (kind, index, value) in cases.items():
+        tensors = actcodec.encode(grad, fmt, GRAD)
+        name = actcodec.scales_name(GRAD) if kind == "scales" else actcodec.codes_name(GRAD)
+        tensors[name][index] = value
+        with refused("invalid"):
+            decode_gradient(st_save(tensors), (B, T, C), codec)
         assert what
 
 
