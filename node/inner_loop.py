@@ -45,8 +45,8 @@ class TrainResult:
     """Wall time of this run, rounds and checkpoints included."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where the wall time outside inner steps went, by part: data (next batch), data ahead (on
-    CUDA, reading and starting the copy of the batch after it while this step's kernels run: time
-    the step's wait then does not spend), round (the round
+    CUDA, reading and starting the copy of the batch after it while this step's kernels run, so
+    part or all of it overlaps the step: about half did on an H100, bench/RESULTS.md), round (the round
     hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (periodic snapshots
     on this thread), final checkpoint (the write that ends a run, once per run), log (progress
     lines, the θ hash of the round line; a lone replica on an accelerator hashes a copy of θ in
