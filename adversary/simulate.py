@@ -161,8 +161,7 @@ def _run_delayed(
         if r < rounds:
             pending = aggregate(torch.stack(progress))  # (M, d) → (d,), applied next round
         if eval_batches and r > 0:
-            copy_into_parameters(engines[0].theta_round.detach(), scorer.parameters())
-            eval_losses.append(evaluate(scorer, eval_batches))
+            eval_losses.append(_score_theta(scorer, engines[0], eval_batches))
         if log is not None and r < rounds:
             log(f"round {r}: inner loss {inner_losses[-1]:.4f} (outer step one round behind)")
     return SimulationResult(
@@ -205,8 +204,7 @@ def _run_eager(
         # One evaluation per round: after rounds 0 … R−2 (the others' latest still to come), and
         # the last once every progress has landed.
         if eval_batches and rounds > 0 and r != rounds - 1:
-            copy_into_parameters(engines[0].theta_round.detach(), scorer.parameters())
-            eval_losses.append(evaluate(scorer, eval_batches))
+            eval_losses.append(_score_theta(scorer, engines[0], eval_batches))
         if log is not None and r < rounds:
             log(f"round {r}: inner loss {inner_losses[-1]:.4f} (eager: others' progress one round behind)")
     return SimulationResult(
@@ -215,6 +213,12 @@ def _run_eager(
         initial_eval_loss=initial_eval,
         theta=engines[0].theta_round.detach().clone(),
     )
+
+
+def _score_theta(scorer: Transformer, engine: DiLoCo, eval_batches: Sequence[Batch]) -> float:
+    """Held-out loss of `engine`'s θ_round, on a model of its own (the engine's model trains on)."""
+    copy_into_parameters(engine.theta_round.detach(), scorer.parameters())
+    return evaluate(scorer, eval_batches)
 
 
 def _run_inner_steps(engines: list[DiLoCo], batches: BatchFn) -> float:

@@ -102,21 +102,24 @@ def test_rejects_bad_arguments() -> None:
         simulate(MODEL, DILOCO, replicas=1, rounds=1, batches=replica_batches, eval_batches=[])
 
 
+PLAIN = DiLoCoConfig(
+    inner_steps=5,
+    inner_lr=1e-2,
+    warmup_steps=2,
+    total_steps=100,
+    outer_lr=1.0,
+    outer_momentum=0.0,
+    outer_nesterov=False,
+)
+"""Outer SGD lr 1 without momentum: a lone replica's outer step lands where it went."""
+
+
 def test_delayed_outer_step_with_one_replica_and_plain_outer_sgd_is_local_training() -> None:
     # One replica, outer SGD lr 1 without momentum: θ_round − Δ is where the replica went, so a
     # one-round-late outer step plus the replica's own progress since lands on the same weights.
-    plain = DiLoCoConfig(
-        inner_steps=5,
-        inner_lr=1e-2,
-        warmup_steps=2,
-        total_steps=100,
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        outer_nesterov=False,
-    )
-    now = simulate(MODEL, plain, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL)
+    now = simulate(MODEL, PLAIN, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL)
     late = simulate(
-        MODEL, plain, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL, delayed_outer=True
+        MODEL, PLAIN, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL, delayed_outer=True
     )
     assert torch.allclose(now.theta, late.theta, atol=1e-5)
     assert late.inner_loss == pytest.approx(now.inner_loss, rel=1e-4)
@@ -144,19 +147,10 @@ def test_delayed_outer_step_lags_a_round_and_still_learns() -> None:
 
 def test_eager_updates_with_one_replica_and_plain_outer_sgd_are_local_training() -> None:
     # Alone, eager's step is the replica's own fresh progress: no lag at all.
-    plain = DiLoCoConfig(
-        inner_steps=5,
-        inner_lr=1e-2,
-        warmup_steps=2,
-        total_steps=100,
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        outer_nesterov=False,
-    )
-    now = simulate(MODEL, plain, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL)
+    now = simulate(MODEL, PLAIN, replicas=1, rounds=3, batches=replica_batches, eval_batches=EVAL)
     eager = simulate(
         MODEL,
-        plain,
+        PLAIN,
         replicas=1,
         rounds=3,
         batches=replica_batches,
