@@ -37,6 +37,17 @@ class SilentAfterCommit(OuterRound):
         return None
 
 
+class PatientOwner(OuterRound):
+    """A member that lets its probationers' screenings finish before the round ends, so the verdicts
+    do not depend on the scheduler (how a member that does not wait behaves is the flood test's)."""
+
+    async def _settle_probation(self, held: Held) -> None:
+        pending = [*held.screening, *([held.probation_reads] if held.probation_reads is not None else [])]
+        if pending:
+            await asyncio.wait(pending, timeout=30.0)
+        await super()._settle_probation(held)
+
+
 def wallets(prefix: str, n: int) -> list[Wallet]:
     return sorted((Wallet.from_token(f"{prefix}-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
 
@@ -50,6 +61,7 @@ def honest_deltas(n: int) -> list[torch.Tensor]:
 async def run(
     n_members: int,
     probation: dict[int, tuple[type[OuterRound], float]] | None = None,
+    member: type[OuterRound] = OuterRound,
 ) -> tuple[list[RoundResult], list[RoundResult]]:
     """n_members admitted replicas with honest Δs, plus probationers i -> (class, scale of an honest Δ)."""
     members_w = wallets("member", n_members)
@@ -69,7 +81,7 @@ async def run(
             tokens=10,
             probationers=probationers,
         )
-        runs.append(OuterRound(hub.store(w.public_key_hex), w, median_rule, config()).run(inp))
+        runs.append(member(hub.store(w.public_key_hex), w, median_rule, config()).run(inp))
     for i, w in enumerate(prob_w):
         cls, scale = (probation or {})[i]
         inp = RoundInput(
@@ -89,7 +101,9 @@ async def run(
 @pytest.mark.asyncio
 async def test_probationers_are_screened_but_never_change_the_aggregate() -> None:
     alone, _ = await run(4)
-    with_probation, probationers = await run(4, {0: (OuterRound, 1.0), 1: (OuterRound, -4.0)})
+    with_probation, probationers = await run(
+        4, {0: (OuterRound, 1.0), 1: (OuterRound, -4.0)}, member=PatientOwner
+    )
     for r in with_probation + probationers:
         # Bit for bit the aggregate of the members alone: a probationer carries no weight.
         assert torch.equal(r.aggregate, alone[0].aggregate)
