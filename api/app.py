@@ -27,6 +27,7 @@ from neuroshard.verifier import ledger
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.evaluator import Evaluator
+from neuroshard.verifier.housekeeping import Housekeeping
 from neuroshard.verifier.leader import Job, LeaderLease
 from neuroshard.verifier.replaycheck import ReplayChecker
 from neuroshard.verifier.vocab import VocabWatch
@@ -103,6 +104,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
     if config.vocab_watch is not None:
         vocab = config.vocab_watch
         jobs.append(lambda: VocabWatch(ctx, config=vocab, membership=config.membership))
+    jobs.append(lambda: Housekeeping(ctx, ledger_config=services.ledger, config=config.housekeeping))
     # Evaluations, replay spot checks and vocabulary schedules run in one process of all that
     # share the database; each job has its own threads, so a measurement never holds up a request.
     lease = LeaderLease(services.db, jobs, config=config.lease, log=log.info)

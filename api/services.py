@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -21,6 +23,26 @@ BACKGROUND_CONNECTIONS = 4
 checker and the leader lease (verifier.leader) each hold at most one."""
 
 
+class SettleGate:
+    """Whether a receipt should settle its stage now: at most once per `interval_s` per stage in
+    this process (VerifierConfig.settle_interval_s), on the monotonic clock."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def due(self, stage: int) -> bool:
+        if self.interval_s <= 0:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(stage, -self.interval_s) < self.interval_s:
+                return False
+            self._last[stage] = now
+            return True
+
+
 @dataclass
 class Services:
     config: VerifierConfig
@@ -34,6 +56,8 @@ class Services:
     network_signature: str
     requests: RequestCounter
     reads: ReadCache
+    settle: SettleGate
+    """When a receipt settles its stage (the lead process's housekeeping settles the rest)."""
     lease: LeaderLease | None = None
     """Set by create_app: whether this process runs the background work (shown in /metrics)."""
 
@@ -64,6 +88,7 @@ class Services:
             network_signature=signature,
             requests=RequestCounter(),
             reads=ReadCache(config.reads, clock=config.clock, generation=lambda: db.generation),
+            settle=SettleGate(config.settle_interval_s),
         )
 
     def now(self) -> float:

@@ -168,7 +168,10 @@ def submit_receipt(auth: Signed, services: ServicesDep, response: Response) -> W
         return WriteAck(status="duplicate", wallet_id=auth.signed.wallet_id)
     # The receipt is committed; judging earlier rounds is separate so a settlement race (another
     # receipt settling the same round) cannot cost this receipt its acknowledgement. A round
-    # left unsettled here is settled by the stage's next receipt.
+    # left unsettled here is settled by a later receipt or by the lead process's housekeeping
+    # (verifier.housekeeping), which is also what settles during the gate's pauses.
+    if not services.settle.due(payload.stage):
+        return WriteAck(status="recorded", wallet_id=auth.signed.wallet_id)
     try:
         with services.db.write() as session:
             ledger.settle_rounds(session, payload.stage, now=now, cfg=services.ledger)

@@ -1,6 +1,6 @@
 """Verifier benchmarks, each printed as a ratio measured side by side in one run.
 
-1. Reads under a loopback load generator (asyncio + httpx, C concurrent connections) against
+1. Reads under a loopback load generator (asyncio + aiohttp, C concurrent connections) against
    a uvicorn verifier on PostgreSQL seeded with a run's history (W wallets x R rounds), vs the
    same load on a bare FastAPI app returning a constant JSON under the same uvicorn settings.
    The two servers take turns (verifier, bare, bare, verifier, ...) for --repeats turns each;
@@ -34,6 +34,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import torch
 from common import BENCH_KEY, DEFAULT_TEXT, parse_with_quick, quick_text
@@ -188,18 +189,37 @@ def serve(argv: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
     raise SystemExit(f"server did not start; see {log}")
 
 
+def client_session(connections: int, timeout_s: float = 30.0) -> aiohttp.ClientSession:
+    """The load generator's HTTP client: aiohttp (the peer plane's library), keep-alive, at most
+    `connections` sockets. httpx was the load generator here until 2026-11-26; with thousands of
+    requests queued on a 200-socket pool its pool spent ~60% of the generator's CPU choosing a
+    connection (py-spy: httpcore `_assign_requests_to_connections`/`is_idle`), so the benchmark
+    measured its own client, not the verifier."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )
+
+
+async def get(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url) as response:
+        await response.read()
+        return response.status
+
+
 async def load(url: str, seconds: float, concurrency: int) -> tuple[float, list[float]]:
+    """Closed loop: `concurrency` clients, each sending its next GET when the last one answered."""
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+    async with client_session(concurrency) as session:
         end = time.perf_counter() + seconds
 
         async def worker() -> None:
             while time.perf_counter() < end:
                 start = time.perf_counter()
-                response = await client.get(url)
+                status = await get(session, url)
                 latencies.append(time.perf_counter() - start)
-                response.raise_for_status()
+                if status != 200:
+                    raise SystemExit(f"GET {url} answered {status}")
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -209,8 +229,7 @@ async def load(url: str, seconds: float, concurrency: int) -> tuple[float, list[
 async def paced(url: str, rate: float, seconds: float, max_in_flight: int = 256) -> list[float]:
     """Requests started at a fixed rate (open loop); each latency counts from its scheduled start."""
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+    async with client_session(64) as session:
         gate = asyncio.Semaphore(max_in_flight)
         begin = time.perf_counter() + 0.05
 
@@ -218,9 +237,10 @@ async def paced(url: str, rate: float, seconds: float, max_in_flight: int = 256)
             due = begin + i / rate
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             async with gate:
-                response = await client.get(url)
+                status = await get(session, url)
             latencies.append(time.perf_counter() - due)
-            response.raise_for_status()
+            if status != 200:
+                raise SystemExit(f"GET {url} answered {status}")
 
         await asyncio.gather(*(one(i) for i in range(int(rate * seconds))))
     return latencies

@@ -12,7 +12,7 @@ and from when it was sent; status counts (no 5xx expected); PostgreSQL backends 
     .venv/bin/python bench/bench_verifier_writes.py [--nodes 1000] [--workers 4] [--seconds 60]
         [--round-s 20] [--kill-after 30] [--db postgresql://127.0.0.1:5432/test] [--quick]
 
-The load generator (asyncio + httpx, one process) shares the machine's cores with the
+The load generator (asyncio + aiohttp, one process) shares the machine's cores with the
 verifier and PostgreSQL, so it also measures what is left of them.
 """
 
@@ -33,8 +33,8 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-import httpx
-from bench_verifier import NETWORK_TOML, free_port, serve
+import aiohttp
+from bench_verifier import NETWORK_TOML, client_session, free_port, serve
 from common import parse_with_quick
 from sqlalchemy import func, select, text
 
@@ -70,8 +70,7 @@ class Load:
     def __init__(self, base: str, wallets: list[Wallet], connections: int) -> None:
         self.base = base
         self.wallets = wallets
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        self.client = httpx.AsyncClient(limits=limits, timeout=60)
+        self.client = client_session(connections, timeout_s=120.0)
         self.due_ms: dict[str, list[float]] = {}
         self.sent_ms: dict[str, list[float]] = {}
         self.status: Counter[tuple[str, int | str]] = Counter()
@@ -82,15 +81,17 @@ class Load:
         body, headers = signed_post(wallet, path, doc)
         sent = time.time()
         try:
-            response = await self.client.post(self.base + path, content=body, headers=headers)
-        except httpx.TransportError as exc:  # a killed worker's connections
+            async with self.client.post(self.base + path, data=body, headers=headers) as response:
+                await response.read()
+                code = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:  # a killed worker's connections
             self.status[(path, type(exc).__name__)] += 1
             return None
         done = time.time()
         self.due_ms.setdefault(path, []).append((done - due) * 1000)
         self.sent_ms.setdefault(path, []).append((done - sent) * 1000)
-        self.status[(path, response.status_code)] += 1
-        return response.status_code
+        self.status[(path, code)] += 1
+        return code
 
     async def register(self) -> None:
         now = time.time()
@@ -126,22 +127,57 @@ class Load:
             self.acknowledged.add((wallet.wallet_id, stage, round_))
 
 
-def backends_seen(db: Database, seen: set[int], stop: asyncio.Event) -> asyncio.Task[None]:
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (/proc/PID/stat), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU time of the verifier's processes and of PostgreSQL's backends, sampled every second
+    (the last sample of a process that dies, a SIGKILLed worker's, is what it counts for)."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.verifier: dict[int, float] = {}
+        self.postgres: dict[int, float] = {}
+
+    def sample(self, backend_pids: set[int]) -> None:
+        for pid in [self.parent, *worker_pids(self.parent)]:
+            used = cpu_s(pid)
+            if used is not None:
+                self.verifier[pid] = used
+        for pid in backend_pids:
+            used = cpu_s(pid)
+            if used is not None:
+                self.postgres[pid] = used
+
+
+def backends_seen(db: Database, seen: set[int], stop: asyncio.Event, meter: CpuMeter) -> asyncio.Task[None]:
     async def sample() -> None:
         while not stop.is_set():
             with db.engine.connect() as conn:
                 pids = conn.execute(
                     text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
                 )
-                seen.update(int(p) for (p,) in pids)
+                now = {int(p) for (p,) in pids}
+            seen.update(now)
+            meter.sample(now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
+        meter.sample(seen)
 
     return asyncio.create_task(sample())
 
 
 def worker_pids(parent: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+    try:
+        return [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
 
 
 async def main_async(args: argparse.Namespace, url: str, base: str, parent: int) -> Load:
@@ -150,7 +186,10 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
     db = Database(url)
     seen: set[int] = set()
     stop = asyncio.Event()
-    sampler = backends_seen(db, seen, stop) if db.dialect == "postgresql" else None
+    meter = CpuMeter(parent)
+    meter.sample(set())
+    before = sum(meter.verifier.values())  # start-up and migrations, not the load
+    sampler = backends_seen(db, seen, stop, meter) if db.dialect == "postgresql" else None
     try:
         await load.register()
         killer = None
@@ -170,7 +209,7 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
         stop.set()
         if sampler is not None:
             await sampler
-        await load.client.aclose()
+        await load.client.close()
     with db.read() as session:
         stored = {
             (w, s, r)
@@ -185,6 +224,13 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
     print(f"(stage, round)s settled: {settled}")
     if sampler is not None:
         print(f"PostgreSQL backends seen (distinct pids, sampled every second): {len(seen)}")
+        answered = sum(n for (_, code), n in load.status.items() if isinstance(code, int))
+        verifier_s, postgres_s = sum(meter.verifier.values()) - before, sum(meter.postgres.values())
+        print(
+            f"CPU per answered request ({answered:,}): verifier {verifier_s / answered * 1000:.2f} ms "
+            f"({verifier_s:.1f} s over {len(meter.verifier)} processes), PostgreSQL backends "
+            f"{postgres_s / answered * 1000:.2f} ms ({postgres_s:.1f} s; the sampler's own included)"
+        )
     return load
 
 

@@ -34,8 +34,8 @@ ADDRESS = "http://127.0.0.1:9000"
 
 def test_config(database_url: str, clock: ManualClock, **overrides: Any) -> VerifierConfig:
     """A verifier on `database_url` with the small test network; rate limits (per wallet, and new
-    wallets per source) out of the way, and reads re-rendered by the request that finds them
-    stale, so a test reads its own writes."""
+    wallets per source) out of the way, reads re-rendered by the request that finds them stale
+    and every receipt settling its stage, so a test reads its own writes."""
     fields: dict[str, Any] = {
         "database_url": database_url,
         "network": small_network(),
@@ -44,6 +44,7 @@ def test_config(database_url: str, clock: ManualClock, **overrides: Any) -> Veri
         "rate_limit": RateLimitConfig(capacity=1000, refill_per_s=1000),
         "registration_limit": None,
         "reads": ReadCacheConfig(background=False, min_interval_s=0.0),
+        "settle_interval_s": 0.0,
         **overrides,
     }
     return VerifierConfig(**fields)

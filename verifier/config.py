@@ -12,6 +12,7 @@ from neuroshard.protocol.roster import MAX_POW_BITS
 from neuroshard.protocol.signing import FRESHNESS_WINDOW_S
 
 from .evaluator import EvaluatorConfig
+from .housekeeping import HousekeepingConfig
 from .leader import LeaseConfig
 from .members import MembershipConfig
 from .network import NetworkDefinition
@@ -76,6 +77,12 @@ class VerifierConfig:
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
     settle_after_rounds: int = 1
     """A (stage, round) is judged once most live replicas of the stage reported a round this many later."""
+    settle_interval_s: float = 1.0
+    """A receipt settles its stage's waiting rounds at most this often per process (issue 15: a
+    thousand receipts a round each re-counting the stage cost most of the write path); the lead
+    process's housekeeping settles the rest (verifier.housekeeping). 0: every receipt settles."""
+    housekeeping: HousekeepingConfig = field(default_factory=HousekeepingConfig)
+    """The lead process's sweep: expired nonces forgotten, waiting rounds settled."""
     agreement_window_rounds: int = 20
     """Settled rounds the headline hash-agreement and sync rates are computed over."""
     history_rounds: int = 200
@@ -122,6 +129,7 @@ class VerifierConfig:
                 self.agreement_window_rounds >= 1,
                 f"agreement_window_rounds must be ≥ 1, got {self.agreement_window_rounds}",
             ),
+            (self.settle_interval_s >= 0, f"settle_interval_s must be ≥ 0, got {self.settle_interval_s}"),
             (self.history_rounds >= 1, f"history_rounds must be ≥ 1, got {self.history_rounds}"),
             (self.request_threads >= 1, f"request_threads must be ≥ 1, got {self.request_threads}"),
             (

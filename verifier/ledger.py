@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sqlalchemy import ColumnElement, case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -64,17 +65,18 @@ class LedgerConfig:
 def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float) -> None:
     """Remember the request's nonce; a second use within the window is refused (replayed).
 
-    Expired nonces are purged for this signer only: its requests rarely overlap, so the
-    DELETE never waits on (or deadlocks with) another signer's transaction.
+    One INSERT: the primary key (signer, nonce) refuses a reuse. Expired nonces are not purged
+    here but by `purge_nonces`, which the lead process runs every few seconds
+    (verifier.housekeeping): a DELETE in every request cost a statement per write, most of
+    them deleting nothing (issue 15's write load). A nonce outside the window cannot be reused
+    anyway, since its request's timestamp is refused as stale before it gets here.
     """
-    session.execute(
-        delete(m.Nonce).where(m.Nonce.public_key == signed.public_key_hex, m.Nonce.expires_at < now)
-    )
-    session.add(
-        m.Nonce(public_key=signed.public_key_hex, nonce=signed.nonce, expires_at=signed.timestamp + window_s)
-    )
     try:
-        session.flush()
+        session.execute(
+            insert(m.Nonce).values(
+                public_key=signed.public_key_hex, nonce=signed.nonce, expires_at=signed.timestamp + window_s
+            )
+        )
     except IntegrityError:
         raise Refused(
             refusal.REPLAYED, f"replayed request: nonce {signed.nonce} was already used by this signer"
@@ -82,13 +84,26 @@ def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float
 
 
 def purge_nonces(session: Session, *, now: float) -> int:
-    """Forget every expired nonce (at start-up: signers that never came back leave theirs behind)."""
+    """Forget every expired nonce (at start-up, then every few seconds in the lead process)."""
     result = session.execute(delete(m.Nonce).where(m.Nonce.expires_at < now))
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
 def _active_wallet(session: Session, signed: SignedBy) -> m.Wallet:
     wallet = session.get(m.Wallet, signed.wallet_id)
+    _refuse_unless_active(signed, wallet)
+    assert wallet is not None
+    return wallet
+
+
+class _WalletState(Protocol):
+    public_key: str
+    status: str
+    status_reason: str | None
+
+
+def _refuse_unless_active(signed: SignedBy, wallet: _WalletState | None) -> None:
+    """Refused unless the signer's wallet is registered to its key and not refused."""
     if wallet is None:
         raise Refused(
             refusal.UNKNOWN_WALLET, f"wallet {signed.wallet_id} is not registered; POST /api/register first"
@@ -100,7 +115,6 @@ def _active_wallet(session: Session, signed: SignedBy) -> m.Wallet:
             "wallet_refused",
             f"wallet {signed.wallet_id} is refused ({wallet.status_reason}); the operator can reinstate it",
         )
-    return wallet
 
 
 def _check_stage(stage: int, cfg: LedgerConfig) -> None:
@@ -159,23 +173,48 @@ def register(
 
 def _registered_stage(session: Session, wallet_id: str, stage: int) -> m.Peer:
     peer = session.get(m.Peer, wallet_id)
-    if peer is None or peer.stage != stage:
-        registered = "no stage" if peer is None else f"stage {peer.stage}"
-        raise Refused(
-            "wrong_stage",
-            f"wallet {wallet_id} is registered for {registered}, not stage {stage}; register again",
-        )
+    _refuse_unless_registered_for(wallet_id, None if peer is None else peer.stage, stage)
+    assert peer is not None
     return peer
+
+
+def _refuse_unless_registered_for(wallet_id: str, registered: int | None, stage: int) -> None:
+    if registered != stage:
+        where = "no stage" if registered is None else f"stage {registered}"
+        raise Refused(
+            "wrong_stage", f"wallet {wallet_id} is registered for {where}, not stage {stage}; register again"
+        )
 
 
 def heartbeat(
     session: Session, signed: SignedBy, req: HeartbeatRequest, *, now: float, cfg: LedgerConfig
-) -> m.Peer:
+) -> None:
+    """Note the replica alive at `now` and its progress. One UPDATE when the wallet is active and
+    registered for the stage (a thousand nodes send one every few seconds); otherwise the
+    checks below say why it is refused."""
+    if req.stage < cfg.num_stages:
+        active = (
+            select(m.Wallet.wallet_id)
+            .where(
+                m.Wallet.wallet_id == signed.wallet_id,
+                m.Wallet.public_key == signed.public_key_hex,
+                m.Wallet.status != m.STATUS_REFUSED,
+            )
+            .exists()
+        )
+        moved = session.execute(
+            update(m.Peer)
+            .where(m.Peer.wallet_id == signed.wallet_id, m.Peer.stage == req.stage, active)
+            .values(last_heartbeat=now, round=req.round, steps_in_round=req.steps_in_round)
+            .execution_options(synchronize_session=False)
+        )
+        if moved.rowcount == 1:  # type: ignore[attr-defined]
+            return
     _active_wallet(session, signed)
     _check_stage(req.stage, cfg)
     peer = _registered_stage(session, signed.wallet_id, req.stage)
+    # Only a registration committed between the UPDATE and these reads gets here.
     peer.last_heartbeat, peer.round, peer.steps_in_round = now, req.round, req.steps_in_round
-    return peer
 
 
 def submit_receipt(
@@ -187,83 +226,102 @@ def submit_receipt(
     now: float,
     cfg: LedgerConfig,
 ) -> str:
-    """Store a receipt and its hash vote: 'recorded', or 'duplicate' for an identical resubmission."""
-    wallet = _active_wallet(session, signed)
-    _check_stage(req.stage, cfg)
-    _registered_stage(session, wallet.wallet_id, req.stage)
-    existing = session.scalars(
-        select(m.Receipt).where(
-            m.Receipt.wallet_id == wallet.wallet_id,
+    """Store a receipt and its hash vote: 'recorded', or 'duplicate' for an identical resubmission.
+
+    A thousand replicas send one a round each, so the checks are one SELECT (wallet, peer, a
+    receipt already held for the round, the round's settlement) and the writes two INSERTs."""
+    held = (
+        select(m.Receipt.body_sha256)
+        .where(
+            m.Receipt.wallet_id == signed.wallet_id,
             m.Receipt.stage == req.stage,
             m.Receipt.round == req.round,
         )
+        .scalar_subquery()
+    )
+    settled = select(m.Round.majority_hash).where(m.Round.stage == req.stage, m.Round.round == req.round)
+    state = session.execute(
+        select(
+            m.Wallet.public_key,
+            m.Wallet.status,
+            m.Wallet.status_reason,
+            m.Peer.stage.label("registered_stage"),
+            held.label("held_sha256"),
+            settled.exists().label("settled"),
+            settled.scalar_subquery().label("majority_hash"),
+        )
+        .select_from(m.Wallet)
+        .outerjoin(m.Peer, m.Peer.wallet_id == m.Wallet.wallet_id)
+        .where(m.Wallet.wallet_id == signed.wallet_id)
     ).one_or_none()
-    if existing is not None:
-        if existing.body_sha256 == body_sha256:
+    _refuse_unless_active(signed, state)
+    assert state is not None
+    _check_stage(req.stage, cfg)
+    _refuse_unless_registered_for(signed.wallet_id, state.registered_stage, req.stage)
+    if state.held_sha256 is not None:
+        if state.held_sha256 == body_sha256:
             return "duplicate"
         raise Refused(
             "conflict",
             f"a different receipt for stage {req.stage} round {req.round} is already recorded for this wallet",
         )
     first = req.data[0] if req.data else None
-    session.add(
-        m.Receipt(
-            wallet_id=wallet.wallet_id,
-            stage=req.stage,
-            round=req.round,
-            inner_steps=req.inner_steps,
-            start_step=req.start_step,
-            tokens=req.tokens,
-            shard_id=first.shard_id if first else None,
-            offset_start=first.offset_start if first else None,
-            offset_end=first.offset_end if first else None,
-            data_spans=[[s.shard_id, s.offset_start, s.offset_end] for s in req.data],
-            losses=list(req.losses),
-            loss_sum=float(sum(req.losses)),
-            loss_count=len(req.losses),
-            base_hash=req.base_hash,
-            result_hash=req.result_hash,
-            delta_digest=req.delta_digest,
-            inner_state_digest=req.inner_state_digest,
-            device=req.device,
-            precision=req.precision,
-            segment_root=req.segment_root,
-            segments=req.segments,
-            accepted=[dataclasses.asdict(c) for c in req.accepted],
-            rejected=[dataclasses.asdict(c) for c in req.rejected],
-            equivocators=list(req.equivocators),
-            accepted_count=len(req.accepted),
-            rejected_count=len(req.rejected),
-            body_sha256=body_sha256,
-            received_at=now,
-        )
-    )
-    session.add(
-        m.HashVote(
-            stage=req.stage,
-            round=req.round,
-            wallet_id=wallet.wallet_id,
-            result_hash=req.result_hash,
-            base_hash=req.base_hash,
-        )
-    )
     try:
-        session.flush()
+        session.execute(
+            insert(m.Receipt).values(
+                wallet_id=signed.wallet_id,
+                stage=req.stage,
+                round=req.round,
+                inner_steps=req.inner_steps,
+                start_step=req.start_step,
+                tokens=req.tokens,
+                shard_id=first.shard_id if first else None,
+                offset_start=first.offset_start if first else None,
+                offset_end=first.offset_end if first else None,
+                data_spans=[[s.shard_id, s.offset_start, s.offset_end] for s in req.data],
+                losses=list(req.losses),
+                loss_sum=float(sum(req.losses)),
+                loss_count=len(req.losses),
+                base_hash=req.base_hash,
+                result_hash=req.result_hash,
+                delta_digest=req.delta_digest,
+                inner_state_digest=req.inner_state_digest,
+                device=req.device,
+                precision=req.precision,
+                segment_root=req.segment_root,
+                segments=req.segments,
+                accepted=[dataclasses.asdict(c) for c in req.accepted],
+                rejected=[dataclasses.asdict(c) for c in req.rejected],
+                equivocators=list(req.equivocators),
+                accepted_count=len(req.accepted),
+                rejected_count=len(req.rejected),
+                body_sha256=body_sha256,
+                received_at=now,
+            )
+        )
+        session.execute(
+            insert(m.HashVote).values(
+                stage=req.stage,
+                round=req.round,
+                wallet_id=signed.wallet_id,
+                result_hash=req.result_hash,
+                base_hash=req.base_hash,
+            )
+        )
     except IntegrityError:  # a concurrent submission of the same (wallet, stage, round) won
         raise Refused(
             "conflict", f"a receipt for stage {req.stage} round {req.round} is already recorded"
         ) from None
-    settled = session.get(m.Round, (req.stage, req.round))
-    if settled is not None:
-        vote = Vote(wallet.wallet_id, req.result_hash, req.base_hash)
-        for adj in judge_vote(vote, settled.majority_hash, cfg.reputation, stage=req.stage, round_=req.round):
+    if state.settled:
+        vote = Vote(signed.wallet_id, req.result_hash, req.base_hash)
+        for adj in judge_vote(vote, state.majority_hash, cfg.reputation, stage=req.stage, round_=req.round):
             apply_adjustment(session, adj, stage=req.stage, round_=req.round, now=now, cfg=cfg.reputation)
         members.record_round(
             session,
             req.stage,
             req.round,
-            settled.majority_hash,
-            [(wallet.wallet_id, req.result_hash)],
+            state.majority_hash,
+            [(signed.wallet_id, req.result_hash)],
             cfg.membership,
             now=now,
         )

@@ -3,7 +3,7 @@
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
@@ -191,14 +191,43 @@ def test_expired_nonces_are_forgotten(db: Database) -> None:
     with db.write() as s:
         ledger.use_nonce(s, who(GOOD[0]), now=NOW, window_s=60)
         ledger.use_nonce(s, who(GOOD[1]), now=NOW, window_s=60)
-    with db.write() as s:  # the signer's own expired nonce goes with its next request
+    with db.write() as s:  # a request records its nonce and deletes nothing (one statement)
         ledger.use_nonce(s, who(GOOD[0], at=NOW + 61), now=NOW + 61, window_s=60)
     with db.read() as s:
-        assert s.scalar(select(func.count()).select_from(m.Nonce)) == 2
-    with db.write() as s:  # everyone else's at start-up
-        assert ledger.purge_nonces(s, now=NOW + 61) == 1
+        assert s.scalar(select(func.count()).select_from(m.Nonce)) == 3
+    with db.write() as s:  # the lead process's housekeeping forgets the expired ones
+        assert ledger.purge_nonces(s, now=NOW + 61) == 2
     with db.read() as s:
         assert s.scalar(select(func.count()).select_from(m.Nonce)) == 1
+
+
+def test_a_heartbeat_is_refused_for_the_reason_that_applies(db: Database) -> None:
+    register_all(db, GOOD[:1])
+    beat = HeartbeatRequest(stage=0, round=3, steps_in_round=7)
+    with db.write() as s:
+        ledger.heartbeat(s, who(GOOD[0]), beat, now=NOW + 5, cfg=CFG)
+    with db.read() as s:
+        peer = s.get(m.Peer, GOOD[0].wallet_id)
+        assert peer is not None and (peer.last_heartbeat, peer.round, peer.steps_in_round) == (NOW + 5, 3, 7)
+    cases = [
+        (GOOD[1], beat, "not registered"),
+        (
+            GOOD[0],
+            HeartbeatRequest(stage=1, round=3, steps_in_round=7),
+            "registered for stage 0, not stage 1",
+        ),
+        (GOOD[0], HeartbeatRequest(stage=9, round=3, steps_in_round=7), "stage 9 does not exist"),
+    ]
+    for wallet, request, reason in cases:
+        with pytest.raises(Refused, match=reason), db.write() as s:
+            ledger.heartbeat(s, who(wallet), request, now=NOW + 6, cfg=CFG)
+    with db.write() as s:
+        s.execute(update(m.Wallet).values(status=m.STATUS_REFUSED, status_reason="test"))
+    with pytest.raises(Refused, match="is refused"), db.write() as s:
+        ledger.heartbeat(s, who(GOOD[0]), beat, now=NOW + 7, cfg=CFG)
+    with db.read() as s:
+        peer = s.get(m.Peer, GOOD[0].wallet_id)
+        assert peer is not None and peer.last_heartbeat == NOW + 5  # no refused beat moved it
 
 
 def test_reinstate_and_spot_check(db: Database) -> None:

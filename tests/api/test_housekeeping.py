@@ -1,0 +1,70 @@
+"""The write path's upkeep (issue 15): receipts settle their stage at most every
+`settle_interval_s` per process, and the lead process's housekeeping settles what the pauses
+left waiting and forgets expired nonces."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from neuroshard.api.app import create_app
+from neuroshard.api.services import SettleGate
+from neuroshard.node.wallet import Wallet
+from neuroshard.testing.api import Harness, receipt_doc
+from neuroshard.testing.api import test_config as make_config
+from neuroshard.testing.verifier import ManualClock
+from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
+from neuroshard.verifier.housekeeping import Housekeeping, HousekeepingConfig
+
+WALLETS = [Wallet.from_token(f"keeper-{i}") for i in range(3)]
+
+
+def test_the_gate_lets_one_settlement_per_stage_through_per_interval() -> None:
+    gate = SettleGate(3600.0)
+    assert gate.due(0) and gate.due(1)
+    assert not gate.due(0) and not gate.due(1)
+    always = SettleGate(0.0)
+    assert all(always.due(0) for _ in range(3))
+
+
+def test_rounds_the_gate_skipped_are_settled_by_housekeeping_with_the_expired_nonces(
+    database_url: str,
+) -> None:
+    clock = ManualClock()
+    # A long housekeeping period: this test runs the sweep itself, the lease's thread stays idle.
+    config = make_config(
+        database_url, clock, settle_interval_s=3600.0, housekeeping=HousekeepingConfig(period_s=3600.0)
+    )
+    with TestClient(create_app(config)) as client:
+        harness = Harness(client, clock, config)
+        for w in WALLETS:
+            harness.register(w)
+        for round_ in (0, 1):
+            for w in WALLETS:
+                response = harness.post(w, "/api/receipts", receipt_doc(round_, f"{round_:064x}"))
+                assert response.status_code == 201, response.text
+        # Every replica moved past round 0, but only the first receipt passed the gate (nothing
+        # was waiting then): no round is settled yet.
+        assert harness.count(m.Round) == 0
+        nonces = harness.count(m.Nonce)
+        assert nonces == 9  # 3 registrations + 6 receipts
+
+        services = harness.services
+        ctx = JobContext(
+            db=services.db, network=config.network, operator=config.operator, log=print, clock=clock
+        )
+        keeper = Housekeeping(
+            ctx,
+            ledger_config=services.ledger,
+            config=HousekeepingConfig(),
+        )
+        purged, settled = keeper.run_once()
+        assert (purged, settled) == (0, {0: [0]})
+        with services.db.read() as session:
+            row = session.get(m.Round, (0, 0))
+            assert row is not None and row.majority_hash == f"{0:064x}"
+
+        clock.advance(config.freshness_window_s + 1)  # every nonce is now outside the window
+        purged, settled = keeper.run_once()
+        assert (purged, settled) == (nonces, {})
+        assert harness.count(m.Nonce) == 0

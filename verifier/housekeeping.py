@@ -1,0 +1,70 @@
+"""Upkeep of the write path, run by the lead process only (verifier.leader): expired nonces are
+forgotten and waiting rounds settled every `period_s`.
+
+Both used to happen in every write. A request's nonce DELETE deleted nothing most of the time,
+and settling a stage after every receipt read the stage's votes and live replicas again for
+each of a thousand receipts a round (issue 15: most of a receipt's cost). Requests now settle
+a stage at most every `VerifierConfig.settle_interval_s` per process (api.writes); this job
+settles whatever a pause left waiting, so a round whose last receipt fell in one still settles
+within a period.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.exc import IntegrityError
+
+from . import ledger
+from .background import JobContext, PollingThread
+from .ledger import LedgerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class HousekeepingConfig:
+    period_s: float = 2.0
+    """Seconds between two sweeps."""
+    timeout_s: float = 10.0
+    """How long stop() waits for the sweep in progress."""
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0:
+            raise ValueError(f"HousekeepingConfig: period_s must be > 0, got {self.period_s}")
+
+
+class Housekeeping:
+    """A `leader.Job`: one sweep every `config.period_s` on its own thread."""
+
+    def __init__(self, ctx: JobContext, *, ledger_config: LedgerConfig, config: HousekeepingConfig) -> None:
+        self.ctx = ctx
+        self.ledger = ledger_config
+        self.config = config
+        self._loop = PollingThread("housekeeping", self._sweep, config.period_s, ctx.log, "housekeeping")
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop(self.config.timeout_s)
+
+    def _sweep(self) -> None:
+        _, settled = self.run_once()
+        for stage, rounds in settled.items():
+            self.ctx.log(f"housekeeping: stage {stage}: settled rounds {rounds} that no receipt had settled")
+
+    def run_once(self) -> tuple[int, dict[int, list[int]]]:
+        """One sweep: (nonces forgotten, {stage: rounds settled}). Each stage settles in its own
+        transaction, so a race with a receipt settling the same round costs only that stage's."""
+        now = self.ctx.clock()
+        with self.ctx.db.write() as session:
+            purged = ledger.purge_nonces(session, now=now)
+        settled: dict[int, list[int]] = {}
+        for stage in range(self.ledger.num_stages):
+            try:
+                with self.ctx.db.write() as session:
+                    rounds = ledger.settle_rounds(session, stage, now=now, cfg=self.ledger)
+            except IntegrityError:
+                continue  # a receipt settled it first; the next sweep sees it settled
+            if rounds:
+                settled[stage] = rounds
+        return purged, settled
