@@ -87,6 +87,15 @@ class ReadCache:
         """The body for `key`, rendering it (here or in the background) when missing or stale.
         `render` returns the body and its extra headers; an exception from it propagates to the
         request that rendered synchronously and leaves nothing cached."""
+        entry = self.peek(key, render)
+        return entry if entry is not None else self._render(key, render)
+
+    def peek(
+        self, key: str, render: Callable[[], tuple[bytes, tuple[tuple[str, str], ...]]]
+    ) -> Rendered | None:
+        """The body for `key` if serving it needs no rendering here: fresh, or stale while a
+        background thread re-renders it. None when the caller must render (`get`, on a thread
+        that may block). Never touches the database, so an async route may call it."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -96,7 +105,7 @@ class ReadCache:
         if entry is not None and self.config.background:
             self._refresh_later(key, render)
             return entry
-        return self._render(key, render)
+        return None
 
     def _render(self, key: str, render: Callable[[], tuple[bytes, tuple[tuple[str, str], ...]]]) -> Rendered:
         with self._lock:

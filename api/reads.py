@@ -21,6 +21,7 @@ from fastapi.types import DecoratedCallable
 from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from neuroshard.node.model_file import read_round_header, round_model_path, round_models, round_tokenizer_path
 from neuroshard.protocol.refusal import Refused
@@ -112,11 +113,18 @@ def _cached_get(
     return router.get(path, response_model=model, responses=responses, tags=[tag])
 
 
-def _cached(
+async def _cached(
     request: Request, services: Services, key: str, render: Callable[[], tuple[bytes, Headers]]
 ) -> Response:
-    """The read under `key` from the read cache, rendered by `render` when the data changed."""
-    return _serve(request, services, services.reads.get(key, render))
+    """The read under `key` from the read cache, rendered by `render` when the data changed.
+
+    The routes that use it are async: a body in the cache is served on the event loop, and only
+    a render (which reads the database) goes to the thread pool. A sync route would cost every
+    request the hop to a thread and back, most of what serving a cached body costs (issue 15)."""
+    entry = services.reads.peek(key, render)
+    if entry is None:
+        entry = await run_in_threadpool(services.reads.get, key, render)
+    return _serve(request, services, entry)
 
 
 def _page_headers(request: Request, total: int, limit: int, offset: int) -> Headers:
@@ -153,14 +161,14 @@ def _verify(session: Session, services: Services) -> VerifyOut:
 
 
 @_cached_get("/api/training/verify", VerifyOut, "training")
-def training_verify(request: Request, services: ServicesDep) -> Response:
+async def training_verify(request: Request, services: ServicesDep) -> Response:
     """Is the global model really learning? Judged from the verifier's own held-out measurements only."""
 
     def render() -> tuple[bytes, Headers]:
         with services.db.read() as session:
             return _json(_verify(session, services)), ()
 
-    return _cached(request, services, "verify", render)
+    return await _cached(request, services, "verify", render)
 
 
 def _stages(
@@ -188,9 +196,9 @@ def _stages(
 
 
 @_cached_get("/api/training/global", GlobalOut, "training")
-def training_global(request: Request, services: ServicesDep) -> Response:
+async def training_global(request: Request, services: ServicesDep) -> Response:
     """The full picture: nodes, measured and reported loss, work done, agreement per stage, DiLoCo status."""
-    return _cached(request, services, "global", lambda: (_json(_global(services)), ()))
+    return await _cached(request, services, "global", lambda: (_json(_global(services)), ()))
 
 
 def _global(services: Services) -> GlobalOut:
@@ -233,7 +241,7 @@ def _global(services: Services) -> GlobalOut:
 
 
 @_cached_get("/api/training/history", HistoryOut, "training", paged=True)
-def training_history(
+async def training_history(
     request: Request,
     services: ServicesDep,
     limit: Annotated[
@@ -259,11 +267,11 @@ def training_history(
         )
         return _json(out), _page_headers(request, total, rows, offset)
 
-    return _cached(request, services, f"history:{rows}:{offset}", render)
+    return await _cached(request, services, f"history:{rows}:{offset}", render)
 
 
 @_cached_get("/api/training/sample", SampleOut, "training")
-def training_sample(request: Request, services: ServicesDep) -> Response:
+async def training_sample(request: Request, services: ServicesDep) -> Response:
     """A short text the verifier generated itself from the latest measured majority model (a
     fixed prompt, seeded sampling), refreshed every few evaluations: what the model says now."""
     evaluation = services.config.live_evaluation
@@ -277,7 +285,7 @@ def training_sample(request: Request, services: ServicesDep) -> Response:
             sample = None if latest is None else TextSampleOut.model_validate(latest)
         return _json(SampleOut(sample=sample, every_evaluations=every)), ()
 
-    return _cached(request, services, "sample", render)
+    return await _cached(request, services, "sample", render)
 
 
 def _models_dir(services: Services) -> pathlib.Path | None:
@@ -286,7 +294,7 @@ def _models_dir(services: Services) -> pathlib.Path | None:
 
 
 @_cached_get("/api/training/models", ModelsOut, "training")
-def training_models(request: Request, services: ServicesDep) -> Response:
+async def training_models(request: Request, services: ServicesDep) -> Response:
     """The measured majority models the verifier keeps (its newest few rounds, stages assembled),
     for `neuroshard-export --verifier URL --checkpoint ROUND`."""
     directory = _models_dir(services)
@@ -295,7 +303,7 @@ def training_models(request: Request, services: ServicesDep) -> Response:
         kept = [] if directory is None else _kept_models(directory)
         return _json(ModelsOut(models=kept)), ()
 
-    return _cached(request, services, "models", render)
+    return await _cached(request, services, "models", render)
 
 
 def _kept_models(directory: pathlib.Path) -> list[ModelFileOut]:
@@ -395,7 +403,7 @@ def training_model_tokenizer(request: Request, services: ServicesDep, round_: Ro
 
 
 @_cached_get("/api/training/spot-checks", CoverageOut, "training")
-def spot_checks(
+async def spot_checks(
     request: Request,
     services: ServicesDep,
     window: Annotated[int, Query(ge=1, le=1000, description="Rounds the coverage counts over.")] = 20,
@@ -429,7 +437,7 @@ def spot_checks(
         )
         return _json(out), ()
 
-    return _cached(request, services, f"spot-checks:{window}:{limit}:{offset}", render)
+    return await _cached(request, services, f"spot-checks:{window}:{limit}:{offset}", render)
 
 
 FRAUD_PROOFS = "/api/fraud-proofs"
@@ -444,7 +452,9 @@ def _fraud_proof_out(row: m.FraudProof) -> FraudProofOut:
 
 
 @_cached_get(FRAUD_PROOFS, FraudProofsOut, "fraud proofs", paged=True)
-def fraud_proofs(request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0) -> Response:
+async def fraud_proofs(
+    request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0
+) -> Response:
     """Segment fraud proofs the replay checks found (verifier.fraudproofs), newest first: whose,
     which stage, round and segment, why, and where to download each. A proof re-checks alone with
     `neuroshard-check-proof FILE --network network.toml [--spans DATA_SPANS]`. X-Total-Count is
@@ -459,7 +469,7 @@ def fraud_proofs(request: Request, services: ServicesDep, limit: Limit = 100, of
             request, total, limit, offset
         )
 
-    return _cached(request, services, f"fraud-proofs:{limit}:{offset}", render)
+    return await _cached(request, services, f"fraud-proofs:{limit}:{offset}", render)
 
 
 @router.get(
@@ -526,7 +536,7 @@ def fraud_proof_file(
 
 
 @_cached_get("/api/peers", list[PeerOut], "tracker")
-def peers(
+async def peers(
     request: Request,
     services: ServicesDep,
     stage: Annotated[int | None, Query(ge=0, lt=1024, description="Only replicas of this stage.")] = None,
@@ -540,11 +550,11 @@ def peers(
             )
         return _PEER_LIST.dump_json([PeerOut.model_validate(n) for n in live]), ()
 
-    return _cached(request, services, f"peers:{stage}", render)
+    return await _cached(request, services, f"peers:{stage}", render)
 
 
 @_cached_get("/api/nodes", list[NodeOut], "nodes", paged=True)
-def nodes(request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0) -> Response:
+async def nodes(request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0) -> Response:
     """Registered wallets by wallet id, a page at a time, with status, reputation and last heartbeat.
     X-Total-Count is the number of wallets; Link names the next page."""
 
@@ -557,11 +567,11 @@ def nodes(request: Request, services: ServicesDep, limit: Limit = 100, offset: O
         body = _NODE_LIST.dump_json([NodeOut.model_validate(n) for n in records])
         return body, _page_headers(request, total, limit, offset)
 
-    return _cached(request, services, f"nodes:{limit}:{offset}", render)
+    return await _cached(request, services, f"nodes:{limit}:{offset}", render)
 
 
 @_cached_get("/api/nodes/{wallet}", NodeDetailOut, "nodes", missing=True)
-def node(
+async def node(
     request: Request,
     services: ServicesDep,
     wallet: Annotated[
@@ -577,7 +587,7 @@ def node(
             raise HTTPException(404, f"wallet {wallet} is not registered")
         return _json(NodeDetailOut.model_validate(detail)), ()
 
-    return _cached(request, services, f"node:{wallet}", render)
+    return await _cached(request, services, f"node:{wallet}", render)
 
 
 @router.get(

@@ -95,6 +95,12 @@ class Services:
         return self.config.clock()
 
 
-def get_services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
+
+
+async def get_services(request: Request) -> Services:
+    """The app's Services as a FastAPI dependency. Async so that FastAPI calls it on the event
+    loop: a sync dependency costs every request a hop to the thread pool and back."""
+    return services_of(request)

@@ -28,7 +28,7 @@ from neuroshard.verifier.ratelimit import source_key
 
 from .refusals import request_body
 from .schemas import ErrorOut, WriteAck
-from .services import Services, get_services
+from .services import Services, get_services, services_of
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _path_as_sent(request: Request) -> str:
 
 async def signed_request(request: Request) -> SignedRequest:
     """Authenticate the raw body before anything parses it (FastAPI caches the bytes it read)."""
-    services = get_services(request)
+    services = services_of(request)
     body = await request.body()
     signed = verify_request(
         request.headers,
