@@ -8,6 +8,7 @@ database in place.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -117,6 +118,12 @@ def create_app(config: VerifierConfig) -> FastAPI:
         anyio.to_thread.current_default_thread_limiter().total_tokens = config.request_threads
         await run_in_threadpool(start)
         await run_in_threadpool(lease.start)
+        # What start-up allocated (torch, SQLAlchemy's mappers, the app) lives as long as the
+        # process: frozen out of the collector's sight, a full collection no longer walks it
+        # while every request thread waits (issue 15's write load, 1,000 nodes: writes' p99
+        # 238-272 ms before, 110-183 ms after, in one run before and two after).
+        gc.collect()
+        gc.freeze()
         yield
         await run_in_threadpool(lease.stop)
         await run_in_threadpool(services.reads.close)

@@ -2,15 +2,16 @@
 
 Each of N wallets (distinct keys) registers, then for --seconds sends a signed heartbeat
 every 10 s (each at its own phase) and, every --round-s, a signed receipt for the round
-(which carries its θ hash vote), spread over the first quarter of the round; the wallets are
-spread over 4 stages. The verifier runs `neuroshard-verifier --workers W` on PostgreSQL.
+(which carries its θ hash vote), spread over the first --receipt-spread of the round (0.25: a
+quarter, the harsh default: every replica finishes its inner steps at nearly the same time);
+the wallets are spread over 4 stages. The verifier runs `neuroshard-verifier --workers W` on PostgreSQL.
 Printed: p50/p99 per endpoint, measured from when each request was due (queueing counts)
 and from when it was sent; status counts (no 5xx expected); PostgreSQL backends seen
 (distinct pids, sampled each second: the pool should keep a fixed set); and, with
 --kill-after, receipts acknowledged vs stored after one worker is SIGKILLed mid-load.
 
     .venv/bin/python bench/bench_verifier_writes.py [--nodes 1000] [--workers 4] [--seconds 60]
-        [--round-s 20] [--kill-after 30] [--db postgresql://127.0.0.1:5432/test] [--quick]
+        [--round-s 20] [--receipt-spread 0.25] [--kill-after 30] [--db postgresql://127.0.0.1:5432/test] [--quick]
 
 The load generator (asyncio + aiohttp, one process) shares the machine's cores with the
 verifier and PostgreSQL, so it also measures what is left of them.
@@ -106,7 +107,7 @@ class Load:
         if pending:
             raise SystemExit(f"{len(pending)} registrations failed three times")
 
-    async def run(self, seconds: float, round_s: float, rng: random.Random) -> None:
+    async def run(self, seconds: float, round_s: float, spread: float, rng: random.Random) -> None:
         start = time.time()
         tasks = []
         for i, w in enumerate(self.wallets):
@@ -117,7 +118,7 @@ class Load:
                 doc = {"stage": i % STAGES, "round": int((at - start) // round_s), "steps_in_round": 10}
                 tasks.append(self.post(w, "/api/heartbeat", doc, at))
             for r in range(int(seconds // round_s)):
-                at = start + r * round_s + rng.uniform(0, round_s / 4)
+                at = start + r * round_s + rng.uniform(0, round_s * spread)
                 tasks.append(self._receipt(w, i % STAGES, r, at))
         await asyncio.gather(*tasks)
 
@@ -202,7 +203,7 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
                 print(f"SIGKILL worker {victim} at {args.kill_after:.0f} s", flush=True)
 
             killer = asyncio.create_task(kill())
-        await load.run(args.seconds, args.round_s, random.Random(0))
+        await load.run(args.seconds, args.round_s, args.receipt_spread, random.Random(0))
         if killer is not None:
             await killer
     finally:
@@ -241,7 +242,8 @@ def q(values: list[float], percent: int) -> float:
 def report(load: Load, args: argparse.Namespace) -> None:
     print(
         f"\n{args.nodes} nodes over {STAGES} stages, heartbeat every {HEARTBEAT_S:.0f} s, a receipt per "
-        f"{args.round_s:.0f} s round, {args.seconds:.0f} s, {args.workers} verifier worker(s), "
+        f"{args.round_s:.0f} s round sent over its first {args.receipt_spread:.0%}, {args.seconds:.0f} s, "
+        f"{args.workers} verifier worker(s), "
         f"{args.connections} client connections"
     )
     print(
@@ -269,8 +271,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--round-s", type=float, default=20.0)
     ap.add_argument("--connections", type=int, default=200)
+    ap.add_argument(
+        "--receipt-spread",
+        type=float,
+        default=0.25,
+        help="fraction of the round over which the receipts of a round are sent (0 < x <= 1)",
+    )
     ap.add_argument("--kill-after", type=float, help="SIGKILL one worker this many seconds into the load")
     args = parse_with_quick(ap, nodes=40, workers=2, seconds=6.0, round_s=3.0, connections=20)
+    if not 0 < args.receipt_spread <= 1:
+        ap.error(f"--receipt-spread must be in (0, 1], got {args.receipt_spread}")
     if args.quick and args.db == "sqlite":
         args.workers = 1
     backend = "sqlite" if args.db == "sqlite" else "postgresql"
