@@ -106,8 +106,8 @@ def create_app(config: VerifierConfig) -> FastAPI:
         vocab = config.vocab_watch
         jobs.append(lambda: VocabWatch(ctx, config=vocab, membership=config.membership))
     jobs.append(lambda: Housekeeping(ctx, ledger_config=services.ledger, config=config.housekeeping))
-    # Evaluations, replay spot checks and vocabulary schedules run in one process of all that
-    # share the database; each job has its own threads, so a measurement never holds up a request.
+    # Evaluations, replay spot checks, vocabulary schedules and the housekeeping sweep run in one
+    # process of all that share the database; each job has its own threads, so a measurement never holds up a request.
     lease = LeaderLease(services.db, jobs, config=config.lease, log=log.info)
     services.lease = lease
 

@@ -20,7 +20,9 @@ from .metrics import RequestCounter
 
 BACKGROUND_CONNECTIONS = 4
 """Connections beyond the request threads: the read-cache refresher, the evaluator, the replay
-checker and the leader lease (verifier.leader) each hold at most one."""
+checker and the leader lease (verifier.leader) each hold at most one. The lease holder's other
+jobs (the vocabulary watch, the housekeeping sweep) hold one briefly, from the pool's overflow
+(verifier.db: 4): a larger pool would take `--workers 4` past PostgreSQL's default 100."""
 
 
 class SettleGate:

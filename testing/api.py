@@ -26,6 +26,7 @@ from neuroshard.protocol.signing import sign_request
 from neuroshard.testing.verifier import ManualClock, signed_json, small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.config import ReadCacheConfig, VerifierConfig
+from neuroshard.verifier.housekeeping import HousekeepingConfig
 from neuroshard.verifier.ratelimit import RateLimitConfig
 
 OPERATOR = Wallet.from_token("test-operator")
@@ -45,6 +46,9 @@ def test_config(database_url: str, clock: ManualClock, **overrides: Any) -> Veri
         "registration_limit": None,
         "reads": ReadCacheConfig(background=False, min_interval_s=0.0),
         "settle_interval_s": 0.0,
+        # No sweep behind the test's back (it would settle rounds and stale the reads on its
+        # own schedule); tests that want one run Housekeeping.run_once themselves.
+        "housekeeping": HousekeepingConfig(period_s=3600.0),
         **overrides,
     }
     return VerifierConfig(**fields)

@@ -157,15 +157,21 @@ class Database:
             yield session
 
     @contextmanager
-    def write(self) -> Iterator[Session]:
+    def write(self, *, stale_reads: bool = True) -> Iterator[Session]:
         """A transaction: committed when the block ends normally, rolled back on any exception.
 
         Code after the `with` block runs only once the commit has returned, which is what
-        makes "the 2xx only after the commit" hold for the API.
+        makes "the 2xx only after the commit" hold for the API. `stale_reads=False` for a write
+        no read shows (forgetting expired nonces): cached reads are not re-rendered for it.
         """
         with self._write_lock, self._sessions.begin() as session:
             yield session
-        self._generation += 1  # after the commit: cached reads rendered before it are stale
+        if stale_reads:
+            self.touch()
+
+    def touch(self) -> None:
+        """Cached reads rendered before now are stale (called after a commit)."""
+        self._generation += 1
 
     @property
     def generation(self) -> int:

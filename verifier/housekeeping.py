@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from . import ledger
 from .background import JobContext, PollingThread
@@ -48,23 +48,29 @@ class Housekeeping:
         self._loop.stop(self.config.timeout_s)
 
     def _sweep(self) -> None:
-        _, settled = self.run_once()
-        for stage, rounds in settled.items():
-            self.ctx.log(f"housekeeping: stage {stage}: settled rounds {rounds} that no receipt had settled")
+        self.run_once()
 
     def run_once(self) -> tuple[int, dict[int, list[int]]]:
         """One sweep: (nonces forgotten, {stage: rounds settled}). Each stage settles in its own
-        transaction, so a race with a receipt settling the same round costs only that stage's."""
+        transaction: a race with a receipt settling the same round, or a deadlock, costs only that
+        stage's settlement until the next sweep. A nonce is forgotten one freshness window after
+        it expired, so a request verified just before its timestamp went stale and delayed in the
+        thread pool or by another host's clock still finds its nonce taken."""
         now = self.ctx.clock()
-        with self.ctx.db.write() as session:
-            purged = ledger.purge_nonces(session, now=now)
+        with self.ctx.db.write(stale_reads=False) as session:
+            purged = ledger.purge_nonces(session, now=now - self.ledger.nonce_window_s)
         settled: dict[int, list[int]] = {}
         for stage in range(self.ledger.num_stages):
             try:
-                with self.ctx.db.write() as session:
+                with self.ctx.db.write(stale_reads=False) as session:
                     rounds = ledger.settle_rounds(session, stage, now=now, cfg=self.ledger)
             except IntegrityError:
                 continue  # a receipt settled it first; the next sweep sees it settled
+            except SQLAlchemyError as exc:
+                self.ctx.log(f"housekeeping: settling stage {stage} deferred: {type(exc).__name__}: {exc}")
+                continue
             if rounds:
                 settled[stage] = rounds
+        if settled:
+            self.ctx.db.touch()  # the settled rounds show in the reads
         return purged, settled

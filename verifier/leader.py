@@ -42,7 +42,7 @@ Log = Callable[[str], None]
 
 class Job(Protocol):
     """A background worker with its own threads (verifier.evaluator, verifier.replaycheck,
-    verifier.vocab)."""
+    verifier.vocab, verifier.housekeeping)."""
 
     def start(self) -> None: ...
 

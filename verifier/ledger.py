@@ -49,7 +49,8 @@ class LedgerConfig:
     num_stages: int
     """From the network definition: stages are 0..num_stages-1."""
     nonce_window_s: float
-    """The freshness window: a nonce is remembered until its timestamp is this far in the past."""
+    """The freshness window: a nonce is remembered at least until its timestamp is twice this far
+    in the past (verifier.housekeeping forgets it one window after it expired)."""
     peer_ttl_s: float = 90.0
     """A replica is live while its last heartbeat is younger than this."""
     settle_after_rounds: int = 1
@@ -66,10 +67,10 @@ def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float
     """Remember the request's nonce; a second use within the window is refused (replayed).
 
     One INSERT: the primary key (signer, nonce) refuses a reuse. Expired nonces are not purged
-    here but by `purge_nonces`, which the lead process runs every few seconds
-    (verifier.housekeeping): a DELETE in every request cost a statement per write, most of
-    them deleting nothing (issue 15's write load). A nonce outside the window cannot be reused
-    anyway, since its request's timestamp is refused as stale before it gets here.
+    here but by `purge_nonces`, which the lead process runs every few seconds, one window after
+    they expired (verifier.housekeeping): a DELETE in every request cost a statement per write,
+    most of them deleting nothing (issue 15's write load). A nonce forgotten cannot be reused:
+    its request's timestamp is refused as stale before it gets here.
     """
     try:
         session.execute(

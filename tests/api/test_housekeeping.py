@@ -4,6 +4,8 @@ left waiting and forgets expired nonces."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
@@ -64,7 +66,32 @@ def test_rounds_the_gate_skipped_are_settled_by_housekeeping_with_the_expired_no
             row = session.get(m.Round, (0, 0))
             assert row is not None and row.majority_hash == f"{0:064x}"
 
-        clock.advance(config.freshness_window_s + 1)  # every nonce is now outside the window
+        clock.advance(config.freshness_window_s + 1)  # every nonce expired, but only just
+        assert keeper.run_once() == (0, {})
+        clock.advance(config.freshness_window_s)  # a window after they expired: forgotten
         purged, settled = keeper.run_once()
         assert (purged, settled) == (nonces, {})
         assert harness.count(m.Nonce) == 0
+
+
+def test_the_lease_holder_runs_the_sweep(database_url: str) -> None:
+    clock = ManualClock()
+    config = make_config(
+        database_url, clock, settle_interval_s=3600.0, housekeeping=HousekeepingConfig(period_s=0.1)
+    )
+    with TestClient(create_app(config)) as client:
+        harness = Harness(client, clock, config)
+        for w in WALLETS:
+            harness.register(w)
+        for round_ in (0, 1):
+            for w in WALLETS:
+                assert (
+                    harness.post(w, "/api/receipts", receipt_doc(round_, f"{round_:064x}")).status_code == 201
+                )
+        deadline = time.monotonic() + 20.0
+        while harness.count(m.Round) == 0:  # settled by the lease holder's own thread
+            assert time.monotonic() < deadline, "the housekeeping sweep never settled round 0"
+            time.sleep(0.05)
+        body = client.get("/api/training/history").json()
+        settled = [(r["stage"], r["round"]) for r in body["rounds"] if r["settled"]]
+        assert settled == [(0, 0)]  # and the reads show it
