@@ -21,6 +21,16 @@ from neuroshard.verifier.housekeeping import Housekeeping, HousekeepingConfig
 WALLETS = [Wallet.from_token(f"keeper-{i}") for i in range(3)]
 
 
+def send_two_rounds(harness: Harness) -> None:
+    """Every wallet registers and reports rounds 0 and 1 with the same hash."""
+    for w in WALLETS:
+        harness.register(w)
+    for round_ in (0, 1):
+        for w in WALLETS:
+            response = harness.post(w, "/api/receipts", receipt_doc(round_, f"{round_:064x}"))
+            assert response.status_code == 201, response.text
+
+
 def test_the_gate_lets_one_settlement_per_stage_through_per_interval() -> None:
     gate = SettleGate(3600.0)
     assert gate.due(0) and gate.due(1)
@@ -39,12 +49,7 @@ def test_rounds_the_gate_skipped_are_settled_by_housekeeping_with_the_expired_no
     )
     with TestClient(create_app(config)) as client:
         harness = Harness(client, clock, config)
-        for w in WALLETS:
-            harness.register(w)
-        for round_ in (0, 1):
-            for w in WALLETS:
-                response = harness.post(w, "/api/receipts", receipt_doc(round_, f"{round_:064x}"))
-                assert response.status_code == 201, response.text
+        send_two_rounds(harness)
         # Every replica moved past round 0, but only the first receipt passed the gate (nothing
         # was waiting then): no round is settled yet.
         assert harness.count(m.Round) == 0
@@ -81,13 +86,7 @@ def test_the_lease_holder_runs_the_sweep(database_url: str) -> None:
     )
     with TestClient(create_app(config)) as client:
         harness = Harness(client, clock, config)
-        for w in WALLETS:
-            harness.register(w)
-        for round_ in (0, 1):
-            for w in WALLETS:
-                assert (
-                    harness.post(w, "/api/receipts", receipt_doc(round_, f"{round_:064x}")).status_code == 201
-                )
+        send_two_rounds(harness)
         deadline = time.monotonic() + 20.0
         while harness.count(m.Round) == 0:  # settled by the lease holder's own thread
             assert time.monotonic() < deadline, "the housekeeping sweep never settled round 0"
