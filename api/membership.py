@@ -118,7 +118,7 @@ def post_roster(auth: Signed, services: ServicesDep) -> WriteAck:
         raise Refused("not_a_roster", f"not a roster: {exc}") from None
     now = services.now()
     with services.db.write() as session:
-        ledger.use_nonce(session, auth.signed, now=now, window_s=cfg.freshness_window_s)
+        ledger.use_nonce(session, auth.signed, window_s=cfg.freshness_window_s)
         status = members.accept_roster(
             session,
             doc,

@@ -118,7 +118,7 @@ def register(auth: Signed, services: ServicesDep, request: Request) -> WriteAck:
     _limit_new_wallets(request, services, auth.signed)
     now = services.now()
     with services.db.write() as session:
-        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
         wallet = ledger.register(session, auth.signed, payload, now=now, cfg=services.ledger)
         ack = WriteAck(
             status="registered",
@@ -137,7 +137,7 @@ def heartbeat(auth: Signed, services: ServicesDep) -> WriteAck:
     payload = HeartbeatRequest.from_json(auth.body)
     now = services.now()
     with services.db.write() as session:
-        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
         ledger.heartbeat(session, auth.signed, payload, now=now, cfg=services.ledger)
     return WriteAck(
         status="alive", wallet_id=auth.signed.wallet_id, heartbeat_interval_s=services.config.peer_ttl_s / 3
@@ -159,7 +159,7 @@ def submit_receipt(auth: Signed, services: ServicesDep, response: Response) -> W
     payload = Receipt.from_json(auth.body)
     now = services.now()
     with services.db.write() as session:
-        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
         status = ledger.submit_receipt(
             session, auth.signed, payload, body_sha256=auth.body_sha256, now=now, cfg=services.ledger
         )
@@ -198,7 +198,7 @@ def reinstate(auth: Signed, services: ServicesDep) -> WriteAck:
         raise Refused("not_operator", "only the operator key may reinstate wallets")
     now = services.now()
     with services.db.write() as session:
-        ledger.use_nonce(session, auth.signed, now=now, window_s=services.config.freshness_window_s)
+        ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
         wallet = ledger.reinstate(
             session, payload.wallet_id, payload.reputation, now=now, cfg=services.config.reputation
         )

@@ -63,7 +63,7 @@ class LedgerConfig:
     """Proof of work a new wallet's registration must carry (protocol.roster.pow_ok); 0: none."""
 
 
-def use_nonce(session: Session, signed: SignedBy, *, now: float, window_s: float) -> None:
+def use_nonce(session: Session, signed: SignedBy, *, window_s: float) -> None:
     """Remember the request's nonce; a second use within the window is refused (replayed).
 
     One INSERT: the primary key (signer, nonce) refuses a reuse. Expired nonces are not purged

@@ -181,18 +181,18 @@ def test_receipts_must_match_the_registered_stage(db: Database) -> None:
 def test_nonce_replay_is_refused(db: Database) -> None:
     signed = who(GOOD[0])
     with db.write() as s:
-        ledger.use_nonce(s, signed, now=NOW, window_s=60)
+        ledger.use_nonce(s, signed, window_s=60)
     with pytest.raises(Refused, match="replayed request") as err, db.write() as s:
-        ledger.use_nonce(s, signed, now=NOW, window_s=60)
+        ledger.use_nonce(s, signed, window_s=60)
     assert err.value.code == "replayed"
 
 
 def test_expired_nonces_are_forgotten(db: Database) -> None:
     with db.write() as s:
-        ledger.use_nonce(s, who(GOOD[0]), now=NOW, window_s=60)
-        ledger.use_nonce(s, who(GOOD[1]), now=NOW, window_s=60)
+        ledger.use_nonce(s, who(GOOD[0]), window_s=60)
+        ledger.use_nonce(s, who(GOOD[1]), window_s=60)
     with db.write() as s:  # a request records its nonce and deletes nothing (one statement)
-        ledger.use_nonce(s, who(GOOD[0], at=NOW + 61), now=NOW + 61, window_s=60)
+        ledger.use_nonce(s, who(GOOD[0], at=NOW + 61), window_s=60)
     with db.read() as s:
         assert s.scalar(select(func.count()).select_from(m.Nonce)) == 3
     with db.write() as s:  # the lead process's housekeeping forgets the expired ones
