@@ -79,7 +79,8 @@ def attacker_from_args(args: argparse.Namespace) -> Attacker:
             name=args.attack,
             param=args.attack_param,
             seed=args.attack_seed,
-            outer_lr=args.outer_lr,
+            # The outer step the node runs (its lr tuned for H when --outer-lr is not given).
+            outer_lr=node_flags.diloco_config_from_args(args).outer_step_lr,
             outer_momentum=args.outer_momentum,
         )
     )

@@ -234,7 +234,7 @@ def _global(services: Services) -> GlobalOut:
             inner_progress=min(1.0, sum(progress) / len(progress)) if progress else None,
             aggregation_rule=net.aggregation_rule,
             aggregation_f=net.aggregation_f,
-            outer_lr=net.diloco.outer_lr,
+            outer_lr=net.diloco.outer_step_lr,
             outer_momentum=net.diloco.outer_momentum,
         ),
     )

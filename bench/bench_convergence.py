@@ -86,7 +86,7 @@ class Outer:
     def parse(cls, spec: str, inner_steps: int) -> Outer:
         if spec == "defaults":
             d = DiLoCoConfig(inner_steps=inner_steps)
-            return cls(d.outer_lr, d.outer_momentum, d.outer_nesterov)
+            return cls(d.outer_step_lr, d.outer_momentum, d.outer_nesterov)
         lr, momentum, kind = spec.split(":")
         if kind not in ("n", "s"):
             raise ValueError(f"outer spec {spec!r}: the kind must be n (Nesterov) or s (SGD/heavy ball)")

@@ -118,7 +118,11 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
         help="inner step where the cosine lr decay ends; keep it fixed across restarts (the schedule follows it)",
     )
     diloco.add_argument(
-        "--outer-lr", type=float, default=d.outer_lr, help="outer SGD learning rate (tuned: bench/RESULTS.md)"
+        "--outer-lr",
+        type=float,
+        default=None,
+        help="outer SGD learning rate (default: tuned for --inner-steps, node.diloco.tuned_outer_lr: "
+        "0.7 below 20 steps, 1.0 from 20; bench/RESULTS.md)",
     )
     diloco.add_argument(
         "--outer-momentum",

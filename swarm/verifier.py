@@ -116,7 +116,8 @@ def network_tables(
             "inner_lr": node.inner_lr,
             "warmup_steps": min(node.warmup_steps, node.total_steps),
             "total_steps": node.total_steps,
-            "outer_lr": node.outer_lr,
+            # No outer_lr unless one was given: DiLoCoConfig tunes it for inner_steps.
+            **({} if node.outer_lr is None else {"outer_lr": node.outer_lr}),
             "outer_momentum": node.outer_momentum,
             "outer_nesterov": node.outer_momentum > 0,
         },

@@ -456,22 +456,45 @@ def test_weights_hash_is_sha256_of_little_endian_float32() -> None:
 
 # The outer step's tuned defaults (bench/bench_convergence.py, bench/RESULTS.md "DiLoCo against
 # synchronous data parallel"): pinned here so that changing them is a decision, not an accident.
-TUNED_OUTER = (1.0, 0.5, True)  # Nesterov, lr 1.0, momentum 0.5
+TUNED_OUTER = (1.0, 0.5, True)  # Nesterov, lr 1.0, momentum 0.5, from H = 20
+TUNED_OUTER_SHORT_ROUNDS = (0.7, 0.5, True)  # below H = 20
 
 
-@pytest.mark.parametrize("inner_steps", [1, 10, 50, 100, 500])
-def test_a_bare_config_carries_the_tuned_outer_defaults(inner_steps: int) -> None:
+@pytest.mark.parametrize(
+    ("inner_steps", "expected"),
+    [(1, TUNED_OUTER_SHORT_ROUNDS), (10, TUNED_OUTER_SHORT_ROUNDS), (19, TUNED_OUTER_SHORT_ROUNDS)]
+    + [(h, TUNED_OUTER) for h in (20, 50, 100, 500)],
+)
+def test_a_bare_config_carries_the_tuned_outer_defaults(
+    inner_steps: int, expected: tuple[float, float, bool]
+) -> None:
     config = DiLoCoConfig(inner_steps=inner_steps)
-    assert (config.outer_lr, config.outer_momentum, config.outer_nesterov) == TUNED_OUTER
+    assert (config.outer_lr, config.outer_momentum, config.outer_nesterov) == expected
+    assert config.outer_step_lr == expected[0]
     assert (config.outer_lr, config.outer_momentum) != (0.7, 0.9)  # not the paper's H = 500 values
 
 
-def test_the_network_definition_and_the_node_take_the_config_defaults() -> None:
+def test_an_outer_lr_given_is_kept_at_any_h() -> None:
+    assert DiLoCoConfig(inner_steps=10, outer_lr=1.0).outer_lr == 1.0
+    assert DiLoCoConfig(inner_steps=500, outer_lr=0.7).outer_lr == 0.7
+    with pytest.raises(ValueError, match="outer_lr must be > 0"):
+        DiLoCoConfig(inner_steps=10, outer_lr=0.0)
+
+
+@pytest.mark.parametrize("inner_steps", [10, 100])
+def test_the_network_definition_and_the_node_take_the_config_defaults(inner_steps: int) -> None:
+    expected = DiLoCoConfig(inner_steps=inner_steps)
     example = Path(__file__).resolve().parents[2] / "examples" / "network.toml"
-    net = parse_network(tomllib.loads(example.read_text()))
-    node = diloco_config_from_args(build_parser().parse_args([]))
+    document = tomllib.loads(example.read_text())
+    document.setdefault("diloco", {})["inner_steps"] = inner_steps
+    net = parse_network(document)
+    node = diloco_config_from_args(build_parser().parse_args(["--inner-steps", str(inner_steps)]))
     for config in (net.diloco, node):
-        assert (config.outer_lr, config.outer_momentum, config.outer_nesterov) == TUNED_OUTER
+        assert (config.outer_lr, config.outer_momentum, config.outer_nesterov) == (
+            expected.outer_lr,
+            expected.outer_momentum,
+            expected.outer_nesterov,
+        )
     # A definition that leaves the outer step out serves the same values to every joining node.
     served = parse_network(json.loads(json.dumps(net.to_document())))
     assert served.diloco == net.diloco
