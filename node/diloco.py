@@ -63,8 +63,9 @@ class DiLoCoConfig:
     1.0             3.076   2.919   2.852   2.926   3.022   2.925   2.897
     ==============  ======  ======  ======  ======  ======  ======  ======
 
-    With many short rounds (H = 10) the gentler step is ahead at every M (0.6–3.5%); from H = 20
-    on the two tie or 1.0 is ahead (1.1–1.6% at M = 4, 8), as it is at H = 100 in the table above.
+    With many short rounds (H = 10) the gentler step is ahead at every M on the mean (0.6–3.5%;
+    seed by seed only at M = 2, so at M ≥ 4 within the seeds' spread); at H = 20 the two tie; from
+    H = 50 1.0 is ahead at M = 4, 8 (1.1–1.6%, both seeds), as it is at H = 100 in the table above.
     So a config built without ``outer_lr`` carries `tuned_outer_lr(inner_steps)`: 0.7 below
     H = 20, 1.0 from there. No M enters (Charles et al. 2025, "Scaling Laws for DiLoCo", find the
     best outer lr depends on M at larger scales; here the winner did not change with M). No
