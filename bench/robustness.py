@@ -516,7 +516,8 @@ def run_job(job: Job, setup: Setup) -> Outcome:
         init_seed=job.seed,
     )
     total = setup.rounds * setup.inner_steps
-    # The outer step a bare DiLoCoConfig carries (Nesterov, lr 1.0, momentum 0.5): the default.
+    # The outer step a bare DiLoCoConfig carries (Nesterov, momentum 0.5, lr tuned for H: 0.7 at the
+    # default H = 10, 1.0 from H = 20; node.diloco.tuned_outer_lr): the default.
     diloco = DiLoCoConfig(
         inner_steps=setup.inner_steps,
         inner_lr=setup.inner_lr,
@@ -685,7 +686,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="processes, one torch thread each")
     parser.add_argument(
         "--outer",
-        help="LR:MOMENTUM:n|s, the outer step of every run (default: DiLoCoConfig's, Nesterov 1.0 / 0.5)",
+        help="LR:MOMENTUM:n|s, the outer step of every run (default: DiLoCoConfig's for --inner-steps, "
+        "Nesterov 0.7 / 0.5 at H = 10)",
     )
     args = parser.parse_args()
     outer_settings(args.outer)  # refuse a malformed spec before any run starts
