@@ -74,13 +74,20 @@ def roles_from_args(args: argparse.Namespace) -> node.Roles:
 
 
 def attacker_from_args(args: argparse.Namespace) -> Attacker:
+    """The attacker the flags ask for. Its idea of the outer step (from which the realistic attacks
+    read earlier aggregates back) is the one the flags give the node: with --join, give the
+    network's --inner-steps (or --outer-lr) too, since the outer lr's default depends on H."""
+    try:
+        outer_lr = node_flags.diloco_config_from_args(args).outer_step_lr
+    except ValueError as exc:
+        raise SystemExit(f"neuroshard-adversary: error: {exc}") from None
     return Attacker(
         AttackConfig(
             name=args.attack,
             param=args.attack_param,
             seed=args.attack_seed,
             # The outer step the node runs (its lr tuned for H when --outer-lr is not given).
-            outer_lr=node_flags.diloco_config_from_args(args).outer_step_lr,
+            outer_lr=outer_lr,
             outer_momentum=args.outer_momentum,
         )
     )

@@ -82,7 +82,9 @@ class AttackConfig:
     outer_lr: float = 1.0
     outer_momentum: float = 0.5
     """The network's outer step (Nesterov when momentum > 0): the adaptive attacks read earlier
-    rounds' aggregates back from θ_round with it (``revealed_aggregate``)."""
+    rounds' aggregates back from θ_round with it (``revealed_aggregate``). The defaults are
+    DiLoCoConfig's from H = 20; below that its lr is 0.7 (node.diloco.tuned_outer_lr), so give the
+    network's values (cli.attacker_from_args does)."""
     validation: ValidationConfig | None = None
     """The screening thresholds the adaptive attacks aim under (default: ``ValidationConfig()``)."""
 

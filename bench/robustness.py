@@ -1,7 +1,8 @@
 """Byzantine robustness on the DiLoCo simulator: adaptive attacks × aggregation rules, tiny LM, real text.
 
 M honest + K Byzantine replicas train a small transformer with adversary/simulate.py, with the outer
-optimizer a bare ``DiLoCoConfig`` carries (Nesterov, lr 1.0, momentum 0.5), for 20 rounds of
+optimizer a bare ``DiLoCoConfig`` carries (Nesterov, momentum 0.5, lr tuned for H: 0.7 at H = 10
+since 2026-11-26, 1.0 before; RESULTS.md's earlier tables ran with 1.0), for 20 rounds of
 H = 10 inner steps (H = 500, the production default, would make one run ~50× longer). The text
 is the standard library's source (``common.fresh_clone_text``: what any fresh clone builds), every
 tenth block of 2,048 tokens held out. Non-IID (the default column): replica i reads only the i-th
@@ -317,7 +318,7 @@ class AttackedAggregate:
         self.shadow = torch.zeros(d, requires_grad=True)
         self.shadow_opt = torch.optim.SGD(
             [self.shadow],
-            lr=self.diloco.outer_lr,
+            lr=self.diloco.outer_step_lr,
             momentum=self.diloco.outer_momentum,
             nesterov=self.diloco.outer_nesterov,
         )

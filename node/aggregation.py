@@ -15,7 +15,7 @@ violations raise ``ValueError`` naming n, f and the bound.
 
 The default against adaptive attackers (issue 13). ``default_rule`` is still the trimmed mean
 behind the screening, not because it holds but because no candidate measured did better where it
-matters. bench/robustness.py (20 rounds, H = 10, the outer defaults, 8 honest + 2 colluders
+matters. bench/robustness.py (20 rounds, H = 10, the then outer defaults (lr 1.0), 8 honest + 2 colluders
 choosing every round the largest parameter that passes the screening) found, on the non-IID
 column (each replica reads its own region of the standard library's source):
 
@@ -37,7 +37,9 @@ column (each replica reads its own region of the standard library's source):
   realistic attacks were refused in nearly every round by the whole-vector screening and ended
   at the rules' clean cost (1.055–1.066). RESULTS.md has the tables.
 
-The measured way forward is not a rule swap: the default outer step (Nesterov 1.0, 0.5) is itself
+The measured way forward is not a rule swap: the then default outer step (Nesterov 1.0, 0.5; at
+H = 10 the default is now lr 0.7, node.diloco.tuned_outer_lr, which changed the ratios little:
+worst 1.150×, RESULTS.md) is itself
 ~12% behind plain outer SGD 0.7 at this size on non-IID data (held-out 4.03 vs 3.59 after 20
 rounds), and attacks that shrink the aggregate (IPM, min-max with the inverse unit vector) lower
 the loss rather than raise it — the set-up rewards a smaller step. A defence tuned there first

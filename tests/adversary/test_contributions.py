@@ -138,6 +138,19 @@ def test_the_cli_flag_builds_an_attacker_and_a_loud_warning() -> None:
         adversary_parser().parse_args([])
 
 
+def test_the_attacker_reads_aggregates_back_with_the_outer_step_the_node_runs() -> None:
+    # The outer lr's default depends on H (node.diloco.tuned_outer_lr): the attacker follows it.
+    base = ["--peers", "127.0.0.1:1", "--attack", "alie_search"]
+    short = attacker_from_args(adversary_parser().parse_args([*base, "--inner-steps", "10"]))
+    long = attacker_from_args(adversary_parser().parse_args([*base, "--inner-steps", "100"]))
+    given = attacker_from_args(
+        adversary_parser().parse_args([*base, "--inner-steps", "10", "--outer-lr", "1.2"])
+    )
+    assert (short.config.outer_lr, long.config.outer_lr, given.config.outer_lr) == (0.7, 1.0, 1.2)
+    with pytest.raises(SystemExit, match="neuroshard-adversary: error: DiLoCoConfig: outer_lr must be > 0"):
+        attacker_from_args(adversary_parser().parse_args([*base, "--outer-lr", "0"]))
+
+
 def test_the_honest_node_has_no_attack_flags(capsys: pytest.CaptureFixture[str]) -> None:
     for flag in ("--attack", "--owner-attack", "--work-lie"):
         with pytest.raises(SystemExit):

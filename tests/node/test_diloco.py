@@ -481,6 +481,26 @@ def test_an_outer_lr_given_is_kept_at_any_h() -> None:
         DiLoCoConfig(inner_steps=10, outer_lr=0.0)
 
 
+def test_a_resumed_checkpoint_steps_with_the_configs_outer_step_not_the_saved_one() -> None:
+    # A checkpoint saved under lr 1.0 at H = 10 (the default before tuned_outer_lr) resumes with the
+    # config's 0.7 and the saved momentum: replicas that started fresh and that resumed step alike.
+    torch.manual_seed(0)
+    saved = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=10, outer_lr=1.0))
+    saved.outer_step(torch.full_like(saved.theta_round.detach(), 0.5))  # a momentum buffer to keep
+    resumed = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=10))
+    resumed.load_state_dict(saved.state_dict())
+    group = resumed.outer_optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.5, True)
+    assert torch.equal(
+        resumed.outer_optimizer.state[resumed.theta_round]["momentum_buffer"],
+        saved.outer_optimizer.state[saved.theta_round]["momentum_buffer"],
+    )
+    delta = torch.full_like(saved.theta_round.detach(), 0.25)
+    resumed.outer_step(delta)
+    saved.outer_step(delta)
+    assert resumed.weights_hash() != saved.weights_hash()
+
+
 @pytest.mark.parametrize("inner_steps", [10, 100])
 def test_the_network_definition_and_the_node_take_the_config_defaults(inner_steps: int) -> None:
     expected = DiLoCoConfig(inner_steps=inner_steps)
