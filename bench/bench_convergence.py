@@ -17,7 +17,8 @@ source (``common.fresh_clone_text``: what any checkout builds), tokenized with a
 its first megabyte; every tenth block of 2,048 tokens is held out.
 
 An outer setting is written ``lr:momentum:n`` (Nesterov) or ``lr:momentum:s`` (heavy ball, or
-plain SGD at momentum 0); ``defaults`` is what a bare ``DiLoCoConfig(inner_steps=H)`` carries.
+plain SGD at momentum 0); ``defaults`` is what a bare ``DiLoCoConfig(inner_steps=H)`` carries;
+``:wK`` after either ramps the outer lr up over the first K rounds (``defaults:w5``).
 Finished runs are cached in a JSON file keyed by everything that decides them, so a sweep and
 the table it leads to share runs.
 
@@ -81,16 +82,19 @@ class Outer:
     lr: float
     momentum: float
     nesterov: bool
+    warmup: int = 0
+    """Outer warm-up rounds (DiLoCoConfig.outer_warmup_rounds); written ``…:wK``."""
 
     @classmethod
     def parse(cls, spec: str, inner_steps: int) -> Outer:
-        if spec == "defaults":
+        base, _, warmup = spec.partition(":w")
+        if base == "defaults":
             d = DiLoCoConfig(inner_steps=inner_steps)
-            return cls(d.outer_step_lr, d.outer_momentum, d.outer_nesterov)
-        lr, momentum, kind = spec.split(":")
+            return cls(d.outer_step_lr, d.outer_momentum, d.outer_nesterov, int(warmup or 0))
+        lr, momentum, kind = base.split(":")
         if kind not in ("n", "s"):
             raise ValueError(f"outer spec {spec!r}: the kind must be n (Nesterov) or s (SGD/heavy ball)")
-        return cls(float(lr), float(momentum), kind == "n")
+        return cls(float(lr), float(momentum), kind == "n", int(warmup or 0))
 
 
 def load_tokens(text: Path, vocab_size: int) -> tuple[Tensor, str]:
@@ -193,6 +197,7 @@ def train(
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,
             outer_nesterov=outer.nesterov,
+            outer_warmup_rounds=outer.warmup,
             **schedule,
         )
         every, count = inner_steps, replicas
@@ -240,7 +245,9 @@ class Runs:
 
     def get(self, **fields: Any) -> dict[str, Any]:
         outer = fields.get("outer")
-        key = run_key(self.setting, **{**fields, "outer": asdict(outer) if outer else None})
+        # An outer step without warm-up keeps the key it had before the field existed.
+        described = {k: v for k, v in asdict(outer).items() if k != "warmup" or v} if outer else None
+        key = run_key(self.setting, **{**fields, "outer": described})
         if key not in self.done:
             self.done[key] = train(self.setting, self.windows, **fields)
             label = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)

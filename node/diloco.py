@@ -97,6 +97,9 @@ class DiLoCoConfig:
     outer_nesterov: bool = True
     """Nesterov momentum in the outer step: the paper's best outer optimizer; at momentum 0.3–0.5
     it also beat plain averaging (SGD lr 1.0) at every H measured."""
+    outer_warmup_rounds: int = 0
+    """Outer rounds over which the outer lr ramps up linearly: round r (0-based) steps at
+    lr × min(1, (r + 1) / outer_warmup_rounds); 0: no warm-up (the default; RESULTS.md)."""
 
     @property
     def outer_step_lr(self) -> float:
@@ -121,6 +124,10 @@ class DiLoCoConfig:
             (self.grad_clip is None or self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
             (self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}"),
             (0 <= self.outer_momentum < 1, f"outer_momentum must lie in [0, 1), got {self.outer_momentum}"),
+            (
+                self.outer_warmup_rounds >= 0,
+                f"outer_warmup_rounds must be >= 0, got {self.outer_warmup_rounds}",
+            ),
             (
                 not (self.outer_nesterov and self.outer_momentum == 0),
                 "outer_nesterov=True needs outer_momentum > 0 (got 0); set outer_nesterov=False",
@@ -383,7 +390,7 @@ class DiLoCo:
                 self.theta_round.detach(),
                 state.get("momentum_buffer"),
                 delta.to(self.theta_round.device),
-                lr=group["lr"],
+                lr=self._outer_lr_now(),
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
             )
@@ -428,6 +435,12 @@ class DiLoCo:
         if not math.isfinite(float(squares)):  # non-finite, or squares that overflow: check exactly
             self._check_delta(torch.sub(theta, flat_parameters(self.params)))
 
+    def _outer_lr_now(self) -> float:
+        """This round's outer lr: the optimizer's, ramped over `config.outer_warmup_rounds`."""
+        lr = float(self.outer_optimizer.param_groups[0]["lr"])
+        warmup = self.config.outer_warmup_rounds
+        return lr if warmup == 0 else lr * min(1.0, (self.round + 1) / warmup)
+
     @torch.no_grad()
     def _device_step(self, delta: Tensor | None) -> None:
         """The outer step on the model's CUDA device, one parameter at a time: its slices of
@@ -438,7 +451,7 @@ class DiLoCo:
         (the 1b preset's 15 GB of training state leaves no room on a 24 GB card for three more
         model-sized vectors)."""
         group = self.outer_optimizer.param_groups[0]
-        rule = {"lr": group["lr"], "momentum": group["momentum"], "nesterov": group["nesterov"]}
+        rule = {"lr": self._outer_lr_now(), "momentum": group["momentum"], "nesterov": group["nesterov"]}
         theta_host = self.theta_round.detach()
         state = self.outer_optimizer.state[self.theta_round]
         previous = state.get("momentum_buffer")

@@ -481,6 +481,29 @@ def test_an_outer_lr_given_is_kept_at_any_h() -> None:
         DiLoCoConfig(inner_steps=10, outer_lr=0.0)
 
 
+def test_the_outer_warmup_ramps_the_lr_over_its_rounds_and_none_changes_no_bit() -> None:
+    # Plain outer SGD, so each round moves θ by exactly lr_r · Δ: lr_r = lr · min(1, (r + 1) / K).
+    torch.manual_seed(0)
+    plain = {"outer_lr": 0.8, "outer_momentum": 0.0, "outer_nesterov": False}
+    ramped = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2, outer_warmup_rounds=4, **plain))
+    delta = torch.full_like(ramped.theta_round.detach(), 0.5)
+    steps = []
+    for _ in range(6):
+        before = ramped.theta_round.detach().clone()
+        ramped.outer_step(delta)
+        steps.append(float((before - ramped.theta_round.detach())[0] / 0.5))
+    assert steps == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
+    # outer_warmup_rounds=0 (the default) is the step it always was, bit for bit.
+    a = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2))
+    b = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2, outer_warmup_rounds=0))
+    b.load_state_dict(a.state_dict())
+    for engine in (a, b):
+        engine.outer_step(torch.full_like(engine.theta_round.detach(), 1e-3))
+    assert a.weights_hash() == b.weights_hash()
+    with pytest.raises(ValueError, match="outer_warmup_rounds must be >= 0"):
+        DiLoCoConfig(outer_warmup_rounds=-1)
+
+
 def test_a_resumed_checkpoint_steps_with_the_configs_outer_step_not_the_saved_one() -> None:
     # A checkpoint saved under lr 1.0 at H = 10 (the default before tuned_outer_lr) resumes with the
     # config's 0.7 and the saved momentum: replicas that started fresh and that resumed step alike.
