@@ -504,6 +504,18 @@ def test_the_outer_warmup_ramps_the_lr_over_its_rounds_and_none_changes_no_bit()
         DiLoCoConfig(outer_warmup_rounds=-1)
 
 
+def test_a_network_definition_carries_the_outer_warmup_only_when_set() -> None:
+    # Definitions signed before the field existed keep their bytes; one that sets it round-trips.
+    example = Path(__file__).resolve().parents[2] / "examples" / "network.toml"
+    document = tomllib.loads(example.read_text())
+    plain = parse_network(document)
+    assert "outer_warmup_rounds" not in plain.to_document()["diloco"]
+    document.setdefault("diloco", {})["outer_warmup_rounds"] = 3
+    ramped = parse_network(document)
+    assert ramped.to_document()["diloco"]["outer_warmup_rounds"] == 3
+    assert parse_network(json.loads(json.dumps(ramped.to_document()))).diloco.outer_warmup_rounds == 3
+
+
 def test_a_resumed_checkpoint_steps_with_the_configs_outer_step_not_the_saved_one() -> None:
     # A checkpoint saved under lr 1.0 at H = 10 (the default before tuned_outer_lr) resumes with the
     # config's 0.7 and the saved momentum: replicas that started fresh and that resumed step alike.
