@@ -84,7 +84,9 @@ class AttackConfig:
     """The network's outer step (Nesterov when momentum > 0): the adaptive attacks read earlier
     rounds' aggregates back from θ_round with it (``revealed_aggregate``). The defaults are
     DiLoCoConfig's from H = 20; below that its lr is 0.7 (node.diloco.tuned_outer_lr), so give the
-    network's values (cli.attacker_from_args does)."""
+    network's values (cli.attacker_from_args does). It assumes no outer warm-up
+    (DiLoCoConfig.outer_warmup_rounds, 0 by default): under one, the aggregates it reads back from
+    the ramp's rounds come out too small."""
     validation: ValidationConfig | None = None
     """The screening thresholds the adaptive attacks aim under (default: ``ValidationConfig()``)."""
 

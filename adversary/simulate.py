@@ -99,6 +99,10 @@ def simulate(
         for _ in range(replicas)
     ]
     if delayed_outer:
+        if diloco_config.outer_warmup_rounds:
+            # The delayed schedules spend outer-step indices on empty or late steps, so a ramp
+            # keyed on the engine's round would scale the wrong aggregates.
+            raise ValueError("simulate(delayed_outer=True) does not support an outer warm-up")
         if proxy == "eager":
             return _run_eager(engines, model_config, rounds, batches, eval_batches, log)
         return _run_delayed(engines, model_config, rounds, batches, aggregate, eval_batches, log)

@@ -125,8 +125,8 @@ class DiLoCoConfig:
             (self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}"),
             (0 <= self.outer_momentum < 1, f"outer_momentum must lie in [0, 1), got {self.outer_momentum}"),
             (
-                self.outer_warmup_rounds >= 0,
-                f"outer_warmup_rounds must be >= 0, got {self.outer_warmup_rounds}",
+                type(self.outer_warmup_rounds) is int and self.outer_warmup_rounds >= 0,
+                f"outer_warmup_rounds must be an integer >= 0, got {self.outer_warmup_rounds!r}",
             ),
             (
                 not (self.outer_nesterov and self.outer_momentum == 0),

@@ -216,12 +216,23 @@ class SlicedOuterStep(DiLoCo):
         return True
 
 
-@pytest.mark.parametrize(("momentum", "nesterov"), [(0.5, True), (0.9, False), (0.0, False)])
-def test_the_sliced_outer_step_gives_the_whole_vector_steps_bits(momentum: float, nesterov: bool) -> None:
+@pytest.mark.parametrize(
+    ("momentum", "nesterov", "outer_warmup"),
+    [(0.5, True, 0), (0.9, False, 0), (0.0, False, 0), (0.5, True, 3)],
+)
+def test_the_sliced_outer_step_gives_the_whole_vector_steps_bits(
+    momentum: float, nesterov: bool, outer_warmup: int
+) -> None:
     """The CUDA path's logic (per-parameter slices, the momentum built on the first step, a state
-    loaded mid-run, a refused Δ changing nothing), run on the CPU against the whole-vector step."""
+    loaded mid-run, a refused Δ changing nothing, the outer warm-up's ramp), run on the CPU
+    against the whole-vector step."""
     config = DiLoCoConfig(
-        inner_steps=2, warmup_steps=1, total_steps=20, outer_momentum=momentum, outer_nesterov=nesterov
+        inner_steps=2,
+        warmup_steps=1,
+        total_steps=20,
+        outer_momentum=momentum,
+        outer_nesterov=nesterov,
+        outer_warmup_rounds=outer_warmup,
     )
     plain, sliced = twins(config, SlicedOuterStep)
     for r in range(4):
@@ -493,15 +504,19 @@ def test_the_outer_warmup_ramps_the_lr_over_its_rounds_and_none_changes_no_bit()
         ramped.outer_step(delta)
         steps.append(float((before - ramped.theta_round.detach())[0] / 0.5))
     assert steps == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
-    # outer_warmup_rounds=0 (the default) is the step it always was, bit for bit.
-    a = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2))
-    b = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2, outer_warmup_rounds=0))
-    b.load_state_dict(a.state_dict())
-    for engine in (a, b):
-        engine.outer_step(torch.full_like(engine.theta_round.detach(), 1e-3))
-    assert a.weights_hash() == b.weights_hash()
-    with pytest.raises(ValueError, match="outer_warmup_rounds must be >= 0"):
-        DiLoCoConfig(outer_warmup_rounds=-1)
+    # Without a warm-up (the default) the step is outer_sgd_step at the config's lr, bit for bit,
+    # every round; a warm-up of one round is the same step.
+    for warmup in (0, 1):
+        engine = DiLoCo(nn.Linear(4, 3), DiLoCoConfig(inner_steps=2, outer_warmup_rounds=warmup))
+        theta, buffer = engine.theta_round.detach().clone(), None
+        for r in range(3):
+            delta = torch.full_like(theta, 1e-3 * (r + 1))
+            buffer = outer_sgd_step(theta, buffer, delta, lr=0.7, momentum=0.5, nesterov=True)
+            engine.outer_step(delta)
+            assert torch.equal(engine.theta_round.detach(), theta), (warmup, r)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="outer_warmup_rounds must be an integer >= 0"):
+            DiLoCoConfig(outer_warmup_rounds=bad)
 
 
 def test_a_network_definition_carries_the_outer_warmup_only_when_set() -> None:
