@@ -25,14 +25,31 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 class _ToNodeLog(logging.Handler):
-    """The verifier's own lines (the evaluator's measurements) in the node's output."""
+    """The verifier's own lines (the evaluator's measurements, uvicorn's warnings) in the node's
+    output. Until the server is up it holds errors back (the last one is kept), so that a server
+    that cannot start says why in the one line its caller logs."""
 
     def __init__(self, log: Callable[[str], None]) -> None:
         super().__init__(logging.INFO)
         self._log = log
+        self.started = False
+        self.last_error: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        self._log(f"verifier: {record.getMessage()}")
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR and not self.started:
+            self.last_error = message
+            return
+        self._log(f"verifier: {message}")
+
+
+def _route_to(logger_name: str, handler: _ToNodeLog, level: int) -> None:
+    logger = logging.getLogger(logger_name)
+    for old in [h for h in logger.handlers if isinstance(h, _ToNodeLog)]:
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 @dataclass
@@ -64,10 +81,11 @@ def start_embedded_verifier(
     import uvicorn
 
     home.mkdir(parents=True, exist_ok=True)
-    logger = logging.getLogger("neuroshard.verifier")
-    if not any(isinstance(h, _ToNodeLog) for h in logger.handlers):
-        logger.addHandler(_ToNodeLog(log))
-        logger.setLevel(logging.INFO)
+    to_node = _ToNodeLog(log)
+    _route_to("neuroshard.verifier", to_node, logging.INFO)
+    # uvicorn's own lines go the same way (log_config=None below: it installs no stderr
+    # handler), so a taken port is one line from the node, not a second one from uvicorn.
+    _route_to("uvicorn.error", to_node, getattr(logging, log_level.upper()))
     operator = load_operator_key(home / "operator.key", create=True)
     # One database per run definition: another model size or H is another run, whose rounds
     # and measurements must not mix with this one's.
@@ -82,7 +100,11 @@ def start_embedded_verifier(
         operator=operator,
         live_evaluation=EvaluatorConfig(cache_dir=home / "cache", models_dir=models_dir_for(home, network)),
     )
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config), host=host, port=port, log_level=log_level, log_config=None, access_log=False
+        )
+    )
     failed: list[BaseException] = []
 
     def serve() -> None:
@@ -98,7 +120,8 @@ def start_embedded_verifier(
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            reason = f"{type(failed[0]).__name__}" if failed else "no answer"
-            raise OSError(f"the embedded verifier could not listen on {host}:{port} ({reason})")
+            reason = to_node.last_error or (type(failed[0]).__name__ if failed else "no answer")
+            raise OSError(f"the embedded verifier could not listen on {host}:{port}: {reason}")
         time.sleep(0.05)
+    to_node.started = True
     return EmbeddedVerifier(f"http://{host}:{port}", operator.public_key_hex, server, thread)

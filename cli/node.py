@@ -299,6 +299,10 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
                 "a stage > 0 replica would run honestly"
             )
         placement = placement_from_args(args, run_.num_stages)
+        # Before anything is started (the embedded verifier, the peer plane): a directory the
+        # node cannot write its checkpoints to is the user's to fix, in one line.
+        checkpoint_dir = args.checkpoint_dir or args.home / "checkpoints"
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
         dataset, updates = _open_data(args, run_)
         model_config = ModelConfig.named(args.model_size, vocab_size=dataset.tokenizer.vocab_size)
         diloco_config = diloco_config_from_args(args)
@@ -393,7 +397,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             model_config=model_config,
             diloco_config=diloco_config,
             config=trainer_config,
-            checkpoint_dir=args.checkpoint_dir or args.home / "checkpoints",
+            checkpoint_dir=checkpoint_dir,
             log=_log,
             finish_round=finish_round,
             # Not in a pipeline: its stage 0 must run the steps its next stages expect.

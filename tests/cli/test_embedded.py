@@ -1,7 +1,10 @@
 """The verifier a node embeds: one SQLite database per run definition; --fresh starts a new one
 and keeps the old."""
 
+import socket
 from pathlib import Path
+
+import pytest
 
 from neuroshard.cli.embedded import start_embedded_verifier
 from neuroshard.testing.api import free_port
@@ -28,3 +31,20 @@ def test_one_database_per_definition_and_fresh_keeps_the_old_one(tmp_path: Path)
     assert first.exists() and any("kept as" in line for line in lines)
     kept = [p for p in tmp_path.glob(f"{first.stem}.*.sqlite3")]
     assert len(kept) == 1 and kept[0].stat().st_size > 0
+
+
+def test_a_taken_port_is_one_clear_error_and_nothing_on_stderr(tmp_path: Path, capfd) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    lines: list[str] = []
+    try:
+        with pytest.raises(
+            OSError, match=rf"could not listen on 127\.0\.0\.1:{port}: .*address already in use"
+        ):
+            start_embedded_verifier(home=tmp_path, network=small_network(), port=port, log=lines.append)
+    finally:
+        taken.close()
+    assert capfd.readouterr().err == ""
+    assert not any("already in use" in line for line in lines)  # the caller logs the one line

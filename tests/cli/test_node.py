@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from neuroshard.testing.api import free_port
+
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 TOKEN = "s3cret-token-do-not-print-4d1c"
 LOSS = re.compile(r"step=(\d+) round=(\d+) loss=([0-9.]+)")
@@ -24,6 +26,8 @@ def _args(published, home: Path, *extra: str) -> list[str]:
         "--seq-len", "64",
         "--inner-steps", "20",
         "--threads", "1",
+        # Its own port for the embedded verifier: tests run in parallel, and 8000 may be taken.
+        "--verifier-port", str(free_port()),
         *extra,
     ]  # fmt: skip
 

@@ -26,6 +26,7 @@ from neuroshard.cli.publish_shards import main as publish_shards_main
 from neuroshard.cli.publish_tokenizer import main as publish_tokenizer_main
 from neuroshard.data import read_manifest
 from neuroshard.data.storage import s3_client
+from neuroshard.testing.api import free_port
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_env")]
@@ -107,7 +108,7 @@ def test_publish_to_s3_fetch_through_a_cdn_and_train(cdn: Cdn, endpoint: str, tm
     home = tmp_path / "home"
     args = [NODE, "--home", str(home), "--data-url", f"http://127.0.0.1:{cdn.port}/",
             "--publisher-key", publisher.hex(), "--max-steps", "60", "--inner-steps", "20",
-            "--batch-size", "4", "--seq-len", "64", "--threads", "1"]  # fmt: skip
+            "--batch-size", "4", "--seq-len", "64", "--threads", "1", "--verifier-port", str(free_port())]  # fmt: skip
     out = subprocess.run(
         args,
         capture_output=True,

@@ -35,6 +35,7 @@ from neuroshard.node.replay import capture_inner_state, install_inner_state
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.node.work import RoundWork
+from neuroshard.testing.api import free_port
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 DILOCO = DiLoCoConfig(inner_steps=5, warmup_steps=2, total_steps=100)
@@ -388,7 +389,7 @@ def _node(published, home: Path, *extra: str) -> subprocess.CompletedProcess[str
     args = [
         NODE, "--home", str(home), "--data", str(published.directory),
         "--publisher-key", published.public_key_hex, "--batch-size", "4", "--seq-len", "64",
-        "--inner-steps", "20", "--threads", "1", "--token", "device-test-token", *extra,
+        "--inner-steps", "20", "--threads", "1", "--token", "device-test-token", "--verifier-port", str(free_port()), *extra,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
