@@ -114,9 +114,11 @@ def create_app(config: VerifierConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Sync routes run on anyio's thread pool (40 threads by default); the database pool is
-        # sized to this number (api.services), so no request thread waits for a connection.
+        # sized to this number plus the group-commit writers and background threads
+        # (api.services), so no thread waits for a connection.
         anyio.to_thread.current_default_thread_limiter().total_tokens = config.request_threads
         await run_in_threadpool(start)
+        services.writes.start()
         await run_in_threadpool(lease.start)
         # What start-up allocated (torch, SQLAlchemy's mappers, the app) lives as long as the
         # process: frozen out of the collector's sight, a full collection no longer walks it
@@ -126,6 +128,7 @@ def create_app(config: VerifierConfig) -> FastAPI:
         gc.freeze()
         yield
         await run_in_threadpool(lease.stop)
+        await run_in_threadpool(services.writes.close)
         await run_in_threadpool(services.reads.close)
         services.db.dispose()
 

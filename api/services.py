@@ -10,6 +10,7 @@ from fastapi import Request
 
 from neuroshard.verifier.config import VerifierConfig
 from neuroshard.verifier.db import Database
+from neuroshard.verifier.groupcommit import WRITERS, GroupCommit
 from neuroshard.verifier.leader import LeaderLease
 from neuroshard.verifier.ledger import LedgerConfig
 from neuroshard.verifier.network import sign_network
@@ -18,11 +19,12 @@ from neuroshard.verifier.ratelimit import RateLimiter
 from .cache import ReadCache
 from .metrics import RequestCounter
 
-BACKGROUND_CONNECTIONS = 4
-"""Connections beyond the request threads: the read-cache refresher, the evaluator, the replay
-checker and the leader lease (verifier.leader) each hold at most one. The lease holder's other
-jobs (the vocabulary watch, the housekeeping sweep) hold one briefly, from the pool's overflow
-(verifier.db: 4): a larger pool would take `--workers 4` past PostgreSQL's default 100."""
+BACKGROUND_CONNECTIONS = WRITERS + 4
+"""Connections beyond the request threads: each group-commit writer (verifier.groupcommit), the
+read-cache refresher, the evaluator, the replay checker and the leader lease (verifier.leader)
+hold at most one. The lease holder's other jobs (the vocabulary watch, the housekeeping sweep)
+hold one briefly, from the pool's overflow (verifier.db: 3): 12 + 6 + 3 = 21 a process by
+default, so `--workers 4` stays within PostgreSQL's default 100 connections."""
 
 
 class SettleGate:
@@ -60,6 +62,8 @@ class Services:
     reads: ReadCache
     settle: SettleGate
     """When a receipt settles its stage (the lead process's housekeeping settles the rest)."""
+    writes: GroupCommit
+    """Heartbeats and receipts, committed in groups by one writer thread (verifier.groupcommit)."""
     lease: LeaderLease | None = None
     """Set by create_app: whether this process runs the background work (shown in /metrics)."""
 
@@ -91,6 +95,7 @@ class Services:
             requests=RequestCounter(),
             reads=ReadCache(config.reads, clock=config.clock, generation=lambda: db.generation),
             settle=SettleGate(config.settle_interval_s),
+            writes=GroupCommit(db),
         )
 
     def now(self) -> float:

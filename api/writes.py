@@ -6,7 +6,8 @@ Order of checks, cheapest first, nothing written until all pass: body size (midd
 duplicate keys, NaN, deep nesting, huge numbers, unknown fields) → in one transaction: nonce
 unused (409), wallet registered and not refused (403), the write itself → commit → the 2xx.
 Any failure rolls the transaction back, nonce included. Every refusal is a `Refused`; its
-status comes from api.refusals.
+status comes from api.refusals. Heartbeats and receipts share their transaction with other
+requests' (verifier.groupcommit), which keeps each write's outcome its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest, ReinstateRequest
@@ -139,13 +142,16 @@ def register(auth: Signed, services: ServicesDep, request: Request) -> Response:
 @router.post(
     "/heartbeat", response_model=WriteAck, responses=_ERRORS, openapi_extra=request_body(HeartbeatRequest)
 )
-def heartbeat(auth: Signed, services: ServicesDep) -> Response:
+async def heartbeat(auth: Signed, services: ServicesDep) -> Response:
     """Keep the signing wallet in the peer list and report its DiLoCo progress."""
     payload = HeartbeatRequest.from_json(auth.body)
     now = services.now()
-    with services.db.write() as session:
+
+    def write(session: Session) -> None:
         ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
         ledger.heartbeat(session, auth.signed, payload, now=now, cfg=services.ledger)
+
+    await services.writes.submit(write, key=auth.signed.wallet_id)  # returns once committed
     return acknowledged(
         WriteAck(
             status="alive",
@@ -165,15 +171,20 @@ def heartbeat(auth: Signed, services: ServicesDep) -> Response:
     },
     openapi_extra=request_body(Receipt),
 )
-def submit_receipt(auth: Signed, services: ServicesDep) -> Response:
+async def submit_receipt(auth: Signed, services: ServicesDep) -> Response:
     """Record a work receipt for one (stage, round). 201 once committed; 200 for an identical resend."""
     payload = Receipt.from_json(auth.body)
     now = services.now()
-    with services.db.write() as session:
+
+    def write(session: Session) -> str:
         ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
-        status = ledger.submit_receipt(
+        return ledger.submit_receipt(
             session, auth.signed, payload, body_sha256=auth.body_sha256, now=now, cfg=services.ledger
         )
+
+    # A thousand replicas end a round together: their receipts commit in groups, each answered
+    # once its group has committed (verifier.groupcommit).
+    status = await services.writes.submit(write, key=auth.signed.wallet_id)
     if status == "duplicate":
         return acknowledged(WriteAck(status="duplicate", wallet_id=auth.signed.wallet_id))
     # The receipt is committed; judging earlier rounds is separate so a settlement race (another
@@ -181,18 +192,19 @@ def submit_receipt(auth: Signed, services: ServicesDep) -> Response:
     # left unsettled here is settled by a later receipt or by the lead process's housekeeping
     # (verifier.housekeeping), which is also what settles during the gate's pauses.
     recorded = acknowledged(WriteAck(status="recorded", wallet_id=auth.signed.wallet_id), 201)
-    if not services.settle.due(payload.stage):
-        return recorded
+    if services.settle.due(payload.stage):
+        await run_in_threadpool(_settle, services, payload.stage, payload.round, now)
+    return recorded
+
+
+def _settle(services: Services, stage: int, round_: int, now: float) -> None:
     try:
         with services.db.write() as session:
-            ledger.settle_rounds(session, payload.stage, now=now, cfg=services.ledger)
+            ledger.settle_rounds(session, stage, now=now, cfg=services.ledger)
     except IntegrityError:
-        log.debug(
-            "stage %d before round %d: settled concurrently by another request", payload.stage, payload.round
-        )
+        log.debug("stage %d before round %d: settled concurrently by another request", stage, round_)
     except SQLAlchemyError as exc:
-        log.warning("settling stage %d before round %d deferred: %s", payload.stage, payload.round, exc)
-    return recorded
+        log.warning("settling stage %d before round %d deferred: %s", stage, round_, exc)
 
 
 @router.post(

@@ -89,9 +89,11 @@ class VerifierConfig:
     """(stage, round)s returned by /api/training/history and drawn on the dashboard."""
     reads: ReadCacheConfig = field(default_factory=ReadCacheConfig)
     """How long rendered read responses are served before re-rendering (api.cache)."""
-    request_threads: int = 16
-    """Threads serving this process's requests (the database pool is sized to match). Issue 15:
-    PostgreSQL's default 100 connections must hold every worker's threads plus its background ones."""
+    request_threads: int = 12
+    """Threads serving this process's sync routes: registration, settlement, renders of the cached
+    reads (the database pool is sized to match; heartbeats and receipts are written by the group
+    commit's own threads, verifier.groupcommit). Issue 15: PostgreSQL's default 100 connections
+    must hold every worker's threads plus its background ones."""
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     """How the process that runs background work is chosen among workers (verifier.leader)."""
     clock: Callable[[], float] = time.time

@@ -92,7 +92,7 @@ def create_database_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> Engi
         )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=4)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=3)
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
