@@ -654,6 +654,13 @@ def metrics(services: ServicesDep) -> Response:
         "Read responses rendered from the database by this process.",
         services.reads.renders,
     )
+    out.family(
+        "neuroshard_write_groups_total",
+        "counter",
+        "Transactions of this process's group commit (verifier.groupcommit): all, and those rolled "
+        "back for a refused write and rerun one write at a time.",
+        [({"outcome": "all"}, services.writes.groups), ({"outcome": "rerun"}, services.writes.retried)],
+    )
     return Response(content=gauges + out.render().encode(), media_type=CONTENT_TYPE)
 
 

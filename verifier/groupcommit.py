@@ -79,7 +79,7 @@ class GroupCommit:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.groups = 0
-        """Transactions committed or tried (for tests and /metrics-style counting)."""
+        """Transactions committed or tried, reruns included (shown in /metrics)."""
         self.retried = 0
         """Groups rolled back and run again one write at a time."""
 

@@ -161,6 +161,9 @@ def test_metrics_exposition(harness: Harness) -> None:
     assert samples["neuroshard_global_loss_measured"] == "6.0"
     assert samples["neuroshard_training_verified"] == "0"
     assert samples['neuroshard_http_requests_total{method="POST",route="/api/receipts",status="201"}'] == "6"
+    # Every heartbeat and receipt went through the group commit (one request at a time here).
+    assert int(samples['neuroshard_write_groups_total{outcome="all"}']) >= 6
+    assert samples['neuroshard_write_groups_total{outcome="rerun"}'] == "0"
     for line in text.splitlines():
         assert line.startswith("#") or re.fullmatch(r"[a-z_]+(\{[^}]*\})? (NaN|[-+0-9.e]+)", line), line
     names = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
