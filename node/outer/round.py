@@ -97,6 +97,9 @@ SMALL_OBJECT_BYTES = 64 << 10
 LIST_BYTES_PER_MEMBER = 2048
 """Cap per member on an input list read (an entry is < 1 KB)."""
 
+Taken = tuple[AggregateClaim, bytes]
+"""A claim with the encoded aggregate it names, both checked: what a gather read returns."""
+
 
 RoundFactory = Callable[
     [RoundStore, Wallet, AggregationRule, "RoundConfig | None", Callable[[str], None]], "OuterRound"
@@ -410,33 +413,52 @@ class OuterRound:
 
     async def _read_claim(self, held: Held, j: int, owner: str, replaces: str, wait_s: float) -> bool:
         """Read part j's claim and aggregate from `owner`; True when both check out (then held)."""
-        if owner == self.me:
-            return j in held.claims and held.claims[j].wallet == self.me
+        taken = await self._fetch_claim(held, j, owner, replaces, wait_s)
+        if taken is not None:
+            self._hold(held, *taken)
+        return taken is not None
+
+    async def _fetch_claim(
+        self, held: Held, j: int, signer: str, replaces: str, wait_s: float
+    ) -> Taken | None:
+        """Part j's claim as `signer` serves it, with its aggregate, when both check out; holds nothing."""
+        if signer == self.me:
+            mine = held.claims.get(j)
+            return (mine, held.aggregates[j]) if mine is not None and mine.wallet == self.me else None
         inp = held.inp
         raw = await self.store.fetch(
-            owner, self._name(inp, "claim", j), max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s
+            signer, self._name(inp, "claim", j), max_bytes=SMALL_OBJECT_BYTES, wait_s=wait_s
         )
         if raw is None:
-            return False
+            return None
         try:
             claim = AggregateClaim.from_json(raw)
         except Refused:
-            return False
-        expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, j, owner, replaces)
+            return None
+        expected = (inp.stage, inp.round, inp.base_hash, held.members_sha, j, signer, replaces)
         got = (claim.stage, claim.round, claim.base_hash, claim.members_sha256, claim.part, claim.wallet,
                claim.replaces)  # fmt: skip
         if got != expected or not claim.signature_valid():
-            return False
+            return None
         # The aggregate is published before the claim: a short wait for it keeps a witness's worst
         # gather within `_echo`'s wait (a signer that names an aggregate it never serves is silent).
-        return await self._take_claim(held, claim, min(wait_s, self.config.agree_timeout_s))
+        return await self._fetch_aggregate(held, claim, min(wait_s, self.config.agree_timeout_s))
 
     async def _take_claim(
         self, held: Held, claim: AggregateClaim, wait_s: float, holders: tuple[str, ...] = ()
     ) -> bool:
-        """Read the aggregate `claim` names (by its hash, so an owner that signs two claims cannot
-        tear a reader between one claim and the other's bytes) from its signer, else from `holders`
-        (witnesses that echoed the claim keep a copy); True when it checks out (then held)."""
+        """Read the aggregate `claim` names (`_fetch_aggregate`); True when it checks out (then held)."""
+        taken = await self._fetch_aggregate(held, claim, wait_s, holders)
+        if taken is not None:
+            self._hold(held, *taken)
+        return taken is not None
+
+    async def _fetch_aggregate(
+        self, held: Held, claim: AggregateClaim, wait_s: float, holders: tuple[str, ...] = ()
+    ) -> Taken | None:
+        """`claim` with the aggregate it names, read by its hash (so an owner that signs two claims
+        cannot tear a reader between one claim and the other's bytes) from its signer, else from
+        `holders` (witnesses that echoed the claim keep a copy), when it checks out; holds nothing."""
         j = claim.part
         a, b = held.bounds[j]
         size = encoded_size(claim.encoding, b - a)
@@ -450,10 +472,15 @@ class OuterRound:
             try:
                 decode_part(aggregate, claim.encoding, b - a)
             except Refused:
-                return False  # signed but undecodable: as good as withheld (and hash-bound: no copy differs)
-            held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
-            return True
-        return False
+                return None  # signed but undecodable: as good as withheld (and hash-bound: no copy differs)
+            return claim, aggregate
+        return None
+
+    @staticmethod
+    def _hold(held: Held, claim: AggregateClaim, aggregate: bytes) -> None:
+        """Step with `claim` for its part (until the echoes or a fraud proof decide otherwise)."""
+        j = claim.part
+        held.claims[j], held.aggregates[j], held.encodings[j] = claim, aggregate, claim.encoding
 
     async def _gather(self, held: Held) -> None:
         """Witnesses gather the parts they witness; nobody else reads an owner's claim (see `_echo`),
@@ -489,43 +516,53 @@ class OuterRound:
                 await self._reduce(held, j, replaces=replaces)
                 return
             others = [w for w in chain[1:] if w not in (self.me, signer) and w in held.commitments]
-            if await self._first_of(
-                self._read_claim(held, j, signer, replaces, self.config.gather_timeout_s),
-                *(self._take_echo(held, j, chain, k, w, self.config.gather_timeout_s) for w in others),
-            ):
+            taken = await self._first_of(
+                self._fetch_claim(held, j, signer, replaces, self.config.gather_timeout_s),
+                *(self._echoed_claim(held, j, chain, k, w, self.config.gather_timeout_s) for w in others),
+            )
+            if taken is not None:
+                self._hold(held, *taken)
                 return
             result.silent.setdefault(signer, f"no valid aggregate of part {j} before the deadline")
         self.log(f"round {held.inp.round}: no valid aggregate of part {j} from {len(chain)} owner(s); zero")
 
     @staticmethod
-    async def _first_of(*reads: Coroutine[Any, Any, bool]) -> bool:
-        """True as soon as one read succeeds (the others are cancelled); False if none does. A read
-        that raises counts as failed: what it read came from another member and must not end the round."""
-        pending = {asyncio.ensure_future(r) for r in reads}
+    async def _first_of(*reads: Coroutine[Any, Any, Taken | None]) -> Taken | None:
+        """The claim of the first read to return one, in the order the reads finish (the others are
+        cancelled); None if none does. The reads hold nothing, the caller holds what this returns:
+        on a loaded machine several reads finish in one turn of the event loop, and when each held
+        its own claim the last one stayed, not the first (a witness read the owner's claim, then
+        held another witness's echo of the owner's other claim, and the equivocation went unseen).
+        A read that raises counts as failed: what it read came from another member and must not end
+        the round."""
+        tasks = [asyncio.ensure_future(r) for r in reads]
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if any(not task.exception() and task.result() for task in done):
-                    return True
-            return False
+            for finished in asyncio.as_completed(tasks):
+                try:
+                    taken = await finished
+                except Exception:
+                    continue
+                if taken is not None:
+                    return taken
+            return None
         finally:
-            for task in pending:
+            for task in tasks:
                 task.cancel()
 
-    async def _take_echo(
+    async def _echoed_claim(
         self, held: Held, j: int, chain: list[str], step: int, witness: str, wait_s: float
-    ) -> bool:
-        """Take the claim `witness` echoes for part j (its aggregate from the signer or the witness),
+    ) -> Taken | None:
+        """The claim `witness` echoes for part j with its aggregate (from the signer or the witness),
         if it is a claim of part j at chain position `step` or earlier: a witness must not jump
         ahead to a backup's claim (another witness could forge one at once and show readers the
         owner's claim instead) while the member at `step` still has time to answer."""
         echo = await self._read_echo(held, j, witness, wait_s)
         if echo is None or not echo.claims or echo.claims[0].part != j:
-            return False
+            return None
         k = self._position(held, chain, echo.claims[0])
         if k is None or k > step:
-            return False
-        return await self._take_claim(held, echo.claims[0], wait_s=2.0, holders=(witness,))
+            return None
+        return await self._fetch_aggregate(held, echo.claims[0], wait_s=2.0, holders=(witness,))
 
     async def _publish_echo(self, held: Held, j: int) -> None:
         """As a witness of part j: publish the claim gathered for it (or none), and a copy of its

@@ -19,7 +19,7 @@ from neuroshard.adversary.owners import (
 )
 from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.outer.partition import backup_chain, owners, part_bounds
-from neuroshard.node.outer.port import MemoryHub, MemoryStore
+from neuroshard.node.outer.port import MemoryHub, MemoryStore, object_name
 from neuroshard.node.outer.reduce import decode_part, encode_part
 from neuroshard.node.outer.round import OuterRound
 from neuroshard.node.outer.state import RoundConfig, RoundInput, RoundResult
@@ -264,6 +264,52 @@ async def test_an_owner_that_shows_its_witnesses_two_claims_is_caught_by_every_h
             assert j not in r.claims
             a, b = part_bounds(D, n)[j]
             assert torch.count_nonzero(r.aggregate[a:b]) == 0
+
+
+class OneTurnWitness(MemoryStore):
+    """The later witness of `cheat`'s part on a loaded machine, where one turn of a starved event
+    loop finds several replies: its read of the owner's claim (it is shown ``claim-b``) and its
+    read of witness `other`'s echo both wait for that echo, then both finish in one turn, the
+    owner's first."""
+
+    def __init__(self, hub: MemoryHub, wallet: str, cheat: str, other: str) -> None:
+        super().__init__(hub, wallet)
+        self.cheat, self.other = cheat, other
+
+    async def fetch(self, author: str, name: str, **kw: Any) -> bytes | None:
+        kind, part = name.split("/")[2], name.split("/")[-1]
+        claim = author == self.cheat and kind == "claim"
+        if claim or (author == self.other and kind == "echo"):
+            echo = object_name(0, 1, "echo", int(part))
+            await super().fetch(self.other, echo, max_bytes=1 << 16, wait_s=5.0)
+        if claim:
+            name = name.replace("/claim/", "/claim-b/")
+        return await super().fetch(author, name, **kw)
+
+
+@pytest.mark.asyncio
+async def test_a_witness_holds_the_owner_claim_that_came_before_an_echo_in_the_same_turn() -> None:
+    """The later witness reads the owner's second claim and the first witness's echo of its first
+    claim in one turn: it holds the one that came first, the owner's, so the witnesses echo two
+    claims and every honest replica reports the owner (when each read held its own claim, the
+    echo that finished last replaced it, and the equivocation went unseen)."""
+    n, cheat_at = 6, 2
+    wallets = sorted((Wallet.from_token(f"replica-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    cheat, hub = members[cheat_at], MemoryHub()
+    (j,) = parts_owned_by(cheat, n)
+    _, first, late = backup_chain(owners(0, 1, BASE, members), j, 2)
+    rounds: list[OuterRound] = []
+    for i, wallet in enumerate(wallets):
+        key = wallet.public_key_hex
+        store = OneTurnWitness(hub, key, cheat, first) if key == late else MemoryStore(hub, key)
+        hub.stores[key] = store
+        cls = SplitEquivocator if i == cheat_at else OuterRound
+        rounds.append(cls(store, wallet, median_rule, fast_config(checks=0)))
+    honest = [r for i, r in enumerate(await run_round(rounds, members)) if i != cheat_at]
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert r.cheats.get(cheat, "").startswith("equivocation"), r.cheats
 
 
 @pytest.mark.asyncio

@@ -7,6 +7,7 @@ them; only the process boundary is missing (test_swarm.py has that).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -590,7 +591,12 @@ def test_a_cheating_owner_on_the_wire_is_caught_and_the_honest_replicas_agree(sw
         # Its server answers the first wallet to read a claim with the claim, every other wallet
         # with its second claim, whatever the number of requests (a count of requests flaked: a
         # witness that asked twice, or took the other's echo, shifted the parity and both
-        # witnesses held one claim in every round).
+        # witnesses held one claim in every round). It answers the aggregates of a part it owns
+        # only once both witnesses (backups = 2) have asked for theirs: by then each has read its
+        # own claim, and no echo exists yet (a witness echoes once it holds an aggregate), so a
+        # claim taken from an echo needs one read more than the aggregate already on its way and
+        # comes second (`OuterRound._first_of`). On a loaded machine a witness that read its claim
+        # late took the other's echo first, and both witnesses held one claim.
         import contextvars
 
         from neuroshard.node.p2p.objects import ObjectRoutes
@@ -599,14 +605,26 @@ def test_a_cheating_owner_on_the_wire_is_caught_and_the_honest_replicas_agree(sw
         original_answer, original_wait = routes._answer, bad.network._shelf.wait
         reader: contextvars.ContextVar[str] = contextvars.ContextVar("reader")
         first: dict[str, str] = {}
+        asking: dict[str, set[str]] = {}  # claim name -> wallets that asked for an aggregate of its part
+        both_asked: dict[str, asyncio.Event] = {}
 
         async def answer(request: web.Request) -> web.Response:
             reader.set(request[PEER_WALLET])
             return await original_answer(request)
 
         async def split(name: str, timeout_s: float) -> bytes | None:
-            if name.split("/")[2] == "claim" and first.setdefault(name, reader.get()) != reader.get():
+            segments = name.split("/")
+            kind, claim = segments[2], "/".join([*segments[:2], "claim", *segments[3:]])
+            if kind == "claim" and first.setdefault(name, reader.get()) != reader.get():
                 name = name.replace("/claim/", "/claim-b/")
+            elif kind.startswith("agg-") and claim in first:
+                asking.setdefault(claim, set()).add(reader.get())
+                released = both_asked.setdefault(claim, asyncio.Event())
+                if len(asking[claim]) >= 2:
+                    released.set()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout_s):
+                        await released.wait()
             return await original_wait(name, timeout_s)
 
         routes._answer = answer  # type: ignore[method-assign]
