@@ -250,8 +250,10 @@ def _run_stage_replica(
 
 def _install_stop_handlers(stop: threading.Event) -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
-        _log(f"received {signal.Signals(signum).name}: finishing the current step and saving a checkpoint")
+        # First the event: a signal that lands inside a blocked write to stdout makes the print
+        # below raise (a reentrant call), and the stop must not depend on it.
         stop.set()
+        _log(f"received {signal.Signals(signum).name}: finishing the current step and saving a checkpoint")
         # A second Ctrl-C falls through to the default behaviour and ends the process at once.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 

@@ -315,7 +315,9 @@ class VerifierClient:
         self._thread.start()
 
     def stop(self, flush_s: float = 5.0) -> None:
-        """Try to deliver what is queued for up to `flush_s`, then end the thread."""
+        """Try to deliver what is queued for up to `flush_s`, then end the thread: within `flush_s`
+        plus a second in all, so a verifier that stopped answering cannot hold a node's exit for a
+        request timeout more (the thread is a daemon; a receipt still in flight is not acknowledged)."""
         if self._thread is None:
             return
         deadline = time.monotonic() + flush_s
@@ -324,7 +326,7 @@ class VerifierClient:
             time.sleep(0.05)
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=self.config.timeout_s + 1.0)
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self._thread = None
 
     # --- the tracker thread -----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The node's verifier client against a real verifier (uvicorn on loopback, SQLite)."""
 
 import json
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -138,6 +139,26 @@ def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> N
         assert time.monotonic() - stopped < 3.0
     assert not tracker.registered and tracker.delivered == 0
     assert sum("retrying every" in line for line in lines) == 1  # one line per outage, not per attempt
+
+
+def test_a_verifier_that_stopped_answering_does_not_hold_up_stop() -> None:
+    """The node's exit waits `flush_s` and a second, not a request timeout: a verifier that accepts
+    the connection and never answers keeps the tracker's request open for `timeout_s`."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    config = VerifierClientConfig(url=f"http://127.0.0.1:{silent.getsockname()[1]}", address="127.0.0.1:7999",
+                                  timeout_s=30.0)  # fmt: skip
+    tracker = VerifierClient(config, NODE, lambda line: None)
+    tracker.start()
+    try:
+        tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))
+        time.sleep(0.3)  # the tracker is inside its registration request, waiting for an answer
+        stopped = time.monotonic()
+        tracker.stop(flush_s=0.5)
+        assert time.monotonic() - stopped < 3.0
+    finally:
+        silent.close()
 
 
 def test_join_asks_again_until_the_verifier_answers_or_time_is_up(
