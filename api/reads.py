@@ -657,8 +657,8 @@ def metrics(services: ServicesDep) -> Response:
     out.family(
         "neuroshard_write_groups_total",
         "counter",
-        "Transactions of this process's group commit (verifier.groupcommit): all, and those rolled "
-        "back for a refused write and rerun one write at a time.",
+        "Transactions of this process's group commit (verifier.groupcommit): all, and reruns (a "
+        "group committed again without a write that raised, or tried again after a deadlock).",
         [({"outcome": "all"}, services.writes.groups), ({"outcome": "rerun"}, services.writes.retried)],
     )
     return Response(content=gauges + out.render().encode(), media_type=CONTENT_TYPE)

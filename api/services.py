@@ -63,7 +63,7 @@ class Services:
     settle: SettleGate
     """When a receipt settles its stage (the lead process's housekeeping settles the rest)."""
     writes: GroupCommit
-    """Heartbeats and receipts, committed in groups by one writer thread (verifier.groupcommit)."""
+    """Heartbeats and receipts, committed in groups by the writer threads (verifier.groupcommit)."""
     lease: LeaderLease | None = None
     """Set by create_app: whether this process runs the background work (shown in /metrics)."""
 

@@ -95,6 +95,12 @@ def acknowledged(ack: WriteAck, status_code: int = 200) -> Response:
     return Response(ack.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
+def _order(signed: SignedBy) -> str:
+    """Where a write goes in its group (verifier.groupcommit): by wallet, then nonce, the same in
+    every process."""
+    return f"{signed.wallet_id}/{signed.nonce}"
+
+
 Signed = Annotated[SignedRequest, Depends(signed_request)]
 ServicesDep = Annotated[Services, Depends(get_services)]
 
@@ -151,7 +157,7 @@ async def heartbeat(auth: Signed, services: ServicesDep) -> Response:
         ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
         ledger.heartbeat(session, auth.signed, payload, now=now, cfg=services.ledger)
 
-    await services.writes.submit(write, key=auth.signed.wallet_id)  # returns once committed
+    await services.writes.submit(write, key=_order(auth.signed))  # returns once committed
     return acknowledged(
         WriteAck(
             status="alive",
@@ -184,7 +190,7 @@ async def submit_receipt(auth: Signed, services: ServicesDep) -> Response:
 
     # A thousand replicas end a round together: their receipts commit in groups, each answered
     # once its group has committed (verifier.groupcommit).
-    status = await services.writes.submit(write, key=auth.signed.wallet_id)
+    status = await services.writes.submit(write, key=_order(auth.signed))
     if status == "duplicate":
         return acknowledged(WriteAck(status="duplicate", wallet_id=auth.signed.wallet_id))
     # The receipt is committed; judging earlier rounds is separate so a settlement race (another

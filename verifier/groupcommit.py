@@ -11,11 +11,14 @@ burst the groups grow by themselves, and the per-write cost falls with them. No 
 delayed on purpose to gather a group.
 
 A write that fails (a refusal, a constraint) must not take its neighbours' writes with it, and
-no refusal may leave a trace: a group in which anything fails is rolled back whole and its
-writes are run again one transaction each, so each gets exactly the outcome it would have had
-alone. Refusals are rare on the write path (replayed nonces, unregistered wallets), so the
-retry costs little. Each group runs its writes sorted by `key` (the signer's wallet), so two
-processes' groups take row locks in the same order.
+no refusal may leave a trace: when a write raises, the group is rolled back, that write gets its
+error (its outcome after the writes before it, a valid serial order) and the others are
+committed again without it, so a flood of refused writes costs one extra transaction per refusal,
+not one per neighbour. A failure no single write caused (the database away, a COMMIT that raised)
+goes to every write of the group, none rerun alone; a deadlock is tried once more. Each group runs
+its writes sorted by `key` (the signer's wallet, then the nonce), which makes two processes' groups
+lock the rows of their own wallets in the same order; a late receipt that also moves its stage's
+membership epoch can still meet another group in a deadlock, which PostgreSQL breaks.
 
 Durability is the caller's promise to keep: `submit` returns only after COMMIT returned, so
 acknowledging after `await submit(...)` acknowledges a durable write (verifier.db.Database.write).
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from .db import Database
@@ -42,10 +46,12 @@ log = logging.getLogger(__name__)
 WRITERS = 2
 """Writer threads per process, each holding a database connection while it commits. One writer
 groups best (verifier CPU per write 0.78x one transaction per request, three writers 0.83x:
-bench/RESULTS.md); a second keeps a group that waits on a row lock from stalling every write."""
+bench/RESULTS.md); two, not measured, so that a group waiting on a row lock does not stall every
+write of the process."""
 
 MAX_GROUP = 128
-"""Writes in one transaction at most: bounds how long one group holds its row locks."""
+"""Writes in one transaction at most: bounds how long one group holds its row locks (a chosen
+bound, not a measured optimum: a burst of 1,000 receipts over 4 workers queues ~60 per writer)."""
 
 
 @dataclass
@@ -65,9 +71,21 @@ def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | No
         future.set_result(result)
 
 
+class _Failed(Exception):
+    """Raised out of a group's transaction to roll it back: write `index` raised `error`."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(index)
+        self.index, self.error = index, error
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A deadlock or serialization failure: PostgreSQL rolled the group back, a second try may pass."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) in ("40P01", "40001")
+
+
 class GroupCommit:
-    """`writers` threads that commit the queued writes of this process in groups. More than one,
-    so that one group's round trips to the database overlap another's work in Python."""
+    """`writers` threads that commit the queued writes of this process in groups."""
 
     def __init__(self, db: Database, *, writers: int = WRITERS, max_group: int = MAX_GROUP) -> None:
         if writers < 1 or max_group < 1:
@@ -77,14 +95,16 @@ class GroupCommit:
         self.writers = writers
         self._queue: queue.SimpleQueue[_Write[Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._closing = False
         self._lock = threading.Lock()
         self.groups = 0
-        """Transactions committed or tried, reruns included (shown in /metrics)."""
+        """Transactions tried, reruns included (shown in /metrics)."""
         self.retried = 0
-        """Groups rolled back and run again one write at a time."""
+        """Groups rolled back and run again: without a write that raised, or after a deadlock."""
 
     def start(self) -> None:
         if not self._threads:
+            self._closing = False
             self._threads = [
                 threading.Thread(target=self._serve, name=f"group-commit-{i}", daemon=True)
                 for i in range(self.writers)
@@ -93,18 +113,29 @@ class GroupCommit:
                 thread.start()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Finish what is queued, then stop the threads."""
+        """Finish what is queued, then stop the threads; a write submitted after this is refused,
+        and one still queued when the threads are gone gets an error instead of no answer."""
+        self._closing = True
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
             thread.join(timeout=timeout_s)
         self._threads = []
+        while True:
+            try:
+                left = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if left is not None:
+                self._deliver(left, None, RuntimeError("the verifier is shutting down"))
 
     async def submit(self, work: Callable[[Session], T], *, key: str) -> T:
         """Run `work(session)` inside a write transaction; its result once that has committed.
-        An exception `work` raises (a `Refused`, say) is raised here, with nothing committed."""
-        if not self._threads:
-            raise RuntimeError("GroupCommit.submit before start()")
+        An exception `work` raises (a `Refused`, say) is raised here, with nothing of it committed.
+        `work` may run more than once (when its group is rerun), so it must change nothing outside
+        the session. `key` orders the writes of a group (the signer's wallet and the nonce)."""
+        if not self._threads or self._closing:
+            raise RuntimeError("GroupCommit.submit before start() or after close()")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._queue.put(_Write(work, key, loop, future))
@@ -127,22 +158,50 @@ class GroupCommit:
                     break
                 group.append(more)
             group.sort(key=lambda w: w.key)
-            self._commit(group)
+            try:
+                self._commit(group)
+            except BaseException as exc:  # never leave a request without an answer
+                for write in group:
+                    self._deliver(write, None, exc)
+                log.exception("group commit: a group failed outside its writes")
 
-    def _commit(self, group: list[_Write[Any]]) -> None:
+    def _commit(self, group: list[_Write[Any]], *, retry: bool = True) -> None:
+        """Commit `group`; a write that raises gets its error (its outcome after the writes before it
+        in the group, a valid serial order) and the others are committed again without it."""
         with self._lock:
             self.groups += 1
         try:
             with self._db.write() as session:
-                results = [write.work(session) for write in group]
+                results = []
+                for index, write in enumerate(group):
+                    try:
+                        results.append(write.work(session))
+                        # Each write sees the database, not the ORM objects an earlier one loaded.
+                        session.flush()
+                        session.expunge_all()
+                    except Exception as exc:
+                        if isinstance(exc, SQLAlchemyError) and not isinstance(exc, IntegrityError):
+                            raise  # the database's failure, not this write's (a deadlock among them)
+                        raise _Failed(index, exc) from exc
+        except _Failed as failed:
+            self._deliver(group[failed.index], None, failed.error)
+            rest = group[: failed.index] + group[failed.index + 1 :]
+            if rest:
+                with self._lock:
+                    self.retried += 1
+                self._commit(rest, retry=retry)
+            return
         except Exception as exc:
-            if len(group) == 1:
-                self._deliver(group[0], None, exc)
+            # Not one write's doing: a deadlock (tried once more), or the database failing (an outage,
+            # the pool, COMMIT itself): every write of the group gets the error, and none is rerun
+            # alone, which after a COMMIT that did land would refuse it as a replay.
+            if retry and _retryable(exc):
+                with self._lock:
+                    self.retried += 1
+                self._commit(group, retry=False)
                 return
-            with self._lock:
-                self.retried += 1
-            for write in group:  # nothing of the group committed: each alone, with its own outcome
-                self._commit(group=[write])
+            for write in group:
+                self._deliver(write, None, exc)
             return
         for write, result in zip(group, results, strict=True):
             self._deliver(write, result, None)

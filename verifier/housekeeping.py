@@ -55,7 +55,8 @@ class Housekeeping:
         transaction: a race with a receipt settling the same round, or a deadlock, costs only that
         stage's settlement until the next sweep. A nonce is forgotten one freshness window after
         it expired, so a request verified just before its timestamp went stale and delayed in the
-        thread pool or by another host's clock still finds its nonce taken."""
+        thread pool or the group commit's queue (verifier.groupcommit), or by another host's clock,
+        still finds its nonce taken."""
         now = self.ctx.clock()
         with self.ctx.db.write(stale_reads=False) as session:
             purged = ledger.purge_nonces(session, now=now - self.ledger.nonce_window_s)

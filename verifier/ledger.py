@@ -68,7 +68,8 @@ class LedgerConfig:
 # trip to PostgreSQL (issue 15's write profile). They run on the session's connection, in the
 # caller's transaction, as Core statements on the tables (no ORM bulk-insert layer). Being Core,
 # they do not autoflush the session: ORM changes a caller made before them and has not flushed are
-# not seen (the API opens a fresh session per request; members.on_register flushes its own).
+# not seen (the API's group commit flushes and clears the session between two requests' writes,
+# verifier.groupcommit; members.on_register flushes its own).
 _NONCES, _RECEIPTS, _VOTES, _PEERS = (
     cast(Table, model.__table__) for model in (m.Nonce, m.Receipt, m.HashVote, m.Peer)
 )

@@ -3,9 +3,11 @@ after it committed, and one write's failure costs its neighbours nothing and lea
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from neuroshard.protocol.refusal import Refused
@@ -14,12 +16,14 @@ from neuroshard.verifier.db import Database
 from neuroshard.verifier.groupcommit import GroupCommit
 
 
-def _nonce(nonce: str, *, refuse: bool = False):  # type: ignore[no-untyped-def]
+def _nonce(nonce: str, *, refuse: bool = False, outage: bool = False) -> Callable[[Session], str]:
     def write(session: Session) -> str:
         session.add(m.Nonce(public_key="ab" * 32, nonce=nonce, expires_at=1.0))
         session.flush()
         if refuse:
             raise Refused("conflict", f"{nonce} refused after its write")
+        if outage:
+            raise OperationalError("INSERT ...", {}, ConnectionError("the database went away"))
         return nonce
 
     return write
@@ -30,8 +34,11 @@ def _stored(db: Database) -> set[str]:
         return set(session.scalars(select(m.Nonce.nonce)))
 
 
-async def _burst(writer: GroupCommit, db: Database, writes: dict[str, bool]) -> dict[str, object]:
+async def _burst(
+    writer: GroupCommit, db: Database, writes: dict[str, Callable[[Session], str]]
+) -> dict[str, object]:
     """Hold the writer on a first write, queue `writes` behind it, then let it go: they form a group."""
+    before = _stored(db)
     entered, release = threading.Event(), threading.Event()
 
     def hold(session: Session) -> None:
@@ -40,7 +47,7 @@ async def _burst(writer: GroupCommit, db: Database, writes: dict[str, bool]) -> 
 
     first = asyncio.ensure_future(writer.submit(hold, key="0"))
     await asyncio.to_thread(entered.wait, 10)
-    tasks = {n: asyncio.ensure_future(writer.submit(_nonce(n, refuse=r), key=n)) for n, r in writes.items()}
+    tasks = {n: asyncio.ensure_future(writer.submit(work, key=n)) for n, work in writes.items()}
     await asyncio.sleep(0.05)  # every submit has queued its write
     assert not any(t.done() for t in tasks.values())
     release.set()
@@ -49,10 +56,10 @@ async def _burst(writer: GroupCommit, db: Database, writes: dict[str, bool]) -> 
     for name, task in tasks.items():
         try:
             outcomes[name] = await task
-        except Refused as exc:
+        except Exception as exc:
             outcomes[name] = exc
         # Answered only once committed: a separate session already sees what succeeded.
-        assert (name in _stored(db)) == (outcomes[name] == name)
+        assert (name in _stored(db) - before) == (outcomes[name] == name)
     return outcomes
 
 
@@ -60,7 +67,7 @@ def test_queued_writes_commit_as_one_group(db: Database) -> None:
     writer = GroupCommit(db, writers=1)
     writer.start()
     try:
-        outcomes = asyncio.run(_burst(writer, db, {f"n{i}": False for i in range(10)}))
+        outcomes = asyncio.run(_burst(writer, db, {f"n{i}": _nonce(f"n{i}") for i in range(10)}))
     finally:
         writer.close()
     assert outcomes == {f"n{i}": f"n{i}" for i in range(10)}
@@ -72,48 +79,77 @@ def test_a_refused_write_leaves_no_trace_and_costs_its_group_nothing(db: Databas
     writer = GroupCommit(db, writers=1)
     writer.start()
     try:
-        outcomes = asyncio.run(_burst(writer, db, {"a": False, "b": True, "c": False, "d": True}))
+        writes = {
+            "a": _nonce("a"),
+            "b": _nonce("b", refuse=True),
+            "c": _nonce("c"),
+            "d": _nonce("d", refuse=True),
+        }
+        outcomes = asyncio.run(_burst(writer, db, writes))
     finally:
         writer.close()
     assert outcomes["a"] == "a" and outcomes["c"] == "c"
     assert isinstance(outcomes["b"], Refused) and isinstance(outcomes["d"], Refused)
     assert _stored(db) == {"a", "c"}  # the refused writes' rows were rolled back with them
-    assert writer.retried == 1
+    # The held write, then a-b-c-d (b raises), a-c-d (d raises), a-c: one rerun per refusal,
+    # not one transaction per neighbour.
+    assert writer.groups == 4 and writer.retried == 2
 
 
 def test_a_constraint_failure_in_a_group_is_that_write_alone(db: Database) -> None:
-    """A duplicate key aborts a PostgreSQL transaction: the group is rerun one write at a time."""
-    writer = GroupCommit(db)
+    """A duplicate key aborts a PostgreSQL transaction: the group is committed again without it."""
+    writer = GroupCommit(db, writers=1)
     writer.start()
-
-    async def run() -> list[object]:
-        await writer.submit(_nonce("x"), key="x")
-        return await asyncio.gather(
-            writer.submit(_nonce("y"), key="y"), writer.submit(_nonce("x"), key="x"), return_exceptions=True
-        )
-
     try:
-        y, again = asyncio.run(run())
+        asyncio.run(writer.submit(_nonce("x"), key="x"))
+        outcomes = asyncio.run(_burst(writer, db, {"w": _nonce("w"), "x": _nonce("x"), "y": _nonce("y")}))
     finally:
         writer.close()
-    assert y == "y" and "IntegrityError" in type(again).__name__
-    with db.read() as session:
-        assert session.scalar(select(func.count()).select_from(m.Nonce)) == 2
+    assert outcomes["w"] == "w" and outcomes["y"] == "y"
+    assert isinstance(outcomes["x"], IntegrityError)
+    assert _stored(db) == {"w", "x", "y"} and writer.retried == 1
 
 
-def test_close_finishes_what_is_queued_and_submit_needs_a_started_writer(db: Database) -> None:
-    writer = GroupCommit(db)
+def test_a_database_failure_goes_to_the_whole_group_and_nothing_is_rerun(db: Database) -> None:
+    """Not one write's doing (here a write sees the connection fail): every write of the group gets
+    the error and none is rerun alone, which after a COMMIT that landed would refuse it as a replay."""
+    writer = GroupCommit(db, writers=1)
+    writer.start()
+    try:
+        outcomes = asyncio.run(_burst(writer, db, {"p": _nonce("p"), "q": _nonce("q", outage=True)}))
+    finally:
+        writer.close()
+    assert all(isinstance(o, OperationalError) for o in outcomes.values())
+    assert _stored(db) == set() and writer.retried == 0
+
+
+def test_close_finishes_what_is_queued_and_refuses_what_comes_after(db: Database) -> None:
+    writer = GroupCommit(db, writers=1)
     with pytest.raises(RuntimeError, match="before start"):
         asyncio.run(writer.submit(_nonce("z"), key="z"))
     writer.start()
+    entered, release = threading.Event(), threading.Event()
 
-    async def run() -> str:
-        task = asyncio.ensure_future(writer.submit(_nonce("z"), key="z"))
-        await asyncio.sleep(0)
-        await asyncio.to_thread(writer.close)
-        return await task
+    def hold(session: Session) -> str:
+        entered.set()
+        release.wait(10)
+        return "held"
 
-    assert asyncio.run(run()) == "z" and _stored(db) == {"z"}
+    async def run() -> list[str]:
+        held = asyncio.ensure_future(writer.submit(hold, key="0"))
+        await asyncio.to_thread(entered.wait, 10)
+        queued = [asyncio.ensure_future(writer.submit(_nonce(n), key=n)) for n in ("q1", "q2", "q3")]
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(asyncio.to_thread(writer.close))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match="after close"):
+            await writer.submit(_nonce("late"), key="late")
+        release.set()
+        await closing
+        return [await task for task in (held, *queued)]
+
+    assert asyncio.run(run()) == ["held", "q1", "q2", "q3"]
+    assert _stored(db) == {"q1", "q2", "q3"}
     with pytest.raises(ValueError, match="max_group"):
         GroupCommit(db, max_group=0)
     with pytest.raises(ValueError, match="writers"):
