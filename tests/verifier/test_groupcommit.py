@@ -10,10 +10,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
+from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.reports import HeartbeatRequest
+from neuroshard.protocol.signing import SignedBy
+from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.groupcommit import GroupCommit
+from tests.verifier.test_ledger import CFG, GOOD, NOW, receipt, register_all, theta, who
 
 
 def _nonce(nonce: str, *, refuse: bool = False, outage: bool = False) -> Callable[[Session], str]:
@@ -154,3 +159,65 @@ def test_close_finishes_what_is_queued_and_refuses_what_comes_after(db: Database
         GroupCommit(db, max_group=0)
     with pytest.raises(ValueError, match="writers"):
         GroupCommit(db, writers=0)
+
+
+def test_real_writes_in_one_group_keep_their_own_outcomes(db: Database) -> None:
+    """The ledger's own heartbeats and receipts, grouped: a stranger's heartbeat, a replayed nonce
+    and a conflicting receipt are refused and leave no nonce; their neighbours are stored."""
+    register_all(db, GOOD)
+    a, b, c = GOOD
+    stranger = Wallet.from_token("never-registered")
+    replayed = who(b)
+
+    def beat(signed: SignedBy) -> Callable[[Session], str]:
+        def write(session: Session) -> str:
+            ledger.use_nonce(session, signed, window_s=60)
+            ledger.heartbeat(
+                session, signed, HeartbeatRequest(stage=0, round=1, steps_in_round=2), now=NOW, cfg=CFG
+            )
+            return "alive"
+
+        return write
+
+    def send(signed: SignedBy, result: str) -> Callable[[Session], str]:
+        def write(session: Session) -> str:
+            ledger.use_nonce(session, signed, window_s=60)
+            return ledger.submit_receipt(
+                session, signed, receipt(0, result), body_sha256=result, now=NOW, cfg=CFG
+            )
+
+        return write
+
+    asyncio.run(_run_alone(db, beat(replayed)))  # b's nonce is used once already
+    writer = GroupCommit(db, writers=1)
+    writer.start()
+    try:
+        writes = {
+            "1-a-beat": beat(who(a)),
+            "2-stranger": beat(who(stranger)),
+            "3-a-receipt": send(who(a), theta(0)),
+            "4-b-replay": beat(replayed),
+            "5-c-receipt": send(who(c), theta(0)),
+            "6-c-conflict": send(who(c), theta(0, honest=False)),
+        }
+        outcomes = asyncio.run(_burst(writer, db, writes))
+    finally:
+        writer.close()
+    assert outcomes["1-a-beat"] == "alive"
+    assert outcomes["3-a-receipt"] == outcomes["5-c-receipt"] == "recorded"
+    refused = {name: o.code for name, o in outcomes.items() if isinstance(o, Refused)}
+    assert set(refused) == {"2-stranger", "4-b-replay", "6-c-conflict"}, outcomes
+    with db.read() as session:
+        keys = {k for (k,) in session.execute(select(m.Nonce.public_key))}
+        receipts = set(session.scalars(select(m.Receipt.wallet_id)))
+    assert stranger.public_key_hex not in keys  # the refused heartbeat's nonce went with it
+    assert receipts == {a.wallet_id, c.wallet_id}
+
+
+async def _run_alone(db: Database, work: Callable[[Session], str]) -> None:
+    writer = GroupCommit(db, writers=1)
+    writer.start()
+    try:
+        await writer.submit(work, key="0")
+    finally:
+        await asyncio.to_thread(writer.close)
