@@ -13,8 +13,9 @@ delayed on purpose to gather a group.
 A write that fails (a refusal, a constraint) must not take its neighbours' writes with it, and
 no refusal may leave a trace: when a write raises, the group is rolled back, that write gets its
 error (its outcome after the writes before it, a valid serial order) and the others are
-committed again without it, so a flood of refused writes costs one extra transaction per refusal,
-not one per neighbour. A failure no single write caused (the database away, a COMMIT that raised)
+committed again without it, each in its own SAVEPOINT so that further refusals among them roll
+back only themselves. A group with refusals in it costs one rerun, however many it has, and a
+group without any pays for no savepoint. A failure no single write caused (the database away, a COMMIT that raised)
 goes to every write of the group, none rerun alone; a deadlock is tried once more. Each group runs
 its writes sorted by `key` (the signer's wallet, then the nonce), which makes two processes' groups
 lock the rows of their own wallets in the same order; a late receipt that also moves its stage's
@@ -31,6 +32,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -165,31 +167,38 @@ class GroupCommit:
                     self._deliver(write, None, exc)
                 log.exception("group commit: a group failed outside its writes")
 
-    def _commit(self, group: list[_Write[Any]], *, retry: bool = True) -> None:
-        """Commit `group`; a write that raises gets its error (its outcome after the writes before it
-        in the group, a valid serial order) and the others are committed again without it."""
+    def _commit(self, group: list[_Write[Any]], *, retry: bool = True, savepoints: bool = False) -> None:
+        """Commit `group`. A write that raises gets its error (its outcome after the writes before it
+        in the group, a valid serial order) and the others are committed again without it, each then
+        in its own SAVEPOINT: a group with a refusal in it costs one rerun however many it has."""
         with self._lock:
             self.groups += 1
+        refused: dict[int, BaseException] = {}
         try:
             with self._db.write() as session:
-                results = []
+                results: list[Any] = []
                 for index, write in enumerate(group):
+                    result = None
                     try:
-                        results.append(write.work(session))
-                        # Each write sees the database, not the ORM objects an earlier one loaded.
-                        session.flush()
-                        session.expunge_all()
+                        with session.begin_nested() if savepoints else nullcontext():
+                            result = write.work(session)
+                            session.flush()
                     except Exception as exc:
                         if isinstance(exc, SQLAlchemyError) and not isinstance(exc, IntegrityError):
                             raise  # the database's failure, not this write's (a deadlock among them)
-                        raise _Failed(index, exc) from exc
+                        if not savepoints:
+                            raise _Failed(index, exc) from exc
+                        refused[index] = exc  # rolled back to its savepoint: nothing of it stays
+                    # Each write sees the database, not the ORM objects an earlier one loaded.
+                    session.expunge_all()
+                    results.append(result)
         except _Failed as failed:
             self._deliver(group[failed.index], None, failed.error)
             rest = group[: failed.index] + group[failed.index + 1 :]
             if rest:
                 with self._lock:
                     self.retried += 1
-                self._commit(rest, retry=retry)
+                self._commit(rest, retry=retry, savepoints=True)
             return
         except Exception as exc:
             # Not one write's doing: a deadlock (tried once more), or the database failing (an outage,
@@ -198,13 +207,13 @@ class GroupCommit:
             if retry and _retryable(exc):
                 with self._lock:
                     self.retried += 1
-                self._commit(group, retry=False)
+                self._commit(group, retry=False, savepoints=savepoints)
                 return
             for write in group:
                 self._deliver(write, None, exc)
             return
-        for write, result in zip(group, results, strict=True):
-            self._deliver(write, result, None)
+        for index, (write, result) in enumerate(zip(group, results, strict=True)):
+            self._deliver(write, result, refused.get(index))
 
     @staticmethod
     def _deliver(write: _Write[Any], result: Any, error: BaseException | None) -> None:

@@ -96,9 +96,9 @@ def test_a_refused_write_leaves_no_trace_and_costs_its_group_nothing(db: Databas
     assert outcomes["a"] == "a" and outcomes["c"] == "c"
     assert isinstance(outcomes["b"], Refused) and isinstance(outcomes["d"], Refused)
     assert _stored(db) == {"a", "c"}  # the refused writes' rows were rolled back with them
-    # The held write, then a-b-c-d (b raises), a-c-d (d raises), a-c: one rerun per refusal,
-    # not one transaction per neighbour.
-    assert writer.groups == 4 and writer.retried == 2
+    # The held write, then a-b-c-d (b raises), then a-c-d with a savepoint each (d rolls back
+    # to its own): one rerun for the group, not one per refusal or per neighbour.
+    assert writer.groups == 3 and writer.retried == 1
 
 
 def test_a_constraint_failure_in_a_group_is_that_write_alone(db: Database) -> None:
