@@ -32,13 +32,22 @@ class _ToNodeLog(logging.Handler):
     def __init__(self, log: Callable[[str], None]) -> None:
         super().__init__(logging.INFO)
         self._log = log
-        self.started = False
-        self.last_error: str | None = None
+        self._held: list[str] | None = []  # None once the server is up
+
+    @property
+    def last_error(self) -> str | None:
+        return self._held[-1] if self._held else None
+
+    def started(self) -> None:
+        """The server is up: errors held back so far were not fatal after all, so they are shown."""
+        held, self._held = self._held or [], None
+        for message in held:
+            self._log(f"verifier: {message}")
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if record.levelno >= logging.ERROR and not self.started:
-            self.last_error = message
+        if record.levelno >= logging.ERROR and self._held is not None:
+            self._held.append(message)
             return
         self._log(f"verifier: {message}")
 
@@ -123,5 +132,5 @@ def start_embedded_verifier(
             reason = to_node.last_error or (type(failed[0]).__name__ if failed else "no answer")
             raise OSError(f"the embedded verifier could not listen on {host}:{port}: {reason}")
         time.sleep(0.05)
-    to_node.started = True
+    to_node.started()
     return EmbeddedVerifier(f"http://{host}:{port}", operator.public_key_hex, server, thread)
