@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 WRITERS = 2
 """Writer threads per process, each holding a database connection while it commits. One writer
 groups best while the machine is busy (verifier CPU per write 0.78x one transaction per request,
-three writers 0.83x; on a quiet machine, where groups stay small, 0.98x: bench/RESULTS.md); two,
-not measured, so that a group waiting on a row lock does not stall every write of the process."""
+three writers 0.83x; bench/RESULTS.md). Two, the default, measured only on a quiet machine, where
+groups stay small (0.98x), so that a group waiting on a row lock does not stall every write."""
 
 MAX_GROUP = 128
 """Writes in one transaction at most: bounds how long one group holds its row locks (a chosen
