@@ -232,7 +232,14 @@ class BatchStream:
         return tokens
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), both (B, T) int64."""
+        """(input_ids, labels), both (B, T) int64: views of `next_rows()`."""
+        rows = self.next_rows()
+        # labels[b, t] is the token after inputs[b, t]
+        return rows[:, :-1], rows[:, 1:]
+
+    def next_rows(self) -> torch.Tensor:
+        """The next batch as one (B, T + 1) int64 tensor, inputs `[:, :-1]` and labels `[:, 1:]`:
+        a trainer on an accelerator copies it in one transfer and takes both views there."""
         tokens, windows = self._current()
         if self.position.offset + self._batch_size > windows.numel():
             self._advance()
@@ -242,8 +249,7 @@ class BatchStream:
         index = starts[:, None] + torch.arange(self._seq_len + 1)  # (B, T+1)
         rows = tokens[index].long()
         self.position = DataPosition(order_index=self.position.order_index, offset=start + self._batch_size)
-        # labels[b, t] is the token after inputs[b, t]
-        return rows[:, :-1], rows[:, 1:]
+        return rows
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:

@@ -143,9 +143,6 @@ def resolve(device: str = "auto", precision: str = "auto") -> Placement:
     return placement
 
 
-Batch = tuple[Tensor, Tensor]
-
-
 def snapshot_to_cpu(value: Any) -> Any:
     """A deep copy of nested dicts, lists and tuples with every tensor copied to the CPU.
 
@@ -186,18 +183,17 @@ class CopyStream:
         self.placement = placement
         self._stream = torch.cuda.Stream(device=placement.device) if placement.is_cuda else None
 
-    def start(self, batch: Batch) -> Batch:
-        """Begin moving a (B, T) batch to the device; `ready` before using the result."""
+    def start(self, tensor: Tensor) -> Tensor:
+        """Begin moving a host tensor to the device; `ready` before using the result."""
         if self._stream is None:
-            return self.placement.to_device(batch[0]), self.placement.to_device(batch[1])
+            return self.placement.to_device(tensor)
         with torch.cuda.stream(self._stream):
-            return self.placement.to_device(batch[0]), self.placement.to_device(batch[1])
+            return self.placement.to_device(tensor)
 
-    def ready(self, batch: Batch) -> Batch:
+    def ready(self, tensor: Tensor) -> Tensor:
         """Make the compute stream wait for the copy, and keep the memory alive for it."""
         if self._stream is not None:
             current = torch.cuda.current_stream(self.placement.device)
             current.wait_stream(self._stream)
-            for t in batch:
-                t.record_stream(current)
-        return batch
+            tensor.record_stream(current)
+        return tensor

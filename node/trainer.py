@@ -64,8 +64,9 @@ class TrainerConfig:
     the previous write is still in flight or `checkpoint_interval_s` has not passed; the
     checkpoint on stop is always written."""
     checkpoint_interval_s: float = 0.0
-    """Minimum wall time between two periodic or round-end checkpoints (0: every turn; the final
-    one is always written). On a GPU, 50 steps of the 125m preset take ~2.5 s while its 1.5 GB
+    """Minimum wall time between two periodic or round-end checkpoints, and from the start to the
+    first (0: every turn; the final one is always written; a --fresh run over an older checkpoint
+    writes at its first turn). On a GPU, 50 steps of the 125m preset take ~2.5 s while its 1.5 GB
     checkpoint costs ~1.5 s of loop time (bench/RESULTS.md, issue 14), so the node's CLI sets
     300 s on accelerators."""
     log_every: int = 10
@@ -182,7 +183,10 @@ class Trainer(InnerLoop):
         self._round_log: threading.Thread | None = None
         """The last round's log line, hashing θ in the background (`_log_round_done`)."""
         self._round_log_error: BaseException | None = None
-        self._last_checkpoint = -math.inf  # the first turn writes (a --fresh run replaces the old file)
+        # The checkpoint interval counts from the start: the file on disk is the state just loaded
+        # (or there is none yet). Only a --fresh run over an older file writes at its first turn,
+        # so that a restart does not resume the run it replaced.
+        self._last_checkpoint = -math.inf if fresh and self.checkpoint_file.exists() else time.monotonic()
         self.work = work or RoundWork()
         """The current round's data spans and losses (read by the round hook, cleared after it)."""
         self.segments = segments
@@ -458,16 +462,24 @@ class Trainer(InnerLoop):
 class FedBatch:
     """A batch on the device with the data span it came from."""
 
-    inputs: Tensor
-    """(B, T) int64 input ids."""
-    labels: Tensor
-    """(B, T) int64 next-token labels."""
+    rows: Tensor
+    """(B, T + 1) int64 token ids: `inputs` and `labels` are views of it."""
     shard_id: int
     start: int
     """First window (offset in the shard's window order) of the batch."""
     end: int
     before: DataPosition
     """The stream's position before this batch was read: where `rewind` puts it back."""
+
+    @property
+    def inputs(self) -> Tensor:
+        """(B, T) input ids."""
+        return self.rows[:, :-1]
+
+    @property
+    def labels(self) -> Tensor:
+        """(B, T) next-token labels: labels[b, t] is the token after inputs[b, t]."""
+        return self.rows[:, 1:]
 
 
 class BatchFeed:
@@ -485,13 +497,14 @@ class BatchFeed:
     def _read(self) -> FedBatch:
         stream = self._stream()
         before = stream.position
-        inputs, labels = self._copy.start(stream.next_batch())
+        # One transfer of the (B, T + 1) rows; inputs and labels are views of it on the device.
+        rows = self._copy.start(stream.next_rows())
         end = stream.position.offset
-        return FedBatch(inputs, labels, stream.shard_id, end - inputs.shape[0], end, before)
+        return FedBatch(rows, stream.shard_id, end - rows.shape[0], end, before)
 
     def take(self) -> FedBatch:
         batch, self._pending = self._pending or self._read(), None
-        batch.inputs, batch.labels = self._copy.ready((batch.inputs, batch.labels))
+        self._copy.ready(batch.rows)
         return batch
 
     def read_ahead(self) -> None:

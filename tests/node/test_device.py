@@ -491,8 +491,27 @@ def test_checkpoints_within_the_interval_are_passed_over_and_the_final_one_is_wr
 
     trainer._writer._write = counted  # type: ignore[method-assign]
     trainer.run(threading.Event())
-    # The first turn writes (a --fresh run must not keep the old file for an interval); the
-    # other periodic and round-end turns fall within the interval; the final one is written.
+    # The interval counts from the start, so every periodic and round-end turn falls within it;
+    # the final checkpoint is written.
+    assert writes == [12]
+
+
+def test_a_fresh_run_over_an_older_checkpoint_replaces_it_at_its_first_turn(
+    published, tmp_path: Path
+) -> None:
+    _trainer(published, tmp_path, Placement.cpu(), max_steps=4).run(threading.Event())
+    trainer = _trainer(published, tmp_path, Placement.cpu(), max_steps=12, fresh=True)
+    trainer.config = dataclasses.replace(trainer.config, checkpoint_every=2, checkpoint_interval_s=3600.0)
+    writes: list[int] = []
+    write = trainer._writer._write
+
+    def counted(path, identity, state) -> None:  # type: ignore[no-untyped-def]
+        writes.append(state["diloco"]["step"])
+        write(path, identity, state)
+
+    trainer._writer._write = counted  # type: ignore[method-assign]
+    trainer.run(threading.Event())
+    # A restart must not resume the run this one replaced, so the first turn writes at once.
     assert writes == [2, 12]
 
 
