@@ -153,8 +153,9 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
         "--checkpoint-interval",
         type=float,
         metavar="SECONDS",
-        help="minimum seconds between checkpoints (default: 0 on the CPU; 300 on a GPU, where "
-        "--checkpoint-every steps take seconds and each checkpoint costs about one)",
+        help="minimum seconds between checkpoints, and from the start to the first (default: 0 on "
+        "the CPU; 300 on a GPU, where --checkpoint-every steps take seconds and each checkpoint "
+        "costs about one); the checkpoint on stop is always written",
     )
     ckpt.add_argument(
         "--fresh", action="store_true", help="ignore (and later overwrite) an existing checkpoint"
