@@ -6,8 +6,8 @@ Order of checks, cheapest first, nothing written until all pass: body size (midd
 duplicate keys, NaN, deep nesting, huge numbers, unknown fields) → in one transaction: nonce
 unused (409), wallet registered and not refused (403), the write itself → commit → the 2xx.
 Any failure rolls the transaction back, nonce included. Every refusal is a `Refused`; its
-status comes from api.refusals. Heartbeats and receipts share their transaction with other
-requests' (verifier.groupcommit), which keeps each write's outcome its own.
+status comes from api.refusals. Registrations, heartbeats and receipts share their transaction
+with other requests' (verifier.groupcommit), which keeps each write's outcome its own.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ Signed = Annotated[SignedRequest, Depends(signed_request)]
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def _limit_new_wallets(request: Request, services: Services, signed: SignedBy) -> None:
+async def _limit_new_wallets(request: Request, services: Services, signed: SignedBy) -> None:
     """429 when the request's source registered too many new wallets (verifier.ratelimit.source_key);
     a wallet the verifier knows re-registers freely (a node restarting, moving its address)."""
     limiter, cfg = services.registrations, services.config.registration_limit
@@ -114,9 +114,13 @@ def _limit_new_wallets(request: Request, services: Services, signed: SignedBy) -
     source = source_key(request.client.host if request.client else None, exempt_loopback=cfg.exempt_loopback)
     if source is None:
         return
-    with services.db.read() as session:
-        if session.get(m.Wallet, signed.wallet_id) is not None:
-            return
+
+    def known() -> bool:
+        with services.db.read() as session:
+            return session.get(m.Wallet, signed.wallet_id) is not None
+
+    if await run_in_threadpool(known):
+        return
     wait = limiter.acquire(source)
     if wait > 0:
         raise Refused(
@@ -124,25 +128,38 @@ def _limit_new_wallets(request: Request, services: Services, signed: SignedBy) -
         )
 
 
+def _registration_order(signed: SignedBy, stage: int) -> str:
+    """A registration's place in its group: by stage first. A new member moves its stage's
+    membership epoch (a row lock held to COMMIT), so two processes' groups of registrations take
+    the epoch rows in the same order and cannot deadlock on them (verifier.groupcommit)."""
+    return f"{stage:010d}/{_order(signed)}"
+
+
 @router.post(
     "/register", response_model=WriteAck, responses=_ERRORS, openapi_extra=request_body(RegisterRequest)
 )
-def register(auth: Signed, services: ServicesDep, request: Request) -> Response:
+async def register(auth: Signed, services: ServicesDep, request: Request) -> Response:
     """Register (or re-register) the signing wallet: peer address, stage, software version. A new
     wallet may need a proof of work (`pow_nonce`, GET /api/admission) and is limited per source."""
     payload = RegisterRequest.from_json(auth.body)
-    _limit_new_wallets(request, services, auth.signed)
+    await _limit_new_wallets(request, services, auth.signed)
     now = services.now()
-    with services.db.write() as session:
+
+    def write(session: Session) -> float:
         ledger.use_nonce(session, auth.signed, window_s=services.config.freshness_window_s)
-        wallet = ledger.register(session, auth.signed, payload, now=now, cfg=services.ledger)
-        ack = WriteAck(
+        return ledger.register(session, auth.signed, payload, now=now, cfg=services.ledger).reputation
+
+    # A network's launch registers its nodes within seconds: they commit in groups too, and a
+    # group moves each stage's epoch once per registration in it, in stage order.
+    reputation = await services.writes.submit(write, key=_registration_order(auth.signed, payload.stage))
+    return acknowledged(  # only now: the group's transaction has committed
+        WriteAck(
             status="registered",
-            wallet_id=wallet.wallet_id,
-            reputation=wallet.reputation,
+            wallet_id=auth.signed.wallet_id,
+            reputation=reputation,
             heartbeat_interval_s=services.config.peer_ttl_s / 3,
         )
-    return acknowledged(ack)  # only now: the transaction above has committed
+    )
 
 
 @router.post(
