@@ -17,9 +17,10 @@ committed again without it, each in its own SAVEPOINT so that further refusals a
 back only themselves. A group with refusals in it costs one rerun, however many it has, and a
 group without any pays for no savepoint. A failure no single write caused (the database away, a COMMIT that raised)
 goes to every write of the group, none rerun alone; a deadlock is tried once more. Each group runs
-its writes sorted by `key` (the signer's wallet, then the nonce), which makes two processes' groups
-lock the rows of their own wallets in the same order; a late receipt that also moves its stage's
-membership epoch can still meet another group in a deadlock, which PostgreSQL breaks.
+its writes sorted by `key` (the signer's wallet, then the nonce; a registration's key starts with
+its stage), which makes two processes' groups lock the rows of their own wallets, and the stages'
+membership epoch rows that registrations move, in the same order; a late receipt that also moves
+its stage's epoch can still meet another group in a deadlock, which PostgreSQL breaks.
 
 Durability is the caller's promise to keep: `submit` returns only after COMMIT returned, so
 acknowledging after `await submit(...)` acknowledges a durable write (verifier.db.Database.write).
