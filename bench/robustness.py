@@ -75,6 +75,7 @@ RULES = (
     "val+bucket+default",
     "val+clip+default",
     "part:clip+default",
+    "val+hist+default",
     "fit+default",
     "fit+mean",
     "part:default",
@@ -93,7 +94,11 @@ previous round's aggregate (Karimireddy et al. 2021); "bucket+" averages random 
 (Karimireddy, He & Jaggi 2022, s = 2, the permutation seeded by the round); "clip+" scales every
 row longer than the rows' median norm down to it first (norm bounding, Sun et al. 2019, "Can You
 Really Backdoor Federated Learning?"), so a Δ screened in at the norm-ratio limit weighs no more
-than a typical one."""
+than a typical one; "hist+" keeps per-wallet history (the issue's candidate): each wallet's
+exponential average of its rows' cosine to the round's aggregate (a row the screening refused
+counts as −1), and a wallet whose average has fallen below ``HISTORY_FLOOR`` after
+``HISTORY_WARM`` rounds is refused. The adaptive colluders know it: they also require that the
+round's rows keep every colluder's average at or above the floor (``AttackedAggregate._screen``)."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
 DEFAULT_ATTACKS = (
@@ -118,6 +123,12 @@ VALIDATION = ValidationConfig()
 FIT_K = 4.0
 """fit+: a statistic more than FIT_K robust standard deviations (1.4826 × MAD over the round's
 contributions) from the round's median is refused, inside the fixed thresholds."""
+HISTORY_ALPHA = 0.3
+"""hist+: weight of the newest round in a wallet's average cosine to the aggregate."""
+HISTORY_WARM = 3
+"""hist+: rounds a wallet is seen before its average can refuse it."""
+HISTORY_FLOOR = 0.0
+"""hist+: a wallet whose average cosine to the aggregate is below this is refused (--history-floor)."""
 HELD_OUT_BLOCK = 2048
 """Tokens per block of the train/held-out split; every tenth block is held out."""
 
@@ -142,6 +153,8 @@ class Setup:
     """The --quick text (tiny) instead of the fresh-clone text."""
     outer: str | None = None
     """``LR:MOMENTUM:n|s`` (Nesterov or plain SGD) in place of the bare DiLoCoConfig's outer step."""
+    history_floor: float = HISTORY_FLOOR
+    """hist+: the average cosine to the aggregate below which a wallet is refused."""
 
 
 @dataclass(kw_only=True)
@@ -170,6 +183,8 @@ class Outcome:
     equivocations_visible: int = 0
     honest_stats: dict[str, list[float]] = field(default_factory=dict)
     min_honest_pair_distance: float = math.inf
+    history: dict[str, list[float]] = field(default_factory=dict)
+    """hist+: per round after the warm-up, the lowest honest and the highest attacker average."""
 
 
 class Diverged(RuntimeError):
@@ -264,6 +279,13 @@ def norm_clipped(stack: Tensor) -> Tensor:
     return stack * scale[:, None]
 
 
+def _cosine(a: Tensor, b: Tensor) -> float:
+    """cos(a, b) in float64 (0 when either is zero)."""
+    a64, b64 = a.double(), b.double()
+    denominator = float(a64.norm() * b64.norm())
+    return float(a64 @ b64) / denominator if denominator > 0 else 0.0
+
+
 def split_rule(rule: str) -> tuple[str, str]:
     """("val" | "fit" | "part" | "", the aggregation rule after the screening prefix)."""
     for prefix, kind in (("val+", "val"), ("fit+", "fit"), ("part:", "part")):
@@ -275,9 +297,15 @@ def split_rule(rule: str) -> tuple[str, str]:
 class AttackedAggregate:
     """The simulator's ``aggregate``: rows 0..M−1 are honest, rows M.. are replaced by the attack."""
 
-    def __init__(self, job: Job, diloco: DiLoCoConfig, outcome: Outcome) -> None:
-        self.job, self.outcome = job, outcome
+    def __init__(
+        self, job: Job, diloco: DiLoCoConfig, outcome: Outcome, history_floor: float = HISTORY_FLOOR
+    ) -> None:
+        self.job, self.outcome, self.history_floor = job, outcome, history_floor
         self.screen_kind, self.rule = split_rule(job.rule)
+        self.with_history = self.rule.startswith("hist+")
+        if self.with_history:
+            self.rule = self.rule[len("hist+") :]
+        self.history: dict[str, tuple[float, int]] = {}  # wallet → (average cosine, rounds seen)
         self.round = 0
         self.own_history: list[Tensor] = []  # per round, the attackers' own honest Δs (K, d)
         self.revealed: Tensor | None = None  # the previous round's honest payloads (M, d)
@@ -305,14 +333,38 @@ class AttackedAggregate:
         else:
             verdicts = fitted_screen(by_wallet, d) if self.screen_kind == "fit" else plain
             refused = {w: v.reason for w, v in verdicts.items() if not v.ok}
+            if self.with_history:
+                refused |= {w: "history" for w in by_wallet if w not in refused and self._history_refuses(w)}
             kept = rows if not self.screen_kind else [r for w, r in by_wallet.items() if w not in refused]
             result = self._apply(self.rule, torch.stack(kept))
+        if self.with_history:
+            self._remember(by_wallet, refused, result)
         self._record(wallets, plain, refused, active, honest, equivocated)
         if not bool(torch.isfinite(result).all()):
             raise Diverged(f"round {self.round}: {self.job.rule} returned non-finite values")
         self._advance(result)
         self.revealed = honest.clone()
         return result
+
+    def _history_refuses(self, wallet: str, average: float | None = None) -> bool:
+        value, seen = self.history.get(wallet, (1.0, 0))
+        return seen >= HISTORY_WARM and (value if average is None else average) < self.history_floor
+
+    def _averaged(self, wallet: str, cosine: float) -> float:
+        """The wallet's average after a round whose row had this cosine to the aggregate."""
+        value, seen = self.history.get(wallet, (cosine, 0))
+        return cosine if seen == 0 else (1 - HISTORY_ALPHA) * value + HISTORY_ALPHA * cosine
+
+    def _remember(self, by_wallet: dict[str, Tensor], refused: dict[str, str], result: Tensor) -> None:
+        M = self.job.honest
+        for w, row in by_wallet.items():
+            cosine = -1.0 if w in refused and refused[w] != "history" else _cosine(row, result)
+            self.history[w] = (self._averaged(w, cosine), self.history.get(w, (0.0, 0))[1] + 1)
+        if self.round + 1 >= HISTORY_WARM:
+            ranked = [(w, v) for w, (v, _) in self.history.items()]
+            self.outcome.history.setdefault("honest", []).append(min(v for w, v in ranked[:M]))
+            if ranked[M:]:
+                self.outcome.history.setdefault("attack", []).append(max(v for w, v in ranked[M:]))
 
     def _start_shadow(self, d: int) -> None:
         self.shadow = torch.zeros(d, requires_grad=True)
@@ -356,7 +408,25 @@ class AttackedAggregate:
         return list(chosen.rows)
 
     def _screen(self, config: ValidationConfig) -> attacks.Screen:
-        """The colluders' acceptance test: the defence's own screening (``config``'s thresholds)."""
+        """The colluders' acceptance test: the defence's own screening (``config``'s thresholds);
+        under hist+, also every colluder's average after this round at or above the floor (the
+        aggregate predicted as the rule over their estimate and their rows)."""
+        base = self._screen_only(config)
+        if not self.with_history:
+            return base
+
+        def keeps_history(estimate: Tensor, crafted: Tensor) -> bool:
+            if not base(estimate, crafted):
+                return False
+            predicted = self._apply(self.rule, torch.cat([estimate, crafted]))
+            return all(
+                not self._history_refuses(f"x{j:02d}", self._averaged(f"x{j:02d}", _cosine(row, predicted)))
+                for j, row in enumerate(crafted)
+            )
+
+        return keeps_history
+
+    def _screen_only(self, config: ValidationConfig) -> attacks.Screen:
         if self.screen_kind == "part":
             parts = self.job.honest + self.job.byzantine
 
@@ -535,7 +605,7 @@ def run_job(job: Job, setup: Setup) -> Outcome:
             replicas=replicas,
             rounds=setup.rounds,
             batches=batches,
-            aggregate=AttackedAggregate(job, diloco, outcome),
+            aggregate=AttackedAggregate(job, diloco, outcome, setup.history_floor),
             eval_batches=eval_batches,
         )
         outcome.final_loss = result.eval_loss[-1]
@@ -657,6 +727,25 @@ def print_honest_ranges(outcomes: list[Outcome]) -> None:
         )
 
 
+def print_history(outcomes: list[Outcome]) -> None:
+    """hist+: how far apart the honest and the attacking wallets' averages stayed."""
+    group = [o for o in outcomes if o.history]
+    if not group:
+        return
+    print(
+        f"\nhist+ (α {HISTORY_ALPHA}, from round {HISTORY_WARM}): the lowest honest "
+        "and the highest attacker average cosine to the aggregate over the rounds\n"
+    )
+    print("| data | split | attack | rule | lowest honest | highest attacker |")
+    print("|---|---|---|---|---|---|")
+    for o in sorted(group, key=lambda o: (o.job.data, o.job.honest, o.job.attack, o.job.rule, o.job.seed)):
+        j, h = o.job, o.history
+        attack = f"{max(h['attack']):.3f}" if h.get("attack") else "–"
+        print(
+            f"| {j.data} | {j.honest}+{j.byzantine} | {j.attack} | {j.rule} | {min(h['honest']):.3f} | {attack} |"
+        )
+
+
 def outer_settings(spec: str | None) -> dict[str, float | bool]:
     """DiLoCoConfig's outer fields from ``LR:MOMENTUM:n|s`` (n: Nesterov, s: plain SGD); {} for None."""
     if spec is None:
@@ -690,9 +779,17 @@ def main() -> None:
         help="LR:MOMENTUM:n|s, the outer step of every run (default: DiLoCoConfig's for --inner-steps, "
         "Nesterov 0.7 / 0.5 at H = 10)",
     )
+    parser.add_argument(
+        "--history-floor",
+        type=float,
+        default=HISTORY_FLOOR,
+        help=f"hist+: refuse a wallet whose average cosine to the aggregate is below this (default {HISTORY_FLOOR})",
+    )
     args = parser.parse_args()
     outer_settings(args.outer)  # refuse a malformed spec before any run starts
-    setup = Setup(rounds=args.rounds, inner_steps=args.inner_steps, outer=args.outer)
+    setup = Setup(
+        rounds=args.rounds, inner_steps=args.inner_steps, outer=args.outer, history_floor=args.history_floor
+    )
     splits, data_modes = args.splits, args.data
     if args.quick:
         setup, splits, args.seeds = Setup(rounds=3, inner_steps=1, eval_batches=1, quick=True), "5+1", 1
@@ -742,6 +839,7 @@ def main() -> None:
     print(f"\n## Robustness benchmark ({time.perf_counter() - start:.0f}s wall)")
     print_tables(outcomes, rules, attack_names)
     print_honest_ranges(outcomes)
+    print_history(outcomes)
 
 
 if __name__ == "__main__":
