@@ -795,6 +795,7 @@ def main() -> None:
         setup, splits, args.seeds = Setup(rounds=3, inner_steps=1, eval_batches=1, quick=True), "5+1", 1
         data_modes = "noniid"
         args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"
+        args.rules = ",".join([*DEFAULT_RULES, "val+hist+default"])  # every screening path once
     attack_names = [a for a in args.attacks.split(",") if a]
     rules = [r for r in args.rules.split(",") if r]
     for name in attack_names:
