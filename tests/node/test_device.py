@@ -477,42 +477,41 @@ def test_an_inner_state_captured_on_the_cpu_installs_on_a_cuda_engine() -> None:
     cuda.inner_step(*batch(0, 3))  # fused AdamW on CUDA steps with the installed moments
 
 
+def _steps_written(trainer: Trainer) -> list[int]:
+    """Run the trainer with a checkpoint turn every 2 steps and a 1-hour interval; the inner step
+    of every checkpoint it wrote."""
+    trainer.config = dataclasses.replace(trainer.config, checkpoint_every=2, checkpoint_interval_s=3600.0)
+    writes: list[int] = []
+    write = trainer._writer._write
+
+    def counted(path, identity, state) -> None:  # type: ignore[no-untyped-def]
+        writes.append(state["diloco"]["step"])
+        write(path, identity, state)
+
+    trainer._writer._write = counted  # type: ignore[method-assign]
+    trainer.run(threading.Event())
+    return writes
+
+
+@pytest.mark.parametrize(
+    ("older", "fresh", "written"),
+    [
+        # The interval counts from the start, so every periodic and round-end turn falls within
+        # it; the final checkpoint is written.
+        (False, False, [12]),
+        (True, False, [12]),  # resumed from the older file: it is the state the run starts from
+        # A restart must not resume the run a fresh one replaced: its first turn writes at once.
+        (True, True, [2, 12]),
+    ],
+    ids=["new", "resumed", "fresh-over-older"],
+)
 def test_checkpoints_within_the_interval_are_passed_over_and_the_final_one_is_written(
-    published, tmp_path: Path
+    published, tmp_path: Path, older: bool, fresh: bool, written: list[int]
 ) -> None:
-    trainer = _trainer(published, tmp_path, Placement.cpu(), max_steps=12)
-    trainer.config = dataclasses.replace(trainer.config, checkpoint_every=2, checkpoint_interval_s=3600.0)
-    writes: list[int] = []
-    write = trainer._writer._write
-
-    def counted(path, identity, state) -> None:  # type: ignore[no-untyped-def]
-        writes.append(state["diloco"]["step"])
-        write(path, identity, state)
-
-    trainer._writer._write = counted  # type: ignore[method-assign]
-    trainer.run(threading.Event())
-    # The interval counts from the start, so every periodic and round-end turn falls within it;
-    # the final checkpoint is written.
-    assert writes == [12]
-
-
-def test_a_fresh_run_over_an_older_checkpoint_replaces_it_at_its_first_turn(
-    published, tmp_path: Path
-) -> None:
-    _trainer(published, tmp_path, Placement.cpu(), max_steps=4).run(threading.Event())
-    trainer = _trainer(published, tmp_path, Placement.cpu(), max_steps=12, fresh=True)
-    trainer.config = dataclasses.replace(trainer.config, checkpoint_every=2, checkpoint_interval_s=3600.0)
-    writes: list[int] = []
-    write = trainer._writer._write
-
-    def counted(path, identity, state) -> None:  # type: ignore[no-untyped-def]
-        writes.append(state["diloco"]["step"])
-        write(path, identity, state)
-
-    trainer._writer._write = counted  # type: ignore[method-assign]
-    trainer.run(threading.Event())
-    # A restart must not resume the run this one replaced, so the first turn writes at once.
-    assert writes == [2, 12]
+    if older:
+        _trainer(published, tmp_path, Placement.cpu(), max_steps=4).run(threading.Event())
+    trainer = _trainer(published, tmp_path, Placement.cpu(), max_steps=12, fresh=fresh)
+    assert _steps_written(trainer) == written
 
 
 def test_the_checkpoint_interval_defaults_to_every_turn_on_the_cpu() -> None:
