@@ -27,7 +27,7 @@ Reported: final held-out loss ÷ the clean run's (no attackers, plain mean, same
 mean over seeds, the worst attack per rule and knowledge level, and the defence's verdicts per
 attack (attack contributions caught, honest contributions refused).
 
-    .venv/bin/python bench/robustness.py --quick     # smoke: 5+1, 1 seed, 3 one-step rounds
+    .venv/bin/python bench/robustness.py --quick     # smoke: 5+1, 1 seed, 4 one-step rounds
     .venv/bin/python bench/robustness.py --splits 8+2 --seeds 1 --rules mean,val+default   # a pilot
     .venv/bin/python bench/robustness.py --attacks none --rules mean   # calibration: honest stats only
 """
@@ -334,7 +334,9 @@ class AttackedAggregate:
             verdicts = fitted_screen(by_wallet, d) if self.screen_kind == "fit" else plain
             refused = {w: v.reason for w, v in verdicts.items() if not v.ok}
             if self.with_history:
-                refused |= {w: "history" for w in by_wallet if w not in refused and self._history_refuses(w)}
+                late = {w: "history" for w in by_wallet if w not in refused and self._history_refuses(w)}
+                if len(refused) + len(late) < len(by_wallet):  # never an empty round
+                    refused |= late
             kept = rows if not self.screen_kind else [r for w, r in by_wallet.items() if w not in refused]
             result = self._apply(self.rule, torch.stack(kept))
         if self.with_history:
@@ -346,9 +348,13 @@ class AttackedAggregate:
         self.revealed = honest.clone()
         return result
 
-    def _history_refuses(self, wallet: str, average: float | None = None) -> bool:
+    def _history_refuses(self, wallet: str, after_this_round: float | None = None) -> bool:
+        """Whether the wallet's average refuses it in the coming round; with ``after_this_round``,
+        whether that average, once this round is counted, would refuse it in the next one."""
         value, seen = self.history.get(wallet, (1.0, 0))
-        return seen >= HISTORY_WARM and (value if average is None else average) < self.history_floor
+        if after_this_round is not None:
+            value, seen = after_this_round, seen + 1
+        return seen >= HISTORY_WARM and value < self.history_floor
 
     def _averaged(self, wallet: str, cosine: float) -> float:
         """The wallet's average after a round whose row had this cosine to the aggregate."""
@@ -761,7 +767,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 5+1, 1 seed, 3 rounds of 1 inner step"
+        "--quick", action="store_true", help="smoke run: 5+1, 1 seed, 4 rounds of 1 inner step"
     )
     parser.add_argument("--splits", default="8+2,10+3", help="comma-separated honest+byzantine pairs")
     parser.add_argument("--data", default="noniid,iid", help="noniid (own region per replica), iid, or both")
@@ -792,10 +798,18 @@ def main() -> None:
     )
     splits, data_modes = args.splits, args.data
     if args.quick:
-        setup, splits, args.seeds = Setup(rounds=3, inner_steps=1, eval_batches=1, quick=True), "5+1", 1
-        data_modes = "noniid"
+        # HISTORY_WARM + 1 rounds, so that hist+ refuses (or the colluders avoid it) at least once.
+        setup = Setup(
+            rounds=HISTORY_WARM + 1,
+            inner_steps=1,
+            eval_batches=1,
+            quick=True,
+            history_floor=args.history_floor,
+        )
+        splits, args.seeds, data_modes = "5+1", 1, "noniid"
         args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"
-        args.rules = ",".join([*DEFAULT_RULES, "val+hist+default"])  # every screening path once
+        if args.rules == parser.get_default("rules"):
+            args.rules = ",".join([*DEFAULT_RULES, "val+hist+default"])  # the hist+ path too
     attack_names = [a for a in args.attacks.split(",") if a]
     rules = [r for r in args.rules.split(",") if r]
     for name in attack_names:

@@ -183,7 +183,7 @@ class Trainer(InnerLoop):
         self._round_log: threading.Thread | None = None
         """The last round's log line, hashing θ in the background (`_log_round_done`)."""
         self._round_log_error: BaseException | None = None
-        # The checkpoint interval counts from the start: the file on disk is the state just loaded
+        # The checkpoint interval counts from start-up: the file on disk is the state just loaded
         # (or there is none yet). Only a --fresh run over an older file writes at its first turn,
         # so that a restart does not resume the run it replaced.
         self._last_checkpoint = -math.inf if fresh and self.checkpoint_file.exists() else time.monotonic()

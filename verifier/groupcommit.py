@@ -19,8 +19,10 @@ group without any pays for no savepoint. A failure no single write caused (the d
 goes to every write of the group, none rerun alone; a deadlock is tried once more. Each group runs
 its writes sorted by `key` (the signer's wallet, then the nonce; a registration's key starts with
 its stage), which makes two processes' groups lock the rows of their own wallets, and the stages'
-membership epoch rows that registrations move, in the same order; a late receipt that also moves
-its stage's epoch can still meet another group in a deadlock, which PostgreSQL breaks.
+membership epoch rows that registrations move, in the same order. Not every cycle is ruled out:
+a late receipt that also moves its stage's epoch, or a group holding a registration (epoch row
+first) beside another write of a wallet that is joining the same stage in another group, can
+still meet that group in a deadlock, which PostgreSQL breaks; the group is then tried once more.
 
 Durability is the caller's promise to keep: `submit` returns only after COMMIT returned, so
 acknowledging after `await submit(...)` acknowledges a durable write (verifier.db.Database.write).
