@@ -97,7 +97,8 @@ Really Backdoor Federated Learning?"), so a Δ screened in at the norm-ratio lim
 than a typical one; "hist+" keeps per-wallet history (the issue's candidate): each wallet's
 exponential average of its rows' cosine to the round's aggregate (a row the screening refused
 counts as −1), and a wallet whose average has fallen below ``HISTORY_FLOOR`` after
-``HISTORY_WARM`` rounds is refused. The adaptive colluders know it: they also require that the
+``HISTORY_WARM`` rounds is refused (unless that would refuse every row left). The adaptive
+colluders know it: they also require that the
 round's rows keep every colluder's average at or above the floor (``AttackedAggregate._screen``)."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
