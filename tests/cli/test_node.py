@@ -108,8 +108,12 @@ def test_sigkill_then_restart_resumes_at_the_saved_step(published, tmp_path: Pat
     resumed = re.search(r"resumed from .* at step=(\d+) round=(\d+)", out.stdout)
     assert resumed, out.stdout
     step = int(resumed.group(1))
-    # The last checkpoint before the kill: every 10 steps and at each round end (every 20).
-    assert step % 10 == 0 and 30 <= step <= seen + 10
+    # The last checkpoint whose write had finished before the kill: turns every 10 steps and at
+    # each round end (every 20), each written in the background, and a turn that finds the previous
+    # write in flight is skipped. On a loaded machine the write started at step 30 can still be in
+    # flight at step 35, or the turn at 30 skipped for the write of 20 (seen once in CI: resumed at
+    # 20); SIGKILL then leaves the last finished checkpoint, whole (written atomically).
+    assert step % 10 == 0 and 10 <= step <= seen + 10
     assert int(resumed.group(2)) == step // 20
     steps = [int(s) for s, _, _ in LOSS.findall(out.stdout)]
     assert steps[0] == step + 5 and steps[-1] == 60
