@@ -38,6 +38,7 @@ from neuroshard.data.files import file_sha256
 from neuroshard.data.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest
 from neuroshard.data.publish import DEFAULT_WORKERS, TOKENIZER_NAME, publish_shards, store_shard
 from neuroshard.data.storage import S3Store, Store, s3_client
+from neuroshard.testing.ports import free_port
 from neuroshard.tokenizer import BPETokenizer
 
 BUCKET = "bench"
@@ -70,9 +71,7 @@ def cached_tokenizer(text_path: Path, vocab_size: int = 4096) -> bytes:
 @contextmanager
 def moto_server() -> Iterator[str]:
     """`python -m moto.server` on a free loopback port; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

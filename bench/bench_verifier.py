@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import copy
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from neuroshard.node.replay import capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import DataSpan, Receipt, RegisterRequest
 from neuroshard.protocol.signing import SignedBy, new_nonce
+from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import TEST_DATABASE_ENV, scratch_database
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import ledger
@@ -78,12 +78,6 @@ BASELINE_APP = textwrap.dedent(
         return {"training_verified": False, "reason": "baseline", "global_loss": None}
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def seed(url: str, wallets: int, rounds: int, evaluations: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from neuroshard.data.corpus import read_documents, stdlib_source_files
 from neuroshard.data.files import file_sha256
 from neuroshard.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
+from neuroshard.testing.ports import free_port_block
 from neuroshard.tokenizer import BPETokenizer
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen.txt"
@@ -85,24 +85,10 @@ def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 2
 
 
 def free_ports(count: int) -> int:
-    """A base port with base .. base + count − 1 free on 127.0.0.1: a swarm started by a benchmark
-    must not collide with another one on the same machine (default ports 7420+ and 8000)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no run of {count} free ports found")
+    """A base port with base .. base + count − 1 free on 127.0.0.1, below the ephemeral range: a
+    swarm started by a benchmark must not collide with another one on the same machine (default
+    ports 7420+ and 8000), nor with an outgoing connection (neuroshard.testing.ports)."""
+    return free_port_block(count)
 
 
 def fresh_clone_text(max_bytes: int = CORPUS_BYTES) -> Path:

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -61,6 +62,8 @@ STOP_GRACE_S = 15.0
 END_GRACE_S = 60.0
 """How long the later stages get, after the last driver exited, to end on their drivers' signed
 ends (their last round, a checkpoint, the end passed on) before the swarm sends SIGTERM."""
+LAST_LINES = 20
+"""Lines of a failed node's output repeated at the end of the swarm's."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +150,8 @@ class Node:
     stage: int = 0
     attack: str | None = None
     """Set on the --byzantine nodes: the attack they run."""
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
+    """The node's latest output, repeated at the end if it fails (its error may be far above)."""
 
 
 def _log(line: str) -> None:
@@ -333,6 +338,7 @@ def consume(
                 term_at = time.monotonic() + END_GRACE_S
         else:
             _log(f"[{index}] {line}")
+            node.last_lines.append(line)
             match = ROUND_DONE.search(line)
             if match:
                 node.rounds[int(match.group(1)) - 1] = match.group(2)
@@ -404,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     report_rounds(nodes, printed, final=True)
     failed = [n.index for n in nodes if n.exit_code not in (0, None) and not n.stopped_by_us]
     if failed:
+        for n in nodes:
+            if n.index in failed:
+                _log(f"[swarm] node {n.index} exited with code {n.exit_code}; its last lines:")
+                for line in n.last_lines:
+                    _log(f"[swarm]   {line}")
         _log(f"[swarm] nodes {failed} failed")
         return 1
     return 0

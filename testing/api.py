@@ -6,7 +6,6 @@ an error under our pytest settings), so responses here are httpx2 responses."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -132,12 +131,6 @@ vocab_size = 512
 manifest_url = "http://127.0.0.1:1/"
 publisher_key = "%s"
 """ % ("ab" * 32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_verifier_process(

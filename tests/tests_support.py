@@ -1,7 +1,5 @@
 """Helpers shared by tests (importable: tests/ is on sys.path through pytest's pythonpath)."""
 
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,38 +10,12 @@ from neuroshard.data.corpus import read_documents, stdlib_source_files
 from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.network_definition import NetworkDefinition
 from neuroshard.protocol.refusal import Refused
-
-UNASSIGNED_PORTS = (20_000, 32_000)
-"""Where `free_port_block` looks: below Linux's ephemeral range (32768-60999 by default), so an
-outgoing connection can never take a port between the check and the node's bind. A block picked
-from the ephemeral range was free when checked and then taken by one of the many HTTP
-connections a swarm makes ("Address already in use" in CI)."""
+from neuroshard.testing.ports import free_port_block  # noqa: F401 (the tests import it from here)
 
 
 def small_corpus(max_bytes: int = 400_000) -> list[str]:
     """A few hundred KB of real text every machine with Python has: standard-library source."""
     return list(read_documents(stdlib_source_files(), max_bytes))
-
-
-def free_port_block(count: int) -> int:
-    """A base port with `count` consecutive ports free on 127.0.0.1 (a swarm's nodes take base + i)."""
-    low, high = UNASSIGNED_PORTS
-    pick = random.SystemRandom()  # not the seeded `random` a test may have set: two tests, two blocks
-    for _ in range(200):
-        base = pick.randrange(low, high - count)
-        socks: list[socket.socket] = []
-        try:
-            for i in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports in {low}-{high}")
 
 
 def majority_stages(network: NetworkDefinition, seed: int) -> list[Transformer]:

@@ -20,7 +20,8 @@ from neuroshard.protocol.reports import (
     RejectedContribution,
 )
 from neuroshard.protocol.signing import SignedBy, new_nonce
-from neuroshard.testing.api import SMALL_NETWORK_TOML, free_port, start_verifier_process
+from neuroshard.testing.api import SMALL_NETWORK_TOML, start_verifier_process
+from neuroshard.testing.ports import free_port
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.testing.api import free_port, start_verifier_process
+from neuroshard.testing.api import start_verifier_process
+from neuroshard.testing.ports import free_port
 from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy import select
 
 from neuroshard.node.wallet import Wallet
-from neuroshard.testing.api import free_port, start_verifier_process
+from neuroshard.testing.api import start_verifier_process
+from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import signed_json
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database

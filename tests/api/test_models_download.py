@@ -18,7 +18,8 @@ from neuroshard.cli.export import main as export_main
 from neuroshard.node.model import Transformer
 from neuroshard.node.model_file import StageProvenance, round_model_path, save_round_model
 from neuroshard.node.wallet import Wallet
-from neuroshard.testing.api import Harness, free_port, start_verifier_process, test_config
+from neuroshard.testing.api import Harness, start_verifier_process, test_config
+from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import ManualClock, small_network
 from neuroshard.tokenizer import BPETokenizer
 from neuroshard.verifier import models as m

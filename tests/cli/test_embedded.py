@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from neuroshard.cli.embedded import start_embedded_verifier
-from neuroshard.testing.api import free_port
+from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import small_network
 
 

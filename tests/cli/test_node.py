@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.testing.api import free_port
+from neuroshard.testing.ports import free_port
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 TOKEN = "s3cret-token-do-not-print-4d1c"

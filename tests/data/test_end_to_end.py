@@ -26,7 +26,7 @@ from neuroshard.cli.publish_shards import main as publish_shards_main
 from neuroshard.cli.publish_tokenizer import main as publish_tokenizer_main
 from neuroshard.data import read_manifest
 from neuroshard.data.storage import s3_client
-from neuroshard.testing.api import free_port
+from neuroshard.testing.ports import free_port
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_env")]

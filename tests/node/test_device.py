@@ -35,7 +35,7 @@ from neuroshard.node.replay import capture_inner_state, install_inner_state
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.node.work import RoundWork
-from neuroshard.testing.api import free_port
+from neuroshard.testing.ports import free_port
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 DILOCO = DiLoCoConfig(inner_steps=5, warmup_steps=2, total_steps=100)

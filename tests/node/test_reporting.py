@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import PublishedData
 
-from neuroshard.testing.api import free_port
+from neuroshard.testing.ports import free_port
 
 NODE = str(Path(sys.executable).parent / "neuroshard-node")
 TOKEN = "embedded-verifier-test-token-9f2e"

@@ -14,7 +14,8 @@ from neuroshard.node.network_definition import NetworkError
 from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import Receipt
-from neuroshard.testing.api import free_port, receipt_doc
+from neuroshard.testing.api import receipt_doc
+from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import small_network
 
 NODE = Wallet.from_token("tracker-test-node")

@@ -122,6 +122,8 @@ def test_swarm_agrees_every_round_and_survives_a_sigkilled_node(published, tmp_p
     assert "DIFFER" not in text
     assert "[swarm] node 2 exited with code -9" in text
     assert "[swarm] nodes [2] failed" in text
+    # The failed node's last lines again at the end: its error need not be searched for above.
+    assert re.search(r"^\[swarm\] node 2 exited with code -9; its last lines:\n\[swarm\]   \S", text, re.M)
     agreed = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in map(AGREE.match, swarm.lines) if m}
     assert sorted(agreed) == list(range(rounds)), text[-3000:]
     assert agreed[0] == agreed[1] == (3, 3)

@@ -20,7 +20,8 @@ import pytest
 from sqlalchemy import func, select, text
 
 from neuroshard.node.wallet import Wallet
-from neuroshard.testing.api import free_port, receipt_doc, start_verifier_process
+from neuroshard.testing.api import receipt_doc, start_verifier_process
+from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import scratch_database, signed_json
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
