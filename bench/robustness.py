@@ -43,7 +43,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from common import bench_dataset, fresh_clone_text, quick_text
@@ -83,14 +83,23 @@ RULES = (
     "part:krum",
     "part:geometric_median",
     "part:centered_clip",
+    "part:trimmed_mean",
+    "val+trimmed_mean",
+    "val+cclip_median",
+    "part:cclip_median",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
-which picks f from n alone (trimmed mean, f = ⌈0.2·n⌉). Prefixes say how the round is screened
+which is the network's default rule (``aggregation.default_rule``: centered clipping from the
+coordinate median since 2026-11-27, the trimmed mean with f = ⌈0.2·n⌉ before; RESULTS.md's
+earlier tables ran with the trimmed mean, and "trimmed_mean" with f = K is that rule at the 8+2
+and 10+3 splits). Prefixes say how the round is screened
 first: "val+" with ``screen_round`` and the configured thresholds; "fit+" with thresholds fitted
 to the round's own spread (``fitted_screen``); "part:" is the partitioned round's version
 (``neuroshard.node.outer.reduce.reduce_part``: Δ cut into n = M + K parts, each screened on its
 own statistics and aggregated alone, as the round's owners do). centered_clip's center is the
-previous round's aggregate (Karimireddy et al. 2021); "bucket+" averages random pairs first
+previous round's aggregate (Karimireddy et al. 2021); "cclip_median" is centered clipping as a
+node runs it when its network definition names "centered_clip" (one iteration from the round's
+coordinate median, τ the median distance: a pure function of the round's rows, no history); "bucket+" averages random pairs first
 (Karimireddy, He & Jaggi 2022, s = 2, the permutation seeded by the round); "clip+" scales every
 row longer than the rows' median norm down to it first (norm bounding, Sun et al. 2019, "Can You
 Really Backdoor Federated Learning?"), so a Δ screened in at the norm-ratio limit weighs no more
@@ -156,6 +165,8 @@ class Setup:
     """``LR:MOMENTUM:n|s`` (Nesterov or plain SGD) in place of the bare DiLoCoConfig's outer step."""
     history_floor: float = HISTORY_FLOOR
     """hist+: the average cosine to the aggregate below which a wallet is refused."""
+    validation: ValidationConfig = field(default_factory=lambda: VALIDATION)
+    """The screening's thresholds (--validation overrides the node's defaults)."""
 
 
 @dataclass(kw_only=True)
@@ -299,9 +310,15 @@ class AttackedAggregate:
     """The simulator's ``aggregate``: rows 0..M−1 are honest, rows M.. are replaced by the attack."""
 
     def __init__(
-        self, job: Job, diloco: DiLoCoConfig, outcome: Outcome, history_floor: float = HISTORY_FLOOR
+        self,
+        job: Job,
+        diloco: DiLoCoConfig,
+        outcome: Outcome,
+        history_floor: float = HISTORY_FLOOR,
+        validation: ValidationConfig = VALIDATION,
     ) -> None:
         self.job, self.outcome, self.history_floor = job, outcome, history_floor
+        self.validation = validation
         self.screen_kind, self.rule = split_rule(job.rule)
         self.with_history = self.rule.startswith("hist+")
         if self.with_history:
@@ -328,11 +345,11 @@ class AttackedAggregate:
         wallets = [f"h{i:02d}" for i in range(M)] + [f"x{j:02d}" for j in range(len(rows) - M)]
         by_wallet = dict(zip(wallets, rows, strict=True))
         d = stack.shape[1]
-        plain = screen_round(by_wallet, (d,), VALIDATION)  # the honest statistics, whatever the rule
+        plain = screen_round(by_wallet, (d,), self.validation)  # the honest statistics, whatever the rule
         if self.screen_kind == "part":
             result, refused = self._partitioned(wallets, rows)
         else:
-            verdicts = fitted_screen(by_wallet, d) if self.screen_kind == "fit" else plain
+            verdicts = fitted_screen(by_wallet, d, self.validation) if self.screen_kind == "fit" else plain
             refused = {w: v.reason for w, v in verdicts.items() if not v.ok}
             if self.with_history:
                 late = {w: "history" for w in by_wallet if w not in refused and self._history_refuses(w)}
@@ -403,12 +420,12 @@ class AttackedAggregate:
     def _adaptive(self, honest: Tensor, own: Tensor) -> list[Tensor]:
         level, name = self.job.attack.split(":")
         if level == "omniscient":
-            estimate, config = honest, VALIDATION
+            estimate, config = honest, self.validation
         else:
             revealed = self.revealed
             deviations = None if revealed is None else revealed - revealed.mean(dim=0)
             estimate = attacks.realistic_estimate(own, deviations)
-            config = attacks.tightened(VALIDATION, attacks.REALISTIC_MARGIN)
+            config = attacks.tightened(self.validation, attacks.REALISTIC_MARGIN)
         gen = attacker_generator(self.job.seed, self.round, 0)
         chosen = attacks.adapt(name, estimate, own.shape[0], gen, config=config, screen=self._screen(config))
         self.outcome.gammas.append(chosen.gamma)
@@ -515,7 +532,7 @@ class AttackedAggregate:
                 continue
             part = {w: row[a:b].contiguous() for w, row in zip(wallets, rows, strict=True)}
             apply = functools.partial(self._apply, self.rule, span=(a, b))
-            out[a:b], part_refused = reduce_part(part, apply, VALIDATION)
+            out[a:b], part_refused = reduce_part(part, apply, self.validation)
             for w, reason in part_refused.items():
                 refused.setdefault(w, f"part {j}: {reason}")
         return out, refused
@@ -535,6 +552,8 @@ class AttackedAggregate:
             if previous is not None and span is not None:
                 previous = previous[span[0] : span[1]]
             return aggregation.centered_clip(stack, previous, None, iters=3)
+        if rule == "cclip_median":  # what a node runs when its network names "centered_clip": no history
+            return aggregation.network_rule("centered_clip", f)(stack)
         if rule in ("mean", "median", "geometric_median", "default"):
             return aggregation.aggregate(rule, stack)
         if span is not None:  # a part, as the round reduces it: too few rows left falls back as the node does
@@ -612,7 +631,7 @@ def run_job(job: Job, setup: Setup) -> Outcome:
             replicas=replicas,
             rounds=setup.rounds,
             batches=batches,
-            aggregate=AttackedAggregate(job, diloco, outcome, setup.history_floor),
+            aggregate=AttackedAggregate(job, diloco, outcome, setup.history_floor, setup.validation),
             eval_batches=eval_batches,
         )
         outcome.final_loss = result.eval_loss[-1]
@@ -706,16 +725,16 @@ def print_validator(
         print(f"| {attack} | {gamma} | " + " | ".join(cells) + " |")
 
 
-def print_honest_ranges(outcomes: list[Outcome]) -> None:
-    """The measured honest distribution the ValidationConfig defaults are calibrated against."""
+def print_honest_ranges(outcomes: list[Outcome], validation: ValidationConfig = VALIDATION) -> None:
+    """The measured honest distribution the screening's thresholds are calibrated against."""
     for data in sorted({o.job.data for o in outcomes}):
         print(f"\nHonest contributions vs the round's coordinate median ({data}, all runs):\n")
         print("| statistic | n | min | 1% | median | 99% | max | threshold |")
         print("|---|---|---|---|---|---|---|---|")
         limits = {
-            "norm_ratio": f"[{VALIDATION.min_norm_ratio}, {VALIDATION.max_norm_ratio}]",
-            "cosine": f">= {VALIDATION.min_cosine}",
-            "variance_ratio": f"[{VALIDATION.min_variance_ratio}, {VALIDATION.max_variance_ratio}]",
+            "norm_ratio": f"[{validation.min_norm_ratio}, {validation.max_norm_ratio}]",
+            "cosine": f">= {validation.min_cosine}",
+            "variance_ratio": f"[{validation.min_variance_ratio}, {validation.max_variance_ratio}]",
         }
         group = [o for o in outcomes if o.job.data == data]
         for key, limit in limits.items():
@@ -730,7 +749,7 @@ def print_honest_ranges(outcomes: list[Outcome]) -> None:
         closest = min(o.min_honest_pair_distance for o in group)
         print(
             f"\nClosest pair of honest contributions, relative L2: {closest:.3f} "
-            f"(duplicate tolerance {VALIDATION.duplicate_tolerance})"
+            f"(duplicate tolerance {validation.duplicate_tolerance})"
         )
 
 
@@ -763,6 +782,19 @@ def outer_settings(spec: str | None) -> dict[str, float | bool]:
     return {"outer_lr": float(lr), "outer_momentum": float(momentum), "outer_nesterov": kind == "n"}
 
 
+def validation_config(spec: str) -> ValidationConfig:
+    """``VALIDATION`` with the fields of ``name=value,…`` replaced ("" keeps it); ValueError names a
+    field that does not exist or a value ValidationConfig refuses."""
+    changes: dict[str, float] = {}
+    known = {f.name for f in fields(ValidationConfig) if f.type in (float, "float")}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in known:
+            raise ValueError(f"unknown field {name!r}; known: {', '.join(sorted(known))}")
+        changes[name] = float(value)
+    return replace(VALIDATION, **changes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -792,10 +824,24 @@ def main() -> None:
         default=HISTORY_FLOOR,
         help=f"hist+: refuse a wallet whose average cosine to the aggregate is below this (default {HISTORY_FLOOR})",
     )
+    parser.add_argument(
+        "--validation",
+        default="",
+        help="screening thresholds in place of the node's defaults, e.g. max_norm_ratio=8,min_cosine=0 "
+        "(fields of neuroshard.node.validation.ValidationConfig)",
+    )
     args = parser.parse_args()
     outer_settings(args.outer)  # refuse a malformed spec before any run starts
+    try:
+        validation = validation_config(args.validation)
+    except ValueError as exc:
+        parser.error(f"--validation: {exc}")
     setup = Setup(
-        rounds=args.rounds, inner_steps=args.inner_steps, outer=args.outer, history_floor=args.history_floor
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        outer=args.outer,
+        history_floor=args.history_floor,
+        validation=validation,
     )
     splits, data_modes = args.splits, args.data
     if args.quick:
@@ -806,6 +852,7 @@ def main() -> None:
             eval_batches=1,
             quick=True,
             history_floor=args.history_floor,
+            validation=validation,
         )
         splits, args.seeds, data_modes = "5+1", 1, "noniid"
         args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"
@@ -854,7 +901,7 @@ def main() -> None:
             )
     print(f"\n## Robustness benchmark ({time.perf_counter() - start:.0f}s wall)")
     print_tables(outcomes, rules, attack_names)
-    print_honest_ranges(outcomes)
+    print_honest_ranges(outcomes, setup.validation)
     print_history(outcomes)
 
 

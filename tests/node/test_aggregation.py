@@ -76,6 +76,30 @@ def test_centered_clip_by_hand() -> None:
     assert agg.centered_clip(xs).shape == (2,)
 
 
+def test_centered_clip_iterates_as_the_formula_says() -> None:
+    gen = torch.Generator().manual_seed(3)
+    xs = torch.randn(9, 50, generator=gen)
+    xs[7:] *= 40.0  # two far rows: clipped
+    center, tau = torch.randn(50, generator=gen), 2.0
+    v = center.double()
+    for _ in range(3):  # the paper's update, in float64, the plain way
+        diffs = xs.double() - v
+        scale = torch.clamp(tau / diffs.norm(dim=1), max=1.0)
+        v = v + (diffs * scale[:, None]).mean(dim=0)
+    out = agg.centered_clip(xs, center, tau, iters=3)
+    assert torch.allclose(out.double(), v, atol=1e-5)
+    assert torch.equal(out, agg.centered_clip(xs[torch.randperm(9, generator=gen)], center, tau, iters=3))
+
+
+def test_centered_clip_with_half_the_rows_on_the_median_returns_the_median() -> None:
+    # A part whose Δs are mostly zero (a frozen slice): τ = median distance = 0 is not a failed round.
+    xs = torch.zeros(5, 4)
+    xs[0] = 1.0
+    xs[1] = -3.0
+    assert torch.equal(agg.centered_clip(xs), torch.zeros(4))
+    assert torch.equal(agg.network_rule("centered_clip", 1)(xs), torch.zeros(4))
+
+
 def test_nnm_by_hand_and_keeps_input_order() -> None:
     xs = torch.tensor([[0.0], [1.0], [2.0], [10.0]])
     # f=1: each row becomes the mean of its n−f = 3 nearest (itself included).
@@ -87,17 +111,22 @@ def test_nnm_by_hand_and_keeps_input_order() -> None:
 @pytest.mark.parametrize(
     ("n", "expected"),
     [(1, ("median", 0)), (2, ("median", 0)), (3, ("median", 1)), (4, ("median", 1)),
-     (5, ("trimmed_mean", 1)), (10, ("trimmed_mean", 2)), (11, ("trimmed_mean", 3)), (13, ("trimmed_mean", 3)),
-     (100, ("trimmed_mean", 20))],
+     (5, ("centered_clip", 1)), (10, ("centered_clip", 2)), (11, ("centered_clip", 3)),
+     (13, ("centered_clip", 3)), (100, ("centered_clip", 20))],
 )  # fmt: skip
 def test_default_rule(n: int, expected: tuple[str, int]) -> None:
     assert agg.default_rule(n) == expected
     assert n > 2 * expected[1] or n <= 2
 
 
-def test_default_rule_for_small_n_equals_trimmed_mean_where_that_exists() -> None:
+def test_default_rule_is_the_median_below_five_and_centered_clipping_from_it_above() -> None:
     xs = torch.randn(4, 50)
-    assert torch.equal(agg.aggregate("default", xs), agg.trimmed_mean(xs, 1))
+    assert torch.equal(agg.aggregate("default", xs), agg.coordinate_median(xs))
+    assert torch.equal(agg.aggregate("default", xs), agg.trimmed_mean(xs, 1))  # n = 3, 4: the same thing
+    xs = torch.randn(9, 50)
+    assert torch.equal(
+        agg.aggregate("default", xs), agg.centered_clip(xs, agg.coordinate_median(xs), iters=1)
+    )
 
 
 @pytest.mark.parametrize(
@@ -194,12 +223,21 @@ def test_trimmed_mean_and_median_stay_in_the_honest_range(seed: int) -> None:
     lo, hi = honest.min(dim=0).values, honest.max(dim=0).values
     for out in (agg.trimmed_mean(xs, 3), agg.coordinate_median(xs)):
         assert bool(((out >= lo) & (out <= hi)).all())
-    # The default rule picks f = ⌈0.2·10⌉ = 2 for n = 10: safe against 2 attackers, not 3.
-    ten = torch.cat([honest[:7], bad[:2], honest[:1]])
-    out = agg.aggregate("default", ten)
-    assert bool(((out >= lo) & (out <= hi)).all())
-    broken = agg.aggregate("default", torch.cat([honest, bad]))
-    assert not bool(((broken >= lo) & (broken <= hi)).all())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_default_moves_by_at_most_tau_per_attacker(seed: int) -> None:
+    """Centered clipping: each far row pulls the median by at most τ/n (τ = the median distance),
+    so 3 far attackers among 10 leave the default within 3τ/10 of the median."""
+    honest, bad = honest_and_attackers(seed, honest=7, f=3, d=200)
+    bad[0] = bad[1]  # finite: a NaN row would be left out, not clipped
+    xs = torch.cat([honest, bad])
+    center = agg.coordinate_median(xs)
+    tau = float((xs - center).norm(dim=1).median())
+    moved = float((agg.aggregate("default", xs) - center).norm())
+    assert moved <= 3 * tau / 10 * (1 + 1e-5)
+    spread = float((honest - honest.mean(dim=0)).norm(dim=1).max())
+    assert float((agg.aggregate("default", xs) - honest.mean(dim=0)).norm()) < spread
 
 
 @pytest.mark.parametrize("seed", range(5))

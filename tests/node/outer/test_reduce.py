@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from neuroshard.node.aggregation import aggregate
+from neuroshard.node.aggregation import aggregate, centered_clip, coordinate_median
 from neuroshard.node.codec import decode_delta, encode_delta
 from neuroshard.node.outer.partition import members_sha256, merkle_proofs, merkle_root, part_bounds
 from neuroshard.node.outer.reduce import (
@@ -191,7 +191,7 @@ def rows_for(n: int, d: int, seed: int) -> Tensor:
 
 COORDINATE_CASES = [
     (name, f, n)
-    for name, f in [("median", 0), ("trimmed_mean", 1), ("trimmed_mean", 2), ("default", 0)]
+    for name, f in [("median", 0), ("trimmed_mean", 1), ("trimmed_mean", 2)]
     for n in range(1, 10)
     if n > 2 * f  # the trimmed mean's bound
 ]
@@ -231,7 +231,7 @@ def test_the_mean_decomposes_bit_for_bit() -> None:
 
 def test_the_trimmed_mean_decomposes_bit_for_bit_above_eight_rows() -> None:
     """Above the sorting network's 8 rows: a per-column sort, then the same row-by-row sum."""
-    for name, f in (("trimmed_mean", 1), ("trimmed_mean", 2), ("default", 0)):
+    for name, f in (("trimmed_mean", 1), ("trimmed_mean", 2)):
         for n in (12, 14, 16, 18, 20):
             for d in (257, 513):
                 stack = torch.randn(n, d, generator=torch.Generator().manual_seed(n * 1000 + d))
@@ -239,6 +239,24 @@ def test_the_trimmed_mean_decomposes_bit_for_bit_above_eight_rows() -> None:
                 for k in (2, 3, 5):
                     got = per_part(stack, part_bounds(d, k), rule_of(name, f))
                     assert torch.equal(got, whole), (name, f, n, d, k, (got - whole).abs().max())
+
+
+def test_the_default_clips_each_part_around_that_parts_median() -> None:
+    """The default (centered clipping, n ≥ 5) is a per-part variant: a row far away on one part
+    only is clipped on that part and counts in full on the others."""
+    n, d = 9, 600
+    stack = rows_for(n, d, seed=5)
+    stack[0, :200] += 1e4  # far on the first of three parts only
+    bounds = part_bounds(d, 3)
+    got = per_part(stack, bounds, rule_of("default"))
+    for a, b in bounds:
+        part = stack[:, a:b]
+        assert torch.equal(got[a:b], centered_clip(part, coordinate_median(part)))
+    first = stack[:, :200]
+    tau = float((first - coordinate_median(first)).norm(dim=1).median())
+    # Every pull is clipped to τ, so the part moves at most τ from its median (the mean: ~1e4/9 per coordinate).
+    assert float((got[:200] - coordinate_median(first)).norm()) <= tau
+    assert not torch.equal(got, aggregate("default", stack))  # not the whole-vector rule's columns
 
 
 def test_per_part_krum_is_a_variant_that_picks_a_row_per_part() -> None:
