@@ -184,7 +184,7 @@ def test_realistic_attack_passes_its_own_test_with_a_margin(name: str) -> None:
 
 
 def test_tightened_moves_each_threshold_towards_the_centre() -> None:
-    config = attacks.tightened(ValidationConfig(), 0.5)
+    config = attacks.tightened(ValidationConfig(min_norm_ratio=0.5, max_norm_ratio=4.0, min_cosine=0.2), 0.5)
     assert (config.min_norm_ratio, config.max_norm_ratio) == (0.75, 2.5)
     assert config.min_cosine == pytest.approx(0.6)
     assert attacks.tightened(ValidationConfig(), 0.0) == ValidationConfig()
