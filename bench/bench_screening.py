@@ -8,7 +8,8 @@ sign-flipped. Each repeat times, interleaved on the same stack:
   copy check, verdicts;
 - baseline: one ``torch.median(stack, dim=0)``, the bare cost of the reference alone;
 - the aggregation rule the network applies afterwards (``aggregate("default")``, the
-  coordinate median below 5 rows, trimmed mean from 5).
+  coordinate median below 5 rows, centered clipping from it from 5; the trimmed mean until
+  2026-11-27).
 
     .venv/bin/python bench/bench_screening.py [--numel 29_500_000] [--rows 5] [--repeats 5]
 """

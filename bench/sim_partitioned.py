@@ -3,8 +3,8 @@
 Every replica is a real ``OuterRound`` (or one of the cheating subclasses in
 ``neuroshard.adversary``) over the in-memory carrier (``port.MemoryHub``): every object is
 signed, every signature, Merkle proof and hash is checked, every owner screens and aggregates
-its part with the network's default rule (trimmed mean, f = ⌈0.2·n⌉, after the per-part
-screening), and every check recomputes a claim from its signed inputs. What is simulated:
+its part with the network's default rule (centered clipping from the part's median since
+2026-11-27, the trimmed mean with f = ⌈0.2·n⌉ before; after the per-part screening), and every check recomputes a claim from its signed inputs. What is simulated:
 
 - **Virtual time.** The event loop's clock moves only when no replica can run (it jumps to the
   next timer), and ``asyncio.to_thread`` work runs inline on the loop's thread. Deadlines are

@@ -6,10 +6,11 @@ differs is a fraud proof anyone can verify (`check_fraud`).
 
 Per-part rules. The aggregation rule and the content screening run on each part alone:
 
-- coordinate-wise rules (mean, trimmed mean, median, the default rule) decompose: the aggregate
+- coordinate-wise rules (mean, trimmed mean, median) decompose: the aggregate
   of part j is coordinates [a_j, b_j) of the whole-vector aggregate of the same inputs, bit for
   bit at every n (each column is sorted and summed row by row on its own: ``aggregation``);
-- whole-vector rules (Krum, multi-Krum, geometric median, centered clipping, NNM) and the
+- whole-vector rules (Krum, multi-Krum, geometric median, centered clipping — the default rule
+  from 5 rows — NNM) and the
   screening statistics (norm ratio, cosine, variance ratio against the coordinate median,
   near-copies) become per-part variants: a contribution is judged, selected or weighted on each
   part by that part's statistics, and one refused on part j is dropped from part j only. Each part

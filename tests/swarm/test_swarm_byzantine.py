@@ -31,17 +31,10 @@ ROUND_LINE = re.compile(r"^\[(\d)\] p2p round=(\d+) ")
 LOSS = re.compile(r"^\[(\d)\] step=\d+ round=\d+ loss=([0-9.]+) ")
 
 
-ATTACK_PARAMS = {"scale": "100"}
-"""A hundred-fold boost, which every part's norm-ratio limit (8) refuses. The default ten-fold one
-sits near that limit on a part whose honest Δs are long (ratios 9–14 measured, one part of 25 under
-8): passed there and clipped by the rule, so not a test of the screening."""
-
-
 def run_swarm(published, home: Path, attack: str) -> list[str]:  # type: ignore[no-untyped-def]
-    param = ["--attack-param", ATTACK_PARAMS[attack]] if attack in ATTACK_PARAMS else []
     command = swarm_command(
         published, home,
-        "--nodes", str(NODES), "--byzantine", "1", "--attack", attack, *param,
+        "--nodes", str(NODES), "--byzantine", "1", "--attack", attack,
         "--inner-steps", str(H), "--max-steps", str(ROUNDS * H), "--round-timeout", "20",
         nodes=NODES,
         # The default warm-up (30 steps, longer than the run's first rounds): a node that starts
@@ -101,17 +94,6 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
                     )
                     assert m is not None and (r > 1 or m.group(1) == "base hash "), line
                 assert all(" aggregated 4" in line for line in aggregated), aggregated
-        elif attack == "sign_flip":
-            # A flipped Δ is refused on a part only where its cosine to the part's median falls
-            # below −0.5, i.e. where the attacker's own Δ agreed with the others' (cosine > 0.5);
-            # on the other parts it cannot be told from an honest replica with other data, and the
-            # rule clips it (node.validation.ValidationConfig). So: a contributor every round,
-            # refused on some parts, for its cosine; counted over the run below.
-            assert all(" aggregated 5" in line for line in aggregated), aggregated
-            for line in aggregated:
-                assert all(
-                    m.group(1) == "cosine" for m in re.finditer(rf"rejected {bad}: part \d+: (\w+)", line)
-                )
         else:
             # Committed (a contributor), then refused by each owner's screening of its own part:
             # every honest replica reports it for the part it reduced. In round 0 the nodes are
@@ -121,9 +103,6 @@ def test_honest_nodes_agree_learn_and_reject_the_attacker(published, tmp_path: P
             reporting = [line for line in aggregated if re.search(rf"rejected {bad}: part \d+: ", line)]
             assert reporting == aggregated if r > 0 else len(reporting) >= len(aggregated) - 1, aggregated
             assert all(" aggregated 5" in line for line in aggregated), aggregated
-    if attack == "sign_flip":  # measured: refused on 2–3 of 5 parts in every round but the first
-        refused_rounds = {rr for n, rr, line in rounds if n in HONEST and f"rejected {bad}: part " in line}
-        assert len(refused_rounds) >= 2, refused_rounds
     # The attacker's own round (adversary.contributions.ForgingRound) says what it sent, every round.
     sent = [
         line
