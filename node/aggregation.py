@@ -457,6 +457,13 @@ def centered_clip(
     with no n × n matrix; with ``center=None`` the coordinate median comes first (a sorting
     network, O(n·log²n·d)), as for the trimmed mean. A part's owner in a round of n replicas
     (parts of d/n) does O(d·log²n) per round: logarithmic in n, where the Gram matrix grew as n·d.
+
+    Bits across hardware: the distances are float64 sums, whose last bit can depend on the CPU's
+    vector width; each weight is rounded to float32 before it multiplies a row, so two replicas on
+    different CPUs disagree only when such a difference straddles a float32 rounding boundary
+    (of the order of 1e-9 per clipped row, not measured), the same class of risk as the
+    screening's float64 statistics at its thresholds. A replica that disagrees is out-voted and
+    re-syncs (node/p2p/quorum.py).
     """
     rows = canonical_rows(xs, finite_only=True)
     v = _median_of_rows(rows) if center is None else center.to(rows[0].dtype)
