@@ -4,7 +4,8 @@ A port picked with ``bind(("127.0.0.1", 0))`` comes from the kernel's ephemeral 
 range every outgoing connection takes its local port from. Between the check and the child's
 bind, one of the many HTTP connections a swarm makes (to its peers, to the verifier) can take it,
 and the child fails with "Address already in use" (seen in CI, in tests and benchmarks alike). So
-ports are picked below that range, where no outgoing connection lands.
+ports are picked below that range, where no outgoing connection lands on a host with the default
+ranges (a host whose ephemeral range starts below 32000 brings the race back).
 """
 
 from __future__ import annotations

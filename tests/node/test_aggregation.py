@@ -238,7 +238,7 @@ def test_trimmed_mean_and_median_stay_in_the_honest_range(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_the_default_moves_by_at_most_tau_per_attacker(seed: int) -> None:
+def test_the_default_lands_within_tau_of_the_median(seed: int) -> None:
     """Centered clipping: every row, honest or not, pulls the median by at most τ/n (τ = the median
     distance), so the default lands within τ of the median however far the attackers are."""
     honest, bad = honest_and_attackers(seed, honest=7, f=3, d=200)
