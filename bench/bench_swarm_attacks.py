@@ -27,10 +27,11 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports, parse_with_quick, quick_dataset
+from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
 
 from neuroshard.adversary.attacks import ATTACKS
 from neuroshard.node.wallet import Wallet
+from neuroshard.testing.ports import free_port_block
 
 ROUND = re.compile(r"^\[(\d+)\] p2p round=(\d+) (.*)$")
 LOSS = re.compile(r"^\[(\d+)\] step=\d+ round=\d+ loss=([0-9.]+) ")
@@ -115,7 +116,7 @@ def main() -> None:
         help="first port of the swarm's nodes (its verifier: the one below)",
     )
     # --quick (CI) takes free ports: the fixed default may be held by another run on the machine.
-    quick_ports = free_ports(7)
+    quick_ports = free_port_block(7)
     args = parse_with_quick(
         parser, rounds=2, inner_steps=3, attacks="sign_flip", no_clean=True, base_port=quick_ports + 1
     )

@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, free_ports, parse_with_quick, quick_dataset
+from common import BENCH_KEY, DEFAULT_TEXT, bench_dataset, parse_with_quick, quick_dataset
+
+from neuroshard.testing.ports import free_port_block
 
 UTILISATION = re.compile(r"^\[(\d+)\] compute utilisation=([0-9.]+) \(([0-9.]+) s of ([0-9.]+) s")
 BREAKDOWN = re.compile(r"^\[(\d+)\] time breakdown: (.*)$")
@@ -50,7 +52,7 @@ def main() -> None:
     dataset = quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)
     print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
     swarm = Path(sys.executable).with_name("neuroshard-swarm")
-    base = free_ports(args.nodes + 1)
+    base = free_port_block(args.nodes + 1)
     with tempfile.TemporaryDirectory() as home:
         command = [
             str(swarm), "--nodes", str(args.nodes), "--max-steps", str(args.max_steps),

@@ -25,7 +25,6 @@ from neuroshard.data.corpus import read_documents, stdlib_source_files
 from neuroshard.data.files import file_sha256
 from neuroshard.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
-from neuroshard.testing.ports import free_port_block
 from neuroshard.tokenizer import BPETokenizer
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen.txt"
@@ -82,13 +81,6 @@ def bench_dataset(text_path: Path, vocab_size: int = 4096, shard_tokens: int = 2
                 raise
         print(f"(built bench data set {directory} in {time.perf_counter() - start:.1f}s)")
     return open_dataset(directory, bytes(BENCH_KEY.verify_key))
-
-
-def free_ports(count: int) -> int:
-    """A base port with base .. base + count − 1 free on 127.0.0.1, below the ephemeral range: a
-    swarm started by a benchmark must not collide with another one on the same machine (default
-    ports 7420+ and 8000), nor with an outgoing connection (neuroshard.testing.ports)."""
-    return free_port_block(count)
 
 
 def fresh_clone_text(max_bytes: int = CORPUS_BYTES) -> Path:

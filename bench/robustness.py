@@ -99,7 +99,8 @@ to the round's own spread (``fitted_screen``); "part:" is the partitioned round'
 own statistics and aggregated alone, as the round's owners do). centered_clip's center is the
 previous round's aggregate (Karimireddy et al. 2021); "cclip_median" is centered clipping as a
 node runs it when its network definition names "centered_clip" (one iteration from the round's
-coordinate median, τ the median distance: a pure function of the round's rows, no history); "bucket+" averages random pairs first
+coordinate median, τ the median distance: a pure function of the round's rows, no history; for
+n ≥ 5 the same as "default" since 2026-11-27); "bucket+" averages random pairs first
 (Karimireddy, He & Jaggi 2022, s = 2, the permutation seeded by the round); "clip+" scales every
 row longer than the rows' median norm down to it first (norm bounding, Sun et al. 2019, "Can You
 Really Backdoor Federated Learning?"), so a Δ screened in at the norm-ratio limit weighs no more

@@ -10,7 +10,6 @@ from neuroshard.data.corpus import read_documents, stdlib_source_files
 from neuroshard.node.model import Transformer, build_stage
 from neuroshard.node.network_definition import NetworkDefinition
 from neuroshard.protocol.refusal import Refused
-from neuroshard.testing.ports import free_port_block  # noqa: F401 (the tests import it from here)
 
 
 def small_corpus(max_bytes: int = 400_000) -> list[str]:

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests_support import free_port_block
+
+from neuroshard.testing.ports import free_port_block
 
 pytestmark = pytest.mark.xdist_group("swarms")  # one swarm at a time (scripts/test)
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from conftest import PublishedData
 from sqlalchemy import func, select
-from tests_support import free_port_block
 
+from neuroshard.testing.ports import free_port_block
 from neuroshard.verifier import models as m
 from neuroshard.verifier.db import Database
 
