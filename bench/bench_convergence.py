@@ -47,8 +47,8 @@ from common import CACHE_DIR, fresh_clone_text, parse_with_quick, quick_text
 
 from neuroshard.adversary.simulate import Batch, SimulationResult, simulate
 from neuroshard.node.aggregation import aggregate
-from neuroshard.node.diloco import DiLoCoConfig
-from neuroshard.node.model import ModelConfig
+from neuroshard.node.diloco import DiLoCoConfig, copy_into_parameters
+from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
 from neuroshard.tokenizer import BPETokenizer
 
 HELD_OUT_FRACTION = 0.1
@@ -160,6 +160,22 @@ def run_key(setting: Setting, **fields: Any) -> str:
     return json.dumps({"setting": asdict(setting), **fields}, sort_keys=True)
 
 
+def _model_config(setting: Setting, seed: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=setting.vocab_size,
+        dim=setting.dim,
+        n_layers=setting.n_layers,
+        n_heads=setting.n_heads,
+        ffn_dim=setting.dim * 8 // 3 // 8 * 8,
+        max_seq_len=setting.seq_len,
+        init_seed=seed,
+    )
+
+
+def _schedule(setting: Setting) -> dict[str, Any]:
+    return {"inner_lr": setting.inner_lr, "warmup_steps": setting.warmup_steps, "total_steps": setting.steps}
+
+
 def train(
     setting: Setting,
     windows: Windows,
@@ -174,20 +190,8 @@ def train(
     proxy: str = "own",
 ) -> dict[str, Any]:
     """One run; returns its held-out curve [(inner step, loss)] and final held-out loss."""
-    model = ModelConfig(
-        vocab_size=setting.vocab_size,
-        dim=setting.dim,
-        n_layers=setting.n_layers,
-        n_heads=setting.n_heads,
-        ffn_dim=setting.dim * 8 // 3 // 8 * 8,
-        max_seq_len=setting.seq_len,
-        init_seed=seed,
-    )
-    schedule = {
-        "inner_lr": setting.inner_lr,
-        "warmup_steps": setting.warmup_steps,
-        "total_steps": setting.steps,
-    }
+    model = _model_config(setting, seed)
+    schedule = _schedule(setting)
     evals = windows.eval_batches(setting.eval_batches)
     batches: Callable[[int, int], Batch]
     if kind == "diloco":
@@ -232,6 +236,79 @@ def train(
         ((r + 1) * every, loss) for r, loss in enumerate(result.eval_loss)
     ]
     return {"curve": curve, "final": result.eval_loss[-1], "seconds": time.perf_counter() - start}
+
+
+def noise_scale(
+    setting: Setting,
+    windows: Windows,
+    *,
+    replicas: int,
+    seed: int,
+    step: int,
+    sets: int = 4,
+    per_set: int = 32,
+) -> dict[str, float]:
+    """The simple gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018, "An
+    Empirical Model of Large-Batch Training", §2 and appendix A) of data parallel's weights after
+    `step` of its steps (the same run as the table's, stopped there), in sequences. Σ is the
+    per-sequence gradient covariance and G the true gradient; a batch of B sequences gains about
+    B/(1 + B_simple/B) times one sequence's progress, so batches well under B_simple make nearly
+    linear progress in B. Estimated from gradients of B = --batch sequences (one replica's batch)
+    against their mean over `per_set` of them (per_set·B sequences): with |G_B|² = |G|² + tr(Σ)/B,
+    two batch sizes give both terms. `sets` sets of fresh training windows; numerator and
+    denominator are averaged over the sets before their ratio, as the paper advises. The model is
+    for SGD; our inner optimizer is AdamW, so read it as the scale of the batch, not a prediction."""
+    every = setting.eval_every
+    if step % every:
+        raise ValueError(f"--noise-scale step {step} is not a multiple of --eval-every {every}")
+    model = _model_config(setting, seed)
+    config = DiLoCoConfig(
+        inner_steps=every, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False, **_schedule(setting)
+    )
+    theta = simulate(
+        model,
+        config,
+        replicas=1,
+        rounds=step // every,
+        batches=lambda _i, s: windows.concatenated(seed, replicas, s),
+    ).theta
+    net = Transformer(model)
+    copy_into_parameters(theta, net.parameters())
+    small, big = [], []
+    for k in range(sets):
+        grads = []
+        for j in range(per_set):  # windows no run trains on: another seed's draws
+            x, y = windows.replica(10_000 + 100 * seed + k, j, step)
+            net.zero_grad()
+            cross_entropy_loss(net(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in net.parameters() if p.grad is not None]))
+        g = torch.stack(grads).double()
+        small.append(float(g.square().sum(dim=1).mean()))
+        big.append(float(g.mean(dim=0).square().sum()))
+    b, bb = setting.batch, setting.batch * per_set
+    s_small, s_big = statistics.fmean(small), statistics.fmean(big)
+    g2 = (bb * s_big - b * s_small) / (bb - b)
+    trace = (s_small - s_big) / (1 / b - 1 / bb)
+    return {"step": step, "g2": g2, "trace": trace, "b_simple": trace / g2 if g2 > 0 else float("inf")}
+
+
+def print_noise_scale(args: argparse.Namespace, setting: Setting, windows: Windows) -> None:
+    m = args.replicas[0]
+    print(
+        f"\ngradient noise scale at data parallel's weights (M = {m}: {m * setting.batch} sequences a step; "
+        f"estimated from {setting.batch}- and {32 * setting.batch}-sequence gradients, 4 sets)"
+    )
+    print(
+        "| seed | step | \\|G\\|² | tr Σ | B_simple, sequences | B_simple, tokens |\n|---|---|---|---|---|---|"
+    )
+    for seed in args.seeds:
+        for step in args.noise_scale:
+            r = noise_scale(setting, windows, replicas=m, seed=seed, step=step)
+            print(
+                f"| {seed} | {step} | {r['g2']:.4g} | {r['trace']:.4g} | {r['b_simple']:.0f} | "
+                f"{r['b_simple'] * setting.seq_len:,.0f} |",
+                flush=True,
+            )
 
 
 class Runs:
@@ -420,10 +497,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache", default=str(CACHE_DIR / "convergence-runs.json"), help="'' for none")
     p.add_argument("--plot", default="convergence.png", help="PNG of held-out curves ('' for none)")
+    p.add_argument(
+        "--noise-scale",
+        type=int,
+        nargs="*",
+        default=[],
+        help="data parallel steps (at the first --replicas M) at which to estimate the gradient noise "
+        "scale B_simple (McCandlish et al. 2018): the batch below which more batch buys nearly linear progress",
+    )
     args = parse_with_quick(
         p, replicas=[2], inner_steps=[5], seeds=[0], steps=10, dim=32, layers=1, vocab=300, seq_len=16,
         batch=2, warmup_steps=2, eval_batches=2, eval_every=5, cache="", outer=["defaults", "1:0:s"], robust_at=[2],
-        compare_at=[2], overlap=True,
+        compare_at=[2], overlap=True, noise_scale=[5],
     )  # fmt: skip
     torch.set_num_threads(args.threads)
     text = quick_text() if args.quick else fresh_clone_text(args.text_bytes)
@@ -445,9 +530,12 @@ def main() -> None:
         f"{args.steps} inner steps per replica, AdamW lr {args.inner_lr} with {args.warmup_steps} warm-up steps, "
         f"cosine to 10%; seeds {args.seeds}; held-out loss of the final weights, mean over seeds (× = ratio)"
     )
-    rows = table(args, Runs(setting, Windows(tokens, setting), Path(args.cache) if args.cache else None))
+    windows = Windows(tokens, setting)
+    rows = table(args, Runs(setting, windows, Path(args.cache) if args.cache else None))
     if args.plot and rows:
         plot(rows, Path(args.plot))
+    if args.noise_scale:
+        print_noise_scale(args, setting, windows)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ EXPLORE = {
     "h2/h4": Codec("h2/h4", Format("h2", 2, True), FORMATS["h4"]),
     # The mirror of the wire's hadamard43 (3 bits forward, 4 back): which direction takes 3 bits.
     "h3/h4": Codec("h3/h4", FORMATS["h3"], FORMATS["h4"]),
+    # Midrise codes fitted per group (actcodec's m formats): each direction at 1–2 bits alone,
+    # then both together at under an eighth of bf16's bytes.
+    "m2/h4": Codec("m2/h4", FORMATS["m2"], FORMATS["h4"]),
+    "h4/m1": Codec("h4/m1", FORMATS["h4"], FORMATS["m1"]),
+    "h4/m2": Codec("h4/m2", FORMATS["h4"], FORMATS["m2"]),
+    "m2/m1": Codec("m2/m1", FORMATS["m2"], FORMATS["m1"]),
+    "m1/m2": Codec("m1/m2", FORMATS["m1"], FORMATS["m2"]),
+    "m2/m2": Codec("m2/m2", FORMATS["m2"], FORMATS["m2"]),
 }
 EVAL_BATCHES = 16
 
