@@ -25,7 +25,11 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
   is close to Gaussian, and at few bits the range is the wrong yardstick: a symmetric 2-bit
   absmax code has three levels (−s, 0, s) with s ≈ 2.4σ for 64 Gaussian values, so most of the
   group decodes to 0 (relative error 0.72 on Gaussian data), where the fitted 4-level code has
-  0.34. At 1 bit it is the group's signs times one magnitude.
+  0.34. At 1 bit it is the group's signs times one magnitude. Measured on the tiny model
+  (bench/RESULTS.md, issue 17), they are the better code for activations at 2–3 bits (2-bit
+  activations +2.9% held-out loss instead of +15%) and the worse one for gradients at every
+  width (3 bits: +0.070 nats against +0.004): clipping and the missing zero make their error
+  correlated with the gradient. No wire codec uses them yet.
 
 Scales are bf16, not fp16: ∂loss/∂hidden of a mean loss over B·T tokens is small. Measured on
 the tiny model at 8×128 at initialisation: 7e-4 per value on average, int8 group scales 9e-6 to
