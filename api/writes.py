@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -194,7 +194,7 @@ async def heartbeat(auth: Signed, services: ServicesDep) -> Response:
     },
     openapi_extra=request_body(Receipt),
 )
-async def submit_receipt(auth: Signed, services: ServicesDep, after: BackgroundTasks) -> Response:
+async def submit_receipt(auth: Signed, services: ServicesDep) -> Response:
     """Record a work receipt for one (stage, round). 201 once committed; 200 for an identical resend."""
     payload = Receipt.from_json(auth.body)
     now = services.now()
@@ -211,14 +211,13 @@ async def submit_receipt(auth: Signed, services: ServicesDep, after: BackgroundT
     if status == "duplicate":
         return acknowledged(WriteAck(status="duplicate", wallet_id=auth.signed.wallet_id))
     # The receipt is committed; judging earlier rounds is separate so a settlement race (another
-    # receipt settling the same round) cannot cost this receipt its acknowledgement, and it runs
-    # after the response is sent, so the receipt that happens to open the gate does not wait for
-    # it (it did: in a burst of 1,000 receipts those waits were the receipts' p99). A round left
-    # unsettled here is settled by a later receipt or by the lead process's housekeeping
+    # receipt settling the same round) cannot cost this receipt its acknowledgement. A round
+    # left unsettled here is settled by a later receipt or by the lead process's housekeeping
     # (verifier.housekeeping), which is also what settles during the gate's pauses.
+    recorded = acknowledged(WriteAck(status="recorded", wallet_id=auth.signed.wallet_id), 201)
     if services.settle.due(payload.stage):
-        after.add_task(_settle, services, payload.stage, payload.round, now)
-    return acknowledged(WriteAck(status="recorded", wallet_id=auth.signed.wallet_id), 201)
+        await run_in_threadpool(_settle, services, payload.stage, payload.round, now)
+    return recorded
 
 
 def _settle(services: Services, stage: int, round_: int, now: float) -> None:
