@@ -250,10 +250,11 @@ def noise_scale(
 ) -> dict[str, float]:
     """The simple gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018, "An
     Empirical Model of Large-Batch Training", §2 and appendix A) of data parallel's weights after
-    `step` of its steps (the same run as the table's, stopped there), in sequences. Σ is the
-    per-sequence gradient covariance and G the true gradient; a batch of B sequences gains about
-    B/(1 + B_simple/B) times one sequence's progress, so batches well under B_simple make nearly
-    linear progress in B. Estimated from gradients of B = --batch sequences (one replica's batch)
+    `step` of its steps (the table's data parallel run at the same --steps, stopped there), in
+    sequences. Σ is the
+    per-sequence gradient covariance and G the true gradient; the paper's model puts a step's
+    progress at ΔL_max/(1 + B_simple/B), so a batch of B sequences gains about B/(1 + B/B_simple)
+    times one sequence's progress: nearly linear in B well under B_simple, flat well above it. Estimated from gradients of B = --batch sequences (one replica's batch)
     against their mean over `per_set` of them (per_set·B sequences): with |G_B|² = |G|² + tr(Σ)/B,
     two batch sizes give both terms. `sets` sets of fresh training windows; numerator and
     denominator are averaged over the sets before their ratio, as the paper advises. The model is

@@ -70,7 +70,7 @@ EXPLORE = {
     # The mirror of the wire's hadamard43 (3 bits forward, 4 back): which direction takes 3 bits.
     "h3/h4": Codec("h3/h4", FORMATS["h3"], FORMATS["h4"]),
     # Codes fitted to each group (actcodec's m formats), in each direction, at 1-4 bits
-    # (bench/RESULTS.md, issue 17: better forward at 2-3 bits, worse back at every width).
+    # (bench/RESULTS.md, issue 17: better forward at 2 bits, worse back at 3).
     "m2/h4": Codec("m2/h4", FORMATS["m2"], FORMATS["h4"]),
     "m4/h3": Codec("m4/h3", FORMATS["m4"], FORMATS["h3"]),
     "h4/m3": Codec("h4/m3", FORMATS["h4"], FORMATS["m3"]),

@@ -19,17 +19,19 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
 - ``m4``, ``m3``, ``m2``, ``m1``: the same rotation, then a *midrise* code fitted to the group
   instead of its range: all 2^bits codes are levels, at the odd multiples ±1, ±3, …,
   ±(2^bits − 1) of a half-step s; values beyond the outer level are clipped to it. The encoder
-  picks s per group by least squared error among steps from the one that is optimal for a
+  picks s per group by least squared error among steps spanning the one that is optimal for a
   Gaussian of the group's root mean square σ (Max, "Quantizing for minimum distortion", 1960:
-  1.596σ, 0.9957σ, 0.5860σ, 0.3352σ for 1–4 bits) to the range's. After the rotation a group
+  1.596σ, 0.9957σ, 0.5860σ, 0.3352σ for 1–4 bits) and the range's, reaching half of the smaller
+  below both. After the rotation a group
   is close to Gaussian, and at few bits the range is the wrong yardstick: a symmetric 2-bit
-  absmax code has three levels (−s, 0, s) with s ≈ 2.4σ for 64 Gaussian values, so most of the
+  absmax code has three levels (−s, 0, s) with s ≈ 2.6σ for 64 Gaussian values, so most of the
   group decodes to 0 (relative error 0.72 on Gaussian data), where the fitted 4-level code has
   0.34. At 1 bit it is the group's signs times one magnitude. Measured on the tiny model
-  (bench/RESULTS.md, issue 17), they are the better code for activations at 2–3 bits (2-bit
-  activations +2.9% held-out loss instead of +15%) and the worse one for gradients at every
-  width (3 bits: +0.070 nats against +0.004): clipping and the missing zero make their error
-  correlated with the gradient. No wire codec uses them yet.
+  (bench/RESULTS.md, issue 17), they are the better code for activations at 2 bits (2-bit
+  activations +2.9% held-out loss instead of +15%) and the worse one for 3-bit gradients (+0.070
+  nats against +0.004): clipping and the missing zero make their error correlated with the
+  gradient. At 2 bits gradients cost a quarter to a third of the loss in either code. No wire
+  codec uses them yet.
 
 Scales are bf16, not fp16: ∂loss/∂hidden of a mean loss over B·T tokens is small. Measured on
 the tiny model at 8×128 at initialisation: 7e-4 per value on average, int8 group scales 9e-6 to
@@ -90,7 +92,7 @@ class Format:
 
     name: str
     bits: int
-    """Bits per value: 16 for the float casts, 3 to 8 for codes."""
+    """Bits per value: 16 for the float casts, 1 to 8 for codes."""
     rotate: bool = False
     """Rotate each group by H·D/8 before quantising (quantised formats only)."""
     midrise: bool = False
@@ -251,19 +253,22 @@ def _encode_midrise(y: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
     half-step s (bf16) that gives each group the least squared error among `_CANDIDATES` steps
     around the Gaussian fit (σ·step/2) and the range (outer level at the group's absmax). A
     Gaussian group takes about the fitted step; one that an outlier channel dominates after the
-    rotation takes another; the decoder does not care which."""
-    fitted = (y.double().square().mean(dim=-1).sqrt() * (_MIDRISE_STEP[fmt.bits] / 2)).float()  # (…, G)
-    ranged = y.abs().amax(dim=-1) / fmt.qmax
+    rotation takes another; the decoder does not care which. The search runs in float64, so
+    squared errors neither overflow for huge groups nor underflow to ties for tiny ones."""
+    y64 = y.double()
+    fitted = y64.square().mean(dim=-1).sqrt() * (_MIDRISE_STEP[fmt.bits] / 2)  # (…, G)
+    ranged = y64.abs().amax(dim=-1) / fmt.qmax
     low, high = torch.minimum(fitted, ranged) * _BELOW, torch.maximum(fitted, ranged)
+    ratio = torch.where(low > 0, high / low.clamp_min(1e-300), torch.ones_like(low))
     best_err = torch.full_like(fitted, float("inf"))
-    best_scale = torch.zeros_like(fitted, dtype=torch.bfloat16)
+    best_scale = torch.zeros(fitted.shape, dtype=torch.bfloat16)
     best_q = torch.zeros(y.shape, dtype=torch.int32)
     for k in range(_CANDIDATES):
-        scale = (low * (high / low.clamp_min(1e-38)) ** (k / (_CANDIDATES - 1))).to(torch.bfloat16)
-        s = scale.float()
+        scale = (low * ratio ** (k / (_CANDIDATES - 1))).float().to(torch.bfloat16)
+        s = scale.double()
         safe = torch.where(s > 0, s, torch.ones_like(s))[..., None]  # an all-zero group decodes to 0
-        q = (2 * torch.floor(y / (2 * safe)) + 1).clamp_(-fmt.qmax, fmt.qmax)
-        err = (q * s[..., None] - y).square().sum(dim=-1)
+        q = (2 * torch.floor(y64 / (2 * safe)) + 1).clamp_(-fmt.qmax, fmt.qmax)
+        err = (q * s[..., None] - y64).square().sum(dim=-1)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
