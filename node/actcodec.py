@@ -173,8 +173,8 @@ CODECS = MappingProxyType(
         # (TAH-Quant, 2025: ≈4.3 bits forward, ≈6.5 back at unchanged convergence on GPT-2 XL).
         "hadamard4": Codec("hadamard4", FORMATS["h4"], FORMATS["h6"]),
         # 4 bits forward, 3 back: under a quarter of bf16's bytes. Measured on the tiny model the
-        # other way round from TAH-Quant: 3-bit gradients cost +0.004 nats, 3-bit activations
-        # +0.08 (bench/RESULTS.md, issue 17).
+        # other way round from TAH-Quant: 3-bit gradients cost +0.004 nats (two seeds; +0.012
+        # over four), 3-bit activations +0.08 (bench/RESULTS.md, issue 17).
         "hadamard43": Codec("hadamard43", FORMATS["h4"], FORMATS["h3"]),
     }
 )
