@@ -176,6 +176,18 @@ def _schedule(setting: Setting) -> dict[str, Any]:
     return {"inner_lr": setting.inner_lr, "warmup_steps": setting.warmup_steps, "total_steps": setting.steps}
 
 
+def _one_model(setting: Setting) -> DiLoCoConfig:
+    """Data parallel or one replica alone: outer SGD at lr 1, momentum 0 just hands on the weights
+    (H = the evaluation interval)."""
+    return DiLoCoConfig(
+        inner_steps=setting.eval_every,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_nesterov=False,
+        **_schedule(setting),
+    )
+
+
 def train(
     setting: Setting,
     windows: Windows,
@@ -206,11 +218,9 @@ def train(
         )
         every, count = inner_steps, replicas
         batches = lambda i, step: windows.replica(seed, i, step)  # noqa: E731
-    else:  # one model: outer SGD at lr 1, momentum 0 just hands on the weights (H = eval interval)
+    else:
         every, count = setting.eval_every, 1
-        config = DiLoCoConfig(
-            inner_steps=every, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False, **schedule
-        )
+        config = _one_model(setting)
         if kind == "dp":
             batches = lambda _i, step: windows.concatenated(seed, replicas, step)  # noqa: E731
         else:
@@ -251,8 +261,8 @@ def noise_scale(
     """The simple gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018, "An
     Empirical Model of Large-Batch Training", §2 and appendix A) of data parallel's weights after
     `step` of its steps (the table's data parallel run at the same --steps, stopped there), in
-    sequences. Σ is the
-    per-sequence gradient covariance and G the true gradient; the paper's model puts a step's
+    sequences. Σ is the per-sequence gradient covariance and G the true gradient; the paper's
+    model puts a step's
     progress at ΔL_max/(1 + B_simple/B), so a batch of B sequences gains about B/(1 + B/B_simple)
     times one sequence's progress: nearly linear in B well under B_simple, flat well above it. Estimated from gradients of B = --batch sequences (one replica's batch)
     against their mean over `per_set` of them (per_set·B sequences): with |G_B|² = |G|² + tr(Σ)/B,
@@ -263,12 +273,9 @@ def noise_scale(
     if step % every:
         raise ValueError(f"--noise-scale step {step} is not a multiple of --eval-every {every}")
     model = _model_config(setting, seed)
-    config = DiLoCoConfig(
-        inner_steps=every, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False, **_schedule(setting)
-    )
     theta = simulate(
         model,
-        config,
+        _one_model(setting),
         replicas=1,
         rounds=step // every,
         batches=lambda _i, s: windows.concatenated(seed, replicas, s),

@@ -22,11 +22,10 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
   picks s per group by least squared error among steps spanning the one that is optimal for a
   Gaussian of the group's root mean square σ (Max, "Quantizing for minimum distortion", 1960:
   1.596σ, 0.9957σ, 0.5860σ, 0.3352σ for 1–4 bits) and the range's, reaching half of the smaller
-  below both. After the rotation a group
-  is close to Gaussian, and at few bits the range is the wrong yardstick: a symmetric 2-bit
-  absmax code has three levels (−s, 0, s) with s ≈ 2.6σ for 64 Gaussian values, so most of the
-  group decodes to 0 (relative error 0.72 on Gaussian data), where the fitted 4-level code has
-  0.34. At 1 bit it is the group's signs times one magnitude. Measured on the tiny model
+  below both. After the rotation a group is close to Gaussian, and at few bits the range is the
+  wrong yardstick: a symmetric 2-bit absmax code has three levels (−s, 0, s) with s ≈ 2.6σ for
+  64 Gaussian values, so most of the group decodes to 0 (relative error 0.72 on Gaussian data),
+  where the fitted 4-level code has 0.34. At 1 bit it is the group's signs times one magnitude. Measured on the tiny model
   (bench/RESULTS.md, issue 17), they are the better code for activations at 2 bits (2-bit
   activations +2.9% held-out loss instead of +15%) and the worse one for 3-bit gradients (+0.070
   nats against +0.004): clipping and the missing zero make their error correlated with the
