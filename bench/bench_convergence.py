@@ -248,6 +248,11 @@ def train(
     return {"curve": curve, "final": result.eval_loss[-1], "seconds": time.perf_counter() - start}
 
 
+NOISE_SETS = 4
+NOISE_PER_SET = 32
+"""`noise_scale`'s sets of fresh windows, and the one-replica batches averaged per set."""
+
+
 def noise_scale(
     setting: Setting,
     windows: Windows,
@@ -255,20 +260,22 @@ def noise_scale(
     replicas: int,
     seed: int,
     step: int,
-    sets: int = 4,
-    per_set: int = 32,
+    sets: int = NOISE_SETS,
+    per_set: int = NOISE_PER_SET,
 ) -> dict[str, float]:
     """The simple gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018, "An
     Empirical Model of Large-Batch Training", §2 and appendix A) of data parallel's weights after
     `step` of its steps (the table's data parallel run at the same --steps, stopped there), in
     sequences. Σ is the per-sequence gradient covariance and G the true gradient; the paper's
-    model puts a step's
-    progress at ΔL_max/(1 + B_simple/B), so a batch of B sequences gains about B/(1 + B/B_simple)
-    times one sequence's progress: nearly linear in B well under B_simple, flat well above it. Estimated from gradients of B = --batch sequences (one replica's batch)
-    against their mean over `per_set` of them (per_set·B sequences): with |G_B|² = |G|² + tr(Σ)/B,
-    two batch sizes give both terms. `sets` sets of fresh training windows; numerator and
-    denominator are averaged over the sets before their ratio, as the paper advises. The model is
-    for SGD; our inner optimizer is AdamW, so read it as the scale of the batch, not a prediction."""
+    model puts a step's progress at ΔL_max/(1 + B_simple/B), so a batch of B sequences gains
+    about B/(1 + B/B_simple) times one sequence's progress: nearly linear in B well under
+    B_simple, flat well above it.
+
+    Estimated from gradients of B = --batch sequences (one replica's batch) against their mean
+    over `per_set` of them (per_set·B sequences): with |G_B|² = |G|² + tr(Σ)/B, two batch sizes
+    give both terms. `sets` sets of fresh training windows; numerator and denominator are
+    averaged over the sets before their ratio, as the paper advises. The model is for SGD; our
+    inner optimizer is AdamW, so read it as the scale of the batch, not a prediction."""
     every = setting.eval_every
     if step % every:
         raise ValueError(f"--noise-scale step {step} is not a multiple of --eval-every {every}")
@@ -304,7 +311,8 @@ def print_noise_scale(args: argparse.Namespace, setting: Setting, windows: Windo
     m = args.replicas[0]
     print(
         f"\ngradient noise scale at data parallel's weights (M = {m}: {m * setting.batch} sequences a step; "
-        f"estimated from {setting.batch}- and {32 * setting.batch}-sequence gradients, 4 sets)"
+        f"estimated from {setting.batch}- and {NOISE_PER_SET * setting.batch}-sequence gradients, "
+        f"{NOISE_SETS} sets)"
     )
     print(
         "| seed | step | \\|G\\|² | tr Σ | B_simple, sequences | B_simple, tokens |\n|---|---|---|---|---|---|"
