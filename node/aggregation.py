@@ -500,9 +500,8 @@ def _distances_to_point(rows: Sequence[Tensor], point: Tensor) -> Tensor:
     for start in range(0, d, width):
         at = point[start : start + width].to(torch.float64)
         for i, row in enumerate(rows):
-            diff = torch.sub(
-                row[start : start + width].to(torch.float64), at
-            )  # new: a float64 row is not copied by .to
+            # Out of place: `.to` returns a float64 row itself, which an in-place sub would change.
+            diff = row[start : start + width].to(torch.float64) - at
             sq[i] += torch.dot(diff, diff)
     return sq.sqrt()
 

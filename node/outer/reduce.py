@@ -6,14 +6,14 @@ differs is a fraud proof anyone can verify (`check_fraud`).
 
 Per-part rules. The aggregation rule and the content screening run on each part alone:
 
-- coordinate-wise rules (mean, trimmed mean, median) decompose: the aggregate
-  of part j is coordinates [a_j, b_j) of the whole-vector aggregate of the same inputs, bit for
-  bit at every n (each column is sorted and summed row by row on its own: ``aggregation``);
+- coordinate-wise rules (mean, trimmed mean, median) decompose: the aggregate of part j is
+  coordinates [a_j, b_j) of the whole-vector aggregate of the same inputs, bit for bit at every
+  n (each column is sorted and summed row by row on its own: ``aggregation``);
 - whole-vector rules (Krum, multi-Krum, geometric median, centered clipping — the default rule
-  from 5 rows — NNM) and the
-  screening statistics (norm ratio, cosine, variance ratio against the coordinate median,
-  near-copies) become per-part variants: a contribution is judged, selected or weighted on each
-  part by that part's statistics, and one refused on part j is dropped from part j only. Each part
+  from 5 rows — and NNM) and the screening statistics (norm ratio, cosine, variance ratio
+  against the coordinate median, near-copies) become per-part variants: a contribution is
+  judged, selected or weighted on each part by that part's statistics, and one refused on part j
+  is dropped from part j only. Each part
   then sees at least as many honest rows as the whole vector would, and an attacker must pass
   every part's checks to reach every part. What is lost: a distortion spread thinly over all
   parts, each slice inside its part's limits, is judged slice by slice rather than whole
