@@ -13,11 +13,10 @@ Per-part rules. The aggregation rule and the content screening run on each part 
   from 5 rows — and NNM) and the screening statistics (norm ratio, cosine, variance ratio
   against the coordinate median, near-copies) become per-part variants: a contribution is
   judged, selected or weighted on each part by that part's statistics, and one refused on part j
-  is dropped from part j only. Each part
-  then sees at least as many honest rows as the whole vector would, and an attacker must pass
-  every part's checks to reach every part. What is lost: a distortion spread thinly over all
-  parts, each slice inside its part's limits, is judged slice by slice rather than whole
-  (bench/robustness.py measures the default rule both ways).
+  is dropped from part j only. Each part then sees at least as many honest rows as the whole
+  vector would, and an attacker must pass every part's checks to reach every part. What is lost:
+  a distortion spread thinly over all parts, each slice inside its part's limits, is judged
+  slice by slice rather than whole (bench/robustness.py measures the default rule both ways).
 """
 
 from __future__ import annotations
