@@ -2,16 +2,19 @@
 
 Each of N wallets (distinct keys) registers, then for --seconds sends a signed heartbeat
 every 10 s (each at its own phase) and, every --round-s, a signed receipt for the round
-(which carries its θ hash vote), spread over the first --receipt-spread of the round (0.25: a
-quarter, the harsh default: every replica finishes its inner steps at nearly the same time);
-the wallets are spread over 4 stages. The verifier runs `neuroshard-verifier --workers W` on PostgreSQL.
+(which carries its θ hash vote): its replica ends the round within the first --receipt-spread of
+it (0.25: a quarter, the harsh default: every replica finishes its inner steps at nearly the same
+time) and then, as the node's verifier client does, waits its splay before sending: --node-splay
+(the client's `receipt_splay`, 0.5) of the round times its wallet's share for that round
+(node.verifier_client.splay_share), at most `receipt_splay_max_s`; --node-splay 0 sends at once,
+as nodes did before the splay. The wallets are spread over 4 stages. The verifier runs `neuroshard-verifier --workers W` on PostgreSQL.
 Printed: p50/p99 per endpoint, measured from when each request was due (queueing counts)
 and from when it was sent; status counts (no 5xx expected); PostgreSQL backends seen
 (distinct pids, sampled each second: the pool should keep a fixed set); and, with
 --kill-after, receipts acknowledged vs stored after one worker is SIGKILLed mid-load.
 
     .venv/bin/python bench/bench_verifier_writes.py [--nodes 1000] [--workers 4] [--seconds 60]
-        [--round-s 20] [--receipt-spread 0.25] [--kill-after 30] [--db postgresql://127.0.0.1:5432/test] [--quick]
+        [--round-s 20] [--receipt-spread 0.25] [--node-splay 0.5] [--kill-after 30] [--db postgresql://127.0.0.1:5432/test] [--quick]
 
 The load generator (asyncio + aiohttp, one process) shares the machine's cores with the
 verifier and PostgreSQL, so it also measures what is left of them.
@@ -39,6 +42,7 @@ from bench_verifier import NETWORK_TOML, client_session, free_port, serve
 from common import parse_with_quick
 from sqlalchemy import func, select, text
 
+from neuroshard.node.verifier_client import VerifierClientConfig, splay_share
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.signing import sign_request
 from neuroshard.testing.verifier import TEST_DATABASE_ENV, scratch_database
@@ -107,7 +111,9 @@ class Load:
         if pending:
             raise SystemExit(f"{len(pending)} registrations failed three times")
 
-    async def run(self, seconds: float, round_s: float, spread: float, rng: random.Random) -> None:
+    async def run(
+        self, seconds: float, round_s: float, spread: float, splay: float, rng: random.Random
+    ) -> None:
         start = time.time()
         tasks = []
         for i, w in enumerate(self.wallets):
@@ -117,8 +123,10 @@ class Load:
                 at = start + phase + k * HEARTBEAT_S
                 doc = {"stage": i % STAGES, "round": int((at - start) // round_s), "steps_in_round": 10}
                 tasks.append(self.post(w, "/api/heartbeat", doc, at))
+            window = min(splay * round_s, VerifierClientConfig.receipt_splay_max_s)  # a round since the last
             for r in range(int(seconds // round_s)):
                 at = start + r * round_s + rng.uniform(0, round_s * spread)
+                at += window * splay_share(w.public_key_hex, r)
                 tasks.append(self._receipt(w, i % STAGES, r, at))
         await asyncio.gather(*tasks)
 
@@ -203,7 +211,7 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
                 print(f"SIGKILL worker {victim} at {args.kill_after:.0f} s", flush=True)
 
             killer = asyncio.create_task(kill())
-        await load.run(args.seconds, args.round_s, args.receipt_spread, random.Random(0))
+        await load.run(args.seconds, args.round_s, args.receipt_spread, args.node_splay, random.Random(0))
         if killer is not None:
             await killer
     finally:
@@ -242,7 +250,8 @@ def q(values: list[float], percent: int) -> float:
 def report(load: Load, args: argparse.Namespace) -> None:
     print(
         f"\n{args.nodes} nodes over {STAGES} stages, heartbeat every {HEARTBEAT_S:.0f} s, a receipt per "
-        f"{args.round_s:.0f} s round sent over its first {args.receipt_spread:.0%}, {args.seconds:.0f} s, "
+        f"{args.round_s:.0f} s round ended in its first {args.receipt_spread:.0%} and sent after a splay of "
+        f"up to {args.node_splay:.0%} of the round, {args.seconds:.0f} s, "
         f"{args.workers} verifier worker(s), "
         f"{args.connections} client connections"
     )
@@ -277,10 +286,18 @@ def main() -> None:
         default=0.25,
         help="fraction of the round over which the receipts of a round are sent (0 < x <= 1)",
     )
+    ap.add_argument(
+        "--node-splay",
+        type=float,
+        default=VerifierClientConfig.receipt_splay,
+        help="the nodes' receipt splay: each receipt waits up to this fraction of the round (0: none)",
+    )
     ap.add_argument("--kill-after", type=float, help="SIGKILL one worker this many seconds into the load")
     args = parse_with_quick(ap, nodes=40, workers=2, seconds=6.0, round_s=3.0, connections=20)
     if not 0 < args.receipt_spread <= 1:
         ap.error(f"--receipt-spread must be in (0, 1], got {args.receipt_spread}")
+    if not 0 <= args.node_splay <= 1:
+        ap.error(f"--node-splay must be in [0, 1], got {args.node_splay}")
     if args.quick and args.db == "sqlite":
         args.workers = 1
     backend = "sqlite" if args.db == "sqlite" else "postgresql"

@@ -20,7 +20,9 @@ one, a code from the HTTP status); an unreachable verifier as `VerifierUnreachab
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import re
 import threading
 import time
@@ -237,6 +239,17 @@ class VerifierClientConfig:
     network: str | None = None
     """The run's name (NetworkDefinition.name): what member lists and the registration proof of work
     are bound to."""
+    receipt_splay: float = 0.5
+    """A receipt waits before it is sent: this fraction of the time since the previous receipt was
+    queued (about a round; for the first, since the client was made), times a share in [0, 1) fixed
+    by the wallet and round (`splay_share`).
+    The replicas of a stage end their rounds within a second of one another; without the wait a
+    thousand receipts reach the verifier in that second and queue for its cores
+    (bench/bench_verifier_writes.py: p99 212–426 ms with them sent over a quarter of the round,
+    under 200 ms spread over the round). 0 sends each at once. Stopping the node sends what waits."""
+    receipt_splay_max_s: float = 60.0
+    """The longest a receipt waits for the splay, whatever the round's length: the verifier's
+    replay check wants the round's material while the node still keeps it (node.replay: 3 rounds)."""
 
     def __post_init__(self) -> None:
         self.url = _base(self.url)
@@ -253,6 +266,18 @@ class VerifierClientConfig:
             <= 0
         ):
             raise ValueError(f"VerifierClientConfig: queue_size must be ≥ 1 and every period > 0, got {self}")
+        if not 0 <= self.receipt_splay <= 1 or self.receipt_splay_max_s < 0:
+            raise ValueError(
+                f"VerifierClientConfig: receipt_splay must be in [0, 1] and receipt_splay_max_s ≥ 0, "
+                f"got {self.receipt_splay} and {self.receipt_splay_max_s}"
+            )
+
+
+def splay_share(public_key_hex: str, round_: int) -> float:
+    """The share in [0, 1) of its splay window a wallet's receipt for `round_` waits: a hash of both,
+    so a stage's receipts spread evenly over the window and a node's wait is reproducible."""
+    digest = hashlib.sha256(f"neuroshard/receipt-splay\n{public_key_hex}\n{round_}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
 class VerifierClient:
@@ -280,7 +305,12 @@ class VerifierClient:
         """The newest valid member list of this replica's stage (epoch order; an older one replayed
         to this node is refused)."""
         self._clock = clock
-        self._queue: deque[Receipt] = deque()
+        self._queue: deque[tuple[float, Receipt]] = deque()
+        """(monotonic time it may be sent, receipt), oldest first."""
+        self._last_queued = time.monotonic()
+        """When the previous receipt was queued, or this client made: the splay's window is a share of
+        the time since."""
+        self._flushing = threading.Event()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -295,13 +325,19 @@ class VerifierClient:
     # --- the training thread's side ---------------------------------------------------------
 
     def submit(self, receipt: Receipt) -> None:
-        """Queue a receipt (node.receipt) for delivery; returns at once."""
+        """Queue a receipt (node.receipt) for delivery after its splay (`receipt_splay`); returns at once."""
+        now = time.monotonic()
         with self._lock:
+            window = min(
+                self.config.receipt_splay * (now - self._last_queued), self.config.receipt_splay_max_s
+            )
+            self._last_queued = now
+            due = now + window * splay_share(self.wallet.public_key_hex, receipt.round)
             if len(self._queue) >= self.config.queue_size:
-                old = self._queue.popleft()
+                _, old = self._queue.popleft()
                 self.dropped += 1
                 self._log(f"tracker: receipt queue full; dropped the receipt of round {old.round}")
-            self._queue.append(receipt)
+            self._queue.append((due, receipt))
         self._wake.set()
 
     def pending(self) -> int:
@@ -321,6 +357,7 @@ class VerifierClient:
         if self._thread is None:
             return
         deadline = time.monotonic() + flush_s
+        self._flushing.set()  # what waits for its splay goes now
         while self.pending() and self.registered and time.monotonic() < deadline and self._thread.is_alive():
             self._wake.set()
             time.sleep(0.05)
@@ -434,13 +471,17 @@ class VerifierClient:
         if self._on_peers is not None and addresses:
             self._on_peers(addresses)
 
-    def _deliver(self) -> None:
-        """Send queued receipts oldest first until the queue is empty or a call fails."""
+    def _deliver(self) -> float:
+        """Send queued receipts oldest first until the queue is empty, the oldest is not due yet, or
+        a call fails; returns the seconds until the oldest is due (inf when none waits)."""
         while not self._stop.is_set():
             with self._lock:
                 if not self._queue:
-                    return
-                receipt = self._queue[0]
+                    return math.inf
+                due, receipt = self._queue[0]
+            wait = due - time.monotonic()
+            if wait > 0 and not self._flushing.is_set():
+                return wait
             try:
                 self._post("/api/receipts", receipt)
             except Refused as exc:
@@ -448,18 +489,19 @@ class VerifierClient:
                     # Refused for good (or not registered: re-register, then the next receipts go).
                     self.registered = self.registered and exc.code not in NOT_REGISTERED
                     with self._lock:
-                        if self._queue and self._queue[0] is receipt:
+                        if self._queue and self._queue[0][1] is receipt:
                             self._queue.popleft()
                             self.dropped += 1
                     self._log(f"tracker: receipt of round {receipt.round} refused: {exc}")
                     if exc.code in NOT_REGISTERED:
-                        return
+                        return math.inf
                     continue
                 raise
             with self._lock:
-                if self._queue and self._queue[0] is receipt:
+                if self._queue and self._queue[0][1] is receipt:
                     self._queue.popleft()
             self.delivered += 1
+        return math.inf
 
     def _ok(self) -> None:
         if self._failing:
@@ -488,9 +530,9 @@ class VerifierClient:
                 if now >= next_peers:
                     self._peers()
                     next_peers = now + self.config.peers_every_s
-                self._deliver()
+                due_in = self._deliver()
                 self._ok()
-                pause = max(0.05, min(next_beat, next_peers, next_members) - time.monotonic())
+                pause = max(0.05, min(min(next_beat, next_peers, next_members) - time.monotonic(), due_in))
             except Refused as exc:
                 if exc.code == refusal.UNKNOWN_WALLET:
                     self.registered = False

@@ -4,6 +4,7 @@ import json
 import socket
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from neuroshard.cli.embedded import EmbeddedVerifier, start_embedded_verifier
 from neuroshard.node.network_definition import NetworkError
-from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network
+from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network, splay_share
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import Receipt
 from neuroshard.testing.api import receipt_doc
@@ -119,6 +120,45 @@ def test_registers_heartbeats_and_delivers_receipts(verifier: EmbeddedVerifier) 
     assert [p["address"] for p in peers] == ["http://127.0.0.1:7999"]  # type: ignore[index, union-attr]
     assert peers_seen == []  # its own entry is not a peer to dial
     assert tracker.dropped == 0 and any("registered" in line for line in lines)
+
+
+def test_splay_shares_spread_a_stage_evenly_and_are_reproducible() -> None:
+    wallets = [Wallet.from_token(f"splay-{i}").public_key_hex for i in range(2000)]
+    shares = [splay_share(w, 7) for w in wallets]
+    assert all(0 <= s < 1 for s in shares)
+    tenths = Counter(int(s * 10) for s in shares)
+    assert sorted(tenths) == list(range(10)) and min(tenths.values()) > 150  # 200 each on average
+    assert splay_share(wallets[0], 7) == shares[0] != splay_share(wallets[0], 8)
+
+
+def test_a_receipt_waits_its_splay_and_stop_sends_what_waits(verifier: EmbeddedVerifier) -> None:
+    """A receipt waits its share of half the time since the previous one was queued (receipt_splay
+    0.5); stopping the tracker sends a waiting receipt at once instead of leaving it behind."""
+    config = VerifierClientConfig(url=verifier.url, address="127.0.0.1:7998", receipt_splay=0.5)
+    node = Wallet.from_token("splay-node-3")  # shares 0.70 for round 1, 0.71 for round 2
+    tracker = VerifierClient(config, node, lambda line: None)
+    tracker.start()
+    try:
+        first = time.monotonic()
+        tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))  # queued as the client starts: no wait
+        _wait(lambda: tracker.delivered == 1)
+        time.sleep(max(0.0, first + 3.0 - time.monotonic()))
+        queued = time.monotonic()
+        tracker.submit(Receipt.from_obj(receipt_doc(1, "1" * 64)))
+        _wait(lambda: tracker.delivered == 2, timeout_s=10)
+        expected = 0.5 * (queued - first) * splay_share(node.public_key_hex, 1)  # ~1.05 s
+        waited = time.monotonic() - queued
+        assert expected - 0.05 <= waited <= expected + 0.5, (expected, waited)
+
+        time.sleep(2.0)
+        tracker.config.receipt_splay = 1.0
+        tracker.submit(Receipt.from_obj(receipt_doc(2, "2" * 64)))  # due in 0.71 × ~3 s
+        time.sleep(0.1)
+        assert tracker.pending() == 1 and tracker.delivered == 2
+    finally:
+        stopped = time.monotonic()
+        tracker.stop(flush_s=5.0)
+    assert tracker.delivered == 3 and time.monotonic() - stopped < 1.5  # before it was due
 
 
 def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> None:
