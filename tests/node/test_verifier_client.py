@@ -140,7 +140,7 @@ def test_a_receipt_waits_its_splay_and_stop_sends_what_waits(verifier: EmbeddedV
     tracker.start()
     try:
         first = time.monotonic()
-        tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))  # queued as the client starts: no wait
+        tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))  # the first: nothing to splay over
         _wait(lambda: tracker.delivered == 1)
         time.sleep(max(0.0, first + 3.0 - time.monotonic()))
         queued = time.monotonic()
