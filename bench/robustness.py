@@ -87,6 +87,7 @@ RULES = (
     "val+trimmed_mean",
     "val+cclip_median",
     "part:cclip_median",
+    "whole:default",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
 which is the network's default rule (``aggregation.default_rule``: centered clipping from the
@@ -96,7 +97,10 @@ and 10+3 splits). Prefixes say how the round is screened
 first: "val+" with ``screen_round`` and the configured thresholds; "fit+" with thresholds fitted
 to the round's own spread (``fitted_screen``); "part:" is the partitioned round's version
 (``neuroshard.node.outer.reduce.reduce_part``: Δ cut into n = M + K parts, each screened on its
-own statistics and aggregated alone, as the round's owners do). centered_clip's center is the
+own statistics and aggregated alone, as the round's owners do); "whole:" screens whole Δs as
+"val+" does and then aggregates each part of the kept rows alone as "part:" does: the partitioned
+round if every replica learned each contributor's whole-vector statistics (not built: it needs
+the owners' per-part sums gathered before any part is reduced). centered_clip's center is the
 previous round's aggregate (Karimireddy et al. 2021); "cclip_median" is centered clipping as a
 node runs it when its network definition names "centered_clip" (one iteration from the round's
 coordinate median, τ the median distance: a pure function of the round's rows, no history; for
@@ -300,8 +304,8 @@ def _cosine(a: Tensor, b: Tensor) -> float:
 
 
 def split_rule(rule: str) -> tuple[str, str]:
-    """("val" | "fit" | "part" | "", the aggregation rule after the screening prefix)."""
-    for prefix, kind in (("val+", "val"), ("fit+", "fit"), ("part:", "part")):
+    """("val" | "fit" | "part" | "whole" | "", the aggregation rule after the screening prefix)."""
+    for prefix, kind in (("val+", "val"), ("fit+", "fit"), ("part:", "part"), ("whole:", "whole")):
         if rule.startswith(prefix):
             return kind, rule[len(prefix) :]
     return "", rule
@@ -357,7 +361,10 @@ class AttackedAggregate:
                 if len(refused) + len(late) < len(by_wallet):  # never an empty round
                     refused |= late
             kept = rows if not self.screen_kind else [r for w, r in by_wallet.items() if w not in refused]
-            result = self._apply(self.rule, torch.stack(kept))
+            if self.screen_kind == "whole":
+                result = self._per_part(torch.stack(kept), len(rows))
+            else:
+                result = self._apply(self.rule, torch.stack(kept))
         if self.with_history:
             self._remember(by_wallet, refused, result)
         self._record(wallets, plain, refused, active, honest, equivocated)
@@ -537,6 +544,14 @@ class AttackedAggregate:
             for w, reason in part_refused.items():
                 refused.setdefault(w, f"part {j}: {reason}")
         return out, refused
+
+    def _per_part(self, kept: Tensor, n: int) -> Tensor:
+        """The rule on each of the n parts of the kept rows alone (no screening: it was whole-vector)."""
+        out = torch.zeros(kept.shape[1])
+        for a, b in part_bounds(kept.shape[1], n):
+            if b > a:
+                out[a:b] = self._apply(self.rule, kept[:, a:b].contiguous(), span=(a, b))
+        return out
 
     def _apply(self, rule: str, stack: Tensor, span: tuple[int, int] | None = None) -> Tensor:
         f = self.job.byzantine
