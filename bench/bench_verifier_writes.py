@@ -290,7 +290,7 @@ def main() -> None:
         "--receipt-spread",
         type=float,
         default=0.25,
-        help="fraction of the round over which the receipts of a round are sent (0 < x <= 1)",
+        help="fraction of the round over which the replicas end it (0 < x <= 1); each then waits its splay",
     )
     ap.add_argument(
         "--node-splay",

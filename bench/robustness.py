@@ -14,7 +14,7 @@ attack replaces their rows inside the ``aggregate`` callable, which sees the who
 The adaptive attacks (``attacks.ADAPTIVE``) choose their parameter every round as the largest
 whose rows pass the defence's screening (``attacks.adapt``): the rule's own screening for "val+",
 "fit+" and "part:" rules (per part for "part:"), ``screen_round`` with the configured thresholds
-otherwise. Two knowledge levels, reported separately:
+otherwise ("whole:" included: it screens whole rows the same way). Two knowledge levels, reported separately:
 
 - ``omniscient:NAME``: the colluders see the round's honest Δs (a simulator-only upper bound);
 - ``realistic:NAME``: they see their own K honestly trained Δs and the previous round's revealed
@@ -873,7 +873,7 @@ def main() -> None:
         splits, args.seeds, data_modes = "5+1", 1, "noniid"
         args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"
         if args.rules == parser.get_default("rules"):
-            args.rules = ",".join([*DEFAULT_RULES, "val+hist+default"])  # the hist+ path too
+            args.rules = ",".join([*DEFAULT_RULES, "val+hist+default", "whole:default"])  # those paths too
     attack_names = [a for a in args.attacks.split(",") if a]
     rules = [r for r in args.rules.split(",") if r]
     for name in attack_names:

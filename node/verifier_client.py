@@ -244,14 +244,17 @@ class VerifierClientConfig:
     queued (about a round), times a share in [0, 1) fixed by the wallet and round (`splay_share`);
     the first receipt goes at once (the time before it holds the node's start and its joining, not
     a round).
-    The replicas of a stage end their rounds within a second of one another; without the wait a
-    thousand receipts reach the verifier in that second and queue for its cores
-    (bench/bench_verifier_writes.py, 1,000 nodes ending each round within a quarter of it: receipt
-    p99 after the first round 30–34 ms sent at once, 16–24 ms with the splay, on a quiet machine).
-    0 sends each at once. Stopping the node sends what waits."""
+    The replicas of a stage end their rounds at nearly the same time; without the wait a thousand
+    receipts reach the verifier together and queue for its cores (bench/bench_verifier_writes.py,
+    1,000 nodes ending each round within its first quarter: receipt p99 after the first round
+    30–34 ms sent at once, 16–24 ms with the splay, on a quiet machine). 0 sends each at once.
+    Receipts go oldest first, and an older one still waiting goes no later than a newer one is due,
+    so after a long round (a stall) its long wait ends with the next round's receipt. Stopping the
+    node sends what waits."""
     receipt_splay_max_s: float = 60.0
-    """The longest a receipt waits for the splay, whatever the round's length: the verifier's
-    replay check wants the round's material while the node still keeps it (node.replay: 3 rounds)."""
+    """The most any receipt waits for the splay. Its window follows the time before it, so a stalled
+    round makes it long; the next receipt's due time then cuts it short (above), which keeps a
+    receipt well inside the 3 rounds of replay material a node keeps (node.replay)."""
 
     def __post_init__(self) -> None:
         self.url = _base(self.url)
@@ -333,6 +336,11 @@ class VerifierClient:
             window = min(self.config.receipt_splay * since, self.config.receipt_splay_max_s)
             self._last_queued = now
             due = now + window * splay_share(self.wallet.public_key_hex, receipt.round)
+            # Sent oldest first, so an older receipt still waiting (a long round's long window)
+            # goes no later than this one is due: nothing waits behind another past its own time.
+            for i, (waiting_due, waiting) in enumerate(self._queue):
+                if waiting_due > due:
+                    self._queue[i] = (due, waiting)
             if len(self._queue) >= self.config.queue_size:
                 _, old = self._queue.popleft()
                 self.dropped += 1

@@ -131,34 +131,54 @@ def test_splay_shares_spread_a_stage_evenly_and_are_reproducible() -> None:
     assert splay_share(wallets[0], 7) == shares[0] != splay_share(wallets[0], 8)
 
 
-def test_a_receipt_waits_its_splay_and_stop_sends_what_waits(verifier: EmbeddedVerifier) -> None:
-    """A receipt waits its share of half the time since the previous one was queued (receipt_splay
-    0.5); stopping the tracker sends a waiting receipt at once instead of leaving it behind."""
-    config = VerifierClientConfig(url=verifier.url, address="127.0.0.1:7998", receipt_splay=0.5)
+def _due_in(tracker: VerifierClient) -> list[float]:
+    """Seconds until each queued receipt may go (the queue's own due times; no wall-clock guesses)."""
+    now = time.monotonic()
+    return [due - now for due, _ in tracker._queue]
+
+
+def test_a_receipt_waits_its_share_of_half_the_time_since_the_last_and_never_behind_a_later_one() -> None:
+    """Not started, so nothing is sent: what is checked is when each receipt would go."""
+    config = VerifierClientConfig(url="http://127.0.0.1:9", address="127.0.0.1:7998", receipt_splay=0.5)
     node = Wallet.from_token("splay-node-3")  # shares 0.70 for round 1, 0.71 for round 2
+    tracker = VerifierClient(config, node, lambda line: None)
+    tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))
+    assert _due_in(tracker)[0] <= 0  # the first goes at once
+    tracker._last_queued -= 40.0  # as if the round took 40 s
+    before = time.monotonic()
+    tracker.submit(Receipt.from_obj(receipt_doc(1, "1" * 64)))
+    expected = 0.5 * 40.0 * splay_share(node.public_key_hex, 1)  # ~14 s
+    assert expected - 0.5 <= _due_in(tracker)[1] <= expected + (time.monotonic() - before) + 0.5
+    tracker._last_queued -= 4.0  # a 4 s round: round 2 is due in ~1.4 s, and round 1 no later
+    tracker.submit(Receipt.from_obj(receipt_doc(2, "2" * 64)))
+    first, second, third = _due_in(tracker)
+    assert third <= 0.5 * 4.0 + 0.5 and second == third and first <= 0
+    tracker._last_queued -= 10_000.0
+    tracker.submit(Receipt.from_obj(receipt_doc(3, "3" * 64)))
+    assert _due_in(tracker)[3] <= config.receipt_splay_max_s  # the cap
+
+
+def test_waiting_receipts_go_when_due_and_stop_sends_what_waits(verifier: EmbeddedVerifier) -> None:
+    config = VerifierClientConfig(url=verifier.url, address="127.0.0.1:7998", receipt_splay=0.5)
+    node = Wallet.from_token("splay-node-3")
     tracker = VerifierClient(config, node, lambda line: None)
     tracker.start()
     try:
-        first = time.monotonic()
-        tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))  # the first: nothing to splay over
+        tracker.submit(Receipt.from_obj(receipt_doc(0, "0" * 64)))
         _wait(lambda: tracker.delivered == 1)
-        time.sleep(max(0.0, first + 3.0 - time.monotonic()))
-        queued = time.monotonic()
+        tracker._last_queued -= 6.0  # a 6 s round: round 1 waits ~2.1 s
         tracker.submit(Receipt.from_obj(receipt_doc(1, "1" * 64)))
-        _wait(lambda: tracker.delivered == 2, timeout_s=10)
-        expected = 0.5 * (queued - first) * splay_share(node.public_key_hex, 1)  # ~1.05 s
-        waited = time.monotonic() - queued
-        assert expected - 0.05 <= waited <= expected + 0.5, (expected, waited)
+        due = time.monotonic() + _due_in(tracker)[0]
+        _wait(lambda: tracker.delivered == 2, timeout_s=30)
+        assert time.monotonic() >= due  # not before its time (the flush is the only exception)
 
-        time.sleep(2.0)
-        tracker.config.receipt_splay = 1.0
-        tracker.submit(Receipt.from_obj(receipt_doc(2, "2" * 64)))  # due in 0.71 × ~3 s
-        time.sleep(0.1)
-        assert tracker.pending() == 1 and tracker.delivered == 2
+        tracker._last_queued -= 100.0  # round 2 would wait ~35 s
+        tracker.submit(Receipt.from_obj(receipt_doc(2, "2" * 64)))
+        due = time.monotonic() + _due_in(tracker)[0]
+        assert tracker.pending() == 1 and due - time.monotonic() > 20
     finally:
-        stopped = time.monotonic()
-        tracker.stop(flush_s=5.0)
-    assert tracker.delivered == 3 and time.monotonic() - stopped < 1.5  # before it was due
+        tracker.stop(flush_s=10.0)
+    assert tracker.delivered == 3 and time.monotonic() < due  # sent by the stop, long before its time
 
 
 def test_an_unreachable_verifier_never_blocks_and_the_queue_stays_bounded() -> None:
