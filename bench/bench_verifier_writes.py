@@ -119,7 +119,10 @@ class Load:
     async def run(
         self, seconds: float, round_s: float, spread: float, splay: float, rng: random.Random
     ) -> None:
-        start = time.time()
+        # Starting the ~10,000 request tasks takes this single-threaded generator a few hundred ms;
+        # requests due during that would go out in one burst and have their answers read late,
+        # which the latencies would blame on the verifier. So the schedule starts after it.
+        start = time.time() + START_LEAD_S
         tasks = []
         for i, w in enumerate(self.wallets):
             phase = rng.uniform(0, HEARTBEAT_S)
@@ -211,7 +214,7 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
         if args.kill_after is not None:
 
             async def kill() -> None:
-                await asyncio.sleep(args.kill_after)
+                await asyncio.sleep(START_LEAD_S + args.kill_after)  # seconds into the load's schedule
                 victim = worker_pids(parent)[0]
                 os.kill(victim, signal.SIGKILL)
                 print(f"SIGKILL worker {victim} at {args.kill_after:.0f} s", flush=True)
@@ -247,6 +250,10 @@ async def main_async(args: argparse.Namespace, url: str, base: str, parent: int)
             f"{postgres_s / answered * 1000:.2f} ms ({postgres_s:.1f} s; the sampler's own included)"
         )
     return load
+
+
+START_LEAD_S = 2.0
+"""Seconds between building the load's schedule and its first request (Load.run)."""
 
 
 def q(values: list[float], percent: int) -> float:
