@@ -8,7 +8,10 @@ time) and then, as the node's verifier client does, waits its splay before sendi
 (the client's `receipt_splay`, 0.5) of the round times its wallet's share for that round
 (node.verifier_client.splay_share), at most `receipt_splay_max_s`, except its first receipt,
 which a node sends at once; --node-splay 0 sends every one at once, as nodes did before the splay.
-The wallets are spread over 4 stages. Receipts after the first round are also reported alone. The verifier runs `neuroshard-verifier --workers W` on PostgreSQL.
+The wallets are spread over 4 stages. Receipts after the first round are also reported alone.
+The schedule starts START_LEAD_S after its requests are set up, so none is due while this
+single-threaded generator is still busy starting them. The verifier runs
+`neuroshard-verifier --workers W` on PostgreSQL.
 Printed: p50/p99 per endpoint, measured from when each request was due (queueing counts)
 and from when it was sent; status counts (no 5xx expected); PostgreSQL backends seen
 (distinct pids, sampled each second: the pool should keep a fixed set); and, with
