@@ -223,6 +223,8 @@ class Reporting:
                 software_version=_version(),
                 operator_key=self.operator_key,
                 network=self.network_name,
+                # A node's own verifier serves that node alone: no burst to spread, so no wait.
+                receipt_splay=0.0 if self.embedded is not None else VerifierClientConfig.receipt_splay,
             ),
             wallet,
             self.log,

@@ -33,7 +33,7 @@ def test_a_lone_node_serves_the_api_and_is_measured(published: PublishedData, tm
     url = f"http://127.0.0.1:{port}"
     argv = [NODE, "--home", str(tmp_path), "--data", str(published.directory),
             "--publisher-key", published.public_key_hex, "--model-size", "micro", "--seq-len", "32",
-            "--batch-size", "8", "--inner-steps", "10", "--threads", "1", "--log-every", "1000",
+            "--batch-size", "8", "--inner-steps", "200", "--threads", "1", "--log-every", "1000",
             "--verifier-port", str(port)]  # fmt: skip
     env = {**{k: v for k, v in os.environ.items() if k != "NEUROSHARD_TOKEN"}, "NEUROSHARD_TOKEN": TOKEN}
     with (tmp_path / "node.out").open("w") as out:
