@@ -92,13 +92,15 @@ class PeerTable:
 
     def live(self, now: float, stage: int | None = None) -> list[PeerEntry]:
         """Unexpired, unbanned peers (of `stage` if given), sorted by wallet for a stable order."""
+        return [e for e in self.unexpired(now, stage) if e.banned_until <= now]
+
+    def unexpired(self, now: float, stage: int | None = None) -> list[PeerEntry]:
+        """Unexpired peers (of `stage` if given), banned or not, sorted by wallet."""
         return sorted(
             (
                 e
                 for e in self._entries.values()
-                if e.record.last_seen >= now - self.ttl_s
-                and e.banned_until <= now
-                and (stage is None or e.record.stage == stage)
+                if e.record.last_seen >= now - self.ttl_s and (stage is None or e.record.stage == stage)
             ),
             key=lambda e: e.wallet,
         )

@@ -640,25 +640,35 @@ class PeerPlane:
         signed roster, so a flood of fresh wallets changes no member list."""
 
         async def read() -> list[str]:
-            return [e.wallet for e in self._exchange.stage_peers() if self._counts_as_member(e)]
+            now = self.node.clock()
+            reachable = {e.wallet for e in self.node.peers.live(now, self.stage)}
+            return [
+                e.wallet
+                for e in self.node.peers.unexpired(now, self.stage)
+                if self._counts_as_member(e, reachable=e.wallet in reachable)
+            ]
 
         live = self._call(read(), timeout=10.0)
         return split_members(live, self.wallet.public_key_hex, self._roster_for(round_), round_)
 
-    def _counts_as_member(self, peer: PeerEntry) -> bool:
-        """A live stage peer is a member unless banned (a proven cheat owns no part; every replica
-        that applied the proof agrees) if it answered the last θ-hash vote, or was first seen after
-        that vote began (a joiner). A replica that died in the last round answered no vote,
-        so every survivor leaves it out at once, whether or not its own peer table has banned the
-        dead address yet (the tables of two survivors ban it after different numbers of failures)."""
+    def _counts_as_member(self, peer: PeerEntry, *, reachable: bool) -> bool:
+        """A stage peer is a member unless banned (a proven cheat owns no part; every replica that
+        applied the proof agrees) if it answered the last θ-hash vote, or was first seen after that
+        vote began (a joiner) and this replica's peer table has not banned its address.
+
+        The vote, not the peer table, decides for a replica that voted: every survivor saw the
+        same answers. One that died in the last round answered no vote, so every survivor leaves
+        it out at once; one that dies in this round answered the last vote, so every survivor keeps
+        it for this round (its parts go to their backups), whether or not its own table has banned
+        the dead address yet: two survivors' tables ban it after different numbers of failures."""
         if peer.wallet in self.banned:
             return False
         if is_relay(peer.address) and self._relay is None:
             return False  # a replica behind NAT is read through the stage bucket, which this one lacks
         if self._last_vote is None or not self._counts(peer.wallet):
-            return True  # a probationer is never asked for a vote: the live peer table speaks for it
+            return reachable  # a probationer is never asked for a vote: the live peer table speaks for it
         began, answered = self._last_vote
-        return peer.wallet in answered or peer.first_seen >= began
+        return peer.wallet in answered or (reachable and peer.first_seen >= began)
 
     def finish_round(self, diloco: DiLoCo) -> None:
         """The trainer's `finish_round`: run the partitioned round (``neuroshard.node.outer.round``),

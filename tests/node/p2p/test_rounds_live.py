@@ -284,6 +284,43 @@ def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
         assert list(ra.accepted) == list(rb.accepted) == survivors
 
 
+def test_survivors_agree_on_the_members_when_only_one_has_banned_the_dead_address(swarm) -> None:
+    """Round 1: a replica dies before it commits, and one survivor's peer table has banned its
+    address by then while the other's has not (tables ban after their own counts of failures).
+    It answered round 0's vote, so both keep it as a member of round 1 (its part goes to a
+    backup) and leave it out from round 2: the survivors' member lists and θ agree every round."""
+    rounds = 3
+    dying_key: list[str] = []
+
+    def die_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
+        if diloco.round == 1:
+            replica.network.stop()
+            raise SystemExit("killed")
+        replica.network.finish_round(diloco)
+
+    def has_banned_it_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
+        if diloco.round == 1:
+            entry = replica.network.node.peers.get(dying_key[0])
+            assert entry is not None
+            entry.banned_until = float("inf")
+        replica.network.finish_round(diloco)
+
+    a = swarm.add(max_steps=rounds * H, hook=has_banned_it_in_round_1)
+    b = swarm.add(max_steps=rounds * H)
+    dying = swarm.add(max_steps=rounds * H, hook=die_in_round_1)
+    dying_key.append(dying.key)
+    swarm.join_all_and_wait_for_discovery()
+    for r in (a, b, dying):
+        r.start()
+    _join_threads([a, b], 60.0)
+    assert isinstance(dying.error, SystemExit)
+    survivors = sorted([a.key, b.key])
+    for round_ in (1, 2):
+        ra, rb = a.reports()[round_], b.reports()[round_]
+        assert ra.theta_hash == rb.theta_hash
+        assert list(ra.accepted) == list(rb.accepted) == survivors
+
+
 def test_a_replica_killed_while_its_delta_is_read_does_not_stop_the_others(swarm) -> None:
     """Round 1: the dying replica commits and publishes its Δ, then every read of that Δ is cut half
     way (the TCP connection reset after half the body, as when the process is SIGKILLed while it
