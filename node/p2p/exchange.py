@@ -64,7 +64,9 @@ class Agreement:
     ahead: int | None
     """The highest round a peer reported beyond the new one (this replica is behind), else None."""
     answered: frozenset[str] = frozenset()
-    """Stage peers whose signed status came back in the vote's last poll (alive at the vote)."""
+    """Stage peers whose signed status came back in any poll of the vote (alive at the vote).
+    Any poll, not the last: replicas stop polling at different times, and a peer that dies in
+    between would be in one replica's last poll and not another's (plane.members)."""
 
 
 class Exchange:
@@ -251,8 +253,10 @@ class Exchange:
         deadline = loop.time() + self.timings.hash_check_timeout_s
         waiting_for = set(participants) - {self.own}
         interval = MIN_POLL_S
+        answered: set[str] = set()
         while True:
             infos = await self.statuses()
+            answered.update(i.wallet for i in infos)
             # Ahead only if a quorum vouches for a later state: one status claiming a far round must
             # not send this replica hunting for a state nobody else holds (quorum.py).
             later = vouched(infos, new_round + 1, len(infos) + 1)
@@ -261,7 +265,7 @@ class Exchange:
             if ahead is not None or not pending or loop.time() >= deadline or stop.is_set():
                 vote = plurality(infos, new_round, own_hash)
                 assert vote is not None  # own_hash always counts
-                return Agreement(vote, ahead, frozenset(i.wallet for i in infos))
+                return Agreement(vote, ahead, frozenset(answered))
             await asyncio.sleep(interval)
             interval = min(interval * 1.5, self.timings.poll_interval_s)
 

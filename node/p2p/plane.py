@@ -287,9 +287,10 @@ class PeerPlane:
         # The round's implementation: OuterRound; neuroshard.adversary passes its cheating rounds.
         self._outer = round_factory(self._store, wallet, aggregate, self._round_config, log)
         self.last_round: RoundResult | None = None
-        self._last_vote: tuple[float, frozenset[str]] | None = None
-        """(peer-clock time the last θ-hash vote began, stage peers that answered it): members()."""
         """The last round's full result (claims, checks, refusals), for tests and benchmarks."""
+        self._last_vote: tuple[float, frozenset[str]] | None = None
+        """(peer-clock time the last θ-hash vote began, stage peers that answered it): members().
+        None when the last vote failed: members() then goes by reachability alone."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -652,15 +653,20 @@ class PeerPlane:
         return split_members(live, self.wallet.public_key_hex, self._roster_for(round_), round_)
 
     def _counts_as_member(self, peer: PeerEntry, *, reachable: bool) -> bool:
-        """A stage peer is a member unless banned (a proven cheat owns no part; every replica that
-        applied the proof agrees) if it answered the last θ-hash vote, or was first seen after that
-        vote began (a joiner) and this replica's peer table has not banned its address.
+        """A stage peer that is not a proven cheat (`self.banned`: it owns no part; every replica
+        that applied the proof agrees) is a member if it answered a poll of this replica's last
+        θ-hash vote, or was first seen after that vote began (a joiner) and is `reachable` (this
+        replica's peer table has not banned its address). With no vote to go by (the first round,
+        a failed vote) and for probationers, who are never asked to vote, reachability decides;
+        a replica behind NAT counts only where this one reads the stage bucket.
 
-        The vote, not the peer table, decides for a replica that voted: every survivor saw the
-        same answers. One that died in the last round answered no vote, so every survivor leaves
-        it out at once; one that dies in this round answered the last vote, so every survivor keeps
-        it for this round (its parts go to their backups), whether or not its own table has banned
-        the dead address yet: two survivors' tables ban it after different numbers of failures."""
+        For a peer that voted, the vote decides, not the peer table: survivors poll at about the
+        same time, so they mostly hold the same answers. One that died in the last round answered
+        no poll and every survivor leaves it out at once; one that dies in this round answered,
+        so every survivor keeps it for this round (its parts go to their backups), whether or not
+        its own table has banned the dead address yet: tables ban after their own counts of
+        failures. Not promised: a peer that dies within the vote's polls may be in one survivor's
+        answers and not another's, until its record expires (``peer_ttl_s``)."""
         if peer.wallet in self.banned:
             return False
         if is_relay(peer.address) and self._relay is None:
@@ -740,6 +746,7 @@ class PeerPlane:
                 participants = accepted if len(accepted) > 1 or split is None else split.members
                 resynced_from, agree, voters = self._check_hash(diloco, participants)
             except Exception as exc:  # a later round's check (or its base-hash refusals) will catch up
+                self._last_vote = None  # an older vote's answers would keep replicas dead since
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
         if result is not None:
             self._ban(r, result.cheats, lost_vote=resynced_from is not None)
