@@ -81,6 +81,16 @@ EXPLORE = {
     "m2/m2": Codec("m2/m2", FORMATS["m2"], FORMATS["m2"]),
     "m2/h2": Codec("m2/h2", FORMATS["m2"], Format("h2", 2, True)),
     "m2/m1": Codec("m2/m1", FORMATS["m2"], FORMATS["m1"]),
+    # Dithered codes (actcodec's d formats): unbiased, with every level used.
+    "h4/d3": Codec("h4/d3", FORMATS["h4"], FORMATS["d3"]),
+    "d4/d3": Codec("d4/d3", FORMATS["d4"], FORMATS["d3"]),
+    "d3/d3": Codec("d3/d3", FORMATS["d3"], FORMATS["d3"]),
+    "m2/d3": Codec("m2/d3", FORMATS["m2"], FORMATS["d3"]),
+    "h4/d2": Codec("h4/d2", FORMATS["h4"], FORMATS["d2"]),
+    "m2/d2": Codec("m2/d2", FORMATS["m2"], FORMATS["d2"]),
+    "d2/d2": Codec("d2/d2", FORMATS["d2"], FORMATS["d2"]),
+    "h4/d1": Codec("h4/d1", FORMATS["h4"], FORMATS["d1"]),
+    "m2/d1": Codec("m2/d1", FORMATS["m2"], FORMATS["d1"]),
 }
 EVAL_BATCHES = 16
 

@@ -31,6 +31,15 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
   nats against +0.004): clipping and the missing zero make their error correlated with the
   gradient. At 2 bits gradients cost a quarter to a third of the loss in either code. No wire
   codec uses them yet.
+- ``d4``, ``d3``, ``d2``, ``d1``: the midrise levels with *subtractive dither* (Roberts 1962; Schuchman
+  1964): the half-step is set by the range, s = max|y| / (2^bits − 1), the encoder codes y/s + d
+  and the decoder returns s·(q − d), d a pseudo-random value in (−1, 1) per value that both ends
+  derive from the scales (``_dither``). Nothing is clipped, so each value's error is uniform on
+  (−s, s] and independent of the value: the decoded tensor is unbiased, where rounding's error
+  is a fixed function of the value that adds up the same way in every token. Measured on the
+  tiny model (bench/RESULTS.md, issue 17): beside 4-bit activations, 2-bit dithered gradients
+  cost +0.5% held-out loss (range-coded or fitted 2-bit ones: +26–33%) and 1-bit ones +2%;
+  forward they do worse than the range code. No wire codec uses them yet.
 
 Scales are bf16, not fp16: ∂loss/∂hidden of a mean loss over B·T tokens is small. Measured on
 the tiny model at 8×128 at initialisation: 7e-4 per value on average, int8 group scales 9e-6 to
@@ -41,8 +50,8 @@ at most 0.4% of a step.
 
 Decoding depends only on the bytes and runs in a fixed order with one rounding per value:
 codes unpacked with integer operations, the inverse rotation H·q computed on the integer codes
-(exact in int32: |H·q| ≤ 64·127), then one float32 product with the group's scale, then ×1/8 and
-×±1 (exact). So a decoded tensor is the same bits whatever the thread count (tested) or the
+(exact in int32: |H·q| ≤ 64·127; dithered, H·(256·q − k) for d = k/256, |·| < 2^24), then one
+float32 product with the group's scale, then ×1/8 (and ×1/256) and ×±1 (exact). So a decoded tensor is the same bits whatever the thread count (tested) or the
 machine (every step is an IEEE-exact integer operation or one correctly rounded float32
 product), and the receiving stage's step is a pure function of what it was sent. Encoding need not be: its
 output is hashed and signed as sent.
@@ -97,12 +106,17 @@ class Format:
     midrise: bool = False
     """Levels at the odd multiples of a half-step fitted to the group's spread (all 2^bits codes
     used, no zero level) instead of the symmetric absmax code (2^bits − 1 levels, 0 among them)."""
+    dither: bool = False
+    """Subtractive dither on a midrise code whose half-step is set by the range: every value's
+    error is uniform and independent of the value, so the decoded tensor is unbiased."""
 
     def __post_init__(self) -> None:
         if self.midrise and not self.rotate:
             raise ValueError(
                 f"format {self.name}: a midrise code needs the rotation (see the module docstring)"
             )
+        if self.dither and not self.midrise:
+            raise ValueError(f"format {self.name}: dither is defined on midrise codes only")
 
     @property
     def quantized(self) -> bool:
@@ -139,6 +153,10 @@ FORMATS = MappingProxyType(
             Format("m3", 3, True, True),
             Format("m2", 2, True, True),
             Format("m1", 1, True, True),
+            Format("d4", 4, True, True, True),
+            Format("d3", 3, True, True, True),
+            Format("d2", 2, True, True, True),
+            Format("d1", 1, True, True, True),
         )
     }
 )
@@ -172,8 +190,8 @@ CODECS = MappingProxyType(
         # (TAH-Quant, 2025: ≈4.3 bits forward, ≈6.5 back at unchanged convergence on GPT-2 XL).
         "hadamard4": Codec("hadamard4", FORMATS["h4"], FORMATS["h6"]),
         # 4 bits forward, 3 back: under a quarter of bf16's bytes. Measured on the tiny model the
-        # other way round from TAH-Quant: 3-bit gradients cost +0.004 nats (two seeds; +0.012
-        # over four), 3-bit activations +0.08 (bench/RESULTS.md, issue 17).
+        # other way round from TAH-Quant: 3-bit gradients cost +0.016 ± 0.008 nats (six seeds),
+        # 3-bit activations +0.08 (bench/RESULTS.md, issue 17).
         "hadamard43": Codec("hadamard43", FORMATS["h4"], FORMATS["h3"]),
     }
 )
@@ -237,6 +255,8 @@ def encode(x: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
         y = _hadamard(y * _SIGNS.float()) * _SCALE
         if not bool(torch.isfinite(y).all()):
             raise ValueError(f"{name}: values up to {float(x.abs().max()):.3g} overflow the rotation")
+    if fmt.dither:
+        return _encode_dithered(y, fmt, name)
     if fmt.midrise:
         return _encode_midrise(y, fmt, name)
     scale = _bf16_ceil(y.abs().amax(dim=-1) / fmt.qmax)  # (…, G) bf16
@@ -274,6 +294,42 @@ def _encode_midrise(y: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
         best_q = torch.where(better[..., None], q.to(torch.int32), best_q)
     u = ((best_q + fmt.qmax) // 2).to(torch.uint8)
     return {codes_name(name): _pack(u, fmt.bits).view(torch.int8), scales_name(name): best_scale}
+
+
+def _encode_dithered(y: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
+    """y (…, G, 64) rotated groups -> midrise codes of y/s + d, s = absmax/qmax (bf16, rounded
+    up) and d the dither that `_dither` draws from the scales: y/s + d stays in [−qmax − 1,
+    qmax + 1), so nothing is clipped and s·(q − d) − y is uniform on (−s, s]."""
+    scale = _bf16_ceil(y.abs().amax(dim=-1) / fmt.qmax)  # (…, G)
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))[..., None]  # an all-zero group decodes to 0
+    v = y / safe + _dither(scale).float() / _DITHER_DEN
+    q = (2 * torch.floor(v / 2) + 1).clamp_(-fmt.qmax, fmt.qmax)
+    u = ((q.to(torch.int32) + fmt.qmax) // 2).to(torch.uint8)
+    return {codes_name(name): _pack(u, fmt.bits).view(torch.int8), scales_name(name): scale}
+
+
+_DITHER_DEN = 256
+"""A dither value is k/256 for an odd k in (−256, 256): exact in float32, and 256·(q − d) an
+integer, so the decoder's rotation stays on integers."""
+_MASK32 = 0xFFFFFFFF
+
+
+def _dither(scales: Tensor) -> Tensor:
+    """scales (…, G) bf16 -> (…, G, 64) int32 odd numerators k, d = k/256 roughly uniform on
+    (−1, 1): a 32-bit integer hash (two multiply–xorshift rounds) of each value's index, keyed
+    by sha256 of the scales' bytes, so it differs between tensors and both ends compute it from
+    what travels. Products stay below 2^63 (factors below 2^32 and 2^27), so int64 is exact."""
+    key = hashlib.sha256(
+        b"neuroshard/actcodec/dither/v1" + scales.contiguous().view(torch.int16).numpy().tobytes()
+    )
+    x = torch.arange(scales.numel() * GROUP, dtype=torch.int64)
+    x = (x * 0x9E3779B1 + int.from_bytes(key.digest()[:4], "little")) & _MASK32
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (x >> 16) ^ x
+    k = 2 * (x >> 24) + 1 - _DITHER_DEN  # top 8 bits -> odd k in [−255, 255]
+    return k.to(torch.int32).reshape(*scales.shape, GROUP)
 
 
 def _bf16_ceil(s: Tensor) -> Tensor:
@@ -344,7 +400,11 @@ def decode(tensors: dict[str, Tensor], fmt: Format, name: str, shape: tuple[int,
         raise PayloadError(f"{name}: code -{fmt.qmax + 1} is outside the symmetric range ±{fmt.qmax}")
     else:
         q = u.to(torch.int32) - (fmt.qmax + 1)
-    if fmt.rotate:
+    if fmt.dither:  # 256·(q − d), an integer: |·| < 256·(qmax + 1), so |H·(·)| < 2^24 is exact
+        scales = tensors[scales_name(name)]
+        y = _hadamard(_DITHER_DEN * q - _dither(scales)).float() * scale[..., None]
+        x = y * (_SCALE / _DITHER_DEN) * _SIGNS.float()
+    elif fmt.rotate:
         # D·(H·q)·s/8: the integer transform is exact, then one rounding (×s), then exact ×1/8, ×±1.
         y = _hadamard(q).float() * scale[..., None]
         x = y * _SCALE * _SIGNS.float()

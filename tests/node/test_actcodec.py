@@ -76,9 +76,14 @@ def test_rotated_codes_err_by_at_most_half_a_step_per_value_in_l2_per_group(name
 
 
 # Relative L2 error on `_activations()`, measured: int8 0.0177, int4 0.163, h8 0.0033,
-# h6 0.0132, h4 0.0584, h3 0.143, m4 0.0532, m3 0.100, m2 0.162, m1 0.208, bf16 0.0017,
-# fp16 0.0002. The bounds leave ~20% headroom.
+# h6 0.0132, h4 0.0584, h3 0.143, m4 0.0532, m3 0.100, m2 0.162, m1 0.208, d4 0.0546,
+# d3 0.119, d2 0.275, d1 0.827 (unbiased, not small), bf16 0.0017, fp16 0.0002. The bounds
+# leave ~20% headroom.
 EXPECTED = {
+    "d4": 0.066,
+    "d3": 0.143,
+    "d2": 0.33,
+    "d1": 0.99,
     "m4": 0.064,
     "m3": 0.12,
     "m2": 0.195,
@@ -153,6 +158,52 @@ def test_midrise_groups_dominated_by_an_outlier_take_the_step_that_fits_them() -
     x = _activations()
     assert _rel(x, actcodec.round_trip(x, FORMATS["m2"])) < 0.2
     assert _rel(x, actcodec.round_trip(x, FORMATS["m2"])) < _rel(x, actcodec.round_trip(x, FORMATS["m1"]))
+
+
+@pytest.mark.parametrize("name", ["d4", "d3", "d2", "d1"])
+def test_dithered_codes_err_by_at_most_a_half_step_per_value_in_l2_per_group(name: str) -> None:
+    """Nothing is clipped: each rotated value's error is within the half-step s (its dithered
+    cell), so a group's L2 error is within s·√64."""
+    fmt = FORMATS[name]
+    x = _activations()
+    tensors = actcodec.encode(x, fmt, "x")
+    err = (actcodec.decode(tensors, fmt, "x", tuple(x.shape)) - x).view(4, 32, -1, GROUP)
+    bound = tensors["x.scales"].float() * math.sqrt(GROUP) * (1 + 1e-5)
+    assert bool((err.norm(dim=-1) <= bound).all())
+
+
+@pytest.mark.parametrize("name", ["d3", "d2", "d1"])
+def test_dithered_codes_are_unbiased_where_rounding_is_not(name: str) -> None:
+    """One token's hidden state sent 4,096 times: every copy draws its own dither, so the mean of
+    what arrives converges on the value (error ~1/√4096 of one copy's). Round-to-nearest sends
+    every copy the same way: its mean keeps the whole error of one copy."""
+    row = _activations(shape=(1, 1, 128))
+    x = row.expand(64, 64, 128).contiguous()
+    fmt = FORMATS[name]
+    one_copy = _rel(row, actcodec.round_trip(row, fmt))
+    assert _rel(row[0, 0], actcodec.round_trip(x, fmt).mean(dim=(0, 1))) < 3 * one_copy / 64
+    rounded = FORMATS["h3"]
+    assert _rel(row[0, 0], actcodec.round_trip(x, rounded).mean(dim=(0, 1))) == pytest.approx(
+        _rel(row, actcodec.round_trip(row, rounded)), rel=1e-6
+    )
+
+
+def test_the_dither_is_uniform_over_its_256_cells_and_keyed_by_the_scales() -> None:
+    scales = torch.rand(64, 8).bfloat16()
+    k = actcodec._dither(scales)
+    assert k.shape == (64, 8, GROUP) and bool((k % 2 != 0).all())
+    counts = torch.bincount(((k + 255) // 2).flatten(), minlength=256)
+    assert counts.numel() == 256 and int(counts.min()) > 0.7 * k.numel() / 256
+    assert abs(float(k.double().mean())) < 0.01 * 256
+    assert torch.equal(k, actcodec._dither(scales.clone()))
+    other = scales.clone()
+    other[0, 0] = other[0, 0] * 2
+    assert float((actcodec._dither(other) == k).double().mean()) < 0.05
+
+
+def test_dither_belongs_to_rotated_midrise_codes() -> None:
+    with pytest.raises(ValueError, match="midrise"):
+        Format("d3", 3, rotate=True, midrise=False, dither=True)
 
 
 def test_a_midrise_format_without_the_rotation_is_refused() -> None:
@@ -246,19 +297,22 @@ def _sylvester() -> Tensor:
     return h
 
 
-@pytest.mark.parametrize("name", ["h8", "h6", "h4", "h3", "m4", "m3", "m2", "m1"])
+@pytest.mark.parametrize("name", ["h8", "h6", "h4", "h3", "m4", "m3", "m2", "m1", "d4", "d3", "d2", "d1"])
 def test_rotated_decoding_equals_a_float64_matrix_reference_bit_for_bit(name: str) -> None:
     """Decoding rounds once: fl32((H·q)·s) exactly as computed in float64 then rounded, whatever
-    the order the butterflies add in (they add integers). An independent check of the claim."""
+    the order the butterflies add in (they add integers). An independent check of the claim.
+    Dithered codes subtract d = k/256 first: H·(256q − k) is an integer too."""
     fmt = FORMATS[name]
     x = _activations(shape=(3, 5, 192))
     tensors = actcodec.encode(x, fmt, "x")
     ours = actcodec.decode(tensors, fmt, "x", tuple(x.shape))
     u = actcodec._unpack(tensors["x.codes"].view(torch.uint8), fmt.bits).double()
     q = 2 * u - fmt.qmax if fmt.midrise else u - (fmt.qmax + 1)  # (3, 5, G, 64)
+    if fmt.dither:
+        q = 256 * q - actcodec._dither(tensors["x.scales"]).double()
     product = (q @ _sylvester().T) * tensors["x.scales"].double()[..., None]  # exact in float64
     signs = actcodec._SIGNS.float()
-    reference = (product.float() * 0.125 * signs).reshape(3, 5, 192)
+    reference = (product.float() * (0.125 / 256 if fmt.dither else 0.125) * signs).reshape(3, 5, 192)
     assert torch.equal(ours, reference)
 
 
