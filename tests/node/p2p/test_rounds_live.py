@@ -260,28 +260,34 @@ def test_a_slow_replica_runs_its_whole_round_and_is_waited_for(swarm) -> None:
     assert slow.result is not None and (slow.result.steps, slow.result.rounds) == (2 * H, 2)
 
 
-def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
-    rounds = 3
+def _die_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
+    if diloco.round == 1:
+        replica.network.stop()  # the process is gone: its port refuses connections
+        raise SystemExit("killed")
+    replica.network.finish_round(diloco)
 
-    def die_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
-        if diloco.round == 1:
-            replica.network.stop()  # the process is gone: its port refuses connections
-            raise SystemExit("killed")
-        replica.network.finish_round(diloco)
 
-    a, b = swarm.add(max_steps=rounds * H), swarm.add(max_steps=rounds * H)
-    dying = swarm.add(max_steps=rounds * H, hook=die_in_round_1)
+def _run_until_one_dies(a: Replica, b: Replica, dying: Replica, swarm: Swarm) -> None:
+    """Run all three; `dying` dies in round 1, and the survivors agree on θ and on who was
+    accepted in rounds 1 and 2: themselves."""
     swarm.join_all_and_wait_for_discovery()
     for r in (a, b, dying):
         r.start()
     _join_threads([a, b], 60.0)
     assert isinstance(dying.error, SystemExit)
     survivors = sorted([a.key, b.key])
-    assert list(a.reports()[0].accepted) == sorted([a.key, b.key, dying.key])
     for round_ in (1, 2):
         ra, rb = a.reports()[round_], b.reports()[round_]
         assert ra.theta_hash == rb.theta_hash
         assert list(ra.accepted) == list(rb.accepted) == survivors
+
+
+def test_a_replica_that_dies_mid_round_does_not_stop_the_others(swarm) -> None:
+    rounds = 3
+    a, b = swarm.add(max_steps=rounds * H), swarm.add(max_steps=rounds * H)
+    dying = swarm.add(max_steps=rounds * H, hook=_die_in_round_1)
+    _run_until_one_dies(a, b, dying, swarm)
+    assert list(a.reports()[0].accepted) == sorted([a.key, b.key, dying.key])
 
 
 def test_survivors_agree_on_the_members_when_only_one_has_banned_the_dead_address(swarm) -> None:
@@ -292,12 +298,6 @@ def test_survivors_agree_on_the_members_when_only_one_has_banned_the_dead_addres
     rounds = 3
     dying_key: list[str] = []
 
-    def die_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
-        if diloco.round == 1:
-            replica.network.stop()
-            raise SystemExit("killed")
-        replica.network.finish_round(diloco)
-
     def has_banned_it_in_round_1(replica: Replica, diloco: DiLoCo) -> None:
         if diloco.round == 1:
             entry = replica.network.node.peers.get(dying_key[0])
@@ -307,18 +307,9 @@ def test_survivors_agree_on_the_members_when_only_one_has_banned_the_dead_addres
 
     a = swarm.add(max_steps=rounds * H, hook=has_banned_it_in_round_1)
     b = swarm.add(max_steps=rounds * H)
-    dying = swarm.add(max_steps=rounds * H, hook=die_in_round_1)
+    dying = swarm.add(max_steps=rounds * H, hook=_die_in_round_1)
     dying_key.append(dying.key)
-    swarm.join_all_and_wait_for_discovery()
-    for r in (a, b, dying):
-        r.start()
-    _join_threads([a, b], 60.0)
-    assert isinstance(dying.error, SystemExit)
-    survivors = sorted([a.key, b.key])
-    for round_ in (1, 2):
-        ra, rb = a.reports()[round_], b.reports()[round_]
-        assert ra.theta_hash == rb.theta_hash
-        assert list(ra.accepted) == list(rb.accepted) == survivors
+    _run_until_one_dies(a, b, dying, swarm)
 
 
 def test_a_replica_killed_while_its_delta_is_read_does_not_stop_the_others(swarm) -> None:
