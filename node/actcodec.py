@@ -34,9 +34,11 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
 - ``d4``, ``d3``, ``d2``, ``d1``: the midrise levels with *subtractive dither* (Roberts 1962; Schuchman
   1964): the half-step is set by the range, s = max|y| / (2^bits − 1), the encoder codes y/s + d
   and the decoder returns s·(q − d), d a pseudo-random value in (−1, 1) per value that both ends
-  derive from the scales (``_dither``). Nothing is clipped, so each value's error is uniform on
-  (−s, s] and independent of the value: the decoded tensor is unbiased, where rounding's error
-  is a fixed function of the value that adds up the same way in every token. Measured on the
+  derive from the scales (``_dither``). Nothing is clipped, so each value's error lies in
+  (−s, s] and, over the dither, is uniform with a mean within s/256 of 0 whatever the value (256
+  dither levels): the decoded tensor is unbiased to that grain, where rounding's error is a fixed
+  function of the value that adds up the same way in every token. (A group whose largest value
+  is below qmax·2^−150 gets scale 0 and decodes to zeros, as in every format.) Measured on the
   tiny model (bench/RESULTS.md, issue 17): beside 4-bit activations, 2-bit dithered gradients
   cost +0.5% held-out loss (range-coded or fitted 2-bit ones: +26–33%) and 1-bit ones +2%;
   forward they do worse than the range code. No wire codec uses them yet.
@@ -108,7 +110,7 @@ class Format:
     used, no zero level) instead of the symmetric absmax code (2^bits − 1 levels, 0 among them)."""
     dither: bool = False
     """Subtractive dither on a midrise code whose half-step is set by the range: every value's
-    error is uniform and independent of the value, so the decoded tensor is unbiased."""
+    error averages to within 1/256 of a half-step of 0, whatever the value (module docstring)."""
 
     def __post_init__(self) -> None:
         if self.midrise and not self.rotate:
@@ -319,9 +321,11 @@ def _dither(scales: Tensor) -> Tensor:
     """scales (…, G) bf16 -> (…, G, 64) int32 odd numerators k, d = k/256 roughly uniform on
     (−1, 1): a 32-bit integer hash (two multiply–xorshift rounds) of each value's index, keyed
     by sha256 of the scales' bytes, so it differs between tensors and both ends compute it from
-    what travels. Products stay below 2^63 (factors below 2^32 and 2^27), so int64 is exact."""
+    what travels (little-endian, so every machine keys it alike). The products stay below 2^63
+    for tensors of up to 2^31 values (index·0x9E3779B1, and 32-bit values times 0x45D9F3B)."""
     key = hashlib.sha256(
-        b"neuroshard/actcodec/dither/v1" + scales.contiguous().view(torch.int16).numpy().tobytes()
+        b"neuroshard/actcodec/dither/v1"
+        + scales.contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
     )
     x = torch.arange(scales.numel() * GROUP, dtype=torch.int64)
     x = (x * 0x9E3779B1 + int.from_bytes(key.digest()[:4], "little")) & _MASK32
@@ -402,8 +406,10 @@ def decode(tensors: dict[str, Tensor], fmt: Format, name: str, shape: tuple[int,
         q = u.to(torch.int32) - (fmt.qmax + 1)
     if fmt.dither:  # 256·(q − d), an integer: |·| < 256·(qmax + 1), so |H·(·)| < 2^24 is exact
         scales = tensors[scales_name(name)]
-        y = _hadamard(_DITHER_DEN * q - _dither(scales)).float() * scale[..., None]
-        x = y * (_SCALE / _DITHER_DEN) * _SIGNS.float()
+        # ×1/2048 first (exact on these integers), so the one rounding is the last product's and
+        # no intermediate is 2048× the value (which would overflow float32 above ~1.7e35).
+        y = _hadamard(_DITHER_DEN * q - _dither(scales)).float() * (_SCALE / _DITHER_DEN)
+        x = y * scale[..., None] * _SIGNS.float()
     elif fmt.rotate:
         # D·(H·q)·s/8: the integer transform is exact, then one rounding (×s), then exact ×1/8, ×±1.
         y = _hadamard(q).float() * scale[..., None]

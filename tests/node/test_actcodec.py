@@ -201,6 +201,20 @@ def test_the_dither_is_uniform_over_its_256_cells_and_keyed_by_the_scales() -> N
     assert float((actcodec._dither(other) == k).double().mean()) < 0.05
 
 
+@pytest.mark.parametrize("name", ["d4", "d3", "d2", "d1"])
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-30, 1e30, 1e37])
+def test_dithered_codes_keep_their_bound_at_extreme_magnitudes(name: str, magnitude: float) -> None:
+    """Up to 1e37 (the rotation's own limit is near float32's largest): no intermediate of the
+    decoder may be far larger than the values it returns."""
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(6)) * magnitude
+    tensors = actcodec.encode(x, FORMATS[name], "x")
+    err = (actcodec.decode(tensors, FORMATS[name], "x", tuple(x.shape)).double() - x.double()).view(
+        4, 4, GROUP
+    )
+    bound = tensors["x.scales"].double() * math.sqrt(GROUP) * (1 + 1e-5)
+    assert bool((err.norm(dim=-1) <= bound).all())
+
+
 def test_dither_belongs_to_rotated_midrise_codes() -> None:
     with pytest.raises(ValueError, match="midrise"):
         Format("d3", 3, rotate=True, midrise=False, dither=True)
@@ -308,11 +322,14 @@ def test_rotated_decoding_equals_a_float64_matrix_reference_bit_for_bit(name: st
     ours = actcodec.decode(tensors, fmt, "x", tuple(x.shape))
     u = actcodec._unpack(tensors["x.codes"].view(torch.uint8), fmt.bits).double()
     q = 2 * u - fmt.qmax if fmt.midrise else u - (fmt.qmax + 1)  # (3, 5, G, 64)
-    if fmt.dither:
-        q = 256 * q - actcodec._dither(tensors["x.scales"]).double()
-    product = (q @ _sylvester().T) * tensors["x.scales"].double()[..., None]  # exact in float64
     signs = actcodec._SIGNS.float()
-    reference = (product.float() * (0.125 / 256 if fmt.dither else 0.125) * signs).reshape(3, 5, 192)
+    if fmt.dither:  # the exact ×1/2048 comes first, then the one rounding
+        q = 256 * q - actcodec._dither(tensors["x.scales"]).double()
+        product = (q @ _sylvester().T) / 2048 * tensors["x.scales"].double()[..., None]  # exact
+        reference = (product.float() * signs).reshape(3, 5, 192)
+    else:
+        product = (q @ _sylvester().T) * tensors["x.scales"].double()[..., None]  # exact in float64
+        reference = (product.float() * 0.125 * signs).reshape(3, 5, 192)
     assert torch.equal(ours, reference)
 
 
