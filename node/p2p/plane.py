@@ -663,9 +663,10 @@ class PeerPlane:
         For a peer that voted, the vote decides, not the peer table: survivors poll at about the
         same time, so they mostly hold the same answers. One that died in the last round answered
         no poll and every survivor leaves it out at once; one that dies in this round answered,
-        so every survivor keeps it for this round (its parts go to their backups), whether or not
-        its own table has banned the dead address yet: tables ban after their own counts of
-        failures. Not promised: a peer that dies within the vote's polls may be in one survivor's
+        so every survivor keeps it for this round, whether or not its own table has banned the
+        dead address yet: tables ban after their own counts of failures. Its parts go to their
+        backups after ``gather_timeout_s``, as they do for a replica that dies after the lists
+        were drawn: agreement is bought with one slower round. Not promised: a peer that dies within the vote's polls may be in one survivor's
         answers and not another's, until its record expires (``peer_ttl_s``)."""
         if peer.wallet in self.banned:
             return False
