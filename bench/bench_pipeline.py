@@ -91,6 +91,9 @@ EXPLORE = {
     "d2/d2": Codec("d2/d2", FORMATS["d2"], FORMATS["d2"]),
     "h4/d1": Codec("h4/d1", FORMATS["h4"], FORMATS["d1"]),
     "m2/d1": Codec("m2/d1", FORMATS["m2"], FORMATS["d1"]),
+    # Spending the bits forward: 5-bit activations with 2-bit dithered gradients (0.234x).
+    "h5/d2": Codec("h5/d2", Format("h5", 5, True), FORMATS["d2"]),
+    "m4/d3": Codec("m4/d3", FORMATS["m4"], FORMATS["d3"]),
 }
 EVAL_BATCHES = 16
 

@@ -25,7 +25,7 @@ END = "/p2p/pipeline/end"
 ACTIVATION_HEADER = "X-NeuroShard-Activation"
 REPLY_HEADER = "X-NeuroShard-Gradient"
 
-CODEC_NAMES = ("bf16", "fp16", "int8", "hadamard4", "hadamard43")
+CODEC_NAMES = ("bf16", "fp16", "int8", "hadamard4", "hadamard43", "fitted43")
 """The pipeline codecs a header may name (``node.actcodec.CODECS`` implements exactly these)."""
 ACTIVATION_DTYPES = ("bf16", "fp16")
 """The uncompressed codecs, named as the pipeline's dtypes were before codecs (`--activation-dtype`)."""

@@ -57,6 +57,11 @@ DECODERS: dict[str, tuple[Decoder, Layout]] = {
         lambda b: decode_gradient(b, (2, 3, 70), "hadamard43"),
         gradient_layout(2, 3, 70, "hadamard43"),
     ),
+    # Dithered midrise codes: every code is a level; the dither comes from the scales' bytes.
+    "pipeline_wire.decode_gradient fitted43": (
+        lambda b: decode_gradient(b, (2, 3, 70), "fitted43"),
+        gradient_layout(2, 3, 70, "fitted43"),
+    ),
 }
 
 

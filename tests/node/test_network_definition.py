@@ -43,7 +43,7 @@ def test_an_old_served_definition_without_the_codec_still_verifies() -> None:
     assert served.pipeline_codec == "int8" and served.num_stages == 2
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "hadamard4", "hadamard43"])
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "hadamard4", "hadamard43", "fitted43"])
 def test_the_codec_is_signed_and_served(codec: str) -> None:
     net = parse_network(_doc(codec=codec))
     body, signature = sign_network(net, OPERATOR)
