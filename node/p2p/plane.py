@@ -666,8 +666,11 @@ class PeerPlane:
         so every survivor keeps it for this round, whether or not its own table has banned the
         dead address yet: tables ban after their own counts of failures. Its parts go to their
         backups after ``gather_timeout_s``, as they do for a replica that dies after the lists
-        were drawn: agreement is bought with one slower round. Not promised: a peer that dies within the vote's polls may be in one survivor's
-        answers and not another's, until its record expires (``peer_ttl_s``)."""
+        were drawn: agreement is bought with one slower round.
+
+        Not promised: a peer that dies within the vote's polls may be in one survivor's answers
+        and not another's, and so may one that a replica's table had banned before the vote (a
+        vote polls reachable peers only), until its record expires (``peer_ttl_s``)."""
         if peer.wallet in self.banned:
             return False
         if is_relay(peer.address) and self._relay is None:
@@ -747,7 +750,7 @@ class PeerPlane:
                 participants = accepted if len(accepted) > 1 or split is None else split.members
                 resynced_from, agree, voters = self._check_hash(diloco, participants)
             except Exception as exc:  # a later round's check (or its base-hash refusals) will catch up
-                self._last_vote = None  # an older vote's answers would keep replicas dead since
+                self._last_vote = None  # else an older vote's answers keep replicas that died since
                 self._log(f"round {r}: hash check failed ({type(exc).__name__}: {exc})")
         if result is not None:
             self._ban(r, result.cheats, lost_vote=resynced_from is not None)

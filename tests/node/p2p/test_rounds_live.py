@@ -310,6 +310,8 @@ def test_survivors_agree_on_the_members_when_only_one_has_banned_the_dead_addres
     dying = swarm.add(max_steps=rounds * H, hook=_die_in_round_1)
     dying_key.append(dying.key)
     _run_until_one_dies(a, b, dying, swarm)
+    for survivor in (a, b):  # both kept it as a round-1 member (a refused one, not an absent one)
+        assert dying.key in dict(survivor.reports()[1].rejected)
 
 
 def test_a_replica_killed_while_its_delta_is_read_does_not_stop_the_others(swarm) -> None:
