@@ -29,8 +29,8 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
   (bench/RESULTS.md, issue 17), they are the better code for activations at 2 bits (2-bit
   activations +2.9% held-out loss instead of +15%) and the worse one for 3-bit gradients (+0.070
   nats against +0.004): clipping and the missing zero make their error correlated with the
-  gradient. At 2 bits gradients cost a quarter to a third of the loss in either code. No wire
-  codec uses them yet.
+  gradient. At 2 bits gradients cost a quarter to a third of the loss in either code. The wire
+  codec ``fitted43`` sends m4 forward.
 - ``d4``, ``d3``, ``d2``, ``d1``: the midrise levels with *subtractive dither* (Roberts 1962; Schuchman
   1964): the half-step is set by the range, s = max|y| / (2^bits − 1), the encoder codes y/s + d
   and the decoder returns s·(q − d), d a pseudo-random value in (−1, 1) per value that both ends
@@ -41,7 +41,7 @@ Formats of x (…, C), cut along C into groups of ``GROUP`` = 64 values (the las
   is below qmax·2^−150 gets scale 0 and decodes to zeros, as in every format.) Measured on the
   tiny model (bench/RESULTS.md, issue 17): beside 4-bit activations, 2-bit dithered gradients
   cost +0.5% held-out loss (range-coded or fitted 2-bit ones: +26–33%) and 1-bit ones +2%;
-  forward they do worse than the range code. No wire codec uses them yet.
+  forward they do worse than the range code. The wire codec ``fitted43`` sends d3 back.
 
 Scales are bf16, not fp16: ∂loss/∂hidden of a mean loss over B·T tokens is small. Measured on
 the tiny model at 8×128 at initialisation: 7e-4 per value on average, int8 group scales 9e-6 to
@@ -192,13 +192,13 @@ CODECS = MappingProxyType(
         # (TAH-Quant, 2025: ≈4.3 bits forward, ≈6.5 back at unchanged convergence on GPT-2 XL).
         "hadamard4": Codec("hadamard4", FORMATS["h4"], FORMATS["h6"]),
         # 4 bits forward, 3 back: under a quarter of bf16's bytes. Measured on the tiny model the
-        # other way round from TAH-Quant: 3-bit gradients cost +0.016 ± 0.008 nats (six seeds),
-        # 3-bit activations +0.08 (bench/RESULTS.md, issue 17).
+        # other way round from TAH-Quant: 3-bit gradients cost +0.004 nats (two seeds), 3-bit
+        # activations +0.08; the codec over 17 seeds +0.033 ± 0.014 nats (bench/RESULTS.md, issue 17).
         "hadamard43": Codec("hadamard43", FORMATS["h4"], FORMATS["h3"]),
         # The same bytes in better codes: 4-bit codes fitted to each group forward, 3-bit dithered
-        # (unbiased) codes back. Over twelve seeds +0.007 ± 0.006 nats against hadamard43's +0.019
-        # ± 0.008, the only codec measured within 0.01 nats at a quarter of bf16's bytes; its
-        # encoder costs ~2.5× hadamard43's on the CPU (bench/RESULTS.md, issue 17).
+        # (unbiased) codes back. Over the same 17 seeds +0.007 ± 0.006 nats (median +0.008),
+        # within 0.01 on the mean though not shown to be; its encoder costs ~2.5× hadamard43's
+        # on the CPU (bench/RESULTS.md, issue 17).
         "fitted43": Codec("fitted43", FORMATS["m4"], FORMATS["d3"]),
     }
 )
