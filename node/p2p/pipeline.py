@@ -156,9 +156,10 @@ class PipelineConfig:
     codec: str = DEFAULT_CODEC
     """Activations and gradients on the wire (`actcodec.CODECS`), the run's choice (network
     definition ``[pipeline] codec``): "int8" (default, 8.25 bits per value), "hadamard4" (4 bits
-    forward, 6 back), "hadamard43" (4 forward, 3 back), "fitted43" (the same widths, fitted codes forward
-    and dithered ones back), or the uncompressed casts "bf16" (fp32's range, so small gradients do not
-    flush to zero) and "fp16" (3 more mantissa bits). A replica refuses micro-batches in another."""
+    forward, 6 back), "hadamard43" (4 forward, 3 back), "fitted43" (the same widths, fitted codes
+    forward and dithered ones back), or the uncompressed casts "bf16" (fp32's range, so small
+    gradients do not flush to zero) and "fp16" (3 more mantissa bits). A replica refuses
+    micro-batches in another."""
     dtype: str | None = None
     """Before codecs: "bf16" or "fp16". Given, it names the codec of that name (kept so the
     `--activation-dtype` flag keeps working); it may not contradict a `codec` given too."""
