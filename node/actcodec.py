@@ -52,11 +52,12 @@ at most 0.4% of a step.
 
 Decoding depends only on the bytes and runs in a fixed order with one rounding per value:
 codes unpacked with integer operations, the inverse rotation H·q computed on the integer codes
-(exact in int32: |H·q| ≤ 64·127; dithered, H·(256·q − k) for d = k/256, |·| < 2^24), then one
-float32 product with the group's scale, then ×1/8 (and ×1/256) and ×±1 (exact). So a decoded tensor is the same bits whatever the thread count (tested) or the
-machine (every step is an IEEE-exact integer operation or one correctly rounded float32
-product), and the receiving stage's step is a pure function of what it was sent. Encoding need not be: its
-output is hashed and signed as sent.
+(exact in int32: |H·q| ≤ 64·127), then one float32 product with the group's scale, then ×1/8 and
+×±1 (exact); dithered, H·(256·q − k) for d = k/256 (|·| < 2^18), ×1/2048 (exact), then the one
+product with the scale and ×±1. So a decoded tensor is the same bits whatever the thread count
+(tested) or the machine (every step is an IEEE-exact integer operation or one correctly rounded
+float32 product), and the receiving stage's step is a pure function of what it was sent.
+Encoding need not be: its output is hashed and signed as sent.
 
 Codes are stored offset to unsigned, u = q + 2^(bits−1) in [1, 2^bits − 1] (midrise: u = (q +
 2^bits − 1)/2 in [0, 2^bits − 1]), packed little-endian bit by bit (value i's bit j at bit

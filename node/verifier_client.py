@@ -248,9 +248,9 @@ class VerifierClientConfig:
     receipts reach the verifier together and queue for its cores (bench/bench_verifier_writes.py,
     1,000 nodes ending each round within its first quarter: receipt p99 after the first round
     33–39 ms sent at once, 23–27 ms with the splay, on a quiet machine). 0 sends each at once (a
-    node with its own embedded verifier: node.reporting). Receipts go oldest first, and an older one still waiting goes no later than a newer one is due,
-    so after a long round (a stall) its long wait ends with the next round's receipt. Stopping the
-    node sends what waits."""
+    node with its own embedded verifier: node.reporting). Receipts go oldest first, and an older
+    one still waiting goes no later than a newer one is due, so after a long round (a stall) its
+    long wait ends with the next round's receipt. Stopping the node sends what waits."""
     receipt_splay_max_s: float = 60.0
     """The most any receipt waits for the splay. Its window follows the time before it, so a stalled
     round makes it long; the next receipt's due time then cuts it short (above), which keeps a
