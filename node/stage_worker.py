@@ -26,7 +26,6 @@ from pathlib import Path
 from torch import Tensor
 
 from .checkpoint import CheckpointIdentity, CheckpointMismatch, CheckpointWriter, load_checkpoint
-from .device import snapshot_to_cpu
 from .diloco import DiLoCo
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .p2p.pipeline import Busy, Job
@@ -66,11 +65,8 @@ class StageCheckpoint:
         return diloco
 
     def save(self, diloco: DiLoCo, *, wait: bool) -> None:
-        state = {  # on the CPU: a checkpoint loads on any machine; its vocabulary is its rows'
-            "model": snapshot_to_cpu(diloco.model.state_dict()),
-            "diloco": diloco.state_dict(),
-        }
-        self.writer.submit(self.path, self.identity, state)
+        # on the CPU: a checkpoint loads on any machine; its vocabulary is its rows'
+        self.writer.submit(self.path, self.identity, diloco.checkpoint_state())
         if wait:
             self.writer.flush()
 

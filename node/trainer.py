@@ -26,7 +26,7 @@ from torch import Tensor
 from neuroshard.data import BatchStream, DataPosition, Dataset, assign_shards
 
 from .checkpoint import CheckpointIdentity, CheckpointWriter, checkpoint_path, load_checkpoint
-from .device import CopyStream, Placement, snapshot_to_cpu
+from .device import CopyStream, Placement
 from .diloco import DiLoCo, DiLoCoConfig, LossFn, tensor_digest
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .model import ModelConfig, build_stage, cross_entropy_loss
@@ -322,10 +322,9 @@ class Trainer(InnerLoop):
         if wait:
             self._writer.flush()  # one snapshot in memory at a time (pinned host memory on CUDA)
         state = {
-            # The model's tensors are live; copy them (to the CPU: a checkpoint loads on any machine)
-            # so the background write sees this step's values.
-            "model": snapshot_to_cpu(self.model.state_dict()),
-            "diloco": self.diloco.state_dict(),  # already a snapshot
+            # The model's tensors are live; a snapshot (on the CPU) lets the background write see
+            # this step's values.
+            **self.diloco.checkpoint_state(),
             "data_position": self.batches.saved_position(),
             "plateau": self._plateau.state_dict(),
             "vocab_size": self.model.config.vocab_size,

@@ -295,7 +295,7 @@ def test_state_dict_round_trip_resumes_bit_identically(stop: int) -> None:
     first = DiLoCo(Transformer(MODEL), config)
     losses = run(first, range(stop))
     buffer = io.BytesIO()
-    torch.save({"model": first.model.state_dict(), "diloco": first.state_dict()}, buffer)
+    torch.save(first.checkpoint_state(), buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
 
@@ -311,6 +311,56 @@ def test_state_dict_round_trip_resumes_bit_identically(stop: int) -> None:
         flat_parameters(resumed.model.parameters()), flat_parameters(uninterrupted.model.parameters())
     )
     assert (resumed.step, resumed.round) == (uninterrupted.step, uninterrupted.round) == (11, 3)
+
+
+def _saved_bytes(state: dict) -> int:  # type: ignore[type-arg]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.tell()
+
+
+def test_a_checkpoint_at_a_round_boundary_holds_the_weights_once() -> None:
+    """After an outer step the weights are θ_round's bits: the checkpoint stores them as views of
+    θ_round (one storage, written once) and loads back bit for bit, signed zeros included."""
+    diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig(inner_steps=3, warmup_steps=2, total_steps=20))
+    run(diloco, range(3))
+    first = diloco.params[0]
+    with torch.no_grad():  # same value, other bits: the first parameter must not be shared
+        first.view(-1)[0] = -0.0
+        diloco.theta_round.detach()[0] = 0.0
+    state = diloco.checkpoint_state()
+    theta = state["diloco"]["theta_round"]
+    shared = {
+        name
+        for name, tensor in state["model"].items()
+        if tensor.untyped_storage().data_ptr() == theta.untyped_storage().data_ptr()
+    }
+    names = [name for name, _ in diloco.model.named_parameters()]
+    assert shared == set(names[1:])
+    apart = {**state, "model": {k: v.clone() for k, v in state["model"].items()}}
+    assert _saved_bytes(apart) - _saved_bytes(state) >= 4 * sum(p.numel() for p in diloco.params[1:])
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    resumed = DiLoCo(Transformer(MODEL), DiLoCoConfig(inner_steps=3, warmup_steps=2, total_steps=20))
+    resumed.model.load_state_dict(loaded["model"])
+    resumed.load_state_dict(loaded["diloco"])
+    for a, b in zip(resumed.params, diloco.params, strict=True):
+        assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
+    assert torch.signbit(resumed.params[0].detach().view(-1)[0])
+    # Views in the loaded file, copies in the model: training the model leaves θ_round alone.
+    run(resumed, range(3, 4))
+    assert torch.equal(resumed.theta_round.detach().view(torch.int32), theta.view(torch.int32))
+
+
+def test_a_checkpoint_mid_round_shares_nothing() -> None:
+    diloco = DiLoCo(Transformer(MODEL), DiLoCoConfig(inner_steps=3, warmup_steps=2, total_steps=20))
+    run(diloco, range(4))
+    state = diloco.checkpoint_state()
+    theta = state["diloco"]["theta_round"].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != theta for t in state["model"].values())
 
 
 def test_state_dict_is_a_snapshot() -> None:

@@ -95,18 +95,22 @@ def test_the_tokenizer_round_trips_through_hf_tokenizers_and_transformers(publis
     assert auto.decode([1, *ours, 2], skip_special_tokens=True) == HELD_OUT
 
 
-def test_export_from_a_node_checkpoint(published, tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps", [6, 8], ids=["mid-round", "at-a-round-boundary"])
+def test_export_from_a_node_checkpoint(steps: int, published, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """At a round boundary the checkpoint's weights are views of its θ_round: safetensors, which
+    refuses tensors that share memory, must still write them."""
     vocab = published.dataset.tokenizer.vocab_size
     trainer = Trainer(
         wallet_id="feedface",
         dataset=published.dataset,
         model_config=ModelConfig.named("micro", vocab_size=vocab),
         diloco_config=DiLoCoConfig(inner_steps=4, warmup_steps=2, total_steps=20),
-        config=TrainerConfig(batch_size=2, seq_len=32, max_steps=6, log_every=100),
+        config=TrainerConfig(batch_size=2, seq_len=32, max_steps=steps, log_every=100),
         checkpoint_dir=tmp_path / "ckpt",
         log=lambda line: None,
     )
     trainer.run(threading.Event())
+    assert trainer.diloco.steps_in_round == steps % 4
     out = tmp_path / "hf"
     argv = ["--checkpoint", str(trainer.checkpoint_file), "--tokenizer", str(published.directory)]
     assert main([*argv, "--out", str(out), "--home", str(tmp_path)]) == 0

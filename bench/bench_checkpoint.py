@@ -1,0 +1,113 @@
+"""A checkpoint at a round boundary: the weights stored once vs twice, side by side.
+
+After an outer step a replica's weights are θ_round's bits. `DiLoCo.checkpoint_state` then
+stores each parameter as a view of the θ_round snapshot, which torch.save writes once; the
+baseline is the layout before, the model's own snapshot beside θ_round (the same file a
+checkpoint taken mid-round has). Both snapshot the same engine (weights, AdamW moments after
+one real inner step, outer momentum after one outer step) and write it with the node's
+`save_checkpoint` (temporary file, fsync, rename, fsync of the directory); writes alternate
+(ours, baseline, ...) into the same directory. Each line splits a checkpoint's time into the
+snapshot (device to CPU, the bit comparison) and the write; the summary gives medians.
+
+This is the write that ends every run (`Trainer.save` in `Trainer.run`'s last step), which a
+bare training loop does not do: bench_inner_loop.py reports its time as "final checkpoint".
+
+    .venv/bin/python bench/bench_checkpoint.py --model-size 125m --vocab-size 4096
+    python3 bench/bench_checkpoint.py --device cuda --model-size 125m --vocab-size 4096 --threads 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import parse_with_quick
+
+from neuroshard.node.checkpoint import CheckpointIdentity, save_checkpoint
+from neuroshard.node.device import resolve, snapshot_to_cpu
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.model import ModelConfig, Transformer
+
+IDENTITY = CheckpointIdentity(wallet_id="bench", stage=0, model_fingerprint="bench", tokenizer_sha256="bench")
+
+
+def at_round_boundary(engine: DiLoCo, vocab: int) -> None:
+    """One real inner step (AdamW's moments exist), then the outer step: the weights are θ_round."""
+    device = engine.params[0].device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, 65), generator=gen).to(device)
+    engine.inner_step(ids[:, :-1], ids[:, 1:])
+    engine.local_outer_step()
+    assert engine.steps_in_round == 0
+
+
+def two_copies(engine: DiLoCo) -> dict[str, Any]:
+    """The baseline layout: the model's snapshot beside θ_round's, as before checkpoint_state."""
+    return {"model": snapshot_to_cpu(engine.model.state_dict()), "diloco": engine.state_dict()}
+
+
+def timed_checkpoint(take: Any, engine: DiLoCo, path: Path) -> tuple[float, float, int]:
+    """(snapshot s, write s, file bytes) of one checkpoint."""
+    start = time.perf_counter()
+    state = take(engine)
+    snapshot = time.perf_counter() - start
+    start = time.perf_counter()
+    save_checkpoint(path, IDENTITY, state)
+    written = time.perf_counter() - start
+    return snapshot, written, path.stat().st_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    parser.add_argument("--model-size", default="125m")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=4, help="checkpoints of each layout")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    args = parse_with_quick(parser, model_size="micro", vocab_size=256, repeats=1)
+    torch.set_num_threads(args.threads)
+    placement = resolve(args.device, "auto")
+    config = ModelConfig.named(args.model_size, vocab_size=args.vocab_size)
+    torch.manual_seed(0)
+    engine = DiLoCo(Transformer(config), DiLoCoConfig(inner_steps=100), placement=placement)
+    at_round_boundary(engine, args.vocab_size)
+    n = engine.theta_round.numel()
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        print(
+            f"model {args.model_size} ({n:,} params), device {placement.describe()}, torch threads {args.threads}, "
+            f"writing to {directory}"
+        )
+        layouts = {"ours": DiLoCo.checkpoint_state, "two copies": two_copies}
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in layouts}
+        for r in range(args.repeats):
+            for name, take in layouts.items():
+                snapshot, written, size = timed_checkpoint(take, engine, Path(directory) / "ckpt.pt")
+                runs[name].append((snapshot, written, size))
+                print(
+                    f"  {r}: {name:<10} snapshot {snapshot:.3f} s, write {written:.3f} s, "
+                    f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB"
+                )
+    median = {
+        name: [statistics.median(run[i] for run in rows) for i in range(3)] for name, rows in runs.items()
+    }
+    for name, (snapshot, written, size) in median.items():
+        print(
+            f"median {name:<10}: snapshot {snapshot:.3f} s, write {written:.3f} s, "
+            f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB"
+        )
+    ours, base = sum(median["ours"][:2]), sum(median["two copies"][:2])
+    print(
+        f"ours / two copies: time {ours / base:.3f}, bytes {median['ours'][2] / median['two copies'][2]:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
