@@ -1,13 +1,15 @@
-"""A checkpoint at a round boundary: the weights stored once vs twice, side by side.
+"""A checkpoint at a round boundary, as the node writes it vs as it did, side by side.
 
 After an outer step a replica's weights are θ_round's bits. `DiLoCo.checkpoint_state` then
-stores each parameter as a view of the θ_round snapshot, which torch.save writes once; the
-baseline is the layout before, the model's own snapshot beside θ_round (the same file a
-checkpoint taken mid-round has). Both snapshot the same engine (weights, AdamW moments after
-one real inner step, outer momentum after one outer step) and write it with the node's
-`save_checkpoint` (temporary file, fsync, rename, fsync of the directory); writes alternate
-(ours, baseline, ...) into the same directory. Each line splits a checkpoint's time into the
-snapshot (device to CPU, the bit comparison) and the write; the summary gives medians.
+stores each parameter as a view of the θ_round snapshot, which torch.save writes once, and
+`save_checkpoint` writes without the zip records' CRC-32s (torch.load never reads them). The
+baseline is the node before both: the model's own snapshot beside θ_round (the layout a
+checkpoint taken mid-round still has), written with CRC-32s. A third layout, ours with CRC-32s,
+separates the two changes. All snapshot the same engine (weights, AdamW moments after one real
+inner step, outer momentum after one outer step) and write through `atomic_write` (temporary
+file, fsync, rename, fsync of the directory); writes alternate into the same directory. Each
+line splits a checkpoint's time into the snapshot (device to CPU, the bit comparison) and the
+write; the summary gives medians.
 
 This is the write that ends every run (`Trainer.save` in `Trainer.run`'s last step), which a
 bare training loop does not do: bench_inner_loop.py reports its time as "final checkpoint".
@@ -28,7 +30,8 @@ from typing import Any
 import torch
 from common import parse_with_quick
 
-from neuroshard.node.checkpoint import CheckpointIdentity, save_checkpoint
+from neuroshard.data.files import atomic_write
+from neuroshard.node.checkpoint import CHECKPOINT_FORMAT, CheckpointIdentity, save_checkpoint
 from neuroshard.node.device import resolve, snapshot_to_cpu
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, Transformer
@@ -47,17 +50,30 @@ def at_round_boundary(engine: DiLoCo, vocab: int) -> None:
 
 
 def two_copies(engine: DiLoCo) -> dict[str, Any]:
-    """The baseline layout: the model's snapshot beside θ_round's, as before checkpoint_state."""
+    """The layout before checkpoint_state: the model's snapshot beside θ_round's."""
     return {"model": snapshot_to_cpu(engine.model.state_dict()), "diloco": engine.state_dict()}
 
 
-def timed_checkpoint(take: Any, engine: DiLoCo, path: Path) -> tuple[float, float, int]:
+def save_with_crc32s(path: Path, identity: CheckpointIdentity, state: dict[str, Any]) -> None:
+    """save_checkpoint as it was: torch.save's default, a CRC-32 computed for every record."""
+    payload = {"format": CHECKPOINT_FORMAT, "identity": identity.as_dict(), "state": state}
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+
+LAYOUTS: dict[str, tuple[Any, Any]] = {
+    "ours": (DiLoCo.checkpoint_state, save_checkpoint),
+    "ours + CRC-32s": (DiLoCo.checkpoint_state, save_with_crc32s),
+    "before": (two_copies, save_with_crc32s),
+}
+
+
+def timed_checkpoint(take: Any, save: Any, engine: DiLoCo, path: Path) -> tuple[float, float, int]:
     """(snapshot s, write s, file bytes) of one checkpoint."""
     start = time.perf_counter()
     state = take(engine)
     snapshot = time.perf_counter() - start
     start = time.perf_counter()
-    save_checkpoint(path, IDENTITY, state)
+    save(path, IDENTITY, state)
     written = time.perf_counter() - start
     return snapshot, written, path.stat().st_size
 
@@ -71,7 +87,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=4, help="checkpoints of each layout")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temporary directory)"
+    )
     args = parse_with_quick(parser, model_size="micro", vocab_size=256, repeats=1)
     torch.set_num_threads(args.threads)
     placement = resolve(args.device, "auto")
@@ -85,28 +103,25 @@ def main() -> None:
             f"model {args.model_size} ({n:,} params), device {placement.describe()}, torch threads {args.threads}, "
             f"writing to {directory}"
         )
-        layouts = {"ours": DiLoCo.checkpoint_state, "two copies": two_copies}
-        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in layouts}
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in LAYOUTS}
         for r in range(args.repeats):
-            for name, take in layouts.items():
-                snapshot, written, size = timed_checkpoint(take, engine, Path(directory) / "ckpt.pt")
+            for name, (take, save) in LAYOUTS.items():
+                snapshot, written, size = timed_checkpoint(take, save, engine, Path(directory) / "ckpt.pt")
                 runs[name].append((snapshot, written, size))
                 print(
-                    f"  {r}: {name:<10} snapshot {snapshot:.3f} s, write {written:.3f} s, "
+                    f"  {r}: {name:<14} snapshot {snapshot:.3f} s, write {written:.3f} s, "
                     f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB"
                 )
     median = {
         name: [statistics.median(run[i] for run in rows) for i in range(3)] for name, rows in runs.items()
     }
+    base_time, base_bytes = sum(median["before"][:2]), median["before"][2]
     for name, (snapshot, written, size) in median.items():
         print(
-            f"median {name:<10}: snapshot {snapshot:.3f} s, write {written:.3f} s, "
-            f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB"
+            f"median {name:<14}: snapshot {snapshot:.3f} s, write {written:.3f} s, "
+            f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB; / before: time "
+            f"{(snapshot + written) / base_time:.3f}, bytes {size / base_bytes:.3f}"
         )
-    ours, base = sum(median["ours"][:2]), sum(median["two copies"][:2])
-    print(
-        f"ours / two copies: time {ours / base:.3f}, bytes {median['ours'][2] / median['two copies'][2]:.3f}"
-    )
 
 
 if __name__ == "__main__":

@@ -70,3 +70,38 @@ def test_garbage_file_is_refused_clearly(tmp_path: Path) -> None:
     path.write_bytes(b"\x00garbage")
     with pytest.raises(CheckpointMismatch, match="cannot be read"):
         load_checkpoint(path, IDENTITY)
+
+
+needs_crc_switch = pytest.mark.skipif(
+    not hasattr(torch.serialization, "set_crc32_options"), reason="torch < 2.6 always writes CRC-32s"
+)
+
+
+@needs_crc_switch
+def test_a_checkpoint_is_written_without_crc32s_and_the_setting_is_restored(
+    tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    seen: list[bool] = []
+    real_save = torch.save
+
+    def spying_save(obj, f) -> None:  # type: ignore[no-untyped-def]
+        seen.append(torch.serialization.get_crc32_options())
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", spying_save)
+    path = checkpoint_path(tmp_path, "abc", 0)
+    save_checkpoint(path, IDENTITY, {"weights": torch.arange(5.0)})
+    assert seen == [False]
+    assert torch.serialization.get_crc32_options() is True
+    loaded = load_checkpoint(path, IDENTITY)
+    assert loaded is not None and torch.equal(loaded["weights"], torch.arange(5.0))
+
+
+@needs_crc_switch
+def test_overlapping_checkpoint_writes_restore_the_crc32_setting_when_the_last_ends() -> None:
+    torch.serialization.set_crc32_options(True)
+    with ckpt_module._no_crc32():
+        with ckpt_module._no_crc32():
+            assert torch.serialization.get_crc32_options() is False
+        assert torch.serialization.get_crc32_options() is False  # the outer write is still going
+    assert torch.serialization.get_crc32_options() is True
