@@ -9,7 +9,7 @@ separates the two changes. All snapshot the same engine (weights, AdamW moments 
 inner step, outer momentum after one outer step) and write through `atomic_write` (temporary
 file, fsync, rename, fsync of the directory); writes alternate into the same directory. Each
 line splits a checkpoint's time into the snapshot (device to CPU, the bit comparison) and the
-write; the summary gives medians.
+write; the summary gives medians of each layout's totals and of the per-repeat ratios.
 
 This is the write that ends every run (`Trainer.save` in `Trainer.run`'s last step), which a
 bare training loop does not do: bench_inner_loop.py reports its time as "final checkpoint".
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from common import parse_with_quick
 
-from neuroshard.data.files import atomic_write
+from neuroshard.data.files import atomic_write, torch_save
 from neuroshard.node.checkpoint import CHECKPOINT_FORMAT, CheckpointIdentity, save_checkpoint
 from neuroshard.node.device import resolve, snapshot_to_cpu
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
@@ -57,7 +57,7 @@ def two_copies(engine: DiLoCo) -> dict[str, Any]:
 def save_with_crc32s(path: Path, identity: CheckpointIdentity, state: dict[str, Any]) -> None:
     """save_checkpoint as it was: torch.save's default, a CRC-32 computed for every record."""
     payload = {"format": CHECKPOINT_FORMAT, "identity": identity.as_dict(), "state": state}
-    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    atomic_write(path, lambda tmp: torch_save(payload, tmp, crc32=True))
 
 
 LAYOUTS: dict[str, tuple[Any, Any]] = {
@@ -104,23 +104,30 @@ def main() -> None:
             f"writing to {directory}"
         )
         runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in LAYOUTS}
+        names = list(LAYOUTS)
         for r in range(args.repeats):
-            for name, (take, save) in LAYOUTS.items():
+            # Rotated, so no layout always goes first (the first snapshot allocates the pinned memory).
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                take, save = LAYOUTS[name]
                 snapshot, written, size = timed_checkpoint(take, save, engine, Path(directory) / "ckpt.pt")
                 runs[name].append((snapshot, written, size))
                 print(
                     f"  {r}: {name:<14} snapshot {snapshot:.3f} s, write {written:.3f} s, "
                     f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB"
                 )
-    median = {
-        name: [statistics.median(run[i] for run in rows) for i in range(3)] for name, rows in runs.items()
-    }
-    base_time, base_bytes = sum(median["before"][:2]), median["before"][2]
-    for name, (snapshot, written, size) in median.items():
+
+    def median_of(rows: list[tuple[float, float, int]], part: Any) -> float:
+        return statistics.median(part(row) for row in rows)
+
+    base = runs["before"]
+    for name, rows in runs.items():
+        total = median_of(rows, lambda row: row[0] + row[1])
+        ratio = statistics.median((a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(rows, base, strict=True))
         print(
-            f"median {name:<14}: snapshot {snapshot:.3f} s, write {written:.3f} s, "
-            f"total {snapshot + written:.3f} s, {size / 1e9:.3f} GB; / before: time "
-            f"{(snapshot + written) / base_time:.3f}, bytes {size / base_bytes:.3f}"
+            f"median {name:<14}: snapshot {median_of(rows, lambda row: row[0]):.3f} s, "
+            f"write {median_of(rows, lambda row: row[1]):.3f} s, total {total:.3f} s, "
+            f"{median_of(rows, lambda row: row[2]) / 1e9:.3f} GB; time / before: {total / median_of(base, lambda row: row[0] + row[1]):.3f} "
+            f"(of medians), {ratio:.3f} (median of each repeat's ratio)"
         )
 
 

@@ -28,6 +28,7 @@ from nacl.signing import SigningKey
 
 from neuroshard.tokenizer import EOS_ID, BPETokenizer
 
+from .files import torch_save
 from .manifest import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
@@ -88,7 +89,7 @@ def shard_bytes(tokens: list[int]) -> bytes:
     tests/data/test_publish.py checks the bytes are the same across processes.
     """
     buffer = io.BytesIO()
-    torch.save(torch.tensor(tokens, dtype=torch.int32), buffer)
+    torch_save(torch.tensor(tokens, dtype=torch.int32), buffer, crc32=True)
     return buffer.getvalue()
 
 

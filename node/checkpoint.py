@@ -8,15 +8,14 @@ different config is refused with both fingerprints in the message, never done si
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from neuroshard.data.files import atomic_write
+from neuroshard.data.files import atomic_write, torch_save
 
 CHECKPOINT_FORMAT = 1
 
@@ -53,41 +52,8 @@ def save_checkpoint(path: Path, identity: CheckpointIdentity, state: dict[str, A
     A crash at any point leaves either the previous checkpoint or the new one, whole.
     """
     payload = {"format": CHECKPOINT_FORMAT, "identity": identity.as_dict(), "state": state}
-    with _no_crc32():
-        atomic_write(path, lambda tmp: torch.save(payload, tmp))
-
-
-_crc32_lock = threading.Lock()
-_crc32_users = 0
-_crc32_before = True
-
-
-@contextmanager
-def _no_crc32() -> Iterator[None]:
-    """torch.save without its zip records' CRC-32s while any checkpoint is being written.
-
-    torch.load never checks them (a flipped byte in a record loads silently; only zip tools
-    read them), and computing them took 0.8 s of the 2 s that torch.save and fsync spent on a
-    1.5 GB checkpoint on an H100's host (bench/RESULTS.md, issue 14). The switch is torch's,
-    process-wide (torch ≥ 2.6; older versions keep computing them): counted, so overlapping
-    writes restore the caller's setting when the last of them ends."""
-    global _crc32_users, _crc32_before
-    setter = getattr(torch.serialization, "set_crc32_options", None)
-    if setter is None:
-        yield
-        return
-    with _crc32_lock:
-        if _crc32_users == 0:
-            _crc32_before = torch.serialization.get_crc32_options()
-            setter(False)
-        _crc32_users += 1
-    try:
-        yield
-    finally:
-        with _crc32_lock:
-            _crc32_users -= 1
-            if _crc32_users == 0:
-                setter(_crc32_before)
+    # No CRC-32s: torch.load never reads them, and they took 0.8 s of a 1.5 GB write (torch_save).
+    atomic_write(path, lambda tmp: torch_save(payload, tmp, crc32=False))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

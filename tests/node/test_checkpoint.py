@@ -1,10 +1,15 @@
 """Checkpoints are written atomically and refused under a different configuration."""
 
+import io
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from neuroshard.data.files import torch_save
+from neuroshard.data.publish import shard_bytes
 from neuroshard.node import checkpoint as ckpt_module
 from neuroshard.node.checkpoint import (
     CheckpointIdentity,
@@ -98,10 +103,31 @@ def test_a_checkpoint_is_written_without_crc32s_and_the_setting_is_restored(
 
 
 @needs_crc_switch
-def test_overlapping_checkpoint_writes_restore_the_crc32_setting_when_the_last_ends() -> None:
-    torch.serialization.set_crc32_options(True)
-    with ckpt_module._no_crc32():
-        with ckpt_module._no_crc32():
-            assert torch.serialization.get_crc32_options() is False
-        assert torch.serialization.get_crc32_options() is False  # the outer write is still going
+def test_saves_made_at_once_each_get_their_own_crc32_setting(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint written in the background must not strip the CRC-32s from a shard saved meanwhile."""
+    seen: list[tuple[int, bool, bool]] = []
+    real_save = torch.save
+
+    def slow_save(obj, f) -> None:  # type: ignore[no-untyped-def]
+        at_start = torch.serialization.get_crc32_options()
+        time.sleep(0.02)  # long enough for the other threads to try their own setting
+        seen.append((obj, at_start, torch.serialization.get_crc32_options()))
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", slow_save)
+    threads = [
+        threading.Thread(target=torch_save, args=(i, io.BytesIO()), kwargs={"crc32": i % 2 == 0})
+        for i in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == [(i, i % 2 == 0, i % 2 == 0) for i in range(6)]
     assert torch.serialization.get_crc32_options() is True
+
+
+def test_shards_keep_their_crc32s_so_the_same_tokens_give_the_same_bytes() -> None:
+    buffer = io.BytesIO()
+    torch.save(torch.tensor([1, 2, 3], dtype=torch.int32), buffer)
+    assert shard_bytes([1, 2, 3]) == buffer.getvalue()

@@ -97,8 +97,8 @@ def test_the_tokenizer_round_trips_through_hf_tokenizers_and_transformers(publis
 
 @pytest.mark.parametrize("steps", [6, 8], ids=["mid-round", "at-a-round-boundary"])
 def test_export_from_a_node_checkpoint(steps: int, published, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """At a round boundary the checkpoint's weights are views of its θ_round: safetensors, which
-    refuses tensors that share memory, must still write them."""
+    """At a round boundary the checkpoint's weights are views of its θ_round (one storage): the
+    export must still write and load them."""
     vocab = published.dataset.tokenizer.vocab_size
     trainer = Trainer(
         wallet_id="feedface",
