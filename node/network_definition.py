@@ -16,7 +16,7 @@ from typing import Any
 
 from neuroshard.protocol.identity import verify
 
-from .actcodec import CODECS, DEFAULT_CODEC
+from .actcodec import CODECS, DEFAULT_CODEC, UNNAMED_SERVED_CODEC
 from .aggregation import RULES
 from .diloco import DiLoCoConfig
 from .model import MODEL_SIZES, ModelConfig
@@ -60,8 +60,10 @@ class NetworkDefinition:
     Shard 0 by default: it exists in every manifest and a newer manifest version never renumbers it."""
     pipeline_codec: str = DEFAULT_CODEC
     """``[stages] codec``: how activations and their gradients cross stage boundaries
-    (node.actcodec.CODECS); every replica of the run must use it. A definition without it means
-    the default, int8 in groups of 64. Unused when num_stages is 1."""
+    (node.actcodec.CODECS); every replica of the run must use it. A network.toml without it gets
+    the default, fitted43 (int8 before 2026-11-27: a run that named none and must keep int8 names
+    it now); a served document without it means int8 (actcodec.UNNAMED_SERVED_CODEC). Unused when
+    num_stages is 1."""
     segment_steps: int | None = None
     """``[training] segment_steps``: k, inner steps per committed segment (node.segments); a spot
     check replays one segment, so it costs about k/H of the round it checks. None: H/10."""
@@ -160,7 +162,7 @@ def _check_rule(rule: Any, source: str) -> str:
 def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkDefinition:
     """A validated NetworkDefinition from the parsed TOML (or the served JSON) document."""
     doc = dict(doc)
-    doc.pop("format", None)
+    served = doc.pop("format", None) is not None  # a signed document; a network.toml has no format
     name = doc.pop("name", "neuroshard")
     if not isinstance(name, str) or not name:
         raise NetworkError(f"{source}: name must be a non-empty string, got {name!r}")
@@ -170,7 +172,7 @@ def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkD
     model = _model(_table(doc, "model", source), source)
     stages = _table(doc, "stages", source)
     num_stages = _int(stages, "count", f"{source}: [stages]", 1)
-    pipeline_codec = stages.pop("codec", DEFAULT_CODEC)
+    pipeline_codec = stages.pop("codec", UNNAMED_SERVED_CODEC if served else DEFAULT_CODEC)
     _no_leftovers(stages, f"{source}: [stages]")
     if not isinstance(pipeline_codec, str) or pipeline_codec not in CODECS:
         raise NetworkError(f"{source}: [stages] codec {pipeline_codec!r} is not one of {', '.join(CODECS)}")

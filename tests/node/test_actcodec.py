@@ -458,8 +458,8 @@ def test_senders_refuse_non_finite_values_and_float_labels() -> None:
 # --- the run's choice -------------------------------------------------------------------------
 
 
-def test_the_default_is_int8_and_the_dtype_option_names_a_cast_codec() -> None:
-    assert DEFAULT_CODEC == "int8" and PipelineConfig(num_stages=2).codec == "int8"
+def test_the_default_is_fitted43_and_the_dtype_option_names_a_cast_codec() -> None:
+    assert DEFAULT_CODEC == "fitted43" and PipelineConfig(num_stages=2).codec == "fitted43"
     assert PipelineConfig(num_stages=2, dtype="fp16").codec == "fp16"
     assert PipelineConfig(num_stages=2, codec="hadamard4").codec == "hadamard4"
     with pytest.raises(ValueError, match="contradicts"):

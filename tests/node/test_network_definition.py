@@ -1,5 +1,6 @@
-"""The run's pipeline codec in the signed network definition: a safe default, old definitions
-without it, a round trip through the served document, and a refusal of unknown codecs."""
+"""The run's pipeline codec in the signed network definition: the default for a new run, old
+served definitions without it, a round trip through the served document, and a refusal of unknown
+codecs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.network_definition import (
     NetworkDefinition,
     NetworkError,
@@ -30,8 +32,19 @@ def _doc(**stages: Any) -> dict[str, Any]:
     }
 
 
-def test_a_definition_without_a_codec_takes_int8() -> None:
-    assert parse_network(_doc()).pipeline_codec == "int8"
+def test_a_network_toml_without_a_codec_takes_the_default_fitted43() -> None:
+    assert DEFAULT_CODEC == "fitted43"
+    net = parse_network(_doc())
+    assert net.pipeline_codec == "fitted43"
+    assert json.loads(net.canonical_bytes())["stages"] == {
+        "count": 2,
+        "codec": "fitted43",
+    }  # signed explicitly
+
+
+def test_a_served_definition_without_a_codec_still_means_int8() -> None:
+    """Signed bytes keep their meaning: a document with a format and no codec predates codecs."""
+    assert parse_network({**_doc(), "format": 1}).pipeline_codec == "int8"
 
 
 def test_an_old_served_definition_without_the_codec_still_verifies() -> None:

@@ -121,8 +121,8 @@ def test_joining_a_pipeline_takes_its_codec_and_refuses_another(
     join = ["--join", "http://127.0.0.1:1", "--home", str(tmp_path), "--stage", "1"]
     with pytest.raises(ValueError, match=r"--activation-codec int8: .* runs its pipeline in hadamard4"):
         run_settings(build_parser().parse_args([*join, "--activation-codec", "int8"]), lambda line: None)
-    # Without --join: --activation-codec, else int8; the old --activation-dtype names a cast codec.
+    # Without --join: --activation-codec, else fitted43; the old --activation-dtype names a cast codec.
     alone = build_parser().parse_args(["--stages", "2", "--no-verifier"])
-    assert pipeline_config(alone, run_settings(alone, lambda line: None)).codec == "int8"
+    assert pipeline_config(alone, run_settings(alone, lambda line: None)).codec == "fitted43"
     old = build_parser().parse_args(["--stages", "2", "--activation-dtype", "fp16", "--no-verifier"])
     assert pipeline_config(old, run_settings(old, lambda line: None)).codec == "fp16"
