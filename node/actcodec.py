@@ -345,18 +345,37 @@ def _dither(scales: Tensor) -> Tensor:
     (−1, 1): a 32-bit integer hash (two multiply–xorshift rounds) of each value's index, keyed
     by sha256 of the scales' bytes, so it differs between tensors and both ends compute it from
     what travels (little-endian, so every machine keys it alike). The products stay below 2^63
-    for tensors of up to 2^31 values (index·0x9E3779B1, and 32-bit values times 0x45D9F3B)."""
+    for tensors of up to 2^31 values (index·0x9E3779B1, and 32-bit values times 0x45D9F3B).
+
+    Computed in place, _DITHER_CHUNK indices at a time: two int64 buffers that stay in cache
+    instead of a dozen tensor-sized temporaries, 4.3 against 47–50 ns per value on 2 threads
+    (the same bits: tests/node/test_actcodec.py holds the whole-tensor reference)."""
     key = hashlib.sha256(
         b"neuroshard/actcodec/dither/v1"
         + scales.contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
     )
-    x = torch.arange(scales.numel() * GROUP, dtype=torch.int64)
-    x = (x * 0x9E3779B1 + int.from_bytes(key.digest()[:4], "little")) & _MASK32
-    for _ in range(2):
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    x = (x >> 16) ^ x
-    k = 2 * (x >> 24) + 1 - _DITHER_DEN  # top 8 bits -> odd k in [−255, 255]
-    return k.to(torch.int32).reshape(*scales.shape, GROUP)
+    seed = int.from_bytes(key.digest()[:4], "little")
+    n = scales.numel() * GROUP
+    out = torch.empty(n, dtype=torch.int32)
+    x = torch.empty(min(n, _DITHER_CHUNK), dtype=torch.int64)
+    shifted = torch.empty_like(x)
+    for start in range(0, n, _DITHER_CHUNK):
+        m = min(_DITHER_CHUNK, n - start)
+        xs, ts = x[:m], shifted[:m]
+        torch.arange(start, start + m, out=xs)
+        xs.mul_(0x9E3779B1).add_(seed).bitwise_and_(_MASK32)
+        for _ in range(2):
+            torch.bitwise_right_shift(xs, 16, out=ts)
+            xs.bitwise_xor_(ts).mul_(0x45D9F3B).bitwise_and_(_MASK32)
+        torch.bitwise_right_shift(xs, 16, out=ts)
+        # The top 8 of the 32 bits -> odd k in [−255, 255].
+        xs.bitwise_xor_(ts).bitwise_right_shift_(24).mul_(2).add_(1 - _DITHER_DEN)
+        out[start : start + m] = xs
+    return out.reshape(*scales.shape, GROUP)
+
+
+_DITHER_CHUNK = 1 << 16
+"""Indices per step of `_dither`: two 512 KB int64 buffers, within a core's L2 cache."""
 
 
 def _bf16_ceil(s: Tensor) -> Tensor:

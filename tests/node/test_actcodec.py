@@ -4,6 +4,7 @@ float64 reference, and refusal of every malformed or hostile payload through `pi
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 
@@ -199,6 +200,35 @@ def test_the_dither_is_uniform_over_its_256_cells_and_keyed_by_the_scales() -> N
     other = scales.clone()
     other[0, 0] = other[0, 0] * 2
     assert float((actcodec._dither(other) == k).double().mean()) < 0.05
+
+
+def _dither_reference(scales: Tensor) -> Tensor:
+    """The dither as defined (v1), on whole tensors: the wire's meaning of the d formats."""
+    key = hashlib.sha256(
+        b"neuroshard/actcodec/dither/v1"
+        + scales.contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+    )
+    mask = 0xFFFFFFFF
+    x = torch.arange(scales.numel() * GROUP, dtype=torch.int64)
+    x = (x * 0x9E3779B1 + int.from_bytes(key.digest()[:4], "little")) & mask
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & mask
+    x = (x >> 16) ^ x
+    return (2 * (x >> 24) + 1 - 256).to(torch.int32).reshape(*scales.shape, GROUP)
+
+
+@pytest.mark.parametrize("rows", [1, 1024, 1025, 3 * 1024 + 1])  # chunks of 65,536 values: 1,024 groups
+def test_the_chunked_dither_gives_the_reference_bits(rows: int) -> None:
+    scales = torch.rand(rows, 1, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    assert torch.equal(actcodec._dither(scales), _dither_reference(scales))
+
+
+def test_the_dither_is_pinned() -> None:
+    """Its bits are the wire format of every d code: a change must be a new format, not a patch."""
+    scales = (torch.arange(3 * 1025, dtype=torch.float32).reshape(3, 1025) * 1e-3 + 1e-5).bfloat16()
+    k = actcodec._dither(scales)
+    digest = hashlib.sha256(k.contiguous().numpy().astype("<i4").tobytes()).hexdigest()
+    assert digest == "082def033f7658a66b75ea4b8fd96dd82ee3c8f6859169b8737c3cc38dc4f8c3"
 
 
 @pytest.mark.parametrize("name", ["d4", "d3", "d2", "d1"])
