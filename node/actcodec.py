@@ -290,15 +290,36 @@ def _encode_midrise(y: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
     rotation takes another; the decoder does not care which. The per-group statistics are
     float64; the search runs in float32 on each group divided by its largest magnitude, so its
     squared errors are O(1) whatever the group's size: they neither overflow for huge groups nor
-    underflow to ties for tiny ones, at half the cost of a float64 search."""
+    underflow to ties for tiny ones, at half the cost of a float64 search. Groups are coded
+    _ENCODE_CHUNK at a time, so the search's temporaries stay in cache (each group's code is its
+    own: the same bits as a search over the whole tensor at once)."""
+    rows = y.reshape(-1, GROUP)
+    u = torch.empty(rows.shape, dtype=torch.uint8)
+    scale = torch.empty(rows.shape[0], dtype=torch.bfloat16)
+    for start in range(0, rows.shape[0], _ENCODE_CHUNK):
+        part = slice(start, start + _ENCODE_CHUNK)
+        u[part], scale[part] = _midrise_codes(rows[part], fmt)
+    lead = y.shape[:-1]
+    return {
+        codes_name(name): _pack(u.reshape(*lead, GROUP), fmt.bits).view(torch.int8),
+        scales_name(name): scale.reshape(lead),
+    }
+
+
+_ENCODE_CHUNK = 1024
+"""Groups per step of the fitted code's search: 64K values, 512 KB in float64."""
+
+
+def _midrise_codes(y: Tensor, fmt: Format) -> tuple[Tensor, Tensor]:
+    """y (n, 64) rotated groups -> (codes u (n, 64) uint8, half-steps (n,) bf16): `_encode_midrise`'s search."""
     y64 = y.double()
-    top = y64.abs().amax(dim=-1)  # (…, G)
+    top = y64.abs().amax(dim=-1)  # (n,)
     fitted = y64.square().mean(dim=-1).sqrt() * (_MIDRISE_STEP[fmt.bits] / 2)
     ranged = top / fmt.qmax
     low, high = torch.minimum(fitted, ranged) * _BELOW, torch.maximum(fitted, ranged)
     ratio = torch.where(low > 0, high / low.clamp_min(1e-300), torch.ones_like(low))
     unit = torch.where(top > 0, top, torch.ones_like(top))  # an all-zero group: codes ±1 at scale 0
-    yn = (y64 / unit[..., None]).float()  # (…, G, 64), within [−1, 1]
+    yn = (y64 / unit[..., None]).float()  # (n, 64), within [−1, 1]
     best_err = torch.full(fitted.shape, float("inf"))
     best_scale = torch.zeros(fitted.shape, dtype=torch.bfloat16)
     for k in range(_CANDIDATES):
@@ -309,7 +330,7 @@ def _encode_midrise(y: Tensor, fmt: Format, name: str) -> dict[str, Tensor]:
         best_scale = torch.where(better, scale, best_scale)
     q = _midrise_levels(yn, best_scale, unit, fmt, codes=True)
     u = ((q.to(torch.int32) + fmt.qmax) // 2).to(torch.uint8)
-    return {codes_name(name): _pack(u, fmt.bits).view(torch.int8), scales_name(name): best_scale}
+    return u, best_scale
 
 
 def _midrise_levels(yn: Tensor, scale: Tensor, unit: Tensor, fmt: Format, codes: bool = False) -> Tensor:

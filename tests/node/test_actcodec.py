@@ -223,6 +223,17 @@ def test_the_chunked_dither_gives_the_reference_bits(rows: int) -> None:
     assert torch.equal(actcodec._dither(scales), _dither_reference(scales))
 
 
+@pytest.mark.parametrize("name", ["m4", "m2"])
+def test_a_fitted_groups_code_does_not_depend_on_the_other_groups(name: str) -> None:
+    """The search runs _ENCODE_CHUNK groups at a time: a group codes alike in any company."""
+    x = torch.randn(2 * actcodec._ENCODE_CHUNK + 300, GROUP, generator=torch.Generator().manual_seed(7))
+    x[:, 5] *= 40  # an outlier channel
+    fmt = FORMATS[name]
+    whole = actcodec.round_trip(x, fmt)
+    for part in (slice(0, 1), slice(1000, 1100), slice(2 * actcodec._ENCODE_CHUNK - 3, None)):
+        assert torch.equal(whole[part], actcodec.round_trip(x[part], fmt))
+
+
 def test_the_dither_is_pinned() -> None:
     """Its bits are the wire format of every d code: a change must be a new format, not a patch."""
     scales = (torch.arange(3 * 1025, dtype=torch.float32).reshape(3, 1025) * 1e-3 + 1e-5).bfloat16()
