@@ -1,7 +1,7 @@
 """Pipeline stages: what the activation codec saves on the wire and what it costs in loss.
 
 Three measurements, each against bf16 (the wire before codecs) and each codec of
-`neuroshard.node.actcodec` (int8 in groups of 64 is the default):
+`neuroshard.node.actcodec` (fitted43 is the default since 2026-11-27, int8 before):
 
 1. Bytes per token per stage boundary, each direction, from real encoded bodies
    (`pipeline_wire.encode_activations` / `encode_gradient` on a micro-batch of the run's shape):

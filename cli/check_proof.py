@@ -170,7 +170,7 @@ def _network(args: argparse.Namespace) -> tuple[NetworkDefinition, str]:
             raise NetworkError(f"cannot read network definition {path}: {exc}") from None
         if not isinstance(doc, dict):
             raise NetworkError(f"{path} does not hold a network definition object")
-        network = parse_network(doc, str(path))
+        network = parse_network(doc, str(path), served=True)  # the body of GET /api/network
     if args.operator_key is None:
         return network, "not checked against an operator key"
     network = verify_network(body, args.signature.hex(), args.operator_key)

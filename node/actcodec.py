@@ -204,14 +204,16 @@ CODECS = MappingProxyType(
     }
 )
 DEFAULT_CODEC = "fitted43"
-"""A new run's codec when it names none (a network.toml without ``[stages] codec``; no
-``--activation-codec`` outside a network): ≈0.24× bf16's bytes per token per boundary, and over 17
+"""A new pipeline run's codec when it names none (a multi-stage network.toml without ``[stages]
+codec``; no ``--activation-codec`` outside a network): ≈0.24× bf16's bytes per token per boundary, and over 17
 seeds +0.007 ± 0.006 nats of held-out loss against float32 (bench/RESULTS.md, issue 17). Until
 2026-11-27 it was int8 (≈0.52×)."""
-UNNAMED_SERVED_CODEC = "int8"
-"""What a served, signed definition that names no codec means: every verifier since codecs
-exist writes the codec into what it signs, so such bytes come from before; they meant int8 then
-and must go on meaning it (a signed definition's meaning never changes under its signature)."""
+LEGACY_CODEC = "int8"
+"""What a definition that names no codec means where DEFAULT_CODEC does not apply: a served,
+signed document (every verifier since codecs exist writes the codec into what it signs, so such
+bytes come from before, when they meant int8, and a signature's meaning never changes), and a
+single-stage run (no activation crosses a boundary; int8 keeps its definition's bytes, and so
+the digest that names its database and round files, as they were)."""
 
 
 def codec(name: str) -> Codec:

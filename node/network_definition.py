@@ -16,7 +16,7 @@ from typing import Any
 
 from neuroshard.protocol.identity import verify
 
-from .actcodec import CODECS, DEFAULT_CODEC, UNNAMED_SERVED_CODEC
+from .actcodec import CODECS, DEFAULT_CODEC, LEGACY_CODEC
 from .aggregation import RULES
 from .diloco import DiLoCoConfig
 from .model import MODEL_SIZES, ModelConfig
@@ -58,12 +58,13 @@ class NetworkDefinition:
     held_out_shard: int = 0
     """The shard the verifier measures on; no node trains on it (data.assign_shards excludes it).
     Shard 0 by default: it exists in every manifest and a newer manifest version never renumbers it."""
-    pipeline_codec: str = DEFAULT_CODEC
+    pipeline_codec: str = LEGACY_CODEC
     """``[stages] codec``: how activations and their gradients cross stage boundaries
-    (node.actcodec.CODECS); every replica of the run must use it. A network.toml without it gets
-    the default, fitted43 (int8 before 2026-11-27: a run that named none and must keep int8 names
-    it now); a served document without it means int8 (actcodec.UNNAMED_SERVED_CODEC). Unused when
-    num_stages is 1."""
+    (node.actcodec.CODECS); every replica of the run must use it. A multi-stage network.toml
+    without it gets the default, fitted43 (int8 before 2026-11-27: a run that named none and
+    must keep int8 names it now); a served document or a single-stage run without it means int8
+    (actcodec.LEGACY_CODEC), as does this field's default (code that builds a multi-stage
+    definition names its codec). Unused when num_stages is 1."""
     segment_steps: int | None = None
     """``[training] segment_steps``: k, inner steps per committed segment (node.segments); a spot
     check replays one segment, so it costs about k/H of the round it checks. None: H/10."""
@@ -159,10 +160,14 @@ def _check_rule(rule: Any, source: str) -> str:
     return rule
 
 
-def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkDefinition:
-    """A validated NetworkDefinition from the parsed TOML (or the served JSON) document."""
+def parse_network(
+    doc: dict[str, Any], source: str = "network.toml", *, served: bool = False
+) -> NetworkDefinition:
+    """A validated NetworkDefinition from the parsed TOML document, or (`served`) from a served,
+    signed JSON one: the two differ only in the codec a multi-stage definition that names none
+    implies (`pipeline_codec`)."""
     doc = dict(doc)
-    served = doc.pop("format", None) is not None  # a signed document; a network.toml has no format
+    doc.pop("format", None)
     name = doc.pop("name", "neuroshard")
     if not isinstance(name, str) or not name:
         raise NetworkError(f"{source}: name must be a non-empty string, got {name!r}")
@@ -172,7 +177,8 @@ def parse_network(doc: dict[str, Any], source: str = "network.toml") -> NetworkD
     model = _model(_table(doc, "model", source), source)
     stages = _table(doc, "stages", source)
     num_stages = _int(stages, "count", f"{source}: [stages]", 1)
-    pipeline_codec = stages.pop("codec", UNNAMED_SERVED_CODEC if served else DEFAULT_CODEC)
+    implied = DEFAULT_CODEC if num_stages > 1 and not served else LEGACY_CODEC
+    pipeline_codec = stages.pop("codec", implied)
     _no_leftovers(stages, f"{source}: [stages]")
     if not isinstance(pipeline_codec, str) or pipeline_codec not in CODECS:
         raise NetworkError(f"{source}: [stages] codec {pipeline_codec!r} is not one of {', '.join(CODECS)}")
@@ -251,4 +257,4 @@ def verify_network(body: bytes, signature_hex: str, operator_public_key: bytes) 
         raise NetworkError(f"network definition is not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != NETWORK_FORMAT:
         raise NetworkError(f"network definition format is not {NETWORK_FORMAT}")
-    return parse_network(doc, "served network definition")
+    return parse_network(doc, "served network definition", served=True)

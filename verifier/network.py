@@ -12,9 +12,9 @@ key, so a joining node can check it against the operator key it was given. A min
 
     [stages]
     count = 1            # pipeline stages; 1 = plain DiLoCo data parallelism
-    codec = "int8"       # activations and gradients between stages (node.actcodec.CODECS:
-                         # "int8" default, "hadamard4", "hadamard43", "fitted43", "bf16",
-                         # "fp16");
+    codec = "fitted43"   # activations and gradients between stages (node.actcodec.CODECS:
+                         # "fitted43" default when count > 1, "int8", "hadamard4",
+                         # "hadamard43", "bf16", "fp16");
                          # unused at count = 1
 
     [diloco]             # node.diloco.DiLoCoConfig fields (defaults where omitted)

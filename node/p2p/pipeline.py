@@ -153,13 +153,13 @@ class PipelineConfig:
 
     num_stages: int
     """S: stages the model is cut into (the network's stage layout)."""
-    codec: str = DEFAULT_CODEC
+    codec: str = ""
     """Activations and gradients on the wire (`actcodec.CODECS`), the run's choice (network
-    definition ``[pipeline] codec``): "int8" (default, 8.25 bits per value), "hadamard4" (4 bits
-    forward, 6 back), "hadamard43" (4 forward, 3 back), "fitted43" (the same widths, fitted codes
-    forward and dithered ones back), or the uncompressed casts "bf16" (fp32's range, so small
-    gradients do not flush to zero) and "fp16" (3 more mantissa bits). A replica refuses
-    micro-batches in another."""
+    definition ``[stages] codec``): "fitted43" (the default, `actcodec.DEFAULT_CODEC`, taken when
+    this is left empty: 4 bits forward in fitted codes, 3 back in dithered ones), "int8" (8.25
+    bits per value), "hadamard4" (4 bits forward, 6 back), "hadamard43" (4 forward, 3 back), or the
+    uncompressed casts "bf16" (fp32's range, so small gradients do not flush to zero) and "fp16"
+    (3 more mantissa bits). A replica refuses micro-batches in another."""
     dtype: str | None = None
     """Before codecs: "bf16" or "fp16". Given, it names the codec of that name (kept so the
     `--activation-dtype` flag keeps working); it may not contradict a `codec` given too."""
@@ -199,9 +199,11 @@ class PipelineConfig:
                 raise ValueError(
                     f"PipelineConfig.dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}"
                 )
-            if self.codec not in (DEFAULT_CODEC, self.dtype):
+            if self.codec not in ("", self.dtype):
                 raise ValueError(f"PipelineConfig: dtype {self.dtype!r} contradicts codec {self.codec!r}")
             self.codec = self.dtype
+        elif not self.codec:
+            self.codec = DEFAULT_CODEC
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"PipelineConfig.codec must be one of {CODEC_NAMES}, got {self.codec!r}")
         for name in ("max_batch", "request_timeout_s", "deadline_s", "retry_pause_s", "dedup_window",

@@ -503,8 +503,10 @@ def test_the_default_is_fitted43_and_the_dtype_option_names_a_cast_codec() -> No
     assert DEFAULT_CODEC == "fitted43" and PipelineConfig(num_stages=2).codec == "fitted43"
     assert PipelineConfig(num_stages=2, dtype="fp16").codec == "fp16"
     assert PipelineConfig(num_stages=2, codec="hadamard4").codec == "hadamard4"
-    with pytest.raises(ValueError, match="contradicts"):
-        PipelineConfig(num_stages=2, codec="hadamard4", dtype="bf16")
+    for named in ("hadamard4", "int8", "fitted43"):  # the default named explicitly too
+        with pytest.raises(ValueError, match="contradicts"):
+            PipelineConfig(num_stages=2, codec=named, dtype="bf16")
+    assert PipelineConfig(num_stages=2, dtype="bf16", codec="bf16").codec == "bf16"
     with pytest.raises(ValueError, match="codec"):
         PipelineConfig(num_stages=2, codec="int3")
 

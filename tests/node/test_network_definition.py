@@ -43,8 +43,29 @@ def test_a_network_toml_without_a_codec_takes_the_default_fitted43() -> None:
 
 
 def test_a_served_definition_without_a_codec_still_means_int8() -> None:
-    """Signed bytes keep their meaning: a document with a format and no codec predates codecs."""
-    assert parse_network({**_doc(), "format": 1}).pipeline_codec == "int8"
+    """Signed bytes keep their meaning: a served document with no codec predates codecs."""
+    assert parse_network({**_doc(), "format": 1}, served=True).pipeline_codec == "int8"
+    assert parse_network(_doc(), served=True).pipeline_codec == "int8"
+
+
+def test_a_single_stage_definition_keeps_its_bytes_and_digest() -> None:
+    """The codec is unused at one stage: int8 keeps the signed bytes, whose digest names the
+    embedded verifier's database and round files, what they were before fitted43 became the default."""
+    doc = {**_doc(), "stages": {"count": 1}}
+    net = parse_network(doc)
+    assert net.pipeline_codec == "int8"
+    assert json.loads(net.canonical_bytes())["stages"] == {"count": 1, "codec": "int8"}
+    assert parse_network({k: v for k, v in doc.items() if k != "stages"}).pipeline_codec == "int8"
+
+
+def test_the_embedded_definition_keeps_int8(published) -> None:  # type: ignore[no-untyped-def]
+    from neuroshard.node.diloco import DiLoCoConfig
+    from neuroshard.node.model import ModelConfig
+    from neuroshard.node.reporting import embedded_definition
+
+    model = ModelConfig.named("micro", vocab_size=published.dataset.tokenizer.vocab_size)
+    net = embedded_definition(published.dataset, model, DiLoCoConfig(), batch_size=2, seq_len=32)
+    assert net.num_stages == 1 and net.pipeline_codec == "int8"
 
 
 def test_an_old_served_definition_without_the_codec_still_verifies() -> None:
