@@ -205,9 +205,9 @@ CODECS = MappingProxyType(
 )
 DEFAULT_CODEC = "fitted43"
 """A new pipeline run's codec when it names none (a multi-stage network.toml without ``[stages]
-codec``; no ``--activation-codec`` outside a network): ≈0.24× bf16's bytes per token per boundary, and over 17
-seeds +0.007 ± 0.006 nats of held-out loss against float32 (bench/RESULTS.md, issue 17). Until
-2026-11-27 it was int8 (≈0.52×)."""
+codec``; no ``--activation-codec`` outside a network): ≈0.24× bf16's bytes per token per
+boundary, and over 17 seeds +0.007 ± 0.006 nats of held-out loss against float32
+(bench/RESULTS.md, issue 17). Until 2026-11-27 it was int8 (≈0.52×)."""
 LEGACY_CODEC = "int8"
 """What a definition that names no codec means where DEFAULT_CODEC does not apply: a served,
 signed document (every verifier since codecs exist writes the codec into what it signs, so such
