@@ -180,6 +180,10 @@ class Trainer(InnerLoop):
         self._writer = CheckpointWriter()
         self.checkpoints_skipped = 0
         """Periodic checkpoints skipped because the previous write was still in flight."""
+        self.hash_in_background = self.placement.device.type != "cpu"
+        """Hash θ for a round's log line on a thread while the next round's steps run (on an
+        accelerator the CPU is idle then); on the CPU it would compete with the steps. Tests turn
+        it on for the CPU to check that the lines name the right θ."""
         self._round_log: threading.Thread | None = None
         """The last round's log line, hashing θ in the background (`_log_round_done`)."""
         self._round_log_error: BaseException | None = None
@@ -362,6 +366,7 @@ class Trainer(InnerLoop):
                 f"round={self.diloco.round} closed early after {steps} of {h} inner steps (the stage's majority pushed)"
             )
         with timed(seconds, "round"):
+            self._join_round_log()  # the last round's line may still be hashing θ_round, which this changes
             self._finish_round_hook(self.diloco)
             self.work.clear()
             self._apply_dataset_update()
@@ -373,16 +378,19 @@ class Trainer(InnerLoop):
     def _log_round_done(self) -> None:
         """The round's log line with θ's hash. Where the round has not hashed θ already (a lone
         replica; a networked one hashes it to publish and vote) and the steps run on an
-        accelerator, a copy of θ is hashed on a background thread while the device starts the
-        next round: the CPU is idle then, and sha256 of a 125M model's θ took 0.28 s of a 5.4 s
-        round on an H100 (bench/RESULTS.md, issue 14)."""
+        accelerator (`hash_in_background`), θ_round is hashed on a background thread while the
+        device starts the next round: the CPU is idle then, and sha256 of a 125M model's θ took
+        0.28 s of a 5.4 s round on an H100 (bench/RESULTS.md, issue 14). The thread reads θ_round
+        itself, not a copy (a 365 MB copy on the training thread, most likely most of the 40 ms a
+        round the "log" part took there): nothing writes θ_round before the next round's hook, and
+        `_finish_round` waits for this line before it runs that hook."""
         self._join_round_log()
         line = f"round={self.diloco.round} done; θ hash "
         known = self.diloco.known_weights_hash()
-        if known is not None or self.placement.device.type == "cpu":
+        if known is not None or not self.hash_in_background:
             self._log(line + (known or self.diloco.weights_hash())[:16])
             return
-        theta = self.diloco.theta_round.detach().clone()
+        theta = self.diloco.theta_round.detach()
 
         def hash_and_log() -> None:
             try:

@@ -324,6 +324,36 @@ def test_a_cuda_trainer_checkpoint_loads_on_the_cpu(published, tmp_path: Path) -
     assert resumed.run(threading.Event()).steps == 12
 
 
+def test_a_background_round_line_hashes_the_rounds_theta_even_when_hashing_is_slow(
+    published, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The round line's thread reads θ_round itself, not a copy: a hash slower than a whole round
+    must still name the θ its round ended with (the next round's hook waits for it)."""
+    from neuroshard.node import trainer as trainer_module
+
+    def slow_digest(vector: Tensor) -> str:
+        time.sleep(0.2)  # longer than the next round's six tiny steps
+        return tensor_digest(vector)
+
+    monkeypatch.setattr(trainer_module, "tensor_digest", slow_digest)
+    thetas: list[Tensor] = []
+
+    def finish(diloco: DiLoCo) -> None:  # a round hook that never hashes θ itself
+        diloco.outer_step(diloco.pseudo_gradient())  # in place on the CPU
+        thetas.append(diloco.theta_round.detach().clone())
+
+    lines: list[str] = []
+    trainer = _trainer(
+        published, tmp_path, resolve("cpu", "fp32"), max_steps=18, log=lines.append, finish_round=finish
+    )
+    trainer.hash_in_background = True
+    trainer.run(threading.Event())
+    logged = [re.fullmatch(r"round=(\d+) done; θ hash (\w+)", line) for line in lines]
+    hashes = [(int(m[1]), m[2]) for m in logged if m is not None]
+    assert len(thetas) >= 3
+    assert hashes == [(r + 1, tensor_digest(theta)[:16]) for r, theta in enumerate(thetas)]
+
+
 @needs_cuda
 def test_a_cuda_lone_replica_logs_each_rounds_hash_in_round_order(published, tmp_path: Path) -> None:
     """On an accelerator a lone replica hashes θ for its round line on a background thread
