@@ -49,9 +49,9 @@ class TrainResult:
     part or all of it overlaps the step: about half did on an H100, bench/RESULTS.md), round (the round
     hook: exchange, aggregation, outer step, hash vote, receipt), checkpoint (periodic snapshots
     on this thread), final checkpoint (the write that ends a run, once per run), log (progress
-    lines, the θ hash of the round line; a lone replica on an accelerator hashes a copy of θ in
-    the background, so only the copy is counted). What the parts leave of the wall time is loop
-    bookkeeping."""
+    lines, the θ hash of the round line; a lone replica on an accelerator hashes θ in the
+    background, so only starting that thread is counted, and the next round's hook waits for it,
+    in "round"). What the parts leave of the wall time is loop bookkeeping."""
 
     def breakdown(self) -> str:
         """'inner 51.20 s, round 2.31 s, ...; other 0.10 s': the parts of the wall time."""
