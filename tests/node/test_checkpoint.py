@@ -1,4 +1,5 @@
-"""Checkpoints are written atomically and refused under a different configuration."""
+"""Checkpoints are written atomically, without torch.save's CRC-32s (shards keep theirs), and refused
+under a different configuration."""
 
 import io
 import threading
