@@ -5,10 +5,11 @@ route are ``neuroshard.protocol.pipeline``; this module packs and unpacks the te
 bind by ``payload_sha256`` and checks a body against its header.
 
 Activations and gradients travel through the run's codec (`node.actcodec`, named in the signed
-network definition and in every header): ``int8`` by default (absmax in groups of 64 along C,
-bf16 scales: 8.25 bits per value), ``hadamard4`` (4 bits forward, 6 back, after a fixed rotation
-of each group), ``hadamard43`` (4 forward, 3 back), ``fitted43`` (the same widths in codes fitted
-to each group forward and dithered back), or the uncompressed casts ``bf16`` and ``fp16``. The
+network definition and in every header): ``fitted43`` by default (4 bits forward in codes
+fitted to each group, 3 back in dithered ones, after a fixed rotation of each group), ``int8``
+(absmax in groups of 64 along C, bf16 scales: 8.25 bits per value), ``hadamard4`` (4 bits
+forward, 6 back), ``hadamard43`` (4 forward, 3 back), or the uncompressed casts ``bf16`` and
+``fp16``. The
 packed codes and scales are tensors of the same safetensors body; decoding is a pure function of
 the bytes. Labels travel as int32 (-100 = ignored position), never as floats.
 """
