@@ -223,7 +223,22 @@ def _top_direction(centred: Tensor, iters: int = 20) -> Tensor:
     return _unit(centred.T @ v)
 
 
-def craft(name: str, rows: Tensor, gamma: float, config: ValidationConfig | None = None) -> Tensor:
+@dataclass(frozen=True)
+class Anchor:
+    """A whole-Δ check besides ``screen_round``: every row's cosine to ``direction`` (the previous
+    round's aggregate, which every replica and colluder holds) must be at least ``floor``."""
+
+    direction: Tensor
+    floor: float
+
+
+def craft(
+    name: str,
+    rows: Tensor,
+    gamma: float,
+    config: ValidationConfig | None = None,
+    anchor: Anchor | None = None,
+) -> Tensor:
     """The family ``name``'s vector (d,) at parameter ``gamma`` ≥ 0 from (estimated) honest rows
     (m, d); gamma = 0 is harmless (about the honest mean) and the damage grows with gamma.
 
@@ -238,7 +253,9 @@ def craft(name: str, rows: Tensor, gamma: float, config: ValidationConfig | None
     - edge: at the validator's limits (``config``): γ ∈ [0, 1] moves from the median's direction
       with its norm (γ = 0) to cosine = min_cosine and norm = max_norm_ratio × ‖median‖ (γ = 1),
       the rest pointing along −sign(μ) made orthogonal to the median (the same direction every
-      round, so the outer momentum adds it up);
+      round, so the outer momentum adds it up). Against an ``anchor`` that direction is also made
+      orthogonal to the anchor, and the cosine to the median kept high enough that the cosine to
+      the anchor stays at its floor (the edge of both checks);
     - ipm_search: (1 − γ)μ (Xie et al., UAI 2019). −εμ itself has cosine −1 to any reference
       and never passes; γ ≤ 1 shrinks the honest step, γ > 1 is IPM's −εμ with ε = γ − 1;
     - mimic: an honest row x* over-represented (Karimireddy, He & Jaggi, ICLR 2022): x* is the
@@ -259,7 +276,7 @@ def craft(name: str, rows: Tensor, gamma: float, config: ValidationConfig | None
         lo, hi = rows.min(dim=0).values, rows.max(dim=0).values
         return torch.where(mu > 0, lo - gamma * sigma, hi + gamma * sigma)
     if name == "edge":
-        return _edge(rows, mu, min(gamma, 1.0), config or ValidationConfig())
+        return _edge(rows, mu, min(gamma, 1.0), config or ValidationConfig(), anchor)
     if name == "ipm_search":
         return (1 - gamma) * mu
     if name == "mimic":
@@ -280,13 +297,22 @@ def _perturbation(kind: str, mu: Tensor, sigma: Tensor) -> Tensor:
     raise ValueError(f"unknown perturbation {kind!r}; known: unit, std, sign")
 
 
-def _edge(rows: Tensor, mu: Tensor, gamma: float, config: ValidationConfig) -> Tensor:
+def _edge(
+    rows: Tensor, mu: Tensor, gamma: float, config: ValidationConfig, anchor: Anchor | None = None
+) -> Tensor:
     reference = coordinate_median(rows)
     ref_norm = float(reference.norm())
     u = _unit(reference)
     w = -torch.sign(mu)
     w = _unit(w - (w @ u) * u)  # orthogonal to the reference
-    cosine = 1 - gamma * (1 - config.min_cosine)
+    lowest = config.min_cosine
+    if anchor is not None:
+        # x = |x|·(c·u + s·w) with w ⟂ u and w ⟂ a has cos(x, a) = c·(u·a): keep it at the floor.
+        a = _unit(anchor.direction - (anchor.direction @ u) * u)
+        w = _unit(w - (w @ a) * a)
+        along = float(u @ _unit(anchor.direction))
+        lowest = max(lowest, anchor.floor / along) if along > 0 else 1.0
+    cosine = 1 - gamma * (1 - min(1.0, lowest))
     norm = ref_norm * (1 + gamma * (config.max_norm_ratio - 1))
     return norm * (cosine * u + math.sqrt(max(0.0, 1 - cosine * cosine)) * w)
 
@@ -363,12 +389,14 @@ def adapt(
     iters: int = 6,
     start: float = 0.5,
     cap: float = 1e4,
+    anchor: Anchor | None = None,
 ) -> Adapted:
     """The colluders' round: the largest γ whose k rows (``craft`` + ``spread_colluders``) pass
     ``screen`` (default: ``screen_round`` with ``config``) against the ``estimate`` of the honest
     rows, and, for min-max / min-sum, the paper's distance criterion. Doubling from ``start`` until
     a γ fails (or ``cap``), then ``iters`` bisection steps (when γ = 0 fails, the first passing γ of
-    a geometric grid is the start); the noise is drawn once per round, so
+    a geometric grid is the start); ``anchor`` is a whole-Δ check the screen also applies, which
+    the edge family builds around; the noise is drawn once per round, so
     the test is a function of γ alone. Assumes passing is monotone in γ (larger γ moves further
     from the honest rows in every family), as the unit tests check."""
     config = config or ValidationConfig()
@@ -377,7 +405,7 @@ def adapt(
     noise = 1 + COLLUDER_SPREAD * torch.randn(k, d, generator=generator) if k > 1 else torch.ones(1, d)
 
     def rows_at(gamma: float) -> Tensor:
-        return craft(name, estimate, gamma, config)[None] * noise  # (k, d)
+        return craft(name, estimate, gamma, config, anchor)[None] * noise  # (k, d)
 
     def ok(gamma: float) -> bool:
         rows = rows_at(gamma)

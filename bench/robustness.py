@@ -2,7 +2,8 @@
 
 M honest + K Byzantine replicas train a small transformer with adversary/simulate.py, with the outer
 optimizer a bare ``DiLoCoConfig`` carries (Nesterov, momentum 0.5, lr tuned for H: 0.7 at H = 10
-since 2026-11-26, 1.0 before; RESULTS.md's earlier tables ran with 1.0), for 20 rounds of
+since 2026-11-26, 1.0 before; RESULTS.md's earlier tables ran with 1.0) and the outer warm-up a
+network.toml gets by default (3 rounds since 2026-11-27, none before: --outer-warmup), for 20 rounds of
 H = 10 inner steps (H = 500, the production default, would make one run ~50× longer). The text
 is the standard library's source (``common.fresh_clone_text``: what any fresh clone builds), every
 tenth block of 2,048 tokens held out. Non-IID (the default column): replica i reads only the i-th
@@ -39,6 +40,7 @@ import functools
 import hashlib
 import math
 import multiprocessing
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -54,6 +56,7 @@ from neuroshard.adversary.simulate import simulate
 from neuroshard.node import aggregation
 from neuroshard.node.diloco import DiLoCoConfig, tensor_digest
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.network_definition import DEFAULT_OUTER_WARMUP_ROUNDS
 from neuroshard.node.outer.partition import part_bounds
 from neuroshard.node.outer.reduce import MIN_SCREENED, reduce_part
 from neuroshard.node.validation import ValidationConfig, ValidationResult, screen_round
@@ -88,6 +91,7 @@ RULES = (
     "val+cclip_median",
     "part:cclip_median",
     "whole:default",
+    "part:prev+default",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
 which is the network's default rule (``aggregation.default_rule``: centered clipping from the
@@ -113,7 +117,13 @@ exponential average of its rows' cosine to the round's aggregate (a row the scre
 counts as −1), and a wallet whose average has fallen below ``HISTORY_FLOOR`` after
 ``HISTORY_WARM`` rounds is refused (unless that would refuse every row left). The adaptive
 colluders know it: they also require that the
-round's rows keep every colluder's average at or above the floor (``AttackedAggregate._screen``)."""
+round's rows keep every colluder's average at or above the floor (``AttackedAggregate._screen``).
+"prev+" (after "part:") also refuses, on every part, a contributor whose whole Δ's cosine to the
+previous round's aggregate is below ``PREV_FLOOR`` (--prev-floor; no check in round 0): the
+colluders know it too (their rows must pass it, and the edge family builds around it:
+``attacks.Anchor``). Simulated only: the round would need each contributor's whole-Δ dot product
+with that aggregate, committed and checkable part by part. Any prefix also takes "cc<S>x<I>"
+(``CLIP_VARIANT``): the default rule's τ scaled by S, I iterations."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
 DEFAULT_ATTACKS = (
@@ -142,6 +152,10 @@ HISTORY_ALPHA = 0.3
 """hist+: weight of the newest round in a wallet's average cosine to the aggregate."""
 HISTORY_WARM = 3
 """hist+: rounds a wallet is seen before its average can refuse it."""
+PREV_FLOOR = 0.1
+"""prev+: the whole Δ's cosine to the previous round's aggregate below which a contributor is
+refused on every part (honest non-IID Δs measured 0.21–0.75 in clean runs; a sign flip of one
+sits at minus its own)."""
 HISTORY_FLOOR = 0.0
 """hist+: a wallet whose average cosine to the aggregate is below this is refused (--history-floor)."""
 HELD_OUT_BLOCK = 2048
@@ -168,8 +182,13 @@ class Setup:
     """The --quick text (tiny) instead of the fresh-clone text."""
     outer: str | None = None
     """``LR:MOMENTUM:n|s`` (Nesterov or plain SGD) in place of the bare DiLoCoConfig's outer step."""
+    outer_warmup: int = DEFAULT_OUTER_WARMUP_ROUNDS
+    """``DiLoCoConfig.outer_warmup_rounds``: the network's default ramp (``network_definition.
+    DEFAULT_OUTER_WARMUP_ROUNDS``, part of the default defence since 2026-11-27; 0 before)."""
     history_floor: float = HISTORY_FLOOR
     """hist+: the average cosine to the aggregate below which a wallet is refused."""
+    prev_floor: float = PREV_FLOOR
+    """prev+: the whole-Δ cosine to the previous aggregate below which a contributor is refused."""
     validation: ValidationConfig = field(default_factory=lambda: VALIDATION)
     """The screening's thresholds (--validation overrides the node's defaults)."""
 
@@ -288,6 +307,24 @@ def bucketed(stack: Tensor, generator: torch.Generator, size: int = 2) -> Tensor
     return torch.stack([aggregation.mean(stack[g]) for g in groups])
 
 
+CLIP_VARIANT = re.compile(r"cc([0-9]*\.?[0-9]+)x([1-9][0-9]*)")
+"""Rule "cc<S>x<I>" (any screening prefix): centered clipping from the coordinate median with τ = S ×
+the median distance to it, I iterations with that τ; "cc1x1" is the default rule's maths for n ≥ 5."""
+
+
+def clip_variant(stack: Tensor, scale: float, iters: int) -> Tensor:
+    """``aggregation.centered_clip`` from the coordinate median with τ scaled (the sweep of the
+    default rule's two knobs); below ``SMALL_N`` rows the median, as the default rule."""
+    rows = stack[torch.isfinite(stack).all(dim=1)]
+    if rows.shape[0] < aggregation.SMALL_N:
+        return aggregation.aggregate("default", stack)
+    center = aggregation.coordinate_median(rows)
+    tau = scale * float((rows.double() - center.double()).norm(dim=1).median())
+    if not tau > 0:
+        return center
+    return aggregation.centered_clip(rows, center, tau, iters=iters)
+
+
 def norm_clipped(stack: Tensor) -> Tensor:
     """Rows longer than the median row norm scaled down to it (norms taken in float64)."""
     norms = stack.double().norm(dim=1)
@@ -321,10 +358,15 @@ class AttackedAggregate:
         outcome: Outcome,
         history_floor: float = HISTORY_FLOOR,
         validation: ValidationConfig = VALIDATION,
+        prev_floor: float = PREV_FLOOR,
     ) -> None:
         self.job, self.outcome, self.history_floor = job, outcome, history_floor
+        self.prev_floor = prev_floor
         self.validation = validation
         self.screen_kind, self.rule = split_rule(job.rule)
+        self.with_prev = self.rule.startswith("prev+")
+        if self.with_prev:
+            self.rule = self.rule[len("prev+") :]
         self.with_history = self.rule.startswith("hist+")
         if self.with_history:
             self.rule = self.rule[len("hist+") :]
@@ -352,7 +394,10 @@ class AttackedAggregate:
         d = stack.shape[1]
         plain = screen_round(by_wallet, (d,), self.validation)  # the honest statistics, whatever the rule
         if self.screen_kind == "part":
-            result, refused = self._partitioned(wallets, rows)
+            anchored = self._anchor_refuses(by_wallet)
+            kept_wallets = [w for w in wallets if w not in anchored]
+            result, refused = self._partitioned(kept_wallets, [by_wallet[w] for w in kept_wallets], len(rows))
+            refused = anchored | refused
         else:
             verdicts = fitted_screen(by_wallet, d, self.validation) if self.screen_kind == "fit" else plain
             refused = {w: v.reason for w, v in verdicts.items() if not v.ok}
@@ -435,15 +480,32 @@ class AttackedAggregate:
             estimate = attacks.realistic_estimate(own, deviations)
             config = attacks.tightened(self.validation, attacks.REALISTIC_MARGIN)
         gen = attacker_generator(self.job.seed, self.round, 0)
-        chosen = attacks.adapt(name, estimate, own.shape[0], gen, config=config, screen=self._screen(config))
+        anchor = self._anchor(0.0 if level == "omniscient" else attacks.REALISTIC_MARGIN)
+        chosen = attacks.adapt(
+            name,
+            estimate,
+            own.shape[0],
+            gen,
+            config=config,
+            screen=self._screen(config, anchor),
+            anchor=anchor,
+        )
         self.outcome.gammas.append(chosen.gamma)
         return list(chosen.rows)
 
-    def _screen(self, config: ValidationConfig) -> attacks.Screen:
+    def _screen(self, config: ValidationConfig, anchor: attacks.Anchor | None = None) -> attacks.Screen:
         """The colluders' acceptance test: the defence's own screening (``config``'s thresholds);
         under hist+, also every colluder's average after this round at or above the floor (the
         aggregate predicted as the rule over their estimate and their rows)."""
         base = self._screen_only(config)
+        if anchor is not None:
+            screened = base
+
+            def base(estimate: Tensor, crafted: Tensor) -> bool:
+                return all(_cosine(r, anchor.direction) >= anchor.floor for r in crafted) and screened(
+                    estimate, crafted
+                )
+
         if not self.with_history:
             return base
 
@@ -529,13 +591,32 @@ class AttackedAggregate:
             active.append(on)
         return rows, active, equivocated
 
-    def _partitioned(self, wallets: list[str], rows: list[Tensor]) -> tuple[Tensor, dict[str, str]]:
-        """The rule as the partitioned round applies it: per part, after that part's screening.
-        Returns the aggregate and the wallets refused on some part (with the first reason)."""
+    def _anchor(self, margin: float = 0.0) -> attacks.Anchor | None:
+        """prev+'s whole-Δ check (none in the first round: there is no previous aggregate);
+        ``margin`` moves the floor that share of its room towards 1 (the realistic colluders')."""
+        if not self.with_prev or self.previous is None:
+            return None
+        return attacks.Anchor(self.previous, self.prev_floor + margin * (1 - self.prev_floor))
+
+    def _anchor_refuses(self, by_wallet: dict[str, Tensor]) -> dict[str, str]:
+        """prev+: the contributors whose whole Δ's cosine to the previous aggregate is under the
+        floor (none if that would be everyone)."""
+        anchor = self._anchor()
+        if anchor is None:
+            return {}
+        low = {w: "prev_cosine" for w, r in by_wallet.items() if _cosine(r, anchor.direction) < anchor.floor}
+        return low if len(low) < len(by_wallet) else {}
+
+    def _partitioned(
+        self, wallets: list[str], rows: list[Tensor], parts: int
+    ) -> tuple[Tensor, dict[str, str]]:
+        """The rule as the partitioned round applies it: per part, after that part's screening,
+        over ``parts`` parts (the round's members, refused ones included). Returns the aggregate
+        and the wallets refused on some part (with the first reason)."""
         d = rows[0].numel()
         out = torch.zeros(d)
         refused: dict[str, str] = {}
-        for j, (a, b) in enumerate(part_bounds(d, len(rows))):
+        for j, (a, b) in enumerate(part_bounds(d, parts)):
             if b == a:
                 continue
             part = {w: row[a:b].contiguous() for w, row in zip(wallets, rows, strict=True)}
@@ -568,6 +649,9 @@ class AttackedAggregate:
             if previous is not None and span is not None:
                 previous = previous[span[0] : span[1]]
             return aggregation.centered_clip(stack, previous, None, iters=3)
+        variant = CLIP_VARIANT.fullmatch(rule)
+        if variant:
+            return clip_variant(stack, float(variant[1]), int(variant[2]))
         if rule == "cclip_median":  # what a node runs when its network names "centered_clip": no history
             return aggregation.network_rule("centered_clip", f)(stack)
         if rule in ("mean", "median", "geometric_median", "default"):
@@ -606,6 +690,13 @@ class AttackedAggregate:
                 out.attack_active += 1
                 out.attack_caught += w in refused
         out.equivocations_visible += equivocated
+        if self.previous is not None:  # whole-Δ cosine to the last aggregate (every replica holds it)
+            for row in honest:
+                out.honest_stats.setdefault("prev_cosine", []).append(_cosine(row, self.previous))
+                for a, b in part_bounds(row.numel(), len(wallets)):
+                    out.honest_stats.setdefault("part_prev_cosine", []).append(
+                        _cosine(row[a:b], self.previous[a:b])
+                    )
         dist = aggregation.pairwise_sq_distances(honest).sqrt()  # (M, M)
         norms = honest.norm(dim=1)
         rel = dist / torch.maximum(norms[:, None], norms[None, :])
@@ -637,6 +728,7 @@ def run_job(job: Job, setup: Setup) -> Outcome:
         warmup_steps=min(10, total),
         total_steps=total,
         **outer_settings(setup.outer),
+        outer_warmup_rounds=setup.outer_warmup,
     )
     outcome = Outcome(job=job, final_loss=math.nan, seconds=0.0)
     start = time.perf_counter()
@@ -647,7 +739,9 @@ def run_job(job: Job, setup: Setup) -> Outcome:
             replicas=replicas,
             rounds=setup.rounds,
             batches=batches,
-            aggregate=AttackedAggregate(job, diloco, outcome, setup.history_floor, setup.validation),
+            aggregate=AttackedAggregate(
+                job, diloco, outcome, setup.history_floor, setup.validation, setup.prev_floor
+            ),
             eval_batches=eval_batches,
         )
         outcome.final_loss = result.eval_loss[-1]
@@ -751,6 +845,8 @@ def print_honest_ranges(outcomes: list[Outcome], validation: ValidationConfig = 
             "norm_ratio": f"[{validation.min_norm_ratio}, {validation.max_norm_ratio}]",
             "cosine": f">= {validation.min_cosine}",
             "variance_ratio": f"[{validation.min_variance_ratio}, {validation.max_variance_ratio}]",
+            "prev_cosine": "(not screened)",
+            "part_prev_cosine": "(not screened)",
         }
         group = [o for o in outcomes if o.job.data == data]
         for key, limit in limits.items():
@@ -841,6 +937,19 @@ def main() -> None:
         help=f"hist+: refuse a wallet whose average cosine to the aggregate is below this (default {HISTORY_FLOOR})",
     )
     parser.add_argument(
+        "--outer-warmup",
+        type=int,
+        default=DEFAULT_OUTER_WARMUP_ROUNDS,
+        help="outer rounds over which the outer lr ramps up (default: a network.toml's, "
+        f"{DEFAULT_OUTER_WARMUP_ROUNDS}; 0 for the tables before 2026-11-27)",
+    )
+    parser.add_argument(
+        "--prev-floor",
+        type=float,
+        default=PREV_FLOOR,
+        help=f"prev+: refuse a Δ whose cosine to the previous aggregate is below this (default {PREV_FLOOR})",
+    )
+    parser.add_argument(
         "--validation",
         default="",
         help="screening thresholds in place of the node's defaults, e.g. max_norm_ratio=8,min_cosine=0 "
@@ -857,6 +966,8 @@ def main() -> None:
         inner_steps=args.inner_steps,
         outer=args.outer,
         history_floor=args.history_floor,
+        prev_floor=args.prev_floor,
+        outer_warmup=args.outer_warmup,
         validation=validation,
     )
     splits, data_modes = args.splits, args.data
@@ -868,19 +979,21 @@ def main() -> None:
             eval_batches=1,
             quick=True,
             history_floor=args.history_floor,
+            prev_floor=args.prev_floor,
+            outer_warmup=args.outer_warmup,
             validation=validation,
         )
         splits, args.seeds, data_modes = "5+1", 1, "noniid"
         args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"
         if args.rules == parser.get_default("rules"):
-            args.rules = ",".join([*DEFAULT_RULES, "val+hist+default", "whole:default"])  # those paths too
+            args.rules = ",".join([*DEFAULT_RULES, "val+hist+default", "whole:default", "part:prev+default"])
     attack_names = [a for a in args.attacks.split(",") if a]
     rules = [r for r in args.rules.split(",") if r]
     for name in attack_names:
         if name not in ATTACKS:
             parser.error(f"unknown attack {name!r}; known: {', '.join(ATTACKS)}")
     for name in rules:
-        if name not in RULES:
+        if name not in RULES and not CLIP_VARIANT.fullmatch(split_rule(name)[1].removeprefix("prev+")):
             parser.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
     if "none" not in attack_names or "mean" not in rules:
         print("(note: without the none × mean run there is no clean loss to divide by; ratios show as –)")

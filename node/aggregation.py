@@ -39,6 +39,11 @@ coordinates of theirs every round, clipping only shortens them, so the model sti
 text. Not met: the issue's 1.05× on non-IID replicas (worst 1.12–1.16×), and the screening
 still refuses honest parts there (34 of 320 in clean runs); opening its limits removed those
 refusals but let sign flips through (``validation.ValidationConfig``). RESULTS.md has the tables.
+
+The rule is not the whole defence. Most of an attack's damage in those runs came from the first
+rounds, where one shifted aggregate moved the young model for good, so a network.toml's outer
+step now ramps over 3 rounds (``network_definition.DEFAULT_OUTER_WARMUP_ROUNDS``). With it the
+default's worst case on non-IID 8 + 2 went from 1.158× to 1.093× (same attacks, 2 seeds).
 """
 
 from __future__ import annotations

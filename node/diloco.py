@@ -99,7 +99,9 @@ class DiLoCoConfig:
     it also beat plain averaging (SGD lr 1.0) at every H measured."""
     outer_warmup_rounds: int = 0
     """Outer rounds over which the outer lr ramps up linearly: round r (0-based) steps at
-    lr × min(1, (r + 1) / outer_warmup_rounds); 0: no warm-up (the default; RESULTS.md)."""
+    lr × min(1, (r + 1) / outer_warmup_rounds); 0: no warm-up (this config's default; RESULTS.md).
+    A network.toml that names none gets 3 (network_definition.DEFAULT_OUTER_WARMUP_ROUNDS): the
+    ramp is part of the defence against attackers present from a run's first round."""
 
     @property
     def outer_step_lr(self) -> float:

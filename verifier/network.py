@@ -19,6 +19,8 @@ key, so a joining node can check it against the operator key it was given. A min
 
     [diloco]             # node.diloco.DiLoCoConfig fields (defaults where omitted)
     inner_steps = 100
+    outer_warmup_rounds = 3  # the outer lr ramps over the first rounds; 3 when omitted
+                             # (node.network_definition.DEFAULT_OUTER_WARMUP_ROUNDS)
 
     [training]
     batch_size = 8       # sequences per inner step (spot checks replay with these)

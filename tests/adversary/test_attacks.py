@@ -210,6 +210,29 @@ def test_edge_reaches_the_validator_corner_against_the_honest_median() -> None:
     assert stats["norm_ratio"] == pytest.approx(ValidationConfig().max_norm_ratio, rel=1e-4)
 
 
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a.double() @ b.double() / (a.double().norm() * b.double().norm()))
+
+
+def test_edge_against_an_anchor_sits_at_its_floor_and_the_norm_limit() -> None:
+    # The anchor (the previous aggregate) near the honest mean: the edge keeps its cosine to the
+    # anchor at the floor, which holds its cosine to the median above the validator's limit.
+    honest = honest_rows()
+    reference = aggregation.coordinate_median(honest)
+    anchor = attacks.Anchor(honest.mean(dim=0) + 0.5 * torch.randn(honest.shape[1], generator=gen(3)), 0.3)
+    v = attacks.craft("edge", honest, 1.0, anchor=anchor)
+    stats = contribution_stats(v, reference)
+    assert _cos(v, anchor.direction) == pytest.approx(anchor.floor, abs=1e-4)
+    assert stats["cosine"] > ValidationConfig().min_cosine
+    assert stats["norm_ratio"] == pytest.approx(ValidationConfig().max_norm_ratio, rel=1e-4)
+    # Without the anchor the edge sits at the validator's limit and below the anchor's floor.
+    plain = attacks.craft("edge", honest, 1.0)
+    assert _cos(plain, anchor.direction) < anchor.floor
+    # An anchor the median points away from leaves the edge nothing: the median's direction.
+    away = attacks.craft("edge", honest, 1.0, anchor=attacks.Anchor(-reference, 0.1))
+    assert contribution_stats(away, reference)["cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_unknown_adaptive_attack_is_named() -> None:
     with pytest.raises(ValueError, match="unknown adaptive attack 'nope'"):
         attacks.craft("nope", honest_rows(), 1.0)

@@ -21,7 +21,7 @@ from neuroshard.node.diloco import (
     tensor_digest,
 )
 from neuroshard.node.model import ModelConfig, Transformer, cross_entropy_loss
-from neuroshard.node.network_definition import parse_network
+from neuroshard.node.network_definition import DEFAULT_OUTER_WARMUP_ROUNDS, parse_network
 from neuroshard.node.p2p.state import adopt_state
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
@@ -569,16 +569,24 @@ def test_the_outer_warmup_ramps_the_lr_over_its_rounds_and_none_changes_no_bit()
             DiLoCoConfig(outer_warmup_rounds=bad)
 
 
-def test_a_network_definition_carries_the_outer_warmup_only_when_set() -> None:
-    # Definitions signed before the field existed keep their bytes; one that sets it round-trips.
+def test_a_network_toml_ramps_the_outer_step_by_default_and_served_bytes_keep_their_meaning() -> None:
+    # A network.toml that names no warm-up gets the default defence's ramp, signed explicitly; one
+    # that names 0 signs no key, as definitions signed before the field existed; a served document
+    # without the key means 0, so those bytes step as they always did.
     example = Path(__file__).resolve().parents[2] / "examples" / "network.toml"
     document = tomllib.loads(example.read_text())
-    plain = parse_network(document)
-    assert "outer_warmup_rounds" not in plain.to_document()["diloco"]
-    document.setdefault("diloco", {})["outer_warmup_rounds"] = 3
+    assert "outer_warmup_rounds" not in document.get("diloco", {})
     ramped = parse_network(document)
-    assert ramped.to_document()["diloco"]["outer_warmup_rounds"] == 3
-    assert parse_network(json.loads(json.dumps(ramped.to_document()))).diloco.outer_warmup_rounds == 3
+    assert ramped.diloco.outer_warmup_rounds == DEFAULT_OUTER_WARMUP_ROUNDS == 3
+    served = json.loads(ramped.canonical_bytes())
+    assert served["diloco"]["outer_warmup_rounds"] == 3
+    assert parse_network(served, served=True).diloco.outer_warmup_rounds == 3
+    document.setdefault("diloco", {})["outer_warmup_rounds"] = 0
+    plain = parse_network(document)
+    assert plain.diloco.outer_warmup_rounds == 0
+    old_bytes = json.loads(plain.canonical_bytes())
+    assert "outer_warmup_rounds" not in old_bytes["diloco"]
+    assert parse_network(old_bytes, served=True).diloco.outer_warmup_rounds == 0
 
 
 def test_a_resumed_checkpoint_steps_with_the_configs_outer_step_not_the_saved_one() -> None:

@@ -48,9 +48,10 @@ def test_a_served_definition_without_a_codec_still_means_int8() -> None:
     assert parse_network(_doc(), served=True).pipeline_codec == "int8"
 
 
-def test_a_single_stage_definition_keeps_its_bytes_and_digest() -> None:
-    """The codec is unused at one stage: int8 keeps the signed bytes, whose digest names the
-    embedded verifier's database and round files, what they were before fitted43 became the default."""
+def test_a_single_stage_definition_keeps_its_codec_bytes() -> None:
+    """The codec is unused at one stage: int8 keeps the [stages] bytes what they were before
+    fitted43 became the default (the embedded verifier's definition, whose digest names its
+    database and round files, is built in code: the next test)."""
     doc = {**_doc(), "stages": {"count": 1}}
     net = parse_network(doc)
     assert net.pipeline_codec == "int8"
