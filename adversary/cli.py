@@ -76,9 +76,10 @@ def roles_from_args(args: argparse.Namespace) -> node.Roles:
 def attacker_from_args(args: argparse.Namespace) -> Attacker:
     """The attacker the flags ask for. Its idea of the outer step (from which the realistic attacks
     read earlier aggregates back) is the one the flags give the node: with --join, give the
-    network's --inner-steps (or --outer-lr) too, since the outer lr's default depends on H."""
+    network's --inner-steps (or --outer-lr) and --outer-warmup-rounds too, since the outer lr's
+    default depends on H and a network.toml that names no warm-up ramps over 3 rounds."""
     try:
-        outer_lr = node_flags.diloco_config_from_args(args).outer_step_lr
+        diloco = node_flags.diloco_config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"neuroshard-adversary: error: {exc}") from None
     return Attacker(
@@ -87,8 +88,9 @@ def attacker_from_args(args: argparse.Namespace) -> Attacker:
             param=args.attack_param,
             seed=args.attack_seed,
             # The outer step the node runs (its lr tuned for H when --outer-lr is not given).
-            outer_lr=outer_lr,
-            outer_momentum=args.outer_momentum,
+            outer_lr=diloco.outer_step_lr,
+            outer_momentum=diloco.outer_momentum,
+            outer_warmup_rounds=diloco.outer_warmup_rounds,
         )
     )
 

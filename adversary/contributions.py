@@ -81,12 +81,12 @@ class AttackConfig:
     """Seeds the noise of gaussian (reproducible runs)."""
     outer_lr: float = 1.0
     outer_momentum: float = 0.5
-    """The network's outer step (Nesterov when momentum > 0): the adaptive attacks read earlier
-    rounds' aggregates back from θ_round with it (``revealed_aggregate``). The defaults are
-    DiLoCoConfig's from H = 20; below that its lr is 0.7 (node.diloco.tuned_outer_lr), so give the
-    network's values (cli.attacker_from_args does). It assumes no outer warm-up
-    (DiLoCoConfig.outer_warmup_rounds, 0 by default): under one, the aggregates it reads back from
-    the ramp's rounds come out too small."""
+    outer_warmup_rounds: int = 0
+    """The network's outer step (Nesterov when momentum > 0, the lr ramped over the warm-up's
+    rounds): the adaptive attacks read earlier rounds' aggregates back from θ_round with it
+    (``revealed_aggregate``). The defaults are DiLoCoConfig's from H = 20; below that its lr is
+    0.7 (node.diloco.tuned_outer_lr), and a network.toml that names no warm-up ramps over 3
+    rounds, so give the network's values (cli.attacker_from_args takes the node's flags)."""
     validation: ValidationConfig | None = None
     """The screening thresholds the adaptive attacks aim under (default: ``ValidationConfig()``)."""
 
@@ -167,8 +167,11 @@ class Attacker:
         """The realistic adaptive attack (module docstring)."""
         theta = theta_round.detach().to(torch.float32).clone()
         if self._previous_theta is not None and self._previous_theta.shape == theta.shape:
+            # θ moved from the previous round's θ_round by round r − 1's outer step, at its ramped lr.
+            warmup = self.config.outer_warmup_rounds
+            lr = self.config.outer_lr * (min(1.0, honest.round / warmup) if warmup else 1.0)
             aggregate, self._momentum = revealed_aggregate(
-                self._previous_theta, theta, self._momentum, self.config.outer_lr, self.config.outer_momentum
+                self._previous_theta, theta, self._momentum, lr, self.config.outer_momentum
             )
             self._aggregates.append(aggregate)
         self._previous_theta = theta

@@ -366,6 +366,10 @@ class AttackedAggregate:
         self.screen_kind, self.rule = split_rule(job.rule)
         self.with_prev = self.rule.startswith("prev+")
         if self.with_prev:
+            if self.screen_kind != "part":
+                raise ValueError(
+                    f"{job.rule}: prev+ is simulated for the partitioned round only (part:prev+…)"
+                )
             self.rule = self.rule[len("prev+") :]
         self.with_history = self.rule.startswith("hist+")
         if self.with_history:
@@ -455,6 +459,9 @@ class AttackedAggregate:
 
     def _advance(self, result: Tensor) -> None:
         assert self.shadow_opt is not None
+        warmup = self.diloco.outer_warmup_rounds  # the engines' ramp (DiLoCo._outer_lr_now)
+        ramp = min(1.0, (self.round + 1) / warmup) if warmup else 1.0
+        self.shadow_opt.param_groups[0]["lr"] = self.diloco.outer_step_lr * ramp
         self.shadow.grad = result.clone()
         self.shadow_opt.step()
         self.thetas.append(self.shadow.detach().clone())
@@ -480,7 +487,7 @@ class AttackedAggregate:
             estimate = attacks.realistic_estimate(own, deviations)
             config = attacks.tightened(self.validation, attacks.REALISTIC_MARGIN)
         gen = attacker_generator(self.job.seed, self.round, 0)
-        anchor = self._anchor(0.0 if level == "omniscient" else attacks.REALISTIC_MARGIN)
+        anchor = self._anchor()  # the previous aggregate is public: no margin at either level
         chosen = attacks.adapt(
             name,
             estimate,
@@ -502,9 +509,11 @@ class AttackedAggregate:
             screened = base
 
             def base(estimate: Tensor, crafted: Tensor) -> bool:
-                return all(_cosine(r, anchor.direction) >= anchor.floor for r in crafted) and screened(
-                    estimate, crafted
-                )
+                # As the defence does: rows under the floor are out before any part is screened.
+                if any(_cosine(r, anchor.direction) < anchor.floor for r in crafted):
+                    return False
+                kept = [r for r in estimate if _cosine(r, anchor.direction) >= anchor.floor]
+                return screened(torch.stack(kept) if kept else estimate, crafted)
 
         if not self.with_history:
             return base
@@ -591,12 +600,12 @@ class AttackedAggregate:
             active.append(on)
         return rows, active, equivocated
 
-    def _anchor(self, margin: float = 0.0) -> attacks.Anchor | None:
-        """prev+'s whole-Δ check (none in the first round: there is no previous aggregate);
-        ``margin`` moves the floor that share of its room towards 1 (the realistic colluders')."""
+    def _anchor(self) -> attacks.Anchor | None:
+        """prev+'s whole-Δ check (none in the first round: there is no previous aggregate). The
+        previous aggregate is public, so colluders at either knowledge level know it exactly."""
         if not self.with_prev or self.previous is None:
             return None
-        return attacks.Anchor(self.previous, self.prev_floor + margin * (1 - self.prev_floor))
+        return attacks.Anchor(self.previous, self.prev_floor)
 
     def _anchor_refuses(self, by_wallet: dict[str, Tensor]) -> dict[str, str]:
         """prev+: the contributors whose whole Δ's cosine to the previous aggregate is under the
@@ -845,8 +854,8 @@ def print_honest_ranges(outcomes: list[Outcome], validation: ValidationConfig = 
             "norm_ratio": f"[{validation.min_norm_ratio}, {validation.max_norm_ratio}]",
             "cosine": f">= {validation.min_cosine}",
             "variance_ratio": f"[{validation.min_variance_ratio}, {validation.max_variance_ratio}]",
-            "prev_cosine": "(not screened)",
-            "part_prev_cosine": "(not screened)",
+            "prev_cosine": "(whole Δ vs the previous aggregate; prev+ refuses below --prev-floor)",
+            "part_prev_cosine": "(per part vs the previous aggregate; not screened)",
         }
         group = [o for o in outcomes if o.job.data == data]
         for key, limit in limits.items():
@@ -993,7 +1002,10 @@ def main() -> None:
         if name not in ATTACKS:
             parser.error(f"unknown attack {name!r}; known: {', '.join(ATTACKS)}")
     for name in rules:
-        if name not in RULES and not CLIP_VARIANT.fullmatch(split_rule(name)[1].removeprefix("prev+")):
+        kind, rule = split_rule(name)
+        if rule.startswith("prev+") and kind != "part":
+            parser.error(f"{name!r}: prev+ is simulated for the partitioned round only (part:prev+…)")
+        if name not in RULES and not CLIP_VARIANT.fullmatch(rule.removeprefix("prev+")):
             parser.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
     if "none" not in attack_names or "mean" not in rules:
         print("(note: without the none × mean run there is no clean loss to divide by; ratios show as –)")

@@ -130,6 +130,13 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
         default=d.outer_momentum,
         help="outer Nesterov momentum (0: plain SGD)",
     )
+    diloco.add_argument(
+        "--outer-warmup-rounds",
+        type=int,
+        default=d.outer_warmup_rounds,
+        help="outer rounds over which the outer lr ramps up (default 0; a network.toml that names none "
+        "gives 3: with --join the network's value applies)",
+    )
 
     rot = p.add_argument_group("shard rotation (on exhaustion, or when the loss plateaus on a shard)")
     r = RotationConfig()
@@ -329,6 +336,7 @@ def diloco_config_from_args(args: argparse.Namespace) -> DiLoCoConfig:
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         outer_nesterov=args.outer_momentum > 0,
+        outer_warmup_rounds=args.outer_warmup_rounds,
     )
 
 

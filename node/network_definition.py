@@ -95,7 +95,9 @@ class NetworkDefinition:
     def to_document(self) -> dict[str, Any]:
         diloco = dataclasses.asdict(self.diloco)
         diloco["betas"] = list(self.diloco.betas)
-        if not diloco["outer_warmup_rounds"]:  # only when set: definitions signed before it keep their bytes
+        if not diloco[
+            "outer_warmup_rounds"
+        ]:  # only when non-zero: definitions signed before it keep their bytes
             del diloco["outer_warmup_rounds"]
         return {
             "format": NETWORK_FORMAT,

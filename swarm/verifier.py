@@ -120,6 +120,8 @@ def network_tables(
             **({} if node.outer_lr is None else {"outer_lr": node.outer_lr}),
             "outer_momentum": node.outer_momentum,
             "outer_nesterov": node.outer_momentum > 0,
+            # Named even when 0: a network.toml without it would ramp over 3 rounds.
+            "outer_warmup_rounds": node.outer_warmup_rounds,
         },
         "training": {"batch_size": node.batch_size, "seq_len": node.seq_len},
         "data": {"manifest_url": data_dir, "publisher_key": publisher_key},

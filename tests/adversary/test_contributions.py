@@ -147,6 +147,9 @@ def test_the_attacker_reads_aggregates_back_with_the_outer_step_the_node_runs() 
         adversary_parser().parse_args([*base, "--inner-steps", "10", "--outer-lr", "1.2"])
     )
     assert (short.config.outer_lr, long.config.outer_lr, given.config.outer_lr) == (0.7, 1.0, 1.2)
+    assert short.config.outer_warmup_rounds == 0  # the node's flag default, not a network.toml's 3
+    ramped = attacker_from_args(adversary_parser().parse_args([*base, "--outer-warmup-rounds", "3"]))
+    assert ramped.config.outer_warmup_rounds == 3
     with pytest.raises(SystemExit, match="neuroshard-adversary: error: DiLoCoConfig: outer_lr must be > 0"):
         attacker_from_args(adversary_parser().parse_args([*base, "--outer-lr", "0"]))
 

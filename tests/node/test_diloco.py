@@ -623,8 +623,10 @@ def test_the_network_definition_and_the_node_take_the_config_defaults(inner_step
             expected.outer_momentum,
             expected.outer_nesterov,
         )
+    # The one exception: a network.toml ramps the outer step by default, the flags do not.
+    assert (net.diloco.outer_warmup_rounds, node.outer_warmup_rounds) == (DEFAULT_OUTER_WARMUP_ROUNDS, 0)
     # A definition that leaves the outer step out serves the same values to every joining node.
-    served = parse_network(json.loads(json.dumps(net.to_document())))
+    served = parse_network(json.loads(json.dumps(net.to_document())), served=True)
     assert served.diloco == net.diloco
 
 

@@ -67,6 +67,10 @@ def test_the_embedded_definition_keeps_int8(published) -> None:  # type: ignore[
     model = ModelConfig.named("micro", vocab_size=published.dataset.tokenizer.vocab_size)
     net = embedded_definition(published.dataset, model, DiLoCoConfig(), batch_size=2, seq_len=32)
     assert net.num_stages == 1 and net.pipeline_codec == "int8"
+    # Nor does the network.toml's outer warm-up reach it: its bytes, and the digest that names its
+    # database, stay what they were.
+    assert net.diloco.outer_warmup_rounds == 0
+    assert "outer_warmup_rounds" not in json.loads(net.canonical_bytes())["diloco"]
 
 
 def test_an_old_served_definition_without_the_codec_still_verifies() -> None:

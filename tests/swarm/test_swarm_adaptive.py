@@ -50,6 +50,29 @@ def test_revealed_aggregate_reads_the_outer_step_back(momentum: float) -> None:
         torch.testing.assert_close(read, g, rtol=1e-4, atol=1e-5)
 
 
+def test_the_wire_attacker_reads_the_ramped_rounds_of_an_outer_warmup_back() -> None:
+    # A network.toml's default ramps the outer lr over 3 rounds: round r's step is lr·min(1, (r+1)/3).
+    members = tuple(sorted(f"{i:02d}" * 32 for i in range(6)))
+    attacker = Attacker(
+        AttackConfig(name="alie_search", outer_lr=0.7, outer_momentum=0.5, outer_warmup_rounds=3)
+    )
+    gen = torch.Generator().manual_seed(2)
+    theta = torch.randn(512, generator=gen).requires_grad_(True)
+    outer = torch.optim.SGD([theta], lr=0.7, momentum=0.5, nesterov=True)
+    applied: list[torch.Tensor] = []
+    for r in range(5):
+        delta = torch.randn(512, generator=gen)
+        honest = RoundInput(stage=0, round=r, base_hash=f"{r:064x}", members=members, delta=delta, tokens=64)
+        attacker.forge_input(honest, theta.detach().clone())
+        if r > 0:  # round r − 1's aggregate, read back from θ at round r
+            torch.testing.assert_close(attacker._aggregates[-1], applied[-1], rtol=1e-4, atol=1e-4)
+        g = torch.randn(512, generator=gen)
+        outer.param_groups[0]["lr"] = 0.7 * min(1.0, (r + 1) / 3)
+        theta.grad = g.clone()
+        outer.step()
+        applied.append(g)
+
+
 def test_the_wire_attacker_waits_for_a_revealed_round_then_searches_inside_the_screening() -> None:
     members = tuple(sorted(f"{i:02d}" * 32 for i in range(6)))
     attacker = Attacker(AttackConfig(name="alie_search", outer_lr=1.0, outer_momentum=0.5))
