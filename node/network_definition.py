@@ -36,7 +36,7 @@ run's first 3 rounds (lr/3, 2·lr/3, then lr). Part of the default defence (issu
 bench/robustness.py (non-IID 8 + 2, 2 seeds) an attack present from round 0 did most of its
 damage in the first rounds — the same edge attack from round 3 on cost 1.07× instead of 1.22× —
 and the ramp took the default round's worst case over the attacks measured from 1.158× to 1.093×
-(the sign flip 1.147× → 1.092×), for 0.4% on the defended clean loss. A served definition without
+(the sign flip 1.147× → 1.092×), for 0.45% on the defended clean loss. A served definition without
 the key, and a DiLoCoConfig built in code (a lone node, the embedded verifier), mean 0: the bytes
 signed before this default keep their meaning."""
 
