@@ -40,10 +40,11 @@ text. Not met: the issue's 1.05× on non-IID replicas (worst 1.12–1.16×), and
 still refuses honest parts there (34 of 320 in clean runs); opening its limits removed those
 refusals but let sign flips through (``validation.ValidationConfig``). RESULTS.md has the tables.
 
-The rule is not the whole defence. Most of an attack's damage in those runs came from the first
-rounds, where one shifted aggregate moved the young model for good, so a network.toml's outer
-step now ramps over 3 rounds (``network_definition.DEFAULT_OUTER_WARMUP_ROUNDS``). With it the
-default's worst case on non-IID 8 + 2 went from 1.158× to 1.093× (same attacks, 2 seeds).
+The rule is not the whole defence. On one seed of those runs, most of an attack's damage came
+from the first rounds, where one shifted aggregate slowed the young model for the rest of the
+20-round run. So a network.toml's outer step now ramps over 3 rounds
+(``network_definition.DEFAULT_OUTER_WARMUP_ROUNDS``). With it the default's worst case on non-IID
+8 + 2 went from 1.130× to 1.083× of the clean loss (4 seeds): the tail cut, for a slower start.
 """
 
 from __future__ import annotations

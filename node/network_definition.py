@@ -32,13 +32,15 @@ _TABLES = {"model", "stages", "diloco", "training", "aggregation", "data", "eval
 
 DEFAULT_OUTER_WARMUP_ROUNDS = 3
 """``[diloco] outer_warmup_rounds`` of a network.toml that names none: the outer lr ramps over a
-run's first 3 rounds (lr/3, 2·lr/3, then lr). Part of the default defence (issue 13): in
-bench/robustness.py (non-IID 8 + 2, 2 seeds) an attack present from round 0 did most of its
-damage in the first rounds — the same edge attack from round 3 on cost 1.07× instead of 1.22× —
-and the ramp took the default round's worst case over the attacks measured from 1.158× to 1.093×
-(the sign flip 1.147× → 1.092×), for 0.45% on the defended clean loss. A served definition without
-the key, and a DiLoCoConfig built in code (a lone node, the embedded verifier), mean 0: the bytes
-signed before this default keep their meaning."""
+run's first 3 rounds (lr/3, 2·lr/3, then lr). Part of the default defence (issue 13). In
+bench/robustness.py (non-IID 8 + 2, 20 rounds) an attack present from round 0 could do most of
+its damage in the first rounds: on one seed the edge attack cost 1.22× from round 0 and 1.07×
+from round 3. Over 4 seeds the ramp took the default round's worst case over the attacks
+measured from 1.130× to 1.083× of the clean loss. In absolute loss that is one seed's tail
+(seed 0: 22% → 10% over clean), at a cost of 1.4% on the defended clean loss of those short
+runs: a bet on the tail for a fixed slow start (bench/RESULTS.md). A served definition without
+the key, and a DiLoCoConfig built in code (a lone node, the embedded verifier), mean 0: the
+bytes signed before this default keep their meaning."""
 
 
 class NetworkError(ValueError):
