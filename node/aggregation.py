@@ -36,9 +36,10 @@ partitioned round, trimmed mean → centered clipping:
 
 The rows that differ most are the honest replicas with unusual data: a trimmed mean drops whole
 coordinates of theirs every round, clipping only shortens them, so the model still learns their
-text. Not met: the issue's 1.05× on non-IID replicas (worst 1.12–1.16×), and the screening
-still refuses honest parts there (34 of 320 in clean runs); opening its limits removed those
-refusals but let sign flips through (``validation.ValidationConfig``). RESULTS.md has the tables.
+text. Not met: the issue's 1.05× on non-IID replicas (worst 1.12–1.16× without the outer ramp
+below), and the screening still refuses honest parts there (34 of 320 in clean runs); opening
+its limits removed those refusals but let sign flips through (``validation.ValidationConfig``).
+RESULTS.md has the tables.
 
 The rule is not the whole defence. On one seed of those runs, most of an attack's damage came
 from the first rounds, where one shifted aggregate slowed the young model for the rest of the

@@ -97,9 +97,8 @@ class NetworkDefinition:
     def to_document(self) -> dict[str, Any]:
         diloco = dataclasses.asdict(self.diloco)
         diloco["betas"] = list(self.diloco.betas)
-        if not diloco[
-            "outer_warmup_rounds"
-        ]:  # only when non-zero: definitions signed before it keep their bytes
+        # Only when non-zero: definitions signed before the field existed keep their bytes.
+        if not diloco["outer_warmup_rounds"]:
             del diloco["outer_warmup_rounds"]
         return {
             "format": NETWORK_FORMAT,
