@@ -190,7 +190,7 @@ def test_dithered_codes_are_unbiased_where_rounding_is_not(name: str) -> None:
 
 
 def test_the_dither_is_uniform_over_its_256_cells_and_keyed_by_the_scales() -> None:
-    scales = torch.rand(64, 8).bfloat16()
+    scales = torch.rand(64, 8, generator=torch.Generator().manual_seed(0)).bfloat16()  # unseeded it flaked
     k = actcodec._dither(scales)
     assert k.shape == (64, 8, GROUP) and bool((k % 2 != 0).all())
     counts = torch.bincount(((k + 255) // 2).flatten(), minlength=256)
