@@ -17,7 +17,7 @@ import asyncio
 
 import torch
 
-from neuroshard.node.outer.reduce import decode_part, delta_object, encode_part
+from neuroshard.node.outer.reduce import anchored_delta_object, decode_part, delta_object, encode_part
 from neuroshard.node.outer.round import OuterRound
 from neuroshard.node.outer.state import Held
 from neuroshard.node.wallet import Wallet
@@ -98,7 +98,12 @@ class MismatchedPart(OuterRound):
     """Signs the root of its honest Δ, then publishes a Δ object with every part negated."""
 
     async def _scatter(self, held: Held) -> None:
-        forged, _ = delta_object(-held.inp.delta, held.bounds, self.config.encoding)
+        if held.inp.anchor is not None:
+            forged, _, _ = anchored_delta_object(
+                -held.inp.delta, held.bounds, self.config.encoding, held.inp.anchor
+            )
+        else:
+            forged, _ = delta_object(-held.inp.delta, held.bounds, self.config.encoding)
         held.delta_bytes = forged
         await self.store.publish(self._name(held.inp, "delta"), forged)
 

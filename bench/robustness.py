@@ -121,8 +121,9 @@ round's rows keep every colluder's average at or above the floor (``AttackedAggr
 "prev+" (after "part:") also refuses, on every part, a contributor whose whole Δ's cosine to the
 previous round's aggregate is below ``PREV_FLOOR`` (--prev-floor; no check in round 0): the
 colluders know it too (their rows must pass it, and the edge family builds around it:
-``attacks.Anchor``). Simulated only: the round would need each contributor's whole-Δ dot product
-with that aggregate, committed and checkable part by part. Any prefix also takes "cc<S>x<I>"
+``attacks.Anchor``). The round builds it anchored to the outer momentum buffer instead
+(``--anchor momentum``; ``node.outer.reduce.AnchorCheck``, ``[aggregation] anchor_floor``), with
+``--later-validation`` for its wider per-part limits from round 1. Any prefix also takes "cc<S>x<I>"
 (``CLIP_VARIANT``): the default rule's τ scaled by S, I iterations."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
@@ -191,6 +192,13 @@ class Setup:
     """prev+: the whole-Δ cosine to the previous aggregate below which a contributor is refused."""
     validation: ValidationConfig = field(default_factory=lambda: VALIDATION)
     """The screening's thresholds (--validation overrides the node's defaults)."""
+    anchor: str = "aggregate"
+    """prev+'s anchor: "aggregate" (the previous round's) or "momentum" (the outer optimizer's
+    momentum buffer, an average of the past aggregates that every replica already holds and
+    agrees on by hash, so a joining replica has it too)."""
+    later_validation: ValidationConfig | None = None
+    """--later-validation: the thresholds from round 1 on (``validation`` then holds round 0
+    only); meant for prev+, whose anchor exists from round 1."""
 
 
 @dataclass(kw_only=True)
@@ -359,10 +367,14 @@ class AttackedAggregate:
         history_floor: float = HISTORY_FLOOR,
         validation: ValidationConfig = VALIDATION,
         prev_floor: float = PREV_FLOOR,
+        later_validation: ValidationConfig | None = None,
+        anchor: str = "aggregate",
     ) -> None:
         self.job, self.outcome, self.history_floor = job, outcome, history_floor
         self.prev_floor = prev_floor
         self.validation = validation
+        self.later_validation = later_validation
+        self.anchor_kind = anchor
         self.screen_kind, self.rule = split_rule(job.rule)
         self.with_prev = self.rule.startswith("prev+")
         if self.with_prev:
@@ -391,6 +403,8 @@ class AttackedAggregate:
         honest, own = stack[:M], stack[M:]
         if not self.thetas:
             self._start_shadow(stack.shape[1])
+        if self.round >= 1 and self.later_validation is not None:
+            self.validation = self.later_validation  # for the screening and the colluders' search alike
         self.own_history.append(own.clone())
         rows, active, equivocated = self._attack(honest, own)
         wallets = [f"h{i:02d}" for i in range(M)] + [f"x{j:02d}" for j in range(len(rows) - M)]
@@ -605,6 +619,12 @@ class AttackedAggregate:
         previous aggregate is public, so colluders at either knowledge level know it exactly."""
         if not self.with_prev or self.previous is None:
             return None
+        if self.anchor_kind == "momentum":
+            assert self.shadow_opt is not None
+            buffer = self.shadow_opt.state[self.shadow].get("momentum_buffer")
+            if buffer is None:  # plain outer SGD keeps none: nothing to anchor to
+                return None
+            return attacks.Anchor(buffer.detach().clone(), self.prev_floor)
         return attacks.Anchor(self.previous, self.prev_floor)
 
     def _anchor_refuses(self, by_wallet: dict[str, Tensor]) -> dict[str, str]:
@@ -749,7 +769,14 @@ def run_job(job: Job, setup: Setup) -> Outcome:
             rounds=setup.rounds,
             batches=batches,
             aggregate=AttackedAggregate(
-                job, diloco, outcome, setup.history_floor, setup.validation, setup.prev_floor
+                job,
+                diloco,
+                outcome,
+                setup.history_floor,
+                setup.validation,
+                setup.prev_floor,
+                setup.later_validation,
+                setup.anchor,
             ),
             eval_batches=eval_batches,
         )
@@ -964,12 +991,25 @@ def main() -> None:
         help="screening thresholds in place of the node's defaults, e.g. max_norm_ratio=8,min_cosine=0 "
         "(fields of neuroshard.node.validation.ValidationConfig)",
     )
+    parser.add_argument(
+        "--anchor",
+        choices=("aggregate", "momentum"),
+        default="aggregate",
+        help="prev+'s anchor: the previous round's aggregate (default) or the outer momentum buffer",
+    )
+    parser.add_argument(
+        "--later-validation",
+        default=None,
+        help="thresholds as --validation's for rounds 1 on, --validation's then holding round 0 only "
+        "(with part:prev+…: the node's limits while there is no anchor, open ones after)",
+    )
     args = parser.parse_args()
     outer_settings(args.outer)  # refuse a malformed spec before any run starts
     try:
         validation = validation_config(args.validation)
+        later = None if args.later_validation is None else validation_config(args.later_validation)
     except ValueError as exc:
-        parser.error(f"--validation: {exc}")
+        parser.error(f"--validation / --later-validation: {exc}")
     setup = Setup(
         rounds=args.rounds,
         inner_steps=args.inner_steps,
@@ -978,6 +1018,8 @@ def main() -> None:
         prev_floor=args.prev_floor,
         outer_warmup=args.outer_warmup,
         validation=validation,
+        later_validation=later,
+        anchor=args.anchor,
     )
     splits, data_modes = args.splits, args.data
     if args.quick:
@@ -991,6 +1033,8 @@ def main() -> None:
             prev_floor=args.prev_floor,
             outer_warmup=args.outer_warmup,
             validation=validation,
+            later_validation=later,
+            anchor=args.anchor,
         )
         splits, args.seeds, data_modes = "5+1", 1, "noniid"
         args.attacks = "none,omniscient:alie_search,realistic:edge,omniscient:mimic"

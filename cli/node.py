@@ -218,7 +218,7 @@ def _run_stage_replica(
     )
     reporting = _reporting(args, run, (), lambda: NotImplemented)
     reporting.read_vocab(args.stage)
-    network_config = network_config_from_args(args, reporting=False, pipeline=True)
+    network_config = network_config_from_args(args, reporting=False, pipeline=True, joined=run.joined)
     assert network_config is not None
     try:
         replica = start_stage_replica(
@@ -326,7 +326,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         )
         reporting.read_vocab(0)
         network_config = network_config_from_args(
-            args, reporting=reporting.active, pipeline=run_.num_stages > 1
+            args, reporting=reporting.active, pipeline=run_.num_stages > 1, joined=run_.joined
         )
         if network_config is None and roles.needs_peers:
             raise ValueError(

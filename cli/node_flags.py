@@ -309,7 +309,9 @@ def run_settings(args: argparse.Namespace, log: Callable[[str], None]) -> RunSet
         f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
         f"stage {args.stage} of {definition.num_stages} (pipeline codec {definition.pipeline_codec}), "
         f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
-        f"aggregation {definition.aggregation_rule} f={definition.aggregation_f}, "
+        f"aggregation {definition.aggregation_rule} f={definition.aggregation_f}"
+        + ("" if definition.anchor_floor is None else f" anchored (floor {definition.anchor_floor})")
+        + ", "
         f"held-out shard {definition.held_out_shard}"
     )
     return RunSettings(
@@ -341,11 +343,12 @@ def diloco_config_from_args(args: argparse.Namespace) -> DiLoCoConfig:
 
 
 def network_config_from_args(
-    args: argparse.Namespace, *, reporting: bool, pipeline: bool
+    args: argparse.Namespace, *, reporting: bool, pipeline: bool, joined: NetworkDefinition | None = None
 ) -> PeerPlaneConfig | None:
     """The peer plane the flags ask for; None trains alone. A node that reports to a verifier
     (`reporting`) serves its peer plane on a free port unless --port says otherwise (the verifier
-    fetches the majority weights from it); a pipeline stage always serves one."""
+    fetches the majority weights from it); a pipeline stage always serves one. A `joined`
+    network's anchor floor anchors its rounds (``PeerPlaneConfig.anchor_floor``)."""
     if args.port is None and not args.peers and not args.relay and not reporting and not pipeline:
         return None
     relay = None
@@ -368,6 +371,7 @@ def network_config_from_args(
         encoding=args.encoding,
         round_timeout_s=args.round_timeout,
         min_peers=args.min_peers,
+        anchor_floor=None if joined is None else joined.anchor_floor,
     )
 
 

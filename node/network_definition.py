@@ -77,6 +77,11 @@ class NetworkDefinition:
     must keep int8 names it now); a served document or a single-stage run without it means int8
     (actcodec.LEGACY_CODEC), as does this field's default (code that builds a multi-stage
     definition names its codec). Unused when num_stages is 1."""
+    anchor_floor: float | None = None
+    """``[aggregation] anchor_floor``: from the round after the first, refuse a contributor whose
+    whole Δ's cosine to the outer momentum buffer is below this, and screen each part with the
+    wider ``validation.ANCHORED_VALIDATION`` (``node.outer.reduce.AnchorCheck``). None (absent):
+    no anchor check, the node's per-part limits in every round. Needs outer momentum > 0."""
     segment_steps: int | None = None
     """``[training] segment_steps``: k, inner steps per committed segment (node.segments); a spot
     check replays one segment, so it costs about k/H of the round it checks. None: H/10."""
@@ -84,6 +89,14 @@ class NetworkDefinition:
     def __post_init__(self) -> None:
         if self.pipeline_codec not in CODECS:
             raise NetworkError(f"[stages] codec {self.pipeline_codec!r} is not one of {', '.join(CODECS)}")
+        if self.anchor_floor is not None and not -1.0 <= self.anchor_floor <= 1.0:
+            raise NetworkError(
+                f"[aggregation] anchor_floor {self.anchor_floor} is a cosine: it must be in [-1, 1]"
+            )
+        if self.anchor_floor is not None and self.diloco.outer_momentum <= 0:
+            raise NetworkError(
+                "[aggregation] anchor_floor needs an outer momentum > 0: the anchor is its buffer"
+            )
         if self.segment_steps is not None and not 1 <= self.segment_steps <= self.diloco.inner_steps:
             raise NetworkError(
                 f"[training] segment_steps {self.segment_steps} must be in 1..inner_steps ({self.diloco.inner_steps})"
@@ -109,7 +122,9 @@ class NetworkDefinition:
             # segment_steps only when set: definitions signed before it existed keep their bytes
             "training": {"batch_size": self.batch_size, "seq_len": self.seq_len}
             | ({} if self.segment_steps is None else {"segment_steps": self.segment_steps}),
-            "aggregation": {"rule": self.aggregation_rule, "f": self.aggregation_f},
+            # anchor_floor only when set: definitions signed before it existed keep their bytes
+            "aggregation": {"rule": self.aggregation_rule, "f": self.aggregation_f}
+            | ({} if self.anchor_floor is None else {"anchor_floor": self.anchor_floor}),
             "data": {"manifest_url": self.manifest_url, "publisher_key": self.publisher_key},
             "evaluation": {"every_rounds": self.evaluate_every_rounds, "held_out_shard": self.held_out_shard},
         }
@@ -219,6 +234,11 @@ def parse_network(
     aggregation = _table(doc, "aggregation", source)
     rule = _check_rule(aggregation.pop("rule", "default"), source)
     f = _int(aggregation, "f", f"{source}: [aggregation]", 0)
+    anchor_floor = aggregation.pop("anchor_floor", None)
+    if anchor_floor is not None and (
+        type(anchor_floor) not in (int, float) or isinstance(anchor_floor, bool)
+    ):
+        raise NetworkError(f"{source}: [aggregation] anchor_floor must be a number, got {anchor_floor!r}")
     _no_leftovers(aggregation, f"{source}: [aggregation]")
     data = _table(doc, "data", source)
     manifest_url = data.pop("manifest_url", "")
@@ -249,6 +269,7 @@ def parse_network(
         held_out_shard=held_out,
         pipeline_codec=pipeline_codec,
         segment_steps=segment_steps,
+        anchor_floor=None if anchor_floor is None else float(anchor_floor),
     )
 
 

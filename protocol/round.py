@@ -2,8 +2,8 @@
 
 | object (name)              | signed by   | what it binds                                                  |
 |----------------------------|-------------|----------------------------------------------------------------|
-| ``commit``  RoundCommitment | contributor | its Δ for (stage, round, h_r, members): Merkle root of n parts  |
-| ``delta``   bytes           | —           | per part: ⌈log2 n⌉ proof hashes, then the part's safetensors    |
+| ``commit``  RoundCommitment | contributor | its Δ for (stage, round, h_r, members): Merkle root of n parts (with an anchor: a sum tree's root and totals) |
+| ``delta``   bytes           | —           | per part: ⌈log2 n⌉ proof hashes (with an anchor: the leaf's sums and 48-byte siblings), then the part's safetensors |
 | ``inputs/j`` InputList      | —           | what part j's owner reduced (sha256 in the claim)              |
 | ``agg-{sha}/j`` bytes       | —           | the aggregated part j, encoded, named by its sha256 (in the claim) |
 | ``claim/j`` AggregateClaim  | owner       | part j's inputs and aggregate, by hash                          |
@@ -37,6 +37,8 @@ from .schema import (
     integer,
     list_of,
     message,
+    number,
+    optional,
     split_header,
     text,
 )
@@ -44,6 +46,8 @@ from .schema import (
 MAX_MEMBERS = 4096
 """Replicas per stage a round takes (the partition has one part per member)."""
 MAX_REASON_CHARS = 300
+MAX_ANCHOR_SUM = 1.0e300
+"""Bound on a commitment's anchor sums (finite; a real Δ's are many orders below)."""
 ENCODINGS = ("fp16", "int8")
 """How a contribution's Δ is encoded on the wire (``node.codec``)."""
 
@@ -71,6 +75,19 @@ class RoundCommitment(Signed):
     encoding: Encoding
     numel: Annotated[int, integer(1, MAX_NUMEL)]
     parts_root: Sha256
+    """The Merkle root over the parts; in a round with an anchor, the root of the sum tree whose
+    totals are the two fields below (``node.outer.partition.sum_tree_root``)."""
+    anchor_dot: Annotated[float | None, optional(number(-MAX_ANCHOR_SUM, MAX_ANCHOR_SUM))] = None
+    """Rounds with an anchor only (``node.outer.reduce.AnchorCheck``): ⟨Δ, anchor⟩ over the decoded
+    parts, the sum tree's first total. Every replica judges the whole Δ's cosine to the anchor from
+    it before any part is read; each part's owner checks its leaf against the part."""
+    sq_norm: Annotated[float | None, optional(number(0.0, MAX_ANCHOR_SUM))] = None
+    """Rounds with an anchor only: ‖Δ‖² over the decoded parts, the sum tree's second total."""
+
+    @property
+    def anchored(self) -> bool:
+        """Whether this commitment is over a sum tree (a round with an anchor)."""
+        return self.anchor_dot is not None and self.sq_norm is not None
 
     def sha256(self) -> str:
         return sha256_hex(self.to_json())

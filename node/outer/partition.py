@@ -20,12 +20,22 @@ map without a message.
   root over its n part hashes, not n hashes — O(1) bytes however large the stage — and each part
   travels with its ⌈log2 n⌉ sibling hashes (32 bytes each) just before it in the Δ object, so
   one ranged read fetches a part and its proof.
+- Anchored part hashes (`sum_tree_root`, `sum_tree_proofs`, `sum_tree_verify`): in a round with an
+  anchor (``reduce.AnchorCheck``) the tree is a Merkle *sum* tree. Each leaf also carries two float64
+  numbers of its part (the part's dot product with the anchor's part, and its squared norm), each
+  inner node the sums of its children's, bound by its hash; the root's sums are the whole Δ's and
+  the commitment states them. Whoever verifies one part's path recomputes every sum on it, so if
+  each leaf is checked against its part's bytes by someone, the stated totals are the parts' —
+  a contributor cannot state a whole-Δ cosine its parts do not have without a leaf or an inner
+  sum on some part's path being false. A proof is the leaf's own sums (16 bytes) then ⌈log2 n⌉
+  siblings of 48 bytes (hash and sums).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import struct
 from collections.abc import Sequence
 
 from ..codec import INT8_BLOCK
@@ -133,3 +143,87 @@ def merkle_verify(root: str, part_sha256: str, index: int, count: int, proof: by
         sibling = proof[32 * level : 32 * (level + 1)]
         node = _node(node, sibling) if (index >> level) % 2 == 0 else _node(sibling, node)
     return node.hex() == root
+
+
+Sums = tuple[float, float]
+"""(dot product with the anchor, squared norm) of a part, or of everything under a node."""
+SUMS_BYTES = 16
+SUM_SIBLING_BYTES = 32 + SUMS_BYTES
+EMPTY_SUMS: Sums = (0.0, 0.0)
+
+
+def pack_sums(sums: Sums) -> bytes:
+    return struct.pack("<2d", *sums)
+
+
+def unpack_sums(raw: bytes) -> Sums:
+    dot, sq = struct.unpack("<2d", raw)
+    return dot, sq
+
+
+def _sum_leaf(part_sha256: str, sums: Sums) -> bytes:
+    """A leaf of the sum tree (domain byte 0x03): the part's hash and its two numbers."""
+    return hashlib.sha256(b"\x03" + bytes.fromhex(part_sha256) + pack_sums(sums)).digest()
+
+
+def _sum_node(left: tuple[bytes, Sums], right: tuple[bytes, Sums]) -> tuple[bytes, Sums]:
+    """An inner node (domain byte 0x04): the hash binds both children's hashes and sums; its sums
+    are theirs added (float64 addition is exact to repeat: every verifier gets the same bits)."""
+    (lh, ls), (rh, rs) = left, right
+    digest = hashlib.sha256(b"\x04" + lh + pack_sums(ls) + rh + pack_sums(rs)).digest()
+    return digest, (ls[0] + rs[0], ls[1] + rs[1])
+
+
+def _sum_levels(part_hashes: Sequence[str], sums: Sequence[Sums]) -> list[list[tuple[bytes, Sums]]]:
+    if not part_hashes or len(sums) != len(part_hashes):
+        raise ValueError("a sum tree needs at least one leaf and one pair of sums per leaf")
+    width = 1 << proof_depth(len(part_hashes))
+    level = [(_sum_leaf(h, s), s) for h, s in zip(part_hashes, sums, strict=True)]
+    level += [(EMPTY_LEAF, EMPTY_SUMS)] * (width - len(part_hashes))
+    levels = [level]
+    while len(level) > 1:
+        level = [_sum_node(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        levels.append(level)
+    return levels
+
+
+def sum_tree_root(part_hashes: Sequence[str], sums: Sequence[Sums]) -> tuple[str, Sums]:
+    """The root hash (hex) and the total sums of the tree over the parts, in part order."""
+    digest, total = _sum_levels(part_hashes, sums)[-1][0]
+    return digest.hex(), total
+
+
+def sum_tree_proofs(part_hashes: Sequence[str], sums: Sequence[Sums]) -> list[bytes]:
+    """Every leaf's proof: its own sums, then its ⌈log2 n⌉ siblings (hash and sums) from the leaf up."""
+    levels = _sum_levels(part_hashes, sums)[:-1]
+    proofs = []
+    for index in range(len(part_hashes)):
+        chunks = [pack_sums(sums[index])]
+        for depth, level in enumerate(levels):
+            sibling_hash, sibling_sums = level[(index >> depth) ^ 1]
+            chunks.append(sibling_hash + pack_sums(sibling_sums))
+        proofs.append(b"".join(chunks))
+    return proofs
+
+
+def sum_proof_bytes(count: int) -> int:
+    """Bytes of one sum-tree proof over `count` leaves."""
+    return SUMS_BYTES + SUM_SIBLING_BYTES * proof_depth(count)
+
+
+def sum_tree_verify(
+    root: str, total: Sums, part_sha256: str, index: int, count: int, proof: bytes
+) -> Sums | None:
+    """The part's own sums if `part_sha256` with them is leaf `index` of `count` leaves under `root`
+    and the path's sums add up to `total` exactly; else None."""
+    depth = proof_depth(count)
+    if not 0 <= index < count or len(proof) != sum_proof_bytes(count):
+        return None
+    own = unpack_sums(proof[:SUMS_BYTES])
+    node = (_sum_leaf(part_sha256, own), own)
+    for level in range(depth):
+        at = SUMS_BYTES + SUM_SIBLING_BYTES * level
+        sibling = (proof[at : at + 32], unpack_sums(proof[at + 32 : at + SUM_SIBLING_BYTES]))
+        node = _sum_node(node, sibling) if (index >> level) % 2 == 0 else _sum_node(sibling, node)
+    digest, sums = node
+    return own if digest.hex() == root and sums == total else None

@@ -71,12 +71,15 @@ from neuroshard.protocol.round import (
     sha256_hex,
 )
 
+from ..validation import ValidationConfig
 from ..wallet import Wallet
 from .partition import backup_chain, members_sha256, owners, part_bounds
 from .port import RoundStore, object_name
 from .reduce import (
     AggregationRule,
+    AnchorCheck,
     FraudCheck,
+    anchored_delta_object,
     check_fraud,
     decode_part,
     delta_object,
@@ -85,6 +88,7 @@ from .reduce import (
     part_matches,
     part_spans,
     recompute,
+    share_problem,
     split_slot,
 )
 from .state import Held, Phase, RoundConfig, RoundInput, RoundResult, check_probability
@@ -162,7 +166,19 @@ class OuterRound:
         self.phase = Phase.COMMIT
         n, d = len(inp.members), inp.delta.numel()
         bounds = part_bounds(d, n)
-        delta_bytes, root = await asyncio.to_thread(delta_object, inp.delta, bounds, self.config.encoding)
+        anchor, totals = None, {}
+        if inp.anchor is not None:
+            if inp.anchor.shape != inp.delta.shape:
+                raise ValueError(
+                    f"RoundInput.anchor has shape {tuple(inp.anchor.shape)}, Δ {tuple(inp.delta.shape)}"
+                )
+            anchor = AnchorCheck.of(inp.anchor, self.config.anchor_floor)
+            delta_bytes, root, (dot, sq) = await asyncio.to_thread(
+                anchored_delta_object, inp.delta, bounds, self.config.encoding, inp.anchor
+            )
+            totals = {"anchor_dot": dot, "sq_norm": sq}
+        else:
+            delta_bytes, root = await asyncio.to_thread(delta_object, inp.delta, bounds, self.config.encoding)
         members_sha = members_sha256(inp.members)
         commitment = RoundCommitment.create(
             self.wallet,
@@ -174,6 +190,7 @@ class OuterRound:
             encoding=self.config.encoding,
             numel=d,
             parts_root=root,
+            **totals,
         )
         if self._takes_part(inp):
             await self.store.publish(self._name(inp, "commit"), commitment.to_json())
@@ -184,6 +201,7 @@ class OuterRound:
             owners=owners(inp.stage, inp.round, inp.base_hash, inp.members),
             commitment=commitment,
             delta_bytes=delta_bytes,
+            anchor=anchor,
         )
         if self.me in inp.members:
             held.commitments[self.me] = commitment
@@ -271,7 +289,30 @@ class OuterRound:
             return f"base hash {c.base_hash[:16]} is not this round's θ hash {inp.base_hash[:16]}"
         if c.numel != inp.delta.numel():
             return f"numel {c.numel} is not the stage's {inp.delta.numel()}"
+        if c.anchored != (held.anchor is not None):
+            return "commitment " + (
+                "states anchor sums in a round without an anchor"
+                if c.anchored
+                else "states no anchor sums in a round with an anchor"
+            )
         return None
+
+    def _screening(self, held: Held) -> ValidationConfig | None:
+        """The per-part screening of this round (wider limits may apply with an anchor)."""
+        return self.config.screening(held.anchor is not None)
+
+    def _note_share_lie(self, held: Held, author: str, j: int, proof: bytes, data: bytes) -> None:
+        """In a round with an anchor: if `author`'s matched part j states sums in its leaf that are
+        not its own, report the author (its signed commitment, the proof and the part show it).
+        The part stays in: whether a row is aggregated must not hang on a float tolerance, which
+        an owner and its checkers could judge apart; the liar is banned from the next round on."""
+        if held.anchor is None or held.inp.anchor is None:
+            return
+        a, b = held.bounds[j]
+        reason = share_problem(held.commitments[author], b - a, proof, data, held.inp.anchor[a:b])
+        if reason is not None and held.result is not None:
+            self.log(f"round {held.inp.round}: part {j}: {author[:12]} lied about its anchor sums: {reason}")
+            held.result.cheats.setdefault(author, f"part {j}: {reason}")
 
     async def _scatter(self, held: Held) -> None:
         if self._takes_part(held.inp):
@@ -288,7 +329,7 @@ class OuterRound:
         one unless given), or why not."""
         commitment = commitment or held.commitments[author]
         n = len(held.inp.members)
-        span = part_spans(held.bounds, commitment.encoding)[j]
+        span = part_spans(held.bounds, commitment.encoding, commitment.anchored)[j]
         if author == self.me:
             raw: bytes | None = held.delta_bytes[span[0] : span[1]]
         else:
@@ -297,7 +338,7 @@ class OuterRound:
             )
         if raw is None or len(raw) != span[1] - span[0]:
             return "its part could not be read before the deadline"
-        proof, data = split_slot(raw, n)
+        proof, data = split_slot(raw, n, commitment.anchored)
         if not part_matches(commitment, j, n, proof, data):
             return f"part {j} does not match its signed commitment"
         return proof, data
@@ -318,6 +359,7 @@ class OuterRound:
                 held.result.refused.setdefault(author, f"part {j}: {got}")
             else:
                 parts[author] = got[1]
+                self._note_share_lie(held, author, j, *got)
         for member in inp.members:
             if member not in held.commitments:
                 dropped.append(Dropped(wallet=member, reason="no valid commitment held by the owner"))
@@ -328,7 +370,14 @@ class OuterRound:
         )
         try:
             aggregate, accepted, refused = await asyncio.to_thread(
-                recompute, inputs, parts, b - a, self.config.encoding, self.rule, self.config.validation
+                recompute,
+                inputs,
+                parts,
+                b - a,
+                self.config.encoding,
+                self.rule,
+                self._screening(held),
+                held.anchor,
             )
         except (Refused, ValueError) as exc:  # a part that matches its hash but does not decode
             self.log(f"round {inp.round}: part {j}: an input does not decode ({exc}); reducing without it")
@@ -342,7 +391,14 @@ class OuterRound:
                                      key=lambda x: x.wallet)),
             )  # fmt: skip
             aggregate, accepted, refused = await asyncio.to_thread(
-                recompute, inputs, parts, b - a, self.config.encoding, self.rule, self.config.validation
+                recompute,
+                inputs,
+                parts,
+                b - a,
+                self.config.encoding,
+                self.rule,
+                self._screening(held),
+                held.anchor,
             )
         claim = AggregateClaim.create(
             self.wallet,
@@ -398,7 +454,14 @@ class OuterRound:
         a, b = held.bounds[j]
         try:
             _, _, refused = await asyncio.to_thread(
-                recompute, screened, trial, b - a, self.config.encoding, self.rule, self.config.validation
+                recompute,
+                screened,
+                trial,
+                b - a,
+                self.config.encoding,
+                self.rule,
+                self._screening(held),
+                held.anchor,
             )
         except (Refused, ValueError) as exc:
             for w in tried:
@@ -753,6 +816,9 @@ class OuterRound:
         if any(r is None for r in reads):
             self.log(f"round {inp.round}: part {j}: an input of the claim could not be read; not checked")
             return
+        for c, got in zip(inputs.considered, reads, strict=True):
+            if got is not None and held.commitments.get(c.wallet) == c:
+                self._note_share_lie(held, c.wallet, j, *got)
         proof = FraudProof(claim, inputs, tuple(r for r in reads if r is not None))
         verdict = await self._verify(held, proof)
         if verdict.fraud:
@@ -774,7 +840,8 @@ class OuterRound:
             base_hash=inp.base_hash,
             members_sha256=held.members_sha,
             rule=self.rule,
-            validation=self.config.validation,
+            validation=self._screening(held),
+            anchor=held.anchor,
         )
 
     async def _read_input(self, held: Held, c: RoundCommitment, j: int) -> tuple[bytes, bytes] | None:

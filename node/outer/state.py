@@ -14,6 +14,7 @@ from torch import Tensor
 from neuroshard.protocol.round import AggregateClaim, RoundCommitment
 
 from ..validation import ValidationConfig
+from .reduce import ANCHOR_FLOOR, AnchorCheck
 
 
 class Phase(enum.Enum):
@@ -57,6 +58,13 @@ class RoundConfig:
     same members witness the part (``Echo``)."""
     validation: ValidationConfig | None = field(default_factory=ValidationConfig)
     """Per-part content screening (``reduce`` module docstring); None skips it."""
+    anchor_floor: float = ANCHOR_FLOOR
+    """In a round with an anchor (``RoundInput.anchor``): the whole-Δ cosine to it below which a
+    contributor is refused on every part (``reduce.AnchorCheck``)."""
+    anchored_validation: ValidationConfig | None = None
+    """The per-part screening of rounds with an anchor, when it differs from `validation` (None: the
+    same). The anchor refuses what points away as a whole, so these limits can be wider: the
+    per-part cosine limit is what refuses honest parts of replicas whose data differs."""
 
     def __post_init__(self) -> None:
         for name in ("commit_timeout_s", "part_timeout_s", "gather_timeout_s", "agree_timeout_s"):
@@ -68,6 +76,14 @@ class RoundConfig:
             )
         if not 0 < self.check_miss < 1:
             raise ValueError(f"RoundConfig.check_miss must lie in (0, 1), got {self.check_miss}")
+        if not -1 <= self.anchor_floor <= 1:
+            raise ValueError(f"RoundConfig.anchor_floor is a cosine in [-1, 1], got {self.anchor_floor}")
+
+    def screening(self, anchored: bool) -> ValidationConfig | None:
+        """The per-part screening of a round with (`anchored`) or without an anchor."""
+        if anchored and self.anchored_validation is not None:
+            return self.anchored_validation
+        return self.validation
 
 
 HONEST_SHARE = 0.8
@@ -100,6 +116,11 @@ class RoundInput:
     commit to the members' list and send their parts like members; an owner reads and screens
     their parts (``RoundResult.probation``) but never aggregates them, and they own, witness,
     check and count for nothing. A replica's own view: it changes nothing another computes."""
+    anchor: Tensor | None = None
+    """The round's public anchor, (d,) float32 on the CPU: the outer optimizer's momentum buffer,
+    which every member holds bit for bit (its hash is agreed on with θ's), or None in a round
+    without the check (the run's first round, a network that names none). Members must agree:
+    a commitment with anchor sums in a round without, or without them in a round with, is refused."""
 
 
 @dataclass(kw_only=True)
@@ -136,6 +157,8 @@ class Held:
     owners: list[str]
     commitment: RoundCommitment
     delta_bytes: bytes
+    anchor: AnchorCheck | None = None
+    """The anchor check of a round with an anchor (from ``RoundInput.anchor``)."""
     commitments: dict[str, RoundCommitment] = field(default_factory=dict)
     """Admitted members' valid commitments (this replica's own included, if it is a member)."""
     probation: dict[str, RoundCommitment] = field(default_factory=dict)

@@ -49,7 +49,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from aiohttp import web
+from torch import Tensor
 
 from neuroshard.protocol.peer import parse_address
 from neuroshard.protocol.refusal import Refused
@@ -59,9 +61,10 @@ from neuroshard.protocol.signing import FRESHNESS_WINDOW_S, NonceCache
 from ..diloco import DiLoCo
 from ..membership import Split, StageRoster, split_members
 from ..outer.port import RoundStore, RoutedStore
+from ..outer.reduce import ANCHOR_FLOOR
 from ..outer.round import OuterRound, RoundFactory
 from ..outer.state import RoundConfig, RoundInput, RoundResult
-from ..validation import ValidationConfig
+from ..validation import ANCHORED_VALIDATION, ValidationConfig
 from ..wallet import Wallet
 from .auth import Clock, PeerClient, Traffic
 from .bucket import BucketStore, RelayConfig
@@ -72,7 +75,7 @@ from .quorum import quorum, vouched
 from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, is_relay, relay_address
 from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
-from .state import adopt_state, snapshot_of
+from .state import adopt_state, momentum_of, snapshot_of
 
 T = TypeVar("T")
 
@@ -160,6 +163,12 @@ class PeerPlaneConfig:
     validation: ValidationConfig | None = field(default_factory=ValidationConfig)
     """Thresholds of the per-part content checks an owner runs before aggregating a part
     (``outer.reduce``); None skips them (bans of proven cheats still apply)."""
+    anchor_floor: float | None = None
+    """The network's ``[aggregation] anchor_floor``: from the round after the first, every round is
+    anchored to the outer momentum buffer (``outer.reduce.AnchorCheck``) and screens its parts
+    with `anchored_validation`. None: no anchor."""
+    anchored_validation: ValidationConfig | None = field(default_factory=lambda: ANCHORED_VALIDATION)
+    """The per-part limits of an anchored round (``validation.ANCHORED_VALIDATION``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -283,6 +292,8 @@ class PeerPlane:
             gather_timeout_s=config.round_timeout_s / 2,
             agree_timeout_s=config.hash_check_timeout_s,
             validation=config.validation,
+            anchor_floor=ANCHOR_FLOOR if config.anchor_floor is None else config.anchor_floor,
+            anchored_validation=config.anchored_validation,
         )
         # The round's implementation: OuterRound; neuroshard.adversary passes its cheating rounds.
         self._outer = round_factory(self._store, wallet, aggregate, self._round_config, log)
@@ -723,6 +734,7 @@ class PeerPlane:
                 tokens=diloco.steps_in_round * self._tokens_per_step,
                 banned=frozenset(self.banned),
                 probationers=split.probationers,
+                anchor=self._anchor(diloco),
             )
             try:
                 result = self._call(self._outer.run(inp), timeout=self._round_budget_s())
@@ -798,6 +810,15 @@ class PeerPlane:
                 continue
             self.banned[wallet] = reason
             self._log(f"wallet {wallet[:12]} banned: {reason}")
+
+    def _anchor(self, diloco: DiLoCo) -> Tensor | None:
+        """The round's anchor: the outer momentum buffer at the round's start, when the network names
+        an anchor floor and the buffer exists (every round after the first; members hold it bit for
+        bit, and a joining replica adopts it with θ). None otherwise."""
+        if self.config.anchor_floor is None:
+            return None
+        buffer = momentum_of(diloco)
+        return None if buffer is None else buffer.detach().to("cpu", torch.float32).contiguous()
 
     def _round_budget_s(self) -> float:
         """The longest a round can take: every phase's deadline, the backups' and the checks' reads."""

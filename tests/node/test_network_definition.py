@@ -129,3 +129,28 @@ def test_a_segment_length_outside_the_round_is_refused(bad: object) -> None:
     }
     with pytest.raises(NetworkError, match="segment_steps"):
         parse_network(doc)
+
+
+def test_an_anchor_floor_travels_signed_and_its_absence_keeps_the_bytes() -> None:
+    """[aggregation] anchor_floor turns on the anchored round (issue 13); absent, the served bytes
+    carry no key, so definitions signed before it keep their signatures."""
+    plain = parse_network(_doc())
+    assert plain.anchor_floor is None
+    assert json.loads(plain.canonical_bytes())["aggregation"] == {"rule": "default", "f": 0}
+    chosen = parse_network({**_doc(), "aggregation": {"anchor_floor": 0.1}})
+    body, signature = sign_network(chosen, OPERATOR)
+    served = verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex))
+    assert served.anchor_floor == 0.1 and served == chosen
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "diloco", "match"),
+    [
+        ({"anchor_floor": 1.5}, {}, "in \\[-1, 1\\]"),
+        ({"anchor_floor": "high"}, {}, "must be a number"),
+        ({"anchor_floor": 0.1}, {"outer_momentum": 0.0, "outer_nesterov": False}, "outer momentum"),
+    ],
+)
+def test_an_anchor_floor_that_cannot_work_is_refused(aggregation: Any, diloco: Any, match: str) -> None:
+    with pytest.raises(NetworkError, match=match):
+        parse_network({**_doc(), "aggregation": aggregation, "diloco": diloco})

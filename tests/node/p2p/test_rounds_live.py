@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig
 from neuroshard.node.outer.port import object_name
 from neuroshard.node.outer.round import OuterRound
-from neuroshard.node.outer.state import RoundResult
+from neuroshard.node.outer.state import RoundInput, RoundResult
 from neuroshard.node.p2p.auth import PEER_WALLET
 from neuroshard.node.p2p.objects import ObjectRoutes
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
@@ -698,3 +699,34 @@ def test_six_replicas_agree_every_round_each_owning_a_part(swarm) -> None:
         assert sorted(c.wallet for c in claims.values()) == wallets and not any(
             c.replaces for c in claims.values()
         )
+
+
+class _SignFlip(OuterRound):
+    """Commits to minus its honest Δ: a whole Δ pointing away from where the stage goes."""
+
+    async def run(self, inp: RoundInput) -> RoundResult:
+        return await super().run(dataclasses.replace(inp, delta=-inp.delta))
+
+
+def test_anchored_rounds_refuse_a_sign_flip_by_its_committed_sums_and_the_honest_replicas_agree(
+    swarm,
+) -> None:
+    """A network with an anchor floor (issue 13): from round 1 the round is anchored to the outer
+    momentum buffer, which every replica holds bit for bit; the flipped Δ is refused on every part
+    from its signed sums, the wider per-part limits refuse no honest part, and θ agrees."""
+    rounds = 4
+    honest = [swarm.add(rounds * H, checks=3, anchor_floor=0.1) for _ in range(3)]
+    bad = swarm.add(rounds * H, checks=3, anchor_floor=0.1, round_class=_SignFlip)
+    swarm.join_all_and_wait_for_discovery()
+    for r in [*honest, bad]:
+        r.start()
+    _join_threads([*honest, bad], 90.0)
+    for round_ in range(rounds):
+        reports = [r.reports()[round_] for r in honest]
+        assert {rep.theta_hash for rep in reports} == {reports[0].theta_hash}, f"round {round_} diverged"
+        for r in honest:
+            result = r.rounds[round_]
+            assert set(result.refused) <= {bad.key}, result.refused  # no honest replica refused
+            assert result.cheats == {}
+            if round_ >= 1:  # round 0 has no momentum yet: no anchor
+                assert "anchor: cos(Δ, anchor)" in result.refused[bad.key], result.refused
