@@ -206,24 +206,46 @@ def sum_tree_proofs(part_hashes: Sequence[str], sums: Sequence[Sums]) -> list[by
     return proofs
 
 
+def _empty_subtrees(depth: int) -> list[tuple[bytes, Sums]]:
+    """The label of a subtree of 2^level padding leaves, for level 0..depth−1: what a proof must
+    show for a sibling that covers padding only (else a contributor could hang sums there that
+    no owner ever reads)."""
+    labels = [(EMPTY_LEAF, EMPTY_SUMS)]
+    while len(labels) < depth:
+        labels.append(_sum_node(labels[-1], labels[-1]))
+    return labels[:depth]
+
+
 def sum_proof_bytes(count: int) -> int:
     """Bytes of one sum-tree proof over `count` leaves."""
     return SUMS_BYTES + SUM_SIBLING_BYTES * proof_depth(count)
 
 
 def sum_tree_verify(
-    root: str, total: Sums, part_sha256: str, index: int, count: int, proof: bytes
+    root: str, total: Sums, part_sha256: str, index: int, count: int, proof: bytes, *, padding: bool = True
 ) -> Sums | None:
-    """The part's own sums if `part_sha256` with them is leaf `index` of `count` leaves under `root`
-    and the path's sums add up to `total` exactly; else None."""
+    """The part's own sums if `part_sha256` with them is leaf `index` of `count` leaves under `root`,
+    the path's sums add up to `total` exactly and every sibling over padding only is the empty
+    subtree; else None. With ``padding=False`` the last condition is not checked (`padding_lie`)."""
     depth = proof_depth(count)
     if not 0 <= index < count or len(proof) != sum_proof_bytes(count):
         return None
     own = unpack_sums(proof[:SUMS_BYTES])
     node = (_sum_leaf(part_sha256, own), own)
+    empty = _empty_subtrees(depth)
     for level in range(depth):
         at = SUMS_BYTES + SUM_SIBLING_BYTES * level
         sibling = (proof[at : at + 32], unpack_sums(proof[at + 32 : at + SUM_SIBLING_BYTES]))
+        if padding and ((index >> level) ^ 1) << level >= count and sibling != empty[level]:
+            return None  # a sibling over padding only must be the empty subtree, sums (0, 0)
         node = _sum_node(node, sibling) if (index >> level) % 2 == 0 else _sum_node(sibling, node)
     digest, sums = node
     return own if digest.hex() == root and sums == total else None
+
+
+def padding_lie(root: str, total: Sums, part_sha256: str, index: int, count: int, proof: bytes) -> bool:
+    """Whether this proof reaches the signed root and totals only through sums hung on padding
+    leaves: the author's own signed lie (the root binds them), not a part damaged in transit."""
+    return sum_tree_verify(root, total, part_sha256, index, count, proof, padding=False) is not None and (
+        sum_tree_verify(root, total, part_sha256, index, count, proof) is None
+    )

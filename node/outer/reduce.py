@@ -41,7 +41,7 @@ from torch import Tensor
 
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.refusal import Refused, malformed
-from neuroshard.protocol.round import FraudProof, InputList, RoundCommitment
+from neuroshard.protocol.round import FraudProof, InputList, RoundCommitment, SumLie
 
 from ..codec import decode_delta, encode_delta
 from ..validation import ValidationConfig, screen_round
@@ -51,6 +51,7 @@ from .partition import (
     merkle_proofs,
     merkle_root,
     merkle_verify,
+    padding_lie,
     proof_depth,
     sum_proof_bytes,
     sum_tree_proofs,
@@ -110,13 +111,15 @@ class AnchorCheck:
         )
         if passes:
             return None
-        return f"anchor: cos(Δ, anchor) = {dot / math.sqrt(sq * self.norm_sq):.3g} below {self.floor}"
+        cosine = dot / (math.sqrt(sq) * math.sqrt(self.norm_sq))  # each root > 0: no underflow to 0
+        return f"anchor: cos(Δ, anchor) = {cosine:.3g} below {self.floor}"
 
     def refusals(self, commitments: Sequence[RoundCommitment]) -> dict[str, str]:
-        """Wallet -> reason for the commitments the check refuses; none if it would refuse them all
-        (a round of nothing but refusals is a stale anchor, not an attack)."""
+        """Wallet -> reason for the commitments the check refuses; none if it would refuse half of
+        them or more: attackers are a minority, so that many rows below the floor means the honest
+        Δs turned away from a stale anchor, and refusing them would leave the minority to decide."""
         low = {c.wallet: r for c in commitments if (r := self.problem(c)) is not None}
-        return low if len(low) < len(commitments) else {}
+        return low if 2 * len(low) < len(commitments) else {}
 
 
 def part_sums(values: Tensor, anchor_part: Tensor) -> Sums:
@@ -205,6 +208,19 @@ def part_matches(commitment: RoundCommitment, part: int, count: int, proof: byte
     return merkle_verify(commitment.parts_root, sha256_hex(data), part, count, proof)
 
 
+def padding_problem(
+    commitment: RoundCommitment, part: int, count: int, proof: bytes, data: bytes
+) -> str | None:
+    """For a part that does not match its anchored commitment: why it is the author's signed lie
+    (sums hung on the sum tree's padding, which no owner reads), or None."""
+    if not commitment.anchored:
+        return None
+    total = (commitment.anchor_dot, commitment.sq_norm)
+    if padding_lie(commitment.parts_root, total, sha256_hex(data), part, count, proof):
+        return "anchor sums: its signed sum tree carries sums on padding leaves"
+    return None
+
+
 def share_problem(
     commitment: RoundCommitment, length: int, proof: bytes, data: bytes, anchor_part: Tensor
 ) -> str | None:
@@ -229,6 +245,30 @@ def share_problem(
             f"the part has {dot:.6g}, {sq:.6g}"
         )
     return None
+
+
+def check_sum_lie(
+    lie: SumLie,
+    part: int,
+    *,
+    members: Sequence[str],
+    bounds: Sequence[tuple[int, int]],
+    scope: tuple[int, int, str, str],
+    anchor: Tensor,
+) -> str | None:
+    """Why `lie` convicts its signer, or None when it does not: the commitment must be a member's,
+    signed, of this round (`scope`: stage, round, base hash, member list) and anchored, and its
+    slot of `part` must either match the signed root with a leaf whose sums are not the part's
+    (`share_problem`) or reach the root only through sums on padding (`padding_problem`)."""
+    c = lie.commitment
+    if c.wallet not in members or not c.signature_valid() or not c.anchored or not 0 <= part < len(bounds):
+        return None
+    if (c.stage, c.round, c.base_hash, c.members_sha256) != scope:
+        return None
+    a, b = bounds[part]
+    if part_matches(c, part, len(members), lie.proof, lie.data):
+        return share_problem(c, b - a, lie.proof, lie.data, anchor[a:b])
+    return padding_problem(c, part, len(members), lie.proof, lie.data)
 
 
 def reduce_part(
@@ -330,6 +370,10 @@ def check_fraud(
         if (commitment.stage, commitment.round, commitment.base_hash, commitment.members_sha256) != where:
             return FraudCheck(
                 True, f"the owner took input {commitment.wallet[:12]}: a commitment of another round"
+            )
+        if commitment.anchored != (anchor is not None):
+            return FraudCheck(
+                True, f"the owner took input {commitment.wallet[:12]}: its anchor sums do not fit the round"
             )
         if not part_matches(commitment, claim.part, len(members), merkle, data):
             return FraudCheck(False, f"input {commitment.wallet[:12]}: part does not match its commitment")

@@ -67,6 +67,8 @@ from neuroshard.protocol.round import (
     InputList,
     RoundCommitment,
     RoundDigest,
+    SumLie,
+    SumLies,
     claims_sha256,
     sha256_hex,
 )
@@ -81,10 +83,12 @@ from .reduce import (
     FraudCheck,
     anchored_delta_object,
     check_fraud,
+    check_sum_lie,
     decode_part,
     delta_object,
     encode_part,
     encoded_size,
+    padding_problem,
     part_matches,
     part_spans,
     recompute,
@@ -301,18 +305,41 @@ class OuterRound:
         """The per-part screening of this round (wider limits may apply with an anchor)."""
         return self.config.screening(held.anchor is not None)
 
-    def _note_share_lie(self, held: Held, author: str, j: int, proof: bytes, data: bytes) -> None:
-        """In a round with an anchor: if `author`'s matched part j states sums in its leaf that are
-        not its own, report the author (its signed commitment, the proof and the part show it).
-        The part stays in: whether a row is aggregated must not hang on a float tolerance, which
-        an owner and its checkers could judge apart; the liar is banned from the next round on."""
-        if held.anchor is None or held.inp.anchor is None:
+    async def _note_share_lies(
+        self, held: Held, j: int, reads: Mapping[str, tuple[RoundCommitment, bytes, bytes]]
+    ) -> None:
+        """In a round with an anchor: report each author whose matched part j states sums in its leaf
+        that are not the part's own (its signed commitment, the proof and the part show it); the
+        evidence goes out with this replica's digest (`_agree`), so every member that checks it
+        bans the liar too. The part stays in: whether a row is
+        aggregated must not hang on a float tolerance, which an owner and its checkers could judge
+        apart. Decoding every part again runs on a worker thread."""
+        anchor = held.inp.anchor
+        if held.anchor is None or anchor is None or not reads:
             return
         a, b = held.bounds[j]
-        reason = share_problem(held.commitments[author], b - a, proof, data, held.inp.anchor[a:b])
-        if reason is not None and held.result is not None:
-            self.log(f"round {held.inp.round}: part {j}: {author[:12]} lied about its anchor sums: {reason}")
+
+        def lies() -> dict[str, str]:
+            found = {}
+            for author, (c, proof, data) in reads.items():
+                reason = share_problem(c, b - a, proof, data, anchor[a:b])
+                if reason is not None:
+                    found[author] = reason
+            return found
+
+        for author, reason in (await asyncio.to_thread(lies)).items():
+            c, proof, data = reads[author]
+            self._found_lie(held, j, SumLie(c, proof, data), reason)
+
+    def _found_lie(self, held: Held, j: int, lie: SumLie, reason: str) -> None:
+        """Report `lie`'s signer and keep the evidence for the digest (members' lies only: a
+        probationer's would convince nobody, members read members' evidence)."""
+        author = lie.commitment.wallet
+        self.log(f"round {held.inp.round}: part {j}: {author[:12]} lied about its anchor sums: {reason}")
+        if held.result is not None:
             held.result.cheats.setdefault(author, f"part {j}: {reason}")
+        if author in held.inp.members:
+            held.lies.setdefault(j, {}).setdefault(author, lie)
 
     async def _scatter(self, held: Held) -> None:
         if self._takes_part(held.inp):
@@ -339,6 +366,9 @@ class OuterRound:
         if raw is None or len(raw) != span[1] - span[0]:
             return "its part could not be read before the deadline"
         proof, data = split_slot(raw, n, commitment.anchored)
+        lie = padding_problem(commitment, j, n, proof, data)
+        if lie is not None and commitment.signature_valid() and author in held.inp.members:
+            self._found_lie(held, j, SumLie(commitment, proof, data), lie)
         if not part_matches(commitment, j, n, proof, data):
             return f"part {j} does not match its signed commitment"
         return proof, data
@@ -359,7 +389,15 @@ class OuterRound:
                 held.result.refused.setdefault(author, f"part {j}: {got}")
             else:
                 parts[author] = got[1]
-                self._note_share_lie(held, author, j, *got)
+        await self._note_share_lies(
+            held,
+            j,
+            {
+                w: (held.commitments[w], *got)
+                for w, got in zip(authors, reads, strict=True)
+                if not isinstance(got, str)
+            },
+        )
         for member in inp.members:
             if member not in held.commitments:
                 dropped.append(Dropped(wallet=member, reason="no valid commitment held by the owner"))
@@ -816,9 +854,15 @@ class OuterRound:
         if any(r is None for r in reads):
             self.log(f"round {inp.round}: part {j}: an input of the claim could not be read; not checked")
             return
-        for c, got in zip(inputs.considered, reads, strict=True):
-            if got is not None and held.commitments.get(c.wallet) == c:
-                self._note_share_lie(held, c.wallet, j, *got)
+        await self._note_share_lies(
+            held,
+            j,
+            {
+                c.wallet: (c, *got)
+                for c, got in zip(inputs.considered, reads, strict=True)
+                if got is not None and (held.commitments.get(c.wallet) == c or c.signature_valid())
+            },
+        )
         proof = FraudProof(claim, inputs, tuple(r for r in reads if r is not None))
         verdict = await self._verify(held, proof)
         if verdict.fraud:
@@ -890,8 +934,12 @@ class OuterRound:
             claims_sha256=claims_sha256(held.gathered),
             frauds=tuple(sorted(held.frauds))[:64],
             equivocations=tuple(sorted(held.equivocations))[:64],
+            lies=tuple(sorted(held.lies))[:64] or None,
         )
         if self.me in inp.members:  # only members' digests are read
+            for j in digest.lies or ():
+                lies = SumLies(j, tuple(held.lies[j][w] for w in sorted(held.lies[j])))
+                await self.store.publish(self._name(inp, "lie", j), lies.encode())
             await self.store.publish(self._name(inp, "digest"), digest.to_json())
         read = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
         digests = [d for d in read if d is not None]
@@ -910,6 +958,19 @@ class OuterRound:
                     f"round {inp.round}: part {j}: {finder[:12]} proved owner {proof.claim.wallet[:12]} cheated"
                 )
                 self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
+        result = held.result
+        assert result is not None
+        named = (
+            sorted({(d.wallet, j) for d in digests for j in d.lies or ()}) if held.anchor is not None else []
+        )
+        convicted = await asyncio.gather(*(self._read_lies(held, w, j) for w, j in named))
+        for (finder, j), shown in zip(named, convicted, strict=True):
+            for wallet, reason in shown.items():
+                if wallet not in result.cheats:
+                    self.log(
+                        f"round {inp.round}: part {j}: {finder[:12]} showed {wallet[:12]} lied: {reason}"
+                    )
+                    result.cheats[wallet] = f"part {j}: {reason}"
         differ = sum(d.claims_sha256 != digest.claims_sha256 for d in digests)
         if differ * 2 > len(digests):
             self.log(
@@ -942,6 +1003,34 @@ class OuterRound:
             return None  # a proof against some other claim says nothing about the part decided
         verdict = await self._verify(held, proof)
         return (proof, verdict) if verdict.fraud else None
+
+    async def _read_lies(self, held: Held, finder: str, j: int) -> dict[str, str]:
+        """The contributors `finder`'s ``lie/j`` evidence convicts (checked here, on a worker thread)."""
+        inp, anchor = held.inp, held.inp.anchor
+        if anchor is None or not 0 <= j < len(held.bounds):
+            return {}
+        a, b = held.bounds[j]
+        bound = 64 * (encoded_size("fp16", b - a) + 4096 + 64 * len(inp.members).bit_length())
+        raw = await self.store.fetch(finder, self._name(inp, "lie", j), max_bytes=bound, wait_s=5.0)
+        try:
+            found = SumLies.decode(raw) if raw is not None else None
+        except Refused:
+            return {}
+        if found is None or found.part != j:
+            return {}
+        scope = (inp.stage, inp.round, inp.base_hash, held.members_sha)
+
+        def convict() -> dict[str, str]:
+            out = {}
+            for lie in found.lies:
+                reason = check_sum_lie(
+                    lie, j, members=inp.members, bounds=held.bounds, scope=scope, anchor=anchor
+                )
+                if reason is not None:
+                    out[lie.commitment.wallet] = reason
+            return out
+
+        return await asyncio.to_thread(convict)
 
     async def _settle_probation(self, held: Held) -> None:
         """End the probationers' screenings with the round: what is not done by now is cancelled and

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from neuroshard.protocol.round import AggregateClaim, RoundCommitment
+from neuroshard.protocol.round import AggregateClaim, RoundCommitment, SumLie
 
 from ..validation import ValidationConfig
 from .reduce import ANCHOR_FLOOR, AnchorCheck
@@ -159,6 +159,9 @@ class Held:
     delta_bytes: bytes
     anchor: AnchorCheck | None = None
     """The anchor check of a round with an anchor (from ``RoundInput.anchor``)."""
+    lies: dict[int, dict[str, SumLie]] = field(default_factory=dict)
+    """Part -> contributor -> the evidence this replica found that its sum tree lies there
+    (published as ``lie/j`` and named in the digest, so every member bans it)."""
     commitments: dict[str, RoundCommitment] = field(default_factory=dict)
     """Admitted members' valid commitments (this replica's own included, if it is a member)."""
     probation: dict[str, RoundCommitment] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+from typing import ClassVar
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.outer.partition import (
     SUMS_BYTES,
+    owners,
     part_bounds,
     sum_tree_proofs,
     sum_tree_root,
@@ -23,6 +25,7 @@ from neuroshard.node.outer.port import MemoryHub
 from neuroshard.node.outer.reduce import (
     AnchorCheck,
     anchored_delta_object,
+    check_sum_lie,
     decode_part,
     encode_part,
     part_matches,
@@ -36,7 +39,7 @@ from neuroshard.node.outer.state import Held, RoundConfig, RoundInput, RoundResu
 from neuroshard.node.validation import ValidationConfig
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
-from neuroshard.protocol.round import RoundCommitment
+from neuroshard.protocol.round import RoundCommitment, SumLie, SumLies
 
 D = 3000
 BASE = "cd" * 32
@@ -94,6 +97,42 @@ def test_a_sum_tree_proof_fails_on_any_changed_sum_or_total(n: int) -> None:
     assert sum_tree_verify(root, total, hashes[1], 1, n, proof[:-1]) is None
 
 
+@pytest.mark.parametrize("n", [3, 5, 6])
+def test_sums_hung_on_the_padding_leaves_are_caught_on_the_last_real_leaf(n: int) -> None:
+    """Nobody owns a padding leaf: a tree whose padding carries sums must fail the proof of the real
+    leaf next to the padding, as a provable lie, or a contributor could state any totals with
+    every real leaf true."""
+    hashes, sums = hashes_and_sums(n)
+    honest_root, honest_total = sum_tree_root(hashes, sums)
+    width = 1 << (n - 1).bit_length()
+    padded = list(hashes)
+    # Rebuild the tree by hand with (10, 0) on every padding leaf (the review's forgery).
+    from neuroshard.node.outer import partition as p
+
+    level = [(p._sum_leaf(h, s), s) for h, s in zip(padded, sums, strict=True)]
+    level += [(p.EMPTY_LEAF, (10.0, 0.0))] * (width - n)
+    levels = [level]
+    while len(level) > 1:
+        level = [p._sum_node(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        levels.append(level)
+    root, total = levels[-1][0][0].hex(), levels[-1][0][1]
+    assert total != honest_total and root != honest_root
+    caught = []
+    for i in range(n):
+        chunks = [p.pack_sums(sums[i])]
+        for depth, lv in enumerate(levels[:-1]):
+            sib_hash, sib_sums = lv[(i >> depth) ^ 1]
+            chunks.append(sib_hash + p.pack_sums(sib_sums))
+        proof = b"".join(chunks)
+        verified = sum_tree_verify(root, total, hashes[i], i, n, proof)
+        assert verified is None or verified == sums[i]
+        if verified is None:  # the path reaches the signed root: the author's own lie, provably
+            assert p.padding_lie(root, total, hashes[i], i, n, proof)
+            caught.append(i)
+    # Every padding block is a sibling on the last real leaf's path: that part's owner sees it.
+    assert n - 1 in caught
+
+
 def test_the_totals_a_tree_states_are_its_leaves_even_when_a_liar_moves_sums_between_leaves() -> None:
     """A liar can state any leaf sums, but the root's totals are then those leaves' sums: to state
     totals its parts do not have, some leaf must be false, and that part's owner sees it."""
@@ -139,6 +178,24 @@ def test_the_anchor_check_judges_the_whole_cosine_from_the_commitment_alone() ->
     assert check.refusals(rows[1:2]) == {}  # never every contributor
 
 
+def test_a_tiny_stated_norm_is_judged_without_dividing_by_zero() -> None:
+    """sq·‖anchor‖² can underflow to 0 (the review's 5e-324 against an anchor norm below 1): the
+    verdict and its message must not raise, or one commitment would end every replica's round."""
+    check = AnchorCheck(floor=0.1, norm_sq=0.25)
+    reason = check.problem(commitment(Wallet.from_token("tiny"), -1e-300, 5e-324))
+    assert reason is not None and "below 0.1" in reason
+
+
+def test_the_anchor_refuses_nobody_when_half_the_contributors_or_more_sit_below_it() -> None:
+    w = [Wallet.from_token(f"half-{i}") for i in range(4)]
+    check = AnchorCheck(floor=0.1, norm_sq=1.0)
+    up, down = (1.0, 1.0), (-1.0, 1.0)
+    two_low = [commitment(w[i], *(down if i < 2 else up)) for i in range(4)]
+    assert check.refusals(two_low) == {}  # a stale anchor, not an attack
+    one_low = [commitment(w[i], *(down if i < 1 else up)) for i in range(4)]
+    assert set(check.refusals(one_low)) == {w[0].public_key_hex}
+
+
 def test_the_anchor_norm_is_rounded_to_float32_so_replicas_hold_the_same_bits() -> None:
     anchor = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
     check = AnchorCheck.of(anchor, 0.1)
@@ -173,7 +230,10 @@ def test_an_anchored_delta_object_states_the_sums_of_its_decoded_parts() -> None
 
 class LeafLiar(OuterRound):
     """Sends a sign-flipped Δ and states leaf sums with the dot products' signs flipped back, so its
-    tree is consistent and its totals pass the anchor: only the leaves betray it."""
+    tree is consistent and its totals pass the anchor: only the leaves betray it (all of them, or
+    those of the parts in `lie_on`)."""
+
+    lie_on: ClassVar[frozenset[int] | None] = None
 
     async def _commit(self, inp: RoundInput) -> Held:
         held = await super()._commit(inp)
@@ -183,7 +243,10 @@ class LeafLiar(OuterRound):
             part_sums(decode_part(p, self.config.encoding, b - a), inp.anchor[a:b])
             for p, (a, b) in zip(parts, held.bounds, strict=True)
         ]
-        lied = [(-dot, sq) for dot, sq in sums]
+        lied = [
+            (-dot, sq) if self.lie_on is None or j in self.lie_on else (dot, sq)
+            for j, (dot, sq) in enumerate(sums)
+        ]
         hashes = [sha256_hex(p) for p in parts]
         root, (dot, sq) = sum_tree_root(hashes, lied)
         proofs = sum_tree_proofs(hashes, lied)
@@ -309,3 +372,73 @@ def test_the_round_config_picks_the_screening_by_anchor() -> None:
     assert RoundConfig().screening(True) == RoundConfig().validation  # no wider limits named: the same
     with pytest.raises(ValueError, match="anchor_floor"):
         RoundConfig(anchor_floor=2.0)
+
+
+@pytest.mark.asyncio
+async def test_a_lie_one_owner_finds_reaches_every_member_through_its_digest() -> None:
+    """The liar lies on one leaf only, of a part an honest replica owns, and nobody checks (checks=0):
+    only that owner reads the false leaf. Its evidence (``lie/j``, named in its digest) convicts the
+    liar on every honest replica, each checking it alone."""
+    n, bad = 6, 3
+    wallets = sorted((Wallet.from_token(f"anchored-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    owned = owners(0, 1, BASE, members)
+    j = next(k for k, w in enumerate(owned) if w != members[bad])
+
+    class OneLeaf(LeafLiar):
+        lie_on = frozenset({j})
+
+    wide_open = ValidationConfig(min_cosine=-1.0, max_norm_ratio=100.0, max_variance_ratio=1e4)
+    _, results, _, _ = await anchored_stage(
+        n, kinds={bad: OneLeaf}, config=fast_config(checks=0, anchored_validation=wide_open)
+    )
+    honest = [r for i, r in enumerate(results) if i != bad]
+    for r in honest:
+        assert torch.equal(r.aggregate, honest[0].aggregate)
+        assert set(r.cheats) == {members[bad]}, r.cheats
+        assert f"part {j}: anchor sums" in r.cheats[members[bad]]
+
+
+def test_evidence_convicts_a_false_leaf_and_nothing_else() -> None:
+    anchor, (delta, *_) = honest_deltas(1)
+    n, stage_round = 4, (0, 1)
+    wallets = sorted((Wallet.from_token(f"ev-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+    members = tuple(w.public_key_hex for w in wallets)
+    bounds = part_bounds(D, n)
+    data, root, (dot, sq) = anchored_delta_object(delta, bounds, "int8", anchor)
+    from neuroshard.node.outer.partition import members_sha256
+
+    scope = (*stage_round, BASE, members_sha256(members))
+
+    def signed(root_: str, dot_: float, sq_: float, signer: Wallet = wallets[0]) -> RoundCommitment:
+        return RoundCommitment.create(
+            signer, stage=0, round=1, base_hash=BASE, members_sha256=scope[3], tokens=1,
+            encoding="int8", numel=D, parts_root=root_, anchor_dot=dot_, sq_norm=sq_,
+        )  # fmt: skip
+
+    start, end = part_spans(bounds, "int8", anchored=True)[1]
+    proof, part = split_slot(data[start:end], n, anchored=True)
+    kw = {"members": members, "bounds": bounds, "scope": scope, "anchor": anchor}
+    honest = SumLie(signed(root, dot, sq), proof, part)
+    assert check_sum_lie(honest, 1, **kw) is None  # a true leaf convicts nobody
+    # A tree whose part-1 leaf states twice the true dot product: consistent, signed, and false.
+    parts = [encode_part(delta[a:b], "int8") for a, b in bounds]
+    sums = [
+        part_sums(decode_part(p, "int8", b - a), anchor[a:b]) for p, (a, b) in zip(parts, bounds, strict=True)
+    ]
+    sums[1] = (sums[1][0] * 2 + 1.0, sums[1][1])
+    hashes = [sha256_hex(p) for p in parts]
+    lie_root, (lie_dot, lie_sq) = sum_tree_root(hashes, sums)
+    lie = SumLie(signed(lie_root, lie_dot, lie_sq), sum_tree_proofs(hashes, sums)[1], parts[1])
+    assert "anchor sums" in str(check_sum_lie(lie, 1, **kw))
+    encoded = SumLies(1, (lie, honest)).encode()
+    back = SumLies.decode(encoded)
+    assert back == SumLies(1, (lie, honest))
+    assert check_sum_lie(lie, 2, **kw) is None  # not that part's slot
+    outsider = Wallet.from_token("ev-outsider")
+    assert (
+        check_sum_lie(SumLie(signed(lie_root, lie_dot, lie_sq, outsider), lie.proof, lie.data), 1, **kw)
+        is None
+    )
+    other_round = {**kw, "scope": (0, 2, BASE, scope[3])}
+    assert check_sum_lie(lie, 1, **other_round) is None  # type: ignore[arg-type]
