@@ -38,7 +38,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -50,10 +50,10 @@ from neuroshard.adversary.attacks import ADAPTIVE, ATTACKS
 from neuroshard.node import aggregation
 from neuroshard.node.aggregation import default_rule
 from neuroshard.node.outer.partition import part_bounds
-from neuroshard.node.outer.reduce import reduce_part
+from neuroshard.node.outer.reduce import ANCHOR_FLOOR, reduce_part
 from neuroshard.node.outer.round import OuterRound, RoundFactory
 from neuroshard.node.outer.state import RoundInput, RoundResult
-from neuroshard.node.validation import ValidationConfig
+from neuroshard.node.validation import ANCHORED_VALIDATION, ValidationConfig
 
 DEFAULT_PARAMS: dict[str, float] = {
     "scale": 10.0,
@@ -89,6 +89,10 @@ class AttackConfig:
     rounds, so give the network's values (cli.attacker_from_args takes the node's flags)."""
     validation: ValidationConfig | None = None
     """The screening thresholds the adaptive attacks aim under (default: ``ValidationConfig()``)."""
+    anchor_floor: float = ANCHOR_FLOOR
+    anchored_validation: ValidationConfig = field(default_factory=lambda: ANCHORED_VALIDATION)
+    """In a round with an anchor (its input carries the momentum buffer, which is public): the floor
+    the whole Δ's cosine to it must clear and the wider per-part limits, both the network's."""
 
     def __post_init__(self) -> None:
         if self.name not in ATTACKS:
@@ -183,14 +187,20 @@ class Attacker:
         deviations = [d - a for d, a in zip(earlier, list(self._aggregates)[-len(earlier) :], strict=True)]
         spread = torch.stack([x for e in deviations for x in (e, -e)]) if deviations else None
         estimate = attacks.realistic_estimate(own[None], spread)
-        config = attacks.tightened(self.config.validation or ValidationConfig(), attacks.REALISTIC_MARGIN)
+        anchor = None
+        base = self.config.validation or ValidationConfig()
+        if honest.anchor is not None:  # public: the colluder aims at the floor with no margin
+            anchor = attacks.Anchor(honest.anchor.detach().to(torch.float32), self.config.anchor_floor)
+            base = self.config.anchored_validation
+        config = attacks.tightened(base, attacks.REALISTIC_MARGIN)
         chosen = attacks.adapt(
             self.config.name,
             estimate,
             1,
             self._generator,
             config=config,
-            screen=part_screen(config, len(honest.members)),
+            screen=part_screen(config, len(honest.members), anchor),
+            anchor=anchor,
         )
         self.gamma = chosen.gamma
         note = f"{self.config.name} (realistic, γ={chosen.gamma:.3g}{'' if chosen.passed else ', no γ passes: estimated mean'})"
@@ -216,11 +226,14 @@ def revealed_aggregate(
     return g, momentum * previous + g
 
 
-def part_screen(config: ValidationConfig, parts: int) -> attacks.Screen:
+def part_screen(config: ValidationConfig, parts: int, anchor: attacks.Anchor | None = None) -> attacks.Screen:
     """The partitioned round's screening as an attacker can run it on its estimate: every part of
-    every crafted row must pass its part's ``screen_round`` (``reduce.reduce_part``)."""
+    every crafted row must pass its part's ``screen_round`` (``reduce.reduce_part``), and with an
+    `anchor` every crafted row's whole cosine to it must clear its floor (``reduce.AnchorCheck``)."""
 
     def passes(estimate: Tensor, crafted: Tensor) -> bool:
+        if anchor is not None and any(_cosine(r, anchor.direction) < anchor.floor for r in crafted):
+            return False
         rows = torch.cat([estimate, crafted])
         names = [f"h{i:04d}" for i in range(estimate.shape[0])] + [
             f"x{j:04d}" for j in range(crafted.shape[0])
@@ -234,6 +247,12 @@ def part_screen(config: ValidationConfig, parts: int) -> attacks.Screen:
         return True
 
     return passes
+
+
+def _cosine(a: Tensor, b: Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    denominator = float(a64.norm() * b64.norm())
+    return float(a64 @ b64) / denominator if denominator > 0 else 0.0
 
 
 def _rms(x: Tensor) -> float:
@@ -253,6 +272,10 @@ class ForgingRound(OuterRound):
         self.theta_round = theta_round
 
     async def run(self, inp: RoundInput) -> RoundResult:
+        # The round's own anchor floor and limits are the network's: aim at those.
+        self.attacker.config.anchor_floor = self.config.anchor_floor
+        if self.config.anchored_validation is not None:
+            self.attacker.config.anchored_validation = self.config.anchored_validation
         # Off the event loop, which also serves this node's peer routes: an adaptive search screens
         # many candidates. The training thread waits in finish_round meanwhile.
         forged, note = await asyncio.to_thread(self.attacker.forge_input, inp, self.theta_round())

@@ -209,3 +209,22 @@ def test_an_adversary_at_a_later_stage_is_refused_rather_than_running_honestly(
     assert main(argv) == 2
     assert "mounted at stage 0 only" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_a_realistic_attacker_aims_under_the_anchor_when_the_round_has_one() -> None:
+    """In an anchored round the realistic colluder knows the anchor (the public momentum buffer):
+    its forged Δ clears the floor, where the same search without the anchor would not have to."""
+    anchor = sum(_delta(r) for r in range(4))  # where its Δs go on average, as the buffer is
+    cosines = {}
+    for anchored in (True, False):
+        attacker = Attacker(AttackConfig(name="minsum_sign", outer_lr=0.7, anchor_floor=0.3))
+        for r in range(4):
+            honest = replace(_honest(r), anchor=anchor if anchored else None)
+            forged, note = attacker.forge_input(honest, _theta(r))
+            if r >= 2:  # something revealed: the search runs
+                assert "realistic" in note and "no γ passes" not in note, note
+                cosines[anchored, r] = float(
+                    torch.nn.functional.cosine_similarity(forged.delta, anchor, dim=0)
+                )
+    assert all(cosines[True, r] >= 0.3 - 1e-6 for r in (2, 3)), cosines
+    assert any(cosines[False, r] < 0.3 for r in (2, 3)), cosines  # unanchored, it goes further
