@@ -137,6 +137,16 @@ def build_parser(prog: str = PROG, description: str | None = DESCRIPTION) -> arg
         help="outer rounds over which the outer lr ramps up (default 0; a network.toml that names none "
         "gives 3: with --join the network's value applies)",
     )
+    diloco.add_argument(
+        "--anchor-floor",
+        type=float,
+        default=None,
+        metavar="COSINE",
+        help="anchor every round after the first to the outer momentum buffer: refuse a Δ whose whole "
+        "cosine to it is below this, and screen parts with wider limits (default: no anchor; a "
+        "network.toml that names none gives 0.1: with --join the network's value applies). Every "
+        "replica of the stage must name the same",
+    )
 
     rot = p.add_argument_group("shard rotation (on exhaustion, or when the loss plateaus on a shard)")
     r = RotationConfig()
@@ -348,7 +358,10 @@ def network_config_from_args(
     """The peer plane the flags ask for; None trains alone. A node that reports to a verifier
     (`reporting`) serves its peer plane on a free port unless --port says otherwise (the verifier
     fetches the majority weights from it); a pipeline stage always serves one. A `joined`
-    network's anchor floor anchors its rounds (``PeerPlaneConfig.anchor_floor``)."""
+    network's anchor floor anchors its rounds (``PeerPlaneConfig.anchor_floor``), else
+    --anchor-floor's."""
+    if args.anchor_floor is not None and not -1.0 <= args.anchor_floor <= 1.0:
+        raise ValueError(f"--anchor-floor {args.anchor_floor}: a cosine, in [-1, 1]")
     if args.port is None and not args.peers and not args.relay and not reporting and not pipeline:
         return None
     relay = None
@@ -371,7 +384,7 @@ def network_config_from_args(
         encoding=args.encoding,
         round_timeout_s=args.round_timeout,
         min_peers=args.min_peers,
-        anchor_floor=None if joined is None else joined.anchor_floor,
+        anchor_floor=args.anchor_floor if joined is None else joined.anchor_floor,
     )
 
 

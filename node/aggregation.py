@@ -47,12 +47,15 @@ from the first rounds, where one shifted aggregate slowed the young model for th
 (``network_definition.DEFAULT_OUTER_WARMUP_ROUNDS``). With it the default's worst case on non-IID
 8 + 2 went from 1.130× to 1.083× of the clean loss (4 seeds): the tail cut, for a slower start.
 
-Nor is a part the whole Δ. A network that names ``[aggregation] anchor_floor`` anchors every round
-after the first to the outer momentum buffer (``neuroshard.node.outer.reduce.AnchorCheck``): a
-contributor whose whole Δ points away from it is refused on every part from its signed sums, and
-the per-part screening opens (``validation.ANCHORED_VALIDATION``). Simulated on non-IID 8 + 2 (2
-seeds): the sign flip 1.092× → 1.026×, the worst adaptive attack 1.093× → 1.075×, the clean cost
-1.051× → 1.036×, honest refusals in clean runs 33 → 1 of 320 (RESULTS.md, "The anchored round").
+Nor is a part the whole Δ. Since 2026-11-28 a network.toml anchors every round after the first to
+the outer momentum buffer (``[aggregation] anchor_floor``, default 0.1;
+``neuroshard.node.outer.reduce.AnchorCheck``): a contributor whose whole Δ points away from it is
+refused on every part from its signed sums, and the per-part screening opens
+(``validation.ANCHORED_VALIDATION``). Simulated with 2 seeds, against the default before it: non-IID
+8 + 2, the sign flip 1.092× → 1.026×, the worst adaptive attack 1.093× → 1.075×, the clean cost
+1.051× → 1.036×, honest refusals in clean runs 33 → 1 of 320; non-IID 10 + 3, the worst 1.112× →
+1.078× (44 → 1 of 400 refused); IID 8 + 2 unchanged (≤ 1.002×). Still not the issue's 1.05× on
+non-IID replicas (RESULTS.md, "The anchored round").
 """
 
 from __future__ import annotations

@@ -124,6 +124,8 @@ def network_tables(
             "outer_warmup_rounds": node.outer_warmup_rounds,
         },
         "training": {"batch_size": node.batch_size, "seq_len": node.seq_len},
+        # Named even when off: a network.toml without it would anchor its rounds.
+        "aggregation": {"anchor_floor": False if node.anchor_floor is None else node.anchor_floor},
         "data": {"manifest_url": data_dir, "publisher_key": publisher_key},
         "evaluation": {"every_rounds": every_rounds, "held_out_shard": 0},
     }

@@ -11,6 +11,7 @@ import pytest
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.network_definition import (
+    DEFAULT_ANCHOR_FLOOR,
     NetworkDefinition,
     NetworkError,
     parse_network,
@@ -131,16 +132,38 @@ def test_a_segment_length_outside_the_round_is_refused(bad: object) -> None:
         parse_network(doc)
 
 
-def test_an_anchor_floor_travels_signed_and_its_absence_keeps_the_bytes() -> None:
-    """[aggregation] anchor_floor turns on the anchored round (issue 13); absent, the served bytes
-    carry no key, so definitions signed before it keep their signatures."""
+def test_a_network_toml_without_an_anchor_floor_gets_the_default_signed() -> None:
+    """The anchored round is part of the default defence (issue 13): a network.toml that names no
+    [aggregation] anchor_floor gets 0.1, written into the signed bytes; a served definition without
+    the key means none, so definitions signed before the default keep their meaning."""
+    assert DEFAULT_ANCHOR_FLOOR == 0.1
     plain = parse_network(_doc())
-    assert plain.anchor_floor is None
-    assert json.loads(plain.canonical_bytes())["aggregation"] == {"rule": "default", "f": 0}
-    chosen = parse_network({**_doc(), "aggregation": {"anchor_floor": 0.1}})
+    assert plain.anchor_floor == 0.1
+    assert json.loads(plain.canonical_bytes())["aggregation"] == {
+        "rule": "default",
+        "f": 0,
+        "anchor_floor": 0.1,
+    }
+    body, signature = sign_network(plain, OPERATOR)
+    assert verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex)) == plain
+    old = json.loads(body)
+    del old["aggregation"]["anchor_floor"]
+    assert parse_network(old, served=True).anchor_floor is None
+
+
+def test_an_anchor_floor_named_false_is_off_and_leaves_no_key() -> None:
+    off = parse_network({**_doc(), "aggregation": {"anchor_floor": False}})
+    assert off.anchor_floor is None
+    assert "anchor_floor" not in json.loads(off.canonical_bytes())["aggregation"]
+    chosen = parse_network({**_doc(), "aggregation": {"anchor_floor": -0.2}})
     body, signature = sign_network(chosen, OPERATOR)
-    served = verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex))
-    assert served.anchor_floor == 0.1 and served == chosen
+    assert verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex)).anchor_floor == -0.2
+
+
+def test_plain_outer_sgd_gets_no_anchor_by_default() -> None:
+    """The anchor is the outer momentum buffer: without momentum there is none to default to."""
+    plain_sgd = {"outer_momentum": 0.0, "outer_nesterov": False}
+    assert parse_network({**_doc(), "diloco": plain_sgd}).anchor_floor is None
 
 
 @pytest.mark.parametrize(
