@@ -629,13 +629,13 @@ class AttackedAggregate:
 
     def _anchor_refuses(self, by_wallet: dict[str, Tensor]) -> dict[str, str]:
         """prev+: the contributors whose whole Δ's cosine to the anchor is under the floor (none if
-        that would be half of them or more, as ``AnchorCheck.refusals``; "everyone" until 2026-11-28,
-        when the tables of "The anchored round" were measured)."""
+        that would be more than half of them, as ``AnchorCheck.refusals``; "everyone" when most
+        tables of "The anchored round" were measured, 2026-11-28, which no run there tells apart)."""
         anchor = self._anchor()
         if anchor is None:
             return {}
         low = {w: "prev_cosine" for w, r in by_wallet.items() if _cosine(r, anchor.direction) < anchor.floor}
-        return low if 2 * len(low) < len(by_wallet) else {}
+        return low if 2 * len(low) <= len(by_wallet) else {}
 
     def _partitioned(
         self, wallets: list[str], rows: list[Tensor], parts: int

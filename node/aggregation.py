@@ -54,7 +54,8 @@ refused on every part from its signed sums, and the per-part screening opens
 (``validation.ANCHORED_VALIDATION``). Simulated with 2 seeds, against the default before it: non-IID
 8 + 2, the sign flip 1.092× → 1.026×, the worst adaptive attack 1.093× → 1.075×, the clean cost
 1.051× → 1.036×, honest refusals in clean runs 33 → 1 of 320; non-IID 10 + 3, the worst 1.112× →
-1.078× (44 → 1 of 400 refused); IID 8 + 2 unchanged (≤ 1.002×). Still not the issue's 1.05× on
+1.078× (44 → 1 of 400 refused; the two ran different attack sets); IID 8 + 2 unchanged (two-seed
+means ≤ 1.002×). Still not the issue's 1.05× on
 non-IID replicas (RESULTS.md, "The anchored round").
 """
 

@@ -49,7 +49,7 @@ DEFAULT_ANCHOR_FLOOR = ANCHOR_FLOOR
 the anchored round is part of the default defence (issue 13; README, "The anchored round").
 Simulated over 20 rounds with 2 colluders among 10 (2 seeds): on non-IID replicas a sign flip
 1.092× → 1.026× the clean loss, the worst adaptive attack 1.093× → 1.075×, honest refusals in
-clean runs 33 → 1 of 320; on IID replicas unchanged (≤ 1.002×). ``anchor_floor = false`` turns it
+clean runs 33 → 1 of 320; on IID replicas unchanged (two-seed means ≤ 1.002×). ``anchor_floor = false`` turns it
 off. A served definition without the key, and a definition built in code (a lone node, the
 embedded verifier), mean no anchor: the bytes signed before this default keep their meaning."""
 

@@ -10,7 +10,7 @@
 | ``echo/j``  Echo            | witness     | the claim of part j it gathered, or none (a backup of part j)   |
 | ``digest``  RoundDigest     | replica     | the claims it holds (one hash), the frauds and equivocations it proved |
 | ``fraud/j`` bytes           | —           | FraudProof: a claim, its inputs and their parts: checkable alone |
-| ``lie/j``   bytes           | —           | SumLies: anchored commitments whose part j states false sums: checkable with the anchor |
+| ``lie-{wallet}`` bytes      | —           | SumLie: an anchored commitment and a part whose sums are false: checkable with the anchor |
 | ``equivocation/j`` EquivocationProof | — | two claims of one signer for part j: checkable alone    |
 
 Every message is small and of fixed size in n except ``InputList`` and fraud proofs, which a
@@ -181,67 +181,49 @@ class RoundDigest(Signed):
     claims_sha256: Sha256
     frauds: Annotated[tuple[int, ...], list_of(integer(0, MAX_MEMBERS - 1), 64)]
     equivocations: Annotated[tuple[int, ...], list_of(integer(0, MAX_MEMBERS - 1), 64)]
-    lies: Annotated[tuple[int, ...] | None, optional(list_of(integer(0, MAX_MEMBERS - 1), 64))] = None
-    """Rounds with an anchor: the parts where this replica holds ``SumLies`` (a contributor whose
-    sum tree states sums its part does not have). Left out when none: digests of rounds without
-    an anchor keep their bytes."""
+    lies: Annotated[tuple[str, ...] | None, optional(list_of(hex_bytes(32), 64))] = None
+    """Rounds with an anchor: the contributors this replica holds a ``SumLie`` against (a sum tree
+    stating sums its part does not have), sorted. Left out when none: digests of rounds without an
+    anchor keep their bytes."""
 
 
 @dataclass(frozen=True)
 class SumLie:
     """Evidence that a contributor's anchored Δ object states, for one part, sums the part does not
-    have: its signed commitment and the slot it published (the sum-tree proof, then the part's
-    bytes). Anyone holding the round's anchor checks it alone (``node.outer.reduce.check_sum_lie``)."""
+    have: its signed commitment, the part's index and the slot it published (the sum-tree proof,
+    then the part's bytes). Anyone holding the round's anchor checks it alone
+    (``node.outer.reduce.check_sum_lie``). A finder publishes one per liar, as ``lie-{wallet}``,
+    and names the liar in its digest. Encoded as an 8-byte length, a JSON header, then the bytes."""
 
     commitment: RoundCommitment
+    part: int
     proof: bytes
     data: bytes
 
-
-@dataclass(frozen=True)
-class SumLies:
-    """Every ``SumLie`` one replica found on one part of one round: the ``lie/j`` object it
-    publishes and names in its digest. Encoded as an 8-byte length, a JSON header, then the
-    entries' bytes."""
-
-    part: int
-    lies: tuple[SumLie, ...]
-
     def encode(self) -> bytes:
         header = {
+            "commitment": self.commitment.to_obj(),
             "part": self.part,
-            "commitments": [lie.commitment.to_obj() for lie in self.lies],
-            "sizes": [[len(lie.proof), len(lie.data)] for lie in self.lies],
+            "sizes": [len(self.proof), len(self.data)],
         }
         raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        return struct.pack("<Q", len(raw)) + raw + b"".join(lie.proof + lie.data for lie in self.lies)
+        return struct.pack("<Q", len(raw)) + raw + self.proof + self.data
 
     @classmethod
-    def decode(cls, data: bytes, max_header: int = 1 << 20) -> SumLies:
-        header, at = split_header(data, "sum lies", max_header)
-        if not isinstance(header, dict) or set(header) != {"part", "commitments", "sizes"}:
-            raise malformed("sum lies header must hold exactly part, commitments and sizes")
-        part = integer(0, MAX_MEMBERS - 1)(header["part"], "sum lies part")
-        commitments, sizes = header["commitments"], header["sizes"]
-        if not isinstance(commitments, list) or not isinstance(sizes, list) or len(commitments) != len(sizes):
-            raise malformed("sum lies must list one (proof, part) size per commitment")
-        if len(commitments) > 64:
-            raise invalid("sum lies: at most 64 per part")
-        lies = []
-        for obj, entry in zip(commitments, sizes, strict=True):
-            commitment = RoundCommitment.from_obj(obj, "sum lies commitment")
-            if not (
-                isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)
-            ):
-                raise malformed("sum lies sizes must be pairs of non-negative integers")
-            end = at + entry[0] + entry[1]
-            if end > len(data):
-                raise malformed("sum lies are shorter than their sizes say")
-            lies.append(SumLie(commitment, data[at : at + entry[0]], data[at + entry[0] : end]))
-            at = end
-        if at != len(data):
-            raise malformed("sum lies have trailing bytes")
-        return cls(part, tuple(lies))
+    def decode(cls, data: bytes, max_header: int = 64 << 10) -> SumLie:
+        header, at = split_header(data, "sum lie", max_header)
+        if not isinstance(header, dict) or set(header) != {"commitment", "part", "sizes"}:
+            raise malformed("sum lie header must hold exactly commitment, part and sizes")
+        commitment = RoundCommitment.from_obj(header["commitment"], "sum lie commitment")
+        part = integer(0, MAX_MEMBERS - 1)(header["part"], "sum lie part")
+        sizes = header["sizes"]
+        if not (
+            isinstance(sizes, list) and len(sizes) == 2 and all(type(v) is int and v >= 0 for v in sizes)
+        ):
+            raise malformed("sum lie sizes must be a pair of non-negative integers")
+        if at + sizes[0] + sizes[1] != len(data):
+            raise malformed("sum lie is not as long as its sizes say")
+        return cls(commitment, part, data[at : at + sizes[0]], data[at + sizes[0] :])
 
 
 @dataclass(frozen=True, kw_only=True)

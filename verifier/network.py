@@ -30,6 +30,8 @@ key, so a joining node can check it against the operator key it was given. A min
     [aggregation]
     rule = "default"     # node.aggregation: a rule name, "default" or "nnm+<rule>"
     f = 0                # tolerated Byzantine replicas per stage
+    anchor_floor = 0.1   # anchored rounds (node.outer.reduce.AnchorCheck): 0.1 when omitted and
+                         # outer momentum > 0; false turns it off
 
     [data]
     manifest_url = "https://cdn.example.org/neuroshard/"

@@ -25,8 +25,10 @@ decoded parts as the totals of a Merkle sum tree (``partition.sum_tree_root``), 
 whose whole-Δ cosine to the anchor is below the floor is refused on every part before the part's
 screening, by every owner alike, from its signed commitment alone. Each owner checks its part's
 leaf against the part it reads (`share_problem`), and every checker does the same for the parts it
-re-reads, so a contributor that states totals its parts do not have is caught in the round it lies
-(the parts' sums, which the tree binds to the totals, are false on some leaf).
+re-reads: a contributor that states totals its parts do not have has a false leaf (or inner sum)
+on some part's path, which that part's reader sees and proves to every member (``SumLie``). A
+liar knows the owner map when it commits, so it can lie on a part it or a colluder owns, where
+only that part's checkers see it; its row counts in the round it lies and it is banned after.
 """
 
 from __future__ import annotations
@@ -115,11 +117,13 @@ class AnchorCheck:
         return f"anchor: cos(Δ, anchor) = {cosine:.3g} below {self.floor}"
 
     def refusals(self, commitments: Sequence[RoundCommitment]) -> dict[str, str]:
-        """Wallet -> reason for the commitments the check refuses; none if it would refuse half of
-        them or more: attackers are a minority, so that many rows below the floor means the honest
-        Δs turned away from a stale anchor, and refusing them would leave the minority to decide."""
+        """Wallet -> reason for the commitments the check refuses; none if it would refuse more than
+        half of them: attackers are a minority, so a majority below the floor has honest rows in it
+        (a stale anchor), and refusing them would leave the minority to decide. Colluders that sit
+        below the floor on purpose count toward that majority: with f of n, they switch the check
+        off once ⌈n/2⌉ + 1 − f honest rows are below it too (not measured)."""
         low = {c.wallet: r for c in commitments if (r := self.problem(c)) is not None}
-        return low if 2 * len(low) < len(commitments) else {}
+        return low if 2 * len(low) <= len(commitments) else {}
 
 
 def part_sums(values: Tensor, anchor_part: Tensor) -> Sums:
@@ -249,7 +253,6 @@ def share_problem(
 
 def check_sum_lie(
     lie: SumLie,
-    part: int,
     *,
     members: Sequence[str],
     bounds: Sequence[tuple[int, int]],
@@ -258,9 +261,9 @@ def check_sum_lie(
 ) -> str | None:
     """Why `lie` convicts its signer, or None when it does not: the commitment must be a member's,
     signed, of this round (`scope`: stage, round, base hash, member list) and anchored, and its
-    slot of `part` must either match the signed root with a leaf whose sums are not the part's
+    slot of the part it names must either match the signed root with a leaf whose sums are not the part's
     (`share_problem`) or reach the root only through sums on padding (`padding_problem`)."""
-    c = lie.commitment
+    c, part = lie.commitment, lie.part
     if c.wallet not in members or not c.signature_valid() or not c.anchored or not 0 <= part < len(bounds):
         return None
     if (c.stage, c.round, c.base_hash, c.members_sha256) != scope:

@@ -68,7 +68,6 @@ from neuroshard.protocol.round import (
     RoundCommitment,
     RoundDigest,
     SumLie,
-    SumLies,
     claims_sha256,
     sha256_hex,
 )
@@ -103,6 +102,9 @@ _RoundSigned = TypeVar("_RoundSigned", Echo, RoundDigest)
 SMALL_OBJECT_BYTES = 64 << 10
 """Cap on a commitment, claim or digest read (each is < 2 KB)."""
 LIST_BYTES_PER_MEMBER = 2048
+LIE_READS = 2
+"""Finders whose evidence a replica reads per liar named in digests (one that convicts is enough;
+a second covers a finder that does not serve it)."""
 """Cap per member on an input list read (an entry is < 1 KB)."""
 
 Taken = tuple[AggregateClaim, bytes]
@@ -329,7 +331,7 @@ class OuterRound:
 
         for author, reason in (await asyncio.to_thread(lies)).items():
             c, proof, data = reads[author]
-            self._found_lie(held, j, SumLie(c, proof, data), reason)
+            self._found_lie(held, j, SumLie(c, j, proof, data), reason)
 
     def _found_lie(self, held: Held, j: int, lie: SumLie, reason: str) -> None:
         """Report `lie`'s signer and keep the evidence for the digest (members' lies only: a
@@ -339,7 +341,7 @@ class OuterRound:
         if held.result is not None:
             held.result.cheats.setdefault(author, f"part {j}: {reason}")
         if author in held.inp.members:
-            held.lies.setdefault(j, {}).setdefault(author, lie)
+            held.lies.setdefault(author, lie)
 
     async def _scatter(self, held: Held) -> None:
         if self._takes_part(held.inp):
@@ -368,7 +370,7 @@ class OuterRound:
         proof, data = split_slot(raw, n, commitment.anchored)
         lie = padding_problem(commitment, j, n, proof, data)
         if lie is not None and commitment.signature_valid() and author in held.inp.members:
-            self._found_lie(held, j, SumLie(commitment, proof, data), lie)
+            self._found_lie(held, j, SumLie(commitment, j, proof, data), lie)
         if not part_matches(commitment, j, n, proof, data):
             return f"part {j} does not match its signed commitment"
         return proof, data
@@ -937,9 +939,8 @@ class OuterRound:
             lies=tuple(sorted(held.lies))[:64] or None,
         )
         if self.me in inp.members:  # only members' digests are read
-            for j in digest.lies or ():
-                lies = SumLies(j, tuple(held.lies[j][w] for w in sorted(held.lies[j])))
-                await self.store.publish(self._name(inp, "lie", j), lies.encode())
+            for liar in digest.lies or ():
+                await self.store.publish(self._name(inp, f"lie-{liar}"), held.lies[liar].encode())
             await self.store.publish(self._name(inp, "digest"), digest.to_json())
         read = await asyncio.gather(*(self._read_digest(held, m) for m in inp.members if m != self.me))
         digests = [d for d in read if d is not None]
@@ -960,17 +961,21 @@ class OuterRound:
                 self._apply_fraud(held, j, proof.claim, verdict.reason, verdict.aggregate)
         result = held.result
         assert result is not None
-        named = (
-            sorted({(d.wallet, j) for d in digests for j in d.lies or ()}) if held.anchor is not None else []
-        )
-        convicted = await asyncio.gather(*(self._read_lies(held, w, j) for w, j in named))
-        for (finder, j), shown in zip(named, convicted, strict=True):
-            for wallet, reason in shown.items():
-                if wallet not in result.cheats:
-                    self.log(
-                        f"round {inp.round}: part {j}: {finder[:12]} showed {wallet[:12]} lied: {reason}"
-                    )
-                    result.cheats[wallet] = f"part {j}: {reason}"
+        # One piece of evidence convicts: per named liar, read at most LIE_READS finders' (the
+        # first in wallet order), so digests naming many wallets cost each reader bounded bytes.
+        finders: dict[str, list[str]] = {}
+        if held.anchor is not None:
+            for d in sorted(digests, key=lambda d: d.wallet):
+                for liar in d.lies or ():
+                    if liar in inp.members and liar not in result.cheats:
+                        finders.setdefault(liar, []).append(d.wallet)
+        liars = sorted(finders)
+        convicted = await asyncio.gather(*(self._read_lie(held, w, finders[w][:LIE_READS]) for w in liars))
+        for liar, shown in zip(liars, convicted, strict=True):
+            if shown is not None:
+                finder, why = shown
+                self.log(f"round {inp.round}: {finder[:12]} showed {liar[:12]} lied: {why}")
+                result.cheats.setdefault(liar, why)
         differ = sum(d.claims_sha256 != digest.claims_sha256 for d in digests)
         if differ * 2 > len(digests):
             self.log(
@@ -1004,33 +1009,31 @@ class OuterRound:
         verdict = await self._verify(held, proof)
         return (proof, verdict) if verdict.fraud else None
 
-    async def _read_lies(self, held: Held, finder: str, j: int) -> dict[str, str]:
-        """The contributors `finder`'s ``lie/j`` evidence convicts (checked here, on a worker thread)."""
+    async def _read_lie(self, held: Held, liar: str, finders: list[str]) -> tuple[str, str] | None:
+        """(finder, reason) of the first of `finders` whose ``lie-{liar}`` convicts `liar` (checked
+        here, on a worker thread), or None."""
         inp, anchor = held.inp, held.inp.anchor
-        if anchor is None or not 0 <= j < len(held.bounds):
-            return {}
-        a, b = held.bounds[j]
-        bound = 64 * (encoded_size("fp16", b - a) + 4096 + 64 * len(inp.members).bit_length())
-        raw = await self.store.fetch(finder, self._name(inp, "lie", j), max_bytes=bound, wait_s=5.0)
-        try:
-            found = SumLies.decode(raw) if raw is not None else None
-        except Refused:
-            return {}
-        if found is None or found.part != j:
-            return {}
+        if anchor is None:
+            return None
+        longest = max(b - a for a, b in held.bounds)
+        bound = (
+            SMALL_OBJECT_BYTES + 64 * len(inp.members).bit_length() + encoded_size("fp16", max(longest, 1))
+        )
         scope = (inp.stage, inp.round, inp.base_hash, held.members_sha)
-
-        def convict() -> dict[str, str]:
-            out = {}
-            for lie in found.lies:
-                reason = check_sum_lie(
-                    lie, j, members=inp.members, bounds=held.bounds, scope=scope, anchor=anchor
-                )
-                if reason is not None:
-                    out[lie.commitment.wallet] = reason
-            return out
-
-        return await asyncio.to_thread(convict)
+        for finder in finders:
+            raw = await self.store.fetch(finder, self._name(inp, f"lie-{liar}"), max_bytes=bound, wait_s=5.0)
+            try:
+                lie = SumLie.decode(raw) if raw is not None else None
+            except Refused:
+                continue
+            if lie is None or lie.commitment.wallet != liar:
+                continue
+            reason = await asyncio.to_thread(
+                check_sum_lie, lie, members=inp.members, bounds=held.bounds, scope=scope, anchor=anchor
+            )
+            if reason is not None:
+                return finder, f"part {lie.part}: {reason}"
+        return None
 
     async def _settle_probation(self, held: Held) -> None:
         """End the probationers' screenings with the round: what is not done by now is cancelled and

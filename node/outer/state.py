@@ -159,9 +159,9 @@ class Held:
     delta_bytes: bytes
     anchor: AnchorCheck | None = None
     """The anchor check of a round with an anchor (from ``RoundInput.anchor``)."""
-    lies: dict[int, dict[str, SumLie]] = field(default_factory=dict)
-    """Part -> contributor -> the evidence this replica found that its sum tree lies there
-    (published as ``lie/j`` and named in the digest, so every member bans it)."""
+    lies: dict[str, SumLie] = field(default_factory=dict)
+    """Contributor -> the evidence this replica found that its sum tree lies (published as
+    ``lie-{wallet}`` and named in the digest, so every member bans it)."""
     commitments: dict[str, RoundCommitment] = field(default_factory=dict)
     """Admitted members' valid commitments (this replica's own included, if it is a member)."""
     probation: dict[str, RoundCommitment] = field(default_factory=dict)

@@ -5,6 +5,7 @@ part is read, and a contributor that states sums its parts do not have is caught
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import struct
 from typing import ClassVar
@@ -15,6 +16,7 @@ import torch
 from neuroshard.node.aggregation import aggregate as whole_vector
 from neuroshard.node.outer.partition import (
     SUMS_BYTES,
+    members_sha256,
     owners,
     part_bounds,
     sum_tree_proofs,
@@ -39,7 +41,7 @@ from neuroshard.node.outer.state import Held, RoundConfig, RoundInput, RoundResu
 from neuroshard.node.validation import ValidationConfig
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
-from neuroshard.protocol.round import RoundCommitment, SumLie, SumLies
+from neuroshard.protocol.round import RoundCommitment, SumLie
 
 D = 3000
 BASE = "cd" * 32
@@ -133,9 +135,9 @@ def test_sums_hung_on_the_padding_leaves_are_caught_on_the_last_real_leaf(n: int
     assert n - 1 in caught
 
 
-def test_the_totals_a_tree_states_are_its_leaves_even_when_a_liar_moves_sums_between_leaves() -> None:
-    """A liar can state any leaf sums, but the root's totals are then those leaves' sums: to state
-    totals its parts do not have, some leaf must be false, and that part's owner sees it."""
+def test_a_root_s_totals_are_the_sums_its_leaves_state_true_or_not() -> None:
+    """The totals are whatever the leaves state: a false leaf moves them, so stating totals the
+    parts do not have needs a false leaf (or inner sum), which the part's reader sees."""
     hashes, sums = hashes_and_sums(4)
     lied = [(s[0] + (5.0 if i == 0 else 0.0), s[1]) for i, s in enumerate(sums)]
     _, total = sum_tree_root(hashes, lied)
@@ -186,14 +188,14 @@ def test_a_tiny_stated_norm_is_judged_without_dividing_by_zero() -> None:
     assert reason is not None and "below 0.1" in reason
 
 
-def test_the_anchor_refuses_nobody_when_half_the_contributors_or_more_sit_below_it() -> None:
+def test_the_anchor_refuses_nobody_when_more_than_half_the_contributors_sit_below_it() -> None:
     w = [Wallet.from_token(f"half-{i}") for i in range(4)]
     check = AnchorCheck(floor=0.1, norm_sq=1.0)
     up, down = (1.0, 1.0), (-1.0, 1.0)
+    three_low = [commitment(w[i], *(down if i < 3 else up)) for i in range(4)]
+    assert check.refusals(three_low) == {}  # a stale anchor, not an attack: honest rows are below it
     two_low = [commitment(w[i], *(down if i < 2 else up)) for i in range(4)]
-    assert check.refusals(two_low) == {}  # a stale anchor, not an attack
-    one_low = [commitment(w[i], *(down if i < 1 else up)) for i in range(4)]
-    assert set(check.refusals(one_low)) == {w[0].public_key_hex}
+    assert set(check.refusals(two_low)) == {w[0].public_key_hex, w[1].public_key_hex}
 
 
 def test_the_anchor_norm_is_rounded_to_float32_so_replicas_hold_the_same_bits() -> None:
@@ -401,26 +403,30 @@ async def test_a_lie_one_owner_finds_reaches_every_member_through_its_digest() -
 
 def test_evidence_convicts_a_false_leaf_and_nothing_else() -> None:
     anchor, (delta, *_) = honest_deltas(1)
-    n, stage_round = 4, (0, 1)
+    n = 4
     wallets = sorted((Wallet.from_token(f"ev-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
     members = tuple(w.public_key_hex for w in wallets)
     bounds = part_bounds(D, n)
     data, root, (dot, sq) = anchored_delta_object(delta, bounds, "int8", anchor)
-    from neuroshard.node.outer.partition import members_sha256
+    scope = (0, 1, BASE, members_sha256(members))
 
-    scope = (*stage_round, BASE, members_sha256(members))
-
-    def signed(root_: str, dot_: float, sq_: float, signer: Wallet = wallets[0]) -> RoundCommitment:
+    def signed(
+        root_: str, dot_: float, sq_: float, signer: Wallet = wallets[0], stage: int = 0
+    ) -> RoundCommitment:
         return RoundCommitment.create(
-            signer, stage=0, round=1, base_hash=BASE, members_sha256=scope[3], tokens=1,
+            signer, stage=stage, round=1, base_hash=BASE, members_sha256=scope[3], tokens=1,
             encoding="int8", numel=D, parts_root=root_, anchor_dot=dot_, sq_norm=sq_,
         )  # fmt: skip
 
     start, end = part_spans(bounds, "int8", anchored=True)[1]
     proof, part = split_slot(data[start:end], n, anchored=True)
     kw = {"members": members, "bounds": bounds, "scope": scope, "anchor": anchor}
-    honest = SumLie(signed(root, dot, sq), proof, part)
-    assert check_sum_lie(honest, 1, **kw) is None  # a true leaf convicts nobody
+    honest = SumLie(signed(root, dot, sq), 1, proof, part)
+    assert check_sum_lie(honest, **kw) is None  # a true leaf convicts nobody
+    garbage = SumLie(honest.commitment, 1, proof, bytes(len(part)))
+    assert check_sum_lie(garbage, **kw) is None  # bytes that are not its part: no lie of its
+    forged_sums = SumLie(honest.commitment, 1, struct.pack("<2d", dot, sq) + proof[SUMS_BYTES:], part)
+    assert check_sum_lie(forged_sums, **kw) is None  # a finder cannot restate its leaf
     # A tree whose part-1 leaf states twice the true dot product: consistent, signed, and false.
     parts = [encode_part(delta[a:b], "int8") for a, b in bounds]
     sums = [
@@ -429,16 +435,49 @@ def test_evidence_convicts_a_false_leaf_and_nothing_else() -> None:
     sums[1] = (sums[1][0] * 2 + 1.0, sums[1][1])
     hashes = [sha256_hex(p) for p in parts]
     lie_root, (lie_dot, lie_sq) = sum_tree_root(hashes, sums)
-    lie = SumLie(signed(lie_root, lie_dot, lie_sq), sum_tree_proofs(hashes, sums)[1], parts[1])
-    assert "anchor sums" in str(check_sum_lie(lie, 1, **kw))
-    encoded = SumLies(1, (lie, honest)).encode()
-    back = SumLies.decode(encoded)
-    assert back == SumLies(1, (lie, honest))
-    assert check_sum_lie(lie, 2, **kw) is None  # not that part's slot
+    lie = SumLie(signed(lie_root, lie_dot, lie_sq), 1, sum_tree_proofs(hashes, sums)[1], parts[1])
+    assert "anchor sums" in str(check_sum_lie(lie, **kw))
+    assert SumLie.decode(lie.encode()) == lie
+    assert check_sum_lie(SumLie(lie.commitment, 2, lie.proof, lie.data), **kw) is None  # not that part
     outsider = Wallet.from_token("ev-outsider")
     assert (
-        check_sum_lie(SumLie(signed(lie_root, lie_dot, lie_sq, outsider), lie.proof, lie.data), 1, **kw)
+        check_sum_lie(SumLie(signed(lie_root, lie_dot, lie_sq, outsider), 1, lie.proof, lie.data), **kw)
         is None
     )
-    other_round = {**kw, "scope": (0, 2, BASE, scope[3])}
-    assert check_sum_lie(lie, 1, **other_round) is None  # type: ignore[arg-type]
+    other_stage = SumLie(signed(lie_root, lie_dot, lie_sq, stage=1), 1, lie.proof, lie.data)
+    assert check_sum_lie(other_stage, **kw) is None
+    tampered = SumLie(dataclasses.replace(lie.commitment, tokens=2), 1, lie.proof, lie.data)
+    assert check_sum_lie(tampered, **kw) is None  # the signature no longer covers it
+    assert check_sum_lie(lie, **{**kw, "scope": (0, 2, BASE, scope[3])}) is None  # type: ignore[arg-type]
+
+
+class Framer(OuterRound):
+    """Publishes evidence against an honest contributor: its true slot of a part, with the leaf's own
+    sums changed (the only thing a finder could change), and names it in its digest."""
+
+    victim: ClassVar[str] = ""
+
+    async def _agree(self, held: Held) -> None:
+        c = held.commitments[self.victim]
+        got = await self._read_part(held, self.victim, 0, wait_s=2.0)
+        assert not isinstance(got, str)
+        proof, data = got
+        dot, sq = struct.unpack("<2d", proof[:SUMS_BYTES])
+        held.lies[self.victim] = SumLie(c, 0, struct.pack("<2d", -dot, sq) + proof[SUMS_BYTES:], data)
+        await super()._agree(held)
+
+
+@pytest.mark.asyncio
+async def test_evidence_a_member_makes_up_convicts_nobody() -> None:
+    n, framer, victim = 6, 1, 4
+    wallets = sorted((Wallet.from_token(f"anchored-{i}") for i in range(n)), key=lambda w: w.public_key_hex)
+
+    class FramesOne(Framer):
+        pass
+
+    FramesOne.victim = wallets[victim].public_key_hex
+    _, results, _, _ = await anchored_stage(n, kinds={framer: FramesOne})
+    for i, r in enumerate(results):
+        if i != framer:
+            assert r.cheats == {}, r.cheats
+            assert r.refused == {}
