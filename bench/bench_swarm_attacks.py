@@ -14,6 +14,7 @@ passes the per-part screening (honest Δ in round 0, before any aggregate is rev
     .venv/bin/python bench/bench_swarm_attacks.py [--rounds 5] [--inner-steps 20] [--attacks sign_flip,scale]
     .venv/bin/python bench/bench_swarm_attacks.py --rounds 1 --repeat 5 --attacks sign_flip --no-clean  # round 0 only
     .venv/bin/python bench/bench_swarm_attacks.py --attacks alie_search,edge,mimic,ipm_search,minmax_std
+    .venv/bin/python bench/bench_swarm_attacks.py --anchor-floor 0.1 --attacks sign_flip,alie_search,edge,minsum_sign
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run(dataset: str, attack: str | None, args: argparse.Namespace) -> str:
             *([] if attack is None else ["--byzantine", "1", "--attack", attack]),
             "--", "--model-size", "micro", "--batch-size", "4", "--seq-len", "64",
             "--log-every", str(args.inner_steps), "--min-peers", str(nodes - 1), "--warmup-steps", "0",
+            *([] if args.anchor_floor is None else ["--anchor-floor", str(args.anchor_floor)]),
         ]  # fmt: skip
         out = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
@@ -110,6 +112,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per attack (one table row each)")
     parser.add_argument("--no-clean", action="store_true", help="skip the run of the 4 honest nodes alone")
     parser.add_argument(
+        "--anchor-floor",
+        type=float,
+        default=None,
+        help="anchor every round after the first (neuroshard-node --anchor-floor; a network.toml's "
+        "default is 0.1): the nodes take no network definition, so none unless given",
+    )
+    parser.add_argument(
         "--base-port",
         type=int,
         default=47300,
@@ -122,7 +131,8 @@ def main() -> None:
     )
     dataset = (quick_dataset() if args.quick else bench_dataset(DEFAULT_TEXT)).location
     print(f"text: {'the quick text' if args.quick else DEFAULT_TEXT}")
-    print(f"micro model, batch 4x64, H={args.inner_steps}, {args.rounds} rounds, 1 thread per node")
+    anchored = "" if args.anchor_floor is None else f", anchored from round 1 (floor {args.anchor_floor})"
+    print(f"micro model, batch 4x64, H={args.inner_steps}, {args.rounds} rounds, 1 thread per node{anchored}")
     print(
         "| attack | honest records refusing it | by reason | honest contributions refused | rounds honest agree "
         "| honest loss first → last round | exchange s, median (commit phase) |"

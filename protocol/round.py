@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -206,8 +207,7 @@ class SumLie:
             "part": self.part,
             "sizes": [len(self.proof), len(self.data)],
         }
-        raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        return struct.pack("<Q", len(raw)) + raw + self.proof + self.data
+        return framed(header, self.proof + self.data)
 
     @classmethod
     def decode(cls, data: bytes, max_header: int = 64 << 10) -> SumLie:
@@ -240,6 +240,12 @@ def claims_sha256(claims: dict[int, AggregateClaim]) -> str:
     return sha256_hex("\n".join(f"{j}:{claims[j].sha256()}" for j in sorted(claims)).encode())
 
 
+def framed(header: Mapping[str, object], body: bytes) -> bytes:
+    """An 8-byte little-endian length, the JSON header, then the body (``schema.split_header`` reads it back)."""
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
 @dataclass(frozen=True)
 class FraudProof:
     """Evidence that an owner's signed aggregate is not what its signed inputs give.
@@ -259,8 +265,7 @@ class FraudProof:
             "inputs": self.inputs.to_obj(),
             "sizes": [[len(proof), len(part)] for proof, part in self.parts],
         }
-        raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        return struct.pack("<Q", len(raw)) + raw + b"".join(p + b for p, b in self.parts)
+        return framed(header, b"".join(p + b for p, b in self.parts))
 
     @classmethod
     def decode(cls, data: bytes, max_header: int = 16 << 20) -> FraudProof:

@@ -303,6 +303,22 @@ class OuterRound:
             )
         return None
 
+    async def _recompute(
+        self, held: Held, inputs: InputList, parts: Mapping[str, bytes], length: int
+    ) -> tuple[bytes, int, dict[str, str]]:
+        """`reduce.recompute` of one part this replica reduces, with the round's screening and
+        anchor, on a worker thread."""
+        return await asyncio.to_thread(
+            recompute,
+            inputs,
+            parts,
+            length,
+            self.config.encoding,
+            self.rule,
+            self._screening(held),
+            held.anchor,
+        )
+
     def _screening(self, held: Held) -> ValidationConfig | None:
         """The per-part screening of this round (wider limits may apply with an anchor)."""
         return self.config.screening(held.anchor is not None)
@@ -409,16 +425,7 @@ class OuterRound:
             dropped=tuple(sorted(dropped, key=lambda x: x.wallet)),
         )
         try:
-            aggregate, accepted, refused = await asyncio.to_thread(
-                recompute,
-                inputs,
-                parts,
-                b - a,
-                self.config.encoding,
-                self.rule,
-                self._screening(held),
-                held.anchor,
-            )
+            aggregate, accepted, refused = await self._recompute(held, inputs, parts, b - a)
         except (Refused, ValueError) as exc:  # a part that matches its hash but does not decode
             self.log(f"round {inp.round}: part {j}: an input does not decode ({exc}); reducing without it")
             bad = {w for w, data in parts.items() if not _decodes(data, held.commitments[w].encoding, b - a)}
@@ -430,16 +437,7 @@ class OuterRound:
                 dropped=tuple(sorted([*dropped, *(Dropped(wallet=w, reason="part does not decode") for w in bad)],
                                      key=lambda x: x.wallet)),
             )  # fmt: skip
-            aggregate, accepted, refused = await asyncio.to_thread(
-                recompute,
-                inputs,
-                parts,
-                b - a,
-                self.config.encoding,
-                self.rule,
-                self._screening(held),
-                held.anchor,
-            )
+            aggregate, accepted, refused = await self._recompute(held, inputs, parts, b - a)
         claim = AggregateClaim.create(
             self.wallet,
             **held.scope(),
