@@ -121,7 +121,7 @@ class AnchorCheck:
         half of them: attackers are a minority, so a majority below the floor has honest rows in it
         (a stale anchor), and refusing them would leave the minority to decide. Colluders that sit
         below the floor on purpose count toward that majority: with f of n, they switch the check
-        off once ⌈n/2⌉ + 1 − f honest rows are below it too (not measured)."""
+        off once ⌊n/2⌋ + 1 − f honest rows are below it too (not measured)."""
         low = {c.wallet: r for c in commitments if (r := self.problem(c)) is not None}
         return low if 2 * len(low) <= len(commitments) else {}
 

@@ -329,9 +329,9 @@ class OuterRound:
         """In a round with an anchor: report each author whose matched part j states sums in its leaf
         that are not the part's own (its signed commitment, the proof and the part show it); the
         evidence goes out with this replica's digest (`_agree`), so every member that checks it
-        bans the liar too. The part stays in: whether a row is
-        aggregated must not hang on a float tolerance, which an owner and its checkers could judge
-        apart. Decoding every part again runs on a worker thread."""
+        bans the liar too. The part stays in: whether a row is aggregated must not hang on a float
+        tolerance, which an owner and its checkers could judge apart. Decoding every part again runs
+        on a worker thread."""
         anchor = held.inp.anchor
         if held.anchor is None or anchor is None or not reads:
             return
