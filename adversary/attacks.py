@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from neuroshard.node.aggregation import coordinate_median
-from neuroshard.node.validation import ValidationConfig, screen_round
+from neuroshard.node.validation import ValidationConfig, contribution_stats, screen_round
 
 FIXED = (
     "sign_flip",
@@ -230,6 +230,13 @@ class Anchor:
 
     direction: Tensor
     floor: float
+
+    def admits(self, row: Tensor) -> bool:
+        """Whether `row`'s cosine to the direction clears the floor (float64, as screening takes it);
+        a zero direction judges nothing, as in ``AnchorCheck``."""
+        if not bool(self.direction.any()):
+            return True
+        return contribution_stats(row, self.direction)["cosine"] >= self.floor
 
 
 def craft(

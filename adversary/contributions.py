@@ -232,7 +232,7 @@ def part_screen(config: ValidationConfig, parts: int, anchor: attacks.Anchor | N
     `anchor` every crafted row's whole cosine to it must clear its floor (``reduce.AnchorCheck``)."""
 
     def passes(estimate: Tensor, crafted: Tensor) -> bool:
-        if anchor is not None and any(_cosine(r, anchor.direction) < anchor.floor for r in crafted):
+        if anchor is not None and not all(anchor.admits(r) for r in crafted):
             return False
         rows = torch.cat([estimate, crafted])
         names = [f"h{i:04d}" for i in range(estimate.shape[0])] + [
@@ -247,12 +247,6 @@ def part_screen(config: ValidationConfig, parts: int, anchor: attacks.Anchor | N
         return True
 
     return passes
-
-
-def _cosine(a: Tensor, b: Tensor) -> float:
-    a64, b64 = a.double(), b.double()
-    denominator = float(a64.norm() * b64.norm())
-    return float(a64 @ b64) / denominator if denominator > 0 else 0.0
 
 
 def _rms(x: Tensor) -> float:

@@ -524,9 +524,9 @@ class AttackedAggregate:
 
             def base(estimate: Tensor, crafted: Tensor) -> bool:
                 # As the defence does: rows under the floor are out before any part is screened.
-                if any(_cosine(r, anchor.direction) < anchor.floor for r in crafted):
+                if not all(anchor.admits(r) for r in crafted):
                     return False
-                kept = [r for r in estimate if _cosine(r, anchor.direction) >= anchor.floor]
+                kept = [r for r in estimate if anchor.admits(r)]
                 return screened(torch.stack(kept) if kept else estimate, crafted)
 
         if not self.with_history:
@@ -634,7 +634,7 @@ class AttackedAggregate:
         anchor = self._anchor()
         if anchor is None:
             return {}
-        low = {w: "prev_cosine" for w, r in by_wallet.items() if _cosine(r, anchor.direction) < anchor.floor}
+        low = {w: "prev_cosine" for w, r in by_wallet.items() if not anchor.admits(r)}
         return low if 2 * len(low) <= len(by_wallet) else {}
 
     def _partitioned(

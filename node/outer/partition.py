@@ -33,6 +33,7 @@ map without a message.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import struct
@@ -206,14 +207,15 @@ def sum_tree_proofs(part_hashes: Sequence[str], sums: Sequence[Sums]) -> list[by
     return proofs
 
 
-def _empty_subtrees(depth: int) -> list[tuple[bytes, Sums]]:
+@functools.cache
+def _empty_subtrees(depth: int) -> tuple[tuple[bytes, Sums], ...]:
     """The label of a subtree of 2^level padding leaves, for level 0..depth−1: what a proof must
     show for a sibling that covers padding only (else a contributor could hang sums there that
     no owner ever reads)."""
     labels = [(EMPTY_LEAF, EMPTY_SUMS)]
     while len(labels) < depth:
         labels.append(_sum_node(labels[-1], labels[-1]))
-    return labels[:depth]
+    return tuple(labels[:depth])
 
 
 def sum_proof_bytes(count: int) -> int:

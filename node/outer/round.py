@@ -384,10 +384,10 @@ class OuterRound:
         if raw is None or len(raw) != span[1] - span[0]:
             return "its part could not be read before the deadline"
         proof, data = split_slot(raw, n, commitment.anchored)
-        lie = padding_problem(commitment, j, n, proof, data)
-        if lie is not None and commitment.signature_valid() and author in held.inp.members:
-            self._found_lie(held, j, SumLie(commitment, j, proof, data), lie)
         if not part_matches(commitment, j, n, proof, data):
+            lie = padding_problem(commitment, j, n, proof, data)
+            if lie is not None and commitment.signature_valid() and author in held.inp.members:
+                self._found_lie(held, j, SumLie(commitment, j, proof, data), lie)
             return f"part {j} does not match its signed commitment"
         return proof, data
 
