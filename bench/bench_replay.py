@@ -12,10 +12,11 @@ Rounds alternate (train, check, train, check, …) so drift in machine speed hit
     .venv/bin/python bench/bench_replay.py --precision bf16   # a bf16-autocast node, replayed in fp32
 
 With --precision bf16 the node trains with bf16 autocast and the verdict uses the verifier's
-cross-precision acceptance (verifier.replaycheck.tolerance_for).
+cross-precision acceptance (verifier.replaycheck.tolerance_for; segments of at most 50 steps its
+SEGMENT_TOLERANCE).
 
 Segment checks (issue 17): the same node also keeps a segment log (node.segments, k =
---segment-steps, default H/10) and its checkpoints on disk (node.segment_store); after each round
+--segment-steps, default H/40 as in a network.toml) and its checkpoints on disk (node.segment_store); after each round
 the verifier's segment check (verifier.segmentcheck.check_segment) replays every segment of it from
 the store, so the bench prints the cost of one segment check against the round's work, the honest
 verdicts (any refusal of an honest segment is a false refusal: target 0; run with --precision
@@ -49,6 +50,7 @@ from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.device import Placement, resolve_device
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.network_definition import DEFAULT_SEGMENTS_PER_ROUND
 from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.replay import ReplayService, decode_replay
@@ -173,7 +175,9 @@ def main() -> None:
         default="cpu",
         help="where the node trains: cpu, cuda, cuda:N (the verifier replays on the CPU)",
     )
-    parser.add_argument("--segment-steps", type=int, default=None, help="k (default: H/10)")
+    parser.add_argument(
+        "--segment-steps", type=int, default=None, help="k (default: H/40, a network.toml's default)"
+    )
     parser.add_argument("--draws", type=int, default=4, help="segments the verifier checks per round")
     parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--sim-rounds", type=int, default=11)
@@ -190,7 +194,7 @@ def main() -> None:
     )
     torch.set_num_threads(args.threads)
     h = args.inner_steps
-    k = args.segment_steps or max(1, h // 10)
+    k = args.segment_steps or max(1, h // DEFAULT_SEGMENTS_PER_ROUND)
 
     dataset = quick_dataset() if args.quick else bench_dataset(args.text)
     print(f"text: {'the quick text' if args.quick else args.text}")
@@ -198,6 +202,9 @@ def main() -> None:
     diloco_cfg = DiLoCoConfig(inner_steps=h, warmup_steps=20, total_steps=20_000)
     args.placement = Placement(device=resolve_device(args.device), precision=args.precision)
     tolerance = tolerance_for(args.placement.device.type, args.precision, ReplayCheckConfig())
+    args.segment_tolerance = tolerance_for(
+        args.placement.device.type, args.precision, ReplayCheckConfig(), segment_steps=k
+    )
     reports: list[RoundReport] = []
     receipts: list[dict[str, Any]] = []
 
@@ -316,13 +323,15 @@ def main() -> None:
         f"{args.draws} segments a round = {min(args.draws, segments) * seg / n:.3f} of it; "
         f"recording {statistics.median(record_s):.3f} s per round = {statistics.median(record_s) / n:.3f} of it"
     )
+    segment_tolerance = args.segment_tolerance
     print(
-        f"honest segments ({args.placement.describe()} node, CPU fp32 replay, cosine >= {tolerance.min_cosine}, norm ±{tolerance.norm_tolerance}): "
+        f"honest segments ({args.placement.describe()} node, CPU fp32 replay, cosine >= "
+        f"{segment_tolerance.min_cosine}, norm ±{segment_tolerance.norm_tolerance}): "
         f"{len(honest) - len(refused)}/{len(honest)} passed, false refusals {len(refused)}; cosine min {min(cosines):.6f}, "
         f"norm ratio {min(ratios):.4f}..{max(ratios):.4f}"
     )
     later_stage_segments(args, dataset, model_cfg, diloco_cfg, k)
-    liar_segments(args, dataset, model_cfg, diloco_cfg, k, tolerance)
+    liar_segments(args, dataset, model_cfg, diloco_cfg, k, segment_tolerance)
     print(
         f"detection, simulated ({args.trials} seeded trials, {args.draws} segments drawn a round, share caught "
         f"within {args.sim_rounds} rounds; closed form in brackets):"
@@ -358,7 +367,7 @@ def check_segments(
         model=model_cfg, diloco=diloco_cfg, num_stages=1, stage=0, round=doc["round"],
         wallet=NODE.public_key_hex, root=doc["segment_root"], spans=spans,
     )  # fmt: skip
-    tolerance = tolerance_for(args.placement.device.type, args.precision, ReplayCheckConfig())
+    tolerance = args.segment_tolerance
     seconds = []
     for j in range(doc["segments"]):
         start = time.perf_counter()
@@ -431,7 +440,7 @@ def later_stage_segments(
         model=model_cfg, diloco=diloco_cfg, num_stages=2, stage=1, round=0, wallet=NODE.public_key_hex,
         root=log.root(), base_hash=base, delta_digest=tensor_digest(delta),
     )  # fmt: skip
-    tolerance = tolerance_for(args.placement.device.type, args.precision, ReplayCheckConfig())
+    tolerance = args.segment_tolerance
     verdicts, seconds = [], []
     for j in range(log.segments):
         t = time.perf_counter()

@@ -46,7 +46,7 @@ from torch import Tensor
 from neuroshard.adversary.work_lies import DELTA_FACTOR
 from neuroshard.data import BatchStream, Dataset, assign_shards
 from neuroshard.node.device import Placement, resolve_device
-from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters
+from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.replay import InnerState, capture_inner_state, install_inner_state
 from neuroshard.verifier.evaluate import measure_loss
@@ -115,6 +115,17 @@ def main() -> None:
     parser.add_argument(
         "--claim-device", default="cpu", help="where the bf16 claims train: cpu (autocast), cuda, cuda:N"
     )
+    parser.add_argument(
+        "--segments", default="", help="segment lengths k of the segment sweep (e.g. 5,10,25,50; empty: none)"
+    )
+    parser.add_argument("--segment-samples", type=int, default=8, help="segments per k and seed")
+    parser.add_argument("--segment-warmup", type=int, default=100, help="fp32 steps before the first segment")
+    parser.add_argument(
+        "--claim-precision",
+        choices=("bf16", "fp16"),
+        default="bf16",
+        help="the segment sweep's honest claims",
+    )
     args = parse_with_quick(
         parser,
         seeds=1,
@@ -122,6 +133,9 @@ def main() -> None:
         inner_steps=3,
         sweep="2",
         sweep_seeds=1,
+        segments="2",
+        segment_samples=2,
+        segment_warmup=2,
         model_size="micro",
         batch_size=2,
         seq_len=32,
@@ -263,8 +277,98 @@ def main() -> None:
     for (hs, name), values in sweep.items():
         cos, ratio = [c for c, _ in values], [n for _, n in values]
         print(f"| {hs} | {name} | {summary(cos)} | {summary(ratio)} |")
+    if args.segments:
+        segment_sweep(args, dataset, model_cfg, held_out, started)
     print(f"total {time.perf_counter() - started:.0f} s")
     dataset.source.close()
+
+
+SEGMENT_SCALES = (1.01, 1.02, 1.05)
+
+
+def segment_sweep(
+    args: argparse.Namespace, dataset: Dataset, model_cfg: ModelConfig, held_out: int, started: float
+) -> None:
+    """Segment checks (issue 17): a replica trains in `--claim-precision` on the claim device from
+    its own previous segment's end, as a node does mid-round; the verifier replays each segment's k
+    steps on the CPU in fp32 from that committed start. Per k: the honest claims and the lies."""
+    claim = Placement(device=resolve_device(args.claim_device), precision=args.claim_precision)
+    ks = [int(v) for v in args.segments.split(",") if v]
+    out: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    total = max(ks) * args.segment_samples
+    for seed in range(args.sweep_seeds):
+        assigned, other = streams(dataset, f"segment-{seed}", held_out, args.batch_size, args.seq_len)
+        cfg = DiLoCoConfig(inner_steps=args.segment_warmup + total, warmup_steps=20, total_steps=20_000)
+        warm = DiLoCo(build_stage(model_cfg, 0, 1), cfg)
+        for _ in range(args.segment_warmup):  # past the lr warm-up, AdamW's moments filled
+            warm.inner_step(*assigned.next_batch())
+        for k in ks:
+            engine = DiLoCo(build_stage(model_cfg, 0, 1), cfg, placement=claim)
+            copy_into_parameters(flat_parameters(warm.params), engine.params)
+            engine.steps_in_round = warm.steps_in_round
+            install_inner_state(engine, _inner(warm))
+            gen = torch.Generator().manual_seed(seed)
+            for _ in range(args.segment_samples):
+                theta, inner, step = flat_parameters(engine.params), _inner(engine), engine.steps_in_round
+                batches = [assigned.next_batch() for _ in range(k)]
+                elsewhere = [other.next_batch() for _ in range(k)]
+                for x, y in batches:
+                    engine.inner_step(x, y)
+                claimed = flat_parameters(engine.params) - theta
+                replayed = _segment(model_cfg, cfg, theta, inner, step, batches, FP32) - theta
+
+                kept = k - max(1, round(0.2 * k))
+                noise = torch.randn(claimed.shape, generator=gen)
+                claims = {
+                    f"honest {claim.describe()}": claimed,
+                    **{f"lie: update x{f:.2f}": f * claimed for f in SEGMENT_SCALES},
+                    "lie: other data": _segment(model_cfg, cfg, theta, inner, step, elsewhere, FP32) - theta,
+                    f"lie: {k - kept} of {k} steps skipped": (
+                        _segment(model_cfg, cfg, theta, inner, step, batches[:kept], FP32) - theta
+                    ),
+                    "lie: made-up update (honest norm)": noise * claimed.norm() / noise.norm(),
+                }
+                for name, delta in claims.items():
+                    r = compare_deltas(delta, replayed, SpotCheckConfig(min_cosine=-1.0, norm_tolerance=1e9))
+                    out.setdefault((k, name), []).append((r.cosine, r.norm_ratio))
+            print(f"  segments k={k} seed {seed}: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(
+        f"\nsegments ({args.sweep_seeds} seeds x {args.segment_samples} consecutive segments per k, after "
+        f"{args.segment_warmup} fp32 steps), claims trained on {claim.describe()}, replayed on the CPU in "
+        "fp32 from the committed start; cosine and norm ratio min / median / max"
+    )
+    print("| k | claim | cosine | norm ratio | max abs(norm ratio - 1) |")
+    print("|---|---|---|---|---|")
+    for (k, name), values in out.items():
+        cos, ratio = [c for c, _ in values], [n for _, n in values]
+        worst = max(abs(n - 1) for n in ratio)
+        print(f"| {k} | {name} | {summary(cos)} | {summary(ratio)} | {worst:.5f} |")
+
+
+def _inner(engine: DiLoCo) -> InnerState:
+    inner = capture_inner_state(engine)
+    assert inner is not None
+    return inner
+
+
+def _segment(
+    model_cfg: ModelConfig,
+    cfg: DiLoCoConfig,
+    theta: Tensor,
+    inner: InnerState,
+    step: int,
+    batches: Batches,
+    placement: Placement,
+) -> Tensor:
+    """The weights after `batches` from (theta, inner) at inner step `step` of round 0 (the
+    verifier's replay sets the round and step the same way, verifier.segmentcheck)."""
+    engine = DiLoCo(build_stage(model_cfg, 0, 1), cfg, placement=placement)
+    copy_into_parameters(theta, engine.params)
+    engine.steps_in_round = step
+    install_inner_state(engine, inner)
+    for x, y in batches:
+        engine.inner_step(x, y)
+    return flat_parameters(engine.params)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ What the verdict depends on, besides the proof's own signed bytes:
   the definition is whatever the file says;
 - the tolerance and step-count flags. With neither --device nor --precision (the default) the
   replay is held to the tolerance that holds for every receipt whatever it trained on
-  (verifier.replaycheck.CALIBRATED_TOLERANCE) and to the step-count rule every precision meets
+  (verifier.replaycheck.calibrated_tolerance at the proof's segment length: SEGMENT_TOLERANCE up
+  to SEGMENT_TOLERANCE_STEPS steps, CALIBRATED_TOLERANCE beyond) and to the step-count rule every precision meets
   (fp16's: counts may fall short of the steps, uniformly): the most lenient, and the only verdict
   that does not depend on the verifier's listing. --device and --precision, given together as the
   list shows the receipt's, apply the verifier's own tolerance and count rule
@@ -64,7 +65,7 @@ from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.refusal import Refused
 from neuroshard.verifier.background import open_run_dataset
 from neuroshard.verifier.network import NetworkDefinition, NetworkError, load_network, parse_network
-from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE, ReplayCheckConfig, tolerance_for
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, calibrated_tolerance, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     ANY_PRECISION,
     BatchReader,
@@ -212,10 +213,15 @@ def check(args: argparse.Namespace) -> tuple[bool, str]:
     if isinstance(loaded, str):
         return False, loaded
     network, proof, about = loaded.network, loaded.proof, loaded.about
+    k = proof.material.log.segment_steps
     if args.device is None:  # and --precision: main() takes both or neither
-        tolerance, trained = CALIBRATED_TOLERANCE, ANY_PRECISION
+        tolerance, trained = calibrated_tolerance(k), ANY_PRECISION
     else:
-        tolerance, trained = tolerance_for(args.device, args.precision, ReplayCheckConfig()), args.precision
+        config = ReplayCheckConfig()
+        tolerance, trained = (
+            tolerance_for(args.device, args.precision, config, segment_steps=k),
+            args.precision,
+        )
     verdict = judge_fraud_proof(
         proof, model=network.model, diloco=network.diloco, num_stages=network.num_stages,
         tolerance=tolerance, read_batch=loaded.read, spans=args.spans, trained_precision=trained,

@@ -220,7 +220,12 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
     budget = (
         None
         if args.replay_budget is None
-        else ReplayBudget(replicas=args.replay_budget, check_cost=segment_check_cost(args.segments_per_check))
+        else ReplayBudget(
+            replicas=args.replay_budget,
+            check_cost=segment_check_cost(
+                args.segments_per_check, network.segment_k / network.diloco.inner_steps
+            ),
+        )
     )
     if not args.keep_fraud_gb > 0:
         raise ValueError(f"--keep-fraud-gb must be > 0, got {args.keep_fraud_gb}")

@@ -54,6 +54,18 @@ off. A served definition without the key, and a definition built in code (a lone
 embedded verifier), mean no anchor: the bytes signed before this default keep their meaning."""
 
 
+DEFAULT_SEGMENTS_PER_ROUND = 40
+"""``[training] segment_steps`` of a network.toml that names none: k = H/40 (at least 1), so the
+verifier's four segment checks of a round cost about a tenth of that round's work (4 · k/H = 0.1,
+plus the check's overhead; verifier.budget) while a replica that fakes 10% of its segments is
+caught within 11 rounds with ≥ 99% probability (issue 17, bench/bench_replay.py). The price is the
+replica's: H/40 + 1 checkpoints a round instead of H/10 + 1 (12 bytes per parameter each, hashed
+and written off the training thread; node.segments). A served definition without the key, and a
+definition built in code, mean H/10 (`LEGACY_SEGMENTS_PER_ROUND`): the bytes signed before this
+default keep their meaning, and nodes that commit with that k keep passing the count check."""
+LEGACY_SEGMENTS_PER_ROUND = 10
+
+
 class NetworkError(ValueError):
     """A network.toml (or served definition) that is missing, malformed or inconsistent."""
 
@@ -97,7 +109,9 @@ class NetworkDefinition:
     Needs outer momentum > 0."""
     segment_steps: int | None = None
     """``[training] segment_steps``: k, inner steps per committed segment (node.segments); a spot
-    check replays one segment, so it costs about k/H of the round it checks. None: H/10."""
+    check replays one segment, so it costs about k/H of the round it checks. A network.toml that
+    names none gets H/40 (`DEFAULT_SEGMENTS_PER_ROUND`); None (a served definition without the key,
+    one built in code): H/10."""
 
     def __post_init__(self) -> None:
         if self.pipeline_codec not in CODECS:
@@ -117,8 +131,8 @@ class NetworkDefinition:
 
     @property
     def segment_k(self) -> int:
-        """The run's segment length: `segment_steps`, or H/10 (at least 1)."""
-        return self.segment_steps or max(1, self.diloco.inner_steps // 10)
+        """The run's segment length: `segment_steps`, or H/10 (at least 1) when it has none."""
+        return self.segment_steps or max(1, self.diloco.inner_steps // LEGACY_SEGMENTS_PER_ROUND)
 
     def to_document(self) -> dict[str, Any]:
         diloco = dataclasses.asdict(self.diloco)
@@ -207,8 +221,9 @@ def parse_network(
     """A validated NetworkDefinition from the parsed TOML document, or (`served`) from a served,
     signed JSON one: the two differ only in what a key left out implies — the codec of a
     multi-stage definition (`pipeline_codec`), the outer warm-up (`DEFAULT_OUTER_WARMUP_ROUNDS`
-    for a network.toml, 0 for a served definition) and the anchor floor (`DEFAULT_ANCHOR_FLOOR`
-    for a network.toml with outer momentum, none for a served definition)."""
+    for a network.toml, 0 for a served definition), the anchor floor (`DEFAULT_ANCHOR_FLOOR`
+    for a network.toml with outer momentum, none for a served definition) and the segment length
+    (H/40 for a network.toml, `DEFAULT_SEGMENTS_PER_ROUND`; none, meaning H/10, for a served one)."""
     doc = dict(doc)
     doc.pop("format", None)
     name = doc.pop("name", "neuroshard")
@@ -234,7 +249,8 @@ def parse_network(
     training = _table(doc, "training", source)
     batch_size = _int(training, "batch_size", f"{source}: [training]", 8)
     seq_len = _int(training, "seq_len", f"{source}: [training]", 128)
-    segment_steps = training.pop("segment_steps", None)
+    implied_k = None if served else max(1, diloco.inner_steps // DEFAULT_SEGMENTS_PER_ROUND)
+    segment_steps = training.pop("segment_steps", implied_k)
     if segment_steps is not None and (type(segment_steps) is not int or segment_steps < 1):
         raise NetworkError(
             f"{source}: [training] segment_steps must be a positive integer, got {segment_steps!r}"

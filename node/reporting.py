@@ -119,7 +119,7 @@ def _version() -> str:
 
 def segment_store(home: Path, segment_steps: int, keep_rounds: int, log: Log) -> SegmentStore:
     """The node's segment store under HOME/segments: k = the run's `segment_k` (its definition's
-    [training] segment_steps, else H/10), the last `keep_rounds` rounds (--replay-rounds)."""
+    [training] segment_steps: H/40 in a network.toml that names none), the last `keep_rounds` rounds (--replay-rounds)."""
     config = SegmentConfig(segment_steps=segment_steps, keep_rounds=keep_rounds)
     return SegmentStore(Path(home) / "segments", config, log=log)
 

@@ -55,12 +55,12 @@ T = TypeVar("T")
 
 @dataclass(kw_only=True)
 class SegmentConfig:
-    segment_steps: int = 50
-    """k, inner steps per segment. A spot check replays one segment, so it costs k/H of the round it
-    checks (measured 0.11–0.13 of the round at k = H/10 with its overhead, bench/bench_replay.py):
-    H/10 is the issue's suggestion (50 at the production H = 500); four checks a round then cost
-    ~0.45 of the checked replica's round, and k = H/40 brings that to ~0.1 at the same detection
-    (bench). The network definition carries it once the integrator wires it."""
+    segment_steps: int = 12
+    """k, inner steps per segment (a run's is its network definition's `segment_k`: H/40 for a
+    network.toml that names none, 12 at the production H = 500). A spot check replays one segment,
+    so it costs k/H of the round it checks plus ~33% overhead (bench/bench_replay.py): four checks
+    a round cost ~0.13 of the checked replica's round at H/40, ~0.53 at H/10. Each segment
+    boundary costs the replica a checkpoint (see `max_bytes`)."""
     keep_rounds: int = 3
     """Rounds of checkpoints and received payloads kept on disk to answer challenges (the verifier
     fetches right after sampling, as it does for whole-round replays: node.replay keeps 3 too)."""

@@ -191,21 +191,25 @@ class SegmentLog:
                 h = hashlib.sha256(h + b"S" + bytes.fromhex(self.steps[i].sha256())).digest()
         return h.hex()
 
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "round": self.round,
+            "segment_steps": self.segment_steps,
+            "start_step": self.start_step,
+            "steps": [s.to_obj() for s in self.steps],
+            "checkpoints": list(self.checkpoints),
+        }
+
     def to_json(self) -> bytes:
-        return canonical_json(
-            {
-                "stage": self.stage,
-                "round": self.round,
-                "segment_steps": self.segment_steps,
-                "start_step": self.start_step,
-                "steps": [s.to_obj() for s in self.steps],
-                "checkpoints": list(self.checkpoints),
-            }
-        )
+        return canonical_json(self.to_obj())
 
     @classmethod
     def from_json(cls, data: bytes | str) -> SegmentLog:
-        obj = parse_json(data, "segment log")
+        return cls.from_obj(parse_json(data, "segment log"))
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> SegmentLog:
         keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints"}
         if not isinstance(obj, dict) or set(obj) != keys:
             raise malformed(f"segment log must hold exactly {', '.join(sorted(keys))}")
@@ -232,3 +236,23 @@ class SegmentCommitment(Signed):
     stage: Annotated[int, integer(0, MAX_STAGE)]
     round: Annotated[int, integer(0, MAX_COUNT)]
     root: Annotated[str, hex_bytes(32)]
+
+
+@dataclass(frozen=True)
+class SignedSegmentLog:
+    """A replica's round log with its signed commitment, without checkpoints or payloads: what
+    GET /p2p/segment-log/{round} serves, so the verifier can hold what a sender recorded sending
+    against the headers it signed for its receivers (verifier.segmentcheck.sent_contradictions)."""
+
+    log: SegmentLog
+    commitment: SegmentCommitment
+
+    def encode(self) -> bytes:
+        return canonical_json({"commitment": self.commitment.to_obj(), "log": self.log.to_obj()})
+
+    @classmethod
+    def decode(cls, data: bytes) -> SignedSegmentLog:
+        obj = parse_json(data, "signed segment log")
+        if not isinstance(obj, dict) or set(obj) != {"commitment", "log"}:
+            raise malformed("signed segment log must hold exactly commitment and log")
+        return cls(SegmentLog.from_obj(obj["log"]), SegmentCommitment.from_obj(obj["commitment"]))

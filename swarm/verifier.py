@@ -23,6 +23,7 @@ from typing import Any
 
 from neuroshard.data import load_or_create_signing_key, open_dataset, parse_public_key
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.network_definition import LEGACY_SEGMENTS_PER_ROUND
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.roster import Roster
 from neuroshard.protocol.signing import sign_request
@@ -123,7 +124,13 @@ def network_tables(
             # Named even when 0: a network.toml without it would ramp over 3 rounds.
             "outer_warmup_rounds": node.outer_warmup_rounds,
         },
-        "training": {"batch_size": node.batch_size, "seq_len": node.seq_len},
+        # k = H/10, named: every node of a swarm writes its segment checkpoints to this one machine's
+        # disk, where a network.toml's H/40 would write four times as many.
+        "training": {
+            "batch_size": node.batch_size,
+            "seq_len": node.seq_len,
+            "segment_steps": max(1, inner_steps // LEGACY_SEGMENTS_PER_ROUND),
+        },
         # Named even when off: a network.toml without it would anchor its rounds.
         "aggregation": {"anchor_floor": False if node.anchor_floor is None else node.anchor_floor},
         "data": {"manifest_url": data_dir, "publisher_key": publisher_key},

@@ -2,7 +2,7 @@
 
 A whole-round replay costs about what the round cost the replica (bench/RESULTS.md: replay/work
 0.95 to 1.15); a segment check of s segments of k steps costs about s · k/H of it plus a fixed
-overhead (4 segments at k = H/10: 0.44–0.53, issue 17). A budget of B replicas' worth of
+overhead of up to a third of that (4 segments at k = H/10: 0.44–0.53; at k = H/40 ~0.13, issue 17). A budget of B replicas' worth of
 compute therefore buys C = B / check_cost checks per round whatever the network's size; with a
 thousand wallets the verifier cannot check everyone. The checks are split in two:
 
@@ -66,14 +66,23 @@ class ReplayBudget:
         return max(1, math.ceil(wallets / (self.coverage_share * self.checks)))
 
 
-SEGMENT_COST = 0.133
-"""Replica-rounds one segment check costs at k = H/10, its fixed overhead included: the largest of
-0.109–0.133 measured (bench/bench_replay.py, bench/RESULTS.md, issue 17)."""
+SEGMENT_OVERHEAD = 1.33
+"""What a segment check costs over its k/H share of the round's work (store read, hashes, model
+build), as a factor: the largest measured ratio (bench/bench_replay.py, tiny model, CPU; bench/
+RESULTS.md, issue 17): 0.133 at k/H = 0.1, 0.020–0.034 at k/H = 0.03, 0.023 at k/H = 0.02.
+The parts that do not shrink with k (two checkpoints and θ_round fetched and hashed a segment)
+grow with the model as the replay does, so the factor is taken to hold at other sizes; not
+measured beyond the tiny model."""
 
 
-def segment_check_cost(segments: int) -> float:
-    """What checking `segments` segments of one receipt costs, in replica-rounds (k = H/10)."""
-    return segments * SEGMENT_COST
+def segment_check_cost(segments: int, segment_share: float) -> float:
+    """What checking `segments` segments of one receipt costs, in replica-rounds, when a segment
+    holds `segment_share` = k/H of the round's inner steps (the run's `[training] segment_steps`)."""
+    if segments < 1 or not 0 < segment_share <= 1:
+        raise ValueError(
+            f"segment_check_cost needs segments ≥ 1 and 0 < k/H ≤ 1, got {segments}, {segment_share}"
+        )
+    return segments * min(1.0, SEGMENT_OVERHEAD * segment_share)
 
 
 @dataclass(frozen=True)

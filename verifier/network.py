@@ -25,7 +25,9 @@ key, so a joining node can check it against the operator key it was given. A min
     [training]
     batch_size = 8       # sequences per inner step (spot checks replay with these)
     seq_len = 128
-    segment_steps = 10   # k of the segment checks (node.segments); omitted: inner_steps / 10
+    segment_steps = 2    # k of the segment checks (node.segments); omitted: inner_steps / 40
+                         # (at least 1); set it higher to keep fewer checkpoints on disk, and
+                         # the verifier's checks cost more (verifier.budget)
 
     [aggregation]
     rule = "default"     # node.aggregation: a rule name, "default" or "nnm+<rule>"
@@ -53,6 +55,7 @@ from nacl.signing import SigningKey
 
 from neuroshard.data.keys import load_or_create_signing_key
 from neuroshard.node.network_definition import (
+    LEGACY_SEGMENTS_PER_ROUND,
     NETWORK_FORMAT,
     NETWORK_SIGNATURE_HEADER,
     OPERATOR_HEADER,
@@ -65,6 +68,7 @@ from neuroshard.node.network_definition import (
 from neuroshard.node.wallet import Wallet
 
 __all__ = [
+    "LEGACY_SEGMENTS_PER_ROUND",
     "NETWORK_FORMAT",
     "NETWORK_SIGNATURE_HEADER",
     "OPERATOR_HEADER",

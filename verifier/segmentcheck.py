@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +53,12 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused
-from neuroshard.protocol.segments import Received, SegmentCommitment, SegmentLog, StepRecord
+from neuroshard.protocol.segments import (
+    Received,
+    SegmentCommitment,
+    SignedSegmentLog,
+    StepRecord,
+)
 
 from .spotcheck import SpotCheckConfig, SpotCheckError, compare_deltas
 from .stageshape import label_bound, stage_config
@@ -241,30 +246,71 @@ def _merged(spans: Sequence[tuple[int, int, int] | None]) -> list[tuple[int, int
     return out
 
 
-def record_mismatches(sender: SegmentLog, sender_wallet: str, receiver: SegmentLog) -> list[str]:
-    """Where two replicas' committed logs disagree about what `sender_wallet` sent `receiver`: for
-    each message the receiver records from that sender, the sender's step of the same micro-batch
-    must record sending that payload. A step whose `sent` entry is missing is not a disagreement
-    (a reply encoded after its round closed). Since the receiver's segment check holds its record
-    to the sender's signed header, a disagreement left after that check is the sender's own log
-    contradicting what it signed (a replica that sends on something other than what it recorded)."""
-    sent = {
-        (step.micro_batch, ref.kind): ref.payload_sha256
-        for step in sender.steps
-        if step.micro_batch
-        for ref in step.sent
-    }
+def sender_round(message: Received) -> tuple[int, int] | None:
+    """(stage, round) of the replica that signed `message`'s header: activations come from the
+    stage before the one they are for, a gradient reply from the replier's own stage. None when
+    the header does not parse."""
+    try:
+        if message.kind == "activations":
+            act = ActivationHeader.from_json(message.header)
+            return act.stage - 1, act.round
+        reply = GradientReply.from_json(message.header)
+        return reply.stage, reply.round
+    except Refused:
+        return None
+
+
+def signed_log_problem(
+    sender: SignedSegmentLog, wallet: str, stage: int, round_: int, root: str
+) -> str | None:
+    """Why a sender's served log cannot be held against it (None when it can): it must be signed by
+    `wallet` for (`stage`, `round_`) and be the chain its receipt committed to (`root`)."""
+    c, log = sender.commitment, sender.log
+    if c.wallet != wallet or not c.signature_valid():
+        return "its log's commitment is not signed by it"
+    if (c.stage, c.round, log.stage, log.round) != (stage, round_) * 2:
+        return f"its log is for stage {log.stage} round {log.round}, not stage {stage} round {round_}"
+    if not c.root == log.root() == root:
+        return "its log's root is not the one its receipt committed to"
+    return None
+
+
+def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received]) -> list[str]:
+    """Where a sender's signed round log contradicts headers it signed (empty when it agrees): for
+    each of `messages` (what a checked replica consumed) whose header the log's signer signed for
+    the log's round, the sender's step of that micro-batch must record sending that payload among
+    what it records sending. Only a micro-batch the log names in exactly one step makes a claim:
+    an honest replica trains twice on an id that two senders used (the pipeline keys what it took
+    by sender and id) and answers each. A step without a `sent` entry of that kind makes no claim
+    (a reply encoded after its round closed). Both sides are the sender's own signatures — its
+    commitment on the log, its header on the payload — so a contradiction is its fault whatever its
+    receiver did: it sent on something other than what it recorded. Check the log with
+    `signed_log_problem` first."""
+    log, signer = sender.log, sender.commitment.wallet
+    steps_of: dict[str, int] = {}
+    for step in log.steps:
+        if step.micro_batch:
+            steps_of[step.micro_batch] = steps_of.get(step.micro_batch, 0) + 1
+    sent: dict[tuple[str, str], set[str]] = {}
+    for step in log.steps:
+        if steps_of.get(step.micro_batch) == 1:
+            for ref in step.sent:
+                sent.setdefault((step.micro_batch, ref.kind), set()).add(ref.payload_sha256)
     out = []
-    for i, step in enumerate(receiver.steps):
-        for ref in step.received:
-            if ref.sender != sender_wallet:
-                continue
-            recorded = sent.get((step.micro_batch, ref.kind))
-            if recorded is not None and recorded != ref.payload_sha256:
-                out.append(
-                    f"micro-batch {step.micro_batch}: the receiver's step {i} took {ref.kind} "
-                    f"{ref.payload_sha256[:16]}, the sender recorded sending {recorded[:16]}"
-                )
+    for message in messages:
+        if message.sender != signer or sender_round(message) != (log.stage, log.round):
+            continue
+        parse = ActivationHeader.from_json if message.kind == "activations" else GradientReply.from_json
+        header = parse(message.header)
+        if header.wallet != signer or not header.signature_valid():
+            continue  # not the sender's word (the receiver's own check refuses it)
+        recorded = sent.get((header.micro_batch, message.kind))
+        if recorded is not None and header.payload_sha256 not in recorded:
+            named = ", ".join(sorted(r[:16] for r in recorded))
+            out.append(
+                f"micro-batch {header.micro_batch}: it signed {message.kind} {header.payload_sha256[:16]}, "
+                f"its log records sending {named}"
+            )
     return out
 
 

@@ -17,9 +17,10 @@ from neuroshard.data import Dataset
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.reports import DataSpan
+from neuroshard.protocol.segments import segment_boundaries
 
 from . import models as m
-from .network import NetworkDefinition
+from .network import LEGACY_SEGMENTS_PER_ROUND, NetworkDefinition
 from .segmentcheck import BatchReader, SegmentClaim, SegmentFraudProof, check_segment, commitment_problems
 from .spotcheck import SpotCheckConfig, SpotCheckError, claimed_batches
 
@@ -28,6 +29,29 @@ def segment_root(receipt: m.Receipt) -> tuple[str, int] | None:
     """(segment_root, segments) of a receipt, when it commits to one (and the database keeps it)."""
     root, count = getattr(receipt, "segment_root", None), getattr(receipt, "segments", None)
     return None if root is None or count is None else (root, count)
+
+
+def allowed_segment_steps(network: NetworkDefinition) -> tuple[int, ...]:
+    """The segment lengths a receipt may commit with: the run's k and the H/10 of nodes that hold a
+    served definition signed before H/40 became a network.toml's default (they keep it until they
+    rejoin). A replica may therefore pick between the two, which bounds what it can cost a check
+    at four times the budgeted one (verifier.budget)."""
+    legacy = max(1, network.diloco.inner_steps // LEGACY_SEGMENTS_PER_ROUND)
+    return tuple(dict.fromkeys((network.segment_k, legacy)))
+
+
+def segment_count_problem(receipt: m.Receipt, allowed: Collection[int]) -> str | None:
+    """Why a receipt's committed segment count follows none of the `allowed` segment lengths (None
+    when it follows one). A replica that chose its own k would choose the verifier's cost: one
+    segment of H steps makes every check a whole-round replay, which the budget does not pay for."""
+    committed = segment_root(receipt)
+    if committed is None:
+        return None
+    counts = {len(segment_boundaries(receipt.inner_steps, k)) - 1: k for k in allowed}
+    if committed[1] in counts:
+        return None
+    wanted = " or ".join(f"{c} (k = {k})" for c, k in counts.items())
+    return f"commits to {committed[1]} segments; the run's segment length gives {wanted} for {receipt.inner_steps} inner steps"
 
 
 def max_segment_steps(inner_steps: int, segments: int) -> int:
@@ -75,8 +99,14 @@ def judge_segments(
     if root is None:
         raise ValueError(f"receipt of {receipt.wallet_id} round {receipt.round} commits to no segment root")
     spans = [(s, a, b) for s, a, b in receipt.data_spans]
+    allowed = allowed_segment_steps(network)
     cosines = []
     for j, material in sorted(pieces.items()):
+        if material.log.segment_steps not in allowed:
+            return SegmentsJudged(
+                False,
+                f"segment {j}: the log's segments are of {material.log.segment_steps} steps, not {allowed}",
+            )
         signer = material.commitment.wallet
         if wallet_id_of(bytes.fromhex(signer)) != receipt.wallet_id:
             return SegmentsJudged(False, f"segment {j}: the commitment is signed by another wallet")

@@ -12,6 +12,9 @@ moments are twice the model's size, not something to hand every peer that asks.
 A segment's material (node.segment_store.SegmentMaterial, safetensors with the log and the
 signed commitment in its metadata) is served the same way by `SegmentService`, from the rounds
 the node's SegmentStore holds; it is checked against the receipt's segment_root by the verifier.
+GET /p2p/segment-log/{round} serves the round's log and signed commitment alone (JSON,
+protocol.segments.SignedSegmentLog, ~0.3 KB a step): the verifier reads a sender's log to hold
+what it recorded sending against the headers it signed for the replica being checked.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import Tensor
 
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.segments import SignedSegmentLog
 
 from ..codec import HEADER_SLACK, check_layout
 from ..replay import InnerState, ReplayArchive, ReplayRecord
@@ -33,6 +37,16 @@ from ..segment_store import SegmentStore
 from .auth import PEER_WALLET
 
 SEGMENT = "/p2p/segment/{round}/{segment}"
+SEGMENT_LOG = "/p2p/segment-log/{round}"
+
+
+def segment_log_bound(inner_steps: int) -> int:
+    """Largest signed-log body of a round of `inner_steps` steps: a step's record is at most ~3 KB
+    (a span, a micro-batch id, 8 received and 8 sent references; ~0.3 KB in practice), plus the
+    checkpoint hashes and the commitment."""
+    return 4096 * inner_steps + (64 << 10)
+
+
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"
 
 
@@ -107,9 +121,11 @@ class ReplayService:
 
 
 class SegmentService:
-    """GET /p2p/segment/{round}/{segment}, as a ServerExtension of the node's peer server."""
+    """GET /p2p/segment/{round}/{segment} and GET /p2p/segment-log/{round}, as a ServerExtension
+    of the node's peer server."""
 
     ROUTE = "segment"
+    LOG_ROUTE = "segment-log"
 
     def __init__(self, store: SegmentStore, *, allowed_wallet: str | None = None) -> None:
         self.store = store
@@ -117,14 +133,32 @@ class SegmentService:
         """Hex public key allowed to ask (the verifier's operator); None: any signed peer."""
 
     def body_limit(self, route: str) -> int | None:
-        return 0 if route == self.ROUTE else None
+        return 0 if route in (self.ROUTE, self.LOG_ROUTE) else None
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(SEGMENT, self._serve, name=self.ROUTE)
+        app.router.add_get(SEGMENT_LOG, self._serve_log, name=self.LOG_ROUTE)
 
-    async def _serve(self, request: web.Request) -> web.StreamResponse:
+    def _only_the_verifier(self, request: web.Request) -> None:
         if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
             raise Refused("not_verifier", "segment material is served to the verifier's operator key only")
+
+    async def _serve_log(self, request: web.Request) -> web.StreamResponse:
+        self._only_the_verifier(request)
+        text = request.match_info["round"]
+        if not (text.isdigit() and len(text) <= 16):
+            raise Refused("malformed", f"round {text[:20]!r} is not a non-negative integer")
+        loop = asyncio.get_running_loop()
+        held = await loop.run_in_executor(None, self.store.log, int(text))
+        if held is None or held[1] is None:
+            raise Refused(
+                "not_held", f"no signed log of round {text} is held here (rounds: {self.store.rounds()})"
+            )
+        body = SignedSegmentLog(held[0], held[1]).encode()
+        return web.Response(status=200, body=body, content_type="application/json")
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        self._only_the_verifier(request)
         numbers = [request.match_info["round"], request.match_info["segment"]]
         if not all(t.isdigit() and len(t) <= 16 for t in numbers):
             raise Refused("malformed", f"round and segment {numbers!r} must be non-negative integers")

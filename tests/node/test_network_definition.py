@@ -104,12 +104,21 @@ def test_a_definition_built_in_code_is_checked_too() -> None:
         NetworkDefinition(**{**fields, "pipeline_codec": "int3"})
 
 
-def test_segment_steps_default_to_a_tenth_of_a_round_and_travel_signed() -> None:
-    """[training] segment_steps is k of the segment checks (issue 17); absent, k = H/10 and the
-    served bytes carry no key, so definitions signed before it keep their signatures."""
-    plain = parse_network({**_doc(), "diloco": {"inner_steps": 40}})
-    assert plain.segment_steps is None and plain.segment_k == 4
-    assert "segment_steps" not in json.loads(plain.canonical_bytes())["training"]
+def test_segment_steps_default_to_a_fortieth_of_a_round_and_travel_signed() -> None:
+    """[training] segment_steps is k of the segment checks (issue 17). A network.toml without it
+    gets H/40, written into the signed bytes so nodes commit with the verifier's k; a served
+    definition without it (signed before the default) keeps H/10 and its bytes."""
+    plain = parse_network({**_doc(), "diloco": {"inner_steps": 80}})
+    assert plain.segment_steps == 2 and plain.segment_k == 2
+    body, signature = sign_network(plain, OPERATOR)
+    assert json.loads(body)["training"]["segment_steps"] == 2
+    assert verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex)) == plain
+    assert parse_network({**_doc(), "diloco": {"inner_steps": 20}}).segment_k == 1  # at least one step
+    older = json.loads(plain.canonical_bytes())
+    del older["training"]["segment_steps"]
+    legacy = parse_network(older, served=True)
+    assert legacy.segment_steps is None and legacy.segment_k == 8
+    assert "segment_steps" not in json.loads(legacy.canonical_bytes())["training"]
     doc = {
         **_doc(),
         "diloco": {"inner_steps": 40},

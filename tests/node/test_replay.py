@@ -138,6 +138,11 @@ def test_a_bf16_replicas_round_passes_the_verifiers_fp32_replay_and_its_lies_do_
     cross = tolerance_for("cpu", "bf16", cfg)
     assert tolerance_for(None, None, cfg) == tolerance_for("cpu", "fp32", cfg) == cfg.tolerance
     assert tolerance_for("cuda", "fp32", cfg) == cross  # TF32 matmuls: not an exact replay
+    # short segments are held tighter whatever the precision; long ones like whole rounds
+    assert tolerance_for("cuda", "bf16", cfg, segment_steps=12) == cfg.segment
+    assert tolerance_for("cpu", "fp32", cfg, segment_steps=12) == cfg.segment
+    assert tolerance_for("cuda", "bf16", cfg, segment_steps=500) == cross
+    assert cfg.segment.norm_tolerance < cross.norm_tolerance and cfg.segment.min_cosine > cross.min_cosine
     assert not torch.equal(honest, replayed)
     assert compare_deltas(honest, replayed, cross).ok
     elsewhere = replay_inner_steps(

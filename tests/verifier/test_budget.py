@@ -12,7 +12,7 @@ from neuroshard.verifier import ledger
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.budget import (
-    SEGMENT_COST,
+    SEGMENT_OVERHEAD,
     ReplayBudget,
     Standing,
     check_rates,
@@ -141,13 +141,20 @@ def test_coverage_report_counts_replay_verdicts(db: Database) -> None:
 
 
 def test_a_cheaper_check_buys_more_checks_and_shorter_coverage() -> None:
-    """Segment checks (issue 17) cost a fraction of a round's replay: the same compute covers
-    every wallet sooner."""
+    """Segment checks (issue 17) cost a fraction of a round's replay, k/H each with its overhead:
+    the same compute covers every wallet sooner, and shorter segments sooner still."""
     whole = ReplayBudget(replicas=1.0, coverage_share=0.5)
-    segments = ReplayBudget(replicas=1.0, coverage_share=0.5, check_cost=segment_check_cost(4))
-    assert segment_check_cost(4) == pytest.approx(4 * SEGMENT_COST)
-    assert segments.checks == pytest.approx(1 / (4 * SEGMENT_COST))
+    tenth = segment_check_cost(4, 0.1)
+    fortieth = segment_check_cost(4, 1 / 40)
+    assert tenth == pytest.approx(4 * 0.1 * SEGMENT_OVERHEAD)
+    assert fortieth == pytest.approx(tenth / 4)
+    assert fortieth <= 0.14  # four checks at k = H/40: about a tenth of the round they check
+    segments = ReplayBudget(replicas=1.0, coverage_share=0.5, check_cost=tenth)
+    assert segments.checks == pytest.approx(1 / tenth)
     assert whole.max_gap(100) == 200
-    assert segments.max_gap(100) == math.ceil(100 / (0.5 / (4 * SEGMENT_COST)))
+    assert segments.max_gap(100) == math.ceil(100 / (0.5 / tenth))
+    assert segment_check_cost(4, 1.0) == 4.0  # a segment of the whole round costs a round, no more
+    with pytest.raises(ValueError, match="k/H"):
+        segment_check_cost(4, 0.0)
     with pytest.raises(ValueError, match="check_cost"):
         ReplayBudget(replicas=1.0, check_cost=0)

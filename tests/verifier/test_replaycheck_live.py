@@ -1,6 +1,6 @@
 """Live replay spot checks on loopback: a real verifier process checks every receipt of three
-real `neuroshard-node` processes that joined it, by segments (node.segments: k = H/10, so 12
-segments of 2 steps, 4 drawn per receipt). The honest node passes; a node that trained on windows
+real `neuroshard-node` processes that joined it, by segments (node.segments: the definition's
+segment_steps = 2, so 12 segments of 2 steps, 4 drawn per receipt). The honest node passes; a node that trained on windows
 it was not assigned while reporting its assigned spans (`--work-lie data`) fails every check; a
 node that claims 1.25 × its Δ (`--work-lie delta`, applied after its last inner step) sends a Δ
 that its committed chain does not end on, which only the round's last segment shows: it fails the
@@ -55,7 +55,7 @@ def _tables(published: PublishedData) -> dict[str, object]:
         "model": model.to_dict(),
         # The default warm-up of the node (30 steps): replays follow the schedule by round.
         "diloco": {"inner_steps": H, "warmup_steps": 30, "total_steps": 20_000},
-        "training": {"batch_size": 2, "seq_len": 32},
+        "training": {"batch_size": 2, "seq_len": 32, "segment_steps": 2},
         "aggregation": {"rule": "trimmed_mean", "f": 1},
         "data": {"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
         "evaluation": {"every_rounds": 1, "held_out_shard": 0},

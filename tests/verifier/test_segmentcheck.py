@@ -31,19 +31,36 @@ from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder, sha256_hex
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
-from neuroshard.protocol.segments import Received, SegmentCommitment, SentRef, StepRecord
+from neuroshard.protocol.segments import (
+    Received,
+    SegmentCommitment,
+    SegmentLog,
+    SentRef,
+    SignedSegmentLog,
+    StepRecord,
+    segment_boundaries,
+)
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
-from neuroshard.verifier.replaycheck import CALIBRATED_TOLERANCE, Challenge, ReplayCheckConfig, tolerance_for
+from neuroshard.verifier.replaycheck import (
+    CALIBRATED_TOLERANCE,
+    SEGMENT_TOLERANCE,
+    Challenge,
+    ReplayCheckConfig,
+    calibrated_tolerance,
+    tolerance_for,
+)
 from neuroshard.verifier.segmentcheck import (
     SegmentClaim,
     SegmentFraudProof,
     SegmentVerdict,
     check_segment,
     judge_fraud_proof,
-    record_mismatches,
+    sender_round,
+    sent_contradictions,
+    signed_log_problem,
 )
-from neuroshard.verifier.segmentlive import judge_segments
+from neuroshard.verifier.segmentlive import allowed_segment_steps, judge_segments, segment_count_problem
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, ffn_dim=64, max_seq_len=16)
 H, K, B, T = 8, 4, 2, 16
@@ -183,7 +200,8 @@ def train_round(
 
 
 def check(run: Run, segment: int, precision: str = "fp32", trained: str = "fp32") -> SegmentVerdict:
-    tolerance = tolerance_for("cpu", trained, ReplayCheckConfig())
+    tolerance = tolerance_for("cpu", trained, ReplayCheckConfig(), segment_steps=K)
+    assert tolerance == SEGMENT_TOLERANCE
     return check_segment(run.claim(precision), run.material(segment), tolerance, read_batch=read_batch)
 
 
@@ -214,8 +232,14 @@ def test_bf16_autocast_segments_pass_a_fp32_replay(tmp_path: Path, stage: int, n
     assert same.ok and same.cosine is not None and same.cosine > 1 - 1e-6
 
 
-@pytest.mark.parametrize(("stage", "num_stages"), [(0, 1), (1, 2)])
-def test_a_scaled_update_is_refused_and_proves_fraud(tmp_path: Path, stage: int, num_stages: int) -> None:
+@pytest.mark.parametrize(
+    ("stage", "num_stages", "factor"), [(0, 1, 1.25), (1, 2, 1.25), (0, 1, 1.04), (1, 2, 1.04)]
+)
+def test_a_scaled_update_is_refused_and_proves_fraud(
+    tmp_path: Path, stage: int, num_stages: int, factor: float
+) -> None:
+    """A segment's update inflated by 25%, or by 4% (which a whole round's ±5% would let through:
+    segments are held to SEGMENT_TOLERANCE), is refused, and its material proves it alone."""
     starts: dict[int, Tensor] = {}
 
     def scale(i: int, diloco: DiLoCo) -> None:
@@ -223,7 +247,7 @@ def test_a_scaled_update_is_refused_and_proves_fraud(tmp_path: Path, stage: int,
             starts[i // K] = flat_parameters(diloco.params)  # after step i; close enough to its start
         if i % K == K - 1 and i // K == 1:
             start = starts[1]
-            copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
+            copy_into_parameters(start + factor * (flat_parameters(diloco.params) - start), diloco.params)
 
     run = train_round(tmp_path, stage=stage, num_stages=num_stages, after_step=scale)
     assert check(run, 0).ok
@@ -235,9 +259,11 @@ def test_a_scaled_update_is_refused_and_proves_fraud(tmp_path: Path, stage: int,
         n_tensors=run.material(1).start.inner.steps.numel(),
     )
     kw = dict(model=MODEL, diloco=DILOCO, num_stages=num_stages, read_batch=read_batch, spans=run.spans)
-    tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
+    tolerance = calibrated_tolerance(K)  # what neuroshard-check-proof holds a proof of k = K steps to
     assert judge_fraud_proof(proof, tolerance=tolerance, **kw).proves
     assert not judge_fraud_proof(SegmentFraudProof(run.material(0)), tolerance=tolerance, **kw).proves
+    whole_round = judge_fraud_proof(proof, tolerance=calibrated_tolerance(None), **kw).proves
+    assert whole_round == (factor > 1.05)  # a whole round's tolerance misses the 4%
 
 
 def _skip_half(counters: bool) -> Tamper:
@@ -396,34 +422,49 @@ def test_one_gradient_reply_used_for_two_steps_is_refused(tmp_path: Path) -> Non
     assert not verdict.ok and "one micro-batch for two steps" in verdict.reason
 
 
-def test_sender_and_receiver_records_of_a_micro_batch_must_agree(tmp_path: Path) -> None:
-    """Stage 1 records what the driver sent it (under the driver's signed header); a driver whose
-    own log says it sent other bytes under the same micro-batch is caught by matching the logs."""
+def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path: Path) -> None:
+    """Stage 1 holds what the driver sent it under the driver's signed headers; a driver whose own
+    signed log says it sent other bytes under the same micro-batch contradicts itself, whatever
+    stage 1 says. Only the sender's signatures count: a log it did not sign, or not the one its
+    receipt committed to, is held against nobody."""
     stage1 = train_round(tmp_path / "s1", stage=1, num_stages=2)
-    receiver = stage1.material(0).log
+    consumed = [m for j in range(H // K) for step in stage1.material(j).received for m in step]
+    assert {sender_round(m) for m in consumed} == {(0, ROUND)}
     sender_steps = [
         StepRecord(
-            micro_batch=step.micro_batch,
-            sent=[SentRef(kind="activations", payload_sha256=step.received[0].payload_sha256)],
+            micro_batch=ActivationHeader.from_json(m.header).micro_batch,
+            sent=[SentRef(kind="activations", payload_sha256=sha256_hex(m.body))],
         )
-        for step in receiver.steps
+        for m in consumed
     ]
-    honest = dataclasses.replace(receiver, stage=0, steps=tuple(sender_steps))
-    assert record_mismatches(honest, PREV.public_key_hex, receiver) == []
-    assert record_mismatches(honest, NEXT.public_key_hex, receiver) == []  # nothing received from NEXT
+
+    def signed(steps: list[StepRecord], by: Wallet = PREV) -> SignedSegmentLog:
+        log = SegmentLog(stage=0, round=ROUND, segment_steps=K, start_step=ROUND * H, steps=tuple(steps),
+                         checkpoints=tuple("ab" * 32 for _ in segment_boundaries(len(steps), K)))  # fmt: skip
+        return SignedSegmentLog(log, SegmentCommitment.create(by, stage=0, round=ROUND, root=log.root()))
+
+    honest = signed(sender_steps)
+    root = honest.log.root()
+    assert signed_log_problem(honest, PREV.public_key_hex, 0, ROUND, root) is None
+    assert sent_contradictions(honest, consumed) == []
+    assert SignedSegmentLog.decode(honest.encode()) == honest  # as GET /p2p/segment-log carries it
     sender_steps[3] = StepRecord(
         micro_batch=sender_steps[3].micro_batch, sent=[SentRef(kind="activations", payload_sha256="0" * 64)]
     )
-    lying = dataclasses.replace(honest, steps=tuple(sender_steps))
-    (problem,) = record_mismatches(lying, PREV.public_key_hex, receiver)
-    assert f"micro-batch {receiver.steps[3].micro_batch}" in problem and "recorded sending 0000" in problem
+    lying = signed(sender_steps)
+    assert signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, lying.log.root()) is None
+    (problem,) = sent_contradictions(lying, consumed)
+    assert f"micro-batch {sender_steps[3].micro_batch}" in problem and "records sending 0000" in problem
+    # the receipt committed to the honest chain: a lying log served later is not its commitment
+    assert "receipt committed" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, root) or "")
+    forged = signed(sender_steps, by=NEXT)  # signed by someone else
+    assert "not signed by it" in (signed_log_problem(forged, PREV.public_key_hex, 0, ROUND, root) or "")
+    assert sent_contradictions(forged, consumed) == []  # NEXT signed none of these headers
+    assert "round" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND + 1, lying.log.root()) or "")
+    twice = [*sender_steps, StepRecord(micro_batch=sender_steps[3].micro_batch)]  # an id trained twice
+    assert sent_contradictions(signed(twice), consumed) == []  # two senders used it: no claim
     sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch)  # no sent entry: no claim
-    assert (
-        record_mismatches(
-            dataclasses.replace(honest, steps=tuple(sender_steps)), PREV.public_key_hex, receiver
-        )
-        == []
-    )
+    assert sent_contradictions(signed(sender_steps), consumed) == []
 
 
 def test_fp16_step_counts_may_fall_short_but_must_agree(tmp_path: Path) -> None:
@@ -604,7 +645,7 @@ def test_every_check_holds_the_receipt_s_delta_to_the_last_segment_even_undrawn(
         model={"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 16},
         stages={"count": 2},
         diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
-        training={"batch_size": B, "seq_len": T},
+        training={"batch_size": B, "seq_len": T, "segment_steps": K},
     )
     last = H // K - 1
     pieces = {0: run.material(0), last: run.material(last)}
@@ -627,4 +668,30 @@ def test_every_check_holds_the_receipt_s_delta_to_the_last_segment_even_undrawn(
         and "receipt's Δ is not θ_round" in lie.detail
     )
     assert Challenge(receipt("ab" * 32), "x", segments=(0, 1), last=last).wanted == (0, 1)
+    other_k = dataclasses.replace(network, segment_steps=2 * K)  # a log cut at another k
+    refused = judge_segments(other_k, receipt(run.delta_digest), pieces, tolerance, None, replay=(0,))
+    assert not refused.ok and f"segments are of {K} steps" in refused.detail
     assert Challenge(receipt("ab" * 32), "x", segments=(0,), last=last).wanted == (0, last)
+
+
+def test_a_receipt_must_commit_to_the_runs_number_of_segments() -> None:
+    """A replica that picked its own k would pick the verifier's cost (one segment of H steps makes
+    every check a whole-round replay): its receipt fails the check before anything is fetched. The
+    H/10 of nodes that joined under a definition signed before the H/40 default still passes."""
+
+    def receipt(segments: int | None, inner_steps: int = 100) -> m.Receipt:
+        root = None if segments is None else "ab" * 32
+        return m.Receipt(inner_steps=inner_steps, segment_root=root, segments=segments)
+
+    network = small_network(diloco={"inner_steps": 100, "warmup_steps": 0, "total_steps": 1000})
+    allowed = allowed_segment_steps(network)
+    assert network.segment_k == 2 and allowed == (2, 10)
+    assert segment_count_problem(receipt(50), allowed) is None  # 100 steps in segments of 2
+    assert segment_count_problem(receipt(10), allowed) is None  # a node on the served H/10
+    assert segment_count_problem(receipt(34), (3,)) is None  # the last segment is shorter
+    assert segment_count_problem(receipt(None), allowed) is None  # no segment root: a whole-round replay
+    problem = segment_count_problem(receipt(1), allowed)
+    assert (
+        problem is not None and "commits to 1 segments" in problem and "50 (k = 2) or 10 (k = 10)" in problem
+    )
+    assert segment_count_problem(receipt(12, inner_steps=24), (2,)) is None  # a short round

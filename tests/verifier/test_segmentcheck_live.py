@@ -64,7 +64,7 @@ def _network(published: PublishedData) -> NetworkDefinition:
         model={"size": "micro", "vocab_size": 512},
         stages={"count": 2},
         diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
-        training={"batch_size": B, "seq_len": T},
+        training={"batch_size": B, "seq_len": T, "segment_steps": K},
         data={"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
     )
 
@@ -108,8 +108,12 @@ def _activations(step: int, sender: Wallet) -> tuple[Received, str]:
     return Received("activations", sender.public_key_hex, header.to_json(), body), mb
 
 
-def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool) -> Replica:
-    """A replica that ran round 0 with a segment recorder and serves its segments to the operator."""
+def _replica(
+    published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool, lie_sent: bool = False
+) -> Replica:
+    """A replica that ran round 0 with a segment recorder and serves its segments to the operator.
+    The driver records sending the activations stage 1 receives (under its signed headers);
+    `lie_sent`: its log names other bytes for one of them."""
     network = _network(published)
     config = SegmentConfig(segment_steps=K)
     store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
@@ -143,6 +147,9 @@ def _replica(published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *,
             mb = micro_batch_id(wallet.public_key_hex, 0, i)
             current[:] = [_gradient(i, mb, HONEST)]
             diloco.inner_step(inputs, labels)
+            if wallet == DRIVER:
+                sent = sha256_hex(_activations(i, DRIVER)[0].body)
+                recorder.note_sent(mb, "activations", "0" * 64 if lie_sent and i == 5 else sent)
         else:
             act, mb = _activations(i, DRIVER)
             hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
@@ -329,6 +336,35 @@ def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
     assert code == 2 and "not a segment fraud proof" in out, out
 
 
+def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
+    published: PublishedData, db: Database, tmp_path: Path
+) -> None:
+    """Checking a stage-1 replica's segments, the verifier reads the signed log of the driver whose
+    activations they consumed (GET /p2p/segment-log): a driver whose log records sending other
+    bytes than the header it signed fails a spot check in its own stage and round, though its own
+    segments replay fine; the receiver passes."""
+    made = [
+        _replica(published, tmp_path, DRIVER, 0, lie=False, lie_sent=True),
+        _replica(published, tmp_path, HONEST, 1, lie=False),
+    ]
+    try:
+        config = ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8)
+        checker, lines = _check(db, published, made, config)
+    finally:
+        for r in made:
+            r.net.stop()
+    assert checker.passed == 2 and checker.failed == 1, lines
+    with db.read() as s:
+        events = [
+            (e.wallet_id, e.stage, e.round, e.delta, e.reason) for e in s.scalars(select(m.ReputationEvent))
+        ]
+    (failed,) = [e for e in events if e[3] < 0]
+    assert failed[:3] == (DRIVER.wallet_id, 0, 0), events
+    assert f"contradicts what it signed for {HONEST.wallet_id}" in failed[4]
+    assert "records sending 0000" in failed[4]
+    assert not [e for e in events if e[0] == HONEST.wallet_id and e[3] < 0]
+
+
 def _toml(published: PublishedData) -> str:
     """_network(published) as a network.toml."""
     return f"""name = "test"
@@ -344,6 +380,7 @@ total_steps = 100
 [training]
 batch_size = {B}
 seq_len = {T}
+segment_steps = {K}
 [data]
 manifest_url = "{published.directory}"
 publisher_key = "{published.public_key_hex}"
