@@ -12,7 +12,7 @@ Rounds alternate (train, check, train, check, …) so drift in machine speed hit
     .venv/bin/python bench/bench_replay.py --precision bf16   # a bf16-autocast node, replayed in fp32
 
 With --precision bf16 the node trains with bf16 autocast and the verdict uses the verifier's
-cross-precision acceptance (verifier.replaycheck.tolerance_for; segments of at most 50 steps its
+cross-precision acceptance (verifier.replaycheck.tolerance_for; segments of at most 25 steps its
 SEGMENT_TOLERANCE).
 
 Segment checks (issue 17): the same node also keeps a segment log (node.segments, k =

@@ -25,7 +25,7 @@ What the verdict depends on, besides the proof's own signed bytes:
   the definition is whatever the file says;
 - the tolerance and step-count flags. With neither --device nor --precision (the default) the
   replay is held to the tolerance that holds for every receipt whatever it trained on
-  (verifier.replaycheck.calibrated_tolerance at the proof's segment length: SEGMENT_TOLERANCE up
+  (verifier.replaycheck.calibrated_tolerance at the run's segment length: SEGMENT_TOLERANCE up
   to SEGMENT_TOLERANCE_STEPS steps, CALIBRATED_TOLERANCE beyond) and to the step-count rule every precision meets
   (fp16's: counts may fall short of the steps, uniformly): the most lenient, and the only verdict
   that does not depend on the verifier's listing. --device and --precision, given together as the
@@ -213,7 +213,7 @@ def check(args: argparse.Namespace) -> tuple[bool, str]:
     if isinstance(loaded, str):
         return False, loaded
     network, proof, about = loaded.network, loaded.proof, loaded.about
-    k = proof.material.log.segment_steps
+    k = network.segment_k  # the run's k picks the tolerance, as the live checker does
     if args.device is None:  # and --precision: main() takes both or neither
         tolerance, trained = calibrated_tolerance(k), ANY_PRECISION
     else:

@@ -275,25 +275,22 @@ def signed_log_problem(
     return None
 
 
-def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received]) -> list[str]:
-    """Where a sender's signed round log contradicts headers it signed (empty when it agrees): for
-    each of `messages` (what a checked replica consumed) whose header the log's signer signed for
-    the log's round, the sender's step of that micro-batch must record sending that payload among
-    what it records sending. Only a micro-batch the log names in exactly one step makes a claim:
-    an honest replica trains twice on an id that two senders used (the pipeline keys what it took
-    by sender and id) and answers each. A step without a `sent` entry of that kind makes no claim
-    (a reply encoded after its round closed). Both sides are the sender's own signatures — its
-    commitment on the log, its header on the payload — so a contradiction is its fault whatever its
-    receiver did: it sent on something other than what it recorded. Check the log with
-    `signed_log_problem` first."""
+def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received], receiver: str) -> list[str]:
+    """Where a sender's signed round log contradicts headers it signed to `receiver` (a public key;
+    empty when it agrees): for each of `messages` (what that checked replica consumed) whose header
+    the log's signer signed for the log's round, every step of the sender's log that names the
+    micro-batch and records the receiver's answer to it (a received message from `receiver`: the
+    gradient its activations got back, or the activations its gradient answered) must record
+    sending that payload among what it records sending. A step that names no exchange with the
+    receiver makes no claim (the id may have gone to another replica: a retry after a 409, or two
+    senders using one id), nor does one without a `sent` entry of that kind (a reply encoded after
+    its round closed). Both sides are the sender's own signatures — its commitment on the log, its
+    header on the payload — so a contradiction is its fault whatever its receiver did: it sent on
+    something other than what it recorded. Check the log with `signed_log_problem` first."""
     log, signer = sender.log, sender.commitment.wallet
-    steps_of: dict[str, int] = {}
-    for step in log.steps:
-        if step.micro_batch:
-            steps_of[step.micro_batch] = steps_of.get(step.micro_batch, 0) + 1
     sent: dict[tuple[str, str], set[str]] = {}
     for step in log.steps:
-        if steps_of.get(step.micro_batch) == 1:
+        if step.micro_batch and any(ref.sender == receiver for ref in step.received):
             for ref in step.sent:
                 sent.setdefault((step.micro_batch, ref.kind), set()).add(ref.payload_sha256)
     out = []

@@ -33,6 +33,7 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.segments import (
     Received,
+    ReceivedRef,
     SegmentCommitment,
     SegmentLog,
     SentRef,
@@ -424,19 +425,26 @@ def test_one_gradient_reply_used_for_two_steps_is_refused(tmp_path: Path) -> Non
 
 def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path: Path) -> None:
     """Stage 1 holds what the driver sent it under the driver's signed headers; a driver whose own
-    signed log says it sent other bytes under the same micro-batch contradicts itself, whatever
-    stage 1 says. Only the sender's signatures count: a log it did not sign, or not the one its
-    receipt committed to, is held against nobody."""
+    signed log says it sent other bytes in the step where it got stage 1's answer contradicts
+    itself, whatever stage 1 says. Only the sender's signatures count: a log it did not sign, or not
+    the one its receipt committed to, is held against nobody; a step that names no exchange with
+    the checked replica (the id went elsewhere) makes no claim."""
     stage1 = train_round(tmp_path / "s1", stage=1, num_stages=2)
     consumed = [m for j in range(H // K) for step in stage1.material(j).received for m in step]
     assert {sender_round(m) for m in consumed} == {(0, ROUND)}
-    sender_steps = [
-        StepRecord(
-            micro_batch=ActivationHeader.from_json(m.header).micro_batch,
-            sent=[SentRef(kind="activations", payload_sha256=sha256_hex(m.body))],
+    me = REPLICA.public_key_hex
+
+    def step(m: Received, payload: str, answered_by: str = me) -> StepRecord:
+        answer = ReceivedRef(
+            kind="gradient", sender=answered_by, header_sha256="cd" * 32, payload_sha256="ef" * 32
         )
-        for m in consumed
-    ]
+        return StepRecord(
+            micro_batch=ActivationHeader.from_json(m.header).micro_batch,
+            received=[answer],
+            sent=[SentRef(kind="activations", payload_sha256=payload)],
+        )
+
+    sender_steps = [step(m, sha256_hex(m.body)) for m in consumed]
 
     def signed(steps: list[StepRecord], by: Wallet = PREV) -> SignedSegmentLog:
         log = SegmentLog(stage=0, round=ROUND, segment_steps=K, start_step=ROUND * H, steps=tuple(steps),
@@ -446,25 +454,24 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     honest = signed(sender_steps)
     root = honest.log.root()
     assert signed_log_problem(honest, PREV.public_key_hex, 0, ROUND, root) is None
-    assert sent_contradictions(honest, consumed) == []
+    assert sent_contradictions(honest, consumed, me) == []
     assert SignedSegmentLog.decode(honest.encode()) == honest  # as GET /p2p/segment-log carries it
-    sender_steps[3] = StepRecord(
-        micro_batch=sender_steps[3].micro_batch, sent=[SentRef(kind="activations", payload_sha256="0" * 64)]
-    )
+    sender_steps[3] = step(consumed[3], "0" * 64)
     lying = signed(sender_steps)
     assert signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, lying.log.root()) is None
-    (problem,) = sent_contradictions(lying, consumed)
+    (problem,) = sent_contradictions(lying, consumed, me)
     assert f"micro-batch {sender_steps[3].micro_batch}" in problem and "records sending 0000" in problem
     # the receipt committed to the honest chain: a lying log served later is not its commitment
     assert "receipt committed" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, root) or "")
     forged = signed(sender_steps, by=NEXT)  # signed by someone else
     assert "not signed by it" in (signed_log_problem(forged, PREV.public_key_hex, 0, ROUND, root) or "")
-    assert sent_contradictions(forged, consumed) == []  # NEXT signed none of these headers
+    assert sent_contradictions(forged, consumed, me) == []  # NEXT signed none of these headers
     assert "round" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND + 1, lying.log.root()) or "")
-    twice = [*sender_steps, StepRecord(micro_batch=sender_steps[3].micro_batch)]  # an id trained twice
-    assert sent_contradictions(signed(twice), consumed) == []  # two senders used it: no claim
-    sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch)  # no sent entry: no claim
-    assert sent_contradictions(signed(sender_steps), consumed) == []
+    # the same id answered by another replica (a retry after a 409): that step claims nothing here
+    elsewhere = [*sender_steps[:3], step(consumed[3], "0" * 64, NEXT.public_key_hex), *sender_steps[4:]]
+    assert sent_contradictions(signed(elsewhere), consumed, me) == []
+    sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch, received=sender_steps[3].received)
+    assert sent_contradictions(signed(sender_steps), consumed, me) == []  # no sent entry: no claim
 
 
 def test_fp16_step_counts_may_fall_short_but_must_agree(tmp_path: Path) -> None:

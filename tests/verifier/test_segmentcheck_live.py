@@ -340,18 +340,32 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     published: PublishedData, db: Database, tmp_path: Path
 ) -> None:
     """Checking a stage-1 replica's segments, the verifier reads the signed log of the driver whose
-    activations they consumed (GET /p2p/segment-log): a driver whose log records sending other
-    bytes than the header it signed fails a spot check in its own stage and round, though its own
-    segments replay fine; the receiver passes."""
-    made = [
-        _replica(published, tmp_path, DRIVER, 0, lie=False, lie_sent=True),
-        _replica(published, tmp_path, HONEST, 1, lie=False),
-    ]
+    activations they consumed (GET /p2p/segment-log) once the driver's receipt is in, however
+    much later: a driver whose log records sending other bytes than the header it signed fails a
+    spot check in its own stage and round, though its own segments replay fine; the receiver
+    passes."""
+    driver = _replica(published, tmp_path, DRIVER, 0, lie=False, lie_sent=True)
+    receiver = _replica(published, tmp_path, HONEST, 1, lie=False)
     try:
-        config = ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8)
-        checker, lines = _check(db, published, made, config)
+        _register(db, [driver, receiver])
+        lines: list[str] = []
+        checker = ReplayChecker(
+            JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+            config=ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8),
+            dataset=lambda: published.dataset,
+        )
+        checker.run_once()  # the first pass notes where the receipts end
+        with db.write() as s:
+            s.add(_receipt(receiver))
+        for _ in range(3):  # the receiver is checked; the driver's receipt is not in: its match waits
+            checker.run_once()
+        assert checker.passed == 1 and checker.failed == 0 and len(checker._senders) == 1, lines
+        with db.write() as s:
+            s.add(_receipt(driver))
+        for _ in range(3):
+            checker.run_once()
     finally:
-        for r in made:
+        for r in (driver, receiver):
             r.net.stop()
     assert checker.passed == 2 and checker.failed == 1, lines
     with db.read() as s:
