@@ -34,8 +34,9 @@ def segment_root(receipt: m.Receipt) -> tuple[str, int] | None:
 def allowed_segment_steps(network: NetworkDefinition) -> tuple[int, ...]:
     """The segment lengths a receipt may commit with: the run's k and the H/10 of nodes that hold a
     served definition signed before H/40 became a network.toml's default (they keep it until they
-    rejoin). A replica may therefore pick between the two, which bounds what it can cost a check
-    at four times the budgeted one (verifier.budget)."""
+    rejoin). A replica may therefore pick between the two: a check of H/10 segments costs the run's
+    budgeted price times (H/10)/k (4x at k = H/40; more where an operator names a shorter k), and is
+    held to the run's tolerance all the same (verifier.replaycheck)."""
     legacy = max(1, network.diloco.inner_steps // LEGACY_SEGMENTS_PER_ROUND)
     return tuple(dict.fromkeys((network.segment_k, legacy)))
 
