@@ -603,16 +603,16 @@ def record_spot_check(
     now: float,
     cfg: ReputationConfig,
     membership: MembershipConfig | None = None,
+    penalty: float | None = None,
 ) -> None:
-    """Log a spot check's outcome on the wallet; a failure costs `spot_check_penalty` and restarts
-    its probation in the stage (verifier.members). With `membership` (replay checks), a pass
-    counts toward admission."""
+    """Log a spot check's outcome on the wallet; a failure costs `penalty` (default
+    `spot_check_penalty`) and restarts its probation in the stage (verifier.members). With
+    `membership` (replay checks), a pass counts toward admission."""
     if ok:
         adj = Adjustment(wallet_id, 0.0, f"spot check passed in stage {stage} round {round_}: {detail}")
     else:
-        adj = Adjustment(
-            wallet_id, -cfg.spot_check_penalty, f"spot check failed in stage {stage} round {round_}: {detail}"
-        )
+        cost = cfg.spot_check_penalty if penalty is None else penalty
+        adj = Adjustment(wallet_id, -cost, f"spot check failed in stage {stage} round {round_}: {detail}")
     if not apply_adjustment(session, adj, stage=stage, round_=round_, now=now, cfg=cfg):
         raise Refused("not_found", f"wallet {wallet_id} is not registered")
     members.record_spot_check(session, wallet_id, stage, ok, membership, now=now, round_=round_)
@@ -627,6 +627,7 @@ def record_receipt_check(
     now: float,
     cfg: ReputationConfig,
     membership: MembershipConfig | None = None,
+    penalty: float | None = None,
 ) -> None:
     """`record_spot_check` for a check of one receipt (verifier.datacheck, verifier.replaycheck):
     the receipt's wallet, stage and round; `detail` cut to 400 characters."""
@@ -640,6 +641,7 @@ def record_receipt_check(
         now=now,
         cfg=cfg,
         membership=membership,
+        penalty=penalty,
     )
 
 

@@ -30,11 +30,14 @@ does not: that the committed optimizer state is the one the replica's previous r
 with (continuity across rounds; a replica could reset or doctor its moments between rounds
 and still pass, though it cannot pick them after it is challenged), that unsampled rounds
 were honest, or anything about pipeline stages (their gradients depend on other stages).
-A replica that cannot be reached is retried for `retry_s` and then skipped without a
-verdict, and so is one that answers 404 (round no longer held): the verifier cannot tell a
-dead node, or an honest one whose receipt reached it late, from one that hides a round.
-So a liar can dodge a check by not serving; what it cannot do is serve a replay that fails.
-Counting unserved challenges per wallet against its receipts would close this; not built.
+A challenged replica that cannot be reached, or declines (403, 404), is tried again every
+RETRY_EVERY_S for `answer_window_s` (10 min) after the draw; then it fails the check at
+`ReputationConfig.unanswered_penalty` (half a failed replay, no fraud proof), which also restarts
+its probation. Otherwise a liar would decline exactly the challenges that draw a segment it faked
+and be caught never. Not judged: a receipt that reached the verifier after its round settled (its
+node may have dropped the round by then: nodes keep their last few), a wallet with no registered
+address, and a relay replica (`--relay`: it opens no port, and challenges do not yet travel
+through its bucket). Those remain ways around a check.
 
 Segment checks (issue 17), at every stage: a receipt that commits to a segment root
 (`segment_root`, `segments`; node.segments) is checked by segments instead of whole rounds. The
@@ -78,6 +81,7 @@ from sqlalchemy.orm import Session
 from neuroshard.data import Dataset
 from neuroshard.node.diloco import flat_parameters, tensor_digest
 from neuroshard.node.model import build_stage
+from neuroshard.node.p2p.relay import is_relay
 from neuroshard.node.p2p.replay import (
     SEGMENT,
     SEGMENT_LOG,
@@ -190,6 +194,14 @@ MAX_PENDING_SENDERS = 64
 """Sender matches waiting for the sender's receipt or log; more are not queued (and said so)."""
 SENDERS_PER_PASS = 8
 """Sender matches tried per pass of the fetching thread, so unreachable senders cannot hold it."""
+MAX_WAITING = 64
+"""Challenges waiting for a replica's answer that hold nothing fetched yet (unreachable, or
+declining); more are not issued (and said so). Those holding material are bounded by `max_queue`."""
+RETRY_EVERY_S = 15.0
+"""Seconds between tries of a challenge whose replica did not answer, within the answer window."""
+SENDER_DETAIL = "records: "
+"""How a sender's failed check (its records, or its log not served) starts its detail: the ledger
+holds one per (wallet, stage, round), also across restarts of the verifier."""
 SENDER_TIMEOUT_S = 10.0
 """Socket timeout of one sender-log fetch (a log is small). It bounds each read, not the whole
 request: sender matching runs on its own thread, so a sender that drips its answer delays only
@@ -211,6 +223,11 @@ class SenderMatch:
     """Its public key, hex: the counterpart the sender's step must record."""
     messages: list[Received]
     since: float
+    found: tuple[float, float] | None = None
+    """(when this checker first found the sender's receipt, when that receipt reached the
+    verifier): from then on the sender has the answer window to serve its log."""
+    declined: str = ""
+    """Why the sender's log was not read on the latest try."""
 
 
 SEGMENTS_PER_CHECK = 4
@@ -228,7 +245,15 @@ class ReplayCheckConfig:
     timeout_s: float = 60.0
     """Whole-request limit of one fetch."""
     retry_s: float = 60.0
-    """How long after its receipt an unreachable replica, or an unsettled round r−1, is waited for."""
+    """How long after its receipt an unsettled round r−1 is waited for."""
+    answer_window_s: float = 600.0
+    """How long a challenged replica has to serve what its receipt committed to (tried every
+    RETRY_EVERY_S). A replica still unreachable or declining (403, 404) at its end fails the check
+    at `ReputationConfig.unanswered_penalty`, its probation restarting, unless its receipt reached
+    the verifier only after its round had settled. Nodes serve from disk the moment their receipt
+    is sent and keep their last `--replay-rounds` rounds (3), so an honest node answers at once
+    unless it died; 10 min also covers a restart. A liar could otherwise decline exactly the
+    challenges that draw a segment it faked."""
     sender_wait_s: float = 900.0
     """How long a sender match waits for the sender's receipt and log: rounds are per stage, so a
     sender's round may close up to a round after its receiver's (H = 500 steps: minutes)."""
@@ -271,6 +296,7 @@ class ReplayCheckConfig:
             self.poll_s <= 0
             or self.timeout_s <= 0
             or self.retry_s < 0
+            or self.answer_window_s < 0
             or min(
                 self.max_queue,
                 self.max_per_pass,
@@ -297,6 +323,15 @@ class Challenge:
     checkpoint is the one the receipt's Δ must come from."""
     pieces: dict[int, SegmentMaterial] = field(default_factory=dict)
     """Fetched segment material, by segment."""
+    issued_at: float = 0.0
+    """When it was drawn (the verifier's clock): the answer window starts here."""
+    next_try: float = 0.0
+    """No fetch before this (a replica that did not answer is tried every RETRY_EVERY_S)."""
+
+    @property
+    def holding(self) -> bool:
+        """Holds fetched material (memory bounded by `max_queue`)."""
+        return self.material is not None or bool(self.pieces)
 
     @property
     def wanted(self) -> tuple[int, ...]:
@@ -312,12 +347,12 @@ class Challenge:
 
 REFUSALS = (403, 404)
 """The replica's own answers (node.p2p.replay): not the verifier's key, or the round no longer
-held. Others (401 clock skew, 409 nonce, 5xx) may be the verifier's or the network's fault: retried."""
+held. Others (401 clock skew, 409 nonce, 5xx) may be the verifier's or the network's fault."""
 
 
 class ReplicaDeclined(Exception):
-    """The replica declined to serve a round (403, 404). No verdict: an honest node drops rounds
-    older than its --replay-rounds, and the verifier cannot tell when the round ended."""
+    """The replica declined to serve a round (403, 404). Retried within the answer window like
+    an unreachable replica; a verdict only at its end (`ReplayCheckConfig.answer_window_s`)."""
 
 
 class Malformed(Exception):
@@ -359,6 +394,8 @@ class ReplayChecker:
         """Receipts up to this id were looked at; None until the first pass, which starts at the newest."""
         self.passed = 0
         self.failed = 0
+        self.unanswered = 0
+        """Challenges left unanswered for the answer window (counted in `failed` too)."""
         self.replay_seconds = 0.0
         self._loop = PollingThread("replay-check", self.run_once, self.config.poll_s, ctx.log, "replay check")
         self._replays: ThreadPoolExecutor | None = None
@@ -402,8 +439,12 @@ class ReplayChecker:
         """Sample new receipts, fetch what they committed to, and start the next replay if none is
         running (inline, when the checker was not started: tests)."""
         self._collect()
+        now = self.ctx.clock()
         for challenge in list(self.queue):
-            if not challenge.ready:
+            if challenge.ready or now < challenge.next_try:
+                continue
+            holding = sum(c.holding and not c.ready for c in self.queue)
+            if challenge.holding or holding < self.config.max_queue:
                 self._fetch(challenge)
         if self._sender_jobs is None:
             self._match_senders()  # inline (tests)
@@ -458,15 +499,22 @@ class ReplayChecker:
                 self.ctx.log(
                     f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
                 )
-            elif len(self.queue) >= self.config.max_queue:
+            elif is_relay(address):
                 self.ctx.log(
-                    f"replay check: {len(self.queue)} rounds already waiting; "
+                    f"replay check: {receipt.wallet_id} is a relay replica, which the verifier cannot "
+                    f"reach yet; round {receipt.round} not checked"
+                )
+            elif len(self.queue) >= self.config.max_queue + MAX_WAITING:
+                self.ctx.log(
+                    f"replay check: {len(self.queue)} challenges already waiting; "
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
-                self.queue.append(Challenge(receipt, address, segments=drawn, last=last))
+                now = self.ctx.clock()
+                challenge = Challenge(receipt, address, segments=drawn, last=last, issued_at=now)
+                self.queue.append(challenge)
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(
@@ -535,23 +583,13 @@ class ReplayChecker:
                         challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
                 return
             record = self._get_replay(challenge.address, receipt.round)
-        except ReplicaDeclined as exc:
-            self._drop(challenge)
-            self.ctx.log(
-                f"replay check: {receipt.wallet_id} round {receipt.round} not served ({exc}); skipped without a verdict"
-            )
-            return
         except Malformed as exc:
             self._drop(challenge)
             self._record(receipt, False, f"served a malformed replay body: {exc}")
             return
-        except (OSError, ValueError) as exc:
-            if self.ctx.clock() - receipt.received_at > self.config.retry_s:
-                self._drop(challenge)
-                self.ctx.log(
-                    f"replay check: {receipt.wallet_id} round {receipt.round} unreachable for "
-                    f"{self.config.retry_s:.0f} s ({exc}); skipped without a verdict"
-                )
+        except (ReplicaDeclined, OSError, ValueError) as exc:
+            what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
+            self._no_answer(challenge, f"{what}: {exc}")
             return
         mismatched = [
             what
@@ -569,6 +607,35 @@ class ReplayChecker:
             )
             return
         challenge.material = record
+
+    def _no_answer(self, challenge: Challenge, why: str) -> None:
+        """A try got no usable answer: try again later, or give the verdict once the answer window
+        has passed. A receipt that reached the verifier after its round settled gets none: its
+        node may have dropped the round by then (it keeps its last few), and the verifier cannot
+        tell that from a dodge."""
+        receipt = challenge.receipt
+        now = self.ctx.clock()
+        if now - challenge.issued_at <= self.config.answer_window_s:
+            challenge.next_try = now + RETRY_EVERY_S
+            return
+        self._drop(challenge)
+        with self.ctx.db.read() as session:
+            settled = session.get(m.Round, (receipt.stage, receipt.round))
+            late = settled is not None and settled.settled_at < receipt.received_at
+        what = f"{receipt.wallet_id} round {receipt.round} not served for {self.config.answer_window_s:.0f} s"
+        if late:
+            self.ctx.log(
+                f"replay check: {what} ({why}); its receipt came after the round settled: no verdict"
+            )
+            return
+        with self._count_lock:
+            self.unanswered += 1
+        self._record(
+            receipt,
+            False,
+            f"did not answer its challenge within {self.config.answer_window_s:.0f} s ({why})",
+            penalty=self.ctx.reputation.unanswered_penalty,
+        )
 
     def _replay_next(self) -> None:
         for challenge in self.queue:
@@ -736,6 +803,7 @@ class ReplayChecker:
         *,
         proofs: Sequence[tuple[int, str, int]] = (),
         reason: str = "",
+        penalty: float | None = None,
     ) -> None:
         """Record the verdict and list the fraud proofs (segment, sha256, size) already written to
         `fraud_proof_dir`, in one transaction; then delete the files of rows pruned beyond
@@ -752,6 +820,7 @@ class ReplayChecker:
                 now=now,
                 cfg=self.ctx.reputation,
                 membership=self.membership,
+                penalty=penalty,
             )
             for segment, sha256, size in proofs:
                 fraudproofs.add_row(
@@ -830,8 +899,10 @@ class ReplayChecker:
                 self._senders.append(SenderMatch(sender, stage, round_, receiver, key, messages, now))
 
     def _match_senders(self) -> None:
-        """Try up to `SENDERS_PER_PASS` queued sender matches; one whose sender has no receipt or
-        log yet waits until `retry_s` after it was queued."""
+        """Try up to `SENDERS_PER_PASS` queued sender matches. One whose sender has no receipt yet
+        waits up to `sender_wait_s` after it was queued; one whose receipt is in but whose log is
+        not served, `answer_window_s` after the receipt was found, and then fails the sender's
+        spot check as an unanswered challenge does (`_sender_unanswered`)."""
         with self._senders_lock:
             batch = [self._senders.popleft() for _ in range(min(SENDERS_PER_PASS, len(self._senders)))]
         for match in batch:
@@ -842,7 +913,12 @@ class ReplayChecker:
                 done = True
             if done:
                 continue
-            if self.ctx.clock() - match.since > self.config.sender_wait_s:
+            now = self.ctx.clock()
+            if match.found is not None:
+                if now - match.found[0] > self.config.answer_window_s:
+                    self._sender_unanswered(match)
+                    continue
+            elif now - match.since > self.config.sender_wait_s:
                 self.ctx.log(
                     f"replay check: the log of {wallet_id_of(bytes.fromhex(match.sender))} round {match.round} "
                     f"was not read within {self.config.sender_wait_s:.0f} s; its records are not matched"
@@ -857,11 +933,11 @@ class ReplayChecker:
         and round, once per round. False: not yet (no receipt, or the log not served yet)."""
         wallet = wallet_id_of(bytes.fromhex(match.sender))
         where = (wallet, match.stage, match.round)
-        if where in self._penalised:
+        if self._already_penalised(where):
             return True
         with self.ctx.db.read() as session:
             receipt = session.execute(
-                select(m.Receipt.segment_root, m.Peer.address)
+                select(m.Receipt.segment_root, m.Peer.address, m.Receipt.received_at)
                 .join(m.Peer, m.Peer.wallet_id == m.Receipt.wallet_id, isouter=True)
                 .where(
                     m.Receipt.wallet_id == wallet,
@@ -871,12 +947,15 @@ class ReplayChecker:
             ).first()
         if receipt is None:
             return False  # its receipt is not in yet
-        root, address = receipt
-        if root is None or address is None:
+        root, address, received_at = receipt
+        if root is None or address is None or is_relay(address):
             self.ctx.log(
-                f"replay check: {wallet} round {match.round} commits to no segment log or has no address; not matched"
+                f"replay check: {wallet} round {match.round} commits to no segment log, or has no address "
+                "the verifier can reach; not matched"
             )
             return True
+        if match.found is None:
+            match.found = (self.ctx.clock(), received_at)
         path = SEGMENT_LOG.format(round=match.round)
         bound = segment_log_bound(self.ctx.network.diloco.inner_steps)
         try:
@@ -885,37 +964,86 @@ class ReplayChecker:
             )
             signed = SignedSegmentLog.decode(body)
         except (ReplicaDeclined, OSError) as exc:
-            self.ctx.log(f"replay check: the log of {wallet} round {match.round} not read yet ({exc})")
-            return False
+            what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
+            return self._log_not_read(match, wallet, f"{what}: {exc}")
         except (Malformed, ValueError) as exc:
-            self.ctx.log(
-                f"replay check: the log of {wallet} round {match.round} is unreadable ({exc}); not matched"
-            )
-            return True
+            return self._log_not_read(match, wallet, f"unreadable: {exc}")
         problem = signed_log_problem(signed, match.sender, match.stage, match.round, root)
-        if problem is not None:
-            self.ctx.log(f"replay check: the log of {wallet} round {match.round} is not matched ({problem})")
-            return True
+        if problem is not None:  # not its committed log: treated as none served (a restart may redo a round)
+            return self._log_not_read(match, wallet, f"not its committed log: {problem}")
         contradictions = sent_contradictions(signed, match.messages, match.receiver_key)
         if not contradictions:
             return True
         detail = (
             f"its signed log contradicts what it signed for {match.receiver}: {'; '.join(contradictions[:3])}"
         )
+        self._sender_failed(where, f"{SENDER_DETAIL}{detail}", None)
+        return True
+
+    def _log_not_read(self, match: SenderMatch, wallet: str, why: str) -> bool:
+        """No usable log from the sender on this try: tried again until the answer window ends."""
+        self.ctx.log(f"replay check: the log of {wallet} round {match.round} not read yet ({why})")
+        match.declined = why
+        return False
+
+    def _sender_unanswered(self, match: SenderMatch) -> None:
+        """A sender whose receipt is in did not serve its round's log for the answer window: an
+        unanswered challenge of the sender in its own stage and round, once a round (a sender that
+        refused its log only where its records contradict its headers would otherwise never be
+        held to them). None when its receipt reached the verifier after the round settled."""
+        assert match.found is not None
+        wallet = wallet_id_of(bytes.fromhex(match.sender))
+        where = (wallet, match.stage, match.round)
+        with self.ctx.db.read() as session:
+            settled = session.get(m.Round, (match.stage, match.round))
+            late = settled is not None and settled.settled_at < match.found[1]
+        what = f"did not serve its round log within {self.config.answer_window_s:.0f} s ({match.declined})"
+        if late or self._already_penalised(where):
+            self.ctx.log(f"replay check: {wallet} round {match.round} {what}; no verdict")
+            return
+        if self._sender_failed(where, f"{SENDER_DETAIL}{what}", self.ctx.reputation.unanswered_penalty):
+            with self._count_lock:
+                self.unanswered += 1
+
+    def _already_penalised(self, where: tuple[str, int, int]) -> bool:
+        """Whether the sender already failed for its records in that stage and round: here, or in
+        the ledger (a restarted verifier)."""
+        if where in self._penalised:
+            return True
+        wallet, stage, round_ = where
+        with self.ctx.db.read() as session:
+            found = session.scalar(
+                select(m.ReputationEvent.id)
+                .where(
+                    m.ReputationEvent.wallet_id == wallet,
+                    m.ReputationEvent.stage == stage,
+                    m.ReputationEvent.round == round_,
+                    m.ReputationEvent.reason.contains(f": {SENDER_DETAIL}"),
+                )
+                .limit(1)
+            )
+        if found is not None:
+            self._penalised.add(where)
+        return found is not None
+
+    def _sender_failed(self, where: tuple[str, int, int], detail: str, penalty: float | None) -> bool:
+        """Record a sender's failed spot check in its own stage and round, once a round; False when
+        it cannot be recorded (no longer registered)."""
+        wallet, stage, round_ = where
         try:
             with self.ctx.db.write() as session:
                 ledger.record_spot_check(
-                    session, wallet, stage=match.stage, round_=match.round, ok=False,
-                    detail=f"records: {detail}"[:400], now=self.ctx.clock(), cfg=self.ctx.reputation,
-                    membership=self.membership,
+                    session, wallet, stage=stage, round_=round_, ok=False, detail=detail[:400],
+                    now=self.ctx.clock(), cfg=self.ctx.reputation, membership=self.membership,
+                    penalty=penalty,
                 )  # fmt: skip
         except Refused as exc:  # not registered (any more): nothing to hold it to
-            self.ctx.log(f"replay check: {wallet} round {match.round}: {detail}; not recorded ({exc})")
-            return True
+            self.ctx.log(f"replay check: {wallet} round {round_}: {detail}; not recorded ({exc})")
+            return False
         self._penalised.add(where)
         with self._count_lock:
             self.failed += 1
-        self.ctx.log(f"replay check: {wallet} round {match.round} FAILED: {detail}")
+        self.ctx.log(f"replay check: {wallet} round {round_} FAILED: {detail}")
         return True
 
     def _signed_get(self, address: str, path: str, limit: int, *, timeout_s: float | None = None) -> bytes:

@@ -10,7 +10,8 @@ vote, and the majority hash is the network's θ_{r+1}. What moves a wallet's rep
   majority-agreeing reporters (other than itself): −rejected_penalty / −equivocation_penalty.
   Claims only count from reporters whose own result is the majority's, and only when most
   of them agree, so a minority of liars cannot talk an honest wallet down;
-- a failed spot check (verifier.spotcheck): −spot_check_penalty.
+- a failed spot check (verifier.spotcheck): −spot_check_penalty; a challenge left unanswered
+  (verifier.replaycheck): −unanswered_penalty.
 
 No strict majority (e.g. a 1–1 split) moves nobody: the verifier cannot tell who is right.
 A wallet whose reputation falls below `refuse_below` is refused until the operator
@@ -40,6 +41,11 @@ class ReputationConfig:
     """Two signed payloads for one round is deliberate: one report refuses an average wallet."""
     spot_check_penalty: float = 0.5
     """A replayed Δ that does not match is deliberate too."""
+    unanswered_penalty: float = 0.25
+    """A sampled replica that did not serve what its receipt committed to within the checker's
+    answer window (verifier.replaycheck). Not proof of a lie (a node may have died), so less than a
+    failure; but like one it restarts the wallet's probation in the stage, since a replica that
+    declined only the challenges of segments it faked would otherwise never be caught."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.refuse_below < self.initial <= self.maximum:

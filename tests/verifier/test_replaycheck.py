@@ -1,14 +1,17 @@
 """The replay checker in-process: a node's peer server serves its committed round; the checker
-replays it (pass), refuses material other than the receipt committed to, and fails a receipt
-that commits to no inner state (SQLite, and PostgreSQL when configured)."""
+replays it (pass), refuses material other than the receipt committed to, fails a receipt
+that commits to no inner state, and fails a challenge left unanswered for the answer window
+(SQLite, and PostgreSQL when configured)."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from conftest import PublishedData
 from sqlalchemy import select
 
@@ -16,15 +19,17 @@ from neuroshard.data import BatchStream, assign_shards
 from neuroshard.node.diloco import DiLoCo, tensor_digest
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
+from neuroshard.node.p2p.relay import relay_address
 from neuroshard.node.p2p.replay import ReplayService
-from neuroshard.node.replay import ReplayArchive, ReplayRecord, capture_inner_state
+from neuroshard.node.replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
+from neuroshard.verifier.replaycheck import RETRY_EVERY_S, ReplayCheckConfig, ReplayChecker
+from neuroshard.verifier.reputation import ReputationConfig
 
 NODE = Wallet.from_token("replaycheck-node")
 OPERATOR = Wallet.from_token("replaycheck-operator")
@@ -146,3 +151,128 @@ def test_an_exception_on_the_replay_thread_is_logged(db: Database, published: Pu
         pool.submit(fails).add_done_callback(checker._log_failure)
         pool.submit(lambda: None).add_done_callback(checker._log_failure)
     assert lines == ["replay check: a replay failed: RuntimeError: the verdict's transaction failed"]
+
+
+def _register(db: Database, address: str) -> None:
+    now = time.time()
+    with db.write() as s:
+        s.add(m.Wallet(wallet_id=NODE.wallet_id, public_key=NODE.public_key_hex, reputation=0.5,
+                       status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        s.add(
+            m.Peer(wallet_id=NODE.wallet_id, address=address, stage=0, registered_at=now, last_heartbeat=now)
+        )
+
+
+def _reputation(db: Database) -> float:
+    with db.read() as s:
+        wallet = s.get(m.Wallet, NODE.wallet_id)
+        assert wallet is not None
+        return wallet.reputation
+
+
+def _age(checker: ReplayChecker, seconds: float) -> None:
+    """Move every waiting challenge `seconds` into the past, due for its next try (the requests
+    stay signed at the real time, which the node's clock-skew check wants)."""
+    for challenge in checker.queue:
+        challenge.issued_at -= seconds
+        challenge.next_try = 0.0
+
+
+def test_a_challenge_left_unanswered_for_the_window_fails_at_the_unanswered_penalty(
+    node: tuple[PeerPlane, ReplayArchive, list[list[int]]], db: Database, published: PublishedData
+) -> None:
+    """A replica that declines (404) is tried again within the answer window and answers in time
+    when it can; one that still declines when the window ends fails at `unanswered_penalty`, and
+    a receipt that reached the verifier after its round settled gets no verdict."""
+    net, archive, spans = node
+    record = archive.get(0)
+    assert record is not None
+    _register(db, f"http://{net.address}")
+    lines: list[str] = []
+    checker = ReplayChecker(
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+        config=ReplayCheckConfig(sample_rate=1.0, answer_window_s=600.0),
+        dataset=lambda: published.dataset,
+    )
+    checker.run_once()
+    now = time.time()
+    with db.write() as s:  # rounds 0..2 settled on the replica's own θ, so every round replays from it
+        for r in range(3):
+            s.add(m.Round(stage=0, round=r, majority_hash=tensor_digest(record.theta_round), votes=1,
+                          agreeing=1, synced=1, sync_checked=1, settled_at=now - 10.0))  # fmt: skip
+        s.add(_receipt(0, record, spans))
+    archive._records.clear()  # the node does not hold round 0 at first (restarting, say)
+    checker.run_once()  # declined: no verdict yet
+    assert checker.passed == 0 and checker.failed == 0 and len(checker.queue) == 1, lines
+    archive.add(record)
+    checker.run_once()
+    assert checker.passed == 0 and len(checker.queue) == 1  # not tried again before RETRY_EVERY_S
+    _age(checker, RETRY_EVERY_S)
+    checker.run_once()  # the node came back with it: checked as usual
+    assert checker.passed == 1 and checker.failed == 0 and not checker.queue, lines
+
+    with db.write() as s:
+        s.add(_receipt(3, record, spans))
+    checker.run_once()
+    _age(checker, 599.0)
+    checker.run_once()
+    assert checker.failed == 0 and len(checker.queue) == 1, lines  # still inside the window
+    _age(checker, 2.0)
+    checker.run_once()
+    assert checker.failed == 1 and checker.unanswered == 1 and not checker.queue, lines
+    verdict = _verdicts(db)[-1]
+    assert (
+        "spot check failed in stage 0 round 3" in verdict
+        and "did not answer its challenge within 600 s" in verdict
+    )
+    assert "declined: HTTP 404" in verdict, verdict
+    assert _reputation(db) == pytest.approx(0.5 - ReputationConfig().unanswered_penalty)
+
+    # A receipt that came after its round settled: the node may have dropped it; no verdict.
+    with db.write() as s:
+        s.add(_receipt(2, record, spans, delta_digest="d" * 64))
+    checker.run_once()
+    _age(checker, 700.0)
+    checker.run_once()
+    assert checker.failed == 1 and not checker.queue, lines
+    assert "came after the round settled: no verdict" in lines[-1], lines[-1]
+
+
+def test_a_relay_replica_is_not_challenged_and_an_unreachable_one_fails_after_the_window(
+    db: Database, published: PublishedData
+) -> None:
+    lines: list[str] = []
+    _register(db, relay_address(NODE.public_key_hex))
+    checker = ReplayChecker(
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+        config=ReplayCheckConfig(sample_rate=1.0, answer_window_s=60.0, timeout_s=2.0),
+        dataset=lambda: published.dataset,
+    )
+    checker.run_once()
+    theta = torch.zeros(4)
+    fake = ReplayRecord(round=0, theta_round=theta, inner=InnerState(theta, theta, theta), delta=theta)
+    order = assign_shards(
+        NODE.wallet_id, published.dataset.manifest, exclude={_network(published).held_out_shard}
+    )
+    spans = [[order[0], 0, H * B]]  # the wallet's own data: no verdict before the fetch
+    with db.write() as s:
+        s.add(_receipt(0, fake, spans))
+    checker.run_once()
+    assert not checker.queue and checker.failed == 0
+    assert any("is a relay replica, which the verifier cannot reach yet" in line for line in lines), lines
+
+    with socket.socket() as held:  # a port nobody listens on: connections are refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+    with db.write() as s:
+        peer = s.get(m.Peer, NODE.wallet_id)
+        assert peer is not None
+        peer.address = f"http://127.0.0.1:{port}"
+        s.add(_receipt(1, fake, spans))
+    checker.run_once()
+    assert checker.failed == 0 and len(checker.queue) == 1
+    _age(checker, 61.0)
+    checker.run_once()
+    assert checker.failed == 1 and checker.unanswered == 1, lines
+    assert "(unreachable: " in _verdicts(db)[-1], _verdicts(db)[-1]

@@ -50,6 +50,7 @@ from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, tolerance_for
+from neuroshard.verifier.reputation import ReputationConfig
 from neuroshard.verifier.segmentcheck import SegmentFraudProof, judge_fraud_proof
 
 OPERATOR = Wallet.from_token("segment-live-operator")
@@ -377,6 +378,51 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     assert f"contradicts what it signed for {HONEST.wallet_id}" in failed[4]
     assert "records sending 0000" in failed[4]
     assert not [e for e in events if e[0] == HONEST.wallet_id and e[3] < 0]
+
+
+def test_a_sender_that_does_not_serve_its_log_fails_as_an_unanswered_challenge(
+    published: PublishedData, db: Database, tmp_path: Path
+) -> None:
+    """A driver whose receipt is in but which stops serving its round log is tried for the answer
+    window, then fails a spot check in its own stage and round at `unanswered_penalty` (once: a
+    restarted verifier finds the verdict in the ledger); the receiver passes."""
+    driver = _replica(published, tmp_path, DRIVER, 0, lie=False)
+    receiver = _replica(published, tmp_path, HONEST, 1, lie=False)
+    _register(db, [driver, receiver])
+    with db.write() as s:  # in before the checker starts: only the receiver is drawn
+        s.add(_receipt(driver))
+    lines: list[str] = []
+    ctx = JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append)
+    config = ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8, answer_window_s=60.0)
+    checker = ReplayChecker(ctx, config=config, dataset=lambda: published.dataset)
+    try:
+        checker.run_once()
+        driver.net.stop()  # gone before anyone asks for its log
+        with db.write() as s:
+            s.add(_receipt(receiver))
+        for _ in range(3):
+            checker.run_once()
+    finally:
+        receiver.net.stop()
+    assert checker.passed == 1 and checker.failed == 0 and len(checker._senders) == 1, lines
+    (match,) = checker._senders
+    assert match.found is not None and match.declined.startswith("unreachable: "), match
+    match.found = (match.found[0] - 61.0, match.found[1])
+    checker.run_once()
+    assert checker.failed == 1 and checker.unanswered == 1 and not checker._senders, lines
+    with db.read() as s:
+        events = [
+            (e.wallet_id, e.stage, e.round, e.delta, e.reason) for e in s.scalars(select(m.ReputationEvent))
+        ]
+    (failed,) = [e for e in events if e[3] < 0]
+    assert failed[:4] == (DRIVER.wallet_id, 0, 0, -ReputationConfig().unanswered_penalty), events
+    assert "records: did not serve its round log within 60 s (unreachable: " in failed[4], failed
+
+    # A restarted verifier does not fail the same round again.
+    again = ReplayChecker(ctx, config=config, dataset=lambda: published.dataset)
+    again._senders.append(match)
+    again.run_once()
+    assert again.failed == 0 and not again._senders, lines
 
 
 def _toml(published: PublishedData) -> str:
