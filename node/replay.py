@@ -100,6 +100,28 @@ def install_inner_state(diloco: DiLoCo, inner: InnerState) -> None:
         offset += n
 
 
+def fresh_inner_digest(numel: int, n_tensors: int) -> str:
+    """`InnerState.digest()` of a fresh optimizer (all zeros) for `numel` values in `n_tensors`
+    parameter tensors, hashed in 1 MiB pieces instead of allocating 8 bytes per value."""
+    h = hashlib.sha256()
+    h.update(bytes(4 * n_tensors))
+    piece = bytes(1 << 20)
+    for _ in range(2):  # exp_avg, then exp_avg_sq
+        left = 4 * numel
+        while left:
+            take = min(left, len(piece))
+            h.update(piece[:take] if take < len(piece) else piece)
+            left -= take
+    return h.hexdigest()
+
+
+def reset_inner_state(diloco: DiLoCo) -> bool:
+    """Drop the engine's inner AdamW state (a fresh optimizer's); whether there was any."""
+    had = bool(diloco.inner_optimizer.state)
+    diloco.inner_optimizer.state.clear()
+    return had
+
+
 @dataclass(frozen=True)
 class ReplayRecord:
     """One round as the replica ran it: its start θ_round, inner state at the start, and its Δ."""

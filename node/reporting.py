@@ -174,7 +174,7 @@ class Reporting:
         """The segment recorder of a replica of `stage`, when its segments are kept."""
         if self.segments is None:
             return None
-        return SegmentRecorder(self.segments.config, stage=stage, sink=self.segments)
+        return SegmentRecorder(self.segments.config, stage=stage, sink=self.segments, log=self.log)
 
     def receipting(
         self,

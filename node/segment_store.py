@@ -6,12 +6,14 @@ For each of the last `SegmentConfig.keep_rounds` rounds, under `directory/round-
   step counts, float32; node.segments.SegmentCheckpoint);
 - `step-<i>.safetensors`: the messages inner step i consumed, each as two uint8 tensors (the
   sender's signed header and the payload bytes) — stage 0 of a single-stage run writes none;
-- `log.json` and `commitment.json` once the round is closed (written last: a round without them
+- `end.json` (the opening of the round's last checkpoint: its weights' and optimizer's hashes),
+  `commitment.json` and `log.json` once the round is closed (written last: a round without them
   was never committed and is not served).
 
-Bounded twice: at most `keep_rounds` closed rounds, and whole oldest rounds are deleted until the
-kept ones fit in `max_bytes`; the round being written is never deleted, so a round larger than the
-budget is kept alone and the log line says so. Files are written to a temporary name and renamed,
+Bounded twice: at most `keep_rounds` closed rounds, and the checkpoints and payloads of whole oldest
+rounds are deleted until the kept ones fit in `max_bytes`; the round being written is never deleted,
+so a round larger than the budget is kept alone and the log line says so. A round's small files
+(log, commitment, end opening) outlive its checkpoints by `LOG_ROUNDS` rounds. Files are written to a temporary name and renamed,
 read back with safetensors (never pickle), and every read is checked against the log's hashes by
 whoever uses it (verifier.segmentcheck), not trusted here.
 """
@@ -34,7 +36,14 @@ from torch import Tensor
 
 from neuroshard.protocol.refusal import malformed
 from neuroshard.protocol.schema import split_header
-from neuroshard.protocol.segments import KINDS, MAX_MESSAGES_PER_STEP, Received, SegmentCommitment, SegmentLog
+from neuroshard.protocol.segments import (
+    KINDS,
+    MAX_MESSAGES_PER_STEP,
+    CheckpointOpening,
+    Received,
+    SegmentCommitment,
+    SegmentLog,
+)
 
 from .replay import InnerState
 from .segments import SegmentCheckpoint, SegmentConfig, SegmentSink
@@ -65,8 +74,14 @@ def _bytes_tensor(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+LOG_ROUNDS = 64
+"""Rounds whose log, commitment and end opening are kept after their checkpoints and payloads are
+dropped (a log is ~0.3 KB a step: ~10 MB for 64 rounds at H = 500)."""
+
+
+def _heavy_files(where: Path) -> list[Path]:
+    """A round's checkpoints and received payloads (what the byte budget bounds)."""
+    return sorted(f for f in where.iterdir() if f.suffix == ".safetensors")
 
 
 class SegmentStore(SegmentSink):
@@ -104,9 +119,13 @@ class SegmentStore(SegmentSink):
             metadata[f"sender{j}"] = m.sender
         _atomic_save(tensors, where / f"step-{step:08d}.safetensors", metadata)
 
-    def close(self, log: SegmentLog, commitment: SegmentCommitment | None) -> None:
+    def close(
+        self, log: SegmentLog, commitment: SegmentCommitment | None, end: CheckpointOpening | None = None
+    ) -> None:
         where = _round_dir(self.directory, log.round)
         where.mkdir(exist_ok=True)
+        if end is not None:
+            _atomic_write(end.to_json(), where / "end.json")
         if commitment is not None:
             _atomic_write(commitment.to_json(), where / "commitment.json")
         _atomic_write(log.to_json(), where / "log.json")
@@ -116,15 +135,23 @@ class SegmentStore(SegmentSink):
         shutil.rmtree(_round_dir(self.directory, round_), ignore_errors=True)
 
     def _evict(self, keep: int) -> None:
+        """Drop the checkpoints and payloads of whole oldest rounds beyond `keep_rounds` or the byte
+        budget; a dropped round's small files (log, commitment, end opening) stay for
+        `LOG_ROUNDS` rounds: the verifier reads them to match senders' records and to hold the
+        next round's optimizer state to this one's end, after the heavy files are gone."""
         with self._lock:
             rounds = sorted(self._rounds_on_disk())
-            older = [r for r in rounds if r != keep]
-            sizes = {r: _size(_round_dir(self.directory, r)) for r in rounds}
+            heavy = {r: _heavy_files(_round_dir(self.directory, r)) for r in rounds}
+            older = [r for r in rounds if r != keep and heavy[r]]
+            sizes = {r: sum(f.stat().st_size for f in heavy[r]) for r in rounds}
             total = sum(sizes.values())
             while older and (len(older) + 1 > self.config.keep_rounds or total > self.config.max_bytes):
                 gone = older.pop(0)
-                shutil.rmtree(_round_dir(self.directory, gone), ignore_errors=True)
+                for f in heavy[gone]:
+                    f.unlink(missing_ok=True)
                 total -= sizes[gone]
+            for old in [r for r in rounds if r < keep - LOG_ROUNDS]:
+                shutil.rmtree(_round_dir(self.directory, old), ignore_errors=True)
             if total > self.config.max_bytes:
                 self._log(
                     f"segments: round {keep} alone takes {total / 1e6:.1f} MB, over the store's "
@@ -141,10 +168,14 @@ class SegmentStore(SegmentSink):
     # --- reading (the peer server) ------------------------------------------------------------
 
     def rounds(self) -> list[int]:
-        """Closed rounds held, oldest first."""
+        """Closed rounds whose checkpoints are held (challenges on them are answered), oldest first;
+        `log` also reads the logs of the `LOG_ROUNDS` rounds before."""
         with self._lock:
             return sorted(
-                r for r in self._rounds_on_disk() if (_round_dir(self.directory, r) / "log.json").exists()
+                r
+                for r in self._rounds_on_disk()
+                if (_round_dir(self.directory, r) / "log.json").exists()
+                and (_round_dir(self.directory, r) / f"ckpt-{0:08d}.safetensors").exists()
             )
 
     def log(self, round_: int) -> tuple[SegmentLog, SegmentCommitment | None] | None:
@@ -156,6 +187,14 @@ class SegmentStore(SegmentSink):
         except FileNotFoundError:
             return None
         return log, commitment
+
+    def end_opening(self, round_: int) -> CheckpointOpening | None:
+        """The opening of a closed round's last checkpoint; None when not held (or not written:
+        rounds closed before it was kept)."""
+        try:
+            return CheckpointOpening.from_json((_round_dir(self.directory, round_) / "end.json").read_bytes())
+        except FileNotFoundError:
+            return None
 
     def load_checkpoint(self, round_: int, step: int) -> SegmentCheckpoint | None:
         path = _round_dir(self.directory, round_) / f"ckpt-{step:08d}.safetensors"

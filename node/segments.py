@@ -35,10 +35,9 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
-from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.segments import (
-    DOMAIN,
     MAX_MESSAGES_PER_STEP,
+    CheckpointOpening,
     Received,
     SegmentCommitment,
     SegmentLog,
@@ -47,7 +46,7 @@ from neuroshard.protocol.segments import (
 )
 
 from .diloco import DiLoCo, flat_parameters, tensor_digest
-from .replay import InnerState, capture_inner_state
+from .replay import InnerState, capture_inner_state, reset_inner_state
 from .wallet import Wallet
 
 T = TypeVar("T")
@@ -82,10 +81,14 @@ class SegmentConfig:
 # --- checkpoints ------------------------------------------------------------------------------
 
 
+def checkpoint_opening(weights: Tensor, inner: InnerState) -> CheckpointOpening:
+    """The hashes of a replica's local state: its weights (d,) and inner AdamW state."""
+    return CheckpointOpening(weights_sha256=tensor_digest(weights), inner_sha256=inner.digest())
+
+
 def checkpoint_sha256(weights: Tensor, inner: InnerState) -> str:
-    """The commitment to a replica's local state: its weights (d,) and inner AdamW state."""
-    text = f"checkpoint\n{tensor_digest(weights)}\n{inner.digest()}".encode()
-    return sha256_hex(DOMAIN + b"\n" + text)
+    """The commitment to a replica's local state (protocol.segments.checkpoint_hash)."""
+    return checkpoint_opening(weights, inner).sha256()
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,8 @@ class _Round:
     steps: list[StepRecord] = field(default_factory=list)
     received: list[list[Received]] = field(default_factory=list)
     """Per step, the messages with their bytes (for the store)."""
-    checkpoints: list[Future[str]] = field(default_factory=list)
-    """Each checkpoint's sha256, computed (and the checkpoint stored) off the training thread."""
+    checkpoints: list[Future[CheckpointOpening]] = field(default_factory=list)
+    """Each checkpoint's hashes, computed (and the checkpoint stored) off the training thread."""
     ended: bool = False
 
 
@@ -134,8 +137,11 @@ class SegmentSink:
     def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
         """The messages inner step `step` consumed."""
 
-    def close(self, log: SegmentLog, commitment: SegmentCommitment | None) -> None:
-        """The round's log is complete; `commitment` is its signed root (None when unsigned)."""
+    def close(
+        self, log: SegmentLog, commitment: SegmentCommitment | None, end: CheckpointOpening | None = None
+    ) -> None:
+        """The round's log is complete; `commitment` is its signed root (None when unsigned), `end`
+        the opening of its last checkpoint."""
 
     def abandon(self, round_: int) -> None:
         """Drop what was kept of a round that will not be committed (resumed mid-round)."""
@@ -156,10 +162,20 @@ class SegmentRecorder:
     not wait on hashing and writing 12 bytes per parameter every k steps. `close_round` waits for
     them and raises a write's error there."""
 
-    def __init__(self, config: SegmentConfig, *, stage: int, sink: SegmentSink | None = None) -> None:
+    def __init__(
+        self,
+        config: SegmentConfig,
+        *,
+        stage: int,
+        sink: SegmentSink | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.stage = stage
         self.sink = sink or SegmentSink()
+        self._log = log
+        self._closed: tuple[int, DiLoCo] | None = None
+        """(round, engine) of the last round closed with a log: the one a next round continues."""
         self._lock = threading.Lock()
         self._current: _Round | None = None
         self._engine: DiLoCo | None = None
@@ -195,6 +211,11 @@ class SegmentRecorder:
         if diloco.steps_in_round != 0:
             return
         self._io(self.sink.abandon, diloco.round)  # what an interrupted earlier run of this round left
+        if self._closed != (diloco.round - 1, diloco) and reset_inner_state(diloco) and self._log:
+            self._log(
+                f"segments: round {diloco.round} does not follow a round committed here; "
+                "its inner optimizer starts fresh"
+            )
         checkpoint = capture_checkpoint(diloco)
         if checkpoint is None:
             return
@@ -279,21 +300,24 @@ class SegmentRecorder:
         self._current = None
         with self._lock:
             steps = tuple(current.steps)
+        openings = [f.result() for f in current.checkpoints]
         log = SegmentLog(
             stage=self.stage,
             round=current.round,
             segment_steps=self.config.segment_steps,
             start_step=current.start_step,
             steps=steps,
-            checkpoints=tuple(f.result() for f in current.checkpoints),
+            checkpoints=tuple(o.sha256() for o in openings),
         )
         commitment = (
             None
             if sign is None
             else SegmentCommitment.create(sign, stage=self.stage, round=current.round, root=log.root())
         )
-        self._io(self.sink.close, log, commitment)
+        self._io(self.sink.close, log, commitment, openings[-1])
         self.flush()  # the round is on disk before its receipt names the root
+        if self._engine is not None:
+            self._closed = (current.round, self._engine)
         return log, commitment
 
     def _checkpoint_now(self, diloco: DiLoCo) -> None:
@@ -306,7 +330,7 @@ class SegmentRecorder:
         assert current is not None
         current.checkpoints.append(self._io(self._store, current.round, len(current.steps), checkpoint))
 
-    def _store(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> str:
-        """On the writer thread: keep the checkpoint and return its sha256."""
+    def _store(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> CheckpointOpening:
+        """On the writer thread: keep the checkpoint and return its hashes."""
         self.sink.checkpoint(round_, step, checkpoint)
-        return checkpoint.sha256()
+        return checkpoint_opening(checkpoint.weights, checkpoint.inner)

@@ -6,6 +6,8 @@ any k-step segment of any stage (node.segments records it; verifier.segmentcheck
 - `SegmentLog`: a round's step records and checkpoint hashes; its `root()` is a hash chain over
   them, which the receipt carries (`Receipt.segment_root`);
 - `SegmentCommitment`: the replica's signature on that root;
+- `checkpoint_hash` / `CheckpointOpening`: a checkpoint's hash from its weights' and optimizer's
+  own hashes, and those two for one checkpoint (which the hash alone does not reveal);
 - `Received`: a consumed message with its bytes (the signed header and the payload), as kept on disk.
 """
 
@@ -226,6 +228,26 @@ class SegmentLog:
         )
 
 
+def checkpoint_hash(weights_sha256: str, inner_sha256: str) -> str:
+    """A checkpoint's hash in a log: over the sha256 of its weights (float32, little-endian, the
+    receipt's base_hash at a round's start) and of its inner AdamW state (node.replay.InnerState.digest)."""
+    return sha256_hex(DOMAIN + b"\n" + f"checkpoint\n{weights_sha256}\n{inner_sha256}".encode())
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOpening(Message):
+    """The two hashes behind one checkpoint hash (`checkpoint_hash`). A round log's end opening lets
+    the verifier hold the next round's starting optimizer state to the one this round ended with
+    (verifier.segmentcheck.continuity_problem) without fetching a checkpoint: sha256 binds both."""
+
+    NAME = "checkpoint opening"
+    weights_sha256: Annotated[str, _SHA256]
+    inner_sha256: Annotated[str, _SHA256]
+
+    def sha256(self) -> str:
+        return checkpoint_hash(self.weights_sha256, self.inner_sha256)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SegmentCommitment(Signed):
     """A replica's signature on its round's segment root: with the log and a segment's material it
@@ -242,17 +264,24 @@ class SegmentCommitment(Signed):
 class SignedSegmentLog:
     """A replica's round log with its signed commitment, without checkpoints or payloads: what
     GET /p2p/segment-log/{round} serves, so the verifier can hold what a sender recorded sending
-    against the headers it signed for its receivers (verifier.segmentcheck.sent_contradictions)."""
+    against the headers it signed for its receivers (verifier.segmentcheck.sent_contradictions),
+    and, with the opening of its last checkpoint (`end`; absent from nodes before it was added),
+    the replica's next round to the optimizer state this one ended with."""
 
     log: SegmentLog
     commitment: SegmentCommitment
+    end: CheckpointOpening | None = None
 
     def encode(self) -> bytes:
-        return canonical_json({"commitment": self.commitment.to_obj(), "log": self.log.to_obj()})
+        obj = {"commitment": self.commitment.to_obj(), "log": self.log.to_obj()}
+        if self.end is not None:
+            obj["end"] = self.end.to_obj()
+        return canonical_json(obj)
 
     @classmethod
     def decode(cls, data: bytes) -> SignedSegmentLog:
         obj = parse_json(data, "signed segment log")
-        if not isinstance(obj, dict) or set(obj) != {"commitment", "log"}:
-            raise malformed("signed segment log must hold exactly commitment and log")
-        return cls(SegmentLog.from_obj(obj["log"]), SegmentCommitment.from_obj(obj["commitment"]))
+        if not isinstance(obj, dict) or not {"commitment", "log"} <= set(obj) <= {"commitment", "log", "end"}:
+            raise malformed("signed segment log must hold commitment, log and optionally end, nothing else")
+        end = None if "end" not in obj else CheckpointOpening.from_obj(obj["end"])
+        return cls(SegmentLog.from_obj(obj["log"]), SegmentCommitment.from_obj(obj["commitment"]), end)

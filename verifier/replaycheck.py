@@ -60,7 +60,9 @@ Every segment check also fetches the round's last segment, drawn or not, and che
 the commitments without replaying it: its end checkpoint is where the receipt's Δ must come from
 (Δ = θ_round − end), so a Δ changed after the last inner step (scaled, say) is caught by every
 check, not only by those that happen to draw the last segment. It costs one more segment's
-download and hashing, no replay.
+download and hashing, no replay. A segment check also holds the round's first checkpoint to
+θ_round with a fresh optimizer or the state the replica's previous round ended with (the signed
+log of round r−1 and the opening of its last checkpoint; segmentcheck.continuity_problem).
 """
 
 from __future__ import annotations
@@ -91,13 +93,13 @@ from neuroshard.node.p2p.replay import (
     segment_log_bound,
     segment_size_bound,
 )
-from neuroshard.node.replay import ReplayRecord
+from neuroshard.node.replay import ReplayRecord, fresh_inner_digest
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.reports import DataSpan
-from neuroshard.protocol.segments import Received, SignedSegmentLog
+from neuroshard.protocol.segments import Received, SignedSegmentLog, checkpoint_hash
 
 from . import fraudproofs, ledger, members
 from . import models as m
@@ -108,7 +110,13 @@ from .datacheck import receipt_problems
 from .fraudproofs import DEFAULT_KEEP, DEFAULT_KEEP_BYTES
 from .members import MembershipConfig
 from .sampling import sampled
-from .segmentcheck import draw_segments, sender_round, sent_contradictions, signed_log_problem
+from .segmentcheck import (
+    continuity_problem,
+    draw_segments,
+    sender_round,
+    sent_contradictions,
+    signed_log_problem,
+)
 from .segmentlive import (
     allowed_segment_steps,
     judge_segments,
@@ -195,10 +203,16 @@ MAX_PENDING_SENDERS = 64
 SENDERS_PER_PASS = 8
 """Sender matches tried per pass of the fetching thread, so unreachable senders cannot hold it."""
 MAX_WAITING = 64
-"""Challenges waiting for a replica's answer that hold nothing fetched yet (unreachable, or
-declining); more are not issued (and said so). Those holding material are bounded by `max_queue`."""
+"""Challenges in the queue beyond `max_queue` (which bounds those holding fetched material): the
+rest wait for a replica's answer, holding nothing. More are not issued (and said so)."""
 RETRY_EVERY_S = 15.0
-"""Seconds between tries of a challenge whose replica did not answer, within the answer window."""
+"""Least seconds between tries of a challenge whose replica did not answer (a slow pass of the
+fetching thread makes it longer)."""
+MIN_TRIES = 3
+"""Tries a challenge gets before it can be judged unanswered, however long they took."""
+NOT_THE_REPLICAS = (401, 409, 429, 503)
+"""HTTP answers that may be the verifier's own fault or a passing overload (clock skew, a reused
+nonce, a full nonce cache): a challenge whose last try got one is not judged unanswered."""
 SENDER_DETAIL = "records: "
 """How a sender's failed check (its records, or its log not served) starts its detail: the ledger
 holds one per (wallet, stage, round), also across restarts of the verifier."""
@@ -248,12 +262,12 @@ class ReplayCheckConfig:
     """How long after its receipt an unsettled round r−1 is waited for."""
     answer_window_s: float = 600.0
     """How long a challenged replica has to serve what its receipt committed to (tried every
-    RETRY_EVERY_S). A replica still unreachable or declining (403, 404) at its end fails the check
-    at `ReputationConfig.unanswered_penalty`, its probation restarting, unless its receipt reached
-    the verifier only after its round had settled. Nodes serve from disk the moment their receipt
-    is sent and keep their last `--replay-rounds` rounds (3), so an honest node answers at once
-    unless it died; 10 min also covers a restart. A liar could otherwise decline exactly the
-    challenges that draw a segment it faked."""
+    RETRY_EVERY_S apart, at least MIN_TRIES times), from the first try. A replica still unreachable
+    or declining at its end fails the check at `ReputationConfig.unanswered_penalty`, its probation
+    restarting (exceptions: `_no_answer`). Nodes serve from disk the moment their receipt is sent
+    and keep their last `--replay-rounds` rounds (3), so an honest node answers at once unless it
+    is down; segment material survives a restart, whole-round material (in memory) does not. A
+    liar could otherwise decline exactly the challenges that draw a segment it faked."""
     sender_wait_s: float = 900.0
     """How long a sender match waits for the sender's receipt and log: rounds are per stage, so a
     sender's round may close up to a round after its receiver's (H = 500 steps: minutes)."""
@@ -323,10 +337,18 @@ class Challenge:
     checkpoint is the one the receipt's Δ must come from."""
     pieces: dict[int, SegmentMaterial] = field(default_factory=dict)
     """Fetched segment material, by segment."""
+    previous: SignedSegmentLog | None = None
+    """The replica's signed log of the round before, with its end opening: fetched when the round
+    does not start from a fresh optimizer, to hold it to the state that round ended with."""
+    needs_previous: bool = False
     issued_at: float = 0.0
-    """When it was drawn (the verifier's clock): the answer window starts here."""
+    """When it was drawn (the verifier's clock)."""
+    first_try: float | None = None
+    """When it was first tried: the answer window starts here, not at the draw, so the verifier's
+    own backlog never eats into a replica's time."""
+    tries: int = 0
     next_try: float = 0.0
-    """No fetch before this (a replica that did not answer is tried every RETRY_EVERY_S)."""
+    """No fetch before this (a replica that did not answer waits RETRY_EVERY_S)."""
 
     @property
     def holding(self) -> bool:
@@ -342,7 +364,9 @@ class Challenge:
     @property
     def ready(self) -> bool:
         """Everything to check has been fetched."""
-        return len(self.pieces) == len(self.wanted) if self.segments else self.material is not None
+        if not self.segments:
+            return self.material is not None
+        return len(self.pieces) == len(self.wanted) and (not self.needs_previous or self.previous is not None)
 
 
 REFUSALS = (403, 404)
@@ -405,6 +429,8 @@ class ReplayChecker:
         self._matching: Future[None] | None = None
         self._senders: deque[SenderMatch] = deque()
         self._senders_lock = threading.Lock()
+        self._fresh_digests: dict[tuple[int, int], str] = {}
+        """(values, tensors) → a fresh optimizer's digest at that size."""
         self._penalised: set[tuple[str, int, int]] = set()
         """(wallet, stage, round) already failed for its records: one penalty per round."""
 
@@ -443,7 +469,7 @@ class ReplayChecker:
         for challenge in list(self.queue):
             if challenge.ready or now < challenge.next_try:
                 continue
-            holding = sum(c.holding and not c.ready for c in self.queue)
+            holding = sum(c.holding for c in self.queue)
             if challenge.holding or holding < self.config.max_queue:
                 self._fetch(challenge)
         if self._sender_jobs is None:
@@ -576,11 +602,17 @@ class ReplayChecker:
 
     def _fetch(self, challenge: Challenge) -> None:
         receipt = challenge.receipt
+        if challenge.first_try is None:
+            challenge.first_try = self.ctx.clock()
+        challenge.tries += 1
         try:
             if challenge.segments:
                 for j in challenge.wanted:
                     if j not in challenge.pieces:
                         challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
+                challenge.needs_previous = receipt.round > 0 and not self._starts_fresh(challenge)
+                if challenge.needs_previous and challenge.previous is None:
+                    challenge.previous = self._get_log(challenge.address, receipt.round - 1)
                 return
             record = self._get_replay(challenge.address, receipt.round)
         except Malformed as exc:
@@ -589,7 +621,8 @@ class ReplayChecker:
             return
         except (ReplicaDeclined, OSError, ValueError) as exc:
             what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
-            self._no_answer(challenge, f"{what}: {exc}")
+            ours = isinstance(exc, urllib.error.HTTPError) and exc.code in NOT_THE_REPLICAS
+            self._no_answer(challenge, f"{what}: {exc}", judged=not ours)
             return
         mismatched = [
             what
@@ -608,34 +641,46 @@ class ReplayChecker:
             return
         challenge.material = record
 
-    def _no_answer(self, challenge: Challenge, why: str) -> None:
+    def _no_answer(self, challenge: Challenge, why: str, *, judged: bool = True) -> None:
         """A try got no usable answer: try again later, or give the verdict once the answer window
-        has passed. A receipt that reached the verifier after its round settled gets none: its
-        node may have dropped the round by then (it keeps its last few), and the verifier cannot
-        tell that from a dodge."""
+        (from the first try) has passed and the replica had `MIN_TRIES`. No verdict when the last
+        try's answer may be the verifier's fault (`judged` False: NOT_THE_REPLICAS), when the first
+        try came later than a window after the receipt (the verifier's own backlog: the node may
+        have dropped the round by then), or for a receipt that reached the verifier after its round
+        settled (likewise; the verifier cannot tell that from a dodge)."""
         receipt = challenge.receipt
         now = self.ctx.clock()
-        if now - challenge.issued_at <= self.config.answer_window_s:
+        assert challenge.first_try is not None
+        window = self.config.answer_window_s
+        if now - challenge.first_try <= window or challenge.tries < MIN_TRIES:
             challenge.next_try = now + RETRY_EVERY_S
             return
         self._drop(challenge)
         with self.ctx.db.read() as session:
             settled = session.get(m.Round, (receipt.stage, receipt.round))
             late = settled is not None and settled.settled_at < receipt.received_at
-        what = f"{receipt.wallet_id} round {receipt.round} not served for {self.config.answer_window_s:.0f} s"
+        what = f"{receipt.wallet_id} round {receipt.round} not served for {window:.0f} s ({why})"
         if late:
-            self.ctx.log(
-                f"replay check: {what} ({why}); its receipt came after the round settled: no verdict"
-            )
+            excuse = "its receipt came after the round settled"
+        elif challenge.first_try - receipt.received_at > window:
+            excuse = "the verifier first asked more than a window after the receipt"
+        elif not judged:
+            excuse = "the last answer may be the verifier's fault"
+        else:
+            excuse = ""
+        if excuse:
+            self.ctx.log(f"replay check: {what}; {excuse}: no verdict")
             return
-        with self._count_lock:
-            self.unanswered += 1
-        self._record(
-            receipt,
-            False,
-            f"did not answer its challenge within {self.config.answer_window_s:.0f} s ({why})",
-            penalty=self.ctx.reputation.unanswered_penalty,
-        )
+        try:
+            self._record(
+                receipt,
+                False,
+                f"did not answer its challenge within {window:.0f} s ({why})",
+                penalty=self.ctx.reputation.unanswered_penalty,
+            )
+        finally:
+            with self._count_lock:
+                self.unanswered += 1
 
     def _replay_next(self) -> None:
         for challenge in self.queue:
@@ -724,6 +769,11 @@ class ReplayChecker:
         seconds = time.perf_counter() - started
         with self._count_lock:
             self.replay_seconds += seconds
+        if judged.ok:  # the log is the committed one: hold its start to the round before
+            broken = self._continuity(challenge)
+            if broken is not None:
+                self._record(receipt, False, f"optimizer continuity: {broken}")
+                return
         self.fraud_proofs.extend(proof for _, proof in judged.proofs)
         kept = [k for k in (self._write_proof(receipt, j, proof) for j, proof in judged.proofs) if k]
         self._record(
@@ -854,6 +904,54 @@ class ReplayChecker:
         verdict = "passed" if ok else "FAILED"
         self.ctx.log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
 
+    def _fresh(self, piece: SegmentMaterial) -> str:
+        """A fresh optimizer's digest at the size of `piece`'s model (grown vocabularies included)."""
+        shape = (piece.theta_round.numel(), piece.start.inner.steps.numel())
+        if shape not in self._fresh_digests:
+            self._fresh_digests[shape] = fresh_inner_digest(*shape)
+        return self._fresh_digests[shape]
+
+    def _starts_fresh(self, challenge: Challenge) -> bool:
+        """Whether the served log's first checkpoint is θ_round with a fresh optimizer (then no
+        earlier round needs reading; whether the log is the committed one is judged later)."""
+        piece = next(iter(challenge.pieces.values()))
+        start = checkpoint_hash(challenge.receipt.base_hash, self._fresh(piece))
+        return bool(piece.log.checkpoints) and piece.log.checkpoints[0] == start
+
+    def _get_log(self, address: str, round_: int) -> SignedSegmentLog:
+        """A replica's signed log of `round_`; raises like _get_segment."""
+        bound = segment_log_bound(self.ctx.network.diloco.inner_steps)
+        body = self._signed_get(address, SEGMENT_LOG.format(round=round_), bound)
+        try:
+            return SignedSegmentLog.decode(body)
+        except Refused as exc:
+            raise Malformed(str(exc)) from None
+
+    def _continuity(self, challenge: Challenge) -> str | None:
+        """Why the checked round's starting optimizer state does not continue the replica's previous
+        round (segmentcheck.continuity_problem); None when it does, or cannot be told: a log of the
+        round before served without its end opening (nodes before it was kept) is not judged."""
+        receipt = challenge.receipt
+        piece = challenge.pieces[challenge.segments[0]]
+        previous = challenge.previous
+        if previous is not None and previous.end is None:
+            self.ctx.log(
+                f"replay check: {receipt.wallet_id} round {receipt.round - 1} log has no end opening; "
+                "optimizer continuity not checked"
+            )
+            return None
+        with self.ctx.db.read() as session:
+            previous_root = session.scalar(
+                select(m.Receipt.segment_root).where(
+                    m.Receipt.wallet_id == receipt.wallet_id,
+                    m.Receipt.stage == receipt.stage,
+                    m.Receipt.round == receipt.round - 1,
+                )
+            )
+        return continuity_problem(
+            piece.log, receipt.base_hash, self._fresh(piece), previous, piece.commitment.wallet, previous_root
+        )
+
     def _get_segment(self, address: str, receipt: m.Receipt, segment: int) -> SegmentMaterial:
         """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""
         stage, num_stages = receipt.stage, self.ctx.network.num_stages
@@ -969,7 +1067,7 @@ class ReplayChecker:
         except (Malformed, ValueError) as exc:
             return self._log_not_read(match, wallet, f"unreadable: {exc}")
         problem = signed_log_problem(signed, match.sender, match.stage, match.round, root)
-        if problem is not None:  # not its committed log: treated as none served (a restart may redo a round)
+        if problem is not None:  # not its committed log (which a node keeps, restarts included): none served
             return self._log_not_read(match, wallet, f"not its committed log: {problem}")
         contradictions = sent_contradictions(signed, match.messages, match.receiver_key)
         if not contradictions:
@@ -1018,7 +1116,10 @@ class ReplayChecker:
                     m.ReputationEvent.wallet_id == wallet,
                     m.ReputationEvent.stage == stage,
                     m.ReputationEvent.round == round_,
-                    m.ReputationEvent.reason.contains(f": {SENDER_DETAIL}"),
+                    m.ReputationEvent.delta < 0,
+                    m.ReputationEvent.reason.startswith(
+                        f"spot check failed in stage {stage} round {round_}: {SENDER_DETAIL}", autoescape=True
+                    ),
                 )
                 .limit(1)
             )

@@ -56,8 +56,10 @@ from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import (
     Received,
     SegmentCommitment,
+    SegmentLog,
     SignedSegmentLog,
     StepRecord,
+    checkpoint_hash,
 )
 
 from .spotcheck import SpotCheckConfig, SpotCheckError, compare_deltas
@@ -272,6 +274,48 @@ def signed_log_problem(
         return f"its log is for stage {log.stage} round {log.round}, not stage {stage} round {round_}"
     if not c.root == log.root() == root:
         return "its log's root is not the one its receipt committed to"
+    return None
+
+
+def continuity_problem(
+    log: SegmentLog,
+    base_hash: str,
+    fresh: str,
+    previous: SignedSegmentLog | None,
+    wallet: str,
+    previous_root: str | None,
+) -> str | None:
+    """Why a round's starting optimizer state does not continue the replica's previous round (None
+    when it does). `log` is the checked round's (already held to its receipt), `base_hash` its
+    θ_round, `fresh` a fresh optimizer's digest (node.replay.fresh_inner_digest); `previous` the
+    replica's signed log of the round before with its end opening, `wallet` its public key, and
+    `previous_root` that round's committed root if its receipt is in (else the served log's own
+    signed root is taken: the replica signed it either way).
+
+    The first checkpoint must hold θ_round with either a fresh optimizer (a node resets it whenever
+    a round does not follow one it committed: a start, a restart, a jump in rounds) or the state
+    the previous round's last checkpoint held. Otherwise the replica chose its moments between
+    rounds, and Adam's first moment alone steers the next steps wherever it points while every
+    segment still replays (a segment replays from whatever state its start checkpoint commits to)."""
+    if not log.checkpoints:
+        return "its log holds no checkpoint"
+    start = log.checkpoints[0]
+    if start == checkpoint_hash(base_hash, fresh):
+        return None
+    where = f"round {log.round} starts from an inner optimizer state that is not fresh"
+    if log.round == 0:
+        return f"{where}: a run's first round starts fresh"
+    if previous is None:
+        return f"{where}, and no log of round {log.round - 1} is held to continue"
+    root = previous.commitment.root if previous_root is None else previous_root
+    problem = signed_log_problem(previous, wallet, log.stage, log.round - 1, root)
+    if problem is not None:
+        return f"{where}, and its round {log.round - 1} log cannot be held to it ({problem})"
+    end = previous.end
+    if end is None or not previous.log.checkpoints or end.sha256() != previous.log.checkpoints[-1]:
+        return f"{where}, and its round {log.round - 1} log does not open its last checkpoint"
+    if start != checkpoint_hash(base_hash, end.inner_sha256):
+        return f"{where}, nor the one its round {log.round - 1} ended with"
     return None
 
 

@@ -154,7 +154,8 @@ class SegmentService:
             raise Refused(
                 "not_held", f"no signed log of round {text} is held here (rounds: {self.store.rounds()})"
             )
-        body = SignedSegmentLog(held[0], held[1]).encode()
+        end = await loop.run_in_executor(None, self.store.end_opening, int(text))
+        body = SignedSegmentLog(held[0], held[1], end).encode()
         return web.Response(status=200, body=body, content_type="application/json")
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:

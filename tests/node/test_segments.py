@@ -22,11 +22,11 @@ from neuroshard.node.segments import (
     SegmentConfig,
     SegmentRecorder,
     SegmentSink,
-    sha256_hex,
 )
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.reports import DataSpan, Receipt
 from neuroshard.protocol.segments import (
     Received,

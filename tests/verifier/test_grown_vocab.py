@@ -32,9 +32,10 @@ from neuroshard.node.p2p.replay import encode_replay
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import InnerState, ReplayRecord, capture_inner_state
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
-from neuroshard.node.segments import SegmentConfig, SegmentRecorder, sha256_hex
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.vocab import grow_replica, holds_vocab, regrow
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.segments import Received
 from neuroshard.testing.verifier import small_network

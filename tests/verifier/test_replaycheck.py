@@ -176,6 +176,8 @@ def _age(checker: ReplayChecker, seconds: float) -> None:
     stay signed at the real time, which the node's clock-skew check wants)."""
     for challenge in checker.queue:
         challenge.issued_at -= seconds
+        if challenge.first_try is not None:
+            challenge.first_try -= seconds
         challenge.next_try = 0.0
 
 
@@ -235,6 +237,8 @@ def test_a_challenge_left_unanswered_for_the_window_fails_at_the_unanswered_pena
     checker.run_once()
     _age(checker, 700.0)
     checker.run_once()
+    _age(checker, 1.0)
+    checker.run_once()  # the third try (MIN_TRIES)
     assert checker.failed == 1 and not checker.queue, lines
     assert "came after the round settled: no verdict" in lines[-1], lines[-1]
 
@@ -273,6 +277,9 @@ def test_a_relay_replica_is_not_challenged_and_an_unreachable_one_fails_after_th
     checker.run_once()
     assert checker.failed == 0 and len(checker.queue) == 1
     _age(checker, 61.0)
+    checker.run_once()
+    assert checker.failed == 0 and len(checker.queue) == 1  # two tries: not yet judged (MIN_TRIES)
+    _age(checker, 1.0)
     checker.run_once()
     assert checker.failed == 1 and checker.unanswered == 1, lines
     assert "(unreachable: " in _verdicts(db)[-1], _verdicts(db)[-1]

@@ -26,10 +26,11 @@ from neuroshard.node.p2p.pipeline_wire import (
     encode_gradient,
 )
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
-from neuroshard.node.replay import InnerState
+from neuroshard.node.replay import InnerState, fresh_inner_digest
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
-from neuroshard.node.segments import SegmentConfig, SegmentRecorder, sha256_hex
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.segments import (
     Received,
@@ -39,6 +40,7 @@ from neuroshard.protocol.segments import (
     SentRef,
     SignedSegmentLog,
     StepRecord,
+    checkpoint_hash,
     segment_boundaries,
 )
 from neuroshard.testing.verifier import small_network
@@ -56,6 +58,7 @@ from neuroshard.verifier.segmentcheck import (
     SegmentFraudProof,
     SegmentVerdict,
     check_segment,
+    continuity_problem,
     judge_fraud_proof,
     sender_round,
     sent_contradictions,
@@ -702,3 +705,74 @@ def test_a_receipt_must_commit_to_the_runs_number_of_segments() -> None:
         problem is not None and "commits to 1 segments" in problem and "50 (k = 2) or 10 (k = 10)" in problem
     )
     assert segment_count_problem(receipt(12, inner_steps=24), (2,)) is None  # a short round
+
+
+def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_with(tmp_path: Path) -> None:
+    """The recorder resets the inner optimizer of a round that does not follow one it committed and
+    keeps it across consecutive rounds, keeping the end opening of each; `continuity_problem`
+    passes both, and catches moments doctored between rounds, a log of the round before that is
+    not the committed one, and an end opening that does not open it."""
+    config = SegmentConfig(segment_steps=2)
+    store = SegmentStore(tmp_path, config, log=lambda _: None)
+    lines: list[str] = []
+    recorder = SegmentRecorder(config, stage=0, sink=store, log=lines.append)
+    torch.manual_seed(0)
+    diloco = DiLoCo(build_stage(MODEL, 0, 1), DILOCO)
+    numel, n_tensors = sum(p.numel() for p in diloco.params), len(diloco.params)
+    fresh = fresh_inner_digest(numel, n_tensors)
+    key = REPLICA.public_key_hex
+
+    def run_round() -> tuple[SegmentLog, str]:
+        base = tensor_digest(diloco.theta_round)
+        recorder.start_round(diloco)
+        for i in range(H):
+            tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(i))
+            diloco.inner_step(tokens[:, :-1], tokens[:, 1:])
+            recorder.record_step(diloco, data=(0, 2 * i, 2 * i + 2))
+        recorder.end_round(diloco)
+        diloco.outer_step(diloco.pseudo_gradient())
+        closed = recorder.close_round(REPLICA)
+        assert closed is not None
+        return closed[0], base
+
+    def signed(round_: int) -> SignedSegmentLog:
+        held = store.log(round_)
+        assert held is not None and held[1] is not None
+        return SignedSegmentLog(held[0], held[1], store.end_opening(round_))
+
+    for _ in range(H):  # a round trained before this recorder saw it: moments not committed here
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
+        diloco.inner_step(tokens[:, :-1], tokens[:, 1:])
+    diloco.outer_step(diloco.pseudo_gradient())
+    first, base1 = run_round()
+    assert first.round == 1 and lines == ["segments: round 1 does not follow a round committed here; "
+                                          "its inner optimizer starts fresh"]  # fmt: skip
+    assert first.checkpoints[0] == checkpoint_hash(base1, fresh)
+    assert continuity_problem(first, base1, fresh, None, key, None) is None
+
+    second, base2 = run_round()  # follows round 1: its moments carry over
+    assert len(lines) == 1 and second.checkpoints[0] != checkpoint_hash(base2, fresh)
+    assert signed(1).end is not None and signed(1).end.sha256() == first.checkpoints[-1]  # type: ignore[union-attr]
+    assert SignedSegmentLog.decode(signed(1).encode()) == signed(1)
+    assert continuity_problem(second, base2, fresh, signed(1), key, first.root()) is None
+    assert "no log of round 1" in (continuity_problem(second, base2, fresh, None, key, None) or "")
+
+    for state in diloco.inner_optimizer.state.values():  # moments doctored between rounds
+        state["exp_avg"].mul_(3.0)
+    third, base3 = run_round()
+    assert len(lines) == 1  # the recorder cannot tell: the commitment holds what was trained from
+    problem = continuity_problem(third, base3, fresh, signed(2), key, second.root())
+    assert problem is not None and "nor the one its round 2 ended with" in problem, problem
+
+    # The log of the round before must be the committed one, signed by the replica, and opened.
+    other = continuity_problem(third, base3, fresh, signed(2), key, first.root())
+    assert other is not None and "cannot be held to it" in other
+    stranger = continuity_problem(third, base3, fresh, signed(2), PREV.public_key_hex, None)
+    assert stranger is not None and "not signed by it" in stranger
+    wrong = dataclasses.replace(signed(2), end=signed(1).end)
+    assert "does not open its last checkpoint" in (
+        continuity_problem(third, base3, fresh, wrong, key, None) or ""
+    )
+    assert "first round starts fresh" in (
+        continuity_problem(dataclasses.replace(third, round=0), base3, fresh, None, key, None) or ""
+    )
