@@ -419,8 +419,6 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         )
         if network is not None:
             engine = trainer.diloco
-            if receipting is not None:
-                receipting.round_started(engine)
             if reporting.active:
                 reporting.track(
                     network,
@@ -428,6 +426,8 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
                     progress=lambda: (_engine(trainer).round, _engine(trainer).steps_in_round),
                 )
             network.join_state(engine)
+            if receipting is not None:  # after a join adopted a peer's θ: the round starts from it
+                receipting.round_started(engine)
     except (ManifestError, ShardError, PublisherKeyError, CheckpointMismatch, ValueError, OSError) as exc:
         _close(link, network, reporting)
         return _fail(str(exc))

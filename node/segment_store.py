@@ -80,8 +80,9 @@ dropped (a log is ~0.3 KB a step: ~10 MB for 64 rounds at H = 500)."""
 
 
 def _heavy_files(where: Path) -> list[Path]:
-    """A round's checkpoints and received payloads (what the byte budget bounds)."""
-    return sorted(f for f in where.iterdir() if f.suffix == ".safetensors")
+    """A round's checkpoints and received payloads, and any file a crash left half-written: all but
+    its small JSON files (what the byte budget bounds)."""
+    return sorted(f for f in where.iterdir() if f.is_file() and f.suffix != ".json")
 
 
 class SegmentStore(SegmentSink):
@@ -132,7 +133,12 @@ class SegmentStore(SegmentSink):
         self._evict(keep=log.round)
 
     def abandon(self, round_: int) -> None:
-        shutil.rmtree(_round_dir(self.directory, round_), ignore_errors=True)
+        """Drop what an unfinished recording of `round_` left; a round already committed (its
+        commitment written, its receipt perhaps sent) is kept: a node resumed at its start after a
+        crash must still answer for it."""
+        where = _round_dir(self.directory, round_)
+        if not (where / "commitment.json").exists():
+            shutil.rmtree(where, ignore_errors=True)
 
     def _evict(self, keep: int) -> None:
         """Drop the checkpoints and payloads of whole oldest rounds beyond `keep_rounds` or the byte

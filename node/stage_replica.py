@@ -152,11 +152,11 @@ def start_stage_replica(
             )
             link.start()
         finish_round: RoundFinisher = network.finish_round
+        receipting = None
         if reporting.active:
             receipting = reporting.receipting(
                 network, work, wallet, batch_size=None, tokens_per_step=0, segments=recorder
             )
-            receipting.round_started(diloco)
             finish_round = receipting
             reporting.track(network, wallet, progress=lambda: (engine().round, engine().steps_in_round))
         worker = StageWorker(
@@ -173,6 +173,8 @@ def start_stage_replica(
             vocab_schedule=schedule,
         )
         network.join_state(diloco)
+        if receipting is not None:  # after a join adopted a peer's θ: the round starts from it
+            receipting.round_started(diloco)
     except BaseException:
         if link is not None:
             link.close()

@@ -209,10 +209,10 @@ RETRY_EVERY_S = 15.0
 """Least seconds between tries of a challenge whose replica did not answer (a slow pass of the
 fetching thread makes it longer)."""
 MIN_TRIES = 3
-"""Tries a challenge gets before it can be judged unanswered, however long they took."""
-NOT_THE_REPLICAS = (401, 409, 429, 503)
-"""HTTP answers that may be the verifier's own fault or a passing overload (clock skew, a reused
-nonce, a full nonce cache): a challenge whose last try got one is not judged unanswered."""
+"""Tries a challenge gets before it can be judged unanswered, however long they took. Every status
+counts as no answer, 401 (clock skew) and 503 included: the replica's server chooses its status,
+so an excused code would be a liar's way out. A verifier whose clock is off fails everyone it
+challenges: its log says why in every verdict."""
 SENDER_DETAIL = "records: "
 """How a sender's failed check (its records, or its log not served) starts its detail: the ledger
 holds one per (wallet, stage, round), also across restarts of the verifier."""
@@ -621,8 +621,7 @@ class ReplayChecker:
             return
         except (ReplicaDeclined, OSError, ValueError) as exc:
             what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
-            ours = isinstance(exc, urllib.error.HTTPError) and exc.code in NOT_THE_REPLICAS
-            self._no_answer(challenge, f"{what}: {exc}", judged=not ours)
+            self._no_answer(challenge, f"{what}: {exc}")
             return
         mismatched = [
             what
@@ -641,10 +640,9 @@ class ReplayChecker:
             return
         challenge.material = record
 
-    def _no_answer(self, challenge: Challenge, why: str, *, judged: bool = True) -> None:
+    def _no_answer(self, challenge: Challenge, why: str) -> None:
         """A try got no usable answer: try again later, or give the verdict once the answer window
-        (from the first try) has passed and the replica had `MIN_TRIES`. No verdict when the last
-        try's answer may be the verifier's fault (`judged` False: NOT_THE_REPLICAS), when the first
+        (from the first try) has passed and the replica had `MIN_TRIES`. No verdict when the first
         try came later than a window after the receipt (the verifier's own backlog: the node may
         have dropped the round by then), or for a receipt that reached the verifier after its round
         settled (likewise; the verifier cannot tell that from a dodge)."""
@@ -664,8 +662,6 @@ class ReplayChecker:
             excuse = "its receipt came after the round settled"
         elif challenge.first_try - receipt.received_at > window:
             excuse = "the verifier first asked more than a window after the receipt"
-        elif not judged:
-            excuse = "the last answer may be the verifier's fault"
         else:
             excuse = ""
         if excuse:

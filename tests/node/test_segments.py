@@ -326,3 +326,20 @@ def test_checkpoints_are_hashed_and_stored_off_the_training_thread() -> None:
     closed = recorder.close_round(WALLET)
     assert closed is not None and stored == [0, 1, 2, 3]
     assert len(closed[0].checkpoints) == 4
+
+
+def test_a_committed_round_is_not_abandoned_by_a_resume_at_its_start(tmp_path: Path) -> None:
+    """A node that crashed after committing a round and resumed at that round's start must still
+    answer for it: starting the round again does not delete its committed log; uncommitted
+    leftovers, half-written files included, do go."""
+    config = SegmentConfig(segment_steps=2)
+    store = SegmentStore(tmp_path, config, log=lambda _: None)
+    diloco = _engine()
+    log = _record_round(SegmentRecorder(config, stage=0, sink=store), diloco)
+    store.abandon(log.round)
+    assert store.log(log.round) is not None and store.end_opening(log.round) is not None
+    leftover = tmp_path / "round-000000000005"
+    leftover.mkdir()
+    (leftover / "ckpt-00000000.tmp").write_bytes(b"half")
+    store.abandon(5)
+    assert not leftover.exists()
