@@ -132,6 +132,9 @@ class SegmentStore(SegmentSink):
         _atomic_write(log.to_json(), where / "log.json")
         self._evict(keep=log.round)
 
+    def committed(self, round_: int) -> bool:
+        return (_round_dir(self.directory, round_) / "commitment.json").exists()
+
     def abandon(self, round_: int) -> None:
         """Drop what an unfinished recording of `round_` left; a round already committed (its
         commitment written, its receipt perhaps sent) is kept: a node resumed at its start after a

@@ -146,6 +146,10 @@ class SegmentSink:
     def abandon(self, round_: int) -> None:
         """Drop what was kept of a round that will not be committed (resumed mid-round)."""
 
+    def committed(self, round_: int) -> bool:
+        """Whether a commitment of `round_` is already kept (a node resumed at its start)."""
+        return False
+
 
 MAX_IO_IN_FLIGHT = 2
 """Sink calls (checkpoint hashes and writes, received payloads) queued on the recorder's writer
@@ -209,6 +213,13 @@ class SegmentRecorder:
             self._io(self.sink.abandon, self._current.round)
         self._current = None
         if diloco.steps_in_round != 0:
+            return
+        self.flush()
+        if self.sink.committed(diloco.round):  # a crash after its commitment: the round is not redone here
+            if self._log:
+                self._log(
+                    f"segments: round {diloco.round} was committed before a restart; not recorded again"
+                )
             return
         self._io(self.sink.abandon, diloco.round)  # what an interrupted earlier run of this round left
         if self._closed != (diloco.round - 1, diloco) and reset_inner_state(diloco) and self._log:

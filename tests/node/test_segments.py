@@ -338,6 +338,16 @@ def test_a_committed_round_is_not_abandoned_by_a_resume_at_its_start(tmp_path: P
     log = _record_round(SegmentRecorder(config, stage=0, sink=store), diloco)
     store.abandon(log.round)
     assert store.log(log.round) is not None and store.end_opening(log.round) is not None
+    lines: list[str] = []
+    again = SegmentRecorder(config, stage=0, sink=store, log=lines.append)
+    before = store.load_checkpoint(log.round, 0)
+    diloco.round = log.round  # resumed at the committed round's start
+    diloco.steps_in_round = 0
+    again.start_round(diloco)  # not recorded again: the kept checkpoints stay the committed ones
+    again.flush()
+    after = store.load_checkpoint(log.round, 0)
+    assert before is not None and after is not None and torch.equal(before.weights, after.weights)
+    assert lines == [f"segments: round {log.round} was committed before a restart; not recorded again"]
     leftover = tmp_path / "round-000000000005"
     leftover.mkdir()
     (leftover / "ckpt-00000000.tmp").write_bytes(b"half")
