@@ -341,8 +341,6 @@ class Challenge:
     """The replica's signed log of the round before, with its end opening: fetched when the round
     does not start from a fresh optimizer, to hold it to the state that round ended with."""
     needs_previous: bool = False
-    issued_at: float = 0.0
-    """When it was drawn (the verifier's clock)."""
     first_try: float | None = None
     """When it was first tried: the answer window starts here, not at the draw, so the verifier's
     own backlog never eats into a replica's time."""
@@ -538,9 +536,7 @@ class ReplayChecker:
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
-                now = self.ctx.clock()
-                challenge = Challenge(receipt, address, segments=drawn, last=last, issued_at=now)
-                self.queue.append(challenge)
+                self.queue.append(Challenge(receipt, address, segments=drawn, last=last))
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(

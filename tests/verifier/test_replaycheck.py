@@ -175,7 +175,6 @@ def _age(checker: ReplayChecker, seconds: float) -> None:
     """Move every waiting challenge `seconds` into the past, due for its next try (the requests
     stay signed at the real time, which the node's clock-skew check wants)."""
     for challenge in checker.queue:
-        challenge.issued_at -= seconds
         if challenge.first_try is not None:
             challenge.first_try -= seconds
         challenge.next_try = 0.0
