@@ -30,12 +30,14 @@ does not: that the committed optimizer state is the one the replica's previous r
 with (continuity across rounds; a replica could reset or doctor its moments between rounds
 and still pass, though it cannot pick them after it is challenged), that unsampled rounds
 were honest, or anything about pipeline stages (their gradients depend on other stages).
-A challenged replica that cannot be reached, or declines (403, 404), is tried again every
-RETRY_EVERY_S for `answer_window_s` (10 min) after the draw; then it fails the check at
+A challenged replica that cannot be reached, or declines (403, 404, or any other status), is tried
+again (RETRY_EVERY_S apart, at least MIN_TRIES times) for `answer_window_s` (10 min) from the
+first try; then it fails the check at
 `ReputationConfig.unanswered_penalty` (half a failed replay, no fraud proof), which also restarts
 its probation. Otherwise a liar would decline exactly the challenges that draw a segment it faked
 and be caught never. Not judged: a receipt that reached the verifier after its round settled (its
-node may have dropped the round by then: nodes keep their last few), a wallet with no registered
+node may have dropped the round by then: nodes keep their last few), a challenge first tried more
+than a window after its receipt arrived (the verifier's own backlog), a wallet with no registered
 address, and a relay replica (`--relay`: it opens no port, and challenges do not yet travel
 through its bucket). Those remain ways around a check.
 
@@ -650,9 +652,7 @@ class ReplayChecker:
             challenge.next_try = now + RETRY_EVERY_S
             return
         self._drop(challenge)
-        with self.ctx.db.read() as session:
-            settled = session.get(m.Round, (receipt.stage, receipt.round))
-            late = settled is not None and settled.settled_at < receipt.received_at
+        late = self._after_settlement(receipt.stage, receipt.round, receipt.received_at)
         what = f"{receipt.wallet_id} round {receipt.round} not served for {window:.0f} s ({why})"
         if late:
             excuse = "its receipt came after the round settled"
@@ -673,6 +673,12 @@ class ReplayChecker:
         finally:
             with self._count_lock:
                 self.unanswered += 1
+
+    def _after_settlement(self, stage: int, round_: int, received_at: float) -> bool:
+        """Whether a receipt received at `received_at` came after its (stage, round) settled."""
+        with self.ctx.db.read() as session:
+            settled = session.get(m.Round, (stage, round_))
+            return settled is not None and settled.settled_at < received_at
 
     def _replay_next(self) -> None:
         for challenge in self.queue:
@@ -910,10 +916,10 @@ class ReplayChecker:
         start = checkpoint_hash(challenge.receipt.base_hash, self._fresh(piece))
         return bool(piece.log.checkpoints) and piece.log.checkpoints[0] == start
 
-    def _get_log(self, address: str, round_: int) -> SignedSegmentLog:
+    def _get_log(self, address: str, round_: int, *, timeout_s: float | None = None) -> SignedSegmentLog:
         """A replica's signed log of `round_`; raises like _get_segment."""
         bound = segment_log_bound(self.ctx.network.diloco.inner_steps)
-        body = self._signed_get(address, SEGMENT_LOG.format(round=round_), bound)
+        body = self._signed_get(address, SEGMENT_LOG.format(round=round_), bound, timeout_s=timeout_s)
         try:
             return SignedSegmentLog.decode(body)
         except Refused as exc:
@@ -1046,13 +1052,10 @@ class ReplayChecker:
             return True
         if match.found is None:
             match.found = (self.ctx.clock(), received_at)
-        path = SEGMENT_LOG.format(round=match.round)
-        bound = segment_log_bound(self.ctx.network.diloco.inner_steps)
         try:
-            body = self._signed_get(
-                address, path, bound, timeout_s=min(SENDER_TIMEOUT_S, self.config.timeout_s)
+            signed = self._get_log(
+                address, match.round, timeout_s=min(SENDER_TIMEOUT_S, self.config.timeout_s)
             )
-            signed = SignedSegmentLog.decode(body)
         except (ReplicaDeclined, OSError) as exc:
             what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
             return self._log_not_read(match, wallet, f"{what}: {exc}")
@@ -1084,9 +1087,7 @@ class ReplayChecker:
         assert match.found is not None
         wallet = wallet_id_of(bytes.fromhex(match.sender))
         where = (wallet, match.stage, match.round)
-        with self.ctx.db.read() as session:
-            settled = session.get(m.Round, (match.stage, match.round))
-            late = settled is not None and settled.settled_at < match.found[1]
+        late = self._after_settlement(match.stage, match.round, match.found[1])
         what = f"did not serve its round log within {self.config.answer_window_s:.0f} s ({match.declined})"
         if late or self._already_penalised(where):
             self.ctx.log(f"replay check: {wallet} round {match.round} {what}; no verdict")

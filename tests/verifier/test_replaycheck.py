@@ -88,6 +88,15 @@ def _receipt(round_: int, record: ReplayRecord, spans: list[list[int]], **overri
     return m.Receipt(**fields)
 
 
+def _checker(db: Database, published: PublishedData, lines: list[str], **config: float) -> ReplayChecker:
+    """A checker that draws every receipt, logging to `lines`."""
+    return ReplayChecker(
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+        config=ReplayCheckConfig(sample_rate=1.0, **config),
+        dataset=lambda: published.dataset,
+    )
+
+
 def _verdicts(db: Database) -> list[str]:
     with db.read() as s:
         return [e.reason for e in s.scalars(select(m.ReputationEvent).order_by(m.ReputationEvent.id))]
@@ -99,19 +108,9 @@ def test_an_honest_round_passes_and_other_material_or_no_commitment_fails(
     net, archive, spans = node
     record = archive.get(0)
     assert record is not None
-    now = time.time()
-    with db.write() as s:
-        s.add(m.Wallet(wallet_id=NODE.wallet_id, public_key=NODE.public_key_hex, reputation=0.5,
-                       status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
-        s.flush()
-        s.add(m.Peer(wallet_id=NODE.wallet_id, address=f"http://{net.address}", stage=0, registered_at=now,
-                     last_heartbeat=now))  # fmt: skip
+    _register(db, f"http://{net.address}")
     lines: list[str] = []
-    checker = ReplayChecker(
-        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
-        config=ReplayCheckConfig(sample_rate=1.0),
-        dataset=lambda: published.dataset,
-    )
+    checker = _checker(db, published, lines)
     checker.run_once()  # the first pass only notes where the receipts end
     with db.write() as s:
         s.add(_receipt(0, record, spans))
@@ -138,11 +137,7 @@ def test_an_exception_on_the_replay_thread_is_logged(db: Database, published: Pu
     """Nothing reads a replay future's result: what it raised (say, the verdict's transaction
     failing) reaches the log through its done-callback instead of vanishing."""
     lines: list[str] = []
-    checker = ReplayChecker(
-        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
-        config=ReplayCheckConfig(sample_rate=1.0),
-        dataset=lambda: published.dataset,
-    )
+    checker = _checker(db, published, lines)
 
     def fails() -> None:
         raise RuntimeError("the verdict's transaction failed")
@@ -191,11 +186,7 @@ def test_a_challenge_left_unanswered_for_the_window_fails_at_the_unanswered_pena
     assert record is not None
     _register(db, f"http://{net.address}")
     lines: list[str] = []
-    checker = ReplayChecker(
-        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
-        config=ReplayCheckConfig(sample_rate=1.0, answer_window_s=600.0),
-        dataset=lambda: published.dataset,
-    )
+    checker = _checker(db, published, lines, answer_window_s=600.0)
     checker.run_once()
     now = time.time()
     with db.write() as s:  # rounds 0..2 settled on the replica's own θ, so every round replays from it
@@ -247,11 +238,7 @@ def test_a_relay_replica_is_not_challenged_and_an_unreachable_one_fails_after_th
 ) -> None:
     lines: list[str] = []
     _register(db, relay_address(NODE.public_key_hex))
-    checker = ReplayChecker(
-        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
-        config=ReplayCheckConfig(sample_rate=1.0, answer_window_s=60.0, timeout_s=2.0),
-        dataset=lambda: published.dataset,
-    )
+    checker = _checker(db, published, lines, answer_window_s=60.0, timeout_s=2.0)
     checker.run_once()
     theta = torch.zeros(4)
     fake = ReplayRecord(round=0, theta_round=theta, inner=InnerState(theta, theta, theta), delta=theta)
