@@ -23,6 +23,7 @@ import torch
 
 from neuroshard.api.app import create_app
 from neuroshard.cli.parser import Parser
+from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.protocol.roster import POLICIES
 from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
 from neuroshard.verifier.config import VerifierConfig
@@ -98,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="segments of a receipt's round one check replays, drawn by the operator's signature; "
         "each costs k/H of the round's work (default %(default)s)",
     )
+    p.add_argument(
+        "--relay",
+        metavar="s3://BUCKET/PREFIX",
+        help="the stage bucket of replicas behind NAT (their --relay): the spot checks of those "
+        "replicas are asked and answered through it. Needs s3:GetObject on PREFIX/* and "
+        "s3:PutObject/s3:DeleteObject on PREFIX/_want/*/check/*; credentials: boto3's usual chain. "
+        "Without it, relay replicas are not spot-checked",
+    )
+    p.add_argument(
+        "--relay-endpoint", help="S3-compatible endpoint URL of --relay (MinIO, R2, ...); default AWS"
+    )
+    p.add_argument("--relay-region", help="the --relay bucket's region; default boto3's")
     p.add_argument(
         "--keep-fraud-gb",
         type=float,
@@ -256,6 +269,9 @@ def build_config(args: argparse.Namespace) -> VerifierConfig:
             segments_per_check=args.segments_per_check,
             fraud_proof_dir=args.home / DIRECTORY_NAME,
             keep_fraud_bytes=int(args.keep_fraud_gb * 2**30),
+            relay=RelayConfig(url=args.relay, endpoint_url=args.relay_endpoint, region=args.relay_region)
+            if args.relay
+            else None,
         )
         if replays
         else None,

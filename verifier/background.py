@@ -102,17 +102,45 @@ class BodyTooLarge(ValueError):
     """A node answered with more bytes than the material asked for can take."""
 
 
+MIN_BYTES_PER_S = 256 << 10
+"""The slowest a node may send a body, on average, once `timeout_s` has passed (2 Mbit/s): a
+reply that drips a byte per socket timeout would otherwise hold the caller's thread for ever."""
+READ_CHUNK = 1 << 20
+
+
 def signed_get(
-    operator: Wallet, address: str, path: str, *, max_bytes: int, timeout_s: float, now: float
+    operator: Wallet,
+    address: str,
+    path: str,
+    *,
+    max_bytes: int,
+    timeout_s: float,
+    now: float,
+    min_bytes_per_s: float = MIN_BYTES_PER_S,
 ) -> tuple[bytes, Message]:
     """GET `path` from the node at `address`, signed by the operator like any peer request
     (node.p2p.auth): the body and the reply's headers (case-insensitive lookups). Raises
     urllib.error.HTTPError on an error status, OSError or ValueError when there is no usable
-    answer, BodyTooLarge past `max_bytes`."""
+    answer, BodyTooLarge past `max_bytes`.
+
+    `timeout_s` bounds each socket operation, and the body must arrive at `min_bytes_per_s` on
+    average after the first `timeout_s`: TimeoutError (an OSError) otherwise, so a caller is held
+    at most `timeout_s` plus one read beyond what an honest node at that rate would take."""
     headers = sign_request(operator, "GET", path, b"", now)
     request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
+    started = time.monotonic()
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        body: bytes = reply.read(max_bytes + 1)
-        if len(body) > max_bytes:
-            raise BodyTooLarge(f"a body over {max_bytes} bytes")
-        return body, reply.headers
+        body = bytearray()
+        while True:
+            chunk = reply.read1(READ_CHUNK)  # at most one socket read: returns what has arrived
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > max_bytes:
+                raise BodyTooLarge(f"a body over {max_bytes} bytes")
+            elapsed = time.monotonic() - started
+            if elapsed > timeout_s + len(body) / min_bytes_per_s:
+                raise TimeoutError(
+                    f"{len(body)} bytes in {elapsed:.0f} s: slower than {min_bytes_per_s / 1024:.0f} KiB/s"
+                )
+        return bytes(body), reply.headers

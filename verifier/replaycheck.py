@@ -38,8 +38,9 @@ its probation. Otherwise a liar would decline exactly the challenges that draw a
 and be caught never. Not judged: a receipt that reached the verifier after its round settled (its
 node may have dropped the round by then: nodes keep their last few), a challenge first tried more
 than a window after its receipt arrived (the verifier's own backlog), a wallet with no registered
-address, and a relay replica (`--relay`: it opens no port, and challenges do not yet travel
-through its bucket). Those remain ways around a check.
+address, and a relay replica (`--relay`: no port) when the checker was given no bucket
+(`ReplayCheckConfig.relay`; with one, it is challenged through the bucket:
+verifier.relaychallenge). Those remain ways around a check.
 
 Segment checks (issue 17), at every stage: a receipt that commits to a segment root
 (`segment_root`, `segments`; node.segments) is checked by segments instead of whole rounds. The
@@ -85,6 +86,7 @@ from sqlalchemy.orm import Session
 from neuroshard.data import Dataset
 from neuroshard.node.diloco import flat_parameters, tensor_digest
 from neuroshard.node.model import build_stage
+from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.node.p2p.relay import is_relay
 from neuroshard.node.p2p.replay import (
     SEGMENT,
@@ -111,7 +113,8 @@ from .coverage import standings
 from .datacheck import receipt_problems
 from .fraudproofs import DEFAULT_KEEP, DEFAULT_KEEP_BYTES
 from .members import MembershipConfig
-from .sampling import sampled
+from .relaychallenge import BucketHolder, NotAnswered, RelayChallenges
+from .sampling import draw, sampled
 from .segmentcheck import (
     continuity_problem,
     draw_segments,
@@ -259,7 +262,8 @@ class ReplayCheckConfig:
     poll_s: float = 2.0
     """Seconds between looks for new receipts."""
     timeout_s: float = 60.0
-    """Whole-request limit of one fetch."""
+    """Socket timeout of one fetch, and the grace before its body must arrive at
+    background.MIN_BYTES_PER_S on average (a node dripping its answer is cut off, not waited for)."""
     retry_s: float = 60.0
     """How long after its receipt an unsettled round r−1 is waited for."""
     answer_window_s: float = 600.0
@@ -300,6 +304,9 @@ class ReplayCheckConfig:
     the `fraud_proofs` table, verifier.fraudproofs). None: only in memory (`ReplayChecker.fraud_proofs`)."""
     keep_fraud_proofs: int = DEFAULT_KEEP
     """Proofs kept in `fraud_proof_dir`; the oldest files and rows beyond this are deleted."""
+    relay: RelayConfig | None = None
+    """The stage bucket (``neuroshard-verifier --relay``): replicas behind NAT (node ``--relay``,
+    no port) are challenged through it (verifier.relaychallenge). None: they are not checked."""
     keep_fraud_bytes: int = DEFAULT_KEEP_BYTES
     """Bytes the proofs in `fraud_proof_dir` may hold together (a proof is ~28 bytes per parameter,
     3.5 GB at 125M); the oldest are deleted beyond it (the newest is kept even alone over it).
@@ -330,7 +337,8 @@ class Challenge:
     """One sampled receipt on its way to a verdict."""
 
     receipt: m.Receipt
-    address: str
+    address: str | BucketHolder
+    """The replica's port, or its wallet's key when it is asked through the bucket (a relay replica)."""
     material: ReplayRecord | None = None
     segments: tuple[int, ...] = ()
     """The drawn segments of a receipt that commits to a segment root; () for a whole-round replay."""
@@ -433,6 +441,9 @@ class ReplayChecker:
         """(values, tensors) → a fresh optimizer's digest at that size."""
         self._penalised: set[tuple[str, int, int]] = set()
         """(wallet, stage, round) already failed for its records: one penalty per round."""
+        relay = self.config.relay
+        self._bucket = None if relay is None else RelayChallenges(relay, ctx.operator, ctx.clock, ctx.log)
+        """Challenges of relay replicas through the stage bucket; None without `relay`."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -488,8 +499,9 @@ class ReplayChecker:
                 self.last_id = session.scalar(select(func.max(m.Receipt.id))) or 0
                 return
             rows = session.execute(
-                select(m.Receipt, m.Peer.address)
+                select(m.Receipt, m.Peer.address, m.Wallet.public_key)
                 .join(m.Peer, m.Peer.wallet_id == m.Receipt.wallet_id, isouter=True)
+                .join(m.Wallet, m.Wallet.wallet_id == m.Receipt.wallet_id, isouter=True)
                 .where(m.Receipt.id > self.last_id)
                 .order_by(m.Receipt.id)
                 .limit(self.config.max_per_pass)
@@ -497,7 +509,7 @@ class ReplayChecker:
             session.expunge_all()
             draw = self._budget_draw(session) if rows and self.config.budget is not None else None
             probation = members.awaiting_checks(session, 0, self.membership) if rows else set()
-        for receipt, address in rows:
+        for receipt, address, public_key in rows:
             self.last_id = receipt.id
             segmented = segment_root(receipt)
             if segmented is None and (receipt.stage != 0 or self.ctx.network.num_stages != 1):
@@ -525,10 +537,10 @@ class ReplayChecker:
                 self.ctx.log(
                     f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
                 )
-            elif is_relay(address):
+            elif is_relay(address) and (self._bucket is None or public_key is None):
                 self.ctx.log(
-                    f"replay check: {receipt.wallet_id} is a relay replica, which the verifier cannot "
-                    f"reach yet; round {receipt.round} not checked"
+                    f"replay check: {receipt.wallet_id} is a relay replica and the verifier has no "
+                    f"bucket to challenge it through (--relay); round {receipt.round} not checked"
                 )
             elif len(self.queue) >= self.config.max_queue + MAX_WAITING:
                 self.ctx.log(
@@ -538,7 +550,8 @@ class ReplayChecker:
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
-                self.queue.append(Challenge(receipt, address, segments=drawn, last=last))
+                where = BucketHolder(public_key) if is_relay(address) and public_key else address
+                self.queue.append(Challenge(receipt, where, segments=drawn, last=last))
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(
@@ -605,9 +618,15 @@ class ReplayChecker:
         challenge.tries += 1
         try:
             if challenge.segments:
-                for j in challenge.wanted:
+                unanswered = []
+                for j in challenge.wanted:  # through a bucket, every missing piece is asked at once
                     if j not in challenge.pieces:
-                        challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
+                        try:
+                            challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
+                        except NotAnswered:
+                            unanswered.append(j)
+                if unanswered:
+                    raise NotAnswered(f"segments {unanswered} not in the bucket yet")
                 challenge.needs_previous = receipt.round > 0 and not self._starts_fresh(challenge)
                 if challenge.needs_previous and challenge.previous is None:
                     challenge.previous = self._get_log(challenge.address, receipt.round - 1)
@@ -617,8 +636,8 @@ class ReplayChecker:
             self._drop(challenge)
             self._record(receipt, False, f"served a malformed replay body: {exc}")
             return
-        except (ReplicaDeclined, OSError, ValueError) as exc:
-            what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
+        except (ReplicaDeclined, NotAnswered, OSError, ValueError) as exc:
+            what = {ReplicaDeclined: "declined", NotAnswered: "not answered"}.get(type(exc), "unreachable")
             self._no_answer(challenge, f"{what}: {exc}")
             return
         mismatched = [
@@ -842,6 +861,12 @@ class ReplayChecker:
 
     def _drop(self, challenge: Challenge) -> None:
         self.queue.remove(challenge)
+        if isinstance(challenge.address, BucketHolder) and self._bucket is not None:
+            # Whatever was asked and not read: its holder then deletes the answers it uploaded.
+            r = challenge.receipt.round
+            paths = [SEGMENT.format(round=r, segment=j) for j in challenge.wanted]
+            paths += [REPLAY.format(round=r)] + ([SEGMENT_LOG.format(round=r - 1)] if r > 0 else [])
+            self._bucket.release(challenge.address.public_key, paths)
 
     def _record(
         self,
@@ -916,7 +941,9 @@ class ReplayChecker:
         start = checkpoint_hash(challenge.receipt.base_hash, self._fresh(piece))
         return bool(piece.log.checkpoints) and piece.log.checkpoints[0] == start
 
-    def _get_log(self, address: str, round_: int, *, timeout_s: float | None = None) -> SignedSegmentLog:
+    def _get_log(
+        self, address: str | BucketHolder, round_: int, *, timeout_s: float | None = None
+    ) -> SignedSegmentLog:
         """A replica's signed log of `round_`; raises like _get_segment."""
         bound = segment_log_bound(self.ctx.network.diloco.inner_steps)
         body = self._signed_get(address, SEGMENT_LOG.format(round=round_), bound, timeout_s=timeout_s)
@@ -950,7 +977,7 @@ class ReplayChecker:
             piece.log, receipt.base_hash, self._fresh(piece), previous, piece.commitment.wallet, previous_root
         )
 
-    def _get_segment(self, address: str, receipt: m.Receipt, segment: int) -> SegmentMaterial:
+    def _get_segment(self, address: str | BucketHolder, receipt: m.Receipt, segment: int) -> SegmentMaterial:
         """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""
         stage, num_stages = receipt.stage, self.ctx.network.num_stages
         _, n_tensors, _ = self._stage(stage)
@@ -986,7 +1013,14 @@ class ReplayChecker:
         receiver = challenge.receipt.wallet_id
         key = next(iter(challenge.pieces.values())).commitment.wallet  # checked: the receipt's wallet
         with self._senders_lock:
-            for (sender, stage, round_), messages in list(by_sender.items())[:MAX_SENDER_LOGS]:
+            # In the order of a draw, not of the replica's records: a receiver that listed other
+            # senders first could otherwise keep a colluding sender from ever being matched.
+            r = challenge.receipt
+            order = sorted(
+                by_sender, key=lambda k: draw(self.ctx.operator, "sender", r.wallet_id, r.round, *k)
+            )
+            for sender, stage, round_ in order[:MAX_SENDER_LOGS]:
+                messages = by_sender[(sender, stage, round_)]
                 if len(self._senders) >= MAX_PENDING_SENDERS:
                     self.ctx.log(
                         f"replay check: {len(self._senders)} sender matches waiting; the rest not matched"
@@ -1140,8 +1174,17 @@ class ReplayChecker:
         self.ctx.log(f"replay check: {wallet} round {round_} FAILED: {detail}")
         return True
 
-    def _signed_get(self, address: str, path: str, limit: int, *, timeout_s: float | None = None) -> bytes:
-        """GET `path` signed by the operator; ReplicaDeclined on 403/404, Malformed past `limit` bytes."""
+    def _signed_get(
+        self, address: str | BucketHolder, path: str, limit: int, *, timeout_s: float | None = None
+    ) -> bytes:
+        """GET `path` signed by the operator; ReplicaDeclined on 403/404, Malformed past `limit` bytes.
+        From a BucketHolder: its answer in the bucket, NotAnswered while there is none."""
+        if isinstance(address, BucketHolder):
+            assert self._bucket is not None  # only queued with a bucket (_collect)
+            try:
+                return self._bucket.get(address.public_key, path, limit)
+            except BodyTooLarge as exc:
+                raise Malformed(str(exc)) from None
         try:
             body, _ = signed_get(
                 self.ctx.operator,
@@ -1159,7 +1202,7 @@ class ReplayChecker:
             raise Malformed(str(exc)) from None
         return body
 
-    def _get_replay(self, address: str, round_: int) -> ReplayRecord:
+    def _get_replay(self, address: str | BucketHolder, round_: int) -> ReplayRecord:
         """The replica's replay material for `round_`; raises ReplicaDeclined or Malformed, or OSError or
         ValueError when there is no usable answer."""
         path = REPLAY.format(round=round_)

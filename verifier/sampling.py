@@ -22,5 +22,12 @@ _CONTEXT = "neuroshard/spot-check-sample/v1"
 
 def sampled(operator: Wallet, check: str, wallet_id: str, stage: int, round_: int, rate: float) -> bool:
     """Whether spot check `check` ("data", "replay") picks this receipt; about `rate` of them are."""
-    signature = operator.sign(f"{_CONTEXT}:{check}:{wallet_id}:{stage}:{round_}".encode())
-    return int.from_bytes(hashlib.sha256(signature).digest()[:8], "big") < rate * 2**64
+    return draw(operator, check, wallet_id, stage, round_) < rate * 2**64
+
+
+def draw(operator: Wallet, check: str, *fields: object) -> int:
+    """A 64-bit number for (check, fields) that nobody without the operator's key can predict:
+    the operator's signature over them, hashed. Sorting by it orders things as a fair lottery."""
+    text = ":".join([_CONTEXT, check, *map(str, fields)])
+    signature = operator.sign(text.encode())
+    return int.from_bytes(hashlib.sha256(signature).digest()[:8], "big")

@@ -32,6 +32,7 @@ of ours and never logged.
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -75,6 +78,9 @@ class RelayConfig:
     """Cap on the wait between polls: a GET is cheap but billed (S3: $0.0004 per 1000)."""
     request_timeout_s: float = 10.0
     """Connect and read timeout of one HTTP request, seconds (per socket operation, not per body)."""
+    multipart_bytes: int = 64 << 20
+    """Objects larger than this are uploaded in parts of this size (a single PUT stops at 5 GB; a
+    relay's answer to a segment challenge holds 28 bytes a parameter). S3's smallest part is 5 MiB."""
     max_workers: int = 16
     """Threads running boto3 calls (boto3 is synchronous); also the client's connection pool size."""
     bucket: str = field(init=False)
@@ -87,6 +93,10 @@ class RelayConfig:
         if not 0 < self.poll_interval_s <= self.max_poll_s:
             raise ValueError(
                 f"need 0 < poll_interval_s ({self.poll_interval_s}) <= max_poll_s ({self.max_poll_s})"
+            )
+        if self.multipart_bytes < 5 << 20:
+            raise ValueError(
+                f"multipart_bytes must be at least 5 MiB (S3's smallest part), got {self.multipart_bytes}"
             )
         if self.request_timeout_s <= 0 or self.max_workers < 1:
             raise ValueError(
@@ -182,10 +192,18 @@ class BucketStore:
         key = self.key(self.wallet, name)
         body = bytes(data)
         try:
-            await self._call(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=body)
-        except (BotoCoreError, ClientError) as exc:
+            if len(body) > self.config.multipart_bytes:
+                await self._call(self._upload_in_parts, key=key, body=body)
+            else:
+                await self._call(self.client.put_object, Bucket=self.config.bucket, Key=key, Body=body)
+        except (BotoCoreError, ClientError, S3UploadFailedError) as exc:
             raise RelayError(f"cannot publish s3://{self.config.bucket}/{key}: {exc}") from None
         self.traffic.bytes_sent += len(body)
+
+    def _upload_in_parts(self, key: str, body: bytes) -> None:
+        part = self.config.multipart_bytes
+        transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=4)
+        self.client.upload_fileobj(io.BytesIO(body), self.config.bucket, key, Config=transfer)
 
     async def put_shared(self, path: str, data: bytes) -> None:
         """PUT `data` at PREFIX/`path`, outside any wallet's prefix (the relay's state requests,
@@ -196,6 +214,23 @@ class BucketStore:
         except (BotoCoreError, ClientError) as exc:
             raise RelayError(f"cannot write s3://{self.config.bucket}/{key}: {exc}") from None
         self.traffic.bytes_sent += len(data)
+
+    async def get_shared(self, path: str, max_bytes: int) -> bytes | None:
+        """The object at PREFIX/`path` (outside any wallet's prefix), or None if it is absent, over
+        `max_bytes`, or unreadable (a relay's challenges, ``relay.py``)."""
+        try:
+            return await self._get(f"{self._root}{path}", max_bytes, None)
+        except (BotoCoreError, ClientError):
+            return None
+
+    async def delete(self, name: str) -> None:
+        """Delete this wallet's object `name`; failures are logged (it costs storage only, and the
+        lifecycle rule removes it later)."""
+        key = self.key(self.wallet, name)
+        try:
+            await self._call(self.client.delete_object, Bucket=self.config.bucket, Key=key)
+        except (BotoCoreError, ClientError) as exc:
+            self.log(f"bucket: cannot delete s3://{self.config.bucket}/{key}: {exc}")
 
     async def list_under(
         self, path: str, *, delimiter: str | None = None, max_keys: int = 1000

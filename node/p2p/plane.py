@@ -72,7 +72,7 @@ from .exchange import Adopted, Exchange, ExchangeTimings
 from .objects import HttpRoundStore, ObjectRoutes, ObjectShelf
 from .peers import PeerEntry, PeerTable
 from .quorum import quorum, vouched
-from .relay import PEERS_OBJECT, STATUS_OBJECT, RelayControl, is_relay, relay_address
+from .relay import PEERS_OBJECT, STATUS_OBJECT, Answerer, RelayControl, is_relay, relay_address
 from .rounds import AggregationRule, RoundReport, ordered_mean, plurality
 from .server import NodeState, ServerExtension, ServerLimits, build_app
 from .state import adopt_state, momentum_of, snapshot_of
@@ -306,6 +306,8 @@ class PeerPlane:
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._gossip: asyncio.Task[None] | None = None
+        self._challenges: asyncio.Task[None] | None = None
+        """The running pass over the verifier's challenges (a relay replica's; relay.py)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -385,10 +387,28 @@ class PeerPlane:
         while True:
             try:
                 await self._relay_heartbeat()
+                self._answer_challenges()
                 await self._exchange.gossip_once()
             except Exception as exc:  # a gossip bug must not kill discovery for good
                 self._log(f"peer gossip failed: {type(exc).__name__}: {exc}")
             await asyncio.sleep(self.config.gossip_interval_s)
+
+    def _answer_challenges(self) -> None:
+        """A replica with no port: answer the verifier's challenges from its bucket (relay.py), on a
+        task of its own so that uploading a segment never holds the heartbeat."""
+        if self.config.listen or self._relay is None:
+            return
+        if self._challenges is not None and not self._challenges.done():
+            return
+        answerers = [e for e in self._extensions if isinstance(e, Answerer)]
+        if answerers:
+            self._challenges = asyncio.create_task(self._relay.serve_challenges(answerers, self.node.clock()))
+            self._challenges.add_done_callback(self._challenge_failure)
+
+    def _challenge_failure(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self._log(f"answering the verifier's challenges failed: {type(exc).__name__}: {exc}")
 
     async def _relay_heartbeat(self) -> None:
         """A replica with no port: put what its server would answer into the bucket (relay.py)."""
@@ -456,9 +476,10 @@ class PeerPlane:
         self._loop = self._thread = None
 
     async def _shutdown(self) -> None:
-        if self._gossip is not None:
-            self._gossip.cancel()
-            await asyncio.gather(self._gossip, return_exceptions=True)
+        for task in (self._gossip, self._challenges):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self._client.close()
         if self._runner is not None:
             await self._runner.cleanup()

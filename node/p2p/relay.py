@@ -23,6 +23,21 @@ reserved (RFC 2606) and never resolves, so nobody dials it by mistake, and `is_r
 reader to go to the bucket instead. Nothing read here is trusted more than over HTTP: peer records,
 statuses and state are signed or hash-checked by the same code (``exchange``).
 
+**The verifier's challenges** travel the same way. Where it would GET ``/p2p/{route}`` from a
+replica's port (a segment, a round's log, a round's replay material: ``node.p2p.replay``), the
+verifier PUTs ``PREFIX/_want/{holder}/check/{route}`` holding the request's signed headers (the
+operator's signature over ``GET /p2p/{route}``, fresh within ±60 s: it writes it again on every
+try) and polls for the answer at ``PREFIX/{holder}/check/{route}``. The holder LISTs
+``PREFIX/_want/{itself}/check/`` every gossip interval (one request, whatever the stage's size),
+checks each new challenge's signature exactly as its server would, and uploads what its server
+would have answered (`serve_challenges`; at most CHALLENGES_PER_PASS a pass). The verifier deletes
+its challenge once it has read the answer (or ends the check), and the holder then deletes its
+answer. The answer is judged against the holder's signed receipt like one over HTTP, so the bucket
+changes nothing about what can be proven; a challenge that is not answered within the verifier's
+answer window fails like an unreachable port (verifier.replaycheck). An operator can keep other
+replicas from writing challenges at all: the verifier's credentials alone need
+``s3:PutObject``/``s3:DeleteObject`` on ``PREFIX/_want/*/check/*``.
+
 Replicas with an open port join a mixed stage by being given the same ``--relay`` URL as well:
 they serve their own objects over HTTP and read the relay replicas' from the bucket
 (``outer.port.RoutedStore``).
@@ -31,14 +46,17 @@ they serve their own objects over HTTP and read the relay replicas' from the buc
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from neuroshard.protocol.peer import StateInfo
 from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.signing import verify_request
 
-from ..outer.port import check_wallet, object_name
+from ..outer.port import check_name, check_wallet, object_name
 from .bucket import BucketStore, RelayError
 
 RELAY_SUFFIX = ".relay.invalid"
@@ -54,6 +72,41 @@ STATE_HEADER = struct.Struct(">I")
 WALLET = re.compile(r"^[0-9a-f]{64}$")
 MAX_LISTED = 1000
 """One LIST page: the most wallets discovered from the bucket per gossip interval."""
+CHECK = "check"
+"""Where challenges (under ``_want/{holder}/``) and their answers (under ``{holder}/``) live."""
+ROUTE_PREFIX = "/p2p/"
+CHALLENGE_BYTES = 4096
+"""Cap on a challenge object read (the four signed headers as JSON: ~0.3 KB)."""
+CHALLENGES_PER_PASS = 4
+"""New challenges answered per gossip interval (a check asks for ~6 objects at once)."""
+RETRY_REFUSED_S = 60.0
+"""How long a challenge that could not be answered (stale, badly signed, not held) is left alone."""
+
+
+@runtime_checkable
+class Answerer(Protocol):
+    """A server extension whose GET routes a relay replica can answer through its bucket."""
+
+    async def answer(self, path: str, peer_wallet: str) -> bytes | None:
+        """The body GET `path` serves `peer_wallet`; None for a path not its own; Refused otherwise."""
+
+
+def challenge_name(path: str) -> str:
+    """``/p2p/segment/3/1`` → ``segment/3/1``: the bucket name of a challenge of GET `path`;
+    ValueError for a path no relay answers."""
+    if not path.startswith(ROUTE_PREFIX):
+        raise ValueError(f"{path[:60]!r} is not a /p2p/ route")
+    return check_name(path.removeprefix(ROUTE_PREFIX))
+
+
+def challenge_key(holder: str, name: str) -> str:
+    """Where, under the bucket's PREFIX, the verifier puts its challenge `name` to `holder`."""
+    return f"{WANT_PREFIX}/{check_wallet(holder)}/{CHECK}/{check_name(name)}"
+
+
+def answer_name(name: str) -> str:
+    """The holder's object answering challenge `name` (under its own wallet's prefix)."""
+    return f"{CHECK}/{check_name(name)}"
 
 
 def relay_address(wallet: str) -> str:
@@ -89,6 +142,10 @@ class RelayControl:
         self.stage = stage
         self.log = log
         self._served_round = -1
+        self._answered: set[str] = set()
+        """Challenges answered whose challenge object is still there (the answer is kept until then)."""
+        self._refused: dict[str, float] = {}
+        """Challenge → when it may be read again, for challenges that could not be answered."""
 
     @property
     def own(self) -> str:
@@ -173,3 +230,55 @@ class RelayControl:
         self._served_round = round_
         await self.store.publish(object_name(self.stage, round_, "state"), encode_state_object(info, body))
         self.log(f"bucket: state of round {round_} uploaded for a reader that asked")
+
+    async def serve_challenges(self, answerers: Sequence[Answerer], now: float) -> None:
+        """Answer the verifier's new challenges under ``_want/{itself}/check/`` (module docstring),
+        and delete the answers whose challenge the verifier has removed."""
+        base = f"{WANT_PREFIX}/{self.own}/{CHECK}/"
+        try:
+            names, _ = await self.store.list_under(base, max_keys=MAX_LISTED)
+        except RelayError as exc:
+            self.log(f"bucket: cannot read the verifier's challenges: {exc}")
+            return
+        waiting = set(names)
+        for name in sorted(self._answered - waiting):  # read and released by the verifier
+            await self.store.delete(answer_name(name))
+            self._answered.discard(name)
+        self._refused = {n: t for n, t in self._refused.items() if t > now and n in waiting}
+        new = [n for n in sorted(waiting) if n not in self._answered and n not in self._refused]
+        for name in new[:CHALLENGES_PER_PASS]:
+            try:
+                body = await self._answer(answerers, base, name, now)
+                await self.store.publish(answer_name(name), body)
+            except Refused as exc:
+                self._refused[name] = now + RETRY_REFUSED_S
+                self.log(f"bucket: challenge {name} not answered: {exc.code}: {exc.detail}")
+                continue
+            except RelayError as exc:
+                self.log(f"bucket: cannot upload the answer to challenge {name}: {exc}")
+                continue
+            self._answered.add(name)
+            self.log(f"bucket: answered the verifier's challenge {name} ({len(body)} bytes)")
+
+    async def _answer(self, answerers: Sequence[Answerer], base: str, name: str, now: float) -> bytes:
+        """What this replica's server would answer the signed request in challenge `name`; Refused
+        as the server would refuse it (stale, badly signed, not the verifier, not held)."""
+        try:
+            path = ROUTE_PREFIX + check_name(name)
+        except ValueError as exc:
+            raise malformed(str(exc)) from None
+        raw = await self.store.get_shared(base + name, CHALLENGE_BYTES)
+        if raw is None:
+            raise malformed("the challenge object is gone, too large or unreadable")
+        try:
+            headers = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise malformed(f"the challenge is not JSON: {exc}") from None
+        if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
+            raise malformed("the challenge is not a JSON object of header strings")
+        signed = verify_request(headers, "GET", path, b"", now=now)
+        for answerer in answerers:
+            body = await answerer.answer(path, signed.public_key_hex)
+            if body is not None:
+                return body
+        raise Refused("unknown_route", f"no route GET {path}")

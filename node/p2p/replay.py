@@ -20,6 +20,7 @@ what it recorded sending against the headers it signed for the replica being che
 from __future__ import annotations
 
 import asyncio
+import re
 
 from aiohttp import web
 from safetensors import SafetensorError
@@ -38,6 +39,10 @@ from .auth import PEER_WALLET
 
 SEGMENT = "/p2p/segment/{round}/{segment}"
 SEGMENT_LOG = "/p2p/segment-log/{round}"
+REPLAY_PATH = re.compile(r"^/p2p/replay/([^/]+)$")
+SEGMENT_PATH = re.compile(r"^/p2p/segment/([^/]+)/([^/]+)$")
+SEGMENT_LOG_PATH = re.compile(r"^/p2p/segment-log/([^/]+)$")
+"""The routes as `answer` matches them (a relay replica's challenges carry the path, node.p2p.relay)."""
 
 
 def segment_log_bound(inner_steps: int) -> int:
@@ -106,18 +111,26 @@ class ReplayService:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(REPLAY, self._serve, name=self.ROUTE)
 
+    async def answer(self, path: str, peer_wallet: str) -> bytes | None:
+        """The body GET `path` serves `peer_wallet`; None for a path not this service's. Raises
+        Refused like the route (the relay answers challenges through its bucket with it)."""
+        match = REPLAY_PATH.match(path)
+        return None if match is None else await self._body(match[1], peer_wallet)
+
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
+        body = await self._body(request.match_info["round"], request[PEER_WALLET])
+        return web.Response(status=200, body=body, content_type="application/octet-stream")
+
+    async def _body(self, text: str, peer_wallet: str) -> bytes:
+        if self.allowed_wallet is not None and peer_wallet != self.allowed_wallet:
             raise Refused("not_verifier", "replay material is served to the verifier's operator key only")
-        text = request.match_info["round"]
         if not text.isdigit() or len(text) > 16:
             raise Refused("malformed", f"round {text[:20]!r} is not a non-negative integer")
         record = self.archive.get(int(text))
         if record is None:
             held = self.archive.rounds()
             raise Refused("not_held", f"round {text} is not held here (held: {held})")
-        body = await asyncio.get_running_loop().run_in_executor(None, encode_replay, record)
-        return web.Response(status=200, body=body, content_type="application/octet-stream")
+        return await asyncio.get_running_loop().run_in_executor(None, encode_replay, record)
 
 
 class SegmentService:
@@ -139,13 +152,30 @@ class SegmentService:
         app.router.add_get(SEGMENT, self._serve, name=self.ROUTE)
         app.router.add_get(SEGMENT_LOG, self._serve_log, name=self.LOG_ROUTE)
 
-    def _only_the_verifier(self, request: web.Request) -> None:
-        if self.allowed_wallet is not None and request[PEER_WALLET] != self.allowed_wallet:
+    async def answer(self, path: str, peer_wallet: str) -> bytes | None:
+        """The body GET `path` serves `peer_wallet`; None for a path not this service's. Raises
+        Refused like the routes (the relay answers challenges through its bucket with it)."""
+        match = SEGMENT_LOG_PATH.match(path)
+        if match is not None:
+            return await self._log_body(match[1], peer_wallet)
+        match = SEGMENT_PATH.match(path)
+        return None if match is None else await self._segment_body(match[1], match[2], peer_wallet)
+
+    def _only_the_verifier(self, peer_wallet: str) -> None:
+        if self.allowed_wallet is not None and peer_wallet != self.allowed_wallet:
             raise Refused("not_verifier", "segment material is served to the verifier's operator key only")
 
     async def _serve_log(self, request: web.Request) -> web.StreamResponse:
-        self._only_the_verifier(request)
-        text = request.match_info["round"]
+        body = await self._log_body(request.match_info["round"], request[PEER_WALLET])
+        return web.Response(status=200, body=body, content_type="application/json")
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        round_, segment = request.match_info["round"], request.match_info["segment"]
+        body = await self._segment_body(round_, segment, request[PEER_WALLET])
+        return web.Response(status=200, body=body, content_type="application/octet-stream")
+
+    async def _log_body(self, text: str, peer_wallet: str) -> bytes:
+        self._only_the_verifier(peer_wallet)
         if not (text.isdigit() and len(text) <= 16):
             raise Refused("malformed", f"round {text[:20]!r} is not a non-negative integer")
         loop = asyncio.get_running_loop()
@@ -155,12 +185,11 @@ class SegmentService:
                 "not_held", f"no signed log of round {text} is held here (rounds: {self.store.rounds()})"
             )
         end = await loop.run_in_executor(None, self.store.end_opening, int(text))
-        body = SignedSegmentLog(held[0], held[1], end).encode()
-        return web.Response(status=200, body=body, content_type="application/json")
+        return SignedSegmentLog(held[0], held[1], end).encode()
 
-    async def _serve(self, request: web.Request) -> web.StreamResponse:
-        self._only_the_verifier(request)
-        numbers = [request.match_info["round"], request.match_info["segment"]]
+    async def _segment_body(self, round_text: str, segment_text: str, peer_wallet: str) -> bytes:
+        self._only_the_verifier(peer_wallet)
+        numbers = [round_text, segment_text]
         if not all(t.isdigit() and len(t) <= 16 for t in numbers):
             raise Refused("malformed", f"round and segment {numbers!r} must be non-negative integers")
         round_, segment = int(numbers[0]), int(numbers[1])
@@ -171,5 +200,5 @@ class SegmentService:
             raise Refused(
                 "not_held", f"segment {segment} of round {round_} is not held here (rounds: {held})"
             )
-        body = await loop.run_in_executor(None, material.encode)
-        return web.Response(status=200, body=body, content_type="application/octet-stream")
+        body: bytes = await loop.run_in_executor(None, material.encode)
+        return body

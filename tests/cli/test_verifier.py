@@ -130,6 +130,27 @@ def test_keep_fraud_gb_flag(network_file: Path, tmp_path: Path, capsys: pytest.C
     assert code == 2 and "--keep-fraud-gb must be > 0, got 0.0" in one_line(err)
 
 
+def test_relay_flags(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
+    assert build_config(build_parser().parse_args(base)).replay_checks.relay is None  # type: ignore[union-attr]
+    flags = [
+        "--relay",
+        "s3://stage/run1",
+        "--relay-endpoint",
+        "http://127.0.0.1:9000",
+        "--relay-region",
+        "eu-1",
+    ]
+    config = build_config(build_parser().parse_args([*base, *flags])).replay_checks
+    assert config is not None and config.relay is not None
+    relay = config.relay
+    assert (relay.bucket, relay.prefix, relay.endpoint_url, relay.region) == (
+        "stage", "run1", "http://127.0.0.1:9000", "eu-1"
+    )  # fmt: skip
+    code, err = run([*base, "--relay", "https://stage/run1"], capsys)
+    assert code == 2 and "does not start with s3://" in one_line(err)
+
+
 def test_membership_flags(network_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--network", str(network_file), "--home", str(tmp_path), "--init-operator-key"]
     default = build_config(build_parser().parse_args(base))

@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from conftest import PublishedData
 from sqlalchemy import select
 
 from neuroshard.data import BatchStream, assign_shards
+from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.node.diloco import DiLoCo, tensor_digest
 from neuroshard.node.model import build_stage
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
@@ -23,12 +25,20 @@ from neuroshard.node.p2p.relay import relay_address
 from neuroshard.node.p2p.replay import ReplayService
 from neuroshard.node.replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
+from neuroshard.protocol.segments import Received
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.replaycheck import RETRY_EVERY_S, ReplayCheckConfig, ReplayChecker
+from neuroshard.verifier.replaycheck import (
+    MAX_SENDER_LOGS,
+    RETRY_EVERY_S,
+    Challenge,
+    ReplayCheckConfig,
+    ReplayChecker,
+)
 from neuroshard.verifier.reputation import ReputationConfig
 
 NODE = Wallet.from_token("replaycheck-node")
@@ -233,7 +243,7 @@ def test_a_challenge_left_unanswered_for_the_window_fails_at_the_unanswered_pena
     assert "came after the round settled: no verdict" in lines[-1], lines[-1]
 
 
-def test_a_relay_replica_is_not_challenged_and_an_unreachable_one_fails_after_the_window(
+def test_a_relay_replica_is_not_challenged_without_a_bucket_and_an_unreachable_one_fails_after_the_window(
     db: Database, published: PublishedData
 ) -> None:
     lines: list[str] = []
@@ -250,7 +260,7 @@ def test_a_relay_replica_is_not_challenged_and_an_unreachable_one_fails_after_th
         s.add(_receipt(0, fake, spans))
     checker.run_once()
     assert not checker.queue and checker.failed == 0
-    assert any("is a relay replica, which the verifier cannot reach yet" in line for line in lines), lines
+    assert any("is a relay replica and the verifier has no bucket" in line for line in lines), lines
 
     with socket.socket() as held:  # a port nobody listens on: connections are refused
         held.bind(("127.0.0.1", 0))
@@ -269,3 +279,31 @@ def test_a_relay_replica_is_not_challenged_and_an_unreachable_one_fails_after_th
     checker.run_once()
     assert checker.failed == 1 and checker.unanswered == 1, lines
     assert "(unreachable: " in _verdicts(db)[-1], _verdicts(db)[-1]
+
+
+def test_the_senders_matched_are_drawn_not_taken_in_the_replicas_order(
+    db: Database, published: PublishedData
+) -> None:
+    """A receiver's records list its senders in an order it chooses; the checker matches
+    MAX_SENDER_LOGS of them by the operator's draw, so reordering the records changes nothing
+    (taking the first ones would match senders[:4] one way and senders[4:] the other)."""
+    senders = [Wallet.from_token(f"replaycheck-sender-{i}") for i in range(8)]
+
+    def received(sender: Wallet) -> Received:
+        header = ActivationHeader.create(
+            sender, micro_batch=micro_batch_id(sender.public_key_hex, 0, 0), stage=1, round=0,
+            batch=1, seq_len=1, dim=1, codec=DEFAULT_CODEC, payload_sha256="0" * 64,
+        )  # fmt: skip
+        return Received("activations", sender.public_key_hex, header.to_json(), b"")
+
+    queued = []
+    for order in (senders, senders[::-1]):
+        checker = _checker(db, published, [])
+        piece = SimpleNamespace(
+            received=[[received(s)] for s in order], commitment=SimpleNamespace(wallet=NODE.public_key_hex)
+        )
+        receipt = m.Receipt(wallet_id=NODE.wallet_id, stage=1, round=0)
+        challenge = Challenge(receipt, "http://127.0.0.1:1", segments=(0,), pieces={0: piece})
+        checker._queue_senders(challenge)
+        queued.append({match.sender for match in checker._senders})
+    assert len(queued[0]) == MAX_SENDER_LOGS and queued[0] == queued[1]

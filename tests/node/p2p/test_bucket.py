@@ -86,6 +86,30 @@ async def test_publish_then_fetch_between_wallets(stores: tuple[BucketStore, Buc
 
 
 @pytest.mark.asyncio
+async def test_an_object_over_multipart_bytes_goes_up_in_parts_and_reads_back_whole(
+    config: RelayConfig,
+) -> None:
+    """A relay's answer to a segment challenge holds 28 bytes a parameter: past one PUT's 5 GB at
+    ~180M parameters. Above `multipart_bytes` a publish uploads in parts."""
+    config.multipart_bytes = 5 * MB
+    a, b = BucketStore(config, A), BucketStore(config, B)
+    try:
+        data = bytes(range(256)) * (11 * MB // 256 + 3)  # three parts, the last one short
+        await a.publish("check/segment/3/1", data)
+        assert await b.fetch(A, "check/segment/3/1", max_bytes=len(data)) == data
+        head = make_s3_client(config).head_object(Bucket=config.bucket, Key=a.key(A, "check/segment/3/1"))
+        assert head["ETag"].strip('"').endswith("-3")  # S3's multipart ETag: the number of parts
+        assert a.traffic.bytes_sent == len(data)
+        await a.delete("check/segment/3/1")
+        assert await b.fetch(A, "check/segment/3/1", max_bytes=len(data)) is None
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ValueError, match="5 MiB"):
+        RelayConfig(url="s3://ok-bucket/p", multipart_bytes=MB)
+
+
+@pytest.mark.asyncio
 async def test_traffic_counts_requests_and_bodies(stores: tuple[BucketStore, BucketStore]) -> None:
     a, b = stores
     await a.publish("0/1/commit", b"x" * 100)

@@ -1,0 +1,218 @@
+"""Spot checks of replicas behind NAT, live on loopback: two relay replicas (``--relay``, no port)
+of a single-stage run record round 0 by segments; the replay checker, given the stage bucket (a
+moto S3 server), challenges them through it and the replicas answer from their gossip loop. The
+honest one passes, the one that inflated its last segment is caught with a fraud proof, and one
+that never answers fails after the answer window: the bucket is no way around a check."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import PublishedData
+from sqlalchemy import select
+
+from neuroshard.data import BatchStream, assign_shards
+from neuroshard.node.diloco import DiLoCo, copy_into_parameters, flat_parameters, tensor_digest
+from neuroshard.node.model import build_stage
+from neuroshard.node.p2p.bucket import RelayConfig, make_s3_client
+from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
+from neuroshard.node.p2p.relay import is_relay, relay_address
+from neuroshard.node.p2p.replay import SegmentService
+from neuroshard.node.segment_store import SegmentStore
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.segments import SegmentLog
+from neuroshard.testing.verifier import small_network
+from neuroshard.verifier import models as m
+from neuroshard.verifier.background import JobContext
+from neuroshard.verifier.db import Database
+from neuroshard.verifier.network import NetworkDefinition
+from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
+
+pytestmark = pytest.mark.usefixtures("aws_env")
+
+OPERATOR = Wallet.from_token("relay-live-operator")
+HONEST, LIAR, SILENT = (Wallet.from_token(f"relay-live-{n}") for n in ("honest", "liar", "silent"))
+H, K, B, T = 8, 2, 2, 32
+
+
+def _network(published: PublishedData) -> NetworkDefinition:
+    return small_network(
+        model={"size": "micro", "vocab_size": 512},
+        diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
+        training={"batch_size": B, "seq_len": T, "segment_steps": K},
+        data={"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
+    )
+
+
+@dataclass
+class Replica:
+    wallet: Wallet
+    net: PeerPlane | None
+    log: SegmentLog
+    base_hash: str
+    delta_digest: str
+    spans: list[list[int]]
+
+
+def _replica(
+    published: PublishedData, tmp: Path, wallet: Wallet, relay: RelayConfig, *, lie: bool
+) -> Replica:
+    """A relay replica that trained round 0 by segments; `lie`: it inflated its last segment's
+    update by 25% (and committed to it, as a liar must)."""
+    network = _network(published)
+    config = SegmentConfig(segment_steps=K)
+    store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
+    recorder = SegmentRecorder(config, stage=0, sink=store)
+    diloco = DiLoCo(build_stage(network.model, 0, 1), network.diloco)
+    manifest = published.dataset.manifest
+    stream = BatchStream(
+        source=published.dataset.source, manifest=manifest, seed=wallet.wallet_id, batch_size=B, seq_len=T,
+        order=assign_shards(wallet.wallet_id, manifest, exclude={network.held_out_shard}),
+    )  # fmt: skip
+    recorder.start_round(diloco)
+    base, spans, start = tensor_digest(diloco.theta_round), [], None
+    for i in range(H):
+        if i == H - K:
+            start = flat_parameters(diloco.params)
+        before = stream.position.offset
+        inputs, labels = stream.next_batch()
+        span = (stream.shard_id, before, stream.position.offset)
+        spans.append(list(span))
+        diloco.inner_step(inputs, labels)
+        if lie and i == H - 1:
+            assert start is not None
+            copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
+        recorder.record_step(diloco, data=span, micro_batch=None, received=[])
+    recorder.end_round(diloco)
+    delta = diloco.pseudo_gradient()
+    diloco.outer_step(delta)
+    closed = recorder.close_round(wallet)
+    assert closed is not None
+    net = None
+    if wallet != SILENT:  # the silent replica never runs its gossip loop: nothing answers for it
+        net = PeerPlane(
+            PeerPlaneConfig(listen=False, relay=relay, join_timeout_s=0, gossip_interval_s=0.2),
+            wallet,
+            stage=0,
+            log=lambda _: None,
+            extensions=[SegmentService(store, allowed_wallet=OPERATOR.public_key_hex)],
+        )
+        net.start()
+        assert net.node.address is not None and is_relay(net.node.address)
+    merged: list[list[int]] = []
+    for s, a, b in spans:
+        if merged and merged[-1][0] == s and merged[-1][2] == a:
+            merged[-1][2] = b
+        else:
+            merged.append([s, a, b])
+    return Replica(wallet, net, closed[0], base, tensor_digest(delta), merged)
+
+
+@pytest.fixture
+def relay(endpoint: str) -> RelayConfig:
+    config = RelayConfig(
+        url=f"s3://ns-{uuid.uuid4().hex[:12]}/run1",
+        endpoint_url=endpoint,
+        poll_interval_s=0.05,
+        max_poll_s=0.2,
+    )
+    make_s3_client(config).create_bucket(Bucket=config.bucket)
+    return config
+
+
+@pytest.fixture
+def replicas(published: PublishedData, tmp_path: Path, relay: RelayConfig) -> Iterator[list[Replica]]:
+    made = [
+        _replica(published, tmp_path, HONEST, relay, lie=False),
+        _replica(published, tmp_path, LIAR, relay, lie=True),
+        _replica(published, tmp_path, SILENT, relay, lie=False),
+    ]
+    yield made
+    for r in made:
+        if r.net is not None:
+            r.net.stop()
+
+
+def _receipt(r: Replica) -> m.Receipt:
+    first = r.spans[0]
+    return m.Receipt(
+        wallet_id=r.wallet.wallet_id, stage=0, round=0, inner_steps=H, start_step=0,
+        tokens=H * B * T, shard_id=first[0], offset_start=first[1], offset_end=first[2],
+        data_spans=r.spans, losses=[], base_hash=r.base_hash, result_hash="1" * 64,
+        delta_digest=r.delta_digest, inner_state_digest=None, accepted=[], rejected=[], equivocators=[],
+        segment_root=r.log.root(), segments=r.log.segments,
+        body_sha256=sha256_hex(r.wallet.public_key), received_at=time.time(),
+    )  # fmt: skip
+
+
+def test_relay_replicas_are_challenged_through_the_bucket(
+    replicas: list[Replica], db: Database, published: PublishedData, relay: RelayConfig
+) -> None:
+    now = time.time()
+    with db.write() as s:
+        for r in replicas:
+            s.add(m.Wallet(wallet_id=r.wallet.wallet_id, public_key=r.wallet.public_key_hex, reputation=0.5,
+                           status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        for r in replicas:
+            s.add(m.Peer(wallet_id=r.wallet.wallet_id, address=relay_address(r.wallet.public_key_hex), stage=0,
+                         registered_at=now, last_heartbeat=now))  # fmt: skip
+    lines: list[str] = []
+    config = ReplayCheckConfig(
+        sample_rate=1.0, segments_per_check=4, max_queue=8, answer_window_s=30.0, relay=relay
+    )
+    checker = ReplayChecker(
+        JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+        config=config,
+        dataset=lambda: published.dataset,
+    )
+    checker.run_once()  # the first pass notes where the receipts end
+    with db.write() as s:
+        for r in replicas:
+            s.add(_receipt(r))
+    deadline = time.monotonic() + 60
+    while checker.passed + checker.failed < 2 and time.monotonic() < deadline:
+        for challenge in checker.queue:
+            challenge.next_try = 0.0  # no RETRY_EVERY_S between tries here
+        checker.run_once()
+        time.sleep(0.2)
+    assert checker.passed == 1 and checker.failed == 1, lines
+    with db.read() as s:
+        events = {e.wallet_id: e.reason for e in s.scalars(select(m.ReputationEvent))}
+    assert "segments [0, 1, 2, 3] of 4 replayed" in events[HONEST.wallet_id], events
+    assert "segment 3 of 4: norm ratio" in events[LIAR.wallet_id], events
+    (proof,) = checker.fraud_proofs
+    assert LIAR.public_key_hex in proof.decode("latin-1")
+
+    # The silent replica: asked on every try, never answered; judged once the window has passed.
+    (waiting,) = checker.queue
+    assert waiting.receipt.wallet_id == SILENT.wallet_id and waiting.tries >= 3
+    assert waiting.first_try is not None
+    waiting.first_try -= 31.0
+    waiting.next_try = 0.0
+    checker.run_once()
+    assert checker.failed == 2 and checker.unanswered == 1 and not checker.queue, lines
+    with db.read() as s:
+        (silent,) = s.scalars(
+            select(m.ReputationEvent).where(m.ReputationEvent.wallet_id == SILENT.wallet_id)
+        )
+    assert "did not answer its challenge within 30 s (not answered: " in silent.reason, silent.reason
+
+    # Nothing is left in the bucket's challenge area, and the holders delete their answers in turn.
+    client = make_s3_client(relay)
+
+    def left() -> list[str]:
+        listing = client.list_objects_v2(Bucket=relay.bucket, Prefix="run1/")
+        return [str(o["Key"]) for o in listing.get("Contents", []) if "/check/" in str(o["Key"])]
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == []

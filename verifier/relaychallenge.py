@@ -1,0 +1,122 @@
+"""Challenges of relay replicas through their stage bucket.
+
+The replay checker GETs a challenged replica's segments, round logs or replay material from its
+port (verifier.replaycheck). A relay replica (``neuroshard-node --relay s3://…`` with no
+``--port``) opens none, so the checker asks through the stage's bucket instead; the layout and the
+holder's side are node.p2p.relay's (its module docstring):
+
+1. `get` reads the answer at ``PREFIX/{holder}/check/{route}``. Absent: it (re)writes the challenge
+   ``PREFIX/_want/{holder}/check/{route}``, the operator's signed headers for ``GET /p2p/{route}``,
+   fresh on every try since a node accepts a signature within ±60 s, and raises `NotAnswered`.
+   The checker tries again later, within the same answer window as over HTTP, and a holder that
+   never answers fails the same way.
+2. Once read, the challenge is deleted (`release`), and the holder then deletes its answer. A check
+   that ends before reading everything it asked for releases the rest.
+
+What is read is judged exactly like an answer over HTTP: against the holder's signed receipt, the
+bucket is a carrier only. The holder is named by its wallet's public key from the verifier's own
+records (`BucketHolder`), never by the address string it registered, so a wallet that registered
+another's relay address is still asked under its own prefix.
+
+The verifier needs, on the bucket: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:PutObject`` /
+``s3:DeleteObject`` on ``PREFIX/_want/*/check/*``; credentials from boto3's usual chain.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from neuroshard.node.p2p.bucket import ABSENT_CODES, RelayConfig, make_s3_client
+from neuroshard.node.p2p.relay import answer_name, challenge_key, challenge_name
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.signing import sign_request
+
+from .background import BodyTooLarge
+
+
+@dataclass(frozen=True)
+class BucketHolder:
+    """A challenged replica reached through the bucket: its wallet's public key (hex)."""
+
+    public_key: str
+
+
+class NotAnswered(Exception):
+    """The holder has not uploaded its answer yet; the challenge is (re)written. Try again later."""
+
+
+class RelayChallenges:
+    """The verifier's side of challenges through one stage bucket (module docstring)."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        operator: Wallet,
+        clock: Callable[[], float],
+        log: Callable[[str], None],
+        *,
+        client: Any = None,
+    ) -> None:
+        self.config = config
+        self.operator = operator
+        self.clock = clock
+        self.log = log
+        self.client = client if client is not None else make_s3_client(config)
+        self._root = f"{config.prefix}/" if config.prefix else ""
+
+    def get(self, holder: str, path: str, max_bytes: int) -> bytes:
+        """The holder's answer to GET `path`. NotAnswered when it is not there yet (the challenge is
+        written again first), BodyTooLarge past `max_bytes`, OSError when the bucket cannot be read
+        or written."""
+        name = challenge_name(path)
+        key = f"{self._root}{holder}/{answer_name(name)}"
+        try:
+            reply = self.client.get_object(Bucket=self.config.bucket, Key=key)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) not in ABSENT_CODES:
+                raise OSError(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
+            self._ask(holder, path, name)
+            raise NotAnswered(f"no answer to {path} in the bucket yet") from None
+        except BotoCoreError as exc:
+            raise OSError(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
+        stream = reply["Body"]
+        try:
+            length = int(reply.get("ContentLength", -1))
+            if length > max_bytes:
+                self.release(holder, [path])
+                raise BodyTooLarge(f"an answer of {length} bytes, over {max_bytes}")
+            body: bytes = stream.read(max_bytes + 1)
+        except BotoCoreError as exc:
+            raise OSError(f"reading s3://{self.config.bucket}/{key} failed: {exc}") from None
+        finally:
+            stream.close()
+        self.release(holder, [path])
+        if len(body) > max_bytes:
+            raise BodyTooLarge(f"a body over {max_bytes} bytes")
+        return body
+
+    def _ask(self, holder: str, path: str, name: str) -> None:
+        headers = sign_request(self.operator, "GET", path, b"", self.clock())
+        key = f"{self._root}{challenge_key(holder, name)}"
+        body = json.dumps(headers, sort_keys=True).encode()
+        try:
+            self.client.put_object(Bucket=self.config.bucket, Key=key, Body=body)
+        except (BotoCoreError, ClientError) as exc:
+            raise OSError(f"cannot write the challenge s3://{self.config.bucket}/{key}: {exc}") from None
+
+    def release(self, holder: str, paths: Iterable[str]) -> None:
+        """Delete the challenges of `paths` to `holder` (read, or no longer needed; deleting one
+        never written costs a request and changes nothing), so that the holder deletes its answers.
+        Failures are logged: a challenge left behind makes the holder keep its answer until the
+        bucket's lifecycle rule removes both."""
+        for name in sorted({challenge_name(p) for p in paths}):
+            key = f"{self._root}{challenge_key(holder, name)}"
+            try:
+                self.client.delete_object(Bucket=self.config.bucket, Key=key)
+            except (BotoCoreError, ClientError) as exc:
+                self.log(f"replay check: cannot delete the challenge s3://{self.config.bucket}/{key}: {exc}")
