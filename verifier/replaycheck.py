@@ -202,7 +202,7 @@ def calibrated_tolerance(segment_steps: int | None = None) -> SpotCheckConfig:
 MAX_SENDER_LOGS = 4
 """Senders' logs read per check to match their records (a segment's inputs come from a few
 replicas of the neighbouring stages; the bound keeps a check's fetches few whatever the stage's
-size). A round log is ~0.3 KB a step."""
+size), drawn by the operator's signature (sampling.draw). A round log is ~0.3 KB a step."""
 MAX_PENDING_SENDERS = 64
 """Sender matches waiting for the sender's receipt or log; more are not queued (and said so)."""
 SENDERS_PER_PASS = 8
@@ -222,9 +222,9 @@ SENDER_DETAIL = "records: "
 """How a sender's failed check (its records, or its log not served) starts its detail: the ledger
 holds one per (wallet, stage, round), also across restarts of the verifier."""
 SENDER_TIMEOUT_S = 10.0
-"""Socket timeout of one sender-log fetch (a log is small). It bounds each read, not the whole
-request: sender matching runs on its own thread, so a sender that drips its answer delays only
-the matching of other senders, never a challenge's fetch or replay."""
+"""Socket timeout of one sender-log fetch (a log is small), and its grace before the body must
+arrive at background.MIN_BYTES_PER_S. Sender matching runs on its own thread besides, so a slow
+sender delays only the matching of other senders, never a challenge's fetch or replay."""
 
 
 @dataclass
@@ -1000,7 +1000,7 @@ class ReplayChecker:
     # --- senders' records ----------------------------------------------------------------------
 
     def _queue_senders(self, challenge: Challenge) -> None:
-        """Queue the senders of the drawn segments' messages (at most `MAX_SENDER_LOGS`) for matching
+        """Queue the senders of the drawn segments' messages (`MAX_SENDER_LOGS` of them, drawn) for matching
         against their own logs: on the fetching thread, once their receipts are in."""
         by_sender: dict[tuple[str, int, int], list[Received]] = {}
         for j in challenge.segments:
