@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay",
         metavar="s3://BUCKET/PREFIX",
         help="the stage bucket of replicas behind NAT (their --relay): the spot checks of those "
-        "replicas are asked and answered through it. Needs s3:GetObject on PREFIX/* and "
-        "s3:PutObject/s3:DeleteObject on PREFIX/_want/*/check/*; credentials: boto3's usual chain. "
+        "replicas are asked and answered through it. Needs s3:GetObject and s3:ListBucket on "
+        "PREFIX/*, and s3:PutObject/s3:DeleteObject on PREFIX/_check/* (where no replica may write); "
+        "credentials: boto3's usual chain. "
         "Without it, relay replicas are not spot-checked",
     )
     p.add_argument(

@@ -10,7 +10,9 @@ so the round's votes are in. Counting distinct live replicas, not any later rece
 one wallet from settling a round early — say right after its own bogus vote, before the
 honest replicas reported — and so making its hash the "majority". A receipt that arrives
 after its round settled is judged alone against the settled majority (its claims about
-others are not counted: the quorum for them was decided without it).
+others are not counted: the quorum for them was decided without it), and can only lose:
+spot checks give it no verdict (verifier.replaycheck), so with the majority it earns no
+reputation and counts toward no admission.
 
 Under a membership policy (verifier.members, issue 19) only the stage's counted wallets —
 admitted members, or the operator's roster — make the majority and the settlement quorum;
@@ -364,18 +366,24 @@ def submit_receipt(
             "conflict", f"a receipt for stage {req.stage} round {req.round} is already recorded"
         ) from None
     if state.settled:
+        # A receipt that comes after its round settled is judged, but can only lose: the spot
+        # checks give no verdict on it (its node may have dropped the round by then,
+        # verifier.replaycheck), so a wallet that sent every receipt that late would otherwise
+        # gain reputation and admission from work nobody could check.
         vote = Vote(signed.wallet_id, req.result_hash, req.base_hash)
         for adj in judge_vote(vote, state.majority_hash, cfg.reputation, stage=req.stage, round_=req.round):
-            apply_adjustment(session, adj, stage=req.stage, round_=req.round, now=now, cfg=cfg.reputation)
-        members.record_round(
-            session,
-            req.stage,
-            req.round,
-            state.majority_hash,
-            [(signed.wallet_id, req.result_hash)],
-            cfg.membership,
-            now=now,
-        )
+            if adj.delta < 0:
+                apply_adjustment(session, adj, stage=req.stage, round_=req.round, now=now, cfg=cfg.reputation)
+        if req.result_hash != state.majority_hash:
+            members.record_round(
+                session,
+                req.stage,
+                req.round,
+                state.majority_hash,
+                [(signed.wallet_id, req.result_hash)],
+                cfg.membership,
+                now=now,
+            )
     return "recorded"
 
 

@@ -6,20 +6,23 @@ port (verifier.replaycheck). A relay replica (``neuroshard-node --relay s3://…
 holder's side are node.p2p.relay's (its module docstring):
 
 1. `get` reads the answer at ``PREFIX/{holder}/check/{route}``. Absent: it (re)writes the challenge
-   ``PREFIX/_want/{holder}/check/{route}``, the operator's signed headers for ``GET /p2p/{route}``,
-   fresh on every try since a node accepts a signature within ±60 s, and raises `NotAnswered`.
+   ``PREFIX/_check/{holder}/{route}``, the operator's signed headers for
+   ``GET /p2p/{route}?holder={holder}``, fresh on every try since a node accepts a signature within
+   ±60 s, and raises `NotAnswered`.
    The checker tries again later, within the same answer window as over HTTP, and a holder that
    never answers fails the same way.
 2. Once read, the challenge is deleted (`release`), and the holder then deletes its answer. A check
-   that ends before reading everything it asked for releases the rest.
+   that ends before reading everything it asked for releases the rest, and a verifier that
+   restarts deletes every challenge its last run left (`clear`).
 
 What is read is judged exactly like an answer over HTTP: against the holder's signed receipt, the
 bucket is a carrier only. The holder is named by its wallet's public key from the verifier's own
 records (`BucketHolder`), never by the address string it registered, so a wallet that registered
 another's relay address is still asked under its own prefix.
 
-The verifier needs, on the bucket: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:PutObject`` /
-``s3:DeleteObject`` on ``PREFIX/_want/*/check/*``; credentials from boto3's usual chain.
+The verifier needs, on the bucket: ``s3:GetObject`` on ``PREFIX/*``, ``s3:ListBucket`` on the
+prefix, and ``s3:PutObject`` / ``s3:DeleteObject`` on ``PREFIX/_check/*``, which no replica may
+write (node.p2p.relay); credentials from boto3's usual chain.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from neuroshard.node.p2p.bucket import ABSENT_CODES, RelayConfig, make_s3_client
-from neuroshard.node.p2p.relay import answer_name, challenge_key, challenge_name
+from neuroshard.node.p2p.bucket import ABSENT_CODES, DELETE_BATCH, RelayConfig, make_s3_client
+from neuroshard.node.p2p.relay import (
+    CHALLENGE_PREFIX,
+    answer_name,
+    challenge_key,
+    challenge_name,
+    challenge_request,
+)
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.signing import sign_request
 
@@ -68,6 +77,7 @@ class RelayChallenges:
         self.log = log
         self.client = client if client is not None else make_s3_client(config)
         self._root = f"{config.prefix}/" if config.prefix else ""
+        self._warned_forbidden = False
 
     def get(self, holder: str, path: str, max_bytes: int) -> bytes:
         """The holder's answer to GET `path`. NotAnswered when it is not there yet (the challenge is
@@ -78,7 +88,12 @@ class RelayChallenges:
         try:
             reply = self.client.get_object(Bucket=self.config.bucket, Key=key)
         except ClientError as exc:
-            if str(exc.response.get("Error", {}).get("Code", "")) not in ABSENT_CODES:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("403", "AccessDenied") and not self._warned_forbidden:
+                # Without s3:ListBucket, S3 answers 403 for an object that is not there yet.
+                self._warned_forbidden = True
+                self.log(f"replay check: GET {key} forbidden ({code}); the verifier needs s3:ListBucket")
+            if code not in ABSENT_CODES and code not in ("403", "AccessDenied"):
                 raise OSError(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
             self._ask(holder, path, name)
             raise NotAnswered(f"no answer to {path} in the bucket yet") from None
@@ -101,7 +116,7 @@ class RelayChallenges:
         return body
 
     def _ask(self, holder: str, path: str, name: str) -> None:
-        headers = sign_request(self.operator, "GET", path, b"", self.clock())
+        headers = sign_request(self.operator, "GET", challenge_request(name, holder), b"", self.clock())
         key = f"{self._root}{challenge_key(holder, name)}"
         body = json.dumps(headers, sort_keys=True).encode()
         try:
@@ -120,3 +135,25 @@ class RelayChallenges:
                 self.client.delete_object(Bucket=self.config.bucket, Key=key)
             except (BotoCoreError, ClientError) as exc:
                 self.log(f"replay check: cannot delete the challenge s3://{self.config.bucket}/{key}: {exc}")
+
+    def clear(self) -> int:
+        """Delete every challenge in the bucket (those a previous run of the verifier left: its
+        queue did not survive it), so that their holders delete their answers; how many."""
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": f"{self._root}{CHALLENGE_PREFIX}/"}
+        cleared = 0
+        try:
+            while True:
+                page = self.client.list_objects_v2(**kwargs)
+                found = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                for i in range(0, len(found), DELETE_BATCH):
+                    batch = found[i : i + DELETE_BATCH]
+                    self.client.delete_objects(
+                        Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True}
+                    )
+                cleared += len(found)
+                if not page.get("IsTruncated"):
+                    return cleared
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        except (BotoCoreError, ClientError) as exc:
+            self.log(f"replay check: cannot clear the challenges a previous run left: {exc}")
+            return cleared

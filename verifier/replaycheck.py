@@ -36,7 +36,8 @@ first try; then it fails the check at
 `ReputationConfig.unanswered_penalty` (half a failed replay, no fraud proof), which also restarts
 its probation. Otherwise a liar would decline exactly the challenges that draw a segment it faked
 and be caught never. Not judged: a receipt that reached the verifier after its round settled (its
-node may have dropped the round by then: nodes keep their last few), a challenge first tried more
+node may have dropped the round by then: nodes keep their last few; such a receipt earns no
+reputation and no admission, verifier.ledger), a challenge first tried more
 than a window after its receipt arrived (the verifier's own backlog), a wallet with no registered
 address, and a relay replica (`--relay`: no port) when the checker was given no bucket
 (`ReplayCheckConfig.relay`; with one, it is challenged through the bucket:
@@ -107,7 +108,14 @@ from neuroshard.protocol.segments import Received, SignedSegmentLog, checkpoint_
 
 from . import fraudproofs, ledger, members
 from . import models as m
-from .background import BodyTooLarge, JobContext, PollingThread, open_run_dataset, signed_get
+from .background import (
+    MIN_BYTES_PER_S,
+    BodyTooLarge,
+    JobContext,
+    PollingThread,
+    open_run_dataset,
+    signed_get,
+)
 from .budget import ReplayBudget, Standing, check_rates, overdue
 from .coverage import standings
 from .datacheck import receipt_problems
@@ -497,6 +505,12 @@ class ReplayChecker:
         with self.ctx.db.read() as session:
             if self.last_id is None:
                 self.last_id = session.scalar(select(func.max(m.Receipt.id))) or 0
+                if self._bucket is not None:  # what an earlier run asked: its queue is gone
+                    cleared = self._bucket.clear()
+                    if cleared:
+                        self.ctx.log(
+                            f"replay check: {cleared} challenges an earlier run left in the bucket deleted"
+                        )
                 return
             rows = session.execute(
                 select(m.Receipt, m.Peer.address, m.Wallet.public_key)
@@ -666,7 +680,7 @@ class ReplayChecker:
         receipt = challenge.receipt
         now = self.ctx.clock()
         assert challenge.first_try is not None
-        window = self.config.answer_window_s
+        window = self._window(challenge)
         if now - challenge.first_try <= window or challenge.tries < MIN_TRIES:
             challenge.next_try = now + RETRY_EVERY_S
             return
@@ -692,6 +706,20 @@ class ReplayChecker:
         finally:
             with self._count_lock:
                 self.unanswered += 1
+
+    def _window(self, challenge: Challenge) -> float:
+        """How long `challenge` may go unanswered: `answer_window_s`, and through a bucket as long
+        again as its answers take to upload at MIN_BYTES_PER_S (over HTTP, a try started inside the
+        window streams on past it; through a bucket, every answer must be up before the end)."""
+        window = self.config.answer_window_s
+        if isinstance(challenge.address, BucketHolder):
+            numel, n_tensors, _ = self._stage(challenge.receipt.stage)
+            if challenge.segments:
+                size = len(challenge.wanted) * 4 * (7 * numel + 2 * n_tensors)
+            else:
+                size = replay_size_bound(numel, n_tensors)
+            window += size / MIN_BYTES_PER_S
+        return window
 
     def _after_settlement(self, stage: int, round_: int, received_at: float) -> bool:
         """Whether a receipt received at `received_at` came after its (stage, round) settled."""
@@ -1078,6 +1106,7 @@ class ReplayChecker:
         if receipt is None:
             return False  # its receipt is not in yet
         root, address, received_at = receipt
+        # A relay replica is never a sender: `--relay` takes single-stage runs only.
         if root is None or address is None or is_relay(address):
             self.ctx.log(
                 f"replay check: {wallet} round {match.round} commits to no segment log, or has no address "

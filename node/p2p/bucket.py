@@ -18,7 +18,8 @@ Operator set-up (once per stage, outside NeuroShard):
   ``s3:PutObject``/``s3:DeleteObject`` on ``arn:aws:s3:::BUCKET/PREFIX/{wallet}/*`` only, or an R2
   token limited the same way — so a replica cannot overwrite another's objects (it would only make
   them absent, see above, but scoped keys keep that from happening at all), plus ``PREFIX/_want/*``
-  where readers ask a relay replica for its state (``relay.py``);
+  where readers ask a relay replica for its state (``relay.py``), and nothing under
+  ``PREFIX/_check/*``, where the verifier alone writes its challenges;
 - every replica gets read access to the stage: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:ListBucket``
   on the bucket with that prefix (without ListBucket, S3 answers 403 rather than 404 for an object
   not yet published, and a reader cannot wait for it);
@@ -151,6 +152,9 @@ def bucket_lifecycle_rule(prefix: str, days: int) -> dict[str, Any]:
                 "Filter": {"Prefix": f"{prefix}/" if prefix else ""},
                 "Status": "Enabled",
                 "Expiration": {"Days": days},
+                # Parts of an upload whose process died (a relay's large answer) are billed and
+                # listed nowhere until aborted.
+                "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
             }
         ]
     }

@@ -402,7 +402,7 @@ class PeerPlane:
             return
         answerers = [e for e in self._extensions if isinstance(e, Answerer)]
         if answerers:
-            self._challenges = asyncio.create_task(self._relay.serve_challenges(answerers, self.node.clock()))
+            self._challenges = asyncio.create_task(self._relay.serve_challenges(answerers, self.node.clock))
             self._challenges.add_done_callback(self._challenge_failure)
 
     def _challenge_failure(self, task: asyncio.Task[None]) -> None:

@@ -25,18 +25,21 @@ statuses and state are signed or hash-checked by the same code (``exchange``).
 
 **The verifier's challenges** travel the same way. Where it would GET ``/p2p/{route}`` from a
 replica's port (a segment, a round's log, a round's replay material: ``node.p2p.replay``), the
-verifier PUTs ``PREFIX/_want/{holder}/check/{route}`` holding the request's signed headers (the
-operator's signature over ``GET /p2p/{route}``, fresh within ±60 s: it writes it again on every
-try) and polls for the answer at ``PREFIX/{holder}/check/{route}``. The holder LISTs
-``PREFIX/_want/{itself}/check/`` every gossip interval (one request, whatever the stage's size),
-checks each new challenge's signature exactly as its server would, and uploads what its server
-would have answered (`serve_challenges`; at most CHALLENGES_PER_PASS a pass). The verifier deletes
-its challenge once it has read the answer (or ends the check), and the holder then deletes its
-answer. The answer is judged against the holder's signed receipt like one over HTTP, so the bucket
-changes nothing about what can be proven; a challenge that is not answered within the verifier's
-answer window fails like an unreachable port (verifier.replaycheck). An operator can keep other
-replicas from writing challenges at all: the verifier's credentials alone need
-``s3:PutObject``/``s3:DeleteObject`` on ``PREFIX/_want/*/check/*``.
+verifier PUTs ``PREFIX/_check/{holder}/{route}`` holding the signed headers of that request with
+``?holder={holder}`` appended to its path (so a challenge to one replica is no challenge to
+another), fresh within ±60 s: it writes it again on every try. The holder LISTs
+``PREFIX/_check/{itself}/`` every gossip interval (one request, whatever the stage's size), checks
+each new challenge as its server checks a request (signature, freshness, a nonce not seen before,
+the operator's key) and uploads what its server would have answered to
+``PREFIX/{itself}/check/{route}`` (`serve_challenges`; at most CHALLENGES_PER_PASS a pass). The
+verifier deletes its challenge once it has read the answer (or ends the check; a restarted verifier
+deletes every challenge left), and the holder then deletes its answer. The answer is judged against
+the holder's signed receipt like one over HTTP, so the bucket changes nothing about what can be
+proven; a challenge not answered within the verifier's answer window (lengthened for the upload)
+fails like an unreachable port (verifier.replaycheck). Only the verifier may write under
+``PREFIX/_check/``: a replica that could would overwrite or delete the challenges to another (and
+get it failed as silent), so the stage's set-up gives replicas write access to their own prefix and
+``_want/`` alone (``bucket.py``).
 
 Replicas with an open port join a mixed stage by being given the same ``--relay`` URL as well:
 they serve their own objects over HTTP and read the relay replicas' from the bucket
@@ -53,8 +56,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from neuroshard.protocol.peer import StateInfo
-from neuroshard.protocol.refusal import Refused, malformed
-from neuroshard.protocol.signing import verify_request
+from neuroshard.protocol.refusal import REPLAYED, Refused, malformed
+from neuroshard.protocol.signing import FRESHNESS_WINDOW_S, NonceCache, verify_request
 
 from ..outer.port import check_name, check_wallet, object_name
 from .bucket import BucketStore, RelayError
@@ -73,13 +76,17 @@ WALLET = re.compile(r"^[0-9a-f]{64}$")
 MAX_LISTED = 1000
 """One LIST page: the most wallets discovered from the bucket per gossip interval."""
 CHECK = "check"
-"""Where challenges (under ``_want/{holder}/``) and their answers (under ``{holder}/``) live."""
+"""Where a holder's answers live, under its own prefix (``{holder}/check/{route}``)."""
+CHALLENGE_PREFIX = "_check"
+"""Where the verifier's challenges live (``_check/{holder}/{route}``): the verifier's alone to write."""
+CHALLENGE_NAME = re.compile(r"^(segment/\d{1,16}/\d{1,16}|segment-log/\d{1,16}|replay/\d{1,16})$")
+"""The routes a challenge may name (node.p2p.replay); other keys are not even read."""
 ROUTE_PREFIX = "/p2p/"
 CHALLENGE_BYTES = 4096
 """Cap on a challenge object read (the four signed headers as JSON: ~0.3 KB)."""
 CHALLENGES_PER_PASS = 4
 """New challenges answered per gossip interval (a check asks for ~6 objects at once)."""
-RETRY_REFUSED_S = 60.0
+RETRY_REFUSED_S = 15.0
 """How long a challenge that could not be answered (stale, badly signed, not held) is left alone."""
 
 
@@ -94,14 +101,20 @@ class Answerer(Protocol):
 def challenge_name(path: str) -> str:
     """``/p2p/segment/3/1`` → ``segment/3/1``: the bucket name of a challenge of GET `path`;
     ValueError for a path no relay answers."""
-    if not path.startswith(ROUTE_PREFIX):
-        raise ValueError(f"{path[:60]!r} is not a /p2p/ route")
-    return check_name(path.removeprefix(ROUTE_PREFIX))
+    name = path.removeprefix(ROUTE_PREFIX)
+    if not path.startswith(ROUTE_PREFIX) or not CHALLENGE_NAME.match(name):
+        raise ValueError(f"{path[:60]!r} is not a route a relay answers through its bucket")
+    return name
 
 
 def challenge_key(holder: str, name: str) -> str:
     """Where, under the bucket's PREFIX, the verifier puts its challenge `name` to `holder`."""
-    return f"{WANT_PREFIX}/{check_wallet(holder)}/{CHECK}/{check_name(name)}"
+    return f"{CHALLENGE_PREFIX}/{check_wallet(holder)}/{check_name(name)}"
+
+
+def challenge_request(name: str, holder: str) -> str:
+    """The path a challenge's signature covers: the route, and the holder it is meant for."""
+    return f"{ROUTE_PREFIX}{check_name(name)}?holder={check_wallet(holder)}"
 
 
 def answer_name(name: str) -> str:
@@ -145,6 +158,8 @@ class RelayControl:
         self._answered: set[str] = set()
         """Challenges answered whose challenge object is still there (the answer is kept until then)."""
         self._refused: dict[str, float] = {}
+        self._nonces = NonceCache(FRESHNESS_WINDOW_S)
+        """The verifier's nonces seen: a challenge object written again unchanged is a replay."""
         """Challenge → when it may be read again, for challenges that could not be answered."""
 
     @property
@@ -231,42 +246,41 @@ class RelayControl:
         await self.store.publish(object_name(self.stage, round_, "state"), encode_state_object(info, body))
         self.log(f"bucket: state of round {round_} uploaded for a reader that asked")
 
-    async def serve_challenges(self, answerers: Sequence[Answerer], now: float) -> None:
-        """Answer the verifier's new challenges under ``_want/{itself}/check/`` (module docstring),
-        and delete the answers whose challenge the verifier has removed."""
-        base = f"{WANT_PREFIX}/{self.own}/{CHECK}/"
+    async def serve_challenges(self, answerers: Sequence[Answerer], clock: Callable[[], float]) -> None:
+        """Answer the verifier's new challenges under ``_check/{itself}/`` (module docstring), and
+        delete the answers whose challenge the verifier has removed."""
+        base = f"{CHALLENGE_PREFIX}/{self.own}/"
         try:
             names, _ = await self.store.list_under(base, max_keys=MAX_LISTED)
         except RelayError as exc:
             self.log(f"bucket: cannot read the verifier's challenges: {exc}")
             return
-        waiting = set(names)
+        waiting = {n for n in names if CHALLENGE_NAME.match(n)}
         for name in sorted(self._answered - waiting):  # read and released by the verifier
             await self.store.delete(answer_name(name))
             self._answered.discard(name)
+        now = clock()
         self._refused = {n: t for n, t in self._refused.items() if t > now and n in waiting}
         new = [n for n in sorted(waiting) if n not in self._answered and n not in self._refused]
         for name in new[:CHALLENGES_PER_PASS]:
             try:
-                body = await self._answer(answerers, base, name, now)
+                body = await self._answer(answerers, base, name, clock())
                 await self.store.publish(answer_name(name), body)
-            except Refused as exc:
-                self._refused[name] = now + RETRY_REFUSED_S
-                self.log(f"bucket: challenge {name} not answered: {exc.code}: {exc.detail}")
-                continue
-            except RelayError as exc:
-                self.log(f"bucket: cannot upload the answer to challenge {name}: {exc}")
+            except Exception as exc:  # Refused, RelayError, or an answerer's own failure
+                self._refused[name] = clock() + RETRY_REFUSED_S
+                why = (
+                    f"{exc.code}: {exc.detail}"
+                    if isinstance(exc, Refused)
+                    else f"{type(exc).__name__}: {exc}"
+                )
+                self.log(f"bucket: challenge {name} not answered: {why}")
                 continue
             self._answered.add(name)
             self.log(f"bucket: answered the verifier's challenge {name} ({len(body)} bytes)")
 
     async def _answer(self, answerers: Sequence[Answerer], base: str, name: str, now: float) -> bytes:
         """What this replica's server would answer the signed request in challenge `name`; Refused
-        as the server would refuse it (stale, badly signed, not the verifier, not held)."""
-        try:
-            path = ROUTE_PREFIX + check_name(name)
-        except ValueError as exc:
-            raise malformed(str(exc)) from None
+        as the server would refuse it (stale, badly signed, replayed, not the verifier, not held)."""
         raw = await self.store.get_shared(base + name, CHALLENGE_BYTES)
         if raw is None:
             raise malformed("the challenge object is gone, too large or unreadable")
@@ -276,7 +290,10 @@ class RelayControl:
             raise malformed(f"the challenge is not JSON: {exc}") from None
         if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
             raise malformed("the challenge is not a JSON object of header strings")
-        signed = verify_request(headers, "GET", path, b"", now=now)
+        signed = verify_request(headers, "GET", challenge_request(name, self.own), b"", now=now)
+        if not self._nonces.add(signed.public_key_hex, signed.nonce, signed.timestamp, now):
+            raise Refused(REPLAYED, f"nonce {signed.nonce} was already used by this wallet")
+        path = ROUTE_PREFIX + name
         for answerer in answerers:
             body = await answerer.answer(path, signed.public_key_hex)
             if body is not None:

@@ -121,6 +121,25 @@ def test_a_late_receipt_is_judged_against_the_settled_majority(db: Database) -> 
         assert settled is not None and settled.votes == 3  # the late vote does not reopen the round
 
 
+def test_a_late_receipt_with_the_majority_earns_nothing(db: Database) -> None:
+    """Spot checks give no verdict on a receipt that came after its round settled, so it cannot
+    gain: reputation stays where it was, and nothing is logged for it."""
+    register_all(db, [*GOOD, BAD])
+    for w in GOOD:
+        submit(db, w, receipt(0, theta(0)))
+    for w in GOOD:
+        submit(db, w, receipt(1, theta(1)))  # round 0 settles without BAD
+    before = wallet_row(db, BAD).reputation
+    submit(db, BAD, receipt(0, theta(0)))  # with the majority, but late
+    assert wallet_row(db, BAD).reputation == before == CFG.reputation.initial
+    assert wallet_row(db, GOOD[0]).reputation > CFG.reputation.initial  # on time: credited
+    with db.read() as s:
+        logged = s.scalars(
+            select(m.ReputationEvent).where(m.ReputationEvent.wallet_id == BAD.wallet_id)
+        ).all()
+    assert logged == []
+
+
 def test_one_wallet_cannot_settle_a_round_early(db: Database) -> None:
     """A bogus vote followed at once by a later-round receipt must not become the 'majority'."""
     register_all(db, [*GOOD, BAD])

@@ -143,6 +143,25 @@ def test_a_minority_vote_restarts_probation(db: Database) -> None:
         assert row.reason is not None and "minority hash in round 1" in row.reason
 
 
+def test_late_receipts_bring_a_probationer_no_nearer_admission(db: Database) -> None:
+    """Receipts sent after their rounds settled escape the spot checks: with the majority they
+    count for nothing, against it they still restart probation."""
+    cfg = config()
+    register(db, [FIRST, HONEST[0]], cfg)
+    spot_check(db, HONEST[0], 0, True, cfg)
+    for r in range(4):
+        vote(db, FIRST, r, cfg)  # rounds 0..2 settle with FIRST alone
+    for r in range(2):
+        vote(db, HONEST[0], r, cfg)  # late, with the majority
+    with db.read() as s:
+        row = s.get(m.Membership, (0, HONEST[0].wallet_id))
+        assert row is not None and (row.status, row.streak) == ("probation", 0)
+    vote(db, HONEST[0], 2, cfg, honest=False)  # late, against it
+    with db.read() as s:
+        row = s.get(m.Membership, (0, HONEST[0].wallet_id))
+        assert row is not None and row.reason is not None and "minority hash in round 2" in row.reason
+
+
 def test_a_failed_spot_check_sends_a_member_back_to_probation(db: Database) -> None:
     cfg = replace(config(), reputation=ReputationConfig(spot_check_penalty=0.1))  # not refused outright
     register(db, [FIRST], cfg)
