@@ -982,17 +982,13 @@ class ReplayChecker:
 
     def _continuity(self, challenge: Challenge) -> str | None:
         """Why the checked round's starting optimizer state does not continue the replica's previous
-        round (segmentcheck.continuity_problem); None when it does, or cannot be told: a log of the
-        round before served without its end opening (nodes before it was kept) is not judged."""
+        round (segmentcheck.continuity_problem); None when it does. A log of the round before served
+        without its end opening fails: a node resets its optimizer whenever a round does not follow
+        one it closed itself, and it keeps the end of every round it closes, so only a replica that
+        strips it (to keep its moments unchecked) serves a non-fresh start without one."""
         receipt = challenge.receipt
         piece = challenge.pieces[challenge.segments[0]]
         previous = challenge.previous
-        if previous is not None and previous.end is None:
-            self.ctx.log(
-                f"replay check: {receipt.wallet_id} round {receipt.round - 1} log has no end opening; "
-                "optimizer continuity not checked"
-            )
-            return None
         with self.ctx.db.read() as session:
             previous_root = session.scalar(
                 select(m.Receipt.segment_root).where(

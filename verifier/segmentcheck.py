@@ -289,8 +289,8 @@ def continuity_problem(
     when it does). `log` is the checked round's (already held to its receipt), `base_hash` its
     θ_round, `fresh` a fresh optimizer's digest (node.replay.fresh_inner_digest); `previous` the
     replica's signed log of the round before with its end opening, `wallet` its public key, and
-    `previous_root` that round's committed root if its receipt is in (else the served log's own
-    signed root is taken: the replica signed it either way).
+    `previous_root` that round's committed root: None when the replica sent no receipt for it,
+    and then only a fresh start passes (a log committed to nowhere could be made up to fit).
 
     The first checkpoint must hold θ_round with either a fresh optimizer (a node resets it whenever
     a round does not follow one it committed: a start, a restart, a jump in rounds) or the state
@@ -307,8 +307,9 @@ def continuity_problem(
         return f"{where}: a run's first round starts fresh"
     if previous is None:
         return f"{where}, and no log of round {log.round - 1} is held to continue"
-    root = previous.commitment.root if previous_root is None else previous_root
-    problem = signed_log_problem(previous, wallet, log.stage, log.round - 1, root)
+    if previous_root is None:
+        return f"{where}, and it sent no receipt for round {log.round - 1} whose log it could continue"
+    problem = signed_log_problem(previous, wallet, log.stage, log.round - 1, previous_root)
     if problem is not None:
         return f"{where}, and its round {log.round - 1} log cannot be held to it ({problem})"
     end = previous.end

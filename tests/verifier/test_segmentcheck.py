@@ -767,11 +767,19 @@ def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_wit
     # The log of the round before must be the committed one, signed by the replica, and opened.
     other = continuity_problem(third, base3, fresh, signed(2), key, first.root())
     assert other is not None and "cannot be held to it" in other
-    stranger = continuity_problem(third, base3, fresh, signed(2), PREV.public_key_hex, None)
+    stranger = continuity_problem(third, base3, fresh, signed(2), PREV.public_key_hex, second.root())
     assert stranger is not None and "not signed by it" in stranger
     wrong = dataclasses.replace(signed(2), end=signed(1).end)
     assert "does not open its last checkpoint" in (
-        continuity_problem(third, base3, fresh, wrong, key, None) or ""
+        continuity_problem(third, base3, fresh, wrong, key, second.root()) or ""
+    )
+    stripped = dataclasses.replace(signed(2), end=None)  # a log served without its end opening
+    assert "does not open its last checkpoint" in (
+        continuity_problem(third, base3, fresh, stripped, key, second.root()) or ""
+    )
+    # Without a receipt for the round before, a log of it could be made up to fit: only fresh passes.
+    assert "sent no receipt for round 2" in (
+        continuity_problem(third, base3, fresh, signed(2), key, None) or ""
     )
     assert "first round starts fresh" in (
         continuity_problem(dataclasses.replace(third, round=0), base3, fresh, None, key, None) or ""
