@@ -124,12 +124,15 @@ def signed_get(
     answer, BodyTooLarge past `max_bytes`.
 
     `timeout_s` bounds each socket operation, and the body must arrive at `min_bytes_per_s` on
-    average after the first `timeout_s`: TimeoutError (an OSError) otherwise, so a caller is held
-    at most `timeout_s` plus one read beyond what an honest node at that rate would take."""
+    average after the first `timeout_s`: TimeoutError (an OSError) otherwise. A reply without
+    Content-Length is refused (chunked framing is read outside this loop). Not bounded here: the
+    status line and headers, each read within `timeout_s` of the last byte."""
     headers = sign_request(operator, "GET", path, b"", now)
     request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        if reply.headers.get("Content-Length") is None:  # a chunked body's framing reads unbounded
+            raise ValueError("a reply without Content-Length (nodes always send one)")
         body = bytearray()
         while True:
             chunk = reply.read1(READ_CHUNK)  # at most one socket read: returns what has arrived

@@ -7,7 +7,7 @@ holder's side are node.p2p.relay's (its module docstring):
 
 1. `get` reads the answer at ``PREFIX/{holder}/check/{route}``. Absent: it (re)writes the challenge
    ``PREFIX/_check/{holder}/{route}``, the operator's signed headers for
-   ``GET /p2p/{route}?holder={holder}``, fresh on every try since a node accepts a signature within
+   ``GET /p2p/relay-check/{holder}/{route}`` (a path no port serves), fresh on every try since a node accepts a signature within
    ±60 s, and raises `NotAnswered`.
    The checker tries again later, within the same answer window as over HTTP, and a holder that
    never answers fails the same way.
@@ -55,6 +55,11 @@ class BucketHolder:
     public_key: str
 
 
+class BucketUnavailable(Exception):
+    """The verifier could not read or write the bucket itself (credentials, permissions, an
+    outage): its own failure, which must not count against the holder (replaycheck._fetch)."""
+
+
 class NotAnswered(Exception):
     """The holder has not uploaded its answer yet; the challenge is (re)written. Try again later."""
 
@@ -81,8 +86,8 @@ class RelayChallenges:
 
     def get(self, holder: str, path: str, max_bytes: int) -> bytes:
         """The holder's answer to GET `path`. NotAnswered when it is not there yet (the challenge is
-        written again first), BodyTooLarge past `max_bytes`, OSError when the bucket cannot be read
-        or written."""
+        written again first), BodyTooLarge past `max_bytes`, BucketUnavailable when the verifier cannot
+        read or write the bucket."""
         name = challenge_name(path)
         key = f"{self._root}{holder}/{answer_name(name)}"
         try:
@@ -94,11 +99,11 @@ class RelayChallenges:
                 self._warned_forbidden = True
                 self.log(f"replay check: GET {key} forbidden ({code}); the verifier needs s3:ListBucket")
             if code not in ABSENT_CODES and code not in ("403", "AccessDenied"):
-                raise OSError(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
+                raise BucketUnavailable(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
             self._ask(holder, path, name)
             raise NotAnswered(f"no answer to {path} in the bucket yet") from None
         except BotoCoreError as exc:
-            raise OSError(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
+            raise BucketUnavailable(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
         stream = reply["Body"]
         try:
             length = int(reply.get("ContentLength", -1))
@@ -107,7 +112,7 @@ class RelayChallenges:
                 raise BodyTooLarge(f"an answer of {length} bytes, over {max_bytes}")
             body: bytes = stream.read(max_bytes + 1)
         except BotoCoreError as exc:
-            raise OSError(f"reading s3://{self.config.bucket}/{key} failed: {exc}") from None
+            raise BucketUnavailable(f"reading s3://{self.config.bucket}/{key} failed: {exc}") from None
         finally:
             stream.close()
         self.release(holder, [path])
@@ -122,7 +127,9 @@ class RelayChallenges:
         try:
             self.client.put_object(Bucket=self.config.bucket, Key=key, Body=body)
         except (BotoCoreError, ClientError) as exc:
-            raise OSError(f"cannot write the challenge s3://{self.config.bucket}/{key}: {exc}") from None
+            raise BucketUnavailable(
+                f"cannot write the challenge s3://{self.config.bucket}/{key}: {exc}"
+            ) from None
 
     def release(self, holder: str, paths: Iterable[str]) -> None:
         """Delete the challenges of `paths` to `holder` (read, or no longer needed; deleting one

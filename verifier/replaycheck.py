@@ -35,9 +35,10 @@ again (RETRY_EVERY_S apart, at least MIN_TRIES times) for `answer_window_s` (10 
 first try; then it fails the check at
 `ReputationConfig.unanswered_penalty` (half a failed replay, no fraud proof), which also restarts
 its probation. Otherwise a liar would decline exactly the challenges that draw a segment it faked
-and be caught never. Not judged: a receipt that reached the verifier after its round settled (its
-node may have dropped the round by then: nodes keep their last few; such a receipt earns no
-reputation and no admission, verifier.ledger), a challenge first tried more
+and be caught never. Not drawn: a receipt that reached the verifier after its round settled (its
+node may have dropped the round by then: nodes keep their last few, so an unanswered challenge
+could get no verdict, and a pass must not count toward admission either; such a receipt earns no
+reputation and no admission, verifier.ledger). Not judged: a challenge first tried more
 than a window after its receipt arrived (the verifier's own backlog), a wallet with no registered
 address, and a relay replica (`--relay`: no port) when the checker was given no bucket
 (`ReplayCheckConfig.relay`; with one, it is challenged through the bucket:
@@ -121,7 +122,7 @@ from .coverage import standings
 from .datacheck import receipt_problems
 from .fraudproofs import DEFAULT_KEEP, DEFAULT_KEEP_BYTES
 from .members import MembershipConfig
-from .relaychallenge import BucketHolder, NotAnswered, RelayChallenges
+from .relaychallenge import BucketHolder, BucketUnavailable, NotAnswered, RelayChallenges
 from .sampling import draw, sampled
 from .segmentcheck import (
     continuity_problem,
@@ -547,6 +548,13 @@ class ReplayChecker:
                 problems.append(count)
             if problems:
                 self._record(receipt, False, "; ".join(problems))
+            elif self._after_settlement(receipt.stage, receipt.round, receipt.received_at):
+                # No verdict could be given if it went unanswered, so a pass must not count either
+                # (toward admission): a node would answer only the late rounds it did honestly.
+                self.ctx.log(
+                    f"replay check: {receipt.wallet_id} round {receipt.round} came after its round "
+                    "settled; not checked"
+                )
             elif address is None:
                 self.ctx.log(
                     f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
@@ -649,6 +657,14 @@ class ReplayChecker:
         except Malformed as exc:
             self._drop(challenge)
             self._record(receipt, False, f"served a malformed replay body: {exc}")
+            return
+        except BucketUnavailable as exc:
+            # The verifier's own failure: this try does not count, and the window starts again.
+            self.ctx.log(
+                f"replay check: the bucket failed the verifier, {receipt.wallet_id} not judged yet: {exc}"
+            )
+            challenge.first_try, challenge.tries = None, 0
+            challenge.next_try = self.ctx.clock() + RETRY_EVERY_S
             return
         except (ReplicaDeclined, NotAnswered, OSError, ValueError) as exc:
             what = {ReplicaDeclined: "declined", NotAnswered: "not answered"}.get(type(exc), "unreachable")

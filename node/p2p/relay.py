@@ -25,9 +25,11 @@ statuses and state are signed or hash-checked by the same code (``exchange``).
 
 **The verifier's challenges** travel the same way. Where it would GET ``/p2p/{route}`` from a
 replica's port (a segment, a round's log, a round's replay material: ``node.p2p.replay``), the
-verifier PUTs ``PREFIX/_check/{holder}/{route}`` holding the signed headers of that request with
-``?holder={holder}`` appended to its path (so a challenge to one replica is no challenge to
-another), fresh within ±60 s: it writes it again on every try. The holder LISTs
+verifier PUTs ``PREFIX/_check/{holder}/{route}`` holding its signed headers for
+``GET /p2p/relay-check/{holder}/{route}``: a path no port serves (so the headers, which every
+replica can read in the bucket, are no request to any replica's server) that names the holder
+(so a challenge to one replica is no challenge to another), fresh within ±60 s: it writes it
+again on every try. The holder LISTs
 ``PREFIX/_check/{itself}/`` every gossip interval (one request, whatever the stage's size), checks
 each new challenge as its server checks a request (signature, freshness, a nonce not seen before,
 the operator's key) and uploads what its server would have answered to
@@ -114,7 +116,7 @@ def challenge_key(holder: str, name: str) -> str:
 
 def challenge_request(name: str, holder: str) -> str:
     """The path a challenge's signature covers: the route, and the holder it is meant for."""
-    return f"{ROUTE_PREFIX}{check_name(name)}?holder={check_wallet(holder)}"
+    return f"{ROUTE_PREFIX}relay-check/{check_wallet(holder)}/{check_name(name)}"
 
 
 def answer_name(name: str) -> str:
