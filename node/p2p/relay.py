@@ -87,7 +87,7 @@ ROUTE_PREFIX = "/p2p/"
 CHALLENGE_BYTES = 4096
 """Cap on a challenge object read (the four signed headers as JSON: ~0.3 KB)."""
 CHALLENGES_PER_PASS = 4
-"""New challenges answered per gossip interval (a check asks for ~6 objects at once)."""
+"""New challenges answered per gossip interval (a check asks for its drawn segments and the last at once)."""
 RETRY_REFUSED_S = 15.0
 """How long a challenge that could not be answered (stale, badly signed, not held) is left alone."""
 
@@ -160,9 +160,9 @@ class RelayControl:
         self._answered: set[str] = set()
         """Challenges answered whose challenge object is still there (the answer is kept until then)."""
         self._refused: dict[str, float] = {}
+        """Challenge → when it may be read again, for challenges that could not be answered."""
         self._nonces = NonceCache(FRESHNESS_WINDOW_S)
         """The verifier's nonces seen: a challenge object written again unchanged is a replay."""
-        """Challenge → when it may be read again, for challenges that could not be answered."""
 
     @property
     def own(self) -> str:
