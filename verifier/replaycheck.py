@@ -691,8 +691,8 @@ class ReplayChecker:
         """A try got no usable answer: try again later, or give the verdict once the answer window
         (from the first try) has passed and the replica had `MIN_TRIES`. No verdict when the first
         try came later than a window after the receipt (the verifier's own backlog: the node may
-        have dropped the round by then), or for a receipt that reached the verifier after its round
-        settled (likewise; the verifier cannot tell that from a dodge)."""
+        have dropped the round by then). Receipts that came after their round settled are never
+        drawn (`_collect`), so none reaches here."""
         receipt = challenge.receipt
         now = self.ctx.clock()
         assert challenge.first_try is not None
@@ -701,16 +701,11 @@ class ReplayChecker:
             challenge.next_try = now + RETRY_EVERY_S
             return
         self._drop(challenge)
-        late = self._after_settlement(receipt.stage, receipt.round, receipt.received_at)
-        what = f"{receipt.wallet_id} round {receipt.round} not served for {window:.0f} s ({why})"
-        if late:
-            excuse = "its receipt came after the round settled"
-        elif challenge.first_try - receipt.received_at > window:
-            excuse = "the verifier first asked more than a window after the receipt"
-        else:
-            excuse = ""
-        if excuse:
-            self.ctx.log(f"replay check: {what}; {excuse}: no verdict")
+        if challenge.first_try - receipt.received_at > window:
+            self.ctx.log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} not served for {window:.0f} s "
+                f"({why}); the verifier first asked more than a window after the receipt: no verdict"
+            )
             return
         try:
             self._record(
