@@ -5,7 +5,8 @@ port (verifier.replaycheck). A relay replica (``neuroshard-node --relay s3://…
 ``--port``) opens none, so the checker asks through the stage's bucket instead; the layout and the
 holder's side are node.p2p.relay's (its module docstring):
 
-1. `get` reads the answer at ``PREFIX/{holder}/check/{route}``. Absent: it (re)writes the challenge
+1. `get` reads the answer at ``PREFIX/{holder}/check/{route}`` (`missing` only looks for answers,
+   with one listing). Absent: it (re)writes the challenge
    ``PREFIX/_check/{holder}/{route}``, the operator's signed headers for
    ``GET /p2p/relay-check/{holder}/{route}`` (a path no port serves), fresh on every try since a node accepts a signature within
    ±60 s, and raises `NotAnswered`.
@@ -28,7 +29,8 @@ write (node.p2p.relay); credentials from boto3's usual chain.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+import posixpath
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +121,33 @@ class RelayChallenges:
         if len(body) > max_bytes:
             raise BodyTooLarge(f"a body over {max_bytes} bytes")
         return body
+
+    def missing(self, holder: str, paths: Sequence[str]) -> list[str]:
+        """Which of `paths` the holder has not answered in the bucket yet, each asked again; reads
+        nothing but one listing of its answers (a check looks before it downloads, so a holder
+        that answers all but one piece makes the verifier hold nothing: replaycheck). Raises
+        BucketUnavailable when the verifier cannot list or write the bucket."""
+        if not paths:
+            return []
+        keys = {p: f"{self._root}{holder}/{answer_name(challenge_name(p))}" for p in paths}
+        kwargs: dict[str, Any] = {
+            "Bucket": self.config.bucket,
+            "Prefix": posixpath.commonpath(list(keys.values())),
+        }
+        present: set[str] = set()
+        try:
+            while True:
+                page = self.client.list_objects_v2(**kwargs)
+                present.update(o["Key"] for o in page.get("Contents", []))
+                if not page.get("IsTruncated"):
+                    break
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        except (BotoCoreError, ClientError) as exc:
+            raise BucketUnavailable(f"cannot list the answers of {holder[:16]}…: {exc}") from None
+        absent = [p for p in paths if keys[p] not in present]
+        for path in absent:
+            self._ask(holder, path, challenge_name(path))
+        return absent
 
     def _ask(self, holder: str, path: str, name: str) -> None:
         headers = sign_request(self.operator, "GET", challenge_request(name, holder), b"", self.clock())

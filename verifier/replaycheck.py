@@ -44,6 +44,17 @@ address, and a relay replica (`--relay`: no port) when the checker was given no 
 (`ReplayCheckConfig.relay`; with one, it is challenged through the bucket:
 verifier.relaychallenge). Those remain ways around a check.
 
+A check holds one of the `max_queue` fetch slots only while it holds fetched material; up to
+MAX_WAITING more wait for answers, holding nothing. Over HTTP, a replica that serves some pieces
+and declines the rest holds a slot for at most its window. Through a bucket, whose windows are
+long (the pieces' upload at the rate floor), the checker first lists the holder's answers and
+reads nothing until every wanted piece is there (`_poll`): a relay replica that answers all but
+one holds no slot, and one that deletes an answer after it was seen loses the pieces read so far.
+The previous round's log, asked only once the pieces are read (perhaps long after they were
+answered, when the slots were busy), then has a window of its own: `answer_window_s` and a log's
+upload. A receipt drawn while the queue is full is logged, not checked, and not counted as checked
+(the budget's draw still sees its wallet due).
+
 Segment checks (issue 17), at every stage: a receipt that commits to a segment root
 (`segment_root`, `segments`; node.segments) is checked by segments instead of whole rounds. The
 checker draws `segments_per_check` of its segments by the operator's signature over (wallet,
@@ -289,7 +300,8 @@ class ReplayCheckConfig:
     max_per_pass: int = 500
     """Receipts looked at per pass, so a backlog never holds the fetching thread for long."""
     max_queue: int = 4
-    """Fetched rounds waiting for their replay (each holds 4 × the model's size); more are skipped."""
+    """Checks holding fetched material (a whole round: 4 × the model's size; or a segment check's
+    pieces) until their replay; others wait without fetching (module docstring)."""
     tolerance: SpotCheckConfig = field(default_factory=lambda: replace(SAME_PRECISION_TOLERANCE))
     """Acceptance for receipts of CPU fp32 work (replayed exactly)."""
     cross_precision: SpotCheckConfig = field(default_factory=lambda: replace(CROSS_PRECISION_TOLERANCE))
@@ -360,6 +372,12 @@ class Challenge:
     """The replica's signed log of the round before, with its end opening: fetched when the round
     does not start from a fresh optimizer, to hold it to the state that round ended with."""
     needs_previous: bool = False
+    answered: bool = False
+    """Through a bucket: every wanted segment's answer was seen there (`ReplayChecker._poll`).
+    Until then the check holds no slot of `max_queue`, and the answer window runs."""
+    log_asked: float | None = None
+    """Through a bucket: when the previous round's log was first asked, after the pieces were read
+    (perhaps long after they were answered, when the slots were busy): its own, shorter window."""
     first_try: float | None = None
     """When it was first tried: the answer window starts here, not at the draw, so the verifier's
     own backlog never eats into a replica's time."""
@@ -489,6 +507,10 @@ class ReplayChecker:
         for challenge in list(self.queue):
             if challenge.ready or now < challenge.next_try:
                 continue
+            if self._in_bucket(challenge) and not challenge.answered:
+                self._poll(challenge)  # holds nothing: a holder that answers all but one holds no slot
+                if not challenge.answered:
+                    continue
             holding = sum(c.holding for c in self.queue)
             if challenge.holding or holding < self.config.max_queue:
                 self._fetch(challenge)
@@ -533,7 +555,10 @@ class ReplayChecker:
             wanted = receipt.wallet_id in probation and not self._queued(receipt.wallet_id)
             if not (wanted or (self._drawn(receipt) if draw is None else draw(receipt))):
                 continue
-            self._picked[receipt.wallet_id] = max(receipt.round, self._picked.get(receipt.wallet_id, -1))
+            picked_before = self._picked.get(receipt.wallet_id)
+            self._picked[receipt.wallet_id] = max(
+                receipt.round, -1 if picked_before is None else picked_before
+            )
             if self._dataset is None:
                 self._dataset = self._open_dataset()
             problems = (
@@ -569,6 +594,11 @@ class ReplayChecker:
                     f"replay check: {len(self.queue)} challenges already waiting; "
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
+                # Not checked, so not counted as checked: the budget's draw still sees it overdue.
+                if picked_before is None:
+                    del self._picked[receipt.wallet_id]
+                else:
+                    self._picked[receipt.wallet_id] = picked_before
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
@@ -633,6 +663,43 @@ class ReplayChecker:
 
         return draw
 
+    @staticmethod
+    def _in_bucket(challenge: Challenge) -> bool:
+        """A segment check of a relay replica: its pieces are looked for before they are read."""
+        return isinstance(challenge.address, BucketHolder) and bool(challenge.segments)
+
+    def _poll(self, challenge: Challenge) -> None:
+        """Look for the answers of a bucket check (`_in_bucket`) without reading them, asking again
+        for those not there; `answered` once every wanted piece not yet read is there. The window
+        runs from the first look, as from the first try over HTTP."""
+        assert isinstance(challenge.address, BucketHolder) and self._bucket is not None
+        receipt = challenge.receipt
+        if challenge.first_try is None:
+            challenge.first_try = self.ctx.clock()
+        challenge.tries += 1
+        paths = [
+            SEGMENT.format(round=receipt.round, segment=j)
+            for j in challenge.wanted
+            if j not in challenge.pieces
+        ]
+        try:
+            missing = self._bucket.missing(challenge.address.public_key, paths)
+        except BucketUnavailable as exc:
+            self._bucket_failed(challenge, exc)
+            return
+        if missing:
+            self._no_answer(challenge, f"not answered: {', '.join(missing)} not in the bucket yet")
+        else:
+            challenge.answered = True
+
+    def _bucket_failed(self, challenge: Challenge, exc: BucketUnavailable) -> None:
+        """The verifier's own failure: this try does not count, and the window starts again."""
+        self.ctx.log(
+            f"replay check: the bucket failed the verifier, {challenge.receipt.wallet_id} not judged yet: {exc}"
+        )
+        challenge.first_try, challenge.tries = None, 0
+        challenge.next_try = self.ctx.clock() + RETRY_EVERY_S
+
     def _fetch(self, challenge: Challenge) -> None:
         receipt = challenge.receipt
         if challenge.first_try is None:
@@ -648,9 +715,17 @@ class ReplayChecker:
                         except NotAnswered:
                             unanswered.append(j)
                 if unanswered:
+                    if challenge.answered:
+                        # Seen, then gone before it was read: only the holder deletes its answers
+                        # (after the verifier deleted its challenge). Hold nothing while it answers
+                        # again, or a holder could keep a slot by deleting one answer at a time.
+                        challenge.pieces.clear()
+                        challenge.answered = False
                     raise NotAnswered(f"segments {unanswered} not in the bucket yet")
                 challenge.needs_previous = receipt.round > 0 and not self._starts_fresh(challenge)
                 if challenge.needs_previous and challenge.previous is None:
+                    if self._in_bucket(challenge) and challenge.log_asked is None:
+                        challenge.log_asked, challenge.tries = self.ctx.clock(), 1
                     challenge.previous = self._get_log(challenge.address, receipt.round - 1)
                 return
             record = self._get_replay(challenge.address, receipt.round)
@@ -659,12 +734,7 @@ class ReplayChecker:
             self._record(receipt, False, f"served a malformed replay body: {exc}")
             return
         except BucketUnavailable as exc:
-            # The verifier's own failure: this try does not count, and the window starts again.
-            self.ctx.log(
-                f"replay check: the bucket failed the verifier, {receipt.wallet_id} not judged yet: {exc}"
-            )
-            challenge.first_try, challenge.tries = None, 0
-            challenge.next_try = self.ctx.clock() + RETRY_EVERY_S
+            self._bucket_failed(challenge, exc)
             return
         except (ReplicaDeclined, NotAnswered, OSError, ValueError) as exc:
             what = {ReplicaDeclined: "declined", NotAnswered: "not answered"}.get(type(exc), "unreachable")
@@ -689,7 +759,8 @@ class ReplayChecker:
 
     def _no_answer(self, challenge: Challenge, why: str) -> None:
         """A try got no usable answer: try again later, or give the verdict once the answer window
-        (from the first try) has passed and the replica had `MIN_TRIES`. No verdict when the first
+        (from the first try; for a bucket's previous-round log, from its first ask) has passed and
+        the replica had `MIN_TRIES`. No verdict when the first
         try came later than a window after the receipt (the verifier's own backlog: the node may
         have dropped the round by then). Receipts that came after their round settled are never
         drawn (`_collect`), so none reaches here."""
@@ -697,7 +768,11 @@ class ReplayChecker:
         now = self.ctx.clock()
         assert challenge.first_try is not None
         window = self._window(challenge)
-        if now - challenge.first_try <= window or challenge.tries < MIN_TRIES:
+        since, allowed = challenge.first_try, window
+        if challenge.log_asked is not None:  # the pieces are read: a log is left, ~0.3 KB a step
+            log_bytes = segment_log_bound(self.ctx.network.diloco.inner_steps)
+            since, allowed = challenge.log_asked, self.config.answer_window_s + log_bytes / MIN_BYTES_PER_S
+        if now - since <= allowed or challenge.tries < MIN_TRIES:
             challenge.next_try = now + RETRY_EVERY_S
             return
         self._drop(challenge)
@@ -711,7 +786,7 @@ class ReplayChecker:
             self._record(
                 receipt,
                 False,
-                f"did not answer its challenge within {window:.0f} s ({why})",
+                f"did not answer its challenge within {allowed:.0f} s ({why})",
                 penalty=self.ctx.reputation.unanswered_penalty,
             )
         finally:

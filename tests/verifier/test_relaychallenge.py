@@ -101,6 +101,27 @@ def test_a_challenge_is_asked_answered_read_and_cleaned_up(
     assert keys(config) == set() and service.asked == [LOG]  # the holder deletes its answer in turn
 
 
+def test_missing_looks_for_answers_without_reading_them_and_asks_again_for_the_rest(
+    config: RelayConfig, holder: tuple[RelayControl, list[str]]
+) -> None:
+    """What a check looks at before it downloads (verifier.replaycheck._poll): one listing says which
+    answers are there; nothing is read or released, and only the absent ones are asked again."""
+    control, lines = holder
+    service = Service()
+    asker = RelayChallenges(config, OPERATOR, time.time, lines.append)
+    wanted = [LOG, "/p2p/segment-log/4"]  # the holder has round 3's log, not round 4's
+    assert asker.missing(HOLDER, wanted) == wanted
+    assert keys(config) == {challenge_key(HOLDER, "segment-log/3"), challenge_key(HOLDER, "segment-log/4")}
+    serve(control, service)
+    first = read(config, challenge_key(HOLDER, "segment-log/4"))
+    assert asker.missing(HOLDER, wanted) == ["/p2p/segment-log/4"]
+    assert read(config, challenge_key(HOLDER, "segment-log/4")) != first  # asked again, signed afresh
+    assert f"{HOLDER}/check/segment-log/3" in keys(config)
+    assert challenge_key(HOLDER, "segment-log/3") in keys(config)  # not read, so not released
+    assert asker.missing(HOLDER, [LOG]) == [] and asker.missing(HOLDER, []) == []
+    assert asker.get(HOLDER, LOG, 1 << 10) == b"the signed log of round 3"
+
+
 def test_the_holder_refuses_what_its_server_would_refuse_and_uploads_nothing(
     config: RelayConfig, holder: tuple[RelayControl, list[str]]
 ) -> None:

@@ -2,7 +2,9 @@
 of a single-stage run record round 0 by segments; the replay checker, given the stage bucket (a
 moto S3 server), challenges them through it and the replicas answer from their gossip loop. The
 honest one passes, the one that inflated its last segment is caught with a fraud proof, and one
-that never answers fails after the answer window: the bucket is no way around a check."""
+that never answers fails after the answer window: the bucket is no way around a check. A fourth
+answers every piece but its last: it holds none of the checker's fetch slots while it waits (the
+checker has one here, and the others are checked meanwhile), and fails after the window too."""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from neuroshard.node.model import build_stage
 from neuroshard.node.p2p.bucket import RelayConfig, make_s3_client
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.relay import is_relay, relay_address
-from neuroshard.node.p2p.replay import SegmentService
+from neuroshard.node.p2p.replay import SEGMENT, SegmentService
 from neuroshard.node.segment_store import SegmentStore
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import SegmentLog
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
@@ -38,7 +41,9 @@ from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker
 pytestmark = pytest.mark.usefixtures("aws_env")
 
 OPERATOR = Wallet.from_token("relay-live-operator")
-HONEST, LIAR, SILENT = (Wallet.from_token(f"relay-live-{n}") for n in ("honest", "liar", "silent"))
+HONEST, LIAR, SILENT, PARTIAL = (
+    Wallet.from_token(f"relay-live-{n}") for n in ("honest", "liar", "silent", "partial")
+)
 H, K, B, T = 8, 2, 2, 32
 
 
@@ -49,6 +54,15 @@ def _network(published: PublishedData) -> NetworkDefinition:
         training={"batch_size": B, "seq_len": T, "segment_steps": K},
         data={"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
     )
+
+
+class WithholdsItsLast(SegmentService):
+    """Answers every route but the last segment of round 0, which it says it does not hold."""
+
+    async def answer(self, path: str, peer_wallet: str) -> bytes | None:
+        if path == SEGMENT.format(round=0, segment=H // K - 1):
+            raise Refused("not_held", f"{path} is not held here")
+        return await super().answer(path, peer_wallet)
 
 
 @dataclass
@@ -96,13 +110,14 @@ def _replica(
     closed = recorder.close_round(wallet)
     assert closed is not None
     net = None
+    service = WithholdsItsLast if wallet == PARTIAL else SegmentService
     if wallet != SILENT:  # the silent replica never runs its gossip loop: nothing answers for it
         net = PeerPlane(
             PeerPlaneConfig(listen=False, relay=relay, join_timeout_s=0, gossip_interval_s=0.2),
             wallet,
             stage=0,
             log=lambda _: None,
-            extensions=[SegmentService(store, allowed_wallet=OPERATOR.public_key_hex)],
+            extensions=[service(store, allowed_wallet=OPERATOR.public_key_hex)],
         )
         net.start()
         assert net.node.address is not None and is_relay(net.node.address)
@@ -129,7 +144,8 @@ def relay(endpoint: str) -> RelayConfig:
 
 @pytest.fixture
 def replicas(published: PublishedData, tmp_path: Path, relay: RelayConfig) -> Iterator[list[Replica]]:
-    made = [
+    made = [  # the partial one first: a slot it held would keep the checker from the others
+        _replica(published, tmp_path, PARTIAL, relay, lie=False),
         _replica(published, tmp_path, HONEST, relay, lie=False),
         _replica(published, tmp_path, LIAR, relay, lie=True),
         _replica(published, tmp_path, SILENT, relay, lie=False),
@@ -166,7 +182,7 @@ def test_relay_replicas_are_challenged_through_the_bucket(
                          registered_at=now, last_heartbeat=now))  # fmt: skip
     lines: list[str] = []
     config = ReplayCheckConfig(
-        sample_rate=1.0, segments_per_check=4, max_queue=8, answer_window_s=30.0, relay=relay
+        sample_rate=1.0, segments_per_check=4, max_queue=1, answer_window_s=30.0, relay=relay
     )
     checker = ReplayChecker(
         JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
@@ -191,30 +207,39 @@ def test_relay_replicas_are_challenged_through_the_bucket(
     (proof,) = checker.fraud_proofs
     assert LIAR.public_key_hex in proof.decode("latin-1")
 
-    # The silent replica: asked on every try, never answered; judged once the window has passed.
-    (waiting,) = checker.queue
-    assert waiting.receipt.wallet_id == SILENT.wallet_id and waiting.tries >= 3
-    assert waiting.first_try is not None
+    # The silent one is asked on every try and never answers; the partial one answered all its
+    # pieces but the last, and holds none of them. Both are judged once the window has passed.
+    waiting = {c.receipt.wallet_id: c for c in checker.queue}
+    assert sorted(waiting) == sorted([SILENT.wallet_id, PARTIAL.wallet_id])
+    assert all(c.tries >= 3 and c.first_try is not None and not c.holding for c in waiting.values())
     # Through a bucket the window is longer by the upload of its pieces at the rate floor.
     params = list(build_stage(_network(published).model, 0, 1).parameters())
     numel, tensors = sum(p.numel() for p in params), len(params)
-    window = checker._window(waiting)
-    assert window == pytest.approx(30.0 + len(waiting.wanted) * 4 * (7 * numel + 2 * tensors) / (256 << 10))
-    waiting.first_try = time.time() - (window - 1.0)
-    waiting.next_try = 0.0
+    window = checker._window(waiting[SILENT.wallet_id])
+    assert window == pytest.approx(30.0 + 4 * 4 * (7 * numel + 2 * tensors) / (256 << 10))
+    for challenge in waiting.values():
+        challenge.first_try = time.time() - (window - 1.0)
+        challenge.next_try = 0.0
     checker.run_once()
-    assert checker.failed == 1 and len(checker.queue) == 1  # not yet
-    waiting.first_try = time.time() - (window + 1.0)
-    waiting.next_try = 0.0
+    assert checker.failed == 1 and len(checker.queue) == 2  # not yet
+    for challenge in waiting.values():
+        challenge.first_try = time.time() - (window + 1.0)
+        challenge.next_try = 0.0
     checker.run_once()
-    assert checker.failed == 2 and checker.unanswered == 1 and not checker.queue, lines
+    assert checker.failed == 3 and checker.unanswered == 2 and not checker.queue, lines
     with db.read() as s:
-        (silent,) = s.scalars(
-            select(m.ReputationEvent).where(m.ReputationEvent.wallet_id == SILENT.wallet_id)
-        )
-    assert f"did not answer its challenge within {window:.0f} s (not answered: " in silent.reason, (
-        silent.reason
-    )
+        reasons = {
+            e.wallet_id: e.reason
+            for e in s.scalars(
+                select(m.ReputationEvent).where(
+                    m.ReputationEvent.wallet_id.in_([SILENT.wallet_id, PARTIAL.wallet_id])
+                )
+            )
+        }
+    expected = f"did not answer its challenge within {window:.0f} s (not answered: "
+    assert all(expected in reason for reason in reasons.values()), reasons
+    assert f"/p2p/segment/0/{H // K - 1} not in the bucket yet" in reasons[PARTIAL.wallet_id], reasons
+    assert "/p2p/segment/0/0" not in reasons[PARTIAL.wallet_id], reasons
 
     # Nothing is left in the bucket's challenge area, and the holders delete their answers in turn.
     client = make_s3_client(relay)

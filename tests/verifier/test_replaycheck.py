@@ -32,8 +32,11 @@ from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
+from neuroshard.verifier.relaychallenge import BucketHolder
 from neuroshard.verifier.replaycheck import (
     MAX_SENDER_LOGS,
+    MAX_WAITING,
+    MIN_TRIES,
     RETRY_EVERY_S,
     Challenge,
     ReplayCheckConfig,
@@ -308,3 +311,63 @@ def test_the_senders_matched_are_drawn_not_taken_in_the_replicas_order(
         checker._queue_senders(challenge)
         queued.append({match.sender for match in checker._senders})
     assert len(queued[0]) == MAX_SENDER_LOGS and queued[0] == queued[1]
+
+
+def test_a_bucket_check_waiting_for_the_previous_rounds_log_has_a_window_of_its_own(
+    db: Database, published: PublishedData
+) -> None:
+    """A relay replica's pieces may be read long after it answered them (the fetch slots were
+    busy); the log of its round before is asked only then, so its window runs from that ask, not
+    from the first look at the pieces, and is `answer_window_s` plus a log's upload."""
+    lines: list[str] = []
+    _register(db, relay_address(NODE.public_key_hex))
+    checker = _checker(db, published, lines, answer_window_s=60.0)
+    theta = torch.zeros(4)
+    fake = ReplayRecord(round=1, theta_round=theta, inner=InnerState(theta, theta, theta), delta=theta)
+    with db.write() as s:
+        s.add(_receipt(1, fake, [[0, 0, H * B]]))
+    with db.read() as s:
+        receipt = s.scalars(select(m.Receipt)).one()
+        s.expunge(receipt)
+    now = time.time()
+    challenge = Challenge(
+        receipt, BucketHolder(NODE.public_key_hex), segments=(0,), last=0, answered=True,
+        first_try=now - 3 * checker._window(Challenge(receipt, BucketHolder(NODE.public_key_hex), segments=(0,))),
+        tries=1, log_asked=now - 30.0,
+    )  # fmt: skip
+    checker.queue.append(challenge)
+    for _ in range(MIN_TRIES):
+        checker._no_answer(challenge, "not answered: no answer to /p2p/segment-log/0 in the bucket yet")
+        challenge.tries += 1
+    assert checker.failed == 0 and checker.queue == [challenge], lines  # 30 s into its 60 s
+    challenge.log_asked = now - 61.0
+    checker._no_answer(challenge, "not answered: no answer to /p2p/segment-log/0 in the bucket yet")
+    assert checker.failed == 1 and checker.unanswered == 1 and not checker.queue, lines
+    assert (
+        "did not answer its challenge within 60 s (not answered: no answer to /p2p/segment-log/0"
+        in (_verdicts(db)[-1])
+    )
+
+
+def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
+    db: Database, published: PublishedData
+) -> None:
+    """The budget's draw skips a wallet it picked lately (`_picked`); one whose challenge could not
+    be queued was not checked, so it must stay due rather than pass as checked."""
+    lines: list[str] = []
+    _register(db, "http://127.0.0.1:9")
+    checker = _checker(db, published, lines)
+    checker.run_once()
+    theta = torch.zeros(4)
+    fake = ReplayRecord(round=0, theta_round=theta, inner=InnerState(theta, theta, theta), delta=theta)
+    order = assign_shards(
+        NODE.wallet_id, published.dataset.manifest, exclude={_network(published).held_out_shard}
+    )
+    with db.write() as s:
+        s.add(_receipt(0, fake, [[order[0], 0, H * B]]))
+    full = checker.config.max_queue + MAX_WAITING
+    checker.queue = [SimpleNamespace(ready=True, holding=True, receipt=None)] * full  # type: ignore[list-item]
+    checker._replay_next = lambda: None  # type: ignore[method-assign]
+    checker.run_once()
+    assert f"{full} challenges already waiting; {NODE.wallet_id} round 0 not checked" in lines[-1], lines
+    assert NODE.wallet_id not in checker._picked
