@@ -283,7 +283,9 @@ def record_round(
     now: float,
 ) -> None:
     """Probationers' votes of a settled round: with the majority, +1 on their streak (each round
-    once); against it, probation restarts. No majority: nobody moves."""
+    once, and only after the last counted); against it, probation restarts, whenever the vote
+    is learned (a receipt sent after its round settled may come after later rounds were
+    counted). No majority: nobody moves."""
     if cfg.policy != "probation" or majority_hash is None:
         return
     hashes = dict(votes)
@@ -296,9 +298,10 @@ def record_round(
     moved = False
     for row in rows:
         result_hash = hashes[row.wallet_id]
-        if row.last_round is not None and round_ <= row.last_round:
+        counted = row.last_round is not None and round_ <= row.last_round
+        if result_hash == majority_hash and counted:
             continue
-        row.last_round = round_
+        row.last_round = round_ if row.last_round is None else max(round_, row.last_round)
         if result_hash == majority_hash:
             row.streak += 1
             moved = True

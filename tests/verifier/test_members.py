@@ -162,6 +162,27 @@ def test_late_receipts_bring_a_probationer_no_nearer_admission(db: Database) -> 
         assert row is not None and row.reason is not None and "minority hash in round 2" in row.reason
 
 
+def test_a_late_minority_receipt_restarts_probation_after_later_rounds_were_counted(db: Database) -> None:
+    """The streak counts each round once, in order; a vote against the majority restarts probation
+    whenever it arrives, also for a round older than the last one counted."""
+    cfg = config()
+    register(db, [FIRST, HONEST[0]], cfg)
+    vote(db, FIRST, 0, cfg)
+    vote(db, HONEST[0], 0, cfg)
+    vote(db, FIRST, 1, cfg)  # round 0 settles: streak 1
+    vote(db, FIRST, 2, cfg)  # round 1 settles without HONEST[0]'s receipt
+    vote(db, HONEST[0], 2, cfg)
+    vote(db, FIRST, 3, cfg)  # round 2 settles: streak 2
+    with db.read() as s:
+        row = s.get(m.Membership, (0, HONEST[0].wallet_id))
+        assert row is not None and (row.streak, row.last_round) == (2, 2)
+    vote(db, HONEST[0], 1, cfg, honest=False)  # round 1's receipt, late and against the majority
+    with db.read() as s:
+        row = s.get(m.Membership, (0, HONEST[0].wallet_id))
+        assert row is not None and (row.status, row.streak, row.last_round) == ("probation", 0, 2)
+        assert row.reason is not None and "minority hash in round 1" in row.reason
+
+
 def test_a_failed_spot_check_sends_a_member_back_to_probation(db: Database) -> None:
     cfg = replace(config(), reputation=ReputationConfig(spot_check_penalty=0.1))  # not refused outright
     register(db, [FIRST], cfg)
