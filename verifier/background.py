@@ -11,13 +11,18 @@ operator wallet (`signed_get`).
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import Message
 from pathlib import Path
+from typing import Any
 
 from neuroshard.data import Dataset, open_dataset
 from neuroshard.data.dataset import open_remote_dataset
@@ -106,6 +111,95 @@ MIN_BYTES_PER_S = 256 << 10
 """The slowest a node may send a body, on average, once `timeout_s` has passed (2 Mbit/s): a
 reply that drips a byte per socket timeout would otherwise hold the caller's thread for ever."""
 READ_CHUNK = 1 << 20
+ERROR_TEXT_BYTES = 300
+"""What an error reply's body may add to a log line or verdict."""
+
+
+class _HeadDeadline:
+    """Makes a connection's `getresponse` give up after `head_s`: the status line and headers are
+    read by http.client line by line, each read bounded only by the socket timeout, so a node
+    dripping them a byte at a time would hold the caller for ever. At the deadline the socket
+    is shut down (the blocked read returns) and TimeoutError is raised; a reply in time is
+    returned untouched (the lock keeps a late timer from cutting a body being read)."""
+
+    sock: socket.socket | None
+    _head_s: float
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        lock, state = threading.Lock(), {"cut": False, "done": False}
+
+        def cut() -> None:
+            with lock:
+                if state["done"]:
+                    return
+                state["cut"] = True
+                if self.sock is not None:
+                    with contextlib.suppress(OSError):
+                        self.sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self._head_s, cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            reply: http.client.HTTPResponse = super().getresponse()  # type: ignore[misc]
+        except (OSError, http.client.HTTPException) as exc:
+            with lock:
+                state["done"] = True
+            if state["cut"]:
+                raise TimeoutError(f"no status line and headers within {self._head_s:.0f} s") from exc
+            raise
+        finally:
+            timer.cancel()
+        with lock:
+            state["done"] = True
+            late = state["cut"]
+        if late:  # cut after the headers were in, before this returned: the body is gone
+            reply.close()
+            raise TimeoutError(f"no status line and headers within {self._head_s:.0f} s")
+        return reply
+
+
+class _HTTPConnection(_HeadDeadline, http.client.HTTPConnection):
+    def __init__(self, *args: Any, head_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_s = head_s
+
+
+class _HTTPSConnection(_HeadDeadline, http.client.HTTPSConnection):
+    def __init__(self, *args: Any, head_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_s = head_s
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, head_s: float) -> None:
+        super().__init__()
+        self.head_s = head_s
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_HTTPConnection, req, head_s=self.head_s)  # type: ignore[arg-type]
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, head_s: float) -> None:
+        super().__init__()
+        self.head_s = head_s
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_HTTPSConnection, req, head_s=self.head_s)  # type: ignore[arg-type]
+
+
+def error_text(exc: urllib.error.HTTPError) -> str:
+    """At most ERROR_TEXT_BYTES of an error reply's body, in one socket read at most (a node could
+    drip a body read to a length), for a log line or verdict; the reply is closed."""
+    reply = exc.fp
+    try:
+        data = reply.read1(ERROR_TEXT_BYTES) if reply is not None and hasattr(reply, "read1") else b""
+    except (OSError, ValueError, http.client.HTTPException):
+        data = b""
+    finally:
+        exc.close()
+    return bytes(data).decode(errors="replace")
 
 
 def signed_get(
@@ -123,14 +217,16 @@ def signed_get(
     urllib.error.HTTPError on an error status, OSError or ValueError when there is no usable
     answer, BodyTooLarge past `max_bytes`.
 
-    `timeout_s` bounds each socket operation, and the body must arrive at `min_bytes_per_s` on
-    average after the first `timeout_s`: TimeoutError (an OSError) otherwise. A reply without
-    Content-Length is refused (chunked framing is read outside this loop). Not bounded here: the
-    status line and headers, each read within `timeout_s` of the last byte."""
+    `timeout_s` bounds each socket operation, the status line and headers must be in within
+    `timeout_s` of the request, and the body must arrive at `min_bytes_per_s` on average after
+    the first `timeout_s`: TimeoutError (an OSError) otherwise. A reply without Content-Length
+    is refused (chunked framing is read outside this loop). An error reply's body is the
+    caller's to read, with `error_text`."""
     headers = sign_request(operator, "GET", path, b"", now)
     request = urllib.request.Request(address.rstrip("/") + path, headers=headers)
+    opener = urllib.request.build_opener(_HTTPHandler(timeout_s), _HTTPSHandler(timeout_s))
     started = time.monotonic()
-    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+    with opener.open(request, timeout=timeout_s) as reply:
         if reply.headers.get("Content-Length") is None:  # a chunked body's framing reads unbounded
             raise ValueError("a reply without Content-Length (nodes always send one)")
         body = bytearray()

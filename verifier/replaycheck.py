@@ -125,6 +125,7 @@ from .background import (
     BodyTooLarge,
     JobContext,
     PollingThread,
+    error_text,
     open_run_dataset,
     signed_get,
 )
@@ -1307,7 +1308,7 @@ class ReplayChecker:
             )
         except urllib.error.HTTPError as exc:
             if exc.code in REFUSALS:
-                raise ReplicaDeclined(f"HTTP {exc.code} {exc.read(300).decode(errors='replace')}") from None
+                raise ReplicaDeclined(f"HTTP {exc.code} {error_text(exc)}") from None
             raise
         except BodyTooLarge as exc:
             raise Malformed(str(exc)) from None
