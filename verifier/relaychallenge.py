@@ -5,8 +5,8 @@ port (verifier.replaycheck). A relay replica (``neuroshard-node --relay s3://…
 ``--port``) opens none, so the checker asks through the stage's bucket instead; the layout and the
 holder's side are node.p2p.relay's (its module docstring):
 
-1. `get` reads the answer at ``PREFIX/{holder}/check/{route}`` (`missing` only looks for answers,
-   with one listing). Absent: it (re)writes the challenge
+1. `get` reads the answer at ``PREFIX/{holder}/check/{route}`` (`look` only looks for answers,
+   one HEAD each). Absent: it (re)writes the challenge
    ``PREFIX/_check/{holder}/{route}``, the operator's signed headers for
    ``GET /p2p/relay-check/{holder}/{route}`` (a path no port serves), fresh on every try since a node accepts a signature within
    ±60 s, and raises `NotAnswered`.
@@ -29,7 +29,6 @@ write (node.p2p.relay); credentials from boto3's usual chain.
 from __future__ import annotations
 
 import json
-import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +59,22 @@ class BucketHolder:
 class BucketUnavailable(Exception):
     """The verifier could not read or write the bucket itself (credentials, permissions, an
     outage): its own failure, which must not count against the holder (replaycheck._fetch)."""
+
+
+UNREADABLE_CODES = frozenset({"InvalidObjectState", "InvalidRequest", "400"})
+"""Errors reading an answer that its holder chose (archived to a storage class GetObject cannot read,
+encrypted with a key of its own): the answer is as good as absent, never the verifier's failure
+(which would restart the window for ever)."""
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What `RelayChallenges.look` found."""
+
+    missing: list[str]
+    """The paths with no readable answer (asked again)."""
+    oldest: float | None
+    """When the oldest answer found was written (the bucket's clock), None when none was."""
 
 
 class NotAnswered(Exception):
@@ -100,6 +115,9 @@ class RelayChallenges:
                 # Without s3:ListBucket, S3 answers 403 for an object that is not there yet.
                 self._warned_forbidden = True
                 self.log(f"replay check: GET {key} forbidden ({code}); the verifier needs s3:ListBucket")
+            if code in UNREADABLE_CODES:
+                self._ask(holder, path, name)
+                raise NotAnswered(f"the answer to {path} cannot be read ({code})") from None
             if code not in ABSENT_CODES and code not in ("403", "AccessDenied"):
                 raise BucketUnavailable(f"cannot read s3://{self.config.bucket}/{key}: {exc}") from None
             self._ask(holder, path, name)
@@ -122,32 +140,36 @@ class RelayChallenges:
             raise BodyTooLarge(f"a body over {max_bytes} bytes")
         return body
 
-    def missing(self, holder: str, paths: Sequence[str]) -> list[str]:
-        """Which of `paths` the holder has not answered in the bucket yet, each asked again; reads
-        nothing but one listing of its answers (a check looks before it downloads, so a holder
-        that answers all but one piece makes the verifier hold nothing: replaycheck). Raises
-        BucketUnavailable when the verifier cannot list or write the bucket."""
-        if not paths:
-            return []
-        keys = {p: f"{self._root}{holder}/{answer_name(challenge_name(p))}" for p in paths}
-        kwargs: dict[str, Any] = {
-            "Bucket": self.config.bucket,
-            "Prefix": posixpath.commonpath(list(keys.values())),
-        }
-        present: set[str] = set()
-        try:
-            while True:
-                page = self.client.list_objects_v2(**kwargs)
-                present.update(o["Key"] for o in page.get("Contents", []))
-                if not page.get("IsTruncated"):
-                    break
-                kwargs["ContinuationToken"] = page["NextContinuationToken"]
-        except (BotoCoreError, ClientError) as exc:
-            raise BucketUnavailable(f"cannot list the answers of {holder[:16]}…: {exc}") from None
-        absent = [p for p in paths if keys[p] not in present]
+    def look(self, holder: str, paths: Sequence[str]) -> Looked:
+        """Which of `paths` the holder has not answered readably in the bucket yet, each asked
+        again, and when the oldest answer there was written; reads no answer, one HEAD a path
+        (a check looks before it downloads, so a holder that answers all but one piece makes the
+        verifier hold nothing: replaycheck). An answer the verifier could not read (archived to
+        another storage class, or encrypted with the holder's own key) counts as not there.
+        Raises BucketUnavailable when the verifier cannot read or write the bucket."""
+        absent, written = [], []
+        for path in paths:
+            key = f"{self._root}{holder}/{answer_name(challenge_name(path))}"
+            try:
+                head = self.client.head_object(Bucket=self.config.bucket, Key=key)
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if code not in ABSENT_CODES | UNREADABLE_CODES and code not in ("403", "AccessDenied"):
+                    raise BucketUnavailable(
+                        f"cannot look at s3://{self.config.bucket}/{key}: {exc}"
+                    ) from None
+                absent.append(path)
+                continue
+            except BotoCoreError as exc:
+                raise BucketUnavailable(f"cannot look at s3://{self.config.bucket}/{key}: {exc}") from None
+            if head.get("StorageClass", "STANDARD") != "STANDARD":
+                absent.append(path)
+                continue
+            modified = head.get("LastModified")
+            written.append(modified.timestamp() if modified is not None else self.clock())
         for path in absent:
             self._ask(holder, path, challenge_name(path))
-        return absent
+        return Looked(absent, min(written, default=None))
 
     def _ask(self, holder: str, path: str, name: str) -> None:
         headers = sign_request(self.operator, "GET", challenge_request(name, holder), b"", self.clock())

@@ -47,13 +47,15 @@ verifier.relaychallenge). Those remain ways around a check.
 A check holds one of the `max_queue` fetch slots only while it holds fetched material; up to
 MAX_WAITING more wait for answers, holding nothing. Over HTTP, a replica that serves some pieces
 and declines the rest holds a slot for at most its window. Through a bucket, whose windows are
-long (the pieces' upload at the rate floor), the checker first lists the holder's answers and
-reads nothing until every wanted piece is there (`_poll`): a relay replica that answers all but
-one holds no slot, and one that deletes an answer after it was seen loses the pieces read so far.
-The previous round's log, asked only once the pieces are read (perhaps long after they were
-answered, when the slots were busy), then has a window of its own: `answer_window_s` and a log's
-upload. A receipt drawn while the queue is full is logged, not checked, and not counted as checked
-(the budget's draw still sees its wallet due).
+long (the pieces' upload at the rate floor), the checker first looks for the holder's answers
+(a HEAD each) and reads nothing until every wanted piece is there (`_poll`): a relay replica that
+answers all but one holds no slot. One that withdraws or spoils an answer after it was found
+fails at once (`_withdrawn`), and a failure of the bucket itself sets the check back to its
+start, holding nothing (`_bucket_failed`). The previous round's log, asked only once the pieces
+are read (perhaps long after they were answered, when the slots were busy), may be answered
+until the later of the pieces' window and `answer_window_s` (and a log's upload) from that ask.
+A drawn receipt that is not checked because the queue is full or it came after its round
+settled is logged and not counted as checked (the budget's draw still sees its wallet due).
 
 Segment checks (issue 17), at every stage: a receipt that commits to a segment root
 (`segment_root`, `segments`; node.segments) is checked by segments instead of whole rounds. The
@@ -234,6 +236,9 @@ rest wait for a replica's answer, holding nothing. More are not issued (and said
 RETRY_EVERY_S = 15.0
 """Least seconds between tries of a challenge whose replica did not answer (a slow pass of the
 fetching thread makes it longer)."""
+ANSWER_KEPT_S = 20 * 3600.0
+"""An answer found in a bucket and gone this soon after it was written was withdrawn by its holder:
+a bucket's lifecycle rule keeps objects a day at least (node.p2p.bucket.bucket_lifecycle_rule)."""
 MIN_TRIES = 3
 """Tries a challenge gets before it can be judged unanswered, however long they took. Every status
 counts as no answer, 401 (clock skew) and 503 included: the replica's server chooses its status,
@@ -376,6 +381,8 @@ class Challenge:
     answered: bool = False
     """Through a bucket: every wanted segment's answer was seen there (`ReplayChecker._poll`).
     Until then the check holds no slot of `max_queue`, and the answer window runs."""
+    written: float | None = None
+    """Through a bucket: when the oldest of the answers `_poll` found was written (bucket clock)."""
     log_asked: float | None = None
     """Through a bucket: when the previous round's log was first asked, after the pieces were read
     (perhaps long after they were answered, when the slots were busy): its own, shorter window."""
@@ -581,6 +588,7 @@ class ReplayChecker:
                     f"replay check: {receipt.wallet_id} round {receipt.round} came after its round "
                     "settled; not checked"
                 )
+                self._unpick(receipt.wallet_id, picked_before)  # a late receipt resets no clock
             elif address is None:
                 self.ctx.log(
                     f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
@@ -595,16 +603,20 @@ class ReplayChecker:
                     f"replay check: {len(self.queue)} challenges already waiting; "
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
-                # Not checked, so not counted as checked: the budget's draw still sees it overdue.
-                if picked_before is None:
-                    del self._picked[receipt.wallet_id]
-                else:
-                    self._picked[receipt.wallet_id] = picked_before
+                self._unpick(receipt.wallet_id, picked_before)
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
                 where = BucketHolder(public_key) if is_relay(address) and public_key else address
                 self.queue.append(Challenge(receipt, where, segments=drawn, last=last))
+
+    def _unpick(self, wallet_id: str, before: int | None) -> None:
+        """A drawn receipt was not checked, by the wallet's doing or the queue's: not counted as
+        checked either, so the budget's draw still sees the wallet due (`_budget_draw`)."""
+        if before is None:
+            self._picked.pop(wallet_id, None)
+        else:
+            self._picked[wallet_id] = before
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(
@@ -684,21 +696,51 @@ class ReplayChecker:
             if j not in challenge.pieces
         ]
         try:
-            missing = self._bucket.missing(challenge.address.public_key, paths)
+            looked = self._bucket.look(challenge.address.public_key, paths)
         except BucketUnavailable as exc:
             self._bucket_failed(challenge, exc)
             return
-        if missing:
-            self._no_answer(challenge, f"not answered: {', '.join(missing)} not in the bucket yet")
+        if looked.missing:
+            self._no_answer(challenge, f"not answered: {', '.join(looked.missing)} not in the bucket yet")
         else:
-            challenge.answered = True
+            challenge.answered, challenge.written = True, looked.oldest
 
     def _bucket_failed(self, challenge: Challenge, exc: BucketUnavailable) -> None:
-        """The verifier's own failure: this try does not count, and the window starts again."""
+        """The verifier's own failure: this try does not count, and the window starts again. What
+        was read is let go (the check holds no slot while the bucket is out) and asked again."""
         self.ctx.log(
             f"replay check: the bucket failed the verifier, {challenge.receipt.wallet_id} not judged yet: {exc}"
         )
-        challenge.first_try, challenge.tries = None, 0
+        self._restart(challenge)
+        challenge.next_try = self.ctx.clock() + RETRY_EVERY_S
+
+    @staticmethod
+    def _restart(challenge: Challenge) -> None:
+        """Back to the first look: nothing held, a new window (a bucket check only)."""
+        challenge.first_try, challenge.tries, challenge.log_asked = None, 0, None
+        if isinstance(challenge.address, BucketHolder) and challenge.segments:
+            challenge.pieces.clear()
+            challenge.answered, challenge.written = False, None
+            challenge.previous, challenge.needs_previous = None, False
+
+    def _withdrawn(self, challenge: Challenge, exc: NotAnswered) -> None:
+        """An answer `_poll` saw is gone or unreadable before it was read. The holder deletes an
+        answer only once the verifier deleted its challenge, and the bucket's lifecycle rule keeps
+        every object a day at least (node.p2p.bucket.bucket_lifecycle_rule): so within
+        ANSWER_KEPT_S of the answers' writing the holder took it back, and fails as one that does
+        not answer (else it could keep a slot, deleting and restoring one answer while the rest
+        download). Later, the verifier was too slow to read it: the check starts over."""
+        written = challenge.written
+        if written is not None and self.ctx.clock() - written < ANSWER_KEPT_S:
+            self._drop(challenge)
+            self._unanswered(
+                challenge, f"withdrew or spoiled an answer in the bucket after it was found there ({exc})"
+            )
+            return
+        self.ctx.log(
+            f"replay check: {challenge.receipt.wallet_id}'s answers expired before they were read; asked again"
+        )
+        self._restart(challenge)
         challenge.next_try = self.ctx.clock() + RETRY_EVERY_S
 
     def _fetch(self, challenge: Challenge) -> None:
@@ -713,15 +755,12 @@ class ReplayChecker:
                     if j not in challenge.pieces:
                         try:
                             challenge.pieces[j] = self._get_segment(challenge.address, receipt, j)
-                        except NotAnswered:
+                        except NotAnswered as exc:
+                            if challenge.answered:  # found by `_poll`, gone now
+                                self._withdrawn(challenge, exc)
+                                return
                             unanswered.append(j)
                 if unanswered:
-                    if challenge.answered:
-                        # Seen, then gone before it was read: only the holder deletes its answers
-                        # (after the verifier deleted its challenge). Hold nothing while it answers
-                        # again, or a holder could keep a slot by deleting one answer at a time.
-                        challenge.pieces.clear()
-                        challenge.answered = False
                     raise NotAnswered(f"segments {unanswered} not in the bucket yet")
                 challenge.needs_previous = receipt.round > 0 and not self._starts_fresh(challenge)
                 if challenge.needs_previous and challenge.previous is None:
@@ -769,11 +808,13 @@ class ReplayChecker:
         now = self.ctx.clock()
         assert challenge.first_try is not None
         window = self._window(challenge)
-        since, allowed = challenge.first_try, window
+        since, deadline = challenge.first_try, challenge.first_try + window
         if challenge.log_asked is not None:  # the pieces are read: a log is left, ~0.3 KB a step
             log_bytes = segment_log_bound(self.ctx.network.diloco.inner_steps)
-            since, allowed = challenge.log_asked, self.config.answer_window_s + log_bytes / MIN_BYTES_PER_S
-        if now - since <= allowed or challenge.tries < MIN_TRIES:
+            log_deadline = challenge.log_asked + self.config.answer_window_s + log_bytes / MIN_BYTES_PER_S
+            if log_deadline > deadline:
+                since, deadline = challenge.log_asked, log_deadline
+        if now <= deadline or challenge.tries < MIN_TRIES:
             challenge.next_try = now + RETRY_EVERY_S
             return
         self._drop(challenge)
@@ -783,13 +824,12 @@ class ReplayChecker:
                 f"({why}); the verifier first asked more than a window after the receipt: no verdict"
             )
             return
+        self._unanswered(challenge, f"did not answer its challenge within {deadline - since:.0f} s ({why})")
+
+    def _unanswered(self, challenge: Challenge, detail: str) -> None:
+        """Fail a dropped challenge's replica at `unanswered_penalty` (no fraud proof)."""
         try:
-            self._record(
-                receipt,
-                False,
-                f"did not answer its challenge within {allowed:.0f} s ({why})",
-                penalty=self.ctx.reputation.unanswered_penalty,
-            )
+            self._record(challenge.receipt, False, detail, penalty=self.ctx.reputation.unanswered_penalty)
         finally:
             with self._count_lock:
                 self.unanswered += 1

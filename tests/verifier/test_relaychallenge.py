@@ -23,7 +23,7 @@ from neuroshard.node.segments import SegmentConfig
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
 from neuroshard.verifier.background import BodyTooLarge
-from neuroshard.verifier.relaychallenge import NotAnswered, RelayChallenges
+from neuroshard.verifier.relaychallenge import Looked, NotAnswered, RelayChallenges
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 
@@ -101,25 +101,36 @@ def test_a_challenge_is_asked_answered_read_and_cleaned_up(
     assert keys(config) == set() and service.asked == [LOG]  # the holder deletes its answer in turn
 
 
-def test_missing_looks_for_answers_without_reading_them_and_asks_again_for_the_rest(
+def test_look_finds_answers_without_reading_them_and_asks_again_for_the_rest(
     config: RelayConfig, holder: tuple[RelayControl, list[str]]
 ) -> None:
-    """What a check looks at before it downloads (verifier.replaycheck._poll): one listing says which
-    answers are there; nothing is read or released, and only the absent ones are asked again."""
+    """What a check looks at before it downloads (verifier.replaycheck._poll): one HEAD a path says
+    which answers are there and when the oldest was written; nothing is read or released, only
+    the absent ones are asked again, and an answer archived where GetObject cannot read it counts
+    as absent."""
     control, lines = holder
     service = Service()
     asker = RelayChallenges(config, OPERATOR, time.time, lines.append)
     wanted = [LOG, "/p2p/segment-log/4"]  # the holder has round 3's log, not round 4's
-    assert asker.missing(HOLDER, wanted) == wanted
+    assert asker.look(HOLDER, wanted).missing == wanted
     assert keys(config) == {challenge_key(HOLDER, "segment-log/3"), challenge_key(HOLDER, "segment-log/4")}
     serve(control, service)
     first = read(config, challenge_key(HOLDER, "segment-log/4"))
-    assert asker.missing(HOLDER, wanted) == ["/p2p/segment-log/4"]
+    looked = asker.look(HOLDER, wanted)
+    assert looked.missing == ["/p2p/segment-log/4"]
+    assert looked.oldest is not None and abs(looked.oldest - time.time()) < 60
     assert read(config, challenge_key(HOLDER, "segment-log/4")) != first  # asked again, signed afresh
     assert f"{HOLDER}/check/segment-log/3" in keys(config)
     assert challenge_key(HOLDER, "segment-log/3") in keys(config)  # not read, so not released
-    assert asker.missing(HOLDER, [LOG]) == [] and asker.missing(HOLDER, []) == []
+    assert asker.look(HOLDER, [LOG]).missing == [] and asker.look(HOLDER, []) == Looked([], None)
     assert asker.get(HOLDER, LOG, 1 << 10) == b"the signed log of round 3"
+
+    make_s3_client(config).put_object(  # what an honest holder never does
+        Bucket=config.bucket, Key=f"run1/{HOLDER}/check/segment-log/5", Body=b"x", StorageClass="GLACIER"
+    )
+    assert asker.look(HOLDER, ["/p2p/segment-log/5"]).missing == ["/p2p/segment-log/5"]
+    with pytest.raises(NotAnswered, match="cannot be read"):
+        asker.get(HOLDER, "/p2p/segment-log/5", 1 << 10)
 
 
 def test_the_holder_refuses_what_its_server_would_refuse_and_uploads_nothing(

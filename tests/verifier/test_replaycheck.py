@@ -32,8 +32,9 @@ from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.relaychallenge import BucketHolder
+from neuroshard.verifier.relaychallenge import BucketHolder, NotAnswered
 from neuroshard.verifier.replaycheck import (
+    ANSWER_KEPT_S,
     MAX_SENDER_LOGS,
     MAX_WAITING,
     MIN_TRIES,
@@ -313,13 +314,11 @@ def test_the_senders_matched_are_drawn_not_taken_in_the_replicas_order(
     assert len(queued[0]) == MAX_SENDER_LOGS and queued[0] == queued[1]
 
 
-def test_a_bucket_check_waiting_for_the_previous_rounds_log_has_a_window_of_its_own(
-    db: Database, published: PublishedData
-) -> None:
-    """A relay replica's pieces may be read long after it answered them (the fetch slots were
-    busy); the log of its round before is asked only then, so its window runs from that ask, not
-    from the first look at the pieces, and is `answer_window_s` plus a log's upload."""
-    lines: list[str] = []
+def _bucket_check(
+    db: Database, published: PublishedData, lines: list[str]
+) -> tuple[ReplayChecker, Challenge]:
+    """A checker holding one segment check of a relay replica's round 1 (segments 0 and 1 wanted),
+    whose pieces are stand-ins: `_get_segment` is replaced by the test."""
     _register(db, relay_address(NODE.public_key_hex))
     checker = _checker(db, published, lines, answer_window_s=60.0)
     theta = torch.zeros(4)
@@ -329,24 +328,76 @@ def test_a_bucket_check_waiting_for_the_previous_rounds_log_has_a_window_of_its_
     with db.read() as s:
         receipt = s.scalars(select(m.Receipt)).one()
         s.expunge(receipt)
-    now = time.time()
-    challenge = Challenge(
-        receipt, BucketHolder(NODE.public_key_hex), segments=(0,), last=0, answered=True,
-        first_try=now - 3 * checker._window(Challenge(receipt, BucketHolder(NODE.public_key_hex), segments=(0,))),
-        tries=1, log_asked=now - 30.0,
-    )  # fmt: skip
+    challenge = Challenge(receipt, BucketHolder(NODE.public_key_hex), segments=(0,), last=1)
     checker.queue.append(challenge)
+    return checker, challenge
+
+
+def test_a_bucket_check_waiting_for_the_previous_rounds_log_has_a_window_of_its_own(
+    db: Database, published: PublishedData
+) -> None:
+    """A relay replica's pieces may be read long after it answered them (the fetch slots were
+    busy); the log of its round before is asked only then, so it may be answered until the later
+    of the pieces' window and `answer_window_s` (plus a log's upload) from that ask."""
+    lines: list[str] = []
+    checker, challenge = _bucket_check(db, published, lines)
+    checker._get_segment = lambda address, receipt, j: SimpleNamespace(segment=j)  # type: ignore[method-assign,assignment,return-value]
+    checker._starts_fresh = lambda c: False  # type: ignore[method-assign]
+
+    def no_log(*args: object, **kwargs: object) -> None:
+        raise NotAnswered("no answer to /p2p/segment-log/0 in the bucket yet")
+
+    checker._get_log = no_log  # type: ignore[method-assign,assignment]
+    now = time.time()
+    window = checker._window(challenge)
+    challenge.first_try, challenge.tries, challenge.answered = now - 3 * window, 5, True
+    checker._fetch(challenge)
+    assert set(challenge.pieces) == {0, 1} and challenge.log_asked is not None and challenge.tries == 1
     for _ in range(MIN_TRIES):
-        checker._no_answer(challenge, "not answered: no answer to /p2p/segment-log/0 in the bucket yet")
-        challenge.tries += 1
-    assert checker.failed == 0 and checker.queue == [challenge], lines  # 30 s into its 60 s
+        checker._fetch(challenge)
+    assert checker.failed == 0 and checker.queue == [challenge], lines  # seconds into its 60 s
     challenge.log_asked = now - 61.0
-    checker._no_answer(challenge, "not answered: no answer to /p2p/segment-log/0 in the bucket yet")
+    challenge.first_try = now - window + 30.0  # the pieces' window is the later: not yet
+    checker._fetch(challenge)
+    assert checker.failed == 0 and checker.queue == [challenge], lines
+    challenge.first_try = now - 3 * window
+    checker._fetch(challenge)
     assert checker.failed == 1 and checker.unanswered == 1 and not checker.queue, lines
     assert (
         "did not answer its challenge within 60 s (not answered: no answer to /p2p/segment-log/0"
         in (_verdicts(db)[-1])
     )
+
+
+def test_an_answer_withdrawn_from_the_bucket_after_it_was_found_fails_the_check(
+    db: Database, published: PublishedData
+) -> None:
+    """`_poll` found every answer; one is gone when it is read. Within ANSWER_KEPT_S of their
+    writing only the holder can have taken it back: it fails at once instead of keeping the slot
+    the download took. Later, the bucket's lifecycle rule may have expired it (the verifier was
+    slow): the check starts over, holding nothing."""
+    lines: list[str] = []
+    checker, challenge = _bucket_check(db, published, lines)
+
+    def piece(address: object, receipt: object, j: int) -> object:
+        if j == 1:
+            raise NotAnswered("no answer to /p2p/segment/1/1 in the bucket yet")
+        return SimpleNamespace(segment=j)
+
+    checker._get_segment = piece  # type: ignore[method-assign,assignment]
+    now = time.time()
+    challenge.first_try, challenge.tries = now, 1
+    challenge.answered, challenge.written = True, now - ANSWER_KEPT_S - 60.0
+    checker._fetch(challenge)
+    assert checker.failed == 0 and checker.queue == [challenge], lines
+    assert not challenge.pieces and not challenge.answered and challenge.first_try is None  # over
+    assert "expired before they were read" in lines[-1], lines
+
+    challenge.first_try, challenge.tries = now, 1
+    challenge.answered, challenge.written = True, now - 60.0
+    checker._fetch(challenge)
+    assert checker.failed == 1 and checker.unanswered == 1 and not checker.queue, lines
+    assert "withdrew or spoiled an answer in the bucket after it was found there" in _verdicts(db)[-1]
 
 
 def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
