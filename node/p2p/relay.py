@@ -35,7 +35,9 @@ each new challenge as its server checks a request (signature, freshness, a nonce
 the operator's key) and uploads what its server would have answered to
 ``PREFIX/{itself}/check/{route}`` (`serve_challenges`; at most CHALLENGES_PER_PASS a pass). The
 verifier deletes its challenge once it has read the answer (or ends the check; a restarted verifier
-deletes every challenge left), and the holder then deletes its answer. The answer is judged against
+deletes every challenge left), and the holder then deletes its answer (a restarted holder, on its
+first pass, deletes the answers its last run left whose challenges are gone, and keeps the rest
+without uploading them again). The answer is judged against
 the holder's signed receipt like one over HTTP, so the bucket changes nothing about what can be
 proven; a challenge not answered within the verifier's answer window (lengthened for the upload)
 fails like an unreachable port (verifier.replaycheck). Only the verifier may write under
@@ -159,6 +161,8 @@ class RelayControl:
         self._served_round = -1
         self._answered: set[str] = set()
         """Challenges answered whose challenge object is still there (the answer is kept until then)."""
+        self._swept = False
+        """Whether the answers an earlier run of this replica left were looked at (`serve_challenges`)."""
         self._refused: dict[str, float] = {}
         """Challenge → when it may be read again, for challenges that could not be answered."""
         self._nonces = NonceCache(FRESHNESS_WINDOW_S)
@@ -258,6 +262,8 @@ class RelayControl:
             self.log(f"bucket: cannot read the verifier's challenges: {exc}")
             return
         waiting = {n for n in names if CHALLENGE_NAME.match(n)}
+        if not self._swept:
+            await self._sweep(waiting)
         for name in sorted(self._answered - waiting):  # read and released by the verifier
             await self.store.delete(answer_name(name))
             self._answered.discard(name)
@@ -279,6 +285,22 @@ class RelayControl:
                 continue
             self._answered.add(name)
             self.log(f"bucket: answered the verifier's challenge {name} ({len(body)} bytes)")
+
+    async def _sweep(self, waiting: set[str]) -> None:
+        """Once a run: the answers an earlier run left (its `_answered` died with it). Those whose
+        challenge still waits are kept and not uploaded again; the rest are deleted now rather
+        than when the bucket's lifecycle rule expires them."""
+        try:
+            held, _ = await self.store.list_under(f"{self.own}/{CHECK}/", max_keys=MAX_LISTED)
+        except RelayError as exc:
+            self.log(f"bucket: cannot list the answers an earlier run left: {exc}")
+            return
+        self._swept = True
+        for name in sorted(held):
+            if name in waiting:
+                self._answered.add(name)
+            else:
+                await self.store.delete(answer_name(name))
 
     async def _answer(self, answerers: Sequence[Answerer], base: str, name: str, now: float) -> bytes:
         """What this replica's server would answer the signed request in challenge `name`; Refused

@@ -133,6 +133,31 @@ def test_look_finds_answers_without_reading_them_and_asks_again_for_the_rest(
         asker.get(HOLDER, "/p2p/segment-log/5", 1 << 10)
 
 
+def test_a_restarted_holder_deletes_the_answers_its_last_run_left_once_read(
+    config: RelayConfig, holder: tuple[RelayControl, list[str]]
+) -> None:
+    """Which answers are waiting to be read dies with the process: the next run's first pass keeps
+    (and does not upload again) an answer whose challenge still waits and deletes the others."""
+    control, lines = holder
+    service = Service()
+    asker = RelayChallenges(config, OPERATOR, time.time, lines.append)
+    put(config, f"{HOLDER}/check/segment-log/9", b"left by a run before")  # its challenge is gone
+    for path in (LOG, "/p2p/segment-log/4"):
+        with pytest.raises(NotAnswered):
+            asker.get(HOLDER, path, 1 << 10)
+    put(config, f"{HOLDER}/check/segment-log/4", b"answered by the run before")
+    restarted = RelayControl(control.store, 0, lines.append)
+    serve(restarted, service)
+    assert service.asked == [LOG]  # round 4's answer is there: not asked, not uploaded again
+    assert {k for k in keys(config) if k.startswith(f"{HOLDER}/")} == {
+        f"{HOLDER}/check/segment-log/3",
+        f"{HOLDER}/check/segment-log/4",
+    }
+    assert asker.get(HOLDER, "/p2p/segment-log/4", 1 << 10) == b"answered by the run before"
+    serve(restarted, service)
+    assert f"{HOLDER}/check/segment-log/4" not in keys(config)  # read and released: deleted in turn
+
+
 def test_the_holder_refuses_what_its_server_would_refuse_and_uploads_nothing(
     config: RelayConfig, holder: tuple[RelayControl, list[str]]
 ) -> None:
