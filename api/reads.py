@@ -446,7 +446,7 @@ FRAUD_PROOFS = "/api/fraud-proofs"
 def _fraud_proof_out(row: m.FraudProof) -> FraudProofOut:
     return FraudProofOut(
         sha256=row.sha256, wallet_id=row.wallet_id, stage=row.stage, round=row.round, segment=row.segment,
-        reason=row.reason, size_bytes=row.size_bytes, data_spans=row.data_spans, device=row.device,
+        kind=row.kind, reason=row.reason, size_bytes=row.size_bytes, data_spans=row.data_spans, device=row.device,
         precision=row.precision, created_at=row.created_at, download=f"{FRAUD_PROOFS}/{row.sha256}",
     )  # fmt: skip
 
@@ -455,9 +455,11 @@ def _fraud_proof_out(row: m.FraudProof) -> FraudProofOut:
 async def fraud_proofs(
     request: Request, services: ServicesDep, limit: Limit = 100, offset: Offset = 0
 ) -> Response:
-    """Segment fraud proofs the replay checks found (verifier.fraudproofs), newest first: whose,
-    which stage, round and segment, why, and where to download each. A proof re-checks alone with
-    `neuroshard-check-proof FILE --network network.toml [--spans DATA_SPANS]`. X-Total-Count is
+    """Fraud proofs the replay checks found (verifier.fraudproofs), newest first: whose, of which
+    kind (a failed segment replay, or a sender's log against a header it signed), which stage,
+    round and segment, why, and where to download each. A proof re-checks alone with
+    `neuroshard-check-proof FILE --network network.toml [--spans DATA_SPANS]` (a sender proof
+    needs no --network). X-Total-Count is
     the number kept (the newest few); Link names the next page."""
     served = services.config.fraud_proofs_served is not None
 
@@ -478,7 +480,8 @@ async def fraud_proofs(
     responses={
         200: {
             "content": {"application/octet-stream": {}},
-            "description": "The proof's bytes (safetensors: SegmentFraudProof.encode).",
+            "description": "The proof's bytes (SegmentFraudProof.encode: safetensors; "
+            "SenderFraudProof.encode: a NSSENDER1 line and canonical JSON).",
             "headers": {
                 "ETag": {"description": "The proof's sha256, quoted.", "schema": {"type": "string"}},
                 "Content-Length": {"description": "Size in bytes.", "schema": {"type": "integer"}},
@@ -494,8 +497,8 @@ def fraud_proof_file(
     services: ServicesDep,
     sha256: Annotated[str, Path(description="The proof's sha256: 64 lowercase hex digits.")],
 ) -> Response:
-    """One segment fraud proof's bytes, streamed. Anyone can check it alone with the run's
-    definition (and, at stage 0, its data): `neuroshard-check-proof`."""
+    """One fraud proof's bytes, streamed. Anyone can check it alone (a segment proof with the
+    run's definition and, at stage 0, its data): `neuroshard-check-proof`."""
     if not fraudproofs.is_sha256(sha256):
         raise Refused(
             "not_found", f"a fraud proof is named by its sha256, 64 lowercase hex digits; not {sha256[:80]!r}"

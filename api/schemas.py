@@ -230,8 +230,16 @@ class FraudProofOut(_Out):
     wallet_id: str = Field(description="The wallet whose signed commitment the proof holds.")
     stage: int
     round: int
-    segment: int = Field(description="The round's segment whose replay failed.")
-    reason: str = Field(description="The verifier's verdict on the segment.")
+    segment: int = Field(
+        description="The round's segment whose replay failed; of a sender proof, the segment of the "
+        "sender's log holding the step that contradicts its header."
+    )
+    kind: str = Field(
+        description='"segment": a segment whose replay failed (needs the run\'s definition, and at '
+        'stage 0 its data, to check); "sender": the wallet\'s signed round log contradicts a header '
+        "it signed (checks alone)."
+    )
+    reason: str = Field(description="The verifier's verdict.")
     size_bytes: int
     data_spans: list[list[int]] = Field(
         description="Stage 0: the receipt's [[shard_id, offset_start, offset_end], ...], for "
@@ -246,7 +254,7 @@ class FraudProofOut(_Out):
 
 
 class FraudProofsOut(_Out):
-    proofs: list[FraudProofOut] = Field(description="Segment fraud proofs, newest first.")
+    proofs: list[FraudProofOut] = Field(description="Fraud proofs, newest first.")
     served: bool = Field(
         description="Whether this verifier process serves the proofs' bytes (false: listed, not kept here)."
     )

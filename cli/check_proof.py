@@ -1,10 +1,17 @@
-"""`neuroshard-check-proof`: check a segment fraud proof alone, without the verifier's verdict.
+"""`neuroshard-check-proof`: check a fraud proof alone, without the verifier's verdict.
 
     curl -s VERIFIER/api/fraud-proofs                       # sha256, wallet, stage, data_spans, ...
     curl -so p.proof VERIFIER/api/fraud-proofs/SHA256
     curl -sD headers -o network.json VERIFIER/api/network   # X-NeuroShard-Signature in headers
     neuroshard-check-proof p.proof --network network.json [--operator-key HEX --signature HEX]
         [--wallet W] [--spans '[[3,0,16]]'] [--cache-dir DIR]
+    neuroshard-check-proof sender.proof [--wallet W]        # a sender proof (the list's kind)
+
+A sender proof (verifier.segmentcheck.SenderFraudProof, kind "sender" in the list) holds a
+replica's signed round log and a header it signed for a receiver: the log records sending, for
+that micro-batch, other bytes than the header signs. Both are the sender's own signatures, so it
+needs no definition, no data and no replay; with --network, the log's stage must be one of the
+run's and its steps no more than a round's. The rest of this text is about segment proofs.
 
 The proof (verifier.segmentcheck.SegmentFraudProof) holds one segment of a replica's round: its
 signed commitment, its hash-chained log, the checkpoints at the segment's two ends and the
@@ -59,7 +66,7 @@ from typing import Any
 
 from neuroshard.cli.parser import Parser
 from neuroshard.node.network_definition import verify_network
-from neuroshard.node.p2p.replay import segment_size_bound
+from neuroshard.node.p2p.replay import segment_log_bound, segment_size_bound
 from neuroshard.node.segment_store import MAX_MATERIAL_HEADER, SegmentMaterial
 from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.refusal import Refused
@@ -68,9 +75,12 @@ from neuroshard.verifier.network import NetworkDefinition, NetworkError, load_ne
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, calibrated_tolerance, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     ANY_PRECISION,
+    SENDER_PROOF_MAGIC,
     BatchReader,
     SegmentFraudProof,
+    SenderFraudProof,
     judge_fraud_proof,
+    judge_sender_proof,
 )
 from neuroshard.verifier.segmentlive import batch_reader
 from neuroshard.verifier.stageshape import declared_length, stage_config, stage_size
@@ -92,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--network",
         type=Path,
-        required=True,
-        help="the run's definition: network.toml, or the JSON of GET /api/network",
+        help="the run's definition: network.toml, or the JSON of GET /api/network (a segment proof needs it)",
     )
     p.add_argument(
         "--operator-key",
@@ -201,10 +210,24 @@ class Loaded:
     read: BatchReader | None
 
 
+SENDER_PROOF_MAX_BYTES = 64 << 20
+"""Largest sender proof read without a definition (a round log is ~0.3 KB a step, at most
+node.p2p.replay.segment_log_bound); with one, that bound for the run's rounds."""
+
+
 def check(args: argparse.Namespace) -> tuple[bool, str]:
     """(proves, the line to print); raises Unreadable when the proof, the definition or the data
     cannot be read (whatever the exception), not when the replay fails."""
     try:
+        with args.proof.open("rb") as f:
+            sender = f.read(len(SENDER_PROOF_MAGIC)) == SENDER_PROOF_MAGIC
+    except OSError as exc:
+        raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
+    try:
+        if sender:
+            return check_sender(args)
+        if args.network is None:
+            raise Unreadable(f"{args.proof} is a segment fraud proof: checking it needs --network")
         loaded = load(args)
     except Unreadable:
         raise
@@ -230,6 +253,39 @@ def check(args: argparse.Namespace) -> tuple[bool, str]:
         return False, f"does not prove fraud: {verdict.reason}{about}"
     c = proof.material.commitment
     where = f"wallet {loaded.wallet} stage {c.stage} round {c.round} segment {proof.material.segment}"
+    return True, f"PROVES FRAUD: {where} ({verdict.reason}){about}"
+
+
+def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
+    """A sender proof's verdict line (module docstring)."""
+    network, about = None, " [no definition]"
+    limit = SENDER_PROOF_MAX_BYTES
+    if args.network is not None:
+        try:
+            network, checked = _network(args)
+        except NetworkError as exc:
+            raise Unreadable(str(exc)) from None
+        digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
+        about = f" [definition sha256 {digest}, {checked}]"
+        limit = segment_log_bound(network.diloco.inner_steps) + (64 << 10)
+    size = args.proof.stat().st_size
+    if size > limit:
+        raise Unreadable(f"{args.proof} holds {size} bytes, more than a sender proof can ({limit})")
+    try:
+        proof = SenderFraudProof.decode(args.proof.read_bytes())
+    except Refused as exc:
+        raise Unreadable(f"{args.proof} is not a sender fraud proof: {exc.detail}") from None
+    c = proof.log.commitment
+    wallet = wallet_id_of(bytes.fromhex(c.wallet))
+    if args.wallet is not None and args.wallet.lower() not in (wallet, c.wallet):
+        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    if network is not None and len(proof.log.log.steps) > network.diloco.inner_steps:
+        return False, f"does not prove fraud: its log has more steps than a round of this run{about}"
+    verdict = judge_sender_proof(proof, num_stages=None if network is None else network.num_stages)
+    if not verdict.proves:
+        return False, f"does not prove fraud: {verdict.reason}{about}"
+    step = proof.step()
+    where = f"wallet {wallet} stage {c.stage} round {c.round} step {step} (segment {proof.segment()})"
     return True, f"PROVES FRAUD: {where} ({verdict.reason}){about}"
 
 

@@ -1,8 +1,10 @@
-"""Segment fraud proofs kept where a third party can fetch them (issue 17).
+"""Fraud proofs kept where a third party can fetch them (issue 17).
 
 A segment that fails its replay on material matching the replica's signed commitment
-(verifier.segmentcheck.SegmentFraudProof) proves fraud to anyone holding the run's definition
-(and, at stage 0, its data). The replay checker (verifier.replaycheck) keeps each one:
+(verifier.segmentcheck.SegmentFraudProof, kind "segment") proves fraud to anyone holding the run's
+definition (and, at stage 0, its data); a sender's signed round log that contradicts a header it
+signed (verifier.segmentcheck.SenderFraudProof, kind "sender": kilobytes) proves it to anyone. The
+replay checker (verifier.replaycheck) keeps each one:
 
 - the bytes in `<directory>/<sha256>.proof` (the verifier's HOME/fraud-proofs): two checkpoints of
   12 bytes per parameter and θ_round's 4, 28 bytes per parameter, plus the segment's inputs: tens
@@ -46,6 +48,8 @@ from neuroshard.data.files import atomic_write
 
 from . import models as m
 
+KIND_SEGMENT, KIND_SENDER = "segment", "sender"
+"""`FraudProof.kind`: a failed segment replay, or a sender's log against its own header."""
 DIRECTORY_NAME = "fraud-proofs"
 """The proofs' directory under the verifier's HOME."""
 SUFFIX = ".proof"
@@ -99,6 +103,7 @@ def add_row(
     segment: int,
     reason: str,
     now: float,
+    kind: str = KIND_SEGMENT,
 ) -> bool:
     """List a proof already written with `write_proof` (in the caller's transaction); False when
     these bytes are already listed, by this verifier or by another one that inserted them first
@@ -111,9 +116,12 @@ def add_row(
         stage=receipt.stage,
         round=receipt.round,
         segment=segment,
+        kind=kind,
         reason=reason[: m.FRAUD_REASON_LEN],
         size_bytes=size,
-        data_spans=[list(span) for span in receipt.data_spans] if receipt.stage == 0 else [],
+        data_spans=(
+            [list(span) for span in receipt.data_spans] if receipt.stage == 0 and kind == KIND_SEGMENT else []
+        ),
         device=getattr(receipt, "device", None),
         precision=getattr(receipt, "precision", None),
         created_at=now,

@@ -292,7 +292,7 @@ FRAUD_REASON_LEN = 400
 
 
 class FraudProof(Base):
-    """A segment fraud proof the replay checker found (verifier.fraudproofs): the bytes are in
+    """A fraud proof the replay checker found (verifier.fraudproofs): the bytes are in
     HOME/fraud-proofs/<sha256>.proof, this row says whose they are and why they prove fraud. The
     file is written before the row is committed, so a row never names a missing file."""
 
@@ -304,7 +304,11 @@ class FraudProof(Base):
     stage: Mapped[int] = mapped_column(Integer)
     round: Mapped[int] = mapped_column(Integer)
     segment: Mapped[int] = mapped_column(Integer)
-    """The failed segment of the round (node.segments)."""
+    """The failed segment of the round (node.segments); of a sender proof, the segment of the
+    sender's log holding the step that contradicts its header."""
+    kind: Mapped[str] = mapped_column(String(16), default="segment", server_default="segment")
+    """"segment" (SegmentFraudProof: a failed replay) or "sender" (SenderFraudProof: a sender's
+    signed log contradicts a header it signed)."""
     reason: Mapped[str] = mapped_column(String(FRAUD_REASON_LEN))
     """The verdict, e.g. 'segment 3 of 4: norm ratio 1.25 …'."""
     size_bytes: Mapped[int] = mapped_column(BigInteger)

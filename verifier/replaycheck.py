@@ -81,6 +81,10 @@ check, not only by those that happen to draw the last segment. It costs one more
 download and hashing, no replay. A segment check also holds the round's first checkpoint to
 θ_round with a fresh optimizer or the state the replica's previous round ended with (the signed
 log of round r−1 and the opening of its last checkpoint; segmentcheck.continuity_problem).
+After a check passes, the senders whose messages its segments consumed (MAX_SENDER_LOGS, drawn)
+are held to their own signed round logs (`_match_senders`): a sender whose log contradicts a
+header it signed fails in its own stage and round and leaves a SenderFraudProof, kept and listed
+like a segment proof (kind "sender"), which checks alone without the run's definition.
 """
 
 from __future__ import annotations
@@ -139,10 +143,11 @@ from .members import MembershipConfig
 from .relaychallenge import BucketHolder, BucketUnavailable, NotAnswered, RelayChallenges
 from .sampling import draw, sampled
 from .segmentcheck import (
+    SenderFraudProof,
     continuity_problem,
+    contradicting,
     draw_segments,
     sender_round,
-    sent_contradictions,
     signed_log_problem,
 )
 from .segmentlive import (
@@ -451,7 +456,7 @@ class ReplayChecker:
         self._stages: dict[int, tuple[int, int, str]] = {}
         """Stage → (numel, parameter tensors, θ_0 hash) of that stage's model."""
         self.fraud_proofs: deque[bytes] = deque(maxlen=16)
-        """Segment fraud proofs found here (SegmentFraudProof bytes), newest last."""
+        """Fraud proofs found here (SegmentFraudProof or SenderFraudProof bytes), newest last."""
         self.queue: list[Challenge] = []
         self._overdue_picks: dict[int, int] = {}
         """Round → receipts drawn for being overdue (at most the budget's coverage share)."""
@@ -1037,8 +1042,6 @@ class ReplayChecker:
         `fraud_proof_dir`, in one transaction; then delete the files of rows pruned beyond
         `keep_fraud_proofs` and old files no row names."""
         now = self.ctx.clock()
-        dropped: list[str] = []
-        held: list[str] = []
         with self.ctx.db.write() as session:
             ledger.record_receipt_check(
                 session,
@@ -1050,21 +1053,41 @@ class ReplayChecker:
                 membership=self.membership,
                 penalty=penalty,
             )
-            for segment, sha256, size in proofs:
-                fraudproofs.add_row(
-                    session,
-                    sha256=sha256,
-                    size=size,
-                    receipt=receipt,
-                    segment=segment,
-                    reason=reason,
-                    now=now,
-                )
-            if proofs:
-                dropped = fraudproofs.prune_rows(
-                    session, self.config.keep_fraud_proofs, self.config.keep_fraud_bytes
-                )
-                held = fraudproofs.listed(session)
+            kept = self._list_proofs(session, receipt, proofs, reason, fraudproofs.KIND_SEGMENT)
+        self._tidy_proofs(receipt, proofs, *kept)
+        with self._count_lock:
+            if ok:
+                self.passed += 1
+            else:
+                self.failed += 1
+        verdict = "passed" if ok else "FAILED"
+        self.ctx.log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
+
+    def _list_proofs(
+        self,
+        session: Session,
+        receipt: m.Receipt,
+        proofs: Sequence[tuple[int, str, int]],
+        reason: str,
+        kind: str,
+    ) -> tuple[list[str], list[str]]:
+        """List proofs already written (in the verdict's transaction) and prune beyond the keep
+        limits: (the sha256s pruned, those still listed), both empty without proofs."""
+        now = self.ctx.clock()
+        for segment, sha256, size in proofs:
+            fraudproofs.add_row(
+                session, sha256=sha256, size=size, receipt=receipt, segment=segment, reason=reason,
+                now=now, kind=kind,
+            )  # fmt: skip
+        if not proofs:
+            return [], []
+        dropped = fraudproofs.prune_rows(session, self.config.keep_fraud_proofs, self.config.keep_fraud_bytes)
+        return dropped, fraudproofs.listed(session)
+
+    def _tidy_proofs(
+        self, receipt: m.Receipt, proofs: Sequence[tuple[int, str, int]], dropped: list[str], held: list[str]
+    ) -> None:
+        """After the commit: delete the files of pruned rows and old files no row names."""
         directory = self.config.fraud_proof_dir
         if proofs and directory is not None:
             fraudproofs.remove_files(directory, dropped)
@@ -1074,13 +1097,6 @@ class ReplayChecker:
                 f"replay check: fraud proof {sha256} ({size / 1e6:.1f} MB) of {receipt.wallet_id} "
                 f"round {receipt.round} kept in {directory}"
             )
-        with self._count_lock:
-            if ok:
-                self.passed += 1
-            else:
-                self.failed += 1
-        verdict = "passed" if ok else "FAILED"
-        self.ctx.log(f"replay check: {receipt.wallet_id} round {receipt.round} {verdict}: {detail}")
 
     def _fresh(self, piece: SegmentMaterial) -> str:
         """A fresh optimizer's digest at the size of `piece`'s model (grown vocabularies included)."""
@@ -1217,8 +1233,8 @@ class ReplayChecker:
         if self._already_penalised(where):
             return True
         with self.ctx.db.read() as session:
-            receipt = session.execute(
-                select(m.Receipt.segment_root, m.Peer.address, m.Receipt.received_at)
+            found = session.execute(
+                select(m.Receipt, m.Peer.address)
                 .join(m.Peer, m.Peer.wallet_id == m.Receipt.wallet_id, isouter=True)
                 .where(
                     m.Receipt.wallet_id == wallet,
@@ -1226,9 +1242,11 @@ class ReplayChecker:
                     m.Receipt.round == match.round,
                 )
             ).first()
-        if receipt is None:
+            session.expunge_all()
+        if found is None:
             return False  # its receipt is not in yet
-        root, address, received_at = receipt
+        receipt, address = found
+        root, received_at = receipt.segment_root, receipt.received_at
         # A relay replica is never a sender: `--relay` takes single-stage runs only.
         if root is None or address is None or is_relay(address):
             self.ctx.log(
@@ -1250,13 +1268,20 @@ class ReplayChecker:
         problem = signed_log_problem(signed, match.sender, match.stage, match.round, root)
         if problem is not None:  # not its committed log (which a node keeps, restarts included): none served
             return self._log_not_read(match, wallet, f"not its committed log: {problem}")
-        contradictions = sent_contradictions(signed, match.messages, match.receiver_key)
+        contradictions = contradicting(signed, match.messages, match.receiver_key)
         if not contradictions:
             return True
-        detail = (
-            f"its signed log contradicts what it signed for {match.receiver}: {'; '.join(contradictions[:3])}"
+        texts = "; ".join(text for _, text in contradictions[:3])
+        detail = f"{SENDER_DETAIL}its signed log contradicts what it signed for {match.receiver}: {texts}"
+        # Both statements are the sender's own signatures: a proof anyone can check alone.
+        message = contradictions[0][0]
+        proof = SenderFraudProof(
+            signed, Received(message.kind, message.sender, message.header, b""), match.receiver_key
         )
-        self._sender_failed(where, f"{SENDER_DETAIL}{detail}", None)
+        data = proof.encode()
+        self.fraud_proofs.append(data)
+        written = self._write_proof(receipt, proof.segment(), data)
+        self._sender_failed(where, detail, None, proof=(receipt, written, detail))
         return True
 
     def _log_not_read(self, match: SenderMatch, wallet: str, why: str) -> bool:
@@ -1306,10 +1331,20 @@ class ReplayChecker:
             self._penalised.add(where)
         return found is not None
 
-    def _sender_failed(self, where: tuple[str, int, int], detail: str, penalty: float | None) -> bool:
+    def _sender_failed(
+        self,
+        where: tuple[str, int, int],
+        detail: str,
+        penalty: float | None,
+        *,
+        proof: tuple[m.Receipt, tuple[int, str, int] | None, str] | None = None,
+    ) -> bool:
         """Record a sender's failed spot check in its own stage and round, once a round; False when
-        it cannot be recorded (no longer registered)."""
+        it cannot be recorded (no longer registered). `proof`: (the sender's receipt, its written
+        SenderFraudProof's (segment, sha256, size) or None, the reason), listed in the same
+        transaction."""
         wallet, stage, round_ = where
+        written = () if proof is None or proof[1] is None else (proof[1],)
         try:
             with self.ctx.db.write() as session:
                 ledger.record_spot_check(
@@ -1317,9 +1352,16 @@ class ReplayChecker:
                     now=self.ctx.clock(), cfg=self.ctx.reputation, membership=self.membership,
                     penalty=penalty,
                 )  # fmt: skip
+                kept = (
+                    ([], [])
+                    if proof is None
+                    else self._list_proofs(session, proof[0], written, proof[2], fraudproofs.KIND_SENDER)
+                )
         except Refused as exc:  # not registered (any more): nothing to hold it to
             self.ctx.log(f"replay check: {wallet} round {round_}: {detail}; not recorded ({exc})")
             return False
+        if proof is not None:
+            self._tidy_proofs(proof[0], written, *kept)
         self._penalised.add(where)
         with self._count_lock:
             self.failed += 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -50,9 +51,10 @@ from neuroshard.node.pipeline import remote_loss, stage_inner_step
 from neuroshard.node.replay import install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.node.wallet import Wallet
-from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.identity import sha256_hex, wallet_id_of
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
-from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.schema import canonical_json, parse_json
 from neuroshard.protocol.segments import (
     Received,
     SegmentCommitment,
@@ -321,6 +323,13 @@ def continuity_problem(
 
 
 def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received], receiver: str) -> list[str]:
+    """`contradicting`'s findings, as text."""
+    return [text for _, text in contradicting(sender, messages, receiver)]
+
+
+def contradicting(
+    sender: SignedSegmentLog, messages: Iterable[Received], receiver: str
+) -> list[tuple[Received, str]]:
     """Where a sender's signed round log contradicts headers it signed to `receiver` (a public key;
     empty when it agrees): for each of `messages` (what that checked replica consumed) whose header
     the log's signer signed for the log's round, every step of the sender's log that names the
@@ -333,12 +342,12 @@ def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received], 
     header on the payload — so a contradiction is its fault whatever its receiver did: it sent on
     something other than what it recorded. Check the log with `signed_log_problem` first."""
     log, signer = sender.log, sender.commitment.wallet
+    out: list[tuple[Received, str]] = []
     sent: dict[tuple[str, str], set[str]] = {}
     for step in log.steps:
         if step.micro_batch and any(ref.sender == receiver for ref in step.received):
             for ref in step.sent:
                 sent.setdefault((step.micro_batch, ref.kind), set()).add(ref.payload_sha256)
-    out = []
     for message in messages:
         if message.sender != signer or sender_round(message) != (log.stage, log.round):
             continue
@@ -350,8 +359,11 @@ def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received], 
         if recorded is not None and header.payload_sha256 not in recorded:
             named = ", ".join(sorted(r[:16] for r in recorded))
             out.append(
-                f"micro-batch {header.micro_batch}: it signed {message.kind} {header.payload_sha256[:16]}, "
-                f"its log records sending {named}"
+                (
+                    message,
+                    f"micro-batch {header.micro_batch}: it signed {message.kind} "
+                    f"{header.payload_sha256[:16]}, its log records sending {named}",
+                )
             )
     return out
 
@@ -544,3 +556,94 @@ def judge_fraud_proof(
     if not verdict.replayed:
         return FraudProofVerdict(False, verdict.reason)
     return FraudProofVerdict(True, verdict.reason)
+
+
+SENDER_PROOF_MAGIC = b"NSSENDER1\n"
+"""The first bytes of a `SenderFraudProof` (a `SegmentFraudProof` begins with its safetensors
+header's length, never with these)."""
+SENDER_PROOF_KEYS = frozenset({"log", "kind", "header", "receiver"})
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class SenderFraudProof:
+    """A sender whose signed round log contradicts a header it signed for a receiver
+    (`contradicting`): the log with its signed commitment, the header as the receiver recorded
+    it, and the receiver's key. Both contradicting statements carry the sender's own signature,
+    so the proof needs nothing else, no definition, no data and no replay; the payload is not
+    kept (the header signs its sha256, and that is what the log contradicts). Kept and served
+    like a segment proof (verifier.fraudproofs), re-checked alone by `neuroshard-check-proof`."""
+
+    log: SignedSegmentLog
+    message: Received
+    receiver: str
+    """The receiver's public key (64 hex): the log's steps that name an exchange with it make the claim."""
+
+    def encode(self) -> bytes:
+        obj = {
+            "log": parse_json(self.log.encode(), "signed segment log"),
+            "kind": self.message.kind,
+            "header": self.message.header.decode(),
+            "receiver": self.receiver,
+        }
+        return SENDER_PROOF_MAGIC + canonical_json(obj)
+
+    @classmethod
+    def decode(cls, data: bytes) -> SenderFraudProof:
+        """Refused ("malformed") for anything but a sender proof's exact shape."""
+        if not data.startswith(SENDER_PROOF_MAGIC):
+            raise malformed("not a sender fraud proof (no NSSENDER1 line)")
+        obj = parse_json(data[len(SENDER_PROOF_MAGIC) :], "sender fraud proof")
+        if not isinstance(obj, dict) or set(obj) != SENDER_PROOF_KEYS:
+            raise malformed(f"a sender fraud proof holds exactly {', '.join(sorted(SENDER_PROOF_KEYS))}")
+        kind, header, receiver = obj["kind"], obj["header"], obj["receiver"]
+        if kind not in ("activations", "gradient") or not isinstance(header, str):
+            raise malformed("a sender fraud proof's kind is activations or gradient, its header a string")
+        if not isinstance(receiver, str) or not _HEX64.fullmatch(receiver):
+            raise malformed("a sender fraud proof's receiver is a public key, 64 lowercase hex")
+        log = SignedSegmentLog.decode(canonical_json(obj["log"]))
+        raw = header.encode()
+        parse = ActivationHeader.from_json if kind == "activations" else GradientReply.from_json
+        return cls(log, Received(kind, parse(raw).wallet, raw, b""), receiver)
+
+    def step(self) -> int | None:
+        """The first step of the log that names the header's micro-batch and an exchange with the
+        receiver (where the contradiction lies); None when there is none."""
+        parse = ActivationHeader.from_json if self.message.kind == "activations" else GradientReply.from_json
+        micro_batch = parse(self.message.header).micro_batch
+        for i, step in enumerate(self.log.log.steps):
+            if step.micro_batch == micro_batch and any(r.sender == self.receiver for r in step.received):
+                return i
+        return None
+
+    def segment(self) -> int:
+        """The segment of the log holding `step` (0 when there is none)."""
+        i = self.step()
+        log = self.log.log
+        return next((j for j in range(log.segments) if i is not None and i < log.segment(j)[1]), 0)
+
+
+def judge_sender_proof(proof: SenderFraudProof, *, num_stages: int | None = None) -> FraudProofVerdict:
+    """Whether `proof` proves fraud by its own signed content, and why: the log is signed by the
+    wallet that signed the header, its chain hashes to the root that signature covers, and it
+    records sending, for the header's micro-batch in a step that exchanged with the receiver,
+    something other than the payload the header signs. `num_stages`, when the run's definition is
+    at hand: the commitment's stage must be one that sends what the header carries."""
+    c = proof.log.commitment
+    problem = signed_log_problem(proof.log, c.wallet, c.stage, c.round, c.root)
+    if problem is not None:
+        return FraudProofVerdict(False, problem)
+    if num_stages is not None:
+        kind = proof.message.kind  # activations go to the next stage, gradients back to the one before
+        sends = 0 <= c.stage < num_stages - 1 if kind == "activations" else 1 <= c.stage < num_stages
+        if not sends:
+            return FraudProofVerdict(
+                False, f"no stage {c.stage} replica sends {kind} in a run of {num_stages} stages"
+            )
+    found = contradicting(proof.log, [proof.message], proof.receiver)
+    if not found:
+        return FraudProofVerdict(
+            False, "the log does not contradict the header (another signer, round, or no claim on it)"
+        )
+    receiver = wallet_id_of(bytes.fromhex(proof.receiver))
+    return FraudProofVerdict(True, f"its signed log contradicts what it signed for {receiver}: {found[0][1]}")

@@ -57,7 +57,7 @@ def test_proofs_are_listed_newest_first_and_served_whole(kept: Harness) -> None:
     assert [p["sha256"] for p in proofs] == hashes[:0:-1]
     assert proofs[0] == {
         "sha256": hashes[2], "wallet_id": WALLET, "stage": 0, "round": 2, "segment": 2,
-        "reason": "segment 2 of 4: norm ratio 1.25", "size_bytes": len(blobs[2]), "data_spans": [[1, 0, 8]],
+        "kind": "segment", "reason": "segment 2 of 4: norm ratio 1.25", "size_bytes": len(blobs[2]), "data_spans": [[1, 0, 8]],
         "device": None, "precision": None, "created_at": 2.0, "download": f"/api/fraud-proofs/{hashes[2]}",
     }  # fmt: skip
     reply = h.client.get(proofs[1]["download"])

@@ -1,5 +1,5 @@
 """`neuroshard-check-proof`'s answers when it cannot read what it is given: exit 2 and one line
-(a real proof checked alone: tests/verifier/test_segmentcheck_live.py)."""
+(real proofs, segment and sender, checked alone: tests/verifier/test_segmentcheck_live.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from neuroshard.cli.check_proof import main
 from neuroshard.testing.verifier import small_network
+from neuroshard.verifier.segmentcheck import SENDER_PROOF_MAGIC
 
 
 @pytest.fixture
@@ -74,3 +75,16 @@ def test_a_definition_the_operator_did_not_sign_is_refused(
     flags = ["--operator-key", "ab" * 32, "--signature", "cd" * 64]
     code, out = _run([str(tmp_path / "x.proof"), "--network", str(network), *flags], capsys)
     assert code == 2 and "not signed by the operator key" in out, out
+
+
+def test_a_segment_proof_needs_the_definition(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x.proof").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    code, out = _run([str(tmp_path / "x.proof")], capsys)
+    assert code == 2 and "is a segment fraud proof: checking it needs --network" in out, out
+
+
+def test_a_sender_proof_that_does_not_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked without a definition (a real one: tests/verifier/test_segmentcheck_live.py)."""
+    (tmp_path / "s.proof").write_bytes(SENDER_PROOF_MAGIC + b'{"log": 1}')
+    code, out = _run([str(tmp_path / "s.proof")], capsys)
+    assert code == 2 and "is not a sender fraud proof" in out and "\n" not in out, out

@@ -32,6 +32,7 @@ from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
+from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import (
     Received,
     ReceivedRef,
@@ -54,12 +55,15 @@ from neuroshard.verifier.replaycheck import (
     tolerance_for,
 )
 from neuroshard.verifier.segmentcheck import (
+    SENDER_PROOF_MAGIC,
     SegmentClaim,
     SegmentFraudProof,
     SegmentVerdict,
+    SenderFraudProof,
     check_segment,
     continuity_problem,
     judge_fraud_proof,
+    judge_sender_proof,
     sender_round,
     sent_contradictions,
     signed_log_problem,
@@ -475,6 +479,28 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     assert sent_contradictions(signed(elsewhere), consumed, me) == []
     sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch, received=sender_steps[3].received)
     assert sent_contradictions(signed(sender_steps), consumed, me) == []  # no sent entry: no claim
+
+    # The contradiction as a proof anyone can check alone: both statements are the sender's.
+    bare = Received(consumed[3].kind, consumed[3].sender, consumed[3].header, b"")
+    proof = SenderFraudProof(lying, bare, me)
+    data = proof.encode()
+    assert data.startswith(SENDER_PROOF_MAGIC) and SenderFraudProof.decode(data) == proof
+    assert (proof.step(), proof.segment()) == (3, 3 // K)
+    verdict = judge_sender_proof(SenderFraudProof.decode(data), num_stages=2)
+    assert verdict.proves and "records sending 0000" in verdict.reason, verdict
+    assert not judge_sender_proof(proof, num_stages=1).proves  # no stage 0 sender in a 1-stage run
+    for other, why in (
+        (SenderFraudProof(honest, bare, me), "does not contradict"),
+        (SenderFraudProof(forged, bare, me), "not contradict"),  # NEXT's log, PREV's header
+        (SenderFraudProof(lying, bare, NEXT.public_key_hex), "does not contradict"),  # not its receiver
+    ):
+        verdict = judge_sender_proof(other)
+        assert not verdict.proves and why in verdict.reason, verdict
+    tampered = SignedSegmentLog(honest.log, lying.commitment)  # the honest chain under the lie's signature
+    assert "root" in judge_sender_proof(SenderFraudProof(tampered, bare, me)).reason
+    for bad in (b"not a proof", SENDER_PROOF_MAGIC + b"{}", data.replace(b'"receiver":"', b'"receiver":"X')):
+        with pytest.raises(Refused):
+            SenderFraudProof.decode(bad)
 
 
 def test_fp16_step_counts_may_fall_short_but_must_agree(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, ReplayChecker, tolerance_for
 from neuroshard.verifier.reputation import ReputationConfig
-from neuroshard.verifier.segmentcheck import SegmentFraudProof, judge_fraud_proof
+from neuroshard.verifier.segmentcheck import SegmentFraudProof, SenderFraudProof, judge_fraud_proof
 
 OPERATOR = Wallet.from_token("segment-live-operator")
 DRIVER, HONEST, LIAR, LIAR0 = (
@@ -338,13 +338,14 @@ def test_segments_of_every_stage_are_checked_and_the_liar_is_caught(
 
 
 def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
-    published: PublishedData, db: Database, tmp_path: Path
+    published: PublishedData, db: Database, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Checking a stage-1 replica's segments, the verifier reads the signed log of the driver whose
     activations they consumed (GET /p2p/segment-log) once the driver's receipt is in, however
     much later: a driver whose log records sending other bytes than the header it signed fails a
     spot check in its own stage and round, though its own segments replay fine; the receiver
-    passes."""
+    passes. The contradiction is kept as a sender fraud proof that `neuroshard-check-proof` checks
+    alone, without the run's definition."""
     driver = _replica(published, tmp_path, DRIVER, 0, lie=False, lie_sent=True)
     receiver = _replica(published, tmp_path, HONEST, 1, lie=False)
     try:
@@ -352,7 +353,9 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
         lines: list[str] = []
         checker = ReplayChecker(
             JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
-            config=ReplayCheckConfig(sample_rate=1.0, segments_per_check=4, max_queue=8),
+            config=ReplayCheckConfig(
+                sample_rate=1.0, segments_per_check=4, max_queue=8, fraud_proof_dir=tmp_path / "proofs"
+            ),
             dataset=lambda: published.dataset,
         )
         checker.run_once()  # the first pass notes where the receipts end
@@ -378,6 +381,38 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     assert f"contradicts what it signed for {HONEST.wallet_id}" in failed[4]
     assert "records sending 0000" in failed[4]
     assert not [e for e in events if e[0] == HONEST.wallet_id and e[3] < 0]
+
+    with db.read() as s:
+        (row,) = s.scalars(select(m.FraudProof))
+        assert (row.kind, row.wallet_id, row.stage, row.round, row.data_spans) == (
+            "sender",
+            DRIVER.wallet_id,
+            0,
+            0,
+            [],
+        )
+    path = tmp_path / "proofs" / f"{row.sha256}.proof"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == row.sha256
+    code, out = _check_proof([str(path), "--wallet", DRIVER.wallet_id], capsys)
+    assert code == 0 and out.startswith(f"PROVES FRAUD: wallet {DRIVER.wallet_id} stage 0 round 0 step "), out
+    assert f"contradicts what it signed for {HONEST.wallet_id}" in out and "[no definition]" in out, out
+    (tmp_path / "network.json").write_bytes(_network(published).canonical_bytes())
+    code, out = _check_proof([str(path), "--network", str(tmp_path / "network.json")], capsys)
+    assert code == 0 and "PROVES FRAUD" in out and "definition sha256" in out, out
+    # The receiver named in the proof changed: the sender's log makes no claim about that exchange.
+    proof = SenderFraudProof.decode(path.read_bytes())
+    (tmp_path / "other.proof").write_bytes(
+        SenderFraudProof(proof.log, proof.message, DRIVER.public_key_hex).encode()
+    )
+    code, out = _check_proof([str(tmp_path / "other.proof")], capsys)
+    assert code == 1 and out.startswith("does not prove fraud: the log does not contradict the header"), out
+    # Its log edited (the counterpart renamed everywhere): no longer the chain its signature covers.
+    edited = path.read_bytes().replace(HONEST.public_key_hex.encode(), DRIVER.public_key_hex.encode())
+    (tmp_path / "edited.proof").write_bytes(edited)
+    code, out = _check_proof([str(tmp_path / "edited.proof")], capsys)
+    assert code == 1 and "root" in out, out
+    code, out = _check_proof([str(path), "--wallet", HONEST.wallet_id], capsys)
+    assert code == 2 and "is signed by wallet" in out, out
 
 
 def test_a_sender_that_does_not_serve_its_log_fails_as_an_unanswered_challenge(
