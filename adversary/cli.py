@@ -13,9 +13,9 @@ misreports its work (adversary.work_lies). The honest node has no attack flags a
 from __future__ import annotations
 
 import argparse
-import sys
 
 from neuroshard.cli import node, node_flags
+from neuroshard.cli.process import run_command
 from neuroshard.node.outer.round import OuterRound, RoundFactory
 
 from . import owners, work_lies
@@ -101,5 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     return node.main(argv, parser=parser, roles=roles_from_args(args))
 
 
+def command() -> None:
+    """The console script: `main`, then the process ends as neuroshard.cli.process says (never returns)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

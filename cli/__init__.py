@@ -7,6 +7,8 @@
 - ``publish_shards``, ``publish_tokenizer``: `neuroshard-publish-shards`, `neuroshard-publish-tokenizer`.
 - ``export``, ``generate``: `neuroshard-export` and `neuroshard-generate` over node.export and
   node.generate, with the flags that name a trained model.
+- ``process``: how `neuroshard-node`, `neuroshard-verifier` and `neuroshard-adversary` end their
+  process (threads joined, then out before the interpreter's teardown; faulthandler on).
 - ``node_flags``: the flags of `neuroshard-node` and the typed settings they become;
   ``parser``: the argparse parser every composition root here uses.
 

@@ -36,6 +36,7 @@ from neuroshard.cli.node_flags import (
     placement_from_args,
     run_settings,
 )
+from neuroshard.cli.process import run_command
 from neuroshard.data import (
     Dataset,
     ManifestError,
@@ -478,5 +479,10 @@ def _close(link: PipelineLink | None, network: PeerPlane | None, reporting: Repo
         reporting.close()
 
 
+def command() -> None:
+    """The console script: `main`, then the process ends as neuroshard.cli.process says (never returns)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

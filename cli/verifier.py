@@ -23,6 +23,7 @@ import torch
 
 from neuroshard.api.app import create_app
 from neuroshard.cli.parser import Parser
+from neuroshard.cli.process import run_command
 from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.protocol.roster import POLICIES
 from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
@@ -328,5 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         return supervisor.run(sock)
 
 
+def command() -> None:
+    """The console script: `main`, then the process ends as neuroshard.cli.process says (never returns)."""
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -1,0 +1,68 @@
+"""neuroshard.cli.process: a command's process ends with main's status, after its non-daemon
+threads and the exit hooks it registered, and without the interpreter's teardown (where a
+thread that ran torch can crash a finished process)."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys, threading, time
+    from neuroshard.cli.process import run_command
+
+    class Teardown:
+        def __del__(self):
+            print("torn down", flush=True)
+
+    KEPT = Teardown()  # collected by the interpreter's teardown, if there is one
+
+    def main():
+        def late():
+            time.sleep(0.3)
+            with open(sys.argv[1], "w") as f:
+                f.write("written")
+        threading.Thread(target=late).start()  # not a daemon: the exit waits for it
+        atexit.register(lambda: print("hook ran", end=" "))
+        print("no newline", end=" ")
+        how = sys.argv[2]
+        if how == "return":
+            return 3
+        if how == "exit-int":
+            sys.exit(2)
+        sys.exit("refused: one clear line")
+
+    run_command(main)
+    """
+)
+
+
+def _run(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path / "late.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(out), how], capture_output=True, text=True, timeout=60
+    )
+    return done, out
+
+
+@pytest.mark.parametrize(("how", "status"), [("return", 3), ("exit-int", 2), ("exit-text", 1)])
+def test_the_status_is_mains_and_threads_and_hooks_finish_first(
+    tmp_path: Path, how: str, status: int
+) -> None:
+    done, late = _run(tmp_path, how)
+    assert done.returncode == status, done.stderr
+    assert late.read_text() == "written"  # the non-daemon thread was joined
+    assert done.stdout == "no newline hook ran "  # buffered output flushed, the hook ran
+    assert "torn down" not in done.stdout  # no interpreter teardown
+    assert ("refused: one clear line" in done.stderr) == (how == "exit-text")
+
+
+def test_a_fatal_signal_prints_every_threads_stack(tmp_path: Path) -> None:
+    script = "import os, signal\nfrom neuroshard.cli.process import run_command\n"
+    script += "run_command(lambda: os.kill(os.getpid(), signal.SIGSEGV))\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -11
+    assert "Fatal Python error: Segmentation fault" in done.stderr and "<lambda>" in done.stderr
