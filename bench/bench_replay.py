@@ -422,7 +422,7 @@ def later_stage_segments(
         body = encode_activations(hidden, labels, DEFAULT_CODEC)
         mb = micro_batch_id(sender.public_key_hex, 0, i)
         header = ActivationHeader.create(
-            sender, micro_batch=mb, stage=1, round=0, batch=hidden.shape[0], seq_len=hidden.shape[1],
+            sender, to=NODE.public_key_hex, micro_batch=mb, stage=1, round=0, batch=hidden.shape[0], seq_len=hidden.shape[1],
             dim=hidden.shape[2], codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         got, got_labels = decode_activations(body, header, model_cfg.vocab_size)

@@ -8,9 +8,10 @@
     neuroshard-check-proof sender.proof [--wallet W]        # a sender proof (the list's kind)
 
 A sender proof (verifier.segmentcheck.SenderFraudProof, kind "sender" in the list) holds a
-replica's signed round log and a header it signed for a receiver: the log records sending, for
-that micro-batch, other bytes than the header signs. Both are the sender's own signatures, so it
-needs no definition, no data and no replay; with --network, the log's stage must be one of the
+replica's signed round log and a header it signed for a receiver: the log records sending that
+receiver, for that micro-batch, other bytes than the header signs. Both are the sender's own
+signatures (the header signs whom it was sent to as well as its payload), so it needs no
+definition, no data and no replay; with --network, the log's stage must be one of the
 run's and its steps no more than a round's. The rest of this text is about segment proofs.
 
 The proof (verifier.segmentcheck.SegmentFraudProof) holds one segment of a replica's round: its
@@ -227,7 +228,10 @@ def check(args: argparse.Namespace) -> tuple[bool, str]:
         if sender:
             return check_sender(args)
         if args.network is None:
-            raise Unreadable(f"{args.proof} is a segment fraud proof: checking it needs --network")
+            raise Unreadable(
+                f"{args.proof} is not a sender fraud proof (no NSSENDER1 line); a segment fraud proof "
+                "needs --network"
+            )
         loaded = load(args)
     except Unreadable:
         raise
@@ -268,11 +272,21 @@ def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
         digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
         about = f" [definition sha256 {digest}, {checked}]"
         limit = segment_log_bound(network.diloco.inner_steps) + (64 << 10)
-    size = args.proof.stat().st_size
-    if size > limit:
-        raise Unreadable(f"{args.proof} holds {size} bytes, more than a sender proof can ({limit})")
+    given = (("--spans", args.spans), ("--device", args.device), ("--cache-dir", args.cache_dir))
+    ignored = [flag for flag, value in given if value]
+    if ignored:
+        raise Unreadable(
+            f"{' and '.join(ignored)} apply to segment fraud proofs; {args.proof} is a sender proof"
+        )
     try:
-        proof = SenderFraudProof.decode(args.proof.read_bytes())
+        with args.proof.open("rb") as f:  # bounded by reading, not by stat: a pipe has no size
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise Unreadable(f"{args.proof} holds more than the {limit} bytes a sender proof can")
+    try:
+        proof = SenderFraudProof.decode(data)
     except Refused as exc:
         raise Unreadable(f"{args.proof} is not a sender fraud proof: {exc.detail}") from None
     c = proof.log.commitment

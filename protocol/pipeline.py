@@ -10,6 +10,12 @@ The bodies' layout and codecs are the node's (``node.p2p.pipeline_wire``, ``node
 A micro-batch's id names it across retries and hops: the driver derives it from its wallet,
 its outer round and its inner step (`micro_batch_id`), every hop forwards it unchanged, and each
 sender signs it in its `ActivationHeader`. A receiver trains on an id at most once per sender.
+
+Both headers name their recipient (`to`), so a signed header is one exchange's: a receiver refuses
+one addressed to another replica, and a header shown to a third party (a sender fraud proof,
+verifier.segmentcheck) says which exchange of the signer's round log it must agree with. Without
+it, one micro-batch id answered to two senders (a retry elsewhere) could be held against the
+signer's record of the other exchange.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Annotated
 
-from .schema import MAX_COUNT, MAX_STAGE, Signed, choice, hex_bytes, integer, number
+from .schema import MAX_COUNT, MAX_STAGE, PublicKeyHex, Signed, choice, hex_bytes, integer, number
 
 FORWARD = "/p2p/pipeline/forward"
 END = "/p2p/pipeline/end"
@@ -41,7 +47,9 @@ class ActivationHeader(Signed):
     """One micro-batch on its way to `stage`: who sends it, its id and its shapes."""
 
     NAME = "activation header"
-    DOMAIN = b"neuroshard/activation/v2"
+    DOMAIN = b"neuroshard/activation/v3"
+    to: PublicKeyHex
+    """The replica it is sent to (its wallet key): each attempt of a retry is signed anew."""
     micro_batch: Annotated[str, _MICRO_BATCH]
     """`micro_batch_id` of the driver (stage 0); kept by every hop, echoed in the reply."""
     stage: Annotated[int, _STAGE]
@@ -61,7 +69,9 @@ class GradientReply(Signed):
     """The answer to a micro-batch: signed by the replica that processed it."""
 
     NAME = "gradient reply"
-    DOMAIN = b"neuroshard/gradient/v2"
+    DOMAIN = b"neuroshard/gradient/v3"
+    to: PublicKeyHex
+    """The replica whose micro-batch it answers (the activation header's signer)."""
     micro_batch: Annotated[str, _MICRO_BATCH]
     stage: Annotated[int, _STAGE]
     """The replier's stage."""

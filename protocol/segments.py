@@ -264,7 +264,7 @@ class SegmentCommitment(Signed):
 class SignedSegmentLog:
     """A replica's round log with its signed commitment, without checkpoints or payloads: what
     GET /p2p/segment-log/{round} serves, so the verifier can hold what a sender recorded sending
-    against the headers it signed for its receivers (verifier.segmentcheck.sent_contradictions),
+    against the headers it signed for its receivers (verifier.segmentcheck.contradicting),
     and, with the opening of its last checkpoint (`end`; absent from nodes before it was added),
     the replica's next round to the optimizer state this one ended with."""
 

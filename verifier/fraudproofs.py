@@ -6,9 +6,10 @@ definition (and, at stage 0, its data); a sender's signed round log that contrad
 signed (verifier.segmentcheck.SenderFraudProof, kind "sender": kilobytes) proves it to anyone. The
 replay checker (verifier.replaycheck) keeps each one:
 
-- the bytes in `<directory>/<sha256>.proof` (the verifier's HOME/fraud-proofs): two checkpoints of
-  12 bytes per parameter and θ_round's 4, 28 bytes per parameter, plus the segment's inputs: tens
-  of MB for the tiny model, 3.5 GB at 125M parameters, so files, not rows. Written to a temporary file in the same directory, fsynced and renamed: a reader sees a
+- the bytes in `<directory>/<sha256>.proof` (the verifier's HOME/fraud-proofs): of a segment
+  proof, two checkpoints of 12 bytes per parameter and θ_round's 4, 28 bytes per parameter, plus
+  the segment's inputs: tens of MB for the tiny model, 3.5 GB at 125M parameters, so files, not
+  rows (a sender proof is its round log and one header: kilobytes). Written to a temporary file in the same directory, fsynced and renamed: a reader sees a
   whole proof or none;
 - a row in `fraud_proofs` (verifier.models.FraudProof): whose, which stage, round and segment,
   the verdict, the size, and the receipt's data spans a stage-0 re-check compares the signed log
@@ -122,8 +123,9 @@ def add_row(
         data_spans=(
             [list(span) for span in receipt.data_spans] if receipt.stage == 0 and kind == KIND_SEGMENT else []
         ),
-        device=getattr(receipt, "device", None),
-        precision=getattr(receipt, "precision", None),
+        # What the replica trained with: the replay's condition, meaningless for a sender proof.
+        device=getattr(receipt, "device", None) if kind == KIND_SEGMENT else None,
+        precision=getattr(receipt, "precision", None) if kind == KIND_SEGMENT else None,
         created_at=now,
     )
     try:

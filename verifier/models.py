@@ -299,7 +299,8 @@ class FraudProof(Base):
     __tablename__ = "fraud_proofs"
 
     sha256: Mapped[str] = mapped_column(String(HASH_LEN), primary_key=True)
-    """sha256 of the proof's bytes (SegmentFraudProof.encode): its name on disk and in the API."""
+    """sha256 of the proof's bytes (SegmentFraudProof.encode or SenderFraudProof.encode): its name on
+    disk and in the API."""
     wallet_id: Mapped[str] = mapped_column(ForeignKey("wallets.wallet_id"), index=True)
     stage: Mapped[int] = mapped_column(Integer)
     round: Mapped[int] = mapped_column(Integer)

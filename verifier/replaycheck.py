@@ -261,7 +261,7 @@ sender delays only the matching of other senders, never a challenge's fetch or r
 @dataclass
 class SenderMatch:
     """Messages a passing segment check verified as one sender's (its signed headers), waiting to be
-    held against that sender's own signed log of the round they name (`sent_contradictions`)."""
+    held against that sender's own signed log of the round they name (`contradicting`)."""
 
     sender: str
     """The sender's public key, hex."""
@@ -1226,7 +1226,7 @@ class ReplayChecker:
 
     def _match_sender(self, match: SenderMatch) -> bool:
         """Hold one sender's signed log against the headers it signed (verifier.segmentcheck.
-        sent_contradictions): a contradiction is a failed spot check of the sender in its own stage
+        contradicting): a contradiction is a failed spot check of the sender in its own stage
         and round, once per round. False: not yet (no receipt, or the log not served yet)."""
         wallet = wallet_id_of(bytes.fromhex(match.sender))
         where = (wallet, match.stage, match.round)
@@ -1275,9 +1275,7 @@ class ReplayChecker:
         detail = f"{SENDER_DETAIL}its signed log contradicts what it signed for {match.receiver}: {texts}"
         # Both statements are the sender's own signatures: a proof anyone can check alone.
         message = contradictions[0][0]
-        proof = SenderFraudProof(
-            signed, Received(message.kind, message.sender, message.header, b""), match.receiver_key
-        )
+        proof = SenderFraudProof(signed, Received(message.kind, message.sender, message.header, b""))
         data = proof.encode()
         self.fraud_proofs.append(data)
         written = self._write_proof(receipt, proof.segment(), data)

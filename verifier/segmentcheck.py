@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -332,15 +331,16 @@ def contradicting(
 ) -> list[tuple[Received, str]]:
     """Where a sender's signed round log contradicts headers it signed to `receiver` (a public key;
     empty when it agrees): for each of `messages` (what that checked replica consumed) whose header
-    the log's signer signed for the log's round, every step of the sender's log that names the
-    micro-batch and records the receiver's answer to it (a received message from `receiver`: the
-    gradient its activations got back, or the activations its gradient answered) must record
-    sending that payload among what it records sending. A step that names no exchange with the
-    receiver makes no claim (the id may have gone to another replica: a retry after a 409, or two
-    senders using one id), nor does one without a `sent` entry of that kind (a reply encoded after
-    its round closed). Both sides are the sender's own signatures — its commitment on the log, its
-    header on the payload — so a contradiction is its fault whatever its receiver did: it sent on
-    something other than what it recorded. Check the log with `signed_log_problem` first."""
+    the log's signer signed, for the log's round and addressed to `receiver` (its signed `to`),
+    the steps of the sender's log that name the micro-batch and record the receiver's answer to it
+    (a received message from `receiver`: the gradient its activations got back, or the activations
+    its gradient answered) must record sending that payload among what they record sending. A step
+    that names no exchange with the receiver makes no claim (the id may have gone to another
+    replica: a retry after a 409, or two senders using one id), nor does one without a `sent`
+    entry of that kind (a reply encoded after its round closed). Both sides are the sender's own
+    signatures — its commitment on the log; its header on the payload and on whom it was sent to —
+    so a contradiction is its fault whatever its receiver did: it sent that receiver something
+    other than what it recorded. Check the log with `signed_log_problem` first."""
     log, signer = sender.log, sender.commitment.wallet
     out: list[tuple[Received, str]] = []
     sent: dict[tuple[str, str], set[str]] = {}
@@ -355,6 +355,8 @@ def contradicting(
         header = parse(message.header)
         if header.wallet != signer or not header.signature_valid():
             continue  # not the sender's word (the receiver's own check refuses it)
+        if header.to != receiver:
+            continue  # signed for another exchange: its record is that one's
         recorded = sent.get((header.micro_batch, message.kind))
         if recorded is not None and header.payload_sha256 not in recorded:
             named = ", ".join(sorted(r[:16] for r in recorded))
@@ -561,58 +563,74 @@ def judge_fraud_proof(
 SENDER_PROOF_MAGIC = b"NSSENDER1\n"
 """The first bytes of a `SenderFraudProof` (a `SegmentFraudProof` begins with its safetensors
 header's length, never with these)."""
-SENDER_PROOF_KEYS = frozenset({"log", "kind", "header", "receiver"})
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+SENDER_PROOF_KEYS = frozenset({"log", "kind", "header"})
 
 
 @dataclass(frozen=True)
 class SenderFraudProof:
     """A sender whose signed round log contradicts a header it signed for a receiver
-    (`contradicting`): the log with its signed commitment, the header as the receiver recorded
-    it, and the receiver's key. Both contradicting statements carry the sender's own signature,
-    so the proof needs nothing else, no definition, no data and no replay; the payload is not
-    kept (the header signs its sha256, and that is what the log contradicts). Kept and served
-    like a segment proof (verifier.fraudproofs), re-checked alone by `neuroshard-check-proof`."""
+    (`contradicting`): the log with its signed commitment, and the header as the receiver recorded
+    it. Both contradicting statements carry the sender's own signature, and the header names the
+    exchange (its micro-batch and its recipient, `to`), so the proof needs nothing else, no
+    definition, no data and no replay; the payload is not kept (the header signs its sha256, and
+    that is what the log contradicts). One proof has one encoding (canonical JSON, the header in
+    its canonical form, the log without the opening of its end checkpoint), so it is kept and
+    listed under one sha256, like a segment proof (verifier.fraudproofs); `neuroshard-check-proof`
+    re-checks it alone."""
 
     log: SignedSegmentLog
     message: Received
-    receiver: str
-    """The receiver's public key (64 hex): the log's steps that name an exchange with it make the claim."""
+
+    @property
+    def receiver(self) -> str:
+        """The public key (64 hex) the header is addressed to: the log's steps that name an
+        exchange with it make the claim."""
+        return self._header().to
+
+    def _header(self) -> ActivationHeader | GradientReply:
+        parse = ActivationHeader.from_json if self.message.kind == "activations" else GradientReply.from_json
+        return parse(self.message.header)
 
     def encode(self) -> bytes:
+        bare = SignedSegmentLog(self.log.log, self.log.commitment)  # the end opening proves nothing here
         obj = {
-            "log": parse_json(self.log.encode(), "signed segment log"),
+            "log": parse_json(bare.encode(), "signed segment log"),
             "kind": self.message.kind,
-            "header": self.message.header.decode(),
-            "receiver": self.receiver,
+            "header": canonical_json(parse_json(self.message.header, "header")).decode(),
         }
         return SENDER_PROOF_MAGIC + canonical_json(obj)
 
     @classmethod
     def decode(cls, data: bytes) -> SenderFraudProof:
-        """Refused ("malformed") for anything but a sender proof's exact shape."""
+        """Refused ("malformed") for anything but a sender proof's exact shape, its one encoding."""
         if not data.startswith(SENDER_PROOF_MAGIC):
             raise malformed("not a sender fraud proof (no NSSENDER1 line)")
-        obj = parse_json(data[len(SENDER_PROOF_MAGIC) :], "sender fraud proof")
+        body = data[len(SENDER_PROOF_MAGIC) :]
+        obj = parse_json(body, "sender fraud proof")
         if not isinstance(obj, dict) or set(obj) != SENDER_PROOF_KEYS:
             raise malformed(f"a sender fraud proof holds exactly {', '.join(sorted(SENDER_PROOF_KEYS))}")
-        kind, header, receiver = obj["kind"], obj["header"], obj["receiver"]
+        kind, header = obj["kind"], obj["header"]
         if kind not in ("activations", "gradient") or not isinstance(header, str):
             raise malformed("a sender fraud proof's kind is activations or gradient, its header a string")
-        if not isinstance(receiver, str) or not _HEX64.fullmatch(receiver):
-            raise malformed("a sender fraud proof's receiver is a public key, 64 lowercase hex")
+        try:
+            raw = header.encode()
+        except UnicodeError:
+            raise malformed("a sender fraud proof's header is not text") from None
+        if not isinstance(obj["log"], dict) or "end" in obj["log"]:
+            raise malformed("a sender fraud proof's log holds its commitment and log, nothing else")
         log = SignedSegmentLog.decode(canonical_json(obj["log"]))
-        raw = header.encode()
         parse = ActivationHeader.from_json if kind == "activations" else GradientReply.from_json
-        return cls(log, Received(kind, parse(raw).wallet, raw, b""), receiver)
+        proof = cls(log, Received(kind, parse(raw).wallet, raw, b""))
+        if proof.encode() != data:
+            raise malformed("a sender fraud proof has one encoding: canonical JSON, its header canonical")
+        return proof
 
     def step(self) -> int | None:
         """The first step of the log that names the header's micro-batch and an exchange with the
         receiver (where the contradiction lies); None when there is none."""
-        parse = ActivationHeader.from_json if self.message.kind == "activations" else GradientReply.from_json
-        micro_batch = parse(self.message.header).micro_batch
+        micro_batch, receiver = self._header().micro_batch, self.receiver
         for i, step in enumerate(self.log.log.steps):
-            if step.micro_batch == micro_batch and any(r.sender == self.receiver for r in step.received):
+            if step.micro_batch == micro_batch and any(r.sender == receiver for r in step.received):
                 return i
         return None
 
@@ -626,8 +644,8 @@ class SenderFraudProof:
 def judge_sender_proof(proof: SenderFraudProof, *, num_stages: int | None = None) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why: the log is signed by the
     wallet that signed the header, its chain hashes to the root that signature covers, and it
-    records sending, for the header's micro-batch in a step that exchanged with the receiver,
-    something other than the payload the header signs. `num_stages`, when the run's definition is
+    records sending, for the header's micro-batch in a step that exchanged with the replica the
+    header is addressed to, something other than the payload the header signs. `num_stages`, when the run's definition is
     at hand: the commitment's stage must be one that sends what the header carries."""
     c = proof.log.commitment
     problem = signed_log_problem(proof.log, c.wallet, c.stage, c.round, c.root)

@@ -85,6 +85,7 @@ STATUS: Mapping[str, int] = {
     "not_a_sender": 409,
     "payload_mismatch": 422,
     "wrong_stage": 422,
+    "misdirected": 422,
     "wrong_shape": 422,
     "wrong_codec": 422,
     "non_finite": 422,

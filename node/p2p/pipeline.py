@@ -349,11 +349,7 @@ class PipelineClient:
         body = await asyncio.get_running_loop().run_in_executor(
             None, encode_activations, hidden, labels, codec
         )
-        header = ActivationHeader.create(
-            self.wallet, micro_batch=micro_batch, stage=self.stage + 1, round=round_, batch=batch,
-            seq_len=seq_len, dim=dim, codec=codec, payload_sha256=sha256_hex(body),
-        )  # fmt: skip
-        headers = {ACTIVATION_HEADER: header.to_json().decode()}
+        payload_sha256 = sha256_hex(body)
         reply_bound = gradient_size_bound(batch, seq_len, dim, codec)
         deadline = time.monotonic() + self.config.deadline_s
         refused: set[str] = set()
@@ -375,7 +371,11 @@ class PipelineClient:
                 continue
             started = time.monotonic()
             self.sent_to.add(pick)  # tried is enough: it may have taken the micro-batch and lost the reply
-            outcome = await self._try(live[pick], body, headers, header, reply_bound)
+            header = ActivationHeader.create(  # signed for this replica: a header names its recipient
+                self.wallet, to=pick, micro_batch=micro_batch, stage=self.stage + 1, round=round_,
+                batch=batch, seq_len=seq_len, dim=dim, codec=codec, payload_sha256=payload_sha256,
+            )  # fmt: skip
+            outcome = await self._try(live[pick], body, header, reply_bound)
             if isinstance(outcome, tuple):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
                 return outcome
@@ -418,12 +418,12 @@ class PipelineClient:
         self,
         peer: PeerEntry,
         body: bytes,
-        headers: dict[str, str],
         header: ActivationHeader,
         reply_bound: int,
     ) -> tuple[Tensor, float] | str:
         """One attempt: the result, "busy", "reused" (409: the replica holds this id with another
         payload), or why it failed."""
+        headers = {ACTIVATION_HEADER: header.to_json().decode()}
         try:
             reply = await self.client.request(
                 "POST", peer.address, FORWARD, body=body, headers=headers, max_bytes=reply_bound
@@ -443,6 +443,8 @@ class PipelineClient:
             answer = GradientReply.from_json(raw)
             if answer.wallet != peer.wallet or not answer.signature_valid():
                 raise malformed("reply is not signed by the replica we sent to")
+            if answer.to != self.wallet.public_key_hex:
+                raise malformed("reply is addressed to another replica")
             if (answer.micro_batch, answer.stage, answer.codec) != (
                 header.micro_batch,
                 header.stage,
@@ -534,6 +536,8 @@ class PipelineService:
             raise Refused("not_own", "an activation header must be signed by the wallet that sends it")
         if not header.signature_valid():
             raise Refused("bad_activation_signature", "the activation header's signature does not verify")
+        if header.to != self.wallet.public_key_hex:
+            raise Refused("misdirected", "the activation header is addressed to another replica")
         if header.stage != self.stage:
             raise Refused(
                 "wrong_stage",
@@ -644,7 +648,7 @@ class PipelineService:
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(None, encode_gradient, grad, header.codec)
         reply = GradientReply.create(
-            self.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
+            self.wallet, to=header.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
             loss=min(max(loss, 0.0), 1e6), codec=header.codec, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         if self.worker.segments is not None:

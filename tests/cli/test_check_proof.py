@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from neuroshard.cli import check_proof
 from neuroshard.cli.check_proof import main
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier.segmentcheck import SENDER_PROOF_MAGIC
@@ -80,7 +81,10 @@ def test_a_definition_the_operator_did_not_sign_is_refused(
 def test_a_segment_proof_needs_the_definition(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "x.proof").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     code, out = _run([str(tmp_path / "x.proof")], capsys)
-    assert code == 2 and "is a segment fraud proof: checking it needs --network" in out, out
+    assert (
+        code == 2
+        and "not a sender fraud proof (no NSSENDER1 line); a segment fraud proof needs --network" in out
+    )
 
 
 def test_a_sender_proof_that_does_not_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,3 +92,23 @@ def test_a_sender_proof_that_does_not_parse(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "s.proof").write_bytes(SENDER_PROOF_MAGIC + b'{"log": 1}')
     code, out = _run([str(tmp_path / "s.proof")], capsys)
     assert code == 2 and "is not a sender fraud proof" in out and "\n" not in out, out
+
+
+@pytest.mark.parametrize(
+    "flags", [["--spans", "[[1, 0, 8]]"], ["--device", "cpu", "--precision", "fp32"], ["--cache-dir", "/tmp"]]
+)
+def test_segment_flags_on_a_sender_proof_are_refused(
+    tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "s.proof").write_bytes(SENDER_PROOF_MAGIC + b"{}")
+    code, out = _run([str(tmp_path / "s.proof"), *flags], capsys)
+    assert code == 2 and f"{flags[0]} apply to segment fraud proofs" in out, out
+
+
+def test_a_sender_proof_over_its_bound_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(check_proof, "SENDER_PROOF_MAX_BYTES", 100)
+    (tmp_path / "s.proof").write_bytes(SENDER_PROOF_MAGIC + b" " * 100)
+    code, out = _run([str(tmp_path / "s.proof")], capsys)
+    assert code == 2 and "holds more than the 100 bytes a sender proof can" in out, out

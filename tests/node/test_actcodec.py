@@ -390,7 +390,7 @@ WALLET = Wallet.from_token("actcodec-test")
 
 def _header(body: bytes, codec: str, **over: object) -> ActivationHeader:
     values: dict[str, object] = dict(
-        micro_batch="cd" * 16, stage=1, round=0, batch=B, seq_len=T, dim=C, codec=codec,
+        to="ef" * 32, micro_batch="cd" * 16, stage=1, round=0, batch=B, seq_len=T, dim=C, codec=codec,
         payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return ActivationHeader.create(WALLET, **{**values, **over})  # type: ignore[arg-type]

@@ -152,7 +152,7 @@ def _messages(
             DEFAULT_CODEC,
         )
         header = ActivationHeader.create(
-            PREV, micro_batch=mb, stage=stage, round=round_, batch=B, seq_len=T, dim=MODEL.dim,
+            PREV, to=REPLICA.public_key_hex, micro_batch=mb, stage=stage, round=round_, batch=B, seq_len=T, dim=MODEL.dim,
             codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         received.append(Received("activations", PREV.public_key_hex, header.to_json(), body))
@@ -162,7 +162,7 @@ def _messages(
         1e-3 * torch.randn(B, T, MODEL.dim, generator=torch.Generator().manual_seed(90 + i)), DEFAULT_CODEC
     )
     reply = GradientReply.create(
-        NEXT, micro_batch=mb, stage=stage + 1, round=round_, loss=4.0, codec=DEFAULT_CODEC,
+        NEXT, to=REPLICA.public_key_hex, micro_batch=mb, stage=stage + 1, round=round_, loss=4.0, codec=DEFAULT_CODEC,
         payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return received, Received("gradient", NEXT.public_key_hex, reply.to_json(), body), mb

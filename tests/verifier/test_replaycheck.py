@@ -296,7 +296,8 @@ def test_the_senders_matched_are_drawn_not_taken_in_the_replicas_order(
 
     def received(sender: Wallet) -> Received:
         header = ActivationHeader.create(
-            sender, micro_batch=micro_batch_id(sender.public_key_hex, 0, 0), stage=1, round=0,
+            sender, to=NODE.public_key_hex, micro_batch=micro_batch_id(sender.public_key_hex, 0, 0), stage=1,
+            round=0,
             batch=1, seq_len=1, dim=1, codec=DEFAULT_CODEC, payload_sha256="0" * 64,
         )  # fmt: skip
         return Received("activations", sender.public_key_hex, header.to_json(), b"")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def activations(step: int, *, stage: int) -> tuple[Received, str]:
     body = encode_activations(hidden, labels, CODEC)
     mb = micro_batch_id(PREV.public_key_hex, ROUND, step)
     header = ActivationHeader.create(
-        PREV, micro_batch=mb, stage=stage, round=ROUND, batch=B, seq_len=T, dim=MODEL.dim,
+        PREV, to=REPLICA.public_key_hex, micro_batch=mb, stage=stage, round=ROUND, batch=B, seq_len=T, dim=MODEL.dim,
         codec=CODEC, payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return Received("activations", PREV.public_key_hex, header.to_json(), body), mb
@@ -107,7 +108,7 @@ def gradient(step: int, mb: str, *, stage: int) -> Received:
     g = torch.Generator().manual_seed(90 + step)
     body = encode_gradient(torch.randn(B, T, MODEL.dim, generator=g) * 1e-3, CODEC)
     reply = GradientReply.create(
-        NEXT, micro_batch=mb, stage=stage + 1, round=ROUND, loss=4.0, codec=CODEC,
+        NEXT, to=REPLICA.public_key_hex, micro_batch=mb, stage=stage + 1, round=ROUND, loss=4.0, codec=CODEC,
         payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return Received("gradient", NEXT.public_key_hex, reply.to_json(), body)
@@ -482,7 +483,8 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
 
     # The contradiction as a proof anyone can check alone: both statements are the sender's.
     bare = Received(consumed[3].kind, consumed[3].sender, consumed[3].header, b"")
-    proof = SenderFraudProof(lying, bare, me)
+    proof = SenderFraudProof(lying, bare)
+    assert proof.receiver == me  # named by the header PREV signed, not by whoever shows it
     data = proof.encode()
     assert data.startswith(SENDER_PROOF_MAGIC) and SenderFraudProof.decode(data) == proof
     assert (proof.step(), proof.segment()) == (3, 3 // K)
@@ -490,15 +492,51 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     assert verdict.proves and "records sending 0000" in verdict.reason, verdict
     assert not judge_sender_proof(proof, num_stages=1).proves  # no stage 0 sender in a 1-stage run
     for other, why in (
-        (SenderFraudProof(honest, bare, me), "does not contradict"),
-        (SenderFraudProof(forged, bare, me), "not contradict"),  # NEXT's log, PREV's header
-        (SenderFraudProof(lying, bare, NEXT.public_key_hex), "does not contradict"),  # not its receiver
+        (SenderFraudProof(honest, bare), "does not contradict"),
+        (SenderFraudProof(forged, bare), "not contradict"),  # NEXT's log, PREV's header
     ):
         verdict = judge_sender_proof(other)
         assert not verdict.proves and why in verdict.reason, verdict
     tampered = SignedSegmentLog(honest.log, lying.commitment)  # the honest chain under the lie's signature
-    assert "root" in judge_sender_proof(SenderFraudProof(tampered, bare, me)).reason
-    for bad in (b"not a proof", SENDER_PROOF_MAGIC + b"{}", data.replace(b'"receiver":"', b'"receiver":"X')):
+    assert "root" in judge_sender_proof(SenderFraudProof(tampered, bare)).reason
+
+    # One id sent to two replicas (a retry elsewhere): the log records both exchanges, each with its
+    # own bytes. A header PREV signed for one exchange cannot be held against its record of the other.
+    header3 = ActivationHeader.from_json(consumed[3].header)
+
+    def readdressed(to: Wallet, payload: str) -> Received:
+        fields = {f.name: getattr(header3, f.name) for f in dataclasses.fields(header3)}
+        fields.update(to=to.public_key_hex, payload_sha256=payload)
+        del fields["wallet"], fields["signature"]
+        return Received(
+            "activations", PREV.public_key_hex, ActivationHeader.create(PREV, **fields).to_json(), b""
+        )
+
+    retried = list(honest.log.steps)
+    retried.insert(4, step(consumed[3], "1" * 64, NEXT.public_key_hex))
+    both = signed(retried)
+    for message, proves in (
+        (bare, False),  # to me, the bytes its exchange with me records
+        (readdressed(NEXT, "1" * 64), False),  # to NEXT, the bytes its exchange with NEXT records
+        (readdressed(NEXT, sha256_hex(consumed[3].body)), True),  # to NEXT, but the bytes it sent me
+        (readdressed(PREV, "1" * 64), False),  # to a replica it records no exchange with
+    ):
+        assert judge_sender_proof(SenderFraudProof(both, message)).proves is proves, message.header
+
+    # One proof, one encoding: anything else is refused, not listed under another sha256.
+    obj = json.loads(data[len(SENDER_PROOF_MAGIC) :])
+    respaced = {**obj, "header": json.dumps(json.loads(obj["header"]), indent=1)}
+    with_end = {**obj, "log": {**obj["log"], "end": {}}}
+    extra = {**obj, "receiver": me}
+    for bad in (
+        b"not a proof",
+        SENDER_PROOF_MAGIC + b"{}",
+        SENDER_PROOF_MAGIC + json.dumps(respaced).encode(),
+        SENDER_PROOF_MAGIC + json.dumps(with_end).encode(),
+        SENDER_PROOF_MAGIC + json.dumps(extra).encode(),
+        SENDER_PROOF_MAGIC + json.dumps({**obj, "header": "\ud800"}).encode(),
+        data + b" ",
+    ):
         with pytest.raises(Refused):
             SenderFraudProof.decode(bad)
 

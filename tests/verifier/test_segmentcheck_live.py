@@ -8,6 +8,7 @@ re-checked alone by neuroshard-check-proof (SQLite, and PostgreSQL when configur
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -81,11 +82,12 @@ class Replica:
     spans: list[list[int]]
 
 
-def _gradient(step: int, mb: str, sender: Wallet) -> Received:
+def _gradient(step: int, mb: str, sender: Wallet, to: Wallet) -> Received:
     g = torch.Generator().manual_seed(90 + step)
     body = encode_gradient(torch.randn(B, T, 32, generator=g) * 1e-3, DEFAULT_CODEC)
     reply = GradientReply.create(
         sender,
+        to=to.public_key_hex,
         micro_batch=mb,
         stage=1,
         round=0,
@@ -96,14 +98,14 @@ def _gradient(step: int, mb: str, sender: Wallet) -> Received:
     return Received("gradient", sender.public_key_hex, reply.to_json(), body)
 
 
-def _activations(step: int, sender: Wallet) -> tuple[Received, str]:
+def _activations(step: int, sender: Wallet, to: Wallet) -> tuple[Received, str]:
     g = torch.Generator().manual_seed(50 + step)
     body = encode_activations(
         torch.randn(B, T, 32, generator=g), torch.randint(0, 512, (B, T), generator=g), DEFAULT_CODEC
     )
     mb = micro_batch_id(sender.public_key_hex, 0, step)
     header = ActivationHeader.create(
-        sender, micro_batch=mb, stage=1, round=0, batch=B, seq_len=T, dim=32,
+        sender, to=to.public_key_hex, micro_batch=mb, stage=1, round=0, batch=B, seq_len=T, dim=32,
         codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return Received("activations", sender.public_key_hex, header.to_json(), body), mb
@@ -146,13 +148,13 @@ def _replica(
             span = (stream.shard_id, before, stream.position.offset)
             spans.append(list(span))
             mb = micro_batch_id(wallet.public_key_hex, 0, i)
-            current[:] = [_gradient(i, mb, HONEST)]
+            current[:] = [_gradient(i, mb, HONEST, wallet)]
             diloco.inner_step(inputs, labels)
             if wallet == DRIVER:
-                sent = sha256_hex(_activations(i, DRIVER)[0].body)
+                sent = sha256_hex(_activations(i, DRIVER, HONEST)[0].body)
                 recorder.note_sent(mb, "activations", "0" * 64 if lie_sent and i == 5 else sent)
         else:
-            act, mb = _activations(i, DRIVER)
+            act, mb = _activations(i, DRIVER, wallet)
             hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
             stage_inner_step(diloco, hidden, labels, None)
             received = [act]
@@ -399,11 +401,16 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     (tmp_path / "network.json").write_bytes(_network(published).canonical_bytes())
     code, out = _check_proof([str(path), "--network", str(tmp_path / "network.json")], capsys)
     assert code == 0 and "PROVES FRAUD" in out and "definition sha256" in out, out
-    # The receiver named in the proof changed: the sender's log makes no claim about that exchange.
+    # A header the driver signed for the same micro-batch to another replica (a retry elsewhere)
+    # is another exchange's: its log records none with LIAR, so it claims nothing about it.
     proof = SenderFraudProof.decode(path.read_bytes())
-    (tmp_path / "other.proof").write_bytes(
-        SenderFraudProof(proof.log, proof.message, DRIVER.public_key_hex).encode()
-    )
+    header = ActivationHeader.from_json(proof.message.header)
+    fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
+    fields.update(to=LIAR.public_key_hex, payload_sha256="1" * 64)
+    del fields["wallet"], fields["signature"]
+    elsewhere = ActivationHeader.create(DRIVER, **fields).to_json()
+    message = Received("activations", DRIVER.public_key_hex, elsewhere, b"")
+    (tmp_path / "other.proof").write_bytes(SenderFraudProof(proof.log, message).encode())
     code, out = _check_proof([str(tmp_path / "other.proof")], capsys)
     assert code == 1 and out.startswith("does not prove fraud: the log does not contradict the header"), out
     # Its log edited (the counterpart renamed everywhere): no longer the chain its signature covers.

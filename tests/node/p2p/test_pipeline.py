@@ -141,9 +141,13 @@ def _micro_batch(seed: int = 0, batch: int = B) -> tuple[torch.Tensor, torch.Ten
     )
 
 
+RECEIVER = Wallet.from_token("p2p-test-wallet-0")
+"""`wallets[0]`, the receiving replica of most tests here."""
+
+
 def _signed(sender: Wallet, body: bytes, **over: Any) -> ActivationHeader:
     values: dict[str, Any] = dict(
-        micro_batch="ab" * 16, stage=1, round=0, batch=B, seq_len=T, dim=MODEL.dim, codec=PIPE.codec,
+        to=RECEIVER.public_key_hex, micro_batch="ab" * 16, stage=1, round=0, batch=B, seq_len=T, dim=MODEL.dim, codec=PIPE.codec,
         payload_sha256=sha256_hex(body),
     )  # fmt: skip
     return ActivationHeader.create(sender, **{**values, **over})
@@ -288,6 +292,11 @@ async def test_header_problems_and_oversized_bodies_are_refused(served, wallets)
         (await served.send(wallets[1], body, None), 400, "malformed"),  # no activation header
         (await served.send(wallets[1], body, "{not json"), 400, "malformed"),
         (await served.send(wallets[1], body, _signed(wallets[2], body)), 422, "not_own"),
+        (  # signed for another replica: a header is one exchange's
+            await served.send(wallets[1], body, _signed(wallets[1], body, to=wallets[3].public_key_hex)),
+            422,
+            "misdirected",
+        ),
         (
             await served.send(
                 wallets[1], body, replace(_signed(wallets[1], body), round=5).to_json().decode()
