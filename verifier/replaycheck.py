@@ -1197,9 +1197,9 @@ class ReplayChecker:
 
     def _match_senders(self) -> None:
         """Try up to `SENDERS_PER_PASS` queued sender matches. One whose sender has no receipt yet
-        waits up to `sender_wait_s` after it was queued; one whose receipt is in but whose log is
-        not served, `answer_window_s` after the receipt was found, and then fails the sender's
-        spot check as an unanswered challenge does (`_sender_unanswered`)."""
+        waits up to `sender_wait_s` after it was queued (then `_sender_missing`); one whose receipt
+        is in but whose log is not served, `answer_window_s` after the receipt was found, and then
+        fails the sender's spot check as an unanswered challenge does (`_sender_unanswered`)."""
         with self._senders_lock:
             batch = [self._senders.popleft() for _ in range(min(SENDERS_PER_PASS, len(self._senders)))]
         for match in batch:
@@ -1216,10 +1216,7 @@ class ReplayChecker:
                     self._sender_unanswered(match)
                     continue
             elif now - match.since > self.config.sender_wait_s:
-                self.ctx.log(
-                    f"replay check: the log of {wallet_id_of(bytes.fromhex(match.sender))} round {match.round} "
-                    f"was not read within {self.config.sender_wait_s:.0f} s; its records are not matched"
-                )
+                self._sender_missing(match)
                 continue
             with self._senders_lock:
                 self._senders.append(match)
@@ -1281,6 +1278,44 @@ class ReplayChecker:
         written = self._write_proof(receipt, proof.segment(), data)
         self._sender_failed(where, detail, None, proof=(receipt, written, detail))
         return True
+
+    def _sender_missing(self, match: SenderMatch) -> None:
+        """A sender that sent no receipt for the round its headers name within `sender_wait_s`.
+        It fails as an unanswered challenge (once a round) when it kept reporting other rounds of
+        that stage: a later round than the one named (it went past the round without reporting
+        it), or, since the match was queued, only earlier ones (it named a round ahead of its own,
+        which it may never reach). Either way its signed headers name a round whose log nobody
+        can ask for, and a sender that did that on purpose would never be matched. An honest
+        sender that crashed in that round and rejoined at a later one pays the same, as a node
+        down for a whole answer window does (a dead node and a liar look alike). A sender that
+        reported nothing since the match was queued may be down: no verdict."""
+        wallet = wallet_id_of(bytes.fromhex(match.sender))
+        with self.ctx.db.read() as session:
+            mine = (m.Receipt.wallet_id == wallet, m.Receipt.stage == match.stage)
+            later = session.scalar(select(func.max(m.Receipt.round)).where(*mine))
+            recent = session.scalar(
+                select(func.max(m.Receipt.round)).where(*mine, m.Receipt.received_at >= match.since)
+            )
+        named = f"round {match.round}"
+        if later is not None and later > match.round:
+            why = (
+                f"reported stage {match.stage} up to round {later} but never {named}, which its headers name"
+            )
+        elif recent is not None:
+            why = f"its headers name {named}, ahead of every round it reported since (up to {recent})"
+        else:
+            self.ctx.log(
+                f"replay check: the log of {wallet} {named} was not read within "
+                f"{self.config.sender_wait_s:.0f} s and it reported nothing since; its records are not matched"
+            )
+            return
+        where = (wallet, match.stage, match.round)
+        if self._already_penalised(where):
+            return
+        detail = f"{SENDER_DETAIL}{why}: no log to hold its headers to"
+        if self._sender_failed(where, detail, self.ctx.reputation.unanswered_penalty):
+            with self._count_lock:
+                self.unanswered += 1
 
     def _log_not_read(self, match: SenderMatch, wallet: str, why: str) -> bool:
         """No usable log from the sender on this try: tried again until the answer window ends."""

@@ -42,6 +42,7 @@ from neuroshard.verifier.replaycheck import (
     Challenge,
     ReplayCheckConfig,
     ReplayChecker,
+    SenderMatch,
 )
 from neuroshard.verifier.reputation import ReputationConfig
 
@@ -313,6 +314,53 @@ def test_the_senders_matched_are_drawn_not_taken_in_the_replicas_order(
         checker._queue_senders(challenge)
         queued.append({match.sender for match in checker._senders})
     assert len(queued[0]) == MAX_SENDER_LOGS and queued[0] == queued[1]
+
+
+def test_a_sender_whose_headers_name_a_round_it_never_reports_fails_as_unanswered(
+    db: Database, published: PublishedData
+) -> None:
+    """Headers naming a round the sender never sends a receipt for cannot be matched: once the
+    wait is over, a sender that went on to report a later round, or only earlier ones since the
+    match was queued, fails as an unanswered challenge (once a round); one that reported nothing
+    since gets no verdict (it may be down)."""
+    _register(db, "http://127.0.0.1:1")
+    lines: list[str] = []
+    checker = _checker(db, published, lines)
+    wait = checker.config.sender_wait_s
+    queued = time.time() - wait - 1
+
+    def receipt(round_: int, received_at: float) -> m.Receipt:
+        return m.Receipt(
+            wallet_id=NODE.wallet_id, stage=0, round=round_, inner_steps=H, start_step=round_ * H, tokens=1,
+            shard_id=0, offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
+            result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
+            body_sha256=f"{round_:064d}", received_at=received_at,
+        )  # fmt: skip
+
+    def expire(round_: int) -> list[str]:
+        checker._senders.append(
+            SenderMatch(NODE.public_key_hex, 0, round_, NODE.wallet_id, "ab" * 32, [], queued)
+        )
+        checker._match_senders()
+        assert not checker._senders  # the wait is over either way
+        return [v for v in _verdicts(db) if "spot check failed" in v]
+
+    with db.write() as s:
+        s.add(receipt(2, queued - 100))  # before the match was queued: says nothing of round 5
+    assert expire(5) == [] and "it reported nothing since" in lines[-1], lines
+    with db.write() as s:
+        s.add(receipt(3, queued + 10))  # alive since, reporting only rounds before the one named
+    (failed,) = expire(5)
+    assert (
+        "round 5: records: its headers name round 5, ahead of every round it reported since (up to 3)"
+        in failed
+    )
+    assert "ahead of every round" in failed and checker.unanswered == 1
+    with db.write() as s:
+        s.add(receipt(6, queued + 20))  # went past round 4 without reporting it
+    failed = expire(4)
+    assert len(failed) == 2 and "reported stage 0 up to round 6 but never round 4" in failed[-1], failed
+    assert len(expire(4)) == 2 and checker.unanswered == 2  # once a round
 
 
 def _bucket_check(
