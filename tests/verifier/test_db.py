@@ -109,3 +109,27 @@ def test_receipt_sums_are_backfilled_by_the_0003_upgrade(db: Database) -> None:
             ).order_by(m.Receipt.round)
         ).all()
     assert [tuple(row) for row in rows] == [(4.0 + r, 2, r, 1) for r in range(3)]
+
+
+def test_fraud_proofs_kept_before_0012_are_segment_proofs(db: Database) -> None:
+    """Rows from before proofs had a kind come back from the 0012 upgrade as segment proofs."""
+    from alembic import command
+
+    from neuroshard.verifier.db import alembic_config
+
+    with db.write() as s:
+        s.add(m.Wallet(wallet_id="a" * 20, public_key="b" * 64, reputation=1.0, registered_at=0.0,
+                       software_version="x"))  # fmt: skip
+    with db.write() as s:
+        s.add(
+            m.FraudProof(
+                sha256="e" * 64, wallet_id="a" * 20, stage=1, round=3, segment=2, kind="sender",
+                reason="r", size_bytes=10, data_spans=[], created_at=0.0,
+            )
+        )  # fmt: skip
+    with db.engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "0011")
+        assert "kind" not in {c["name"] for c in inspect(conn).get_columns("fraud_proofs")}
+    db.upgrade()
+    with db.read() as s:
+        assert s.scalars(select(m.FraudProof.kind)).all() == ["segment"]

@@ -204,7 +204,7 @@ def _receipt(r: Replica) -> m.Receipt:
         tokens=H * B * T, shard_id=first[0], offset_start=first[1], offset_end=first[2],
         data_spans=r.spans, losses=[], base_hash=r.base_hash, result_hash="1" * 64,
         delta_digest=r.delta_digest, inner_state_digest=None, accepted=[], rejected=[], equivocators=[],
-        segment_root=r.log.root(), segments=r.log.segments,
+        segment_root=r.log.root(), segments=r.log.segments, device="cpu", precision="fp32",
         body_sha256=sha256_hex(r.wallet.public_key), received_at=time.time(),
     )  # fmt: skip
 
@@ -386,12 +386,14 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
 
     with db.read() as s:
         (row,) = s.scalars(select(m.FraudProof))
-        assert (row.kind, row.wallet_id, row.stage, row.round, row.data_spans) == (
+        assert (row.kind, row.wallet_id, row.stage, row.round, row.data_spans, row.device, row.precision) == (
             "sender",
             DRIVER.wallet_id,
             0,
             0,
             [],
+            None,  # what the sender trained with does not bear on this proof
+            None,
         )
     path = tmp_path / "proofs" / f"{row.sha256}.proof"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == row.sha256
