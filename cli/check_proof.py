@@ -188,6 +188,17 @@ def _network(args: argparse.Namespace) -> tuple[NetworkDefinition, str]:
     return network, f"signed by operator {args.operator_key.hex()[:16]}…"
 
 
+def _definition(args: argparse.Namespace) -> tuple[NetworkDefinition, str]:
+    """(the definition, the verdict line's tail naming its digest and how it was checked);
+    Unreadable when `_network` cannot read or trust it."""
+    try:
+        network, checked = _network(args)
+    except NetworkError as exc:
+        raise Unreadable(str(exc)) from None
+    digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
+    return network, f" [definition sha256 {digest}, {checked}]"
+
+
 def _read_head(path: Path) -> tuple[int, bytes]:
     """(the file's size, its safetensors length prefix and header): enough to read the commitment
     and the log without loading any tensor."""
@@ -265,12 +276,7 @@ def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
     network, about = None, " [no definition]"
     limit = SENDER_PROOF_MAX_BYTES
     if args.network is not None:
-        try:
-            network, checked = _network(args)
-        except NetworkError as exc:
-            raise Unreadable(str(exc)) from None
-        digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
-        about = f" [definition sha256 {digest}, {checked}]"
+        network, about = _definition(args)
         limit = segment_log_bound(network.diloco.inner_steps) + (64 << 10)
     given = (("--spans", args.spans), ("--device", args.device), ("--cache-dir", args.cache_dir))
     ignored = [flag for flag, value in given if value]
@@ -310,12 +316,7 @@ def load(args: argparse.Namespace) -> Loaded | str:
         size, head = _read_head(args.proof)
     except OSError as exc:
         raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
-    try:
-        network, checked = _network(args)
-    except NetworkError as exc:
-        raise Unreadable(str(exc)) from None
-    digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
-    about = f" [definition sha256 {digest}, {checked}]"
+    network, about = _definition(args)
     try:
         commitment = SegmentFraudProof.commitment(head)
         log, segment = SegmentMaterial.read_log(head)
