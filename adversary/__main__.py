@@ -1,7 +1,5 @@
 """`python -m neuroshard.adversary`: the same as `neuroshard-adversary`."""
 
-import sys
+from .cli import command
 
-from .cli import main
-
-sys.exit(main())
+command()

@@ -14,8 +14,13 @@ printed its last line and exited with -11.
 then the exit hooks registered while the command ran, and then, before the interpreter starts
 finalizing, the process ends with `os._exit`. Everything a command promises is durable before
 that point: checkpoints are written atomically and joined, database commits come before their
-acknowledgements. A fatal signal in any thread prints every thread's Python stack to stderr
-(faulthandler), so a crash leaves more than an exit code.
+acknowledgements. Hooks registered before the command started (at import: torch's, and the one
+that runs `weakref.finalize` objects at exit) do not run; nothing of ours relies on them.
+
+The verifier's servers are stopped by signals, which uvicorn raises again after its graceful
+shutdown: `stop_signals_exit` turns them into an ordinary exit, so it ends this way too. A fatal
+signal in any thread prints every thread's Python stack to stderr (faulthandler), so a crash
+leaves more than an exit code.
 """
 
 from __future__ import annotations
@@ -25,9 +30,30 @@ import contextlib
 import faulthandler
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import NoReturn
+
+
+@contextlib.contextmanager
+def stop_signals_exit() -> Iterator[None]:
+    """While inside (on the main thread): SIGTERM and SIGINT raise SystemExit(0). A server that
+    takes the signals over while it serves and raises the one it caught again after its graceful
+    shutdown (uvicorn does) then ends through `run_command`, with status 0 as a stopped node
+    does, instead of dying at the signal before any of it; one that arrives before the server
+    took them over stops the command the same way."""
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(0)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def exit_status(code: object) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from neuroshard.api.app import create_app
 from neuroshard.cli.parser import Parser
-from neuroshard.cli.process import run_command
+from neuroshard.cli.process import run_command, stop_signals_exit
 from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.protocol.roster import POLICIES
 from neuroshard.verifier.budget import ReplayBudget, segment_check_cost
@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.worker_fd is not None:  # one of the parent's workers: serve the inherited socket
         server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
-        server.run(sockets=[socket.socket(fileno=args.worker_fd)])
+        with stop_signals_exit():  # the parent's SIGTERM, raised again by uvicorn once it has stopped
+            server.run(sockets=[socket.socket(fileno=args.worker_fd)])
         return 0
     print(
         f"{PROG}: network {config.network.name!r}, {config.network.num_stages} stage(s); "
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     if args.workers == 1:
-        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+        with stop_signals_exit():
+            uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
         return 0
     try:
         sock = listen(args.host, args.port)

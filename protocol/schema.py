@@ -336,7 +336,10 @@ class Signed(Message):
 
     @classmethod
     def create(cls, signer: Signer, **values: Any) -> Self:
-        """Build, validate against the schema (as a receiver would) and sign."""
-        unsigned = cls(wallet=signer.public_key_hex, signature=SIGNATURE_PLACEHOLDER, **values)
+        """Build, validate against the schema (as a receiver would) and sign what a receiver reads:
+        the values in the schema's form (an int given for a number field is signed as the float
+        the wire carries, or the signature would not verify)."""
+        built = cls(wallet=signer.public_key_hex, signature=SIGNATURE_PLACEHOLDER, **values)
+        unsigned = cls.from_obj(parse_json(built.to_json(), cls.NAME))
         signed = dataclasses.replace(unsigned, signature=signer.sign(unsigned.signing_bytes()).hex())
         return cls.from_obj(parse_json(signed.to_json(), cls.NAME))

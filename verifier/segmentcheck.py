@@ -230,6 +230,8 @@ def _step_problems(i: int, step: StepRecord, messages: Sequence[Received], claim
             out.append(f"step {i}: {m.kind} payload differs from what its sender signed")
         elif header.stage != expected_stage:
             out.append(f"step {i}: {m.kind} header is for stage {header.stage}, not {expected_stage}")
+        elif header.to != claim.wallet:
+            out.append(f"step {i}: {m.kind} header is addressed to another replica")
         elif step.micro_batch and header.micro_batch != step.micro_batch:
             out.append(
                 f"step {i}: {m.kind} is for micro-batch {header.micro_batch}, the step for {step.micro_batch}"
@@ -596,7 +598,7 @@ class SenderFraudProof:
         obj = {
             "log": parse_json(bare.encode(), "signed segment log"),
             "kind": self.message.kind,
-            "header": canonical_json(parse_json(self.message.header, "header")).decode(),
+            "header": self._header().to_json().decode(),  # the schema's form: one per header
         }
         return SENDER_PROOF_MAGIC + canonical_json(obj)
 

@@ -66,3 +66,40 @@ def test_a_fatal_signal_prints_every_threads_stack(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == -11
     assert "Fatal Python error: Segmentation fault" in done.stderr and "<lambda>" in done.stderr
+
+
+def test_a_stop_signal_raised_again_after_a_graceful_shutdown_ends_through_the_command() -> None:
+    """What uvicorn does: it takes SIGTERM over while serving, restores the previous handler once
+    it has stopped and raises the signal again. Inside `stop_signals_exit` that is an exit with
+    status 0 through `run_command` (no teardown), not death by the signal."""
+    script = textwrap.dedent(
+        """
+        import signal
+        from neuroshard.cli.process import run_command, stop_signals_exit
+
+        class Teardown:
+            def __del__(self):
+                print("torn down", flush=True)
+
+        KEPT = Teardown()
+
+        def serve():
+            caught = []
+            previous = signal.signal(signal.SIGTERM, lambda s, f: caught.append(s))
+            signal.raise_signal(signal.SIGTERM)  # the stop request, while serving
+            signal.signal(signal.SIGTERM, previous)  # stopped gracefully: handlers restored
+            for s in caught:
+                signal.raise_signal(s)
+            print("after the signal")
+
+        def main():
+            with stop_signals_exit():
+                serve()
+            return 3
+
+        run_command(main)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and done.stderr == ""

@@ -118,3 +118,18 @@ def test_nonce_cache_refuses_a_replay_and_says_busy_when_full() -> None:
     with refused("busy"):
         cache.add("w", "n2", NOW, NOW + 1)
     assert cache.add("w", "n2", NOW, NOW + 61)  # n1 expired at NOW + 60: room again
+
+
+def test_a_signed_message_built_from_an_int_for_a_number_field_verifies() -> None:
+    """`Signed.create` signs the values as the wire carries them: an int loss becomes the float
+    1.0 in the JSON, and the signature must be over that, not over 1."""
+    from neuroshard.node.wallet import Wallet
+    from neuroshard.protocol.pipeline import GradientReply
+
+    wallet = Wallet.from_token("schema-int-number")
+    reply = GradientReply.create(
+        wallet, to="ab" * 32, micro_batch="cd" * 16, stage=1, round=0, loss=1, codec="int8",
+        payload_sha256="ef" * 32,
+    )  # fmt: skip
+    assert reply.signature_valid()
+    assert GradientReply.from_json(reply.to_json()).signature_valid()
