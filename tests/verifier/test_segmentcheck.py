@@ -371,6 +371,25 @@ def test_made_up_activations_are_refused_at_a_later_stage(tmp_path: Path) -> Non
     assert not verdict.ok and "not signed by its named sender" in verdict.reason
 
 
+def test_activations_sent_to_another_replica_are_refused(tmp_path: Path) -> None:
+    """A stage-1 replica records a micro-batch the previous stage really signed, but for another
+    replica (another exchange): what it consumed was not sent to it."""
+
+    def elsewhere(i: int, m: Received) -> Received:
+        if i != 5:
+            return m
+        header = ActivationHeader.from_json(m.header)
+        fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
+        fields["to"] = NEXT.public_key_hex
+        del fields["wallet"], fields["signature"]
+        return Received(m.kind, m.sender, ActivationHeader.create(PREV, **fields).to_json(), m.body)
+
+    run = train_round(tmp_path, stage=1, num_stages=2, recorded=elsewhere)
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and "activations header is addressed to another replica" in verdict.reason
+
+
 def test_inputs_that_disagree_with_the_senders_record_are_refused(tmp_path: Path) -> None:
     """The replica trained on other activations than the previous stage sent and records those:
     its record commits to a payload the sender's signed header does not name."""
