@@ -1205,18 +1205,17 @@ class ReplayChecker:
         for match in batch:
             try:
                 done = self._match_sender(match)
+                now = self.ctx.clock()
+                if done:
+                    continue
+                if match.found is not None:
+                    if now - match.found[0] > self.config.answer_window_s:
+                        self._sender_unanswered(match)
+                        continue
+                elif now - match.since > self.config.sender_wait_s and self._sender_missing(match):
+                    continue
             except Exception as exc:  # best effort: a sender's answer must not stop the checker
                 self.ctx.log(f"replay check: matching a sender's log failed: {type(exc).__name__}: {exc}")
-                done = True
-            if done:
-                continue
-            now = self.ctx.clock()
-            if match.found is not None:
-                if now - match.found[0] > self.config.answer_window_s:
-                    self._sender_unanswered(match)
-                    continue
-            elif now - match.since > self.config.sender_wait_s:
-                self._sender_missing(match)
                 continue
             with self._senders_lock:
                 self._senders.append(match)
@@ -1279,43 +1278,62 @@ class ReplayChecker:
         self._sender_failed(where, detail, None, proof=(receipt, written, detail))
         return True
 
-    def _sender_missing(self, match: SenderMatch) -> None:
-        """A sender that sent no receipt for the round its headers name within `sender_wait_s`.
+    def _sender_missing(self, match: SenderMatch) -> bool:
+        """A sender that sent no receipt for the round its headers name within `sender_wait_s`;
+        False when that receipt came in after all (match it on the next pass).
+
         It fails as an unanswered challenge (once a round) when it kept reporting other rounds of
         that stage: a later round than the one named (it went past the round without reporting
         it), or, since the match was queued, only earlier ones (it named a round ahead of its own,
         which it may never reach). Either way its signed headers name a round whose log nobody
-        can ask for, and a sender that did that on purpose would never be matched. An honest
-        sender that crashed in that round and rejoined at a later one pays the same, as a node
-        down for a whole answer window does (a dead node and a liar look alike). A sender that
-        reported nothing since the match was queued may be down: no verdict."""
+        can ask for. No verdict for a sender that registered again after the named round began (a
+        node stopped or crashed mid-round resumes from its checkpoint and sends no receipt for
+        that round: a restart, not a lie, as far as anyone can tell), nor for one that reported
+        nothing since the match was queued (it may be down). A sender that lost its receipt
+        without restarting (its tracker dropped it) pays like one down for a whole answer window."""
         wallet = wallet_id_of(bytes.fromhex(match.sender))
         with self.ctx.db.read() as session:
             mine = (m.Receipt.wallet_id == wallet, m.Receipt.stage == match.stage)
+            if (
+                session.scalar(select(m.Receipt.round).where(*mine, m.Receipt.round == match.round))
+                is not None
+            ):
+                return False  # it came in since the last try
             later = session.scalar(select(func.max(m.Receipt.round)).where(*mine))
             recent = session.scalar(
                 select(func.max(m.Receipt.round)).where(*mine, m.Receipt.received_at >= match.since)
             )
+            began = session.scalar(
+                select(func.max(m.Receipt.received_at)).where(*mine, m.Receipt.round < match.round)
+            )
+            registered = session.scalar(select(m.Peer.registered_at).where(m.Peer.wallet_id == wallet))
         named = f"round {match.round}"
+        if registered is not None and registered >= (began or 0.0):
+            self.ctx.log(
+                f"replay check: {wallet} sent no receipt for {named}, which its headers name, and registered "
+                "again since that round began (a restart drops an unfinished round); its records are not matched"
+            )
+            return True
         if later is not None and later > match.round:
             why = (
                 f"reported stage {match.stage} up to round {later} but never {named}, which its headers name"
             )
-        elif recent is not None:
+        elif recent is not None and recent < match.round:
             why = f"its headers name {named}, ahead of every round it reported since (up to {recent})"
         else:
             self.ctx.log(
                 f"replay check: the log of {wallet} {named} was not read within "
                 f"{self.config.sender_wait_s:.0f} s and it reported nothing since; its records are not matched"
             )
-            return
+            return True
         where = (wallet, match.stage, match.round)
         if self._already_penalised(where):
-            return
+            return True
         detail = f"{SENDER_DETAIL}{why}: no log to hold its headers to"
         if self._sender_failed(where, detail, self.ctx.reputation.unanswered_penalty):
             with self._count_lock:
                 self.unanswered += 1
+        return True
 
     def _log_not_read(self, match: SenderMatch, wallet: str, why: str) -> bool:
         """No usable log from the sender on this try: tried again until the answer window ends."""

@@ -321,46 +321,59 @@ def test_a_sender_whose_headers_name_a_round_it_never_reports_fails_as_unanswere
 ) -> None:
     """Headers naming a round the sender never sends a receipt for cannot be matched: once the
     wait is over, a sender that went on to report a later round, or only earlier ones since the
-    match was queued, fails as an unanswered challenge (once a round); one that reported nothing
-    since gets no verdict (it may be down)."""
+    match was queued, fails as an unanswered challenge (once a round). No verdict for one that
+    reported nothing since (it may be down), nor for one that registered again after the named
+    round began (a restart drops an unfinished round), nor when the receipt came in after all."""
     _register(db, "http://127.0.0.1:1")
     lines: list[str] = []
     checker = _checker(db, published, lines)
     wait = checker.config.sender_wait_s
     queued = time.time() - wait - 1
 
-    def receipt(round_: int, received_at: float) -> m.Receipt:
-        return m.Receipt(
-            wallet_id=NODE.wallet_id, stage=0, round=round_, inner_steps=H, start_step=round_ * H, tokens=1,
-            shard_id=0, offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
-            result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
-            body_sha256=f"{round_:064d}", received_at=received_at,
-        )  # fmt: skip
+    def registered(at: float) -> None:
+        with db.write() as s:
+            peer = s.get(m.Peer, NODE.wallet_id)
+            assert peer is not None
+            peer.registered_at = at
+
+    def receipt(round_: int, received_at: float) -> None:
+        with db.write() as s:
+            s.add(m.Receipt(
+                wallet_id=NODE.wallet_id, stage=0, round=round_, inner_steps=H, start_step=round_ * H, tokens=1,
+                shard_id=0, offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
+                result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
+                body_sha256=f"{round_:064d}", received_at=received_at,
+            ))  # fmt: skip
+
+    def match(round_: int) -> SenderMatch:
+        return SenderMatch(NODE.public_key_hex, 0, round_, NODE.wallet_id, "ab" * 32, [], queued)
 
     def expire(round_: int) -> list[str]:
-        checker._senders.append(
-            SenderMatch(NODE.public_key_hex, 0, round_, NODE.wallet_id, "ab" * 32, [], queued)
-        )
+        checker._senders.append(match(round_))
         checker._match_senders()
         assert not checker._senders  # the wait is over either way
         return [v for v in _verdicts(db) if "spot check failed" in v]
 
-    with db.write() as s:
-        s.add(receipt(2, queued - 100))  # before the match was queued: says nothing of round 5
+    registered(queued - 1000)  # running since long before
+    receipt(2, queued - 100)  # before the match was queued: says nothing of round 5
     assert expire(5) == [] and "it reported nothing since" in lines[-1], lines
-    with db.write() as s:
-        s.add(receipt(3, queued + 10))  # alive since, reporting only rounds before the one named
+    receipt(3, queued + 10)  # alive since, reporting only rounds before the one named
     (failed,) = expire(5)
     assert (
         "round 5: records: its headers name round 5, ahead of every round it reported since (up to 3)"
         in failed
     )
-    assert "ahead of every round" in failed and checker.unanswered == 1
-    with db.write() as s:
-        s.add(receipt(6, queued + 20))  # went past round 4 without reporting it
+    assert checker.unanswered == 1
+    receipt(6, queued + 20)  # went past round 4 without reporting it
     failed = expire(4)
     assert len(failed) == 2 and "reported stage 0 up to round 6 but never round 4" in failed[-1], failed
     assert len(expire(4)) == 2 and checker.unanswered == 2  # once a round
+    # Round 7 began when round 6's receipt came in; the sender registered again after that.
+    registered(queued + 25)
+    receipt(8, queued + 30)
+    assert len(expire(7)) == 2 and "registered again since that round began" in lines[-1], lines
+    # The receipt of the round named came in between the two looks: left to be matched.
+    assert checker._sender_missing(match(8)) is False and len(_verdicts(db)) == 2
 
 
 def _bucket_check(
