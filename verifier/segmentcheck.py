@@ -323,11 +323,6 @@ def continuity_problem(
     return None
 
 
-def sent_contradictions(sender: SignedSegmentLog, messages: Iterable[Received], receiver: str) -> list[str]:
-    """`contradicting`'s findings, as text."""
-    return [text for _, text in contradicting(sender, messages, receiver)]
-
-
 def contradicting(
     sender: SignedSegmentLog, messages: Iterable[Received], receiver: str
 ) -> list[tuple[Received, str]]:

@@ -63,10 +63,10 @@ from neuroshard.verifier.segmentcheck import (
     SenderFraudProof,
     check_segment,
     continuity_problem,
+    contradicting,
     judge_fraud_proof,
     judge_sender_proof,
     sender_round,
-    sent_contradictions,
     signed_log_problem,
 )
 from neuroshard.verifier.segmentlive import allowed_segment_steps, judge_segments, segment_count_problem
@@ -448,6 +448,11 @@ def test_one_gradient_reply_used_for_two_steps_is_refused(tmp_path: Path) -> Non
         claim, reused, tolerance_for("cpu", "fp32", ReplayCheckConfig()), read_batch=read_batch
     )
     assert not verdict.ok and "one micro-batch for two steps" in verdict.reason
+
+
+def sent_contradictions(sender: SignedSegmentLog, messages: list[Received], receiver: str) -> list[str]:
+    """`contradicting`'s findings, as text."""
+    return [text for _, text in contradicting(sender, messages, receiver)]
 
 
 def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path: Path) -> None:
