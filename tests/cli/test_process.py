@@ -103,3 +103,26 @@ def test_a_stop_signal_raised_again_after_a_graceful_shutdown_ends_through_the_c
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
+
+
+def test_neuroshard_verifier_stopped_by_sigterm_ends_with_status_0(published, tmp_path: Path) -> None:
+    """The real thing: uvicorn shuts down gracefully on SIGTERM and raises it again; the verifier
+    ends through run_command with status 0 instead of dying at the signal (-15)."""
+    from neuroshard.node.model import ModelConfig
+    from neuroshard.swarm.verifier import start_swarm_verifier
+    from neuroshard.testing.ports import free_port
+
+    model = ModelConfig.named("micro", vocab_size=published.dataset.tokenizer.vocab_size)
+    tables = {
+        "name": "process-test",
+        "model": model.to_dict(),
+        "diloco": {"inner_steps": 4, "warmup_steps": 1, "total_steps": 100},
+        "training": {"batch_size": 2, "seq_len": 32},
+        "data": {"manifest_url": str(published.directory), "publisher_key": published.public_key_hex},
+        "evaluation": {"every_rounds": 1, "held_out_shard": 0},
+    }
+    verifier = start_swarm_verifier(tmp_path / "verifier", tables, free_port(), None)
+    verifier.stop(grace_s=30.0)  # SIGTERM
+    log = verifier.log_path.read_text()
+    assert verifier.process.returncode == 0, log[-3000:]
+    assert "Finished server process" in log and "Traceback" not in log, log[-3000:]
