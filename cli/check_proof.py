@@ -16,9 +16,10 @@ run's and its steps no more than a round's. The rest of this text is about segme
 
 The proof (verifier.segmentcheck.SegmentFraudProof) holds one segment of a replica's round: its
 signed commitment, its hash-chained log, the checkpoints at the segment's two ends and the
-messages each step consumed, each signed by its sender. This command checks the material against
-the commitment and the senders' signatures, replays the segment's steps with the run's definition
-and compares the replayed end with the committed one. Stage 0 re-reads its batches from the run's
+messages each step consumed, each signed by its sender, and the payloads each step sent on. This
+command checks the material against the commitment and the senders' signatures, replays the
+segment's steps with the run's definition and compares the replayed end with the committed one,
+and what each step sent with what its replay computed. Stage 0 re-reads its batches from the run's
 data set (the definition names the manifest and its publisher key; one served over HTTP is cached
 in --cache-dir); --spans, the receipt's data spans as GET /api/fraud-proofs lists them, must then
 match the signed log's.

@@ -120,6 +120,13 @@ class SegmentStore(SegmentSink):
             metadata[f"sender{j}"] = m.sender
         _atomic_save(tensors, where / f"step-{step:08d}.safetensors", metadata)
 
+    def sent(self, round_: int, step: int, kind: str, body: bytes) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"a sent payload's kind is one of {KINDS}, not {kind!r}")
+        where = _round_dir(self.directory, round_)
+        where.mkdir(exist_ok=True)
+        _atomic_write(body, where / f"sent-{step:08d}-{kind}.bin")
+
     def close(
         self, log: SegmentLog, commitment: SegmentCommitment | None, end: CheckpointOpening | None = None
     ) -> None:
@@ -234,6 +241,16 @@ class SegmentStore(SegmentSink):
                 )
         return out
 
+    def load_sent(self, round_: int, step: int) -> list[tuple[str, bytes]]:
+        """(kind, bytes) of the payloads inner step `step` sent on, in KINDS order."""
+        where = _round_dir(self.directory, round_)
+        out = []
+        for kind in KINDS:
+            path = where / f"sent-{step:08d}-{kind}.bin"
+            if path.exists():
+                out.append((kind, path.read_bytes()))
+        return out
+
     def material(self, round_: int, segment: int) -> SegmentMaterial | None:
         """What a challenge on `segment` of `round_` is answered with; None when not held."""
         held = self.log(round_)
@@ -250,8 +267,16 @@ class SegmentStore(SegmentSink):
         if round_start is None or start_ckpt is None or end_ckpt is None:
             return None
         received = tuple(tuple(self.load_received(round_, i)) for i in range(first, end))
+        sent = tuple(tuple(self.load_sent(round_, i)) for i in range(first, end))
         return SegmentMaterial(
-            log, commitment, segment, start_ckpt, end_ckpt, received, theta_round=round_start.weights
+            log,
+            commitment,
+            segment,
+            start_ckpt,
+            end_ckpt,
+            received,
+            theta_round=round_start.weights,
+            sent=sent,
         )
 
 
@@ -289,6 +314,10 @@ class SegmentMaterial:
     theta_round: Tensor
     """(d,) the weights at the round's start (checkpoint 0's): θ_round, whose hash the receipt's
     base_hash is; ties segment 0's start to it and the last segment's end to the receipt's Δ."""
+    sent: tuple[tuple[tuple[str, bytes], ...], ...] = ()
+    """Per inner step of the segment, (kind, bytes) of what it sent on (activations forward, a
+    gradient back), in KINDS order: the log's `sent` entries name their sha256s, and the replay
+    holds them to what the step computed."""
 
     def encode(self) -> bytes:
         """safetensors: the two checkpoints' tensors and each message's header and payload as uint8
@@ -299,6 +328,7 @@ class SegmentMaterial:
             "commitment": self.commitment.to_json().decode(),
             "segment": str(self.segment),
             "counts": ",".join(str(len(r)) for r in self.received),
+            "sent": ",".join(f"{i}:{kind}" for i, step in enumerate(self.sent) for kind, _ in step),
         }
         for side, ckpt in (("start", self.start), ("end", self.end)):
             for key, t in zip(
@@ -312,6 +342,9 @@ class SegmentMaterial:
                 tensors[f"m{i}.{j}.header"] = _bytes_tensor(m.header)
                 tensors[f"m{i}.{j}.body"] = _bytes_tensor(m.body)
                 metadata[f"m{i}.{j}"] = f"{m.kind}:{m.sender}"
+        for i, step in enumerate(self.sent):
+            for kind, body in step:
+                tensors[f"s{i}.{kind}"] = _bytes_tensor(body)
         return st_save(tensors, metadata=metadata)
 
     @staticmethod
@@ -352,6 +385,9 @@ class SegmentMaterial:
             commitment = SegmentCommitment.from_json(metadata["commitment"])
             segment = int(metadata["segment"])
             counts = [int(c) for c in metadata["counts"].split(",")] if metadata["counts"] else []
+            sent_keys = [
+                (int(i), kind) for i, _, kind in (e.partition(":") for e in metadata["sent"].split(",") if e)
+            ]
         except (KeyError, ValueError) as exc:
             raise malformed(f"segment material metadata is incomplete: {exc}") from None
         if not 0 <= segment < log.segments:
@@ -365,6 +401,11 @@ class SegmentMaterial:
         wanted |= {
             f"m{i}.{j}.{part}" for i, c in enumerate(counts) for j in range(c) for part in ("header", "body")
         }
+        if any(not 0 <= i < len(counts) or kind not in KINDS for i, kind in sent_keys) or len(
+            set(sent_keys)
+        ) != len(sent_keys):
+            raise malformed("segment material names sent payloads of no step of the segment, or twice")
+        wanted |= {f"s{i}.{kind}" for i, kind in sent_keys}
         if set(tensors) != wanted:
             raise malformed(
                 f"segment material holds tensors {sorted(set(tensors) ^ wanted)[:4]} unexpectedly or lacks them"
@@ -393,7 +434,22 @@ class SegmentMaterial:
                     raise malformed(f"message {j} of step {i} is not raw bytes")
                 step.append(Received(kind, sender, header.numpy().tobytes(), body.numpy().tobytes()))
             received.append(tuple(step))
+        sent: list[list[tuple[str, bytes]]] = [[] for _ in counts]
+        for i, kind in sorted(sent_keys, key=lambda k: (k[0], KINDS.index(k[1]))):
+            body = tensors[f"s{i}.{kind}"]
+            if body.dtype != torch.uint8:
+                raise malformed(f"the {kind} step {i} sent is not raw bytes")
+            sent[i].append((kind, body.numpy().tobytes()))
         theta = tensors["theta_round"]
         if theta.dtype != torch.float32 or tuple(theta.shape) != (numel,):
             raise malformed(f"theta_round is {theta.dtype} {tuple(theta.shape)}, expected float32 ({numel},)")
-        return cls(log, commitment, segment, ckpts[0], ckpts[1], tuple(received), theta)
+        return cls(
+            log,
+            commitment,
+            segment,
+            ckpts[0],
+            ckpts[1],
+            tuple(received),
+            theta,
+            tuple(tuple(s) for s in sent),
+        )

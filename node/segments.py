@@ -10,6 +10,8 @@ replica records, for every inner step, a `StepRecord`:
   header and of the payload bytes (the header signs that payload hash, so the sender cannot deny
   it sent them and the receiver cannot claim other bytes);
 - what it sent on (kind and payload sha256), which the counterpart holds signed the other way;
+  the bytes themselves go to the store too, so a segment check can hold what the replica sent to
+  what its replayed step computes (verifier.segmentcheck.sent_comparisons);
 
 and at every segment boundary (steps 0, k, 2k, …, and the round's last) the sha256 of its weights
 and inner AdamW state (`checkpoint_sha256`). `SegmentLog.root()` chains all of it in order; the
@@ -66,8 +68,8 @@ class SegmentConfig:
     max_bytes: int = 4 << 30
     """Disk budget of the store: whole oldest rounds are dropped until the kept ones fit. Per round:
     (H/k + 1) checkpoints of 12 bytes per parameter (weights, two AdamW moments in float32) plus the
-    received payloads (a later stage's activations and gradients: 2 bytes per value each way in
-    bf16). The round being written is never dropped, so one round larger than the budget is still
+    payloads received and sent (activations and gradients, each way, in the run's codec: about
+    half a byte per value with the default fitted43, 2 with bf16). The round being written is never dropped, so one round larger than the budget is still
     kept alone (and said so)."""
 
     def __post_init__(self) -> None:
@@ -137,6 +139,10 @@ class SegmentSink:
     def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
         """The messages inner step `step` consumed."""
 
+    def sent(self, round_: int, step: int, kind: str, body: bytes) -> None:
+        """A payload inner step `step` sent on (activations forward, a gradient back): kept so a
+        segment check can hold it to what the replayed step computes."""
+
     def close(
         self, log: SegmentLog, commitment: SegmentCommitment | None, end: CheckpointOpening | None = None
     ) -> None:
@@ -186,7 +192,9 @@ class SegmentRecorder:
         """The engine the current round started on: a replica that swaps it mid-round (vocabulary
         growth builds a new one) cannot replay from the round's first checkpoint."""
         self._pending_received: list[Received] = []
-        self._pending_sent: list[tuple[str, SentRef]] = []
+        self._pending_sent: list[tuple[str, SentRef, bytes | None]] = []
+        self._late_sent: list[tuple[int, int, str, bytes]] = []
+        """(round, step, kind, body) of payloads sent after their step was recorded, for the sink."""
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment-writer")
         self._in_flight: deque[Future[Any]] = deque()
 
@@ -206,6 +214,7 @@ class SegmentRecorder:
     def start_round(self, diloco: DiLoCo) -> None:
         """Checkpoint a round about to start (its step 0). A replica resumed mid-round records
         nothing until the next round starts: its earlier steps are not known."""
+        self._write_late_sent()
         with self._lock:
             self._pending_received.clear()
             self._pending_sent.clear()
@@ -239,20 +248,27 @@ class SegmentRecorder:
         with self._lock:
             self._pending_received.append(message)
 
-    def note_sent(self, micro_batch: str, kind: str, payload_sha256: str) -> None:
+    def note_sent(self, micro_batch: str, kind: str, payload_sha256: str, body: bytes | None = None) -> None:
         """A payload sent for `micro_batch`: attached to the recorded step of that id if there is one
-        (a reply encoded after its step), else to the step in progress."""
+        (a reply encoded after its step), else to the step in progress. `body`, its bytes (whose
+        sha256 is `payload_sha256`), goes to the sink with the step: a segment check replays the
+        step and holds what it sent to what it computed, so a replica that records what it sent
+        but sends something else than its step computed is caught (None: not kept, and a check
+        of that segment fails)."""
         ref = SentRef(kind=kind, payload_sha256=payload_sha256)
         with self._lock:
             current = self._current
             if current is not None and micro_batch and not current.ended:
-                for step in reversed(current.steps[-8:]):
+                for index in range(len(current.steps) - 1, max(-1, len(current.steps) - 9), -1):
+                    step = current.steps[index]
                     if step.micro_batch == micro_batch:
                         # a retried request is answered again with the same bytes: recorded once
                         if ref not in step.sent and len(step.sent) < MAX_MESSAGES_PER_STEP:
                             step.sent.append(ref)
+                            if body is not None:  # written by the training thread (`_write_late_sent`)
+                                self._late_sent.append((current.round, index, kind, body))
                         return
-            self._pending_sent.append((micro_batch, ref))
+            self._pending_sent.append((micro_batch, ref, body))
 
     def record_step(
         self,
@@ -267,10 +283,12 @@ class SegmentRecorder:
         current = self._current
         with self._lock:
             messages = [*received, *self._pending_received][:MAX_MESSAGES_PER_STEP]
-            sent = list(dict.fromkeys(ref for _, ref in self._pending_sent))[:MAX_MESSAGES_PER_STEP]
-            micro_batch = micro_batch or next((mb for mb, _ in self._pending_sent if mb), "")
+            bodies = {ref: body for _, ref, body in self._pending_sent if body is not None}
+            sent = list(dict.fromkeys(ref for _, ref, _ in self._pending_sent))[:MAX_MESSAGES_PER_STEP]
+            micro_batch = micro_batch or next((mb for mb, _, _ in self._pending_sent if mb), "")
             self._pending_received.clear()
             self._pending_sent.clear()
+        self._write_late_sent()
         if current is None or current.ended:
             return
         if diloco is not self._engine:  # the model was rebuilt since the round's first checkpoint
@@ -285,6 +303,9 @@ class SegmentRecorder:
         index = len(current.steps) - 1
         if messages:
             self._io(self.sink.received, current.round, index, messages)
+        for ref in sent:
+            if ref in bodies:
+                self._io(self.sink.sent, current.round, index, ref.kind, bodies[ref])
         if len(current.steps) % self.config.segment_steps == 0:
             self._checkpoint_now(diloco)
 
@@ -305,6 +326,7 @@ class SegmentRecorder:
         """The ended round's log (after the outer step, so late `note_sent`s are in) and, with a
         wallet `sign`, its signed commitment; None when this round was not recorded whole."""
         current = self._current
+        self._write_late_sent()
         if current is None or not current.ended:
             self.flush()  # an abandoned round is gone from the sink when this returns
             return None
@@ -330,6 +352,13 @@ class SegmentRecorder:
         if self._engine is not None:
             self._closed = (current.round, self._engine)
         return log, commitment
+
+    def _write_late_sent(self) -> None:
+        """On the training thread: hand the sink the payloads sent after their step was recorded."""
+        with self._lock:
+            late, self._late_sent = self._late_sent, []
+        for round_, step, kind, body in late:
+            self._io(self.sink.sent, round_, step, kind, body)
 
     def _checkpoint_now(self, diloco: DiLoCo) -> None:
         checkpoint = capture_checkpoint(diloco)

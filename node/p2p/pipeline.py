@@ -460,7 +460,7 @@ class PipelineClient:
         except Refused as exc:
             return f"bad reply: {exc}"
         if self.segments is not None:  # the step in progress consumed this reply and sent `body`
-            self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256)
+            self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256, body)
             self.segments.note_received(Received("gradient", answer.wallet, answer.to_json(), reply.body))
         return grad, answer.loss
 
@@ -652,7 +652,7 @@ class PipelineService:
             loss=min(max(loss, 0.0), 1e6), codec=header.codec, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         if self.worker.segments is not None:
-            self.worker.segments.note_sent(header.micro_batch, "gradient", reply.payload_sha256)
+            self.worker.segments.note_sent(header.micro_batch, "gradient", reply.payload_sha256, body)
         self.served += 1
         response = web.Response(
             status=200, body=body, headers={REPLY_HEADER: reply.to_json().decode()},

@@ -110,10 +110,17 @@ def decode_activations(data: bytes, header: ActivationHeader, vocab_size: int) -
     """Safetensors bytes -> (hidden (B, T, C) float32, labels (B, T) int64), checked against the header:
     exact layout (Refused "malformed"), codes, scales and decoded hidden state valid and finite,
     labels in [0, vocab) or -100 (Refused "invalid")."""
-    shape = (header.batch, header.seq_len, header.dim)
-    check_layout(data, activation_layout(*shape, header.codec))
+    return decode_activations_as(data, (header.batch, header.seq_len, header.dim), header.codec, vocab_size)
+
+
+def decode_activations_as(
+    data: bytes, shape: tuple[int, int, int], codec: str, vocab_size: int
+) -> tuple[Tensor, Tensor]:
+    """`decode_activations` for a payload whose shape and codec are known without its header (a
+    segment check reading what a replica says it sent)."""
+    check_layout(data, activation_layout(*shape, codec))
     tensors = _load(data)
-    hidden = _decode(tensors, pipeline_codec(header.codec).forward, HIDDEN, shape)
+    hidden = _decode(tensors, pipeline_codec(codec).forward, HIDDEN, shape)
     labels = tensors[LABELS].long()
     bad = (labels != IGNORE_LABEL) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):

@@ -57,9 +57,10 @@ THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "e
 
 def segment_size_bound(numel: int, n_tensors: int, steps: int, message_bytes: int) -> int:
     """Largest segment body: θ_round and two checkpoints (weights, two moments; step counts), `steps`
-    inner steps each with up to two messages of at most `message_bytes`, the log (~0.5 KB a step of
-    the round, at most 1,000,000 steps: MAX_MATERIAL_HEADER bounds it) and the commitment."""
-    return 4 * (7 * numel + 2 * n_tensors) + 2 * steps * message_bytes + (16 << 20) + HEADER_SLACK
+    inner steps each with up to two messages received and two payloads sent of at most
+    `message_bytes`, the log (~0.5 KB a step of the round, at most 1,000,000 steps:
+    MAX_MATERIAL_HEADER bounds it) and the commitment."""
+    return 4 * (7 * numel + 2 * n_tensors) + 4 * steps * message_bytes + (16 << 20) + HEADER_SLACK
 
 
 def replay_size_bound(numel: int, n_tensors: int) -> int:

@@ -205,7 +205,8 @@ def train(tmp_path: Path, stage: int, num_stages: int, *, lie: Lie | None = None
                 header = ActivationHeader.from_json(received[0].header)
                 inputs, labels = decode_activations(received[0].body, header, GROWN)
                 grad, _ = stage_inner_step(diloco, inputs, labels, None if last else downstream)
-                recorder.note_sent(mb, "gradient", sha256_hex(encode_gradient(grad, DEFAULT_CODEC)))
+                sent = encode_gradient(grad, DEFAULT_CODEC)
+                recorder.note_sent(mb, "gradient", sha256_hex(sent), sent)
             if lie is not None and round_ == ROUND:
                 lie(i, diloco)
             recorder.record_step(diloco, data=span, micro_batch=mb, received=received)

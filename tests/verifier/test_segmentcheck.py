@@ -152,8 +152,10 @@ def train_round(
     tamper: Tamper | None = None,
     after_step: Callable[[int, DiLoCo], None] | None = None,
     recorded: Callable[[int, Received], Received] | None = None,
+    sends: Callable[[int, Tensor], Tensor] | None = None,
 ) -> Run:
-    """One replica's round of H steps with a SegmentRecorder, as the node records it."""
+    """One replica's round of H steps with a SegmentRecorder, as the node records it. `sends`:
+    (step, what the step computed) -> what the replica sends on instead (and records as sent)."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
     recorder = SegmentRecorder(SegmentConfig(segment_steps=K), stage=stage, sink=store)
@@ -164,6 +166,10 @@ def train_round(
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         reply = current[0]
         recorder.note_received(reply)
+        sent = encode_activations(hidden if sends is None else sends(i, hidden), labels, CODEC)
+        recorder.note_sent(
+            GradientReply.from_json(reply.header).micro_batch, "activations", sha256_hex(sent), sent
+        )
         g = GradientReply.from_json(reply.header)
         return decode_gradient(reply.body, (B, T, MODEL.dim), g.codec), g.loss
 
@@ -192,7 +198,8 @@ def train_round(
                 diloco.inner_step(inputs, labels)
             else:
                 grad, _ = stage_inner_step(diloco, inputs, labels, None if last else downstream)
-                recorder.note_sent(mb, "gradient", sha256_hex(encode_gradient(grad, CODEC)))
+                sent = encode_gradient(grad if sends is None else sends(i, grad), CODEC)
+                recorder.note_sent(mb, "gradient", sha256_hex(sent), sent)
         if after_step is not None:
             after_step(i, diloco)
         if recorded is not None:
@@ -350,6 +357,50 @@ def test_a_checkpoint_that_does_not_match_its_hash_is_refused(
         SegmentFraudProof(doctored), model=MODEL, diloco=DILOCO, num_stages=num_stages,
         tolerance=tolerance, read_batch=read_batch, spans=run.spans,
     ).proves  # fmt: skip  # not signed as served: no proof against the wallet
+
+
+SENT_LIES: dict[str, Callable[[Tensor], Tensor]] = {
+    "scaled": lambda t: 1.2 * t,
+    "flipped": lambda t: -t,
+    "noise": lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(7)) * t.std(),
+    "stale": lambda t: t.roll(1, dims=0),  # another micro-batch's rows
+}
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 2), (1, 2), (1, 3)])
+@pytest.mark.parametrize("lie", sorted(SENT_LIES))
+def test_what_a_replica_sends_on_is_held_to_what_its_step_computes(
+    tmp_path: Path, stage: int, num_stages: int, lie: str
+) -> None:
+    """A replica that trains honestly but sends on something else than its step computed (and
+    records what it sent, so its log and the header it signed agree) fails the segment that step
+    is in, and the material proves it alone: the replay holds each payload it sent to the step's
+    output (stage < S − 1) or input gradient (stage > 0) within SENT_TOLERANCE. Honest rounds
+    measured, fitted43 (the default codec), fp32 and bf16-autocast training against an fp32
+    replay: worst cosine 0.9961 for activations and 0.9889 for gradients, norm ratio within
+    1 ± 0.0184 (`/tmp` script in the #17 closing note of 2026-12-06)."""
+    run = train_round(
+        tmp_path, stage=stage, num_stages=num_stages, sends=lambda i, t: SENT_LIES[lie](t) if i == 5 else t
+    )
+    assert check(run, 0).ok
+    verdict = check(run, 1)  # step 5's segment
+    assert not verdict.ok and verdict.replayed and "step 5: the " in verdict.reason, verdict.reason
+    assert "it sent are not what its step computes" in verdict.reason
+    kw = dict(model=MODEL, diloco=DILOCO, num_stages=num_stages, read_batch=read_batch, spans=run.spans)
+    proof = SegmentFraudProof(run.material(1))
+    assert judge_fraud_proof(proof, tolerance=calibrated_tolerance(K), **kw).proves
+
+
+def test_a_payload_sent_but_not_served_fails_the_check(tmp_path: Path) -> None:
+    """The log names what each step sent; a replica that keeps or serves none of it (so nothing it
+    sent can be held to its step) fails on the material alone."""
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    for path in (tmp_path / "segments").rglob("sent-00000005-*.bin"):
+        path.unlink()
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and not verdict.replayed
+    assert "step 5: the payloads served as sent are not the ones its record names" in verdict.reason
 
 
 def test_made_up_activations_are_refused_at_a_later_stage(tmp_path: Path) -> None:

@@ -98,11 +98,18 @@ def _gradient(step: int, mb: str, sender: Wallet, to: Wallet) -> Received:
     return Received("gradient", sender.public_key_hex, reply.to_json(), body)
 
 
+DRIVER_SENT: dict[int, bytes] = {}
+"""What the driver built last (in this test: it is built first) computed and sent at each step:
+the activations its stage-1 receivers train on, so its own segments replay to what it sent."""
+
+
 def _activations(step: int, sender: Wallet, to: Wallet) -> tuple[Received, str]:
     g = torch.Generator().manual_seed(50 + step)
-    body = encode_activations(
-        torch.randn(B, T, 32, generator=g), torch.randint(0, 512, (B, T), generator=g), DEFAULT_CODEC
-    )
+    body = DRIVER_SENT.get(step) if sender == DRIVER else None
+    if body is None:
+        body = encode_activations(
+            torch.randn(B, T, 32, generator=g), torch.randint(0, 512, (B, T), generator=g), DEFAULT_CODEC
+        )
     mb = micro_batch_id(sender.public_key_hex, 0, step)
     header = ActivationHeader.create(
         sender, to=to.public_key_hex, micro_batch=mb, stage=1, round=0, batch=B, seq_len=T, dim=32,
@@ -115,16 +122,20 @@ def _replica(
     published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool, lie_sent: bool = False
 ) -> Replica:
     """A replica that ran round 0 with a segment recorder and serves its segments to the operator.
-    The driver records sending the activations stage 1 receives (under its signed headers);
-    `lie_sent`: its log names other bytes for one of them."""
+    The driver records sending the activations stage 1 receives (under its signed headers), which
+    are what its steps computed (`DRIVER_SENT`); `lie_sent`: its log names other bytes for one of them."""
     network = _network(published)
     config = SegmentConfig(segment_steps=K)
     store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
     recorder = SegmentRecorder(config, stage=stage, sink=store)
     current: list[Received] = []
+    recorded: dict[int, bytes] = {}
 
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         recorder.note_received(current[0])
+        if wallet == DRIVER:
+            DRIVER_SENT[i] = encode_activations(hidden, labels, DEFAULT_CODEC)
+            recorded[i] = encode_activations(1.01 * hidden, labels, DEFAULT_CODEC)  # close, not the same
         reply = GradientReply.from_json(current[0].header)
         return decode_gradient(current[0].body, (B, T, 32), reply.codec), reply.loss
 
@@ -151,8 +162,10 @@ def _replica(
             current[:] = [_gradient(i, mb, HONEST, wallet)]
             diloco.inner_step(inputs, labels)
             if wallet == DRIVER:
-                sent = sha256_hex(_activations(i, DRIVER, HONEST)[0].body)
-                recorder.note_sent(mb, "activations", "0" * 64 if lie_sent and i == 5 else sent)
+                # A liar records (and serves) bytes close enough to what its step computed to pass
+                # its own segment check, but not the bytes its header signed for the receiver.
+                body = recorded[i] if lie_sent and i == 5 else _activations(i, DRIVER, HONEST)[0].body
+                recorder.note_sent(mb, "activations", sha256_hex(body), body)
         else:
             act, mb = _activations(i, DRIVER, wallet)
             hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
@@ -381,7 +394,7 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     (failed,) = [e for e in events if e[3] < 0]
     assert failed[:3] == (DRIVER.wallet_id, 0, 0), events
     assert f"contradicts what it signed for {HONEST.wallet_id}" in failed[4]
-    assert "records sending 0000" in failed[4]
+    assert "it signed activations" in failed[4] and "its log records sending" in failed[4]
     assert not [e for e in events if e[0] == HONEST.wallet_id and e[3] < 0]
 
     with db.read() as s:
