@@ -386,7 +386,8 @@ class SegmentMaterial:
             segment = int(metadata["segment"])
             counts = [int(c) for c in metadata["counts"].split(",")] if metadata["counts"] else []
             sent_keys = [
-                (int(i), kind) for i, _, kind in (e.partition(":") for e in metadata["sent"].split(",") if e)
+                (int(i), kind)
+                for i, _, kind in (e.partition(":") for e in metadata.get("sent", "").split(",") if e)
             ]
         except (KeyError, ValueError) as exc:
             raise malformed(f"segment material metadata is incomplete: {exc}") from None

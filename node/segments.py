@@ -258,17 +258,27 @@ class SegmentRecorder:
         ref = SentRef(kind=kind, payload_sha256=payload_sha256)
         with self._lock:
             current = self._current
-            if current is not None and micro_batch and not current.ended:
+            # Until the round is closed: the reply to its last step is often encoded after end_round.
+            if current is not None and micro_batch:
                 for index in range(len(current.steps) - 1, max(-1, len(current.steps) - 9), -1):
                     step = current.steps[index]
                     if step.micro_batch == micro_batch:
-                        # a retried request is answered again with the same bytes: recorded once
-                        if ref not in step.sent and len(step.sent) < MAX_MESSAGES_PER_STEP:
+                        # A retried request is answered again with the same bytes: recorded once. A
+                        # step sends one payload of a kind (the store keeps one), the first.
+                        if all(r.kind != kind for r in step.sent) and len(step.sent) < MAX_MESSAGES_PER_STEP:
                             step.sent.append(ref)
                             if body is not None:  # written by the training thread (`_write_late_sent`)
                                 self._late_sent.append((current.round, index, kind, body))
                         return
-            self._pending_sent.append((micro_batch, ref, body))
+            if kind == "activations":  # sent during its step; a gradient reply only ever follows one
+                self._pending_sent.append((micro_batch, ref, body))
+
+    def discard_pending(self) -> None:
+        """A step that failed after it sent or received something (its micro-batch is retried):
+        what it gathered is not the next step's."""
+        with self._lock:
+            self._pending_received.clear()
+            self._pending_sent.clear()
 
     def record_step(
         self,
@@ -283,9 +293,10 @@ class SegmentRecorder:
         current = self._current
         with self._lock:
             messages = [*received, *self._pending_received][:MAX_MESSAGES_PER_STEP]
-            bodies = {ref: body for _, ref, body in self._pending_sent if body is not None}
-            sent = list(dict.fromkeys(ref for _, ref, _ in self._pending_sent))[:MAX_MESSAGES_PER_STEP]
             micro_batch = micro_batch or next((mb for mb, _, _ in self._pending_sent if mb), "")
+            pending = [(ref, body) for mb, ref, body in self._pending_sent if mb == micro_batch]
+            bodies = {ref: body for ref, body in pending if body is not None}
+            sent = list(dict.fromkeys(ref for ref, _ in pending))[:1]  # a step forwards one payload
             self._pending_received.clear()
             self._pending_sent.clear()
         self._write_late_sent()

@@ -230,6 +230,8 @@ class StageWorker(InnerLoop):
             grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self._onward(job))
         except Exception as exc:  # the sender retries elsewhere; this replica did not step
             self.stats.failed += 1
+            if self.segments is not None:  # what it forwarded or got back is no later step's
+                self.segments.discard_pending()
             job.done(exc)
             return None
         result.inner_seconds += time.perf_counter() - step_start

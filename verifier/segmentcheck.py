@@ -178,8 +178,16 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
     if len(sent) != end - first:
         problems.append(f"sent payloads for {len(sent)} steps, the segment has {end - first}")
         return problems
+    forwards = claim.stage < claim.num_stages - 1
     for i, served in zip(range(first, end), sent, strict=True):
         recorded = {(r.kind, r.payload_sha256) for r in log.steps[i].sent}
+        if len({kind for kind, _ in recorded}) != len(log.steps[i].sent):
+            problems.append(f"step {i}: its record names two payloads of one kind sent on")
+        if forwards and not any(kind == "activations" for kind, _ in recorded):
+            # A step of a stage that is not the last sends its output on before it is recorded (its
+            # gradient comes back through that exchange), so its record names it; one that names
+            # none would keep what it sent out of this comparison and out of sender matching.
+            problems.append(f"step {i}: its record names no activations sent on")
         got = {(kind, sha256_hex(body)) for kind, body in served}
         if got != recorded:
             problems.append(f"step {i}: the payloads served as sent are not the ones its record names")
@@ -462,16 +470,17 @@ def replay_segment(
     return flat_parameters(diloco.params)
 
 
-SENT_TOLERANCE = SpotCheckConfig(min_cosine=0.95, norm_tolerance=0.1)
+SENT_TOLERANCE = SpotCheckConfig(min_cosine=0.9, norm_tolerance=0.15)
 """How far what a replica sent on may sit from what its replayed step computes: the pipeline
-codec's rounding (4-bit activations, 3-bit dithered gradients by default) and the precision it
-trained in, not the replay's. Measured on honest rounds of the test model with fitted43 (the
-default codec), fp32 and bf16-autocast training against an fp32 replay (stages 0 of 2, 1 of 2,
-1 of 3): worst cosine 0.9961 for activations and 0.9889 for gradients, norm ratio within
-1 ± 0.0184; so about 4.5× and 5× of margin. A replica that sends garbage, a sign-flipped output,
-another micro-batch's rows, or its output scaled by 1.2 is refused
-(tests/verifier/test_segmentcheck.py); one that sends something close (scaled by less than 10%,
-or computed with weights a few steps stale) is not."""
+codec's rounding and the precision it trained in, not the replay's. Measured on honest rounds of
+the test model with fitted43 (the default codec), fp32 and bf16-autocast training against an fp32
+replay (stages 0 of 2, 1 of 2, 1 of 3): worst cosine 0.9961 for activations and 0.9889 for
+gradients, norm ratio within 1 ± 0.0184. The codecs alone on Gaussian tensors (activations with
+20× outlier channels), 5 seeds: the worst is hadamard43's 3-bit gradient, cosine 0.9695, norm ratio
+1.034 (fitted43: 0.9769, 1.024); so about 3× of margin on the cosine and 4× on the norm. A
+replica that sends garbage, a sign-flipped output, another micro-batch's rows, or its output
+scaled by 1.2 is refused (tests/verifier/test_segmentcheck.py); one that sends something close
+(scaled by less than 15%, or computed with weights a few steps stale) is not."""
 
 
 def sent_comparisons(
@@ -492,8 +501,11 @@ def sent_comparisons(
         ]
         for kind, body in served:
             replayed = out.get(kind)
-            if replayed is None or not codecs:
+            if replayed is None:
                 yield first + i, kind, f"it sent {kind}, which a stage {claim.stage} step does not"
+                continue
+            if not codecs:
+                yield first + i, kind, "it received nothing that names the run's codec"
                 continue
             shape = cast(tuple[int, int, int], tuple(replayed.shape))
             try:

@@ -353,3 +353,37 @@ def test_a_committed_round_is_not_abandoned_by_a_resume_at_its_start(tmp_path: P
     (leftover / "ckpt-00000000.tmp").write_bytes(b"half")
     store.abandon(5)
     assert not leftover.exists()
+
+
+def test_what_a_step_sent_is_kept_with_it_and_nothing_strays_to_another_step(tmp_path: Path) -> None:
+    """The bytes a step sent on go to the store beside it: activations forwarded during the step, a
+    gradient reply encoded after it (also after end_round, until the round is closed). A reply for
+    no recorded step is dropped, not hung on the next one, and a step that failed after forwarding
+    leaves nothing for the step after it."""
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=1, sink=store)
+    diloco = _engine()
+    recorder.start_round(diloco)
+    steps = diloco.config.inner_steps
+    for i in range(steps):
+        mb = f"{i:032x}"
+        if i == 2:  # forwarded, then the step failed: the micro-batch is retried as step 2 again
+            recorder.note_sent(mb, "activations", sha256_hex(b"first try"), b"first try")
+            recorder.discard_pending()
+        recorder.note_sent(f"{99:032x}", "gradient", sha256_hex(b"stray"), b"stray")  # no such step
+        recorder.note_sent(mb, "activations", sha256_hex(bytes([i])), bytes([i]))
+        diloco.inner_step(*_batch(i))
+        recorder.record_step(diloco, micro_batch=mb)
+        if i < steps - 1:
+            recorder.note_sent(mb, "gradient", sha256_hex(bytes([100 + i])), bytes([100 + i]))
+    recorder.end_round(diloco)
+    last = f"{steps - 1:032x}"
+    recorder.note_sent(last, "gradient", sha256_hex(bytes([100 + steps - 1])), bytes([100 + steps - 1]))
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = recorder.close_round(WALLET)
+    assert closed is not None
+    log, _ = closed
+    for i, step in enumerate(log.steps):
+        want = [("activations", bytes([i])), ("gradient", bytes([100 + i]))]
+        assert [(r.kind, r.payload_sha256) for r in step.sent] == [(k, sha256_hex(b)) for k, b in want], i
+        assert store.load_sent(0, i) == want

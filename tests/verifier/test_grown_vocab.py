@@ -183,6 +183,8 @@ def train(tmp_path: Path, stage: int, num_stages: int, *, lie: Lie | None = None
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         recorder.note_received(current[0])
         reply = GradientReply.from_json(current[0].header)
+        sent = encode_activations(hidden, labels, DEFAULT_CODEC)  # what it sends on, as the node does
+        recorder.note_sent(reply.micro_batch, "activations", sha256_hex(sent), sent)
         return decode_gradient(current[0].body, (B, T, MODEL.dim), reply.codec), reply.loss
 
     last = stage == num_stages - 1
@@ -206,10 +208,11 @@ def train(tmp_path: Path, stage: int, num_stages: int, *, lie: Lie | None = None
                 inputs, labels = decode_activations(received[0].body, header, GROWN)
                 grad, _ = stage_inner_step(diloco, inputs, labels, None if last else downstream)
                 sent = encode_gradient(grad, DEFAULT_CODEC)
-                recorder.note_sent(mb, "gradient", sha256_hex(sent), sent)
             if lie is not None and round_ == ROUND:
                 lie(i, diloco)
             recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
+            if stage > 0:  # the reply is encoded after the step is recorded, as the node's is
+                recorder.note_sent(mb, "gradient", sha256_hex(sent), sent)
         recorder.end_round(diloco)
         base_hash, delta = tensor_digest(diloco.theta_round), diloco.pseudo_gradient()
         diloco.outer_step(delta)

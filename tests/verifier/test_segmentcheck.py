@@ -179,7 +179,7 @@ def train_round(
     recorder.start_round(diloco)
     spans = []
     for i in range(H):
-        span, received, mb = None, [], ""
+        span, received, mb, reply = None, [], "", None
         if stage == 0:
             span = (3, i * B, (i + 1) * B)
             spans.append(span)
@@ -198,13 +198,14 @@ def train_round(
                 diloco.inner_step(inputs, labels)
             else:
                 grad, _ = stage_inner_step(diloco, inputs, labels, None if last else downstream)
-                sent = encode_gradient(grad if sends is None else sends(i, grad), CODEC)
-                recorder.note_sent(mb, "gradient", sha256_hex(sent), sent)
+                reply = encode_gradient(grad if sends is None else sends(i, grad), CODEC)
         if after_step is not None:
             after_step(i, diloco)
         if recorded is not None:
             received = [recorded(i, m) for m in received]
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
+        if reply is not None:  # encoded after the step is recorded, as the node's reply is
+            recorder.note_sent(mb, "gradient", sha256_hex(reply), reply)
     recorder.end_round(diloco)
     base_hash, delta = tensor_digest(diloco.theta_round), diloco.pseudo_gradient()
     diloco.outer_step(delta)

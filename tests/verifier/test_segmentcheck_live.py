@@ -129,13 +129,15 @@ def _replica(
     store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
     recorder = SegmentRecorder(config, stage=stage, sink=store)
     current: list[Received] = []
+    computed: dict[int, bytes] = {}
     recorded: dict[int, bytes] = {}
 
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         recorder.note_received(current[0])
+        computed[i] = encode_activations(hidden, labels, DEFAULT_CODEC)  # what a stage-0 replica sends on
+        recorded[i] = encode_activations(1.01 * hidden, labels, DEFAULT_CODEC)  # close, not the same
         if wallet == DRIVER:
-            DRIVER_SENT[i] = encode_activations(hidden, labels, DEFAULT_CODEC)
-            recorded[i] = encode_activations(1.01 * hidden, labels, DEFAULT_CODEC)  # close, not the same
+            DRIVER_SENT[i] = computed[i]
         reply = GradientReply.from_json(current[0].header)
         return decode_gradient(current[0].body, (B, T, 32), reply.codec), reply.loss
 
@@ -161,11 +163,10 @@ def _replica(
             mb = micro_batch_id(wallet.public_key_hex, 0, i)
             current[:] = [_gradient(i, mb, HONEST, wallet)]
             diloco.inner_step(inputs, labels)
-            if wallet == DRIVER:
-                # A liar records (and serves) bytes close enough to what its step computed to pass
-                # its own segment check, but not the bytes its header signed for the receiver.
-                body = recorded[i] if lie_sent and i == 5 else _activations(i, DRIVER, HONEST)[0].body
-                recorder.note_sent(mb, "activations", sha256_hex(body), body)
+            # A liar records (and serves) bytes close enough to what its step computed to pass its own
+            # segment check, but not the bytes its header signed for the receiver.
+            body = recorded[i] if lie_sent and i == 5 else computed[i]
+            recorder.note_sent(mb, "activations", sha256_hex(body), body)
         else:
             act, mb = _activations(i, DRIVER, wallet)
             hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
