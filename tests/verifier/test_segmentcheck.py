@@ -379,7 +379,7 @@ def test_what_a_replica_sends_on_is_held_to_what_its_step_computes(
     output (stage < S − 1) or input gradient (stage > 0) within SENT_TOLERANCE. Honest rounds
     measured, fitted43 (the default codec), fp32 and bf16-autocast training against an fp32
     replay: worst cosine 0.9961 for activations and 0.9889 for gradients, norm ratio within
-    1 ± 0.0184 (`/tmp` script in the #17 closing note of 2026-12-06)."""
+    1 ± 0.0184 (bench/RESULTS.md, "What each step sent on, held to its replay")."""
     run = train_round(
         tmp_path, stage=stage, num_stages=num_stages, sends=lambda i, t: SENT_LIES[lie](t) if i == 5 else t
     )
