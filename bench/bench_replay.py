@@ -51,7 +51,7 @@ from neuroshard.node.device import Placement, resolve_device
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig, copy_into_parameters, flat_parameters, tensor_digest
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.network_definition import DEFAULT_SEGMENTS_PER_ROUND
-from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations
+from neuroshard.node.p2p.pipeline_wire import decode_activations, encode_activations, encode_gradient
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.replay import ReplayService, decode_replay
 from neuroshard.node.p2p.rounds import RoundReport
@@ -395,8 +395,9 @@ def later_stage_segments(
     args: argparse.Namespace, dataset: Any, model_cfg: ModelConfig, diloco_cfg: DiLoCoConfig, k: int
 ) -> None:
     """The last stage of a 2-stage pipeline, one round: it trains (in --precision) on activations a
-    stage-0 sender computes from the text and sends signed, in the run's codec, records them, and
-    every segment is checked with an fp32 replay from the recorded bytes."""
+    stage-0 sender computes from the text and sends signed, in the run's codec, records them and
+    the gradients it sends back, and every segment is checked with an fp32 replay from the recorded
+    bytes (the gradients sent back held to the replay's: verifier.segmentcheck.sent_comparisons)."""
     sender = Wallet.from_token("bench-replay-stage0")
     torch.manual_seed(0)
     stage0 = build_stage(model_cfg, 0, 2).eval()
@@ -426,9 +427,11 @@ def later_stage_segments(
             dim=hidden.shape[2], codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
         )  # fmt: skip
         got, got_labels = decode_activations(body, header, model_cfg.vocab_size)
-        stage_inner_step(diloco, got, got_labels, None)
+        grad, _ = stage_inner_step(diloco, got, got_labels, None)
         message = Received("activations", sender.public_key_hex, header.to_json(), body)
         recorder.record_step(diloco, micro_batch=mb, received=[message])
+        reply = encode_gradient(grad, DEFAULT_CODEC)  # its gradient back, kept with the step as a node does
+        recorder.note_sent(mb, "gradient", sha256_hex(reply), reply)
     work = time.perf_counter() - start
     recorder.end_round(diloco)
     delta = diloco.pseudo_gradient()
