@@ -402,9 +402,8 @@ class SegmentMaterial:
         wanted |= {
             f"m{i}.{j}.{part}" for i, c in enumerate(counts) for j in range(c) for part in ("header", "body")
         }
-        if any(not 0 <= i < len(counts) or kind not in KINDS for i, kind in sent_keys) or len(
-            set(sent_keys)
-        ) != len(sent_keys):
+        outside = any(not 0 <= i < len(counts) or kind not in KINDS for i, kind in sent_keys)
+        if outside or len(set(sent_keys)) != len(sent_keys):
             raise malformed("segment material names sent payloads of no step of the segment, or twice")
         wanted |= {f"s{i}.{kind}" for i, kind in sent_keys}
         if set(tensors) != wanted:

@@ -69,8 +69,8 @@ class SegmentConfig:
     """Disk budget of the store: whole oldest rounds are dropped until the kept ones fit. Per round:
     (H/k + 1) checkpoints of 12 bytes per parameter (weights, two AdamW moments in float32) plus the
     payloads received and sent (activations and gradients, each way, in the run's codec: about
-    half a byte per value with the default fitted43, 2 with bf16). The round being written is never dropped, so one round larger than the budget is still
-    kept alone (and said so)."""
+    half a byte per value with the default fitted43, 2 with bf16). The round being written is never
+    dropped, so one round larger than the budget is still kept alone (and said so)."""
 
     def __post_init__(self) -> None:
         if self.segment_steps < 1 or self.keep_rounds < 1 or self.max_bytes < 1:
