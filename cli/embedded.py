@@ -52,6 +52,20 @@ class _ToNodeLog(logging.Handler):
         self._log(f"verifier: {message}")
 
 
+ROUTED = ("neuroshard.verifier", "uvicorn.error")
+"""The loggers whose lines go to the node's output while an embedded verifier runs."""
+
+
+def _unroute() -> None:
+    """Give the routed loggers back: a process that stopped its verifier (a node's run in a test,
+    say) must not keep printing other verifiers' lines as its own."""
+    for name in ROUTED:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if isinstance(h, _ToNodeLog)]:
+            logger.removeHandler(old)
+        logger.propagate = True
+
+
 def _route_to(logger_name: str, handler: _ToNodeLog, level: int) -> None:
     logger = logging.getLogger(logger_name)
     for old in [h for h in logger.handlers if isinstance(h, _ToNodeLog)]:
@@ -73,6 +87,7 @@ class EmbeddedVerifier:
     def stop(self) -> None:
         self._server.should_exit = True  # type: ignore[attr-defined]
         self._thread.join(timeout=10.0)
+        _unroute()
 
 
 def start_embedded_verifier(
@@ -129,6 +144,7 @@ def start_embedded_verifier(
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
+            _unroute()
             reason = to_node.last_error or (type(failed[0]).__name__ if failed else "no answer")
             raise OSError(f"the embedded verifier could not listen on {host}:{port}: {reason}")
         time.sleep(0.05)

@@ -126,3 +126,25 @@ def test_neuroshard_verifier_stopped_by_sigterm_ends_with_status_0(published, tm
     log = verifier.log_path.read_text()
     assert verifier.process.returncode == 0, log[-3000:]
     assert "Finished server process" in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_stopped_embedded_verifier_leaves_the_loggers_as_it_found_them() -> None:
+    """Its lines go to the node's output while it runs; once stopped, a later verifier in the same
+    process (tests run many) must not print through it (CI saw a check's captured output begin with
+    another test's verifier lines)."""
+    import logging
+
+    from neuroshard.cli import embedded
+
+    lines: list[str] = []
+    handler = embedded._ToNodeLog(lines.append)
+    handler.started()
+    for name in embedded.ROUTED:
+        embedded._route_to(name, handler, logging.INFO)
+    logging.getLogger("neuroshard.verifier.leader").info("routed")
+    embedded._unroute()
+    logging.getLogger("neuroshard.verifier.leader").info("not routed")
+    assert lines == ["verifier: routed"]
+    for name in embedded.ROUTED:
+        logger = logging.getLogger(name)
+        assert logger.propagate and not any(isinstance(h, embedded._ToNodeLog) for h in logger.handlers)
