@@ -92,6 +92,7 @@ RULES = (
     "part:cclip_median",
     "whole:default",
     "part:prev+default",
+    "part:prev+wt+default",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
 which is the network's default rule (``aggregation.default_rule``: centered clipping from the
@@ -123,7 +124,10 @@ previous round's aggregate is below ``PREV_FLOOR`` (--prev-floor; no check in ro
 colluders know it too (their rows must pass it, and the edge family builds around it:
 ``attacks.Anchor``). The round builds it anchored to the outer momentum buffer instead
 (``--anchor momentum``; ``node.outer.reduce.AnchorCheck``, ``[aggregation] anchor_floor``), with
-``--later-validation`` for its wider per-part limits from round 1. Any prefix also takes "cc<S>x<I>"
+``--later-validation`` for its wider per-part limits from round 1. "prev+wt+" (tried, not adopted:
+RESULTS.md, 2026-12-06) also weights each kept row's clipped pull by max(0, its whole-Δ cosine to
+the anchor − --weight-offset); --aim moves the colluders' cosine to the anchor above the floor.
+Any prefix also takes "cc<S>x<I>"
 (``CLIP_VARIANT``): the default rule's τ scaled by S, I iterations."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
@@ -199,6 +203,11 @@ class Setup:
     later_validation: ValidationConfig | None = None
     """--later-validation: the thresholds from round 1 on (``validation`` then holds round 0
     only); meant for prev+, whose anchor exists from round 1."""
+    aim: float | None = None
+    """--aim: the whole-Δ cosine to the anchor the colluders build at (at least the floor), for a
+    defence that weights rows by that cosine (wt+): at the floor a row weighs least."""
+    weight_offset: float = 0.0
+    """wt+: a row's weight is max(0, cosine to the anchor − this)."""
 
 
 @dataclass(kw_only=True)
@@ -369,8 +378,11 @@ class AttackedAggregate:
         prev_floor: float = PREV_FLOOR,
         later_validation: ValidationConfig | None = None,
         anchor: str = "aggregate",
+        aim: float | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
         self.job, self.outcome, self.history_floor = job, outcome, history_floor
+        self.aim, self.weight_offset = aim, weight_offset
         self.prev_floor = prev_floor
         self.validation = validation
         self.later_validation = later_validation
@@ -383,6 +395,11 @@ class AttackedAggregate:
                     f"{job.rule}: prev+ is simulated for the partitioned round only (part:prev+…)"
                 )
             self.rule = self.rule[len("prev+") :]
+        self.weighted = self.rule.startswith("wt+")
+        if self.weighted:
+            if not self.with_prev:
+                raise ValueError(f"{job.rule}: wt+ weights by the anchor's cosine (part:prev+wt+…)")
+            self.rule = self.rule[len("wt+") :]
         self.with_history = self.rule.startswith("hist+")
         if self.with_history:
             self.rule = self.rule[len("hist+") :]
@@ -502,6 +519,8 @@ class AttackedAggregate:
             config = attacks.tightened(self.validation, attacks.REALISTIC_MARGIN)
         gen = attacker_generator(self.job.seed, self.round, 0)
         anchor = self._anchor()  # the previous aggregate is public: no margin at either level
+        if anchor is not None and self.aim is not None:
+            anchor = attacks.Anchor(anchor.direction, max(anchor.floor, self.aim))
         chosen = attacks.adapt(
             name,
             estimate,
@@ -646,15 +665,48 @@ class AttackedAggregate:
         d = rows[0].numel()
         out = torch.zeros(d)
         refused: dict[str, str] = {}
+        weights = self._weights(dict(zip(wallets, rows, strict=True)))
         for j, (a, b) in enumerate(part_bounds(d, parts)):
             if b == a:
                 continue
             part = {w: row[a:b].contiguous() for w, row in zip(wallets, rows, strict=True)}
             apply = functools.partial(self._apply, self.rule, span=(a, b))
+            if weights is not None:
+                apply = functools.partial(self._weighted, part, weights)
             out[a:b], part_refused = reduce_part(part, apply, self.validation)
             for w, reason in part_refused.items():
                 refused.setdefault(w, f"part {j}: {reason}")
         return out, refused
+
+    def _weights(self, by_wallet: dict[str, Tensor]) -> dict[str, float] | None:
+        """wt+: each contributor's weight, max(0, whole-Δ cosine to the anchor − offset); None (equal
+        weights) without an anchor or when every weight would be 0."""
+        anchor = self._anchor()
+        if not self.weighted or anchor is None or not bool(anchor.direction.any()):
+            return None
+        weights = {
+            w: max(0.0, _cosine(r, anchor.direction) - self.weight_offset) for w, r in by_wallet.items()
+        }
+        return weights if any(v > 0 for v in weights.values()) else None
+
+    def _weighted(self, part: dict[str, Tensor], weights: dict[str, float], stack: Tensor) -> Tensor:
+        """The default rule (one centered clipping step from the coordinate median, τ = the median
+        distance) with the clipped pulls averaged by weight. ``stack`` holds the part's rows that
+        passed its screening, in ``part``'s order."""
+        kept = [w for w in sorted(part) if any(torch.equal(part[w], row) for row in stack)]
+        if len(kept) != stack.shape[0] or stack.shape[0] < aggregation.SMALL_N:
+            return self._apply(self.rule, stack, span=(0, 0))
+        w = torch.tensor([weights[k] for k in kept], dtype=torch.float64)
+        if not float(w.sum()) > 0:
+            return self._apply(self.rule, stack, span=(0, 0))
+        center = stack.double().quantile(0.5, dim=0)
+        diffs = stack.double() - center
+        norms = diffs.norm(dim=1)
+        tau = float(norms.median())
+        if not tau > 0:
+            return center.float()
+        clip = torch.clamp(tau / norms, max=1.0)
+        return (center + (w * clip) @ diffs / w.sum()).float()
 
     def _per_part(self, kept: Tensor, n: int) -> Tensor:
         """The rule on each of the n parts of the kept rows alone (no screening: it was whole-vector)."""
@@ -778,6 +830,8 @@ def run_job(job: Job, setup: Setup) -> Outcome:
                 setup.prev_floor,
                 setup.later_validation,
                 setup.anchor,
+                setup.aim,
+                setup.weight_offset,
             ),
             eval_batches=eval_batches,
         )
@@ -1004,6 +1058,18 @@ def main() -> None:
         help="thresholds as --validation's for rounds 1 on, --validation's then holding round 0 only "
         "(with part:prev+…: the node's limits while there is no anchor, open ones after)",
     )
+    parser.add_argument(
+        "--aim",
+        type=float,
+        default=None,
+        help="the whole-Δ cosine to the anchor the colluders build at (default: the floor)",
+    )
+    parser.add_argument(
+        "--weight-offset",
+        type=float,
+        default=0.0,
+        help="wt+: a row weighs max(0, its cosine to the anchor − this) (default 0)",
+    )
     args = parser.parse_args()
     outer_settings(args.outer)  # refuse a malformed spec before any run starts
     try:
@@ -1021,6 +1087,8 @@ def main() -> None:
         validation=validation,
         later_validation=later,
         anchor=args.anchor,
+        aim=args.aim,
+        weight_offset=args.weight_offset,
     )
     splits, data_modes = args.splits, args.data
     if args.quick:
