@@ -232,12 +232,13 @@ class FraudProofOut(_Out):
     round: int
     segment: int = Field(
         description="The round's segment whose replay failed; of a sender proof, the segment of the "
-        "sender's log holding the step that contradicts its header."
+        "sender's log holding the step that contradicts its header; of a continuity proof, 0."
     )
     kind: str = Field(
         description='"segment": a segment whose replay failed (needs the run\'s definition, and at '
         'stage 0 its data, to check); "sender": the wallet\'s signed round log contradicts a header '
-        "it signed (checks alone)."
+        'it signed (checks alone); "continuity": the round starts from an optimizer state neither '
+        "fresh nor the one the wallet's round before ended with (checks with the run's definition)."
     )
     reason: str = Field(description="The verifier's verdict.")
     size_bytes: int

@@ -6,13 +6,22 @@
     neuroshard-check-proof p.proof --network network.json [--operator-key HEX --signature HEX]
         [--wallet W] [--spans '[[3,0,16]]'] [--cache-dir DIR]
     neuroshard-check-proof sender.proof [--wallet W]        # a sender proof (the list's kind)
+    neuroshard-check-proof continuity.proof --network network.json [--wallet W]
 
 A sender proof (verifier.segmentcheck.SenderFraudProof, kind "sender" in the list) holds a
 replica's signed round log and a header it signed for a receiver: the log records sending that
 receiver, for that micro-batch, other bytes than the header signs. Both are the sender's own
 signatures (the header signs whom it was sent to as well as its payload), so it needs no
 definition, no data and no replay; with --network, the log's stage must be one of the
-run's and its steps no more than a round's. The rest of this text is about segment proofs.
+run's and its steps no more than a round's.
+
+A continuity proof (verifier.segmentcheck.ContinuityFraudProof, kind "continuity") holds a
+replica's signed log of one round, θ_round's bytes and the hash of the optimizer state the round
+started from (together they open the log's first checkpoint), and its signed log of the round
+before with the opening of that round's last checkpoint: the round started from AdamW moments
+that are neither fresh nor the ones its round before ended with. It needs --network (θ's length
+must be the stage's, whose number of parameter tensors fixes a fresh optimizer's digest), no data
+and no replay. The rest of this text is about segment proofs.
 
 The proof (verifier.segmentcheck.SegmentFraudProof) holds one segment of a replica's round: its
 signed commitment, its hash-chained log, the checkpoints at the segment's two ends and the
@@ -77,15 +86,18 @@ from neuroshard.verifier.network import NetworkDefinition, NetworkError, load_ne
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, calibrated_tolerance, tolerance_for
 from neuroshard.verifier.segmentcheck import (
     ANY_PRECISION,
+    CONTINUITY_PROOF_MAGIC,
     SENDER_PROOF_MAGIC,
     BatchReader,
+    ContinuityFraudProof,
     SegmentFraudProof,
     SenderFraudProof,
+    judge_continuity_proof,
     judge_fraud_proof,
     judge_sender_proof,
 )
 from neuroshard.verifier.segmentlive import batch_reader
-from neuroshard.verifier.stageshape import declared_length, stage_config, stage_size
+from neuroshard.verifier.stageshape import declared_length, largest_numel, stage_config, stage_size
 
 PROG = "neuroshard-check-proof"
 DEVICES = ("cpu", "cuda", "mps")
@@ -231,19 +243,23 @@ node.p2p.replay.segment_log_bound); with one, that bound for the run's rounds.""
 def check(args: argparse.Namespace) -> tuple[bool, str]:
     """(proves, the line to print); raises Unreadable when the proof, the definition or the data
     cannot be read (whatever the exception), not when the replay fails."""
+    magic = max(len(SENDER_PROOF_MAGIC), len(CONTINUITY_PROOF_MAGIC))
     try:
         with args.proof.open("rb") as f:
-            sender = f.read(len(SENDER_PROOF_MAGIC)) == SENDER_PROOF_MAGIC
+            first = f.read(magic)
     except OSError as exc:
         raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
     try:
-        if sender:
+        if first.startswith(SENDER_PROOF_MAGIC):
             return check_sender(args)
         if args.network is None:
+            what = "a continuity" if first.startswith(CONTINUITY_PROOF_MAGIC) else "a segment"
             raise Unreadable(
-                f"{args.proof} is not a sender fraud proof (no NSSENDER1 line); a segment fraud proof "
+                f"{args.proof} is not a sender fraud proof (no NSSENDER1 line); {what} fraud proof "
                 "needs --network"
             )
+        if first.startswith(CONTINUITY_PROOF_MAGIC):
+            return check_continuity(args)
         loaded = load(args)
     except Unreadable:
         raise
@@ -307,6 +323,53 @@ def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
         return False, f"does not prove fraud: {verdict.reason}{about}"
     step = proof.step()
     where = f"wallet {wallet} stage {c.stage} round {c.round} step {step} (segment {proof.segment()})"
+    return True, f"PROVES FRAUD: {where} ({verdict.reason}){about}"
+
+
+def check_continuity(args: argparse.Namespace) -> tuple[bool, str]:
+    """A continuity proof's verdict line (module docstring); needs the definition: θ's length must
+    be one of the stage's (grown with the tokenizer or not), and the stage's number of parameter
+    tensors fixes a fresh optimizer's digest."""
+    network, about = _definition(args)
+    given = (("--spans", args.spans), ("--device", args.device), ("--cache-dir", args.cache_dir))
+    ignored = [flag for flag, value in given if value]
+    if ignored:
+        raise Unreadable(
+            f"{' and '.join(ignored)} apply to segment fraud proofs; {args.proof} is a continuity proof"
+        )
+    stages = network.num_stages
+    largest = max(largest_numel(network.model, stage, stages) for stage in range(stages))
+    limit = 2 * segment_log_bound(network.diloco.inner_steps) + (64 << 10) + 4 * largest
+    try:
+        with args.proof.open("rb") as f:  # bounded by reading, not by stat: a pipe has no size
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise Unreadable(f"{args.proof} holds more than the {limit} bytes a continuity proof of this run can")
+    try:
+        proof = ContinuityFraudProof.decode(data)
+    except Refused as exc:
+        raise Unreadable(f"{args.proof} is not a continuity fraud proof: {exc.detail}") from None
+    del data
+    c = proof.log.commitment
+    wallet = wallet_id_of(bytes.fromhex(c.wallet))
+    if args.wallet is not None and args.wallet.lower() not in (wallet, c.wallet):
+        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    if not 0 <= c.stage < stages:
+        return False, f"does not prove fraud: the proof is for stage {c.stage}, the run has {stages}{about}"
+    for signed in (proof.log, proof.previous):
+        if signed is not None and len(signed.log.steps) > network.diloco.inner_steps:
+            return False, f"does not prove fraud: a log has more steps than a round of this run{about}"
+    try:  # the definition's length, or the stage's grown with the tokenizer (node.vocab)
+        stage_config(network.model, c.stage, stages, proof.numel)
+    except ValueError as exc:
+        raise Unreadable(f"{args.proof} is not a stage-{c.stage} proof of this run's model: {exc}") from None
+    n_tensors = stage_size(network.model, c.stage, stages)[1]
+    verdict = judge_continuity_proof(proof, n_tensors=n_tensors, num_stages=stages)
+    if not verdict.proves:
+        return False, f"does not prove fraud: {verdict.reason}{about}"
+    where = f"wallet {wallet} stage {c.stage} round {c.round} (its first checkpoint)"
     return True, f"PROVES FRAUD: {where} ({verdict.reason}){about}"
 
 

@@ -6,14 +6,14 @@ For each of the last `SegmentConfig.keep_rounds` rounds, under `directory/round-
   step counts, float32; node.segments.SegmentCheckpoint);
 - `step-<i>.safetensors`: the messages inner step i consumed, each as two uint8 tensors (the
   sender's signed header and the payload bytes) — stage 0 of a single-stage run writes none;
-- `end.json` (the opening of the round's last checkpoint: its weights' and optimizer's hashes),
-  `commitment.json` and `log.json` once the round is closed (written last: a round without them
+- `end.json` and `start.json` (the openings of the round's last and first checkpoints: their
+  weights' and optimizer's hashes), `commitment.json` and `log.json` once the round is closed (written last: a round without them
   was never committed and is not served).
 
 Bounded twice: at most `keep_rounds` closed rounds, and the checkpoints and payloads of whole oldest
 rounds are deleted until the kept ones fit in `max_bytes`; the round being written is never deleted,
 so a round larger than the budget is kept alone and the log line says so. A round's small files
-(log, commitment, end opening) outlive its checkpoints by `LOG_ROUNDS` rounds. Files are written to a temporary name and renamed,
+(log, commitment, openings) outlive its checkpoints by `LOG_ROUNDS` rounds. Files are written to a temporary name and renamed,
 read back with safetensors (never pickle), and every read is checked against the log's hashes by
 whoever uses it (verifier.segmentcheck), not trusted here.
 """
@@ -21,6 +21,7 @@ whoever uses it (verifier.segmentcheck), not trusted here.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -128,12 +129,17 @@ class SegmentStore(SegmentSink):
         _atomic_write(body, where / f"sent-{step:08d}-{kind}.bin")
 
     def close(
-        self, log: SegmentLog, commitment: SegmentCommitment | None, end: CheckpointOpening | None = None
+        self,
+        log: SegmentLog,
+        commitment: SegmentCommitment | None,
+        end: CheckpointOpening | None = None,
+        start: CheckpointOpening | None = None,
     ) -> None:
         where = _round_dir(self.directory, log.round)
         where.mkdir(exist_ok=True)
-        if end is not None:
-            _atomic_write(end.to_json(), where / "end.json")
+        for name, opening in (("end", end), ("start", start)):
+            if opening is not None:
+                _atomic_write(opening.to_json(), where / f"{name}.json")
         if commitment is not None:
             _atomic_write(commitment.to_json(), where / "commitment.json")
         _atomic_write(log.to_json(), where / "log.json")
@@ -152,7 +158,7 @@ class SegmentStore(SegmentSink):
 
     def _evict(self, keep: int) -> None:
         """Drop the checkpoints and payloads of whole oldest rounds beyond `keep_rounds` or the byte
-        budget; a dropped round's small files (log, commitment, end opening) stay for
+        budget; a dropped round's small files (log, commitment, openings) stay for
         `LOG_ROUNDS` rounds: the verifier reads them to match senders' records and to hold the
         next round's optimizer state to this one's end, after the heavy files are gone."""
         with self._lock:
@@ -207,8 +213,18 @@ class SegmentStore(SegmentSink):
     def end_opening(self, round_: int) -> CheckpointOpening | None:
         """The opening of a closed round's last checkpoint; None when not held (or not written:
         rounds closed before it was kept)."""
+        return self._opening(round_, "end")
+
+    def start_opening(self, round_: int) -> CheckpointOpening | None:
+        """The opening of a closed round's first checkpoint (θ_round and the optimizer state the
+        round started from); None when not held (rounds closed before it was kept)."""
+        return self._opening(round_, "start")
+
+    def _opening(self, round_: int, name: str) -> CheckpointOpening | None:
         try:
-            return CheckpointOpening.from_json((_round_dir(self.directory, round_) / "end.json").read_bytes())
+            return CheckpointOpening.from_json(
+                (_round_dir(self.directory, round_) / f"{name}.json").read_bytes()
+            )
         except FileNotFoundError:
             return None
 
@@ -268,6 +284,7 @@ class SegmentStore(SegmentSink):
             return None
         received = tuple(tuple(self.load_received(round_, i)) for i in range(first, end))
         sent = tuple(tuple(self.load_sent(round_, i)) for i in range(first, end))
+        opening = self.start_opening(round_)
         return SegmentMaterial(
             log,
             commitment,
@@ -277,11 +294,13 @@ class SegmentStore(SegmentSink):
             received,
             theta_round=round_start.weights,
             sent=sent,
+            start_inner=None if opening is None else opening.inner_sha256,
         )
 
 
 # --- the answer to a challenge, on the wire -----------------------------------------------------
 
+HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_MATERIAL_HEADER = 16 << 20
 """Largest safetensors header of a material body: the log of H steps takes ~0.3 KB a step."""
 
@@ -318,6 +337,10 @@ class SegmentMaterial:
     """Per inner step of the segment, (kind, bytes) of what it sent on (activations forward, a
     gradient back), in KINDS order: the log's `sent` entries name their sha256s, and the replay
     holds them to what the step computed."""
+    start_inner: str | None = None
+    """The sha256 of the inner optimizer state the round started from (the second half of its first
+    checkpoint's opening, `theta_round` being the first): what a continuity fraud proof needs
+    (verifier.segmentcheck.ContinuityFraudProof). None from nodes before it was served."""
 
     def encode(self) -> bytes:
         """safetensors: the two checkpoints' tensors and each message's header and payload as uint8
@@ -330,6 +353,8 @@ class SegmentMaterial:
             "counts": ",".join(str(len(r)) for r in self.received),
             "sent": ",".join(f"{i}:{kind}" for i, step in enumerate(self.sent) for kind, _ in step),
         }
+        if self.start_inner is not None:
+            metadata["start_inner"] = self.start_inner
         for side, ckpt in (("start", self.start), ("end", self.end)):
             for key, t in zip(
                 _CKPT_KEYS,
@@ -391,6 +416,9 @@ class SegmentMaterial:
             ]
         except (KeyError, ValueError) as exc:
             raise malformed(f"segment material metadata is incomplete: {exc}") from None
+        start_inner = metadata.get("start_inner")
+        if start_inner is not None and not HEX64.fullmatch(start_inner):
+            raise malformed("segment material's start_inner is not a sha256 (64 lowercase hex digits)")
         if not 0 <= segment < log.segments:
             raise malformed(f"segment {segment} of a round with {log.segments} segments")
         first, end = log.segment(segment)
@@ -452,4 +480,5 @@ class SegmentMaterial:
             tuple(received),
             theta,
             tuple(tuple(s) for s in sent),
+            start_inner,
         )

@@ -144,10 +144,14 @@ class SegmentSink:
         segment check can hold it to what the replayed step computes."""
 
     def close(
-        self, log: SegmentLog, commitment: SegmentCommitment | None, end: CheckpointOpening | None = None
+        self,
+        log: SegmentLog,
+        commitment: SegmentCommitment | None,
+        end: CheckpointOpening | None = None,
+        start: CheckpointOpening | None = None,
     ) -> None:
         """The round's log is complete; `commitment` is its signed root (None when unsigned), `end`
-        the opening of its last checkpoint."""
+        and `start` the openings of its last and first checkpoints."""
 
     def abandon(self, round_: int) -> None:
         """Drop what was kept of a round that will not be committed (resumed mid-round)."""
@@ -358,7 +362,7 @@ class SegmentRecorder:
             if sign is None
             else SegmentCommitment.create(sign, stage=self.stage, round=current.round, root=log.root())
         )
-        self._io(self.sink.close, log, commitment, openings[-1])
+        self._io(self.sink.close, log, commitment, openings[-1], openings[0])
         self.flush()  # the round is on disk before its receipt names the root
         if self._engine is not None:
             self._closed = (current.round, self._engine)

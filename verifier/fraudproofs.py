@@ -3,8 +3,10 @@
 A segment that fails its replay on material matching the replica's signed commitment
 (verifier.segmentcheck.SegmentFraudProof, kind "segment") proves fraud to anyone holding the run's
 definition (and, at stage 0, its data); a sender's signed round log that contradicts a header it
-signed (verifier.segmentcheck.SenderFraudProof, kind "sender": kilobytes) proves it to anyone. The
-replay checker (verifier.replaycheck) keeps each one:
+signed (verifier.segmentcheck.SenderFraudProof, kind "sender": kilobytes) proves it to anyone, and
+a round that starts from AdamW moments neither fresh nor the ones the replica's round before ended
+with (verifier.segmentcheck.ContinuityFraudProof, kind "continuity": θ_round's 4 bytes per
+parameter and two round logs) to anyone holding the run's definition. The replay checker (verifier.replaycheck) keeps each one:
 
 - the bytes in `<directory>/<sha256>.proof` (the verifier's HOME/fraud-proofs): of a segment
   proof, two checkpoints of 12 bytes per parameter and θ_round's 4, 28 bytes per parameter, plus
@@ -49,8 +51,9 @@ from neuroshard.data.files import atomic_write
 
 from . import models as m
 
-KIND_SEGMENT, KIND_SENDER = "segment", "sender"
-"""`FraudProof.kind`: a failed segment replay, or a sender's log against its own header."""
+KIND_SEGMENT, KIND_SENDER, KIND_CONTINUITY = "segment", "sender", "continuity"
+"""`FraudProof.kind`: a failed segment replay, a sender's log against its own header, or a round
+that starts from neither a fresh optimizer nor the state the replica's round before ended with."""
 DIRECTORY_NAME = "fraud-proofs"
 """The proofs' directory under the verifier's HOME."""
 SUFFIX = ".proof"

@@ -306,10 +306,12 @@ class FraudProof(Base):
     round: Mapped[int] = mapped_column(Integer)
     segment: Mapped[int] = mapped_column(Integer)
     """The failed segment of the round (node.segments); of a sender proof, the segment of the
-    sender's log holding the step that contradicts its header."""
+    sender's log holding the step that contradicts its header; of a continuity proof, 0 (the
+    round's first checkpoint)."""
     kind: Mapped[str] = mapped_column(String(16), default="segment", server_default="segment")
-    """"segment" (SegmentFraudProof: a failed replay) or "sender" (SenderFraudProof: a sender's
-    signed log contradicts a header it signed)."""
+    """"segment" (SegmentFraudProof: a failed replay), "sender" (SenderFraudProof: a sender's
+    signed log contradicts a header it signed) or "continuity" (ContinuityFraudProof: a round
+    starts from an optimizer state neither fresh nor the one the wallet's round before ended with)."""
     reason: Mapped[str] = mapped_column(String(FRAUD_REASON_LEN))
     """The verdict, e.g. 'segment 3 of 4: norm ratio 1.25 …'."""
     size_bytes: Mapped[int] = mapped_column(BigInteger)

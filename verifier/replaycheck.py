@@ -80,7 +80,10 @@ the commitments without replaying it: its end checkpoint is where the receipt's 
 check, not only by those that happen to draw the last segment. It costs one more segment's
 download and hashing, no replay. A segment check also holds the round's first checkpoint to
 θ_round with a fresh optimizer or the state the replica's previous round ended with (the signed
-log of round r−1 and the opening of its last checkpoint; segmentcheck.continuity_problem).
+log of round r−1 and the opening of its last checkpoint; segmentcheck.continuity_problem). A
+break leaves a ContinuityFraudProof (kind "continuity") when the replica served the opening of its
+round's first checkpoint (`SegmentMaterial.start_inner`) and a signed, opened log of the round
+before: the two logs are its own signatures, so the break checks alone with the run's definition.
 After a check passes, the senders whose messages its segments consumed (MAX_SENDER_LOGS, drawn)
 are held to their own signed round logs (`_match_senders`): a sender whose log contradicts a
 header it signed fails in its own stage and round and leaves a SenderFraudProof, kept and listed
@@ -143,10 +146,12 @@ from .members import MembershipConfig
 from .relaychallenge import BucketHolder, BucketUnavailable, NotAnswered, RelayChallenges
 from .sampling import draw, sampled
 from .segmentcheck import (
+    ContinuityFraudProof,
     SenderFraudProof,
     continuity_problem,
     contradicting,
     draw_segments,
+    judge_continuity_proof,
     sender_round,
     signed_log_problem,
 )
@@ -949,7 +954,12 @@ class ReplayChecker:
         if judged.ok:  # the log is the committed one: hold its start to the round before
             broken = self._continuity(challenge)
             if broken is not None:
-                self._record(receipt, False, f"optimizer continuity: {broken}")
+                detail = f"optimizer continuity: {broken}"
+                proof = self._continuity_proof(challenge)
+                self._record(
+                    receipt, False, detail, reason=detail, kind=fraudproofs.KIND_CONTINUITY,
+                    proofs=[] if proof is None else [k for k in [self._write_proof(receipt, 0, proof)] if k],
+                )  # fmt: skip
                 return
         self.fraud_proofs.extend(proof for _, proof in judged.proofs)
         kept = [k for k in (self._write_proof(receipt, j, proof) for j, proof in judged.proofs) if k]
@@ -1037,6 +1047,7 @@ class ReplayChecker:
         proofs: Sequence[tuple[int, str, int]] = (),
         reason: str = "",
         penalty: float | None = None,
+        kind: str = fraudproofs.KIND_SEGMENT,
     ) -> None:
         """Record the verdict and list the fraud proofs (segment, sha256, size) already written to
         `fraud_proof_dir`, in one transaction; then delete the files of rows pruned beyond
@@ -1053,7 +1064,7 @@ class ReplayChecker:
                 membership=self.membership,
                 penalty=penalty,
             )
-            kept = self._list_proofs(session, receipt, proofs, reason, fraudproofs.KIND_SEGMENT)
+            kept = self._list_proofs(session, receipt, proofs, reason, kind)
         self._tidy_proofs(receipt, proofs, *kept)
         with self._count_lock:
             if ok:
@@ -1143,6 +1154,25 @@ class ReplayChecker:
         return continuity_problem(
             piece.log, receipt.base_hash, self._fresh(piece), previous, piece.commitment.wallet, previous_root
         )
+
+    def _continuity_proof(self, challenge: Challenge) -> bytes | None:
+        """A failed continuity check as a ContinuityFraudProof's bytes, kept in `fraud_proofs`
+        too; None when the replica's answer makes none (no start opening served: nodes before it
+        was; a round before whose log was not served, not signed, or not opened: the verdict
+        stands, but only the replica's own contradicting signatures prove fraud to others)."""
+        piece = challenge.pieces[challenge.segments[0]]
+        if piece.start_inner is None:
+            return None
+        signed = SignedSegmentLog(piece.log, piece.commitment)
+        proof = ContinuityFraudProof.of(signed, piece.theta_round, piece.start_inner, challenge.previous)
+        verdict = judge_continuity_proof(
+            proof, n_tensors=piece.start.inner.steps.numel(), num_stages=self.ctx.network.num_stages
+        )
+        if not verdict.proves:
+            return None
+        data = proof.encode()
+        self.fraud_proofs.append(data)
+        return data
 
     def _get_segment(self, address: str | BucketHolder, receipt: m.Receipt, segment: int) -> SegmentMaterial:
         """Segment `segment` of the receipt's round as the replica serves it; raises like _get_replay."""

@@ -48,7 +48,7 @@ from neuroshard.node.diloco import (
 from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
 from neuroshard.node.p2p.pipeline_wire import decode_activations, decode_activations_as, decode_gradient
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
-from neuroshard.node.replay import install_inner_state
+from neuroshard.node.replay import fresh_inner_digest, install_inner_state
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex, wallet_id_of
@@ -56,6 +56,7 @@ from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import canonical_json, parse_json
 from neuroshard.protocol.segments import (
+    CheckpointOpening,
     Received,
     SegmentCommitment,
     SegmentLog,
@@ -201,7 +202,8 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
 
 
 def _round_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]:
-    """The chain against the receipt's θ_round and Δ: the contribution sent is the chain's end."""
+    """The chain against the receipt's θ_round and Δ: the contribution sent is the chain's end;
+    the round's first checkpoint opened by θ_round and the served `start_inner`, when served."""
     if claim.base_hash is None:
         return []
     theta = material.theta_round
@@ -209,6 +211,9 @@ def _round_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]
         return ["the served θ_round is not the receipt's base_hash"]
     j, last = material.segment, material.log.segments - 1
     out = []
+    inner = material.start_inner
+    if inner is not None and checkpoint_hash(claim.base_hash, inner) != material.log.checkpoints[0]:
+        out.append("the served start_inner and θ_round do not open the round's first checkpoint")
     if j == 0 and not torch.equal(material.start.weights, theta):
         out.append("segment 0 does not start from θ_round")
     delta = theta - material.end.weights
@@ -766,3 +771,146 @@ def judge_sender_proof(proof: SenderFraudProof, *, num_stages: int | None = None
         )
     receiver = wallet_id_of(bytes.fromhex(proof.receiver))
     return FraudProofVerdict(True, f"its signed log contradicts what it signed for {receiver}: {found[0][1]}")
+
+
+CONTINUITY_PROOF_MAGIC = b"NSCONTIN1\n"
+"""The first bytes of a `ContinuityFraudProof`."""
+CONTINUITY_PROOF_KEYS = frozenset({"log", "previous", "start_inner", "numel"})
+
+
+@dataclass(frozen=True)
+class ContinuityFraudProof:
+    """A replica whose round started from an inner optimizer state that is neither fresh nor the
+    one its previous round ended with (`continuity_problem`: it chose its AdamW moments between
+    rounds). It holds the round's signed log, θ_round's bytes and the sha256 of the starting
+    optimizer state (together they open the log's first checkpoint), and the replica's signed log
+    of the round before with the opening of its last checkpoint (none for round 0, which must start
+    fresh). Everything but the fresh state's digest is the replica's own signature or opens it: θ's
+    bytes fix the model's size, and with the run's definition (its number of parameter tensors)
+    the digest of a fresh optimizer of that size (node.replay.fresh_inner_digest). An honest node
+    signs one log per round, so two signed logs that do not chain are its own contradiction.
+
+    One encoding: the NSCONTIN1 line, canonical JSON (the logs, `start_inner`, `numel`), a newline,
+    then θ as `numel` little-endian float32 values. θ is 4 bytes per parameter: a continuity proof
+    is a seventh of a segment proof (verifier.fraudproofs)."""
+
+    log: SignedSegmentLog
+    start_inner: str
+    theta: bytes
+    """θ_round, float32 little-endian: its sha256 is the first checkpoint's weights hash."""
+    previous: SignedSegmentLog | None
+
+    @property
+    def numel(self) -> int:
+        return len(self.theta) // 4
+
+    def encode(self) -> bytes:
+        bare = SignedSegmentLog(self.log.log, self.log.commitment)  # its own end opening proves nothing here
+        obj = {
+            "log": parse_json(bare.encode(), "signed segment log"),
+            "previous": None
+            if self.previous is None
+            else parse_json(self.previous.encode(), "signed segment log"),
+            "start_inner": self.start_inner,
+            "numel": self.numel,
+        }
+        return CONTINUITY_PROOF_MAGIC + canonical_json(obj) + b"\n" + self.theta
+
+    @staticmethod
+    def read_head(data: bytes) -> dict[str, object]:
+        """The proof's JSON part (what bounds the rest: its stage and θ's length), from its first
+        line after the magic; Refused ("malformed") unless it has exactly the proof's keys."""
+        if not data.startswith(CONTINUITY_PROOF_MAGIC):
+            raise malformed("not a continuity fraud proof (no NSCONTIN1 line)")
+        end = data.find(b"\n", len(CONTINUITY_PROOF_MAGIC))
+        if end < 0:
+            raise malformed("a continuity fraud proof's JSON line has no end")
+        obj = parse_json(data[len(CONTINUITY_PROOF_MAGIC) : end], "continuity fraud proof")
+        if not isinstance(obj, dict) or set(obj) != CONTINUITY_PROOF_KEYS:
+            raise malformed(
+                f"a continuity fraud proof holds exactly {', '.join(sorted(CONTINUITY_PROOF_KEYS))}"
+            )
+        numel = obj["numel"]
+        if type(numel) is not int or numel < 1:
+            raise malformed("a continuity fraud proof's numel is a positive integer")
+        return obj
+
+    @classmethod
+    def decode(cls, data: bytes) -> ContinuityFraudProof:
+        """Refused ("malformed") for anything but a continuity proof's exact shape, its one encoding."""
+        obj = cls.read_head(data)
+        theta = data[data.index(b"\n", len(CONTINUITY_PROOF_MAGIC)) + 1 :]
+        if len(theta) != 4 * cast(int, obj["numel"]):
+            raise malformed(
+                f"a continuity fraud proof's θ holds {len(theta)} bytes, numel says {4 * cast(int, obj['numel'])}"
+            )
+        start_inner = obj["start_inner"]
+        if (
+            not isinstance(start_inner, str)
+            or len(start_inner) != 64
+            or set(start_inner) - set("0123456789abcdef")
+        ):
+            raise malformed("a continuity fraud proof's start_inner is a sha256 (64 lowercase hex digits)")
+        log_obj, previous_obj = obj["log"], obj["previous"]
+        if not isinstance(log_obj, dict) or "end" in log_obj:
+            raise malformed("a continuity fraud proof's log holds its commitment and log, nothing else")
+        if previous_obj is not None and not isinstance(previous_obj, dict):
+            raise malformed("a continuity fraud proof's previous log is a signed log or null")
+        log = SignedSegmentLog.decode(canonical_json(log_obj))
+        previous = None if previous_obj is None else SignedSegmentLog.decode(canonical_json(previous_obj))
+        proof = cls(log, start_inner, theta, previous)
+        if proof.encode() != data:
+            raise malformed("a continuity fraud proof has one encoding: canonical JSON, then θ's bytes")
+        return proof
+
+    @classmethod
+    def of(
+        cls, log: SignedSegmentLog, theta_round: Tensor, start_inner: str, previous: SignedSegmentLog | None
+    ) -> ContinuityFraudProof:
+        data = theta_round.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        return cls(log, start_inner, data.astype("<f4").tobytes(), previous)
+
+
+def judge_continuity_proof(
+    proof: ContinuityFraudProof, *, n_tensors: int, num_stages: int | None = None
+) -> FraudProofVerdict:
+    """Whether `proof` proves fraud by its own signed content, and why (`ContinuityFraudProof`).
+    `n_tensors`: the stage's parameter tensors (the run's definition: verifier.stageshape), which
+    with θ's length fix a fresh optimizer's digest; `num_stages`, when the definition is at hand:
+    the commitment's stage must be one of the run's."""
+    signed = proof.log
+    c, log = signed.commitment, signed.log
+    problem = signed_log_problem(signed, c.wallet, c.stage, c.round, c.root)
+    if problem is not None:
+        return FraudProofVerdict(False, problem)
+    if num_stages is not None and not 0 <= c.stage < num_stages:
+        return FraudProofVerdict(False, f"the proof is for stage {c.stage}, the run has {num_stages}")
+    if not log.checkpoints:
+        return FraudProofVerdict(False, "its log holds no checkpoint")
+    opening = CheckpointOpening(
+        weights_sha256=hashlib.sha256(proof.theta).hexdigest(), inner_sha256=proof.start_inner
+    )
+    if opening.sha256() != log.checkpoints[0]:
+        return FraudProofVerdict(False, "θ and start_inner do not open the log's first checkpoint")
+    if proof.start_inner == fresh_inner_digest(proof.numel, n_tensors):
+        return FraudProofVerdict(False, f"round {log.round} starts with a fresh inner optimizer")
+    where = f"round {log.round} starts from an inner optimizer state that is not fresh"
+    if log.round == 0:
+        return FraudProofVerdict(True, f"{where}: a run's first round starts fresh")
+    previous = proof.previous
+    if previous is None:
+        return FraudProofVerdict(False, f"{where}, and the proof holds no log of round {log.round - 1}")
+    p = previous.commitment
+    problem = signed_log_problem(previous, c.wallet, c.stage, log.round - 1, p.root)
+    if problem is not None:
+        return FraudProofVerdict(False, f"its round {log.round - 1} log: {problem}")
+    end = previous.end
+    if end is None or not previous.log.checkpoints or end.sha256() != previous.log.checkpoints[-1]:
+        return FraudProofVerdict(False, f"its round {log.round - 1} log does not open its last checkpoint")
+    if end.inner_sha256 == proof.start_inner:
+        return FraudProofVerdict(
+            False, f"round {log.round} continues the state its round {log.round - 1} ended with"
+        )
+    return FraudProofVerdict(
+        True, f"{where}, nor the one its round {log.round - 1} ended with (both logs signed by it)"
+    )

@@ -5,14 +5,17 @@ checkpoint that does not match its hash, inputs that disagree with the sender's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from sqlalchemy import select
 from torch import Tensor
 
 from neuroshard.cli import check_proof
@@ -47,29 +50,42 @@ from neuroshard.protocol.segments import (
 )
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import models as m
+from neuroshard.verifier import replaycheck
+from neuroshard.verifier.background import JobContext
+from neuroshard.verifier.db import Database
 from neuroshard.verifier.replaycheck import (
     CALIBRATED_TOLERANCE,
     SEGMENT_TOLERANCE,
     Challenge,
     ReplayCheckConfig,
+    ReplayChecker,
     calibrated_tolerance,
     tolerance_for,
 )
 from neuroshard.verifier.segmentcheck import (
+    CONTINUITY_PROOF_MAGIC,
     SENDER_PROOF_MAGIC,
+    ContinuityFraudProof,
     SegmentClaim,
     SegmentFraudProof,
     SegmentVerdict,
     SenderFraudProof,
     check_segment,
+    commitment_problems,
     continuity_problem,
     contradicting,
+    judge_continuity_proof,
     judge_fraud_proof,
     judge_sender_proof,
     sender_round,
     signed_log_problem,
 )
-from neuroshard.verifier.segmentlive import allowed_segment_steps, judge_segments, segment_count_problem
+from neuroshard.verifier.segmentlive import (
+    SegmentsJudged,
+    allowed_segment_steps,
+    judge_segments,
+    segment_count_problem,
+)
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, ffn_dim=64, max_seq_len=16)
 H, K, B, T = 8, 4, 2, 16
@@ -847,11 +863,36 @@ def test_a_receipt_must_commit_to_the_runs_number_of_segments() -> None:
     assert segment_count_problem(receipt(12, inner_steps=24), (2,)) is None  # a short round
 
 
-def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_with(tmp_path: Path) -> None:
-    """The recorder resets the inner optimizer of a round that does not follow one it committed and
-    keeps it across consecutive rounds, keeping the end opening of each; `continuity_problem`
-    passes both, and catches moments doctored between rounds, a log of the round before that is
-    not the committed one, and an end opening that does not open it."""
+@dataclasses.dataclass
+class Rounds:
+    """Rounds 1–3 of one replica, recorded and stored; its moments doctored between rounds 2 and 3."""
+
+    store: SegmentStore
+    logs: dict[int, SegmentLog]
+    bases: dict[int, str]
+    fresh: str
+    n_tensors: int
+    lines: list[str]
+
+    def signed(self, round_: int) -> SignedSegmentLog:
+        """The round's log as GET /p2p/segment-log serves it: with its commitment and end opening."""
+        held = self.store.log(round_)
+        assert held is not None and held[1] is not None
+        return SignedSegmentLog(held[0], held[1], self.store.end_opening(round_))
+
+    def proof(self, round_: int, previous: SignedSegmentLog | None) -> ContinuityFraudProof:
+        """What the verifier builds from a challenge on `round_`: its log, θ_round and the served
+        start opening, and the log of the round before."""
+        opening, start = self.store.start_opening(round_), self.store.load_checkpoint(round_, 0)
+        assert opening is not None and start is not None
+        bare = dataclasses.replace(self.signed(round_), end=None)
+        return ContinuityFraudProof.of(bare, start.weights, opening.inner_sha256, previous)
+
+
+def _rounds(tmp_path: Path) -> Rounds:
+    """A recorder resets the inner optimizer of a round that does not follow one it committed and
+    keeps it across consecutive rounds; round 3's moments are changed between rounds, which the
+    recorder cannot tell (its commitment holds what was trained from)."""
     config = SegmentConfig(segment_steps=2)
     store = SegmentStore(tmp_path, config, log=lambda _: None)
     lines: list[str] = []
@@ -859,11 +900,17 @@ def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_wit
     torch.manual_seed(0)
     diloco = DiLoCo(build_stage(MODEL, 0, 1), DILOCO)
     numel, n_tensors = sum(p.numel() for p in diloco.params), len(diloco.params)
-    fresh = fresh_inner_digest(numel, n_tensors)
-    key = REPLICA.public_key_hex
-
-    def run_round() -> tuple[SegmentLog, str]:
-        base = tensor_digest(diloco.theta_round)
+    logs: dict[int, SegmentLog] = {}
+    bases: dict[int, str] = {}
+    for _ in range(H):  # a round trained before this recorder saw it: moments not committed here
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
+        diloco.inner_step(tokens[:, :-1], tokens[:, 1:])
+    diloco.outer_step(diloco.pseudo_gradient())
+    for round_ in (1, 2, 3):
+        if round_ == 3:  # moments doctored between rounds
+            for state in diloco.inner_optimizer.state.values():
+                state["exp_avg"].mul_(3.0)
+        bases[round_] = tensor_digest(diloco.theta_round)
         recorder.start_round(diloco)
         for i in range(H):
             tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(i))
@@ -872,35 +919,31 @@ def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_wit
         recorder.end_round(diloco)
         diloco.outer_step(diloco.pseudo_gradient())
         closed = recorder.close_round(REPLICA)
-        assert closed is not None
-        return closed[0], base
+        assert closed is not None and closed[0].round == round_
+        logs[round_] = closed[0]
+    return Rounds(store, logs, bases, fresh_inner_digest(numel, n_tensors), n_tensors, lines)
 
-    def signed(round_: int) -> SignedSegmentLog:
-        held = store.log(round_)
-        assert held is not None and held[1] is not None
-        return SignedSegmentLog(held[0], held[1], store.end_opening(round_))
 
-    for _ in range(H):  # a round trained before this recorder saw it: moments not committed here
-        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
-        diloco.inner_step(tokens[:, :-1], tokens[:, 1:])
-    diloco.outer_step(diloco.pseudo_gradient())
-    first, base1 = run_round()
-    assert first.round == 1 and lines == ["segments: round 1 does not follow a round committed here; "
-                                          "its inner optimizer starts fresh"]  # fmt: skip
+def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_with(tmp_path: Path) -> None:
+    """The recorder keeps the end opening of each round; `continuity_problem` passes a fresh start
+    and a continued one, and catches moments doctored between rounds, a log of the round before that
+    is not the committed one, and an end opening that does not open it."""
+    run = _rounds(tmp_path)
+    first, second, third = run.logs[1], run.logs[2], run.logs[3]
+    base1, base2, base3, fresh, signed = run.bases[1], run.bases[2], run.bases[3], run.fresh, run.signed
+    key = REPLICA.public_key_hex
+    assert run.lines == ["segments: round 1 does not follow a round committed here; "
+                         "its inner optimizer starts fresh"]  # fmt: skip
     assert first.checkpoints[0] == checkpoint_hash(base1, fresh)
     assert continuity_problem(first, base1, fresh, None, key, None) is None
 
-    second, base2 = run_round()  # follows round 1: its moments carry over
-    assert len(lines) == 1 and second.checkpoints[0] != checkpoint_hash(base2, fresh)
+    # round 2 follows round 1: its moments carry over
+    assert second.checkpoints[0] != checkpoint_hash(base2, fresh)
     assert signed(1).end is not None and signed(1).end.sha256() == first.checkpoints[-1]  # type: ignore[union-attr]
     assert SignedSegmentLog.decode(signed(1).encode()) == signed(1)
     assert continuity_problem(second, base2, fresh, signed(1), key, first.root()) is None
     assert "no log of round 1" in (continuity_problem(second, base2, fresh, None, key, None) or "")
 
-    for state in diloco.inner_optimizer.state.values():  # moments doctored between rounds
-        state["exp_avg"].mul_(3.0)
-    third, base3 = run_round()
-    assert len(lines) == 1  # the recorder cannot tell: the commitment holds what was trained from
     problem = continuity_problem(third, base3, fresh, signed(2), key, second.root())
     assert problem is not None and "nor the one its round 2 ended with" in problem, problem
 
@@ -924,3 +967,150 @@ def test_a_round_must_start_fresh_or_from_the_state_its_previous_round_ended_wit
     assert "first round starts fresh" in (
         continuity_problem(dataclasses.replace(third, round=0), base3, fresh, None, key, None) or ""
     )
+
+
+def test_a_continuity_break_is_a_fraud_proof_that_checks_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The doctored round's log, θ_round, its start opening and the log of the round before prove the
+    break to anyone with the stage's shape: no data, no replay, no verifier's word. Honest starts
+    (fresh, continued) prove nothing, nor does a proof whose parts were swapped or changed; one
+    proof has one encoding."""
+    run = _rounds(tmp_path)
+    judge = functools.partial(judge_continuity_proof, n_tensors=run.n_tensors, num_stages=1)
+    proof = run.proof(3, run.signed(2))
+    verdict = judge(proof)
+    assert verdict.proves and "nor the one its round 2 ended with" in verdict.reason, verdict
+    data = proof.encode()
+    assert data.startswith(CONTINUITY_PROOF_MAGIC) and ContinuityFraudProof.decode(data) == proof
+    assert len(data) < 4 * proof.numel + 64 * 1024  # θ and two small logs
+
+    # Honest starts prove nothing.
+    fresh = judge(run.proof(1, None))
+    assert not fresh.proves and "starts with a fresh inner optimizer" in fresh.reason
+    continued = judge(run.proof(2, run.signed(1)))
+    assert not continued.proves and "continues the state its round 1 ended with" in continued.reason
+    # Parts that are not the replica's own, or do not open what it signed, prove nothing.
+    theta = bytearray(proof.theta)
+    theta[0] ^= 1
+    assert "do not open" in judge(dataclasses.replace(proof, theta=bytes(theta))).reason
+    assert "do not open" in judge(dataclasses.replace(proof, theta=proof.theta[:-4])).reason
+    assert "holds no log of round 2" in judge(dataclasses.replace(proof, previous=None)).reason
+    older = judge(dataclasses.replace(proof, previous=run.signed(1)))
+    assert not older.proves and "is for stage 0 round 1, not stage 0 round 2" in older.reason
+    stripped = judge(dataclasses.replace(proof, previous=dataclasses.replace(run.signed(2), end=None)))
+    assert not stripped.proves and "does not open its last checkpoint" in stripped.reason
+    other = SegmentCommitment.create(PREV, stage=0, round=2, root=run.logs[2].root())
+    foreign = judge(dataclasses.replace(proof, previous=dataclasses.replace(run.signed(2), commitment=other)))
+    assert not foreign.proves and "not signed by it" in foreign.reason
+
+    # One encoding: anything else is refused before it is judged.
+    for bad in (
+        data.replace(b'"numel":', b'"numel": ', 1),  # not canonical
+        data[:-1],  # θ shorter than numel says
+        data + b"\0",
+        b"NSSENDER1\n" + data[len(CONTINUITY_PROOF_MAGIC) :],
+    ):
+        with pytest.raises(Refused):
+            ContinuityFraudProof.decode(bad)
+
+    # neuroshard-check-proof: the definition gives the stage's shape; nothing else is needed.
+    path, network = tmp_path / "c.proof", str(_definition(tmp_path, num_stages=1))
+    path.write_bytes(data)
+    assert check_proof.main([str(path), "--network", network, "--wallet", REPLICA.wallet_id]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"PROVES FRAUD: wallet {REPLICA.wallet_id} stage 0 round 3"), out
+    assert check_proof.main([str(path)]) == 2
+    assert "a continuity fraud proof needs --network" in capsys.readouterr().err
+    assert check_proof.main([str(path), "--network", network, "--wallet", PREV.wallet_id]) == 2
+    assert f"signed by wallet {REPLICA.wallet_id}, not" in capsys.readouterr().err
+    bigger = dataclasses.replace(MODEL, vocab_size=2 * MODEL.vocab_size)  # θ is shorter: another model
+    assert (
+        check_proof.main([str(path), "--network", str(_definition(tmp_path, num_stages=1, model=bigger))])
+        == 2
+    )
+    assert "is not a stage-0 proof of this run's model" in capsys.readouterr().err
+    path.write_bytes(run.proof(2, run.signed(1)).encode())
+    network = str(_definition(tmp_path, num_stages=1))  # the same file: written again
+    assert check_proof.main([str(path), "--network", network]) == 1
+    assert "does not prove fraud: round 2 continues" in capsys.readouterr().out
+
+
+def test_the_live_checker_keeps_a_continuity_break_as_a_proof(
+    tmp_path: Path, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check of the doctored round whose segments pass (their replay stood in here: the rounds read
+    made-up spans) fails on continuity, and the checker keeps the break as a proof of kind
+    "continuity" that judges alone. Material without a start opening (nodes before it was served)
+    fails the same way and leaves no proof."""
+    run = _rounds(tmp_path / "replica")
+    now = time.time()
+    with db.write() as s:
+        s.add(m.Wallet(wallet_id=REPLICA.wallet_id, public_key=REPLICA.public_key_hex, reputation=0.5,
+                       status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        for r in (2, 3):
+            s.add(m.Receipt(
+                wallet_id=REPLICA.wallet_id, stage=0, round=r, inner_steps=H, start_step=r * H, tokens=H,
+                shard_id=0, offset_start=0, offset_end=2 * H, data_spans=[[0, 0, 2 * H]], losses=[],
+                base_hash=run.bases[r], result_hash="1" * 64, delta_digest="2" * 64, inner_state_digest=None,
+                accepted=[], rejected=[], equivocators=[], segment_root=run.logs[r].root(),
+                segments=run.logs[r].segments, body_sha256=f"{r:064d}", received_at=now,
+            ))  # fmt: skip
+    with db.read() as s:
+        receipt = s.scalars(select(m.Receipt).where(m.Receipt.round == 3)).one()
+        s.expunge(receipt)
+    network = dataclasses.replace(small_network(), model=MODEL, diloco=DILOCO, num_stages=1, segment_steps=2)
+    lines: list[str] = []
+    checker = ReplayChecker(
+        JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
+        config=ReplayCheckConfig(sample_rate=1.0, fraud_proof_dir=tmp_path / "proofs"),
+        dataset=lambda: None,
+    )
+    monkeypatch.setattr(
+        replaycheck, "judge_segments", lambda *args, **kwargs: SegmentsJudged(True, "replayed")
+    )
+    last = run.logs[3].segments - 1
+
+    def challenge(**changes: Any) -> Challenge:
+        pieces = {j: dataclasses.replace(run.store.material(3, j), **changes) for j in (0, last)}  # type: ignore[type-var]
+        return Challenge(receipt, "http://127.0.0.1:9", segments=(0,), last=last, pieces=pieces,
+                         previous=run.signed(2))  # fmt: skip
+
+    checker._check_segments(challenge())
+    assert checker.failed == 1 and "optimizer continuity" in lines[-1], lines
+    with db.read() as s:
+        (row,) = s.scalars(select(m.FraudProof)).all()
+    assert (row.kind, row.wallet_id, row.round, row.segment) == ("continuity", REPLICA.wallet_id, 3, 0)
+    assert row.device is None and row.data_spans == []
+    data = (tmp_path / "proofs" / f"{row.sha256}.proof").read_bytes()
+    assert data == checker.fraud_proofs[-1] and len(data) == row.size_bytes
+    assert judge_continuity_proof(ContinuityFraudProof.decode(data), n_tensors=run.n_tensors).proves
+
+    checker._check_segments(challenge(start_inner=None))
+    assert checker.failed == 2 and "optimizer continuity" in lines[-1], lines
+    with db.read() as s:
+        assert len(s.scalars(select(m.FraudProof)).all()) == 1
+
+
+def test_the_served_start_opening_must_open_the_round_s_first_checkpoint(tmp_path: Path) -> None:
+    """The store serves the sha256 of the optimizer state the round started from with every segment
+    (it travels in the material's metadata); with θ_round it must open the log's first checkpoint,
+    or the material is not the committed one."""
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    material = run.material(1)  # decoded from the wire
+    assert material.start_inner is not None
+    assert checkpoint_hash(run.base_hash, material.start_inner) == material.log.checkpoints[0]
+    assert commitment_problems(material, run.claim()) == []
+    wrong = dataclasses.replace(material, start_inner="0" * 64)
+    assert commitment_problems(wrong, run.claim()) == [
+        "the served start_inner and θ_round do not open the round's first checkpoint"
+    ]
+    older = dataclasses.replace(material, start_inner=None)  # nodes before it was served
+    assert commitment_problems(older, run.claim()) == []
+    n, k = material.theta_round.numel(), material.start.inner.steps.numel()
+    assert SegmentMaterial.decode(older.encode(), numel=n, n_tensors=k).start_inner is None
+    with pytest.raises(Refused, match="start_inner is not a sha256"):
+        SegmentMaterial.decode(
+            dataclasses.replace(material, start_inner="x" * 64).encode(), numel=n, n_tensors=k
+        )
