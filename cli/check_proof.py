@@ -19,9 +19,10 @@ A continuity proof (verifier.segmentcheck.ContinuityFraudProof, kind "continuity
 replica's signed log of one round, θ_round's bytes and the hash of the optimizer state the round
 started from (together they open the log's first checkpoint), and its signed log of the round
 before with the opening of that round's last checkpoint: the round started from AdamW moments
-that are neither fresh nor the ones its round before ended with. It needs --network (θ's length
-must be the stage's, whose number of parameter tensors fixes a fresh optimizer's digest), no data
-and no replay. The rest of this text is about segment proofs.
+that are neither fresh nor the ones its round before ended with. It needs --network (both logs'
+commitments must name its digest: a wallet may train several runs, whose round numbers repeat;
+θ's length must be the stage's, whose number of parameter tensors fixes a fresh optimizer's
+digest), no data and no replay. The rest of this text is about segment proofs.
 
 The proof (verifier.segmentcheck.SegmentFraudProof) holds one segment of a replica's round: its
 signed commitment, its hash-chained log, the checkpoints at the segment's two ends and the
@@ -67,7 +68,6 @@ the data cannot be read or are refused (unverified definition, another wallet, t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import struct
 import sys
@@ -208,8 +208,7 @@ def _definition(args: argparse.Namespace) -> tuple[NetworkDefinition, str]:
         network, checked = _network(args)
     except NetworkError as exc:
         raise Unreadable(str(exc)) from None
-    digest = hashlib.sha256(network.canonical_bytes()).hexdigest()
-    return network, f" [definition sha256 {digest}, {checked}]"
+    return network, f" [definition sha256 {network.digest()}, {checked}]"
 
 
 def _read_head(path: Path) -> tuple[int, bytes]:
@@ -366,7 +365,7 @@ def check_continuity(args: argparse.Namespace) -> tuple[bool, str]:
     except ValueError as exc:
         raise Unreadable(f"{args.proof} is not a stage-{c.stage} proof of this run's model: {exc}") from None
     n_tensors = stage_size(network.model, c.stage, stages)[1]
-    verdict = judge_continuity_proof(proof, n_tensors=n_tensors, num_stages=stages)
+    verdict = judge_continuity_proof(proof, n_tensors=n_tensors, network=network.digest(), num_stages=stages)
     if not verdict.proves:
         return False, f"does not prove fraud: {verdict.reason}{about}"
     where = f"wallet {wallet} stage {c.stage} round {c.round} (its first checkpoint)"

@@ -156,7 +156,8 @@ def _reporting(
             log=_log,
             num_stages=joined.num_stages,
             network_name=joined.name,
-            segments=segment_store(args.home, joined.segment_k, args.replay_rounds, _log),
+            segments=segment_store(args.home, joined.segment_k, args.replay_rounds, _log, joined.digest()),
+            network_digest=joined.digest(),
             # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
             # inner steps depend on the other stages' replicas: neither keeps replay material.
             archive=ReplayArchive(args.replay_rounds) if joined.num_stages == 1 else None,

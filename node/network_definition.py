@@ -9,6 +9,7 @@ into it and signs its canonical JSON (neuroshard.verifier.network); a node start
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -158,6 +159,10 @@ class NetworkDefinition:
 
     def canonical_bytes(self) -> bytes:
         return json.dumps(self.to_document(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    def digest(self) -> str:
+        """sha256 hex of `canonical_bytes`: names this run (segment commitments carry it)."""
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
 
 def _table(doc: dict[str, Any], name: str, source: str) -> dict[str, Any]:

@@ -117,11 +117,15 @@ def _version() -> str:
         return "0.0.0"
 
 
-def segment_store(home: Path, segment_steps: int, keep_rounds: int, log: Log) -> SegmentStore:
-    """The node's segment store under HOME/segments: k = the run's `segment_k` (its definition's
-    [training] segment_steps: H/40 in a network.toml that names none), the last `keep_rounds` rounds (--replay-rounds)."""
+def segment_store(
+    home: Path, segment_steps: int, keep_rounds: int, log: Log, network_digest: str
+) -> SegmentStore:
+    """The node's segment store under HOME/segments/<the run's definition digest, 16 hex>: one per
+    run, since round numbers repeat across runs (a round committed in one must not stop the next
+    from recording it); k = the run's `segment_k` (its definition's [training] segment_steps: H/40
+    in a network.toml that names none), the last `keep_rounds` rounds (--replay-rounds)."""
     config = SegmentConfig(segment_steps=segment_steps, keep_rounds=keep_rounds)
-    return SegmentStore(Path(home) / "segments", config, log=log)
+    return SegmentStore(Path(home) / "segments" / network_digest[:16], config, log=log)
 
 
 class Stoppable(Protocol):
@@ -147,6 +151,8 @@ class Reporting:
     segments: SegmentStore | None = None
     """Recent rounds' segment checkpoints and received messages (node.segments), for the segment
     checks of a joined verifier at any stage; None without one."""
+    network_digest: str | None = None
+    """The joined run's definition digest, which its segment commitments carry."""
     vocab: VocabSchedule | None = None
     """The stage's vocabulary growth round, from the verifier's member lists (node.vocab); None
     where no verifier schedules growth (a lone node grows when it takes a grown manifest)."""
@@ -174,7 +180,9 @@ class Reporting:
         """The segment recorder of a replica of `stage`, when its segments are kept."""
         if self.segments is None:
             return None
-        return SegmentRecorder(self.segments.config, stage=stage, sink=self.segments, log=self.log)
+        return SegmentRecorder(
+            self.segments.config, stage=stage, sink=self.segments, log=self.log, network=self.network_digest
+        )
 
     def receipting(
         self,

@@ -183,9 +183,12 @@ class SegmentRecorder:
         stage: int,
         sink: SegmentSink | None = None,
         log: Callable[[str], None] | None = None,
+        network: str | None = None,
     ) -> None:
         self.config = config
         self.stage = stage
+        self.network = network
+        """The run's definition digest its commitments carry (SegmentCommitment.network)."""
         self.sink = sink or SegmentSink()
         self._log = log
         self._closed: tuple[int, DiLoCo] | None = None
@@ -360,7 +363,9 @@ class SegmentRecorder:
         commitment = (
             None
             if sign is None
-            else SegmentCommitment.create(sign, stage=self.stage, round=current.round, root=log.root())
+            else SegmentCommitment.create(
+                sign, stage=self.stage, round=current.round, root=log.root(), network=self.network
+            )
         )
         self._io(self.sink.close, log, commitment, openings[-1], openings[0])
         self.flush()  # the round is on disk before its receipt names the root

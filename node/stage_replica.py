@@ -113,7 +113,7 @@ def start_stage_replica(
     recorder = reporting.recorder(stage)
     # Built in the order they need each other: the queue the pipeline route fills, the network
     # that serves the route, the link onward and the round's finisher, then the worker.
-    jobs = JobQueue(worker_config.max_pending, recorder)
+    jobs = JobQueue(worker_config.max_pending)
     work = RoundWork()
     service = PipelineService(
         wallet=wallet,

@@ -19,11 +19,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import Tensor
+
+from neuroshard.protocol.identity import sha256_hex
 
 from .checkpoint import CheckpointIdentity, CheckpointMismatch, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
@@ -106,9 +110,7 @@ class JobQueue:
     is in its outer round, stopping or done, or when `max_pending` already wait. The pipeline
     route (p2p.pipeline.PipelineService) offers to it; the worker takes from it."""
 
-    def __init__(self, max_pending: int, segments: SegmentRecorder | None = None) -> None:
-        self.segments = segments
-        """Where the pipeline route notes the gradients it sends back (node.segments)."""
+    def __init__(self, max_pending: int) -> None:
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=max_pending + 1)
         self._lock = threading.Lock()
         self._in_round: int | None = None
@@ -159,6 +161,11 @@ class JobQueue:
             job.done(Busy(reason))
 
 
+MAX_REPLIES_IN_FLIGHT = 4
+"""Gradients waiting to be encoded before the training thread waits for the oldest: well inside the
+recorder's reach for a late note (the last 8 steps, node.segments.SegmentRecorder.note_sent)."""
+
+
 class StageWorker(InnerLoop):
     """One stage > 0 replica's inner steps, on its own thread, on the micro-batches of `jobs`."""
 
@@ -188,7 +195,7 @@ class StageWorker(InnerLoop):
         self.segments = segments
         self.config = config
         self.log_every = config.log_every
-        self.jobs = jobs or JobQueue(config.max_pending, segments)
+        self.jobs = jobs or JobQueue(config.max_pending)
         self.downstream = downstream
         self._log = log
         self._finish_round_hook = finish_round
@@ -201,6 +208,9 @@ class StageWorker(InnerLoop):
         self.vocab_schedule = vocab_schedule
         self.ended_because: str | None = None
         """Why the worker ended before `max_steps` without a stop (the stage before it ended)."""
+        self._replies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-replies")
+        """Encodes the gradients sent back, in step order, off the training thread (`_settle`)."""
+        self._in_flight: deque[Future[None]] = deque()
 
     @property
     def finished(self) -> bool:
@@ -242,13 +252,40 @@ class StageWorker(InnerLoop):
             loss=loss,
             micro_batch=job.micro_batch,
             received=received,
-            settle=lambda: job.done((grad, loss, round_)),
+            settle=lambda: self._settle(job, grad, loss, round_),
         )
+
+    def _settle(self, job: Job, grad: Tensor, loss: float, round_: int) -> None:
+        """Answer a recorded step. With the job's `encode`, the gradient is encoded on the reply
+        thread, noted as the step's gradient sent back (node.segments), and only then handed to the
+        sender: every reply a replica signs is in its log, and a segment check holds the bytes to
+        what the replayed step computed. At most MAX_REPLIES_IN_FLIGHT wait, so a note always finds
+        its step, and the round's last step waits for all of them: its log closes complete."""
+        if job.encode is None:
+            job.done((grad, loss, round_))
+            return
+        encode = job.encode
+
+        def reply() -> None:
+            try:
+                body = encode(grad)
+            except Exception as exc:  # nothing was sent: the sender retries elsewhere
+                job.done(exc)
+                return
+            if self.segments is not None:
+                self.segments.note_sent(job.micro_batch, "gradient", sha256_hex(body), body)
+            job.done((body, loss, round_))
+
+        self._in_flight.append(self._replies.submit(reply))
+        while len(self._in_flight) > (0 if self.diloco.round_complete else MAX_REPLIES_IN_FLIGHT):
+            self._in_flight.popleft().result()
 
     def _progress(self, step: int, window: list[float], seconds: float) -> str:
         return f"step={step} round={self.diloco.round} loss={sum(window) / len(window):.4f} lr={self.diloco.current_lr:.2e}"
 
     def _end(self, result: TrainResult) -> None:
+        self._replies.shutdown(wait=True)  # the replies to steps taken are sent
+        self._in_flight.clear()
         self.jobs.close("this replica is stopping")
         if self.checkpoint is not None:
             with timed(result.seconds, "final checkpoint"):

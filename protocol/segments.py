@@ -28,6 +28,7 @@ from .schema import (
     choice,
     hex_bytes,
     integer,
+    optional,
     parse_json,
 )
 
@@ -254,10 +255,16 @@ class SegmentCommitment(Signed):
     makes a failed segment check re-checkable by anyone (verifier.segmentcheck.SegmentFraudProof)."""
 
     NAME = "segment commitment"
-    DOMAIN = b"neuroshard/segment-commitment/v1"
+    DOMAIN = b"neuroshard/segment-commitment/v2"
     stage: Annotated[int, integer(0, MAX_STAGE)]
     round: Annotated[int, integer(0, MAX_COUNT)]
     root: Annotated[str, hex_bytes(32)]
+    network: Annotated[str | None, optional(hex_bytes(32))] = None
+    """sha256 of the canonical bytes of the run's definition the replica trains under
+    (node.network_definition.NetworkDefinition.digest): one wallet may train several runs, whose
+    round numbers repeat, and a proof that holds two of its logs against each other
+    (verifier.segmentcheck.ContinuityFraudProof) must show they are of one run. None: unbound
+    (no such proof holds it to another log)."""
 
 
 @dataclass(frozen=True)

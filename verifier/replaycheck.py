@@ -1165,8 +1165,12 @@ class ReplayChecker:
             return None
         signed = SignedSegmentLog(piece.log, piece.commitment)
         proof = ContinuityFraudProof.of(signed, piece.theta_round, piece.start_inner, challenge.previous)
+        network = self.ctx.network
         verdict = judge_continuity_proof(
-            proof, n_tensors=piece.start.inner.steps.numel(), num_stages=self.ctx.network.num_stages
+            proof,
+            n_tensors=piece.start.inner.steps.numel(),
+            network=network.digest(),
+            num_stages=network.num_stages,
         )
         if not verdict.proves:
             return None

@@ -56,6 +56,7 @@ from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import canonical_json, parse_json
 from neuroshard.protocol.segments import (
+    KINDS,
     CheckpointOpening,
     Received,
     SegmentCommitment,
@@ -179,7 +180,7 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
     if len(sent) != end - first:
         problems.append(f"sent payloads for {len(sent)} steps, the segment has {end - first}")
         return problems
-    forwards = claim.stage < claim.num_stages - 1
+    forwards, answers = claim.stage < claim.num_stages - 1, claim.stage > 0
     for i, served in zip(range(first, end), sent, strict=True):
         recorded = {(r.kind, r.payload_sha256) for r in log.steps[i].sent}
         if len({kind for kind, _ in recorded}) != len(log.steps[i].sent):
@@ -189,6 +190,11 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
             # gradient comes back through that exchange), so its record names it; one that names
             # none would keep what it sent out of this comparison and out of sender matching.
             problems.append(f"step {i}: its record names no activations sent on")
+        if answers and not any(kind == "gradient" for kind, _ in recorded):
+            # A later stage's worker records the gradient it sends back before it answers, and the
+            # round closes after every answer (node.stage_worker): a step without one kept its reply
+            # out of this comparison and out of sender matching.
+            problems.append(f"step {i}: its record names no gradient sent back")
         got = {(kind, sha256_hex(body)) for kind, body in served}
         if got != recorded:
             problems.append(f"step {i}: the payloads served as sent are not the ones its record names")
@@ -354,10 +360,11 @@ def contradicting(
     the log's signer signed, for the log's round and addressed to `receiver` (its signed `to`),
     the steps of the sender's log that name the micro-batch and record the receiver's answer to it
     (a received message from `receiver`: the gradient its activations got back, or the activations
-    its gradient answered) must record sending that payload among what they record sending. A step
-    that names no exchange with the receiver makes no claim (the id may have gone to another
-    replica: a retry after a 409, or two senders using one id), nor does one without a `sent`
-    entry of that kind (a reply encoded after its round closed). Both sides are the sender's own
+    its gradient answered) must record sending that payload among what they record sending; a
+    step that records sending nothing of that kind contradicts it too (an honest node records the
+    activations it sends during their step, and the gradient it answers with before it answers:
+    node.stage_worker). A step that names no exchange with the receiver makes no claim (the id may
+    have gone to another replica: a retry after a 409, or two senders using one id). Both sides are the sender's own
     signatures — its commitment on the log; its header on the payload and on whom it was sent to —
     so a contradiction is its fault whatever its receiver did: it sent that receiver something
     other than what it recorded. Check the log with `signed_log_problem` first."""
@@ -366,8 +373,10 @@ def contradicting(
     sent: dict[tuple[str, str], set[str]] = {}
     for step in log.steps:
         if step.micro_batch and any(ref.sender == receiver for ref in step.received):
+            for kind in KINDS:  # a step that names the exchange records what it sent of each kind
+                sent.setdefault((step.micro_batch, kind), set())
             for ref in step.sent:
-                sent.setdefault((step.micro_batch, ref.kind), set()).add(ref.payload_sha256)
+                sent[(step.micro_batch, ref.kind)].add(ref.payload_sha256)
     for message in messages:
         if message.sender != signer or sender_round(message) != (log.stage, log.round):
             continue
@@ -379,7 +388,7 @@ def contradicting(
             continue  # signed for another exchange: its record is that one's
         recorded = sent.get((header.micro_batch, message.kind))
         if recorded is not None and header.payload_sha256 not in recorded:
-            named = ", ".join(sorted(r[:16] for r in recorded))
+            named = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"
             out.append(
                 (
                     message,
@@ -787,8 +796,10 @@ class ContinuityFraudProof:
     of the round before with the opening of its last checkpoint (none for round 0, which must start
     fresh). Everything but the fresh state's digest is the replica's own signature or opens it: θ's
     bytes fix the model's size, and with the run's definition (its number of parameter tensors)
-    the digest of a fresh optimizer of that size (node.replay.fresh_inner_digest). An honest node
-    signs one log per round, so two signed logs that do not chain are its own contradiction.
+    the digest of a fresh optimizer of that size (node.replay.fresh_inner_digest). Both
+    commitments name the run (SegmentCommitment.network, the definition's digest): within one run
+    an honest node signs one log per round, so two signed logs that do not chain are its own
+    contradiction (across runs of one wallet, round numbers repeat).
 
     One encoding: the NSCONTIN1 line, canonical JSON (the logs, `start_inner`, `numel`), a newline,
     then θ as `numel` little-endian float32 values. θ is 4 bytes per parameter: a continuity proof
@@ -872,17 +883,22 @@ class ContinuityFraudProof:
 
 
 def judge_continuity_proof(
-    proof: ContinuityFraudProof, *, n_tensors: int, num_stages: int | None = None
+    proof: ContinuityFraudProof, *, n_tensors: int, network: str, num_stages: int | None = None
 ) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why (`ContinuityFraudProof`).
     `n_tensors`: the stage's parameter tensors (the run's definition: verifier.stageshape), which
-    with θ's length fix a fresh optimizer's digest; `num_stages`, when the definition is at hand:
-    the commitment's stage must be one of the run's."""
+    with θ's length fix a fresh optimizer's digest; `network`: that definition's digest, which
+    both logs' commitments must name; `num_stages`, when the definition is at hand: the
+    commitment's stage must be one of the run's."""
     signed = proof.log
     c, log = signed.commitment, signed.log
     problem = signed_log_problem(signed, c.wallet, c.stage, c.round, c.root)
     if problem is not None:
         return FraudProofVerdict(False, problem)
+    if c.network != network:
+        return FraudProofVerdict(
+            False, "its log is not of this run (it names another definition's digest, or none)"
+        )
     if num_stages is not None and not 0 <= c.stage < num_stages:
         return FraudProofVerdict(False, f"the proof is for stage {c.stage}, the run has {num_stages}")
     if not log.checkpoints:
@@ -904,6 +920,9 @@ def judge_continuity_proof(
     problem = signed_log_problem(previous, c.wallet, c.stage, log.round - 1, p.root)
     if problem is not None:
         return FraudProofVerdict(False, f"its round {log.round - 1} log: {problem}")
+    if c.network is None or p.network != c.network:
+        # One wallet may train several runs, whose round numbers repeat: only logs of one run chain.
+        return FraudProofVerdict(False, "its two logs do not name one run (their definitions' digest)")
     end = previous.end
     if end is None or not previous.log.checkpoints or end.sha256() != previous.log.checkpoints[-1]:
         return FraudProofVerdict(False, f"its round {log.round - 1} log does not open its last checkpoint")

@@ -109,8 +109,9 @@ from .upstream import Upstream
 MAX_END_BYTES = 2048
 """A `PipelineEnd` is ~400 bytes of JSON."""
 
-JobResult = tuple[Tensor, float, int] | BaseException
-"""(∂loss/∂hidden (B, T, C), loss, the round the step belonged to) or why it failed."""
+JobResult = tuple[Tensor | bytes, float, int] | BaseException
+"""(∂loss/∂hidden (B, T, C) — as the job's `encode` made it bytes, when it has one —, loss, the
+round the step belonged to) or why it failed."""
 
 
 class Busy(Exception):
@@ -130,13 +131,16 @@ class Job:
     received: Received | None = None
     """The micro-batch as it arrived (its sender's signed header and the payload bytes), for the
     segment log (node.segments); None when the transport does not hand it over."""
+    encode: Callable[[Tensor], bytes] | None = None
+    """How the transport puts the gradient it sends back on the wire (its codec). Given, the worker
+    encodes the gradient off its training thread and records the bytes as sent by the step before
+    the round closes (node.stage_worker), so every step's record names the gradient it returned;
+    the result then carries the bytes."""
 
 
 class JobSink(Protocol):
     """What the pipeline route hands micro-batches to: a stage > 0 replica's job queue
-    (node.stage_worker.JobQueue, which its worker takes from), with the segment recorder of its rounds."""
-
-    segments: SegmentRecorder | None
+    (node.stage_worker.JobQueue, which its worker takes from; the worker records each step)."""
 
     def offer(self, job: Job) -> None:
         """Take `job` or raise `Busy`; `job.done` is called exactly once."""
@@ -625,7 +629,10 @@ class PipelineService:
             return known
         try:
             received = Received("activations", header.wallet, header.to_json(), body)
-            self.worker.offer(Job(hidden, labels, header.micro_batch, done, received))
+            codec = header.codec
+            self.worker.offer(
+                Job(hidden, labels, header.micro_batch, done, received, lambda g: encode_gradient(g, codec))
+            )
         except Busy as exc:
             raise Refused("busy", str(exc)) from None
         self._taken[key] = taken
@@ -644,15 +651,14 @@ class PipelineService:
             raise Refused("non_finite", str(outcome))
         if isinstance(outcome, BaseException):
             raise Refused("step_failed", f"{type(outcome).__name__}: {outcome}")
-        grad, loss, round_ = outcome
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(None, encode_gradient, grad, header.codec)
+        body, loss, round_ = outcome
+        if not isinstance(body, bytes):  # the worker encodes what `_take`'s job asks it to
+            raise Refused("step_failed", "the stage worker returned an unencoded gradient")
+        # The worker recorded these bytes as the step's gradient sent back before answering.
         reply = GradientReply.create(
             self.wallet, to=header.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
             loss=min(max(loss, 0.0), 1e6), codec=header.codec, payload_sha256=sha256_hex(body),
         )  # fmt: skip
-        if self.worker.segments is not None:
-            self.worker.segments.note_sent(header.micro_batch, "gradient", reply.payload_sha256, body)
         self.served += 1
         response = web.Response(
             status=200, body=body, headers={REPLY_HEADER: reply.to_json().decode()},

@@ -15,9 +15,12 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
 from neuroshard.node.pipeline import stage_fingerprint
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.stage_worker import StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
 from neuroshard.node.vocab import VocabSchedule, vocab_of
+from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.segments import SegmentLog, SentRef
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
 H = 3
@@ -177,3 +180,54 @@ def test_a_checkpoint_from_before_a_growth_this_stage_never_took_is_refused(tmp_
     )
     with pytest.raises(CheckpointMismatch, match="holds a model of 64 ids, this replica is built at 80"):
         StageCheckpoint(path=tmp_path / "s1.pt", identity=_identity()).load(grown)
+
+
+def test_every_gradient_sent_back_is_in_the_step_s_record_before_the_round_closes(tmp_path: Path) -> None:
+    """A job whose transport encodes the reply (the pipeline route's) is answered with the bytes the
+    worker encoded and recorded as its step's gradient sent back; the round closes only after every
+    answer of the round, so its log names each of them (what a segment check compares and a
+    sender's records are matched on)."""
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
+    logs: list[SegmentLog] = []
+    answered_at_close: list[int] = []
+    results: list[JobResult] = []
+
+    def finish(diloco: DiLoCo) -> None:
+        answered_at_close.append(len(results))
+        recorder.end_round(diloco)
+        diloco.outer_step(diloco.pseudo_gradient())
+        closed = recorder.close_round()
+        assert closed is not None
+        logs.append(closed[0])
+        recorder.start_round(diloco)
+
+    engine = _engine()
+    recorder.start_round(engine)
+    worker = StageWorker(
+        engine, WorkerConfig(max_steps=2 * H, max_pending=10), log=lambda s: None, finish_round=finish,
+        segments=recorder,
+    )  # fmt: skip
+
+    def encoded(seed: int) -> Job:
+        job = _job(results, seed)
+        job.encode = lambda grad: grad.numpy().tobytes()  # any codec: the record names these bytes
+        return job
+
+    thread = threading.Thread(target=worker.run, args=(threading.Event(), 0.01), daemon=True)
+    thread.start()
+    for i in range(2 * H):
+        while True:
+            try:
+                worker.jobs.offer(encoded(i))
+                break
+            except Busy:  # in its outer round
+                time.sleep(0.005)
+        deadline = time.monotonic() + 10.0
+        while len(results) <= i and time.monotonic() < deadline:
+            time.sleep(0.005)
+    thread.join(10.0)
+    assert not thread.is_alive() and answered_at_close == [H, 2 * H]
+    replies = [r for r in results if isinstance(r, tuple)]
+    assert len(replies) == 2 * H and all(isinstance(r[0], bytes) for r in replies)
+    recorded = [step.sent for log in logs for step in log.steps]
+    assert recorded == [[SentRef(kind="gradient", payload_sha256=sha256_hex(r[0]))] for r in replies]  # type: ignore[arg-type]

@@ -53,6 +53,7 @@ from neuroshard.verifier import models as m
 from neuroshard.verifier import replaycheck
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
+from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.replaycheck import (
     CALIBRATED_TOLERANCE,
     SEGMENT_TOLERANCE,
@@ -169,9 +170,11 @@ def train_round(
     after_step: Callable[[int, DiLoCo], None] | None = None,
     recorded: Callable[[int, Received], Received] | None = None,
     sends: Callable[[int, Tensor], Tensor] | None = None,
+    unrecorded: int | None = None,
 ) -> Run:
     """One replica's round of H steps with a SegmentRecorder, as the node records it. `sends`:
-    (step, what the step computed) -> what the replica sends on instead (and records as sent)."""
+    (step, what the step computed) -> what the replica sends on instead (and records as sent);
+    `unrecorded`: a step whose gradient sent back the replica leaves out of its log."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
     recorder = SegmentRecorder(SegmentConfig(segment_steps=K), stage=stage, sink=store)
@@ -215,12 +218,14 @@ def train_round(
             else:
                 grad, _ = stage_inner_step(diloco, inputs, labels, None if last else downstream)
                 reply = encode_gradient(grad if sends is None else sends(i, grad), CODEC)
+        elif stage > 0:  # a skipped step still answers its sender, and records the answer
+            reply = encode_gradient(torch.zeros(B, T, MODEL.dim), CODEC)
         if after_step is not None:
             after_step(i, diloco)
         if recorded is not None:
             received = [recorded(i, m) for m in received]
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
-        if reply is not None:  # encoded after the step is recorded, as the node's reply is
+        if reply is not None and i != unrecorded:  # noted after the step is recorded, as the node's reply is
             recorder.note_sent(mb, "gradient", sha256_hex(reply), reply)
     recorder.end_round(diloco)
     base_hash, delta = tensor_digest(diloco.theta_round), diloco.pseudo_gradient()
@@ -408,6 +413,17 @@ def test_what_a_replica_sends_on_is_held_to_what_its_step_computes(
     assert judge_fraud_proof(proof, tolerance=calibrated_tolerance(K), **kw).proves
 
 
+def test_a_gradient_sent_back_but_left_out_of_the_log_fails_the_check(tmp_path: Path) -> None:
+    """A later stage's node records every gradient it answers with before it answers (node.
+    stage_worker); a step whose record names none kept what it sent back out of the replay's
+    comparison and out of sender matching, and fails on the material alone."""
+    run = train_round(tmp_path, stage=1, num_stages=3, unrecorded=5)
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and not verdict.replayed
+    assert "step 5: its record names no gradient sent back" in verdict.reason
+
+
 def test_a_payload_sent_but_not_served_fails_the_check(tmp_path: Path) -> None:
     """The log names what each step sent; a replica that keeps or serves none of it (so nothing it
     sent can be held to its step) fails on the material alone."""
@@ -571,7 +587,11 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     elsewhere = [*sender_steps[:3], step(consumed[3], "0" * 64, NEXT.public_key_hex), *sender_steps[4:]]
     assert sent_contradictions(signed(elsewhere), consumed, me) == []
     sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch, received=sender_steps[3].received)
-    assert sent_contradictions(signed(sender_steps), consumed, me) == []  # no sent entry: no claim
+    # A step that names the exchange but records sending nothing of the header's kind contradicts
+    # it too: an honest node records what it sends before its answer comes back (node.segments,
+    # node.stage_worker).
+    (silent,) = sent_contradictions(signed(sender_steps), consumed, me)
+    assert "its log records sending nothing of that kind" in silent
 
     # The contradiction as a proof anyone can check alone: both statements are the sender's.
     bare = Received(consumed[3].kind, consumed[3].sender, consumed[3].header, b"")
@@ -659,12 +679,17 @@ def test_fp16_step_counts_may_fall_short_but_must_agree(tmp_path: Path) -> None:
 OPERATOR = Wallet.from_token("segment-operator")
 
 
-def _definition(tmp_path: Path, **changes: Any) -> Path:
-    """The run these tests train (MODEL, DILOCO, 2 stages, k = K) as GET /api/network's body."""
-    network = dataclasses.replace(
+def _run_network(**changes: Any) -> NetworkDefinition:
+    """The run these tests train (MODEL, DILOCO, 2 stages, k = K), with `changes`."""
+    return dataclasses.replace(
         small_network(training={"batch_size": B, "seq_len": T}),
         **{"model": MODEL, "diloco": DILOCO, "num_stages": 2, "segment_steps": K, **changes},
     )
+
+
+def _definition(tmp_path: Path, **changes: Any) -> Path:
+    """`_run_network(**changes)` as GET /api/network's body."""
+    network = _run_network(**changes)
     path = tmp_path / "network.json"
     path.write_bytes(network.canonical_bytes())
     return path
@@ -889,14 +914,19 @@ class Rounds:
         return ContinuityFraudProof.of(bare, start.weights, opening.inner_sha256, previous)
 
 
-def _rounds(tmp_path: Path) -> Rounds:
+ONE_STAGE = _run_network(num_stages=1)
+"""The run `_rounds` trains, as a lone stage."""
+
+
+def _rounds(tmp_path: Path, network: str | None = ONE_STAGE.digest(), data_seed: int = 0) -> Rounds:
     """A recorder resets the inner optimizer of a round that does not follow one it committed and
     keeps it across consecutive rounds; round 3's moments are changed between rounds, which the
-    recorder cannot tell (its commitment holds what was trained from)."""
+    recorder cannot tell (its commitment holds what was trained from). Its commitments name the
+    run `network` (a definition's digest); `data_seed` picks other batches (another run's)."""
     config = SegmentConfig(segment_steps=2)
     store = SegmentStore(tmp_path, config, log=lambda _: None)
     lines: list[str] = []
-    recorder = SegmentRecorder(config, stage=0, sink=store, log=lines.append)
+    recorder = SegmentRecorder(config, stage=0, sink=store, log=lines.append, network=network)
     torch.manual_seed(0)
     diloco = DiLoCo(build_stage(MODEL, 0, 1), DILOCO)
     numel, n_tensors = sum(p.numel() for p in diloco.params), len(diloco.params)
@@ -913,7 +943,9 @@ def _rounds(tmp_path: Path) -> Rounds:
         bases[round_] = tensor_digest(diloco.theta_round)
         recorder.start_round(diloco)
         for i in range(H):
-            tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(i))
+            tokens = torch.randint(
+                0, 64, (2, 9), generator=torch.Generator().manual_seed(1000 * data_seed + i)
+            )
             diloco.inner_step(tokens[:, :-1], tokens[:, 1:])
             recorder.record_step(diloco, data=(0, 2 * i, 2 * i + 2))
         recorder.end_round(diloco)
@@ -977,7 +1009,9 @@ def test_a_continuity_break_is_a_fraud_proof_that_checks_alone(
     (fresh, continued) prove nothing, nor does a proof whose parts were swapped or changed; one
     proof has one encoding."""
     run = _rounds(tmp_path)
-    judge = functools.partial(judge_continuity_proof, n_tensors=run.n_tensors, num_stages=1)
+    judge = functools.partial(
+        judge_continuity_proof, n_tensors=run.n_tensors, network=ONE_STAGE.digest(), num_stages=1
+    )
     proof = run.proof(3, run.signed(2))
     verdict = judge(proof)
     assert verdict.proves and "nor the one its round 2 ended with" in verdict.reason, verdict
@@ -1003,6 +1037,29 @@ def test_a_continuity_break_is_a_fraud_proof_that_checks_alone(
     other = SegmentCommitment.create(PREV, stage=0, round=2, root=run.logs[2].root())
     foreign = judge(dataclasses.replace(proof, previous=dataclasses.replace(run.signed(2), commitment=other)))
     assert not foreign.proves and "not signed by it" in foreign.reason
+
+    # One wallet trains several runs, whose round numbers repeat: a log of round 2 of another run
+    # (honestly continued there) does not chain with this run's round 3, and proves nothing here;
+    # nor do logs that name no run, or a run other than the one the proof is judged for.
+    other_run = _rounds(
+        tmp_path / "other", network=_run_network(num_stages=1, name="another").digest(), data_seed=1
+    )
+    assert other_run.signed(2).end != run.signed(2).end
+    mixed = judge(run.proof(3, other_run.signed(2)))
+    assert not mixed.proves and "do not name one run" in mixed.reason
+    mixed = judge(other_run.proof(3, run.signed(2)))
+    assert not mixed.proves and "not of this run" in mixed.reason
+    unbound = _rounds(tmp_path / "unbound", network=None)
+    assert "not of this run" in judge(unbound.proof(3, unbound.signed(2))).reason
+    # Round 0 has no round before: it must start fresh, and a log of it that does not proves fraud.
+    theta = bytes(4 * (len(proof.theta) // 4))
+    start = checkpoint_hash(hashlib.sha256(theta).hexdigest(), "ab" * 32)
+    first = SegmentLog(stage=0, round=0, segment_steps=H, start_step=0, steps=(StepRecord(data=(0, 0, 2)),) * H,
+                       checkpoints=(start, "cd" * 32))  # fmt: skip
+    signed0 = SignedSegmentLog(first, SegmentCommitment.create(REPLICA, stage=0, round=0, root=first.root(),
+                                                                network=ONE_STAGE.digest()))  # fmt: skip
+    zero = judge(ContinuityFraudProof(signed0, "ab" * 32, theta, None))
+    assert zero.proves and "a run's first round starts fresh" in zero.reason
 
     # One encoding: anything else is refused before it is judged.
     for bad in (
@@ -1030,10 +1087,18 @@ def test_a_continuity_break_is_a_fraud_proof_that_checks_alone(
         == 2
     )
     assert "is not a stage-0 proof of this run's model" in capsys.readouterr().err
-    path.write_bytes(run.proof(2, run.signed(1)).encode())
     network = str(_definition(tmp_path, num_stages=1))  # the same file: written again
-    assert check_proof.main([str(path), "--network", network]) == 1
-    assert "does not prove fraud: round 2 continues" in capsys.readouterr().out
+    for honest, why in (
+        (run.proof(2, run.signed(1)), "round 2 continues"),
+        (run.proof(1, None), "round 1 starts with a fresh"),
+    ):
+        path.write_bytes(honest.encode())
+        assert check_proof.main([str(path), "--network", network]) == 1
+        assert f"does not prove fraud: {why}" in capsys.readouterr().out
+    path.write_bytes(data)
+    another = str(_definition(tmp_path, num_stages=1, name="another"))  # same shapes, another run
+    assert check_proof.main([str(path), "--network", another]) == 1
+    assert "its log is not of this run" in capsys.readouterr().out
 
 
 def test_the_live_checker_keeps_a_continuity_break_as_a_proof(
@@ -1060,7 +1125,7 @@ def test_the_live_checker_keeps_a_continuity_break_as_a_proof(
     with db.read() as s:
         receipt = s.scalars(select(m.Receipt).where(m.Receipt.round == 3)).one()
         s.expunge(receipt)
-    network = dataclasses.replace(small_network(), model=MODEL, diloco=DILOCO, num_stages=1, segment_steps=2)
+    network = ONE_STAGE
     lines: list[str] = []
     checker = ReplayChecker(
         JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
@@ -1085,7 +1150,8 @@ def test_the_live_checker_keeps_a_continuity_break_as_a_proof(
     assert row.device is None and row.data_spans == []
     data = (tmp_path / "proofs" / f"{row.sha256}.proof").read_bytes()
     assert data == checker.fraud_proofs[-1] and len(data) == row.size_bytes
-    assert judge_continuity_proof(ContinuityFraudProof.decode(data), n_tensors=run.n_tensors).proves
+    decoded = ContinuityFraudProof.decode(data)
+    assert judge_continuity_proof(decoded, n_tensors=run.n_tensors, network=ONE_STAGE.digest()).proves
 
     checker._check_segments(challenge(start_inner=None))
     assert checker.failed == 2 and "optimizer continuity" in lines[-1], lines

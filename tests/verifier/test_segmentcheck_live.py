@@ -82,16 +82,22 @@ class Replica:
     spans: list[list[int]]
 
 
-def _gradient(step: int, mb: str, sender: Wallet, to: Wallet) -> Received:
-    g = torch.Generator().manual_seed(90 + step)
-    body = encode_gradient(torch.randn(B, T, 32, generator=g) * 1e-3, DEFAULT_CODEC)
+def _answer(diloco: DiLoCo, act: Received) -> tuple[bytes, float]:
+    """A stage-1 replica's step on the activations `act` carries: the gradient it sends back, as the
+    wire carries it, and its loss."""
+    hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
+    grad, loss = stage_inner_step(diloco, hidden, labels, None)
+    return encode_gradient(grad, DEFAULT_CODEC), loss
+
+
+def _gradient(mb: str, sender: Wallet, to: Wallet, body: bytes, loss: float) -> Received:
     reply = GradientReply.create(
         sender,
         to=to.public_key_hex,
         micro_batch=mb,
         stage=1,
         round=0,
-        loss=4.0,
+        loss=loss,
         codec=DEFAULT_CODEC,
         payload_sha256=sha256_hex(body),
     )
@@ -103,9 +109,10 @@ DRIVER_SENT: dict[int, bytes] = {}
 the activations its stage-1 receivers train on, so its own segments replay to what it sent."""
 
 
-def _activations(step: int, sender: Wallet, to: Wallet) -> tuple[Received, str]:
+def _activations(step: int, sender: Wallet, to: Wallet, body: bytes | None = None) -> tuple[Received, str]:
     g = torch.Generator().manual_seed(50 + step)
-    body = DRIVER_SENT.get(step) if sender == DRIVER else None
+    if body is None and sender == DRIVER:
+        body = DRIVER_SENT.get(step)
     if body is None:
         body = encode_activations(
             torch.randn(B, T, 32, generator=g), torch.randint(0, 512, (B, T), generator=g), DEFAULT_CODEC
@@ -123,7 +130,11 @@ def _replica(
 ) -> Replica:
     """A replica that ran round 0 with a segment recorder and serves its segments to the operator.
     The driver records sending the activations stage 1 receives (under its signed headers), which
-    are what its steps computed (`DRIVER_SENT`); `lie_sent`: its log names other bytes for one of them."""
+    are what its steps computed (`DRIVER_SENT`); `lie_sent`: its log names other bytes for one of them.
+    A stage-0 replica's gradients come from HONEST as it trains (a copy of its stage-1 engine steps
+    in lockstep: the model's init is the run's, so HONEST, built later on the same activations,
+    computes and records the same replies), and a stage-1 replica records each gradient it answers
+    with after its step, as the node's worker does."""
     network = _network(published)
     config = SegmentConfig(segment_steps=K)
     store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
@@ -132,12 +143,18 @@ def _replica(
     computed: dict[int, bytes] = {}
     recorded: dict[int, bytes] = {}
 
+    answerer = DiLoCo(build_stage(network.model, 1, 2), network.diloco) if stage == 0 else None
+
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
-        recorder.note_received(current[0])
         computed[i] = encode_activations(hidden, labels, DEFAULT_CODEC)  # what a stage-0 replica sends on
         recorded[i] = encode_activations(1.01 * hidden, labels, DEFAULT_CODEC)  # close, not the same
         if wallet == DRIVER:
             DRIVER_SENT[i] = computed[i]
+        act, mb = _activations(i, wallet, HONEST, computed[i])
+        assert answerer is not None
+        body, loss = _answer(answerer, act)
+        current[:] = [_gradient(mb, HONEST, wallet, body, loss)]
+        recorder.note_received(current[0])
         reply = GradientReply.from_json(current[0].header)
         return decode_gradient(current[0].body, (B, T, 32), reply.codec), reply.loss
 
@@ -161,7 +178,6 @@ def _replica(
             span = (stream.shard_id, before, stream.position.offset)
             spans.append(list(span))
             mb = micro_batch_id(wallet.public_key_hex, 0, i)
-            current[:] = [_gradient(i, mb, HONEST, wallet)]
             diloco.inner_step(inputs, labels)
             # A liar records (and serves) bytes close enough to what its step computed to pass its own
             # segment check, but not the bytes its header signed for the receiver.
@@ -169,13 +185,14 @@ def _replica(
             recorder.note_sent(mb, "activations", sha256_hex(body), body)
         else:
             act, mb = _activations(i, DRIVER, wallet)
-            hidden, labels = decode_activations(act.body, ActivationHeader.from_json(act.header), 512)
-            stage_inner_step(diloco, hidden, labels, None)
+            reply, _ = _answer(diloco, act)
             received = [act]
         if lie and i == H - 1:  # the last segment's update, inflated by 25% and committed
             assert start is not None
             copy_into_parameters(start + 1.25 * (flat_parameters(diloco.params) - start), diloco.params)
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
+        if stage > 0:
+            recorder.note_sent(mb, "gradient", sha256_hex(reply), reply)
     recorder.end_round(diloco)
     delta = diloco.pseudo_gradient()
     diloco.outer_step(delta)
