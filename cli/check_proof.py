@@ -317,7 +317,11 @@ def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
         raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
     if network is not None and len(proof.log.log.steps) > network.diloco.inner_steps:
         return False, f"does not prove fraud: its log has more steps than a round of this run{about}"
-    verdict = judge_sender_proof(proof, num_stages=None if network is None else network.num_stages)
+    verdict = judge_sender_proof(
+        proof,
+        num_stages=None if network is None else network.num_stages,
+        network=None if network is None else network.digest(),
+    )
     if not verdict.proves:
         return False, f"does not prove fraud: {verdict.reason}{about}"
     step = proof.step()

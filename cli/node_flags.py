@@ -389,7 +389,10 @@ def network_config_from_args(
 
 
 def pipeline_config(args: argparse.Namespace, run: RunSettings) -> PipelineConfig:
-    return PipelineConfig(num_stages=run.num_stages, codec=run.codec, max_batch=max(64, run.batch_size))
+    network = None if run.joined is None else run.joined.digest()
+    return PipelineConfig(
+        num_stages=run.num_stages, codec=run.codec, max_batch=max(64, run.batch_size), network=network
+    )
 
 
 def checkpoint_interval(args: argparse.Namespace, placement: device.Placement) -> float:

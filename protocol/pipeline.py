@@ -24,7 +24,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Annotated
 
-from .schema import MAX_COUNT, MAX_STAGE, PublicKeyHex, Signed, choice, hex_bytes, integer, number
+from .schema import MAX_COUNT, MAX_STAGE, PublicKeyHex, Signed, choice, hex_bytes, integer, number, optional
 
 FORWARD = "/p2p/pipeline/forward"
 END = "/p2p/pipeline/end"
@@ -47,7 +47,7 @@ class ActivationHeader(Signed):
     """One micro-batch on its way to `stage`: who sends it, its id and its shapes."""
 
     NAME = "activation header"
-    DOMAIN = b"neuroshard/activation/v3"
+    DOMAIN = b"neuroshard/activation/v4"
     to: PublicKeyHex
     """The replica it is sent to (its wallet key): each attempt of a retry is signed anew."""
     micro_batch: Annotated[str, _MICRO_BATCH]
@@ -62,6 +62,11 @@ class ActivationHeader(Signed):
     codec: Annotated[str, choice(CODEC_NAMES)]
     """The run's pipeline codec: how the hidden state and the gradient sent back are packed."""
     payload_sha256: Annotated[str, hex_bytes(32)]
+    network: Annotated[str | None, optional(hex_bytes(32))] = None
+    """The run (its definition's digest, as SegmentCommitment.network names it): one wallet may
+    train several runs, whose rounds and micro-batch ids repeat, and a header signed in one must
+    not be held against the sender's log of another (verifier.segmentcheck.SenderFraudProof). A
+    replica refuses a header of another run. None: a node that joined no run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +74,7 @@ class GradientReply(Signed):
     """The answer to a micro-batch: signed by the replica that processed it."""
 
     NAME = "gradient reply"
-    DOMAIN = b"neuroshard/gradient/v3"
+    DOMAIN = b"neuroshard/gradient/v4"
     to: PublicKeyHex
     """The replica whose micro-batch it answers (the activation header's signer)."""
     micro_batch: Annotated[str, _MICRO_BATCH]
@@ -82,6 +87,8 @@ class GradientReply(Signed):
     codec: Annotated[str, choice(CODEC_NAMES)]
     """The codec of the gradient in the body: the one of the activation header it answers."""
     payload_sha256: Annotated[str, hex_bytes(32)]
+    network: Annotated[str | None, optional(hex_bytes(32))] = None
+    """The run, as the activation header it answers names it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -386,6 +386,8 @@ def contradicting(
             continue  # not the sender's word (the receiver's own check refuses it)
         if header.to != receiver:
             continue  # signed for another exchange: its record is that one's
+        if header.network is None or header.network != sender.commitment.network:
+            continue  # another run's (or unbound): ids and rounds repeat across runs
         recorded = sent.get((header.micro_batch, message.kind))
         if recorded is not None and header.payload_sha256 not in recorded:
             named = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"
@@ -756,16 +758,24 @@ class SenderFraudProof:
         return next((j for j in range(log.segments) if i is not None and i < log.segment(j)[1]), 0)
 
 
-def judge_sender_proof(proof: SenderFraudProof, *, num_stages: int | None = None) -> FraudProofVerdict:
+def judge_sender_proof(
+    proof: SenderFraudProof, *, num_stages: int | None = None, network: str | None = None
+) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why: the log is signed by the
     wallet that signed the header, its chain hashes to the root that signature covers, and it
     records sending, for the header's micro-batch in a step that exchanged with the replica the
-    header is addressed to, something other than the payload the header signs. `num_stages`, when the run's definition is
-    at hand: the commitment's stage must be one that sends what the header carries."""
+    header is addressed to, something other than the payload the header signs; both name one run
+    (their definition's digest: ids and rounds repeat across a wallet's runs). `num_stages` and
+    `network` (its digest), when the run's definition is at hand: the commitment's stage must be one
+    that sends what the header carries, and the run the definition's."""
     c = proof.log.commitment
     problem = signed_log_problem(proof.log, c.wallet, c.stage, c.round, c.root)
     if problem is not None:
         return FraudProofVerdict(False, problem)
+    if network is not None and c.network != network:
+        return FraudProofVerdict(
+            False, "its log is not of this run (it names another definition's digest, or none)"
+        )
     if num_stages is not None:
         kind = proof.message.kind  # activations go to the next stage, gradients back to the one before
         sends = 0 <= c.stage < num_stages - 1 if kind == "activations" else 1 <= c.stage < num_stages

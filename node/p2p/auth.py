@@ -86,6 +86,7 @@ STATUS: Mapping[str, int] = {
     "payload_mismatch": 422,
     "wrong_stage": 422,
     "misdirected": 422,
+    "another_run": 422,
     "wrong_shape": 422,
     "wrong_codec": 422,
     "non_finite": 422,

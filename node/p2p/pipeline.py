@@ -181,6 +181,9 @@ class PipelineConfig:
     """Pause when every next-stage replica is banned, busy or unknown."""
     max_pending: int = 4
     """Micro-batches a stage > 0 replica lets wait behind the one it computes."""
+    network: str | None = None
+    """The run's definition digest (NetworkDefinition.digest), which every header names; a replica
+    refuses micro-batches of another run. None: no run joined (headers name none)."""
     throughput_ema: float = 0.3
     """Weight of the newest measurement in the throughput average."""
     dedup_window: int = 32
@@ -378,6 +381,7 @@ class PipelineClient:
             header = ActivationHeader.create(  # signed for this replica: a header names its recipient
                 self.wallet, to=pick, micro_batch=micro_batch, stage=self.stage + 1, round=round_,
                 batch=batch, seq_len=seq_len, dim=dim, codec=codec, payload_sha256=payload_sha256,
+                network=self.config.network,
             )  # fmt: skip
             outcome = await self._try(live[pick], body, header, reply_bound)
             if isinstance(outcome, tuple):
@@ -449,12 +453,13 @@ class PipelineClient:
                 raise malformed("reply is not signed by the replica we sent to")
             if answer.to != self.wallet.public_key_hex:
                 raise malformed("reply is addressed to another replica")
-            if (answer.micro_batch, answer.stage, answer.codec) != (
+            if (answer.micro_batch, answer.stage, answer.codec, answer.network) != (
                 header.micro_batch,
                 header.stage,
                 header.codec,
+                header.network,
             ):
-                raise malformed("reply is for another micro-batch, stage or codec")
+                raise malformed("reply is for another micro-batch, stage, codec or run")
             if sha256_hex(reply.body) != answer.payload_sha256:
                 raise malformed("reply body differs from its signed payload_sha256")
             shape = (header.batch, header.seq_len, header.dim)
@@ -542,6 +547,12 @@ class PipelineService:
             raise Refused("bad_activation_signature", "the activation header's signature does not verify")
         if header.to != self.wallet.public_key_hex:
             raise Refused("misdirected", "the activation header is addressed to another replica")
+        if header.network != self.config.network:
+            raise Refused(
+                "another_run",
+                f"the activation header is of run {str(header.network)[:16]}, this replica trains "
+                f"{str(self.config.network)[:16]}",
+            )
         if header.stage != self.stage:
             raise Refused(
                 "wrong_stage",
@@ -658,6 +669,7 @@ class PipelineService:
         reply = GradientReply.create(
             self.wallet, to=header.wallet, micro_batch=header.micro_batch, stage=self.stage, round=round_,
             loss=min(max(loss, 0.0), 1e6), codec=header.codec, payload_sha256=sha256_hex(body),
+            network=header.network,
         )  # fmt: skip
         self.served += 1
         response = web.Response(

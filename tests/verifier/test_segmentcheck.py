@@ -106,6 +106,10 @@ def read_batch(span: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+RUN = "5e" * 32
+"""The run the pipeline headers and the sender logs of these tests name (a definition's digest)."""
+
+
 def activations(step: int, *, stage: int) -> tuple[Received, str]:
     """A micro-batch from the previous stage, as its signed header and encoded body."""
     g = torch.Generator().manual_seed(50 + step)
@@ -115,7 +119,7 @@ def activations(step: int, *, stage: int) -> tuple[Received, str]:
     mb = micro_batch_id(PREV.public_key_hex, ROUND, step)
     header = ActivationHeader.create(
         PREV, to=REPLICA.public_key_hex, micro_batch=mb, stage=stage, round=ROUND, batch=B, seq_len=T, dim=MODEL.dim,
-        codec=CODEC, payload_sha256=sha256_hex(body),
+        codec=CODEC, payload_sha256=sha256_hex(body), network=RUN,
     )  # fmt: skip
     return Received("activations", PREV.public_key_hex, header.to_json(), body), mb
 
@@ -126,7 +130,7 @@ def gradient(step: int, mb: str, *, stage: int) -> Received:
     body = encode_gradient(torch.randn(B, T, MODEL.dim, generator=g) * 1e-3, CODEC)
     reply = GradientReply.create(
         NEXT, to=REPLICA.public_key_hex, micro_batch=mb, stage=stage + 1, round=ROUND, loss=4.0, codec=CODEC,
-        payload_sha256=sha256_hex(body),
+        payload_sha256=sha256_hex(body), network=RUN,
     )  # fmt: skip
     return Received("gradient", NEXT.public_key_hex, reply.to_json(), body)
 
@@ -562,10 +566,11 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
 
     sender_steps = [step(m, sha256_hex(m.body)) for m in consumed]
 
-    def signed(steps: list[StepRecord], by: Wallet = PREV) -> SignedSegmentLog:
+    def signed(steps: list[StepRecord], by: Wallet = PREV, run: str | None = RUN) -> SignedSegmentLog:
         log = SegmentLog(stage=0, round=ROUND, segment_steps=K, start_step=ROUND * H, steps=tuple(steps),
                          checkpoints=tuple("ab" * 32 for _ in segment_boundaries(len(steps), K)))  # fmt: skip
-        return SignedSegmentLog(log, SegmentCommitment.create(by, stage=0, round=ROUND, root=log.root()))
+        commitment = SegmentCommitment.create(by, stage=0, round=ROUND, root=log.root(), network=run)
+        return SignedSegmentLog(log, commitment)
 
     honest = signed(sender_steps)
     root = honest.log.root()
@@ -600,8 +605,16 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     data = proof.encode()
     assert data.startswith(SENDER_PROOF_MAGIC) and SenderFraudProof.decode(data) == proof
     assert (proof.step(), proof.segment()) == (3, 3 // K)
-    verdict = judge_sender_proof(SenderFraudProof.decode(data), num_stages=2)
+    verdict = judge_sender_proof(SenderFraudProof.decode(data), num_stages=2, network=RUN)
     assert verdict.proves and "records sending 0000" in verdict.reason, verdict
+    # One wallet trains several runs, whose rounds and micro-batch ids repeat: a log of another run,
+    # or one that names none, makes no claim on this run's headers; a definition of another run
+    # judges no proof of this one.
+    for run in ("6f" * 32, None):
+        assert sent_contradictions(signed(sender_steps, run=run), consumed, me) == []
+        assert not judge_sender_proof(SenderFraudProof(signed(sender_steps, run=run), bare)).proves
+    other_run = judge_sender_proof(proof, num_stages=2, network="6f" * 32)
+    assert not other_run.proves and "not of this run" in other_run.reason
     assert not judge_sender_proof(proof, num_stages=1).proves  # no stage 0 sender in a 1-stage run
     for other, why in (
         (SenderFraudProof(honest, bare), "does not contradict"),

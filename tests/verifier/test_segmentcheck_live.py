@@ -90,7 +90,7 @@ def _answer(diloco: DiLoCo, act: Received) -> tuple[bytes, float]:
     return encode_gradient(grad, DEFAULT_CODEC), loss
 
 
-def _gradient(mb: str, sender: Wallet, to: Wallet, body: bytes, loss: float) -> Received:
+def _gradient(mb: str, sender: Wallet, to: Wallet, body: bytes, loss: float, run: str) -> Received:
     reply = GradientReply.create(
         sender,
         to=to.public_key_hex,
@@ -100,6 +100,7 @@ def _gradient(mb: str, sender: Wallet, to: Wallet, body: bytes, loss: float) -> 
         loss=loss,
         codec=DEFAULT_CODEC,
         payload_sha256=sha256_hex(body),
+        network=run,
     )
     return Received("gradient", sender.public_key_hex, reply.to_json(), body)
 
@@ -109,7 +110,9 @@ DRIVER_SENT: dict[int, bytes] = {}
 the activations its stage-1 receivers train on, so its own segments replay to what it sent."""
 
 
-def _activations(step: int, sender: Wallet, to: Wallet, body: bytes | None = None) -> tuple[Received, str]:
+def _activations(
+    step: int, sender: Wallet, to: Wallet, run: str, body: bytes | None = None
+) -> tuple[Received, str]:
     g = torch.Generator().manual_seed(50 + step)
     if body is None and sender == DRIVER:
         body = DRIVER_SENT.get(step)
@@ -120,7 +123,7 @@ def _activations(step: int, sender: Wallet, to: Wallet, body: bytes | None = Non
     mb = micro_batch_id(sender.public_key_hex, 0, step)
     header = ActivationHeader.create(
         sender, to=to.public_key_hex, micro_batch=mb, stage=1, round=0, batch=B, seq_len=T, dim=32,
-        codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body),
+        codec=DEFAULT_CODEC, payload_sha256=sha256_hex(body), network=run,
     )  # fmt: skip
     return Received("activations", sender.public_key_hex, header.to_json(), body), mb
 
@@ -138,7 +141,8 @@ def _replica(
     network = _network(published)
     config = SegmentConfig(segment_steps=K)
     store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
-    recorder = SegmentRecorder(config, stage=stage, sink=store)
+    run = network.digest()
+    recorder = SegmentRecorder(config, stage=stage, sink=store, network=run)
     current: list[Received] = []
     computed: dict[int, bytes] = {}
     recorded: dict[int, bytes] = {}
@@ -150,10 +154,10 @@ def _replica(
         recorded[i] = encode_activations(1.01 * hidden, labels, DEFAULT_CODEC)  # close, not the same
         if wallet == DRIVER:
             DRIVER_SENT[i] = computed[i]
-        act, mb = _activations(i, wallet, HONEST, computed[i])
+        act, mb = _activations(i, wallet, HONEST, run, computed[i])
         assert answerer is not None
         body, loss = _answer(answerer, act)
-        current[:] = [_gradient(mb, HONEST, wallet, body, loss)]
+        current[:] = [_gradient(mb, HONEST, wallet, body, loss, run)]
         recorder.note_received(current[0])
         reply = GradientReply.from_json(current[0].header)
         return decode_gradient(current[0].body, (B, T, 32), reply.codec), reply.loss
@@ -184,7 +188,7 @@ def _replica(
             body = recorded[i] if lie_sent and i == 5 else computed[i]
             recorder.note_sent(mb, "activations", sha256_hex(body), body)
         else:
-            act, mb = _activations(i, DRIVER, wallet)
+            act, mb = _activations(i, DRIVER, wallet, run)
             reply, _ = _answer(diloco, act)
             received = [act]
         if lie and i == H - 1:  # the last segment's update, inflated by 25% and committed

@@ -297,6 +297,11 @@ async def test_header_problems_and_oversized_bodies_are_refused(served, wallets)
             422,
             "misdirected",
         ),
+        (  # of another run: a wallet may train several, whose ids and rounds repeat
+            await served.send(wallets[1], body, _signed(wallets[1], body, network="5e" * 32)),
+            422,
+            "another_run",
+        ),
         (
             await served.send(
                 wallets[1], body, replace(_signed(wallets[1], body), round=5).to_json().decode()
