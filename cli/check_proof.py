@@ -279,6 +279,7 @@ def check(args: argparse.Namespace) -> tuple[bool, str]:
     verdict = judge_fraud_proof(
         proof, model=network.model, diloco=network.diloco, num_stages=network.num_stages,
         tolerance=tolerance, read_batch=loaded.read, spans=args.spans, trained_precision=trained,
+        network=network.digest(),
     )  # fmt: skip
     if not verdict.proves:
         return False, f"does not prove fraud: {verdict.reason}{about}"

@@ -65,6 +65,11 @@ def remote_loss(downstream: Downstream) -> LossFn:
     return loss_fn
 
 
+MAX_WIRE_VALUE = 2.0**120
+"""Largest |∂loss/∂hidden| a stage > 0 replica steps on: 64 times it is still a finite float32,
+so every codec encodes it (node.actcodec: the Hadamard rotation sums 64 values)."""
+
+
 def stage_inner_step(
     diloco: DiLoCo, hidden: Tensor, labels: Tensor, downstream: Downstream | None
 ) -> tuple[Tensor, float]:
@@ -101,6 +106,15 @@ def stage_inner_step(
             # layers; one such step would turn the replica's weights to NaN.
             raise NonFiniteStep(
                 f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
+            )
+        largest = float(x.grad.abs().max()) if x.grad.numel() else 0.0
+        if largest > MAX_WIRE_VALUE:
+            # The gradient sent back must be encodable (a rotating codec's sum of 64 values must not
+            # overflow float32): refused before the step, so a replica never trains on a micro-batch
+            # it cannot answer, whose step its log would record without the reply.
+            raise NonFiniteStep(
+                f"micro-batch gives an input gradient up to {largest:.3g}, beyond what the wire carries "
+                f"({MAX_WIRE_VALUE:.3g}); not stepped"
             )
     except BaseException:
         diloco.inner_optimizer.zero_grad(set_to_none=True)

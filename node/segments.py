@@ -201,6 +201,7 @@ class SegmentRecorder:
         self._pending_received: list[Received] = []
         self._pending_sent: list[tuple[str, SentRef, bytes | None]] = []
         self._late_sent: list[tuple[int, int, str, bytes]] = []
+        self._last_step: tuple[int, int] | None = None
         """(round, step, kind, body) of payloads sent after their step was recorded, for the sink."""
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment-writer")
         self._in_flight: deque[Future[Any]] = deque()
@@ -255,30 +256,55 @@ class SegmentRecorder:
         with self._lock:
             self._pending_received.append(message)
 
-    def note_sent(self, micro_batch: str, kind: str, payload_sha256: str, body: bytes | None = None) -> None:
-        """A payload sent for `micro_batch`: attached to the recorded step of that id if there is one
-        (a reply encoded after its step), else to the step in progress. `body`, its bytes (whose
-        sha256 is `payload_sha256`), goes to the sink with the step: a segment check replays the
-        step and holds what it sent to what it computed, so a replica that records what it sent
-        but sends something else than its step computed is caught (None: not kept, and a check
-        of that segment fails)."""
+    def last_step(self) -> tuple[int, int] | None:
+        """(round, index) of the step `record_step` recorded last, on the training thread: where a
+        reply encoded later belongs (`note_sent`'s `step`); None when it recorded none."""
+        return self._last_step
+
+    def note_sent(
+        self,
+        micro_batch: str,
+        kind: str,
+        payload_sha256: str,
+        body: bytes | None = None,
+        *,
+        step: tuple[int, int] | None = None,
+    ) -> None:
+        """A payload sent for `micro_batch`. Activations are sent during their step: they go to the
+        step in progress. A gradient reply follows its step: it goes to `step` ((round, index), from
+        `last_step` when the step was recorded) while that round is open, or without one to the
+        newest recorded step of that id among the last 8 (one replica may train one id twice: two
+        senders forwarding a driver's micro-batch, so the worker names the step). `body`, its
+        bytes (whose sha256 is `payload_sha256`), goes to the sink with the step: a segment check
+        replays the step and holds what it sent to what it computed, so a replica that records what
+        it sent but sends something else than its step computed is caught (None: not kept, and a
+        check of that segment fails)."""
         ref = SentRef(kind=kind, payload_sha256=payload_sha256)
         with self._lock:
             current = self._current
             # Until the round is closed: the reply to its last step is often encoded after end_round.
-            if current is not None and micro_batch:
+            if kind != "activations" and current is not None and step is not None:
+                if step[0] == current.round and 0 <= step[1] < len(current.steps):
+                    self._attach(current, step[1], ref, body)
+                return
+            if kind != "activations" and current is not None and micro_batch:
                 for index in range(len(current.steps) - 1, max(-1, len(current.steps) - 9), -1):
-                    step = current.steps[index]
-                    if step.micro_batch == micro_batch:
-                        # A retried request is answered again with the same bytes: recorded once. A
-                        # step sends one payload of a kind (the store keeps one), the first.
-                        if all(r.kind != kind for r in step.sent) and len(step.sent) < MAX_MESSAGES_PER_STEP:
-                            step.sent.append(ref)
-                            if body is not None:  # written by the training thread (`_write_late_sent`)
-                                self._late_sent.append((current.round, index, kind, body))
+                    step_record = current.steps[index]
+                    if step_record.micro_batch == micro_batch:
+                        self._attach(current, index, ref, body)
                         return
             if kind == "activations":  # sent during its step; a gradient reply only ever follows one
                 self._pending_sent.append((micro_batch, ref, body))
+
+    def _attach(self, current: _Round, index: int, ref: SentRef, body: bytes | None) -> None:
+        """Under the lock: a payload sent after step `index` was recorded. A retried request is
+        answered again with the same bytes: recorded once. A step sends one payload of a kind (the
+        store keeps one), the first."""
+        step = current.steps[index]
+        if all(r.kind != ref.kind for r in step.sent) and len(step.sent) < MAX_MESSAGES_PER_STEP:
+            step.sent.append(ref)
+            if body is not None:  # written by the training thread (`_write_late_sent`)
+                self._late_sent.append((current.round, index, ref.kind, body))
 
     def discard_pending(self) -> None:
         """A step that failed after it sent or received something (its micro-batch is retried):
@@ -297,6 +323,7 @@ class SegmentRecorder:
     ) -> None:
         """After one inner step: its record, with what `note_*` gathered during it; a checkpoint
         every `segment_steps` steps. A driver's step takes the micro-batch id its transport sent."""
+        self._last_step = None
         current = self._current
         with self._lock:
             messages = [*received, *self._pending_received][:MAX_MESSAGES_PER_STEP]
@@ -319,6 +346,7 @@ class SegmentRecorder:
         with self._lock:
             current.steps.append(record)
         index = len(current.steps) - 1
+        self._last_step = (current.round, index)
         if messages:
             self._io(self.sink.received, current.round, index, messages)
         for ref in sent:

@@ -162,8 +162,8 @@ class JobQueue:
 
 
 MAX_REPLIES_IN_FLIGHT = 4
-"""Gradients waiting to be encoded before the training thread waits for the oldest: well inside the
-recorder's reach for a late note (the last 8 steps, node.segments.SegmentRecorder.note_sent)."""
+"""Gradients waiting to be encoded before the training thread waits for the oldest: bounds the
+memory the waiting gradients hold and how late a sender is answered."""
 
 
 class StageWorker(InnerLoop):
@@ -258,22 +258,24 @@ class StageWorker(InnerLoop):
     def _settle(self, job: Job, grad: Tensor, loss: float, round_: int) -> None:
         """Answer a recorded step. With the job's `encode`, the gradient is encoded on the reply
         thread, noted as the step's gradient sent back (node.segments), and only then handed to the
-        sender: every reply a replica signs is in its log, and a segment check holds the bytes to
-        what the replayed step computed. At most MAX_REPLIES_IN_FLIGHT wait, so a note always finds
-        its step, and the round's last step waits for all of them: its log closes complete."""
+        sender: every reply a replica signs is in its log, on the step that computed it (named by
+        the recorder's `last_step`, as one replica may train one id twice), and a segment check
+        holds the bytes to what the replayed step computed. At most MAX_REPLIES_IN_FLIGHT wait, and
+        the round's last step waits for all of them: its log closes complete."""
         if job.encode is None:
             job.done((grad, loss, round_))
             return
         encode = job.encode
+        step = None if self.segments is None else self.segments.last_step()
 
         def reply() -> None:
             try:
                 body = encode(grad)
-            except Exception as exc:  # nothing was sent: the sender retries elsewhere
+            except Exception as exc:  # nothing was sent (stage_inner_step refuses what no codec takes)
                 job.done(exc)
                 return
             if self.segments is not None:
-                self.segments.note_sent(job.micro_batch, "gradient", sha256_hex(body), body)
+                self.segments.note_sent(job.micro_batch, "gradient", sha256_hex(body), body, step=step)
             job.done((body, loss, round_))
 
         self._in_flight.append(self._replies.submit(reply))

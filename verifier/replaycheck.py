@@ -1296,6 +1296,10 @@ class ReplayChecker:
         except (Malformed, ValueError) as exc:
             return self._log_not_read(match, wallet, f"unreadable: {exc}")
         problem = signed_log_problem(signed, match.sender, match.stage, match.round, root)
+        if problem is None and signed.commitment.network != self.ctx.network.digest():
+            # Headers are held only to a log of their own run: one naming another, or none, would
+            # keep the sender out of every claim (a node names its run: NetworkDefinition.digest).
+            problem = "its log's commitment does not name this run (the definition's digest)"
         if problem is not None:  # not its committed log (which a node keeps, restarts included): none served
             return self._log_not_read(match, wallet, f"not its committed log: {problem}")
         contradictions = contradicting(signed, match.messages, match.receiver_key)

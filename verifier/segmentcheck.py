@@ -107,6 +107,9 @@ class SegmentClaim:
     """The receipt's θ_round hash: segment 0 must start from it."""
     delta_digest: str | None = None
     """The receipt's Δ digest: the last segment must end where that Δ says (Δ = θ_round − end)."""
+    network: str | None = None
+    """The run's definition digest, which the commitment must name (a wallet's runs repeat round
+    numbers, and a log of another run replays under another definition); None: not compared."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,8 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
         problems.append("the segment commitment is not signed by the receipt's wallet")
     if (c.stage, c.round, log.stage, log.round) != (claim.stage, claim.round) * 2:
         problems.append(f"commitment and log are for stage {c.stage}/{log.stage} round {c.round}/{log.round}")
+    if claim.network is not None and c.network != claim.network:
+        problems.append("the commitment does not name this run (the definition's digest)")
     root = log.root()
     if not (c.root == claim.root == root):
         problems.append("the log's root differs from the receipt's or the signed commitment's")
@@ -171,9 +176,11 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
     if len(material.received) != end - first:
         problems.append(f"messages for {len(material.received)} steps, the segment has {end - first}")
         return problems
-    ids = [s.micro_batch for s in log.steps if s.micro_batch]
+    # One exchange per step: a micro-batch id with the replicas whose messages the step consumed
+    # (one replica may train one driver's id twice, sent on by two replicas of the stage between).
+    ids = [(s.micro_batch, tuple(sorted(r.sender for r in s.received))) for s in log.steps if s.micro_batch]
     if len(ids) != len(set(ids)):
-        problems.append("the log names one micro-batch for two steps")  # one reply reused
+        problems.append("the log names one exchange for two steps")  # one reply reused
     for i, messages in zip(range(first, end), material.received, strict=True):
         problems += _step_problems(i, log.steps[i], messages, claim)
     sent = material.sent or tuple(() for _ in range(first, end))
@@ -648,10 +655,12 @@ def judge_fraud_proof(
     read_batch: BatchReader | None = None,
     spans: Sequence[tuple[int, int, int]] = (),
     trained_precision: str | None = None,
+    network: str | None = None,
 ) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why: the commitment is valid
     and the material matches it, and the replay fails. Needs only the run's definition (and, at
-    stage 0, its data); the claim is read from the signed commitment itself. `spans`: the
+    stage 0, its data), whose digest `network` the commitment must name (None: not compared); the
+    claim is read from the signed commitment itself. `spans`: the
     receipt's stage-0 data spans, which the signed log must match (not compared when empty).
     `trained_precision`: the receipt's (fp16's optimizer may skip overflowed steps), or
     `ANY_PRECISION` when not known: the step counts are then held to the rule every precision
@@ -661,7 +670,7 @@ def judge_fraud_proof(
         return FraudProofVerdict(False, f"the commitment is for stage {c.stage}; the run has {num_stages}")
     claim = SegmentClaim(
         model=model, diloco=diloco, num_stages=num_stages, stage=c.stage, round=c.round,
-        wallet=c.wallet, root=c.root, spans=spans, trained_precision=trained_precision,
+        wallet=c.wallet, root=c.root, spans=spans, trained_precision=trained_precision, network=network,
     )  # fmt: skip
     problems = commitment_problems(proof.material, claim)
     if problems:  # not attributable: the material is not what the wallet signed

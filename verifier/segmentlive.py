@@ -115,7 +115,7 @@ def judge_segments(
             model=network.model, diloco=network.diloco, num_stages=network.num_stages,
             stage=receipt.stage, round=receipt.round, wallet=signer, root=root[0], spans=spans,
             base_hash=receipt.base_hash, delta_digest=receipt.delta_digest,
-            trained_precision=getattr(receipt, "precision", None),
+            trained_precision=getattr(receipt, "precision", None), network=network.digest(),
         )  # fmt: skip
         read = None
         if receipt.stage == 0:

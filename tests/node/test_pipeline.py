@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from neuroshard.node import pipeline
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
-from neuroshard.node.pipeline import remote_loss, stage_inner_step
+from neuroshard.node.pipeline import MAX_WIRE_VALUE, NonFiniteStep, remote_loss, stage_inner_step
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=3, n_heads=2, ffn_dim=32, max_seq_len=16)
 SGD = DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100, grad_clip=None, min_lr_ratio=1.0)
@@ -145,3 +146,20 @@ def test_low_precision_outputs_cross_a_stage_boundary_as_float32() -> None:
     )
     assert received == [torch.float32, torch.float32] and value == 1.5
     assert grad.dtype == torch.float32 and grad.device.type == "cpu"
+
+
+def test_an_input_gradient_no_codec_carries_is_refused_before_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gradient a replica sends back must be encodable (a rotating codec sums 64 values in
+    float32): one beyond MAX_WIRE_VALUE is refused before the update (NonFiniteStep, nothing
+    stepped), so a replica never trains on a micro-batch it cannot answer. The bound is lowered
+    here to reach it with finite parameter gradients; real ones that large overflow the layers."""
+    assert torch.finfo(torch.float32).max > MAX_WIRE_VALUE * 64
+    monkeypatch.setattr(pipeline, "MAX_WIRE_VALUE", 1e-6)
+    stage = DiLoCo(build_stage(MODEL, 1, 2), SGD, inner_optimizer=_sgd)
+    before = [p.detach().clone() for p in stage.model.parameters()]
+    with pytest.raises(NonFiniteStep, match="beyond what the wire carries"):
+        stage_inner_step(stage, torch.randn(2, 8, MODEL.dim), _batch()[1], None)
+    assert stage.step == 0 and all(p.grad is None for p in stage.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, stage.model.parameters(), strict=True))

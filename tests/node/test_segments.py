@@ -387,3 +387,31 @@ def test_what_a_step_sent_is_kept_with_it_and_nothing_strays_to_another_step(tmp
         want = [("activations", bytes([i])), ("gradient", bytes([100 + i]))]
         assert [(r.kind, r.payload_sha256) for r in step.sent] == [(k, sha256_hex(b)) for k, b in want], i
         assert store.load_sent(0, i) == want
+
+
+def test_one_id_trained_twice_keeps_each_step_s_payloads_on_that_step(tmp_path: Path) -> None:
+    """One replica may train one driver's micro-batch twice (two replicas of the stage between sent
+    it on). Activations go to the step in progress, never to the earlier step of that id; a reply
+    named by its step (`last_step`, as the stage worker names it) lands there even when the later
+    step of that id was recorded first."""
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=1, sink=store)
+    diloco = _engine()
+    recorder.start_round(diloco)
+    mb = "ab" * 16
+    named = []
+    for i in range(diloco.config.inner_steps):
+        recorder.note_sent(mb, "activations", sha256_hex(bytes([i])), bytes([i]))
+        diloco.inner_step(*_batch(i))
+        recorder.record_step(diloco, micro_batch=mb)
+        named.append(recorder.last_step())
+    assert named == [(0, i) for i in range(diloco.config.inner_steps)]
+    for i, step in reversed(list(enumerate(named))):  # replies noted newest first
+        recorder.note_sent(mb, "gradient", sha256_hex(bytes([100 + i])), bytes([100 + i]), step=step)
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = recorder.close_round(WALLET)
+    assert closed is not None
+    for i, step in enumerate(closed[0].steps):
+        want = [("activations", bytes([i])), ("gradient", bytes([100 + i]))]
+        assert [(r.kind, r.payload_sha256) for r in step.sent] == [(k, sha256_hex(b)) for k, b in want], i

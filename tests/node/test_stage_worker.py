@@ -193,7 +193,7 @@ def test_every_gradient_sent_back_is_in_the_step_s_record_before_the_round_close
     results: list[JobResult] = []
 
     def finish(diloco: DiLoCo) -> None:
-        answered_at_close.append(len(results))
+        answered_at_close.append(sum(isinstance(r, tuple) for r in results))
         recorder.end_round(diloco)
         diloco.outer_step(diloco.pseudo_gradient())
         closed = recorder.close_round()
@@ -215,19 +215,63 @@ def test_every_gradient_sent_back_is_in_the_step_s_record_before_the_round_close
 
     thread = threading.Thread(target=worker.run, args=(threading.Event(), 0.01), daemon=True)
     thread.start()
+
+    def answered() -> int:
+        return sum(isinstance(r, tuple) for r in results)
+
     for i in range(2 * H):
-        while True:
+        deadline = time.monotonic() + 10.0
+        while answered() <= i and time.monotonic() < deadline:
+            seen = len(results)
             try:
                 worker.jobs.offer(encoded(i))
-                break
             except Busy:  # in its outer round
                 time.sleep(0.005)
-        deadline = time.monotonic() + 10.0
-        while len(results) <= i and time.monotonic() < deadline:
-            time.sleep(0.005)
+                continue
+            while len(results) == seen and time.monotonic() < deadline:  # an answer, or Busy: offer again
+                time.sleep(0.005)
     thread.join(10.0)
-    assert not thread.is_alive() and answered_at_close == [H, 2 * H]
+    assert not thread.is_alive() and answered_at_close == [H, 2 * H]  # answers, not Busy drains
     replies = [r for r in results if isinstance(r, tuple)]
     assert len(replies) == 2 * H and all(isinstance(r[0], bytes) for r in replies)
     recorded = [step.sent for log in logs for step in log.steps]
+    assert recorded == [[SentRef(kind="gradient", payload_sha256=sha256_hex(r[0]))] for r in replies]  # type: ignore[arg-type]
+
+
+def test_replies_land_on_their_own_steps_when_one_id_is_trained_twice() -> None:
+    """Two senders pass the same driver micro-batch on (one replica may train one id twice) while
+    the replies queue behind a slow encoder: each reply is recorded on the step that computed it,
+    not on the newest step of that id."""
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
+    logs: list[SegmentLog] = []
+    results: list[JobResult] = []
+
+    def finish(diloco: DiLoCo) -> None:
+        recorder.end_round(diloco)
+        diloco.outer_step(diloco.pseudo_gradient())
+        closed = recorder.close_round()
+        assert closed is not None
+        logs.append(closed[0])
+
+    engine = _engine()
+    recorder.start_round(engine)
+    worker = StageWorker(
+        engine, WorkerConfig(max_steps=H, max_pending=10), log=lambda s: None, finish_round=finish,
+        segments=recorder,
+    )  # fmt: skip
+
+    def slowly(grad: torch.Tensor) -> bytes:
+        time.sleep(0.05)  # the worker steps on while this reply waits
+        return grad.numpy().tobytes()
+
+    for i in range(H):
+        job = dataclasses.replace(_job(results, i), micro_batch="ab" * 16, encode=slowly)
+        worker.jobs.offer(job)
+    thread = threading.Thread(target=worker.run, args=(threading.Event(), 0.01), daemon=True)
+    thread.start()
+    thread.join(10.0)
+    assert not thread.is_alive() and len(logs) == 1
+    replies = [r for r in results if isinstance(r, tuple)]
+    assert len(replies) == H
+    recorded = [step.sent for step in logs[0].steps]
     assert recorded == [[SentRef(kind="gradient", payload_sha256=sha256_hex(r[0]))] for r in replies]  # type: ignore[arg-type]

@@ -177,7 +177,9 @@ def train(tmp_path: Path, stage: int, num_stages: int, *, lie: Lie | None = None
     boundary, and round 1 at the grown vocabulary, each recorded as the node records it."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
-    recorder = SegmentRecorder(SegmentConfig(segment_steps=K), stage=stage, sink=store)
+    recorder = SegmentRecorder(
+        SegmentConfig(segment_steps=K), stage=stage, sink=store, network=_run().digest()
+    )
     current: list[Received] = []
 
     def downstream(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
@@ -274,12 +276,17 @@ def test_material_of_a_vocabulary_below_the_definitions_is_not_replayed(tmp_path
     )
 
 
-def _definition(tmp_path: Path, model: ModelConfig = MODEL) -> Path:
-    """The two-stage run these segments were trained in, as GET /api/network's body."""
-    network = dataclasses.replace(
+def _run(model: ModelConfig = MODEL) -> NetworkDefinition:
+    """The two-stage run these segments were trained in (at `model`)."""
+    return dataclasses.replace(
         small_network(training={"batch_size": B, "seq_len": T}),
         model=model, diloco=DILOCO, num_stages=2, segment_steps=K,
     )  # fmt: skip
+
+
+def _definition(tmp_path: Path, model: ModelConfig = MODEL) -> Path:
+    """`_run(model)` as GET /api/network's body."""
+    network = _run(model)
     path = tmp_path / "network.json"
     path.write_bytes(network.canonical_bytes())
     return path
@@ -329,7 +336,7 @@ def test_the_checker_decodes_grown_segment_material_at_its_length(
     tmp_path: Path, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = train(tmp_path, 1, 2)
-    network = dataclasses.replace(small_network(), model=MODEL, diloco=DILOCO, num_stages=2, segment_steps=K)
+    network = _run()  # the run its commitments name
     checker = _checker(db, network)
     material = run.material(1)
     _serve(monkeypatch, checker, material.encode())

@@ -83,7 +83,7 @@ def _replica(
     network = _network(published)
     config = SegmentConfig(segment_steps=K)
     store = SegmentStore(tmp / wallet.wallet_id, config, log=lambda _: None)
-    recorder = SegmentRecorder(config, stage=0, sink=store)
+    recorder = SegmentRecorder(config, stage=0, sink=store, network=network.digest())
     diloco = DiLoCo(build_stage(network.model, 0, 1), network.diloco)
     manifest = published.dataset.manifest
     stream = BatchStream(

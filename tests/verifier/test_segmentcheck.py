@@ -161,6 +161,7 @@ class Run:
             model=MODEL, diloco=DILOCO, num_stages=self.num_stages, stage=self.stage, round=ROUND,
             wallet=REPLICA.public_key_hex, root=self.root, spans=self.spans, precision=precision,
             base_hash=self.base_hash, delta_digest=self.delta_digest,
+            network=_run_network(num_stages=self.num_stages).digest(),
         )  # fmt: skip
 
 
@@ -181,7 +182,8 @@ def train_round(
     `unrecorded`: a step whose gradient sent back the replica leaves out of its log."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
-    recorder = SegmentRecorder(SegmentConfig(segment_steps=K), stage=stage, sink=store)
+    run_digest = _run_network(num_stages=num_stages).digest()  # the run `_definition` describes
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=K), stage=stage, sink=store, network=run_digest)
     place = Placement(device=torch.device("cpu"), precision=precision)
     model = build_stage(MODEL, stage, num_stages)
     current: list[Received] = []
@@ -528,14 +530,16 @@ def test_one_gradient_reply_used_for_two_steps_is_refused(tmp_path: Path) -> Non
     steps = list(material.log.steps)
     steps[1] = dataclasses.replace(steps[0], data=steps[1].data)
     log = dataclasses.replace(material.log, steps=tuple(steps))
-    commitment = SegmentCommitment.create(REPLICA, stage=0, round=ROUND, root=log.root())
+    commitment = SegmentCommitment.create(
+        REPLICA, stage=0, round=ROUND, root=log.root(), network=material.commitment.network
+    )
     received = (material.received[0], material.received[0], *material.received[2:])
     reused = dataclasses.replace(material, log=log, commitment=commitment, received=received)
     claim = dataclasses.replace(run.claim(), root=log.root())
     verdict = check_segment(
         claim, reused, tolerance_for("cpu", "fp32", ReplayCheckConfig()), read_batch=read_batch
     )
-    assert not verdict.ok and "one micro-batch for two steps" in verdict.reason
+    assert not verdict.ok and verdict.reason.startswith("the log names one exchange for two steps"), verdict
 
 
 def sent_contradictions(sender: SignedSegmentLog, messages: list[Received], receiver: str) -> list[str]:
@@ -845,12 +849,7 @@ def test_every_check_holds_the_receipt_s_delta_to_the_last_segment_even_undrawn(
     commitments without replaying it: a Δ changed after the last step fails even when only segment 0
     is drawn for replay, and honest material passes the same way."""
     run = train_round(tmp_path, stage=1, num_stages=2)
-    network = small_network(
-        model={"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 16},
-        stages={"count": 2},
-        diloco={"inner_steps": H, "warmup_steps": 2, "total_steps": 100},
-        training={"batch_size": B, "seq_len": T, "segment_steps": K},
-    )
+    network = _run_network()  # the run train_round's commitments name
     last = H // K - 1
     pieces = {0: run.material(0), last: run.material(last)}
     tolerance = tolerance_for("cpu", "fp32", ReplayCheckConfig())
@@ -1193,3 +1192,20 @@ def test_the_served_start_opening_must_open_the_round_s_first_checkpoint(tmp_pat
         SegmentMaterial.decode(
             dataclasses.replace(material, start_inner="x" * 64).encode(), numel=n, n_tensors=k
         )
+
+
+def test_a_commitment_must_name_the_run_it_is_checked_in(tmp_path: Path) -> None:
+    """A wallet's runs repeat round numbers, and the proofs that hold two of its statements
+    together hold only those of one run: a commitment that names another run, or none, would keep
+    its replica out of them, so the live check refuses it (the claim carries the run's digest)."""
+    run = train_round(tmp_path, stage=1, num_stages=2)
+    material, claim = run.material(0), run.claim()
+    assert claim.network == _run_network().digest() == material.commitment.network
+    assert commitment_problems(material, claim) == []
+    c = material.commitment
+    for other in ("6f" * 32, None):
+        resigned = SegmentCommitment.create(REPLICA, stage=c.stage, round=c.round, root=c.root, network=other)
+        problems = commitment_problems(dataclasses.replace(material, commitment=resigned), claim)
+        assert problems == ["the commitment does not name this run (the definition's digest)"]
+        unbound = dataclasses.replace(claim, network=None)  # a claim without the run compares nothing
+        assert commitment_problems(dataclasses.replace(material, commitment=resigned), unbound) == []
