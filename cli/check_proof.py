@@ -295,27 +295,14 @@ def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
     if args.network is not None:
         network, about = _definition(args)
         limit = segment_log_bound(network.diloco.inner_steps) + (64 << 10)
-    given = (("--spans", args.spans), ("--device", args.device), ("--cache-dir", args.cache_dir))
-    ignored = [flag for flag, value in given if value]
-    if ignored:
-        raise Unreadable(
-            f"{' and '.join(ignored)} apply to segment fraud proofs; {args.proof} is a sender proof"
-        )
-    try:
-        with args.proof.open("rb") as f:  # bounded by reading, not by stat: a pipe has no size
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise Unreadable(f"{args.proof} holds more than the {limit} bytes a sender proof can")
+    _no_segment_flags(args, "a sender proof")
+    data = _read_bounded(args.proof, limit, "a sender proof can")
     try:
         proof = SenderFraudProof.decode(data)
     except Refused as exc:
         raise Unreadable(f"{args.proof} is not a sender fraud proof: {exc.detail}") from None
     c = proof.log.commitment
-    wallet = wallet_id_of(bytes.fromhex(c.wallet))
-    if args.wallet is not None and args.wallet.lower() not in (wallet, c.wallet):
-        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    wallet = _signer(args, c.wallet)
     if network is not None and len(proof.log.log.steps) > network.diloco.inner_steps:
         return False, f"does not prove fraud: its log has more steps than a round of this run{about}"
     verdict = judge_sender_proof(
@@ -330,36 +317,51 @@ def check_sender(args: argparse.Namespace) -> tuple[bool, str]:
     return True, f"PROVES FRAUD: {where} ({verdict.reason}){about}"
 
 
+def _no_segment_flags(args: argparse.Namespace, what: str) -> None:
+    """Refuse the flags that only a segment proof's replay reads."""
+    given = (("--spans", args.spans), ("--device", args.device), ("--cache-dir", args.cache_dir))
+    ignored = [flag for flag, value in given if value]
+    if ignored:
+        raise Unreadable(f"{' and '.join(ignored)} apply to segment fraud proofs; {args.proof} is {what}")
+
+
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """The file's bytes, at most `limit`: bounded by reading, not by stat (a pipe has no size)."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise Unreadable(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise Unreadable(f"{path} holds more than the {limit} bytes {what}")
+    return data
+
+
+def _signer(args: argparse.Namespace, key: str) -> str:
+    """The wallet id of the key that signed the proof's commitment; refused when --wallet names another."""
+    wallet = wallet_id_of(bytes.fromhex(key))
+    if args.wallet is not None and args.wallet.lower() not in (wallet, key):
+        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    return wallet
+
+
 def check_continuity(args: argparse.Namespace) -> tuple[bool, str]:
     """A continuity proof's verdict line (module docstring); needs the definition: θ's length must
     be one of the stage's (grown with the tokenizer or not), and the stage's number of parameter
     tensors fixes a fresh optimizer's digest."""
     network, about = _definition(args)
-    given = (("--spans", args.spans), ("--device", args.device), ("--cache-dir", args.cache_dir))
-    ignored = [flag for flag, value in given if value]
-    if ignored:
-        raise Unreadable(
-            f"{' and '.join(ignored)} apply to segment fraud proofs; {args.proof} is a continuity proof"
-        )
+    _no_segment_flags(args, "a continuity proof")
     stages = network.num_stages
     largest = max(largest_numel(network.model, stage, stages) for stage in range(stages))
     limit = 2 * segment_log_bound(network.diloco.inner_steps) + (64 << 10) + 4 * largest
-    try:
-        with args.proof.open("rb") as f:  # bounded by reading, not by stat: a pipe has no size
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise Unreadable(f"cannot read {args.proof}: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise Unreadable(f"{args.proof} holds more than the {limit} bytes a continuity proof of this run can")
+    data = _read_bounded(args.proof, limit, "a continuity proof of this run can")
     try:
         proof = ContinuityFraudProof.decode(data)
     except Refused as exc:
         raise Unreadable(f"{args.proof} is not a continuity fraud proof: {exc.detail}") from None
     del data
     c = proof.log.commitment
-    wallet = wallet_id_of(bytes.fromhex(c.wallet))
-    if args.wallet is not None and args.wallet.lower() not in (wallet, c.wallet):
-        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    wallet = _signer(args, c.wallet)
     if not 0 <= c.stage < stages:
         return False, f"does not prove fraud: the proof is for stage {c.stage}, the run has {stages}{about}"
     for signed in (proof.log, proof.previous):
@@ -390,10 +392,7 @@ def load(args: argparse.Namespace) -> Loaded | str:
         log, segment = SegmentMaterial.read_log(head)
     except Refused as exc:
         raise Unreadable(f"{args.proof} is not a segment fraud proof: {exc.detail}") from None
-    signer = bytes.fromhex(commitment.wallet)
-    wallet = wallet_id_of(signer)
-    if args.wallet is not None and args.wallet.lower() not in (wallet, commitment.wallet):
-        raise Unreadable(f"{args.proof} is signed by wallet {wallet}, not {args.wallet}")
+    wallet = _signer(args, commitment.wallet)
     stage, stages = commitment.stage, network.num_stages
     if not 0 <= stage < stages:
         return f"does not prove fraud: the proof is for stage {stage}, the run has {stages}{about}"
