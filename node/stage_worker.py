@@ -211,6 +211,7 @@ class StageWorker(InnerLoop):
         self._replies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-replies")
         """Encodes the gradients sent back, in step order, off the training thread (`_settle`)."""
         self._in_flight: deque[Future[None]] = deque()
+        self._ran = False
 
     @property
     def finished(self) -> bool:
@@ -218,7 +219,11 @@ class StageWorker(InnerLoop):
 
     def run(self, stop: threading.Event, poll_s: float | None = None) -> TrainResult:
         """Train on arriving micro-batches until `max_steps`, `stop`, or `upstream_over` gives a reason
-        (kept in `ended_because`); drains refused work on exit."""
+        (kept in `ended_because`); drains refused work on exit. A worker runs once: its reply thread
+        and job queue are closed when it ends, so a second run could take a job it cannot answer."""
+        if self._ran:
+            raise RuntimeError("this StageWorker has already run; build a new one to train again")
+        self._ran = True
         if poll_s is not None:
             self.poll_s = poll_s
         return self._run_loop(stop)

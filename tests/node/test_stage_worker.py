@@ -90,6 +90,9 @@ def test_the_worker_trains_on_jobs_closes_rounds_every_h_steps_and_checkpoints(t
     with pytest.raises(Busy):  # finished: nothing more is taken
         worker.jobs.offer(_job(results, 99))
 
+    with pytest.raises(RuntimeError, match="already run"):  # its replies' thread is gone
+        worker.run(threading.Event(), 0.01)
+
     resumed = _engine()
     assert StageCheckpoint(path=checkpoint.path, identity=_identity()).load(resumed)
     assert (resumed.step, resumed.round) == (2 * H, 2)
