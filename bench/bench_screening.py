@@ -9,7 +9,8 @@ sign-flipped. Each repeat times, interleaved on the same stack:
 - baseline: one ``torch.median(stack, dim=0)``, the bare cost of the reference alone;
 - the aggregation rule the network applies afterwards (``aggregate("default")``, the
   coordinate median below 5 rows, centered clipping from it from 5; the trimmed mean until
-  2026-11-27).
+  2026-11-27), with τ the median distance and one iteration, and as a network.toml gets it
+  since 2026-12-06 (``aggregation.DEFAULT_CLIPPING``: τ × 1.25, 3 iterations).
 
     .venv/bin/python bench/bench_screening.py [--numel 29_500_000] [--rows 5] [--repeats 5]
 """
@@ -24,7 +25,7 @@ import time
 import torch
 from common import parse_with_quick
 
-from neuroshard.node.aggregation import aggregate
+from neuroshard.node.aggregation import DEFAULT_CLIPPING, aggregate, network_rule
 from neuroshard.node.validation import screen_round
 
 
@@ -56,11 +57,18 @@ def main() -> None:
     verdicts = screen_round(deltas, (args.numel,))
     refused = sorted(w for w, v in verdicts.items() if not v.ok)
     print(f"verdicts: refused {refused} ({', '.join(verdicts[w].code for w in refused)})")
-    times: dict[str, list[float]] = {"screen_round": [], "torch.median": [], "aggregate(default)": []}
+    network_default = network_rule("default", 0, DEFAULT_CLIPPING)
+    times: dict[str, list[float]] = {
+        "screen_round": [],
+        "torch.median": [],
+        "aggregate(default)": [],
+        "network.toml default": [],
+    }
     for _ in range(args.repeats):
         times["screen_round"].append(timed(lambda: screen_round(deltas, (args.numel,))))
         times["torch.median"].append(timed(lambda: torch.median(stack, dim=0)))
         times["aggregate(default)"].append(timed(lambda: aggregate("default", stack)))
+        times["network.toml default"].append(timed(lambda: network_default(stack)))
     print(
         f"{args.rows} contributions x {args.numel:,} values, {args.threads} torch thread(s), "
         f"{args.repeats} interleaved repeats, load average {os.getloadavg()[0]:.2f} at the end"

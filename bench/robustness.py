@@ -128,7 +128,11 @@ colluders know it too (their rows must pass it, and the edge family builds aroun
 RESULTS.md, 2026-12-06) also weights each kept row's clipped pull by max(0, its whole-Δ cosine to
 the anchor − --weight-offset); --aim moves the colluders' cosine to the anchor above the floor.
 Any prefix also takes "cc<S>x<I>"
-(``CLIP_VARIANT``): the default rule's τ scaled by S, I iterations."""
+(``CLIP_VARIANT``): the default rule's τ scaled by S, I iterations. "default" here is the rule
+with τ the median distance and one iteration (``aggregation.LEGACY_CLIPPING``); what a
+network.toml gets since 2026-12-06 is ``aggregation.DEFAULT_CLIPPING``, τ × 1.25 and 3
+iterations, anchored: ``part:prev+cc1.25x3 --anchor momentum --later-validation`` with
+``validation.ANCHORED_VALIDATION``'s limits (RESULTS.md, "The clipping's τ and iterations")."""
 
 DEFAULT_RULES = ("mean", "val+default", "part:default")
 DEFAULT_ATTACKS = (

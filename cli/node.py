@@ -18,7 +18,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from types import FrameType
 
@@ -111,10 +110,11 @@ def _open_data(args: argparse.Namespace, run: RunSettings) -> tuple[Dataset, Dat
 
 def _aggregation_rule(joined: NetworkDefinition | None) -> AggregationRule:
     """A joined node aggregates as the network definition says; its peers (and the verifier's
-    hash agreement) expect bit-identical rounds, which a different rule would break."""
-    if joined is None:
-        return partial(aggregation.aggregate, "default")
-    return aggregation.network_rule(joined.aggregation_rule, joined.aggregation_f)
+    hash agreement) expect bit-identical rounds, which a different rule would break. A node
+    outside a network aggregates as a network.toml that names nothing would."""
+    if joined is None:  # the swarm's replicas run this code: the network.toml default is theirs
+        return aggregation.network_rule("default", 0, aggregation.DEFAULT_CLIPPING)
+    return aggregation.network_rule(joined.aggregation_rule, joined.aggregation_f, joined.clip)
 
 
 def _model_label(config: ModelConfig) -> str:

@@ -319,7 +319,8 @@ def run_settings(args: argparse.Namespace, log: Callable[[str], None]) -> RunSet
         f"joined network {definition.name!r} at {args.join} (operator {key[:16]}…): "
         f"stage {args.stage} of {definition.num_stages} (pipeline codec {definition.pipeline_codec}), "
         f"H={definition.diloco.inner_steps}, batch {definition.batch_size}x{definition.seq_len}, "
-        f"aggregation {definition.aggregation_rule} f={definition.aggregation_f}"
+        f"aggregation {definition.aggregation_rule} f={definition.aggregation_f} "
+        f"(clipping τ×{definition.clip.scale:g}, {definition.clip.iterations} iteration(s))"
         + ("" if definition.anchor_floor is None else f" anchored (floor {definition.anchor_floor})")
         + ", "
         f"held-out shard {definition.held_out_shard}"

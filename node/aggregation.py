@@ -57,10 +57,23 @@ refused on every part from its signed sums, and the per-part screening opens
 1.078× (44 → 1 of 400 refused; the two ran different attack sets); IID 8 + 2 unchanged (two-seed
 means ≤ 1.002×). Still not the issue's 1.05× on
 non-IID replicas (RESULTS.md, "The anchored round").
+
+Nor is τ the median distance in a network.toml since 2026-12-06: with sign flips refused by the
+anchor, a network.toml that names no ``[aggregation] clip_scale``/``clip_iterations`` clips with
+τ = 1.25 × the median distance and three iterations (``DEFAULT_CLIPPING``; ``network_rule``). A
+wider τ gives honest replicas whose data differs their pull (less clean cost, less room for the
+sign-direction searches); the iterations move the center from the coordinate median towards the
+clipped mean, where ALIE's searched pair pulls less. Non-IID 8 + 2, against one iteration at the
+median distance: worst attack (mean over seeds) 1.061× → 1.048× over four seeds (fresh seeds
+alone 1.051× → 1.047×), clean 1.021–1.033× → 1.010–1.025×; non-IID 10 + 3 1.078× → 1.077× (ALIE with
+z searched: not the issue's 1.05×); IID ≤ 1.023×. Per seed the worst attack still reaches
+1.049–1.072×. A served definition without the keys, and one built in code, keep
+``LEGACY_CLIPPING`` (1, 1). RESULTS.md, "The clipping's τ and iterations".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -459,17 +472,23 @@ def _median_of_rows(rows: Sequence[Tensor]) -> Tensor:
 
 
 def centered_clip(
-    xs: Contributions, center: Tensor | None = None, tau: float | None = None, iters: int = 1
+    xs: Contributions,
+    center: Tensor | None = None,
+    tau: float | None = None,
+    iters: int = 1,
+    tau_scale: float = 1.0,
 ) -> Tensor:
     """Centered clipping (Karimireddy, He & Jaggi 2021, "Learning from history for Byzantine robust
     optimization", ICML): v ← v + mean_i (xᵢ − v)·min(1, τ / ‖xᵢ − v‖), ``iters`` times from ``center``.
 
     The paper carries the center across rounds (the previous aggregate / momentum); the caller
-    does that. ``center=None`` starts from the coordinate median; ``tau=None`` uses the median of
-    the distances ‖xᵢ − center‖ — an honest-majority scale, so at most half the rows are clipped
-    and a far-away attacker moves v by at most τ·f/n per iteration (when that median is 0, at
-    least half the rows sit on the center, and the center is returned). Rows with NaN or inf are
-    left out (a clipped pull from infinitely far has no defined direction).
+    does that. ``center=None`` starts from the coordinate median; ``tau=None`` uses ``tau_scale``
+    × the median of the distances ‖xᵢ − center‖ — an honest-majority scale, so with a scale of 1
+    at most half the rows are clipped, and a far-away attacker moves v by at most τ·f/n per
+    iteration (when that median is 0, at least half the rows sit on the center, and the center is
+    returned). Later iterations keep the first one's τ. Rows with NaN or inf are left out (a
+    clipped pull from infinitely far has no defined direction). A network's choice of the two
+    knobs is a ``Clipping``.
 
     Cost: each iteration reads every row twice (the distances to v, then the new v), O(iters·n·d)
     with no n × n matrix; with ``center=None`` the coordinate median comes first (a sorting
@@ -495,11 +514,13 @@ def centered_clip(
         raise ValueError(f"centered_clip needs iters >= 1, got {iters}")
     if tau is not None and not tau > 0:
         raise ValueError(f"centered_clip needs tau > 0, got {tau}")
+    if not (math.isfinite(tau_scale) and tau_scale > 0):
+        raise ValueError(f"centered_clip needs a finite tau_scale > 0, got {tau_scale}")
     n = len(rows)
     for _ in range(iters):
         norms = _distances_to_point(rows, v)  # (n,) float64 ‖x_i − v‖
         if tau is None:
-            tau = float(norms.median())
+            tau = tau_scale * float(norms.median())
             if not tau > 0:
                 return v.clone() if center is not None else v
         weight = torch.clamp(tau / norms, max=1.0)  # (n,); τ/0 = inf → 1
@@ -555,8 +576,9 @@ def nnm(xs: Contributions, f: int) -> Tensor:
 def default_rule(n: int) -> tuple[str, int]:
     """The network's default (rule name, f) for n contributions.
 
-    Centered clipping from the coordinate median (one iteration, τ = the median distance to it;
-    ``centered_clip`` with its defaults) for n ≥ SMALL_N (= 5); below that the coordinate median,
+    Centered clipping from the coordinate median (``centered_clip``; τ and the iterations are the
+    network's ``Clipping``, applied by ``network_rule``: called bare, one iteration with τ = the
+    median distance) for n ≥ SMALL_N (= 5); below that the coordinate median,
     the best there is for n ≤ 2 (no f ≥ 1 is tolerable). The returned f is what the default
     claims to tolerate: ⌈0.2·n⌉ capped by the bound n > 2f (centered clipping's τ is a median, so
     it holds while honest rows are the majority; the attack searches use f to size themselves).
@@ -611,8 +633,47 @@ def min_contributions(name: str, f: int) -> int:
     return 2 * f + 1
 
 
-def network_rule(name: str, f: int) -> Callable[[Tensor], Tensor]:
-    """The stage's aggregation as a network definition names it ([aggregation] rule and f).
+@dataclasses.dataclass(frozen=True)
+class Clipping:
+    """Centered clipping's two knobs as a network names them (``[aggregation] clip_scale`` and
+    ``clip_iterations``): τ = `scale` × the median distance to the coordinate median, and
+    `iterations` passes with that τ (``centered_clip``)."""
+
+    scale: float = 1.0
+    iterations: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float):
+            raise ValueError(f"clip scale must be a number, got {self.scale!r}")
+        if not (math.isfinite(self.scale) and 0 < self.scale <= MAX_CLIP_SCALE):
+            raise ValueError(f"clip scale must be in (0, {MAX_CLIP_SCALE}], got {self.scale}")
+        if type(self.iterations) is not int or not 1 <= self.iterations <= MAX_CLIP_ITERATIONS:
+            raise ValueError(
+                f"clip iterations must be an integer in 1..{MAX_CLIP_ITERATIONS}, got {self.iterations!r}"
+            )
+
+    def keywords(self) -> dict[str, Any]:
+        """``centered_clip``'s keywords for these knobs."""
+        return {"tau_scale": float(self.scale), "iters": self.iterations}
+
+
+MAX_CLIP_SCALE = 100.0
+MAX_CLIP_ITERATIONS = 10
+"""Bounds on a network's clipping knobs: each iteration reads every row twice, so a definition
+cannot make a part's owner do unbounded work."""
+
+LEGACY_CLIPPING = Clipping(1.0, 1)
+"""What a network that names no clipping meant until 2026-12-06 (a served definition without the
+keys, one built in code): τ = the median distance, one iteration."""
+
+DEFAULT_CLIPPING = Clipping(1.25, 3)
+"""What a network.toml that names no clipping gets since 2026-12-06 (module docstring; bench/RESULTS.md,
+"The clipping's τ and iterations in the anchored round")."""
+
+
+def network_rule(name: str, f: int, clipping: Clipping = LEGACY_CLIPPING) -> Callable[[Tensor], Tensor]:
+    """The stage's aggregation as a network definition names it ([aggregation] rule, f, and the
+    clipping knobs, used wherever the rule is or falls back to centered clipping).
 
     A round where fewer contributions arrived than the rule needs for f (replicas left, or were
     refused) falls back to ``default_rule(n)`` rather than ending the round: with so few inputs
@@ -621,8 +682,8 @@ def network_rule(name: str, f: int) -> Callable[[Tensor], Tensor]:
     need = min_contributions(name, f)
 
     def rule(xs: Tensor) -> Tensor:
-        if xs.shape[0] < need:
-            return aggregate("default", xs)
-        return aggregate(name, xs, f)
+        resolved, rf = default_rule(xs.shape[0]) if name == "default" or xs.shape[0] < need else (name, f)
+        extra = clipping.keywords() if resolved.removeprefix("nnm+") == "centered_clip" else {}
+        return aggregate(resolved, xs, rf, **extra)
 
     return rule

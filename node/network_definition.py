@@ -18,7 +18,7 @@ from typing import Any
 from neuroshard.protocol.identity import verify
 
 from .actcodec import CODECS, DEFAULT_CODEC, LEGACY_CODEC
-from .aggregation import RULES
+from .aggregation import DEFAULT_CLIPPING, LEGACY_CLIPPING, RULES, Clipping
 from .diloco import DiLoCoConfig
 from .model import MODEL_SIZES, ModelConfig
 from .outer.reduce import ANCHOR_FLOOR
@@ -108,6 +108,12 @@ class NetworkDefinition:
     check, the node's per-part limits in every round (a served definition without the key, a
     network.toml that names it false; a network.toml that names none gets `DEFAULT_ANCHOR_FLOOR`).
     Needs outer momentum > 0."""
+    clipping: Clipping | None = None
+    """``[aggregation] clip_scale`` and ``clip_iterations``: centered clipping's τ as a multiple of
+    the median distance, and its iterations, wherever the rule is or falls back to centered
+    clipping (the default rule for n ≥ 5; ``aggregation.network_rule``). A network.toml that names
+    neither gets `aggregation.DEFAULT_CLIPPING` (1.25, 3 iterations); None (a served definition
+    without the keys, one built in code) means `aggregation.LEGACY_CLIPPING` (1, 1)."""
     segment_steps: int | None = None
     """``[training] segment_steps``: k, inner steps per committed segment (node.segments); a spot
     check replays one segment, so it costs about k/H of the round it checks. A network.toml that
@@ -131,6 +137,11 @@ class NetworkDefinition:
             )
 
     @property
+    def clip(self) -> Clipping:
+        """The run's clipping knobs: `clipping`, or the legacy (1, 1) when it names none."""
+        return self.clipping or LEGACY_CLIPPING
+
+    @property
     def segment_k(self) -> int:
         """The run's segment length: `segment_steps`, or H/10 (at least 1) when it has none."""
         return self.segment_steps or max(1, self.diloco.inner_steps // LEGACY_SEGMENTS_PER_ROUND)
@@ -150,9 +161,14 @@ class NetworkDefinition:
             # segment_steps only when set: definitions signed before it existed keep their bytes
             "training": {"batch_size": self.batch_size, "seq_len": self.seq_len}
             | ({} if self.segment_steps is None else {"segment_steps": self.segment_steps}),
-            # anchor_floor only when set: definitions signed before it existed keep their bytes
+            # anchor_floor and the clipping only when set: definitions signed before them keep their bytes
             "aggregation": {"rule": self.aggregation_rule, "f": self.aggregation_f}
-            | ({} if self.anchor_floor is None else {"anchor_floor": self.anchor_floor}),
+            | ({} if self.anchor_floor is None else {"anchor_floor": self.anchor_floor})
+            | (
+                {}
+                if self.clipping is None
+                else {"clip_scale": float(self.clipping.scale), "clip_iterations": self.clipping.iterations}
+            ),
             "data": {"manifest_url": self.manifest_url, "publisher_key": self.publisher_key},
             "evaluation": {"every_rounds": self.evaluate_every_rounds, "held_out_shard": self.held_out_shard},
         }
@@ -227,8 +243,10 @@ def parse_network(
     signed JSON one: the two differ only in what a key left out implies — the codec of a
     multi-stage definition (`pipeline_codec`), the outer warm-up (`DEFAULT_OUTER_WARMUP_ROUNDS`
     for a network.toml, 0 for a served definition), the anchor floor (`DEFAULT_ANCHOR_FLOOR`
-    for a network.toml with outer momentum, none for a served definition) and the segment length
-    (H/40 for a network.toml, `DEFAULT_SEGMENTS_PER_ROUND`; none, meaning H/10, for a served one)."""
+    for a network.toml with outer momentum, none for a served definition), the clipping knobs
+    (`aggregation.DEFAULT_CLIPPING` for a network.toml; none, meaning the legacy (1, 1), for a
+    served one) and the segment length (H/40 for a network.toml, `DEFAULT_SEGMENTS_PER_ROUND`;
+    none, meaning H/10, for a served one)."""
     doc = dict(doc)
     doc.pop("format", None)
     name = doc.pop("name", "neuroshard")
@@ -279,6 +297,7 @@ def parse_network(
         raise NetworkError(
             f"{source}: [aggregation] anchor_floor must be a number (a cosine) or false, got {anchor_floor!r}"
         )
+    clipping = _clipping(aggregation, source, served=served)
     _no_leftovers(aggregation, f"{source}: [aggregation]")
     data = _table(doc, "data", source)
     manifest_url = data.pop("manifest_url", "")
@@ -310,7 +329,25 @@ def parse_network(
         pipeline_codec=pipeline_codec,
         segment_steps=segment_steps,
         anchor_floor=None if anchor_floor is None else float(anchor_floor),
+        clipping=clipping,
     )
+
+
+def _clipping(aggregation: dict[str, Any], source: str, *, served: bool) -> Clipping | None:
+    """``[aggregation] clip_scale`` and ``clip_iterations``; a key left out takes the default's
+    value in a network.toml and the legacy one in a served definition, which names neither when
+    it predates them (None: its bytes and meaning stay)."""
+    if served and "clip_scale" not in aggregation and "clip_iterations" not in aggregation:
+        return None
+    implied = LEGACY_CLIPPING if served else DEFAULT_CLIPPING
+    scale = aggregation.pop("clip_scale", implied.scale)
+    iterations = aggregation.pop("clip_iterations", implied.iterations)
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise NetworkError(f"{source}: [aggregation] clip_scale must be a number, got {scale!r}")
+    try:
+        return Clipping(float(scale), iterations)
+    except ValueError as exc:
+        raise NetworkError(f"{source}: [aggregation] {exc}") from None
 
 
 def sign_network(network: NetworkDefinition, operator: Wallet) -> tuple[bytes, str]:

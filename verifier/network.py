@@ -34,6 +34,8 @@ key, so a joining node can check it against the operator key it was given. A min
     f = 0                # tolerated Byzantine replicas per stage
     anchor_floor = 0.1   # anchored rounds (node.outer.reduce.AnchorCheck): 0.1 when omitted and
                          # outer momentum > 0; false turns it off
+    clip_scale = 1.25    # centered clipping (the default rule for n >= 5): tau = this x the median
+    clip_iterations = 3  # distance, this many passes; 1.25 and 3 when omitted (node.aggregation)
 
     [data]
     manifest_url = "https://cdn.example.org/neuroshard/"

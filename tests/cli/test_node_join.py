@@ -13,7 +13,15 @@ def test_a_joined_node_aggregates_with_the_definitions_rule_and_f() -> None:
     xs = torch.randn(6, 30, generator=torch.Generator().manual_seed(0))
     assert torch.equal(_aggregation_rule(joined)(xs), aggregation.multi_krum(xs, 1))
     assert not torch.equal(_aggregation_rule(joined)(xs), aggregation.aggregate("default", xs))
-    assert torch.equal(_aggregation_rule(None)(xs), aggregation.aggregate("default", xs))
+    # Outside a network, as a network.toml that names nothing: the default rule, clipped with the
+    # default knobs; a joined node takes the definition's.
+    alone = aggregation.centered_clip(xs, **aggregation.DEFAULT_CLIPPING.keywords())
+    assert torch.equal(_aggregation_rule(None)(xs), alone)
+    default = small_network()
+    assert default.clip == aggregation.DEFAULT_CLIPPING
+    assert torch.equal(_aggregation_rule(default)(xs), alone)
+    legacy = small_network(aggregation={"clip_scale": 1, "clip_iterations": 1})
+    assert torch.equal(_aggregation_rule(legacy)(xs), aggregation.aggregate("default", xs))
 
 
 def test_the_model_label_names_the_definitions_model() -> None:

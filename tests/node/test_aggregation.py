@@ -296,6 +296,39 @@ def test_network_rule_applies_the_definitions_rule_and_f() -> None:
     assert torch.equal(agg.network_rule("nnm+trimmed_mean", 1)(xs), agg.aggregate("nnm+trimmed_mean", xs, 1))
 
 
+def test_a_networks_clipping_knobs_scale_tau_and_iterate_with_it() -> None:
+    """Clipping(scale, iterations): τ = scale × the median distance to the coordinate median, kept
+    for every iteration, wherever the network's rule is or falls back to centered clipping."""
+    gen = torch.Generator().manual_seed(5)
+    xs = torch.randn(10, 60, generator=gen)
+    xs[8:] *= 30.0  # two far rows, clipped at any of these scales
+    median = agg.coordinate_median(xs)
+    tau = float((xs.double() - median.double()).norm(dim=1).median())
+    v = median.double()
+    for _ in range(3):  # the update by hand with τ = 1.25 × the median distance
+        diffs = xs.double() - v
+        v = v + (diffs * torch.clamp(1.25 * tau / diffs.norm(dim=1), max=1.0)[:, None]).mean(dim=0)
+    clipped = agg.network_rule("default", 2, agg.Clipping(1.25, 3))(xs)
+    assert torch.allclose(clipped.double(), v, atol=1e-5)
+    assert torch.equal(clipped, agg.centered_clip(xs, tau_scale=1.25, iters=3))
+    assert torch.equal(clipped, agg.network_rule("centered_clip", 2, agg.Clipping(1.25, 3))(xs))
+    assert torch.equal(  # a wider τ lets the far rows pull further
+        agg.network_rule("default", 2)(xs), agg.centered_clip(xs)
+    )
+    assert float((clipped - median).norm()) > float((agg.centered_clip(xs, iters=3) - median).norm())
+    # Krum below its bound falls back to the default, clipped with the network's knobs; the median
+    # (n < 5) takes none.
+    assert torch.equal(
+        agg.network_rule("krum", 3, agg.Clipping(1.25, 3))(xs[:8]),
+        agg.centered_clip(xs[:8], tau_scale=1.25, iters=3),
+    )
+    assert torch.equal(
+        agg.network_rule("default", 0, agg.Clipping(2.0, 2))(xs[:4]), agg.coordinate_median(xs[:4])
+    )
+    with pytest.raises(ValueError, match="tau_scale > 0"):
+        agg.centered_clip(xs, tau_scale=0.0)
+
+
 def test_network_rule_falls_back_to_the_default_below_its_bound() -> None:
     xs = torch.randn(4, 40, generator=torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="n >= 2f \\+ 3"):

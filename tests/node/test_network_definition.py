@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.node.aggregation import DEFAULT_CLIPPING, LEGACY_CLIPPING, Clipping
 from neuroshard.node.network_definition import (
     DEFAULT_ANCHOR_FLOOR,
     NetworkDefinition,
@@ -152,12 +153,52 @@ def test_a_network_toml_without_an_anchor_floor_gets_the_default_signed() -> Non
         "rule": "default",
         "f": 0,
         "anchor_floor": 0.1,
+        "clip_scale": 1.25,
+        "clip_iterations": 3,
     }
     body, signature = sign_network(plain, OPERATOR)
     assert verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex)) == plain
     old = json.loads(body)
     del old["aggregation"]["anchor_floor"]
     assert parse_network(old, served=True).anchor_floor is None
+
+
+def test_a_network_toml_without_clipping_knobs_gets_the_default_and_an_old_served_one_keeps_its_bytes() -> (
+    None
+):
+    """Centered clipping's τ scale and iterations (issue 13): a network.toml that names neither
+    gets DEFAULT_CLIPPING, signed; a served definition without the keys means the legacy (1, 1)
+    and re-serialises to the bytes it was served as; a key named alone takes the other's default."""
+    assert parse_network(_doc()).clip == DEFAULT_CLIPPING == Clipping(1.25, 3)
+    old = json.loads(parse_network(_doc()).canonical_bytes())
+    del old["aggregation"]["clip_scale"], old["aggregation"]["clip_iterations"]
+    served = parse_network(old, served=True)
+    assert served.clipping is None and served.clip == LEGACY_CLIPPING == Clipping(1.0, 1)
+    assert json.loads(served.canonical_bytes()) == old
+    assert parse_network({**_doc(), "aggregation": {"clip_iterations": 1}}).clip == Clipping(1.25, 1)
+    assert parse_network(
+        {**old, "aggregation": {**old["aggregation"], "clip_scale": 2}}, served=True
+    ).clip == Clipping(2.0, 1)
+    chosen = parse_network({**_doc(), "aggregation": {"clip_scale": 1, "clip_iterations": 2}})
+    body, signature = sign_network(chosen, OPERATOR)
+    assert verify_network(body, signature, bytes.fromhex(OPERATOR.public_key_hex)).clip == Clipping(1.0, 2)
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "match"),
+    [
+        ({"clip_scale": 0}, "clip scale must be in"),
+        ({"clip_scale": float("inf")}, "clip scale must be in"),
+        ({"clip_scale": "wide"}, "clip_scale must be a number"),
+        ({"clip_scale": True}, "clip_scale must be a number"),
+        ({"clip_iterations": 0}, "clip iterations must be an integer in 1..10"),
+        ({"clip_iterations": 11}, "clip iterations must be an integer in 1..10"),
+        ({"clip_iterations": 2.0}, "clip iterations must be an integer"),
+    ],
+)
+def test_clipping_knobs_that_cannot_work_are_refused(aggregation: Any, match: str) -> None:
+    with pytest.raises(NetworkError, match=match):
+        parse_network({**_doc(), "aggregation": aggregation})
 
 
 def test_an_anchor_floor_named_false_is_off_and_leaves_no_key() -> None:
