@@ -312,9 +312,8 @@ def test_a_networks_clipping_knobs_scale_tau_and_iterate_with_it() -> None:
     assert torch.allclose(clipped.double(), v, atol=1e-5)
     assert torch.equal(clipped, agg.centered_clip(xs, tau_scale=1.25, iters=3))
     assert torch.equal(clipped, agg.network_rule("centered_clip", 2, agg.Clipping(1.25, 3))(xs))
-    assert torch.equal(  # a wider τ lets the far rows pull further
-        agg.network_rule("default", 2)(xs), agg.centered_clip(xs)
-    )
+    assert torch.equal(agg.network_rule("default", 2)(xs), agg.centered_clip(xs))  # no knobs: (1, 1)
+    # A wider τ lets the far rows pull further from the median.
     assert float((clipped - median).norm()) > float((agg.centered_clip(xs, iters=3) - median).norm())
     # Krum below its bound falls back to the default, clipped with the network's knobs; the median
     # (n < 5) takes none.
