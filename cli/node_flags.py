@@ -257,8 +257,9 @@ def _add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
         "--replay-rounds",
         type=int,
         default=3,
-        help="with --join: recent rounds whose θ_round, Δ and inner optimizer state are kept for the "
-        "verifier's replay spot checks (memory: 4 × the model's size per round)",
+        help="with --join: recent rounds kept for the verifier's spot checks: segment material on disk, and "
+        "for a round whose receipt names no segment root (a round redone after a restart) its θ_round, Δ and "
+        "inner optimizer state in memory (4 × the model's size)",
     )
 
 

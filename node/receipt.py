@@ -157,7 +157,11 @@ class Receipting:
         self._inner(diloco)
         closed = None if self._segments is None else self._segments.close_round(self._signer)
         self.round_started(diloco)
-        if inner is not None and self._archive is not None:
+        if inner is not None and self._archive is not None and closed is None:
+            # Only a receipt without a segment root is checked by replaying its whole round from
+            # this record (a round redone after a restart that followed its commitment); one with a
+            # root is checked by segments, from disk. So the archive's 16 bytes a parameter a round
+            # are held in memory only for the rounds that need them.
             self._archive.add(ReplayRecord(round=round_, theta_round=theta_round, inner=inner, delta=delta))
         if len(self._reports) == seen:
             self._log("receipt: the round hook produced no round report; nothing to send")
