@@ -243,6 +243,12 @@ SENDERS_PER_PASS = 8
 MAX_WAITING = 64
 """Challenges in the queue beyond `max_queue` (which bounds those holding fetched material): the
 rest wait for a replica's answer, holding nothing. More are not issued (and said so)."""
+MAX_QUEUED_PER_WALLET = 2
+"""Challenges of one wallet in the queue at once; a receipt of a wallet that has this many is not
+checked now (and said so), and the budget's draw still sees the wallet due. Without it, wallets
+that never answer could fill `MAX_WAITING` for their windows with a few wallets' rounds, and no one
+else's receipt would be checked meanwhile; now that takes MAX_WAITING / 2 wallets, each losing
+`unanswered_penalty` for every challenge it leaves."""
 RETRY_EVERY_S = 15.0
 """Least seconds between tries of a challenge whose replica did not answer (a slow pass of the
 fetching thread makes it longer)."""
@@ -614,11 +620,20 @@ class ReplayChecker:
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
                 self._unpick(receipt.wallet_id, picked_before)
+            elif (queued := self._queued_of(receipt.wallet_id)) >= MAX_QUEUED_PER_WALLET:
+                self.ctx.log(
+                    f"replay check: {receipt.wallet_id} has {queued} challenges in the queue already; "
+                    f"round {receipt.round} not checked"
+                )
+                self._unpick(receipt.wallet_id, picked_before)
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
                 where = BucketHolder(public_key) if is_relay(address) and public_key else address
                 self.queue.append(Challenge(receipt, where, segments=drawn, last=last))
+
+    def _queued_of(self, wallet_id: str) -> int:
+        return sum(1 for c in self.queue if c.receipt.wallet_id == wallet_id)
 
     def _unpick(self, wallet_id: str, before: int | None) -> None:
         """A drawn receipt was not checked, by the wallet's doing or the queue's: not counted as

@@ -35,6 +35,7 @@ from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.relaychallenge import BucketHolder, NotAnswered
 from neuroshard.verifier.replaycheck import (
     ANSWER_KEPT_S,
+    MAX_QUEUED_PER_WALLET,
     MAX_SENDER_LOGS,
     MAX_WAITING,
     MIN_TRIES,
@@ -484,3 +485,36 @@ def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
     checker.run_once()
     assert f"{full} challenges already waiting; {NODE.wallet_id} round 0 not checked" in lines[-1], lines
     assert NODE.wallet_id not in checker._picked
+
+
+def test_one_wallet_holds_at_most_two_places_in_the_queue(db: Database, published: PublishedData) -> None:
+    """Wallets that never answer must not fill the waiting places with their own rounds for their
+    windows (no one else would be checked meanwhile): a wallet with MAX_QUEUED_PER_WALLET challenges
+    queued gets no more, stays due for the budget's draw, and one with fewer is queued as before."""
+    lines: list[str] = []
+    _register(db, "http://127.0.0.1:9")
+    checker = _checker(db, published, lines)
+    checker.run_once()
+    theta = torch.zeros(4)
+    fake = ReplayRecord(round=0, theta_round=theta, inner=InnerState(theta, theta, theta), delta=theta)
+    order = assign_shards(
+        NODE.wallet_id, published.dataset.manifest, exclude={_network(published).held_out_shard}
+    )
+    with db.write() as s:
+        s.add(_receipt(0, fake, [[order[0], 0, H * B]]))
+    mine = SimpleNamespace(ready=True, holding=False, receipt=SimpleNamespace(wallet_id=NODE.wallet_id))
+    checker.queue = [mine] * MAX_QUEUED_PER_WALLET  # type: ignore[list-item]
+    checker._replay_next = lambda: None  # type: ignore[method-assign]
+    checker.run_once()
+    assert (
+        f"{NODE.wallet_id} has {MAX_QUEUED_PER_WALLET} challenges in the queue already; round 0 not checked"
+        in lines[-1]
+    ), lines
+    assert NODE.wallet_id not in checker._picked and len(checker.queue) == MAX_QUEUED_PER_WALLET
+
+    checker.queue = [mine] * (MAX_QUEUED_PER_WALLET - 1)  # type: ignore[list-item]
+    checker.last_id = 0
+    checker.run_once()
+    assert (
+        len(checker.queue) == MAX_QUEUED_PER_WALLET and checker.queue[-1].receipt.wallet_id == NODE.wallet_id
+    ), lines
