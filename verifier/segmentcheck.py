@@ -31,7 +31,7 @@ import dataclasses
 import hashlib
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -494,14 +494,19 @@ def replay_segment(
     return flat_parameters(diloco.params)
 
 
+FIXED_SENT_LIMITS = SpotCheckConfig(min_cosine=0.9, norm_tolerance=0.15)
+"""The sent-payload check until 2026-12-06 (set from the codecs' worst rounding), kept as a bound."""
+
+
 @dataclass(frozen=True)
 class SentTolerance:
     """How far a payload a replica sent on (decoded, p) may sit from what its replayed step computes
     (r), measured against what the run's codec does to r itself (q = the codec's round trip of r).
 
     An honest payload is the codec applied to the sender's own tensor, which differs from r only by
-    the precision it trained in. So it is held to two statistics of the codec's own rounding rather
-    than to fixed limits (which had to admit the coarsest codec's worst case, 15% of scale):
+    the precision it trained in. So it is held to two statistics of the codec's own rounding, and
+    to the fixed limits that were the whole check before (which had to admit the coarsest codec's
+    worst case, 15% of scale):
 
     - *energy*: ‖p − r‖² ≤ (1 + ``energy_slack`` + ``energy_spread`` · s_e) · (‖q − r‖² + ``drift``² ·
       ‖r‖²), where s_e = √Σe⁴ / Σe² (e = q − r per value) is the relative spread of the codec's error
@@ -510,30 +515,44 @@ class SentTolerance:
       energy: a rescaled, stale or other tensor, or a coarser code;
     - *norm*: |‖p‖ / ‖q‖ − 1| ≤ ``norm_floor`` + ``norm_spread`` · s_n, where s_n = √Σ r²e² / ‖r‖²
       is the standard deviation the codec's noise gives that ratio. The noise averages out of a
-      norm, so this catches a rescaling that a noisy code hides from the energy.
+      norm, so this catches a rescaling that a noisy code hides from the energy. The floor is the
+      room for a sender whose precision scales its tensors (radially) against an fp32 replay;
+    - *coarse*: ``coarse`` against r (cosine ≥ 0.9, norm ratio 1 ± 0.15), so the check is never
+      looser than the fixed limits: the spread terms grow as 1/√values, and on a payload of a group
+      or two (or one whose energy sits in a few values) they let a 3-bit code rescaled by 20–30%
+      through (a review measured ×1.29 on one 64-value group), which the fixed limits refuse.
+
+    When the codec codes r as zeros (values below its smallest step), only the energy is held: the
+    honest payload is zeros or the smallest codes, and no ratio to q is defined. When r cannot be
+    coded at all (beyond fp16's range, or so large that the rotation overflows), only the fixed
+    limits are: the sender could not have coded its own tensor either, unless it sat just inside.
 
     ``drift`` stands for the precision: bf16 autocast against the verifier's fp32 replay put the
-    sent tensors at most 0.43% (relative) from the replay's on CPU, the tiny and the test models
-    (bench/bench_sent_tolerance.py); fp32 replays on the same machine are exact. Not measured on GPUs.
+    sent tensors at most 0.65% (relative, the test model; 0.47% the tiny one) from the replay's on
+    CPU (bench/bench_sent_tolerance.py); fp32 replays on the same machine are exact. Not measured
+    on GPUs. What is refused is measured with lies coded by the honest encoder; a sender that codes
+    its lie with a better encoder (per-group steps chosen for least error) saves a quarter to a
+    third of the 3-bit codes' rounding energy and can spend it on a lie (a review: another tensor
+    mixed in at 0.10–0.14 rad passed). q comes from the checker's own encoder, whose fitted step
+    search and dither are not bit-identical across machines, so a verdict at the very edge of a
+    limit may differ between two checkers, as the replay's own floats may.
     """
 
     drift: float = 0.02
     energy_slack: float = 0.1
     energy_spread: float = 6.0
-    norm_floor: float = 0.005
+    norm_floor: float = 0.01
     norm_spread: float = 8.0
+    coarse: SpotCheckConfig = field(default_factory=lambda: FIXED_SENT_LIMITS)
 
 
 SENT_TOLERANCE = SentTolerance()
 """The segment check's tolerance for what a replica sent on (``SentTolerance``). Measured with
 bench/bench_sent_tolerance.py on real segments (k = 4) of the test model (2×16×32 values a payload,
 12 segments) and the tiny one (4×64×128, 4 segments), every wire codec, fp32 and bf16-autocast
-senders against an fp32 replay: no honest payload refused (the senders' tensors sat at most 0.65%
-from the replay's). At the tiny model's size every codec refuses every payload rescaled by 5% or
-more and computed with weights two steps old, and all but the 3-bit gradient codes (the default's
-backward, hadamard43's) also 2% and one step; those pass 2% (0–6 of 16 refused) and one step. At
-the test model's size the limits are wider (they shrink as 1/√values): there the 3-bit gradients
-rescaled by 10% are refused in 28–47 of 48 draws (bench/RESULTS.md, "What each step sent on")."""
+senders against an fp32 replay: no honest payload refused. What it refuses, and what the fixed
+limits it replaced let through, is in bench/RESULTS.md ("What each step sent on, held to the
+codec's own rounding")."""
 
 
 @dataclass(frozen=True)
@@ -546,7 +565,7 @@ class SentComparison:
     """‖p − r‖² over the codec's own error energy plus the drift allowance (honest: about 1 or less)."""
     excess_limit: float
     norm_ratio: float
-    """‖p‖ / ‖q‖."""
+    """‖p‖ / ‖q‖ (1 when q is zero or r could not be coded: not held)."""
     norm_limit: float
 
 
@@ -555,13 +574,19 @@ def compare_sent(
 ) -> SentComparison:
     """Whether ``sent`` (a decoded payload) is ``fmt``'s coding of ``replayed`` within ``tol``."""
     if sent.shape != replayed.shape:
-        return SentComparison(
-            False, f"shape {tuple(sent.shape)}, the replay's {tuple(replayed.shape)}", 0.0, 0.0, 0.0, 0.0
-        )
+        why = f"shape {tuple(sent.shape)}, the replay's {tuple(replayed.shape)}"
+        return SentComparison(False, why, 0.0, 0.0, 0.0, 0.0)
     p, r = sent.double().flatten(), replayed.double().flatten()
     if not bool(torch.isfinite(p).all()):
         return SentComparison(False, "non-finite values", float("inf"), 0.0, float("inf"), 0.0)
-    q = round_trip(replayed.float(), fmt).double().flatten()
+    if not bool(torch.isfinite(r).all()):  # the sender's step would have refused to send it
+        return SentComparison(False, "the replayed step computes non-finite values", 0.0, 0.0, 0.0, 0.0)
+    coarse = compare_deltas(p, r, tol.coarse)
+    try:
+        q = round_trip(replayed.float(), fmt).double().flatten()
+    except ValueError as exc:  # PayloadError among them: r beyond what the codec carries
+        why = f"the replay cannot be coded ({exc}); fixed limits only: {coarse.reason}"
+        return SentComparison(coarse.ok, why, 0.0, 0.0, 1.0, 0.0)
     err = (q - r).pow(2)
     codec_energy, r_energy = float(err.sum()), float(r.pow(2).sum())
     allowed = codec_energy + tol.drift**2 * r_energy
@@ -573,14 +598,20 @@ def compare_sent(
     excess = float((p - r).pow(2).sum()) / allowed
     spread = float(err.pow(2).sum().sqrt()) / codec_energy if codec_energy > 0 else 0.0
     excess_limit = 1 + tol.energy_slack + tol.energy_spread * spread
-    q_norm = float(q.norm())
-    ratio = float(p.norm()) / (q_norm if q_norm > 0 else float(r.norm()))
-    norm_limit = tol.norm_floor + tol.norm_spread * float((r.pow(2) * err).sum().sqrt()) / r_energy
     problems = []
     if excess > excess_limit:
         problems.append(f"{excess:.3f}x the codec's error energy > {excess_limit:.3f}")
-    if abs(ratio - 1) > norm_limit:
-        problems.append(f"norm {ratio:.4f}x the codec's coding of the replay, outside 1 ± {norm_limit:.4f}")
+    q_norm = float(q.norm())
+    ratio, norm_limit = 1.0, 0.0
+    if q_norm > 0:  # else the codec codes r as zeros: the energy alone is held (class docstring)
+        ratio = float(p.norm()) / q_norm
+        norm_limit = tol.norm_floor + tol.norm_spread * float((r.pow(2) * err).sum().sqrt()) / r_energy
+        if abs(ratio - 1) > norm_limit:
+            problems.append(
+                f"norm {ratio:.4f}x the codec's coding of the replay, outside 1 ± {norm_limit:.4f}"
+            )
+        if not coarse.ok:
+            problems.append(f"beyond the fixed limits: {coarse.reason}")
     reason = "; ".join(problems) or f"{excess:.3f}x the codec's error energy, norm {ratio:.4f}x"
     return SentComparison(not problems, reason, excess, excess_limit, ratio, norm_limit)
 

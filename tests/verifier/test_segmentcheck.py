@@ -407,7 +407,7 @@ def test_what_a_replica_sends_on_is_held_to_what_its_step_computes(
     is in, and the material proves it alone: the replay holds each payload it sent to the step's
     output (stage < S − 1) or input gradient (stage > 0) within SENT_TOLERANCE, which is relative
     to what the codec does to the replayed tensor (bench/RESULTS.md, "What each step sent on, held
-    to its replay")."""
+    to the codec's own rounding")."""
     run = train_round(
         tmp_path, stage=stage, num_stages=num_stages, sends=lambda i, t: SENT_LIES[lie](t) if i == 5 else t
     )
@@ -455,6 +455,37 @@ def test_a_payload_is_held_to_its_codec_s_own_rounding(codec_name: str, gradient
         assert not compare_sent(round_trip(sender, coarser), replayed, fmt).ok
         assert not compare_sent(torch.zeros_like(replayed), replayed, fmt).ok
         assert not compare_sent(round_trip(sender, fmt)[:, :-1], replayed, fmt).ok
+
+
+def test_the_sent_check_s_edges_from_a_review() -> None:
+    """compare_sent at its edges (helper-57's review): never looser than the fixed limits it replaced
+    (one 64-value group under a 3-bit code rescaled by 30% passed the codec-relative limits alone);
+    an honest payload of values below the codec's smallest step (coded as zeros) passes; a replay the
+    codec cannot code gets the fixed limits' verdict instead of an exception, and a non-finite one a
+    refusal; a sender whose precision scales its tensor by 0.6% passes under the near-lossless codecs."""
+    h3 = CODECS["hadamard43"].backward
+    group = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(3))
+    assert compare_sent(round_trip(group, h3), group, h3).ok
+    lie = compare_sent(round_trip(1.3 * group, h3), group, h3)
+    assert not lie.ok and "fixed limits" in lie.reason, lie.reason
+
+    tiny = torch.full((1, 2, 64), 1e-44)  # below bf16 scales' smallest step: int8 codes it as zeros
+    int8 = CODECS["int8"].forward
+    assert not bool(round_trip(tiny, int8).any())
+    assert compare_sent(torch.zeros_like(tiny), tiny, int8).ok
+
+    fp16 = CODECS["fp16"].forward
+    big = torch.full((1, 2, 64), 1e6)  # beyond fp16's range: the codec refuses to code it
+    assert compare_sent(big, big, fp16).ok and not compare_sent(2 * big, big, fp16).ok
+    bad = big.clone()
+    bad[0, 0, 0] = float("nan")
+    assert not compare_sent(big, bad, fp16).ok
+
+    r = _boundary_tensor(0, gradient=False)
+    for name in ("bf16", "int8"):
+        fmt = CODECS[name].forward
+        assert compare_sent(round_trip(1.006 * r, fmt), r, fmt).ok
+        assert not compare_sent(round_trip(1.02 * r, fmt), r, fmt).ok
 
 
 def test_a_gradient_sent_back_but_left_out_of_the_log_fails_the_check(tmp_path: Path) -> None:
