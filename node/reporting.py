@@ -20,6 +20,7 @@ logged, and the node trains on.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,15 +35,16 @@ from neuroshard.protocol.roster import MemberList, RosterError
 
 from .diloco import DiLoCoConfig
 from .membership import roster_of
-from .model import ModelConfig
+from .model import ModelConfig, stage_layers
 from .network_definition import NetworkDefinition
+from .p2p.pipeline_wire import bytes_per_token
 from .p2p.plane import PeerPlane
 from .p2p.replay import ReplayService, SegmentService
 from .p2p.server import ServerExtension
 from .receipt import Receipting
 from .replay import ReplayArchive
 from .segment_store import SegmentStore
-from .segments import SegmentConfig, SegmentRecorder
+from .segments import SegmentConfig, SegmentRecorder, round_bytes
 from .verifier_client import (
     VerifierClient,
     VerifierClientConfig,
@@ -117,15 +119,75 @@ def _version() -> str:
         return "0.0.0"
 
 
+def segment_round_bytes(definition: NetworkDefinition, stage: int) -> int:
+    """What one round of this stage's segment material takes on disk (`segments.round_bytes`): the
+    stage's checkpoints, and each step's payloads in the run's codec, received and sent (both are
+    kept: activations in and gradients out for a stage > 0, activations out and gradients in for
+    a stage that is not the last)."""
+    model, stages = definition.model, definition.num_stages
+    params = model.num_params(
+        layers=stage_layers(model.n_layers, stage, stages), embedding=stage == 0, head=stage == stages - 1
+    )
+    payload = 0
+    if stages > 1:
+        forward, backward = bytes_per_token(definition.pipeline_codec, model.dim)
+        boundaries = (stage > 0) + (stage < stages - 1)
+        payload = boundaries * (forward + backward) * definition.batch_size * definition.seq_len
+    return round_bytes(params, definition.diloco.inner_steps, definition.segment_k, payload)
+
+
+DISK_MARGIN = 1.25
+"""The segment budget's room above the estimate: safetensors headers, logs, openings."""
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _held(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
 def segment_store(
-    home: Path, segment_steps: int, keep_rounds: int, log: Log, network_digest: str
+    home: Path,
+    definition: NetworkDefinition,
+    stage: int,
+    keep_rounds: int,
+    log: Log,
+    free: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free,
 ) -> SegmentStore:
     """The node's segment store under HOME/segments/<the run's definition digest, 16 hex>: one per
     run, since round numbers repeat across runs (a round committed in one must not stop the next
     from recording it); k = the run's `segment_k` (its definition's [training] segment_steps: H/40
-    in a network.toml that names none), the last `keep_rounds` rounds (--replay-rounds)."""
-    config = SegmentConfig(segment_steps=segment_steps, keep_rounds=keep_rounds)
-    return SegmentStore(Path(home) / "segments" / network_digest[:16], config, log=log)
+    in a network.toml that names none), the last `keep_rounds` rounds (--replay-rounds).
+
+    Its disk budget follows from the run's definition (`segment_round_bytes`: 12 bytes a parameter
+    a checkpoint, ⌈H/k⌉ + 1 checkpoints, the payloads): `keep_rounds` rounds with `DISK_MARGIN`.
+    ValueError (the node does not start) when the disk under HOME cannot hold one round: every
+    challenge would go unanswered and cost the wallet reputation. With room for fewer rounds than
+    `keep_rounds`, the budget is what there is, and the log says how many rounds that keeps."""
+    directory = Path(home) / "segments" / definition.digest()[:16]
+    directory.mkdir(parents=True, exist_ok=True)
+    per_round = int(segment_round_bytes(definition, stage) * DISK_MARGIN)
+    wanted = keep_rounds * per_round
+    room = free(directory) + _held(directory)  # what this store already holds is its own to reuse
+    if room < per_round:
+        raise ValueError(
+            f"this run's segment material needs {_gb(per_round)} of disk a round at stage {stage} "
+            f"({definition.diloco.inner_steps} inner steps, a checkpoint every {definition.segment_k}); "
+            f"{directory} has {_gb(room)}: the verifier's challenges could not be answered. Free space "
+            "there or give --home on a larger disk"
+        )
+    budget = min(wanted, int(room * 0.9))
+    kept = budget // per_round
+    note = (
+        ""
+        if kept >= keep_rounds
+        else f" (room for {kept} of --replay-rounds {keep_rounds}: older rounds' challenges go unanswered)"
+    )
+    log(f"segments: {_gb(per_round)} a round, budget {_gb(budget)} under {directory}{note}")
+    config = SegmentConfig(segment_steps=definition.segment_k, keep_rounds=keep_rounds, max_bytes=budget)
+    return SegmentStore(directory, config, log=log)
 
 
 class Stoppable(Protocol):

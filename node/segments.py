@@ -66,11 +66,13 @@ class SegmentConfig:
     """Rounds of checkpoints and received payloads kept on disk to answer challenges (the verifier
     fetches right after sampling, as it does for whole-round replays: node.replay keeps 3 too)."""
     max_bytes: int = 4 << 30
-    """Disk budget of the store: whole oldest rounds are dropped until the kept ones fit. Per round:
-    (H/k + 1) checkpoints of 12 bytes per parameter (weights, two AdamW moments in float32) plus the
-    payloads received and sent (activations and gradients, each way, in the run's codec: about
-    half a byte per value with the default fitted43, 2 with bf16). The round being written is never
-    dropped, so one round larger than the budget is still kept alone (and said so)."""
+    """Disk budget of the store: whole oldest rounds are dropped until the kept ones fit. Per round
+    (`round_bytes`): ⌈H/k⌉ + 1 checkpoints of 12 bytes per parameter (weights, two AdamW moments in
+    float32) plus the payloads received and sent (activations and gradients, each way, in the run's
+    codec: about half a byte per value with the default fitted43, 2 with bf16). A node sets it from
+    its run's definition and the free disk (node.reporting.segment_store); 4 GiB is for code that
+    builds a store itself. The round being written is never dropped, so one round larger than the
+    budget is still kept alone (and said so)."""
 
     def __post_init__(self) -> None:
         if self.segment_steps < 1 or self.keep_rounds < 1 or self.max_bytes < 1:
@@ -78,6 +80,17 @@ class SegmentConfig:
                 f"SegmentConfig needs segment_steps, keep_rounds and max_bytes >= 1; got "
                 f"{self.segment_steps}, {self.keep_rounds}, {self.max_bytes}"
             )
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""A segment checkpoint on disk: float32 weights and AdamW's two float32 moments."""
+
+
+def round_bytes(params: int, inner_steps: int, segment_steps: int, payload_bytes_per_step: int = 0) -> int:
+    """Disk one round of segment material takes: a checkpoint at each segment boundary and the
+    round's end (⌈H/k⌉ + 1 of them), and the payloads each step received and sent."""
+    checkpoints = -(-inner_steps // segment_steps) + 1
+    return checkpoints * CHECKPOINT_BYTES_PER_PARAM * params + inner_steps * payload_bytes_per_step
 
 
 # --- checkpoints ------------------------------------------------------------------------------

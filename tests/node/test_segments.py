@@ -13,16 +13,20 @@ import torch
 from tests_support import refused
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.model import ModelConfig, build_stage
+from neuroshard.node.model import ModelConfig, build_stage, stage_layers
+from neuroshard.node.network_definition import NetworkDefinition
+from neuroshard.node.p2p.pipeline_wire import bytes_per_token
 from neuroshard.node.p2p.rounds import RoundReport
 from neuroshard.node.receipt import Receipting
 from neuroshard.node.replay import ReplayArchive
+from neuroshard.node.reporting import DISK_MARGIN, segment_round_bytes, segment_store
 from neuroshard.node.segment_store import SegmentMaterial, SegmentStore
 from neuroshard.node.segments import (
     SegmentCheckpoint,
     SegmentConfig,
     SegmentRecorder,
     SegmentSink,
+    round_bytes,
 )
 from neuroshard.node.trainer import Trainer, TrainerConfig, lone_replica
 from neuroshard.node.wallet import Wallet
@@ -38,6 +42,7 @@ from neuroshard.protocol.segments import (
     StepRecord,
     segment_boundaries,
 )
+from neuroshard.testing.verifier import small_network
 from neuroshard.verifier.replaycheck import ReplayCheckConfig, tolerance_for
 from neuroshard.verifier.segmentcheck import SegmentClaim, check_segment
 from neuroshard.verifier.spotcheck import claimed_batches
@@ -420,3 +425,50 @@ def test_one_id_trained_twice_keeps_each_step_s_payloads_on_that_step(tmp_path: 
     for i, step in enumerate(closed[0].steps):
         want = [("activations", bytes([i])), ("gradient", bytes([100 + i]))]
         assert [(r.kind, r.payload_sha256) for r in step.sent] == [(k, sha256_hex(b)) for k, b in want], i
+
+
+def _pipeline_run(**changes: Any) -> NetworkDefinition:
+    """A 2-stage run of the tiny model, H = 40, k = 4, 8×64 micro-batches, fitted43 between stages."""
+    base = small_network(
+        training={"batch_size": 8, "seq_len": 64, "segment_steps": 4},
+        diloco={"inner_steps": 40, "warmup_steps": 0, "total_steps": 1000},
+    )
+    return dataclasses.replace(base, **{"num_stages": 2, "pipeline_codec": "fitted43", **changes})
+
+
+def test_a_round_of_segment_material_is_sized_from_the_run_s_definition() -> None:
+    """11 checkpoints of 12 bytes a parameter (⌈40/4⌉ + 1) and, at a stage boundary, the 40 steps'
+    payloads in the run's codec, received and sent; a single-stage run has no payloads."""
+    run = _pipeline_run()
+    model = run.model
+    forward, backward = bytes_per_token("fitted43", model.dim)
+    for stage in (0, 1):
+        params = model.num_params(
+            layers=stage_layers(model.n_layers, stage, 2), embedding=stage == 0, head=stage == 1
+        )
+        payload = 40 * (forward + backward) * 8 * 64
+        assert segment_round_bytes(run, stage) == 11 * 12 * params + payload
+    lone = dataclasses.replace(run, num_stages=1)
+    assert (
+        segment_round_bytes(lone, 0) == round_bytes(model.num_params(), 40, 4) == 11 * 12 * model.num_params()
+    )
+
+
+def test_the_segment_store_s_budget_follows_the_run_and_the_disk(tmp_path: Path) -> None:
+    """A node keeps --replay-rounds rounds of what its run's rounds take (with a margin), no fixed
+    budget; with room for fewer it keeps what fits and says so; with room for none it does not
+    start (every challenge would go unanswered) and says what it needs."""
+    run = _pipeline_run()
+    per_round = int(segment_round_bytes(run, 1) * DISK_MARGIN)
+    lines: list[str] = []
+    store = segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 100 * per_round)
+    assert store.config.max_bytes == 3 * per_round and store.config.segment_steps == 4
+    assert store.directory == tmp_path / "segments" / run.digest()[:16]
+    assert "a round, budget" in lines[-1] and "room for" not in lines[-1]
+
+    store = segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 2 * per_round)
+    assert store.config.max_bytes == int(2 * per_round * 0.9)
+    assert "room for 1 of --replay-rounds 3" in lines[-1], lines[-1]
+
+    with pytest.raises(ValueError, match=r"needs .* of disk a round at stage 1"):
+        segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: per_round // 2)
