@@ -224,6 +224,7 @@ def main() -> None:
         archive=archive,
         segments=recorder,
         signer=NODE,
+        archive_every_round=True,  # the whole-round replay is this bench's baseline
     )
     trainer = Trainer(
         wallet_id="bench",

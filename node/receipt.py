@@ -114,10 +114,13 @@ class Receipting:
         archive: ReplayArchive | None = None,
         segments: SegmentRecorder | None = None,
         signer: Wallet | None = None,
+        archive_every_round: bool = False,
     ) -> None:
         """`batch_size` None: a stage > 0 replica, which reads no data; its receipt claims no spans
         and counts the tokens of the micro-batches it trained (RoundWork.tokens). `segments`: the
-        recorder the training loop feeds (`record_step`); `signer` signs each round's segment root."""
+        recorder the training loop feeds (`record_step`); `signer` signs each round's segment root.
+        `archive_every_round`: keep whole-round material of rounds with a segment root too (a
+        benchmark that times the whole-round replay against segment checks; a node never does)."""
         self._inner = inner
         self._reports = reports
         self._work = work
@@ -126,6 +129,7 @@ class Receipting:
         self._tokens_per_step = tokens_per_step
         self._log = log
         self._archive = archive
+        self._archive_every_round = archive_every_round
         self._segments = segments
         self._signer = signer
         self._round_start: tuple[int, InnerState] | None = None
@@ -157,7 +161,7 @@ class Receipting:
         self._inner(diloco)
         closed = None if self._segments is None else self._segments.close_round(self._signer)
         self.round_started(diloco)
-        if inner is not None and self._archive is not None and closed is None:
+        if inner is not None and self._archive is not None and (closed is None or self._archive_every_round):
             # Only a receipt without a segment root is checked by replaying its whole round from
             # this record (a round redone after a restart that followed its commitment); one with a
             # root is checked by segments, from disk. So the archive's 16 bytes a parameter a round

@@ -162,23 +162,28 @@ def segment_store(
     in a network.toml that names none), the last `keep_rounds` rounds (--replay-rounds).
 
     Its disk budget follows from the run's definition (`segment_round_bytes`: 12 bytes a parameter
-    a checkpoint, ⌈H/k⌉ + 1 checkpoints, the payloads): `keep_rounds` rounds with `DISK_MARGIN`.
-    ValueError (the node does not start) when the disk under HOME cannot hold one round: every
-    challenge would go unanswered and cost the wallet reputation. With room for fewer rounds than
-    `keep_rounds`, the budget is what there is, and the log says how many rounds that keeps."""
+    a checkpoint, ⌈H/k⌉ + 1 checkpoints, the payloads): `keep_rounds` closed rounds with
+    `DISK_MARGIN`, and the round being written on top. ValueError (the node does not start) when
+    the disk under HOME cannot hold one closed round and the one being written: every challenge
+    would go unanswered and cost the wallet reputation. With room for fewer rounds than
+    `keep_rounds`, the budget is what there is, and the log says how many rounds that keeps. Sized
+    at the definition's vocabulary: a round after the vocabulary grew is larger (up to
+    `vocab.GROWTH_FACTOR` times the embedding and head rows), and the store then keeps fewer
+    rounds until the node restarts and sizes it again."""
     directory = Path(home) / "segments" / definition.digest()[:16]
     directory.mkdir(parents=True, exist_ok=True)
     per_round = int(segment_round_bytes(definition, stage) * DISK_MARGIN)
-    wanted = keep_rounds * per_round
     room = free(directory) + _held(directory)  # what this store already holds is its own to reuse
-    if room < per_round:
+    # Closed rounds are dropped when a round closes, so the round being written comes on top of the
+    # budget: the budget is what is left of 90% of the room after one round in progress.
+    budget = min(keep_rounds * per_round, int(room * 0.9) - per_round)
+    if budget < per_round:
         raise ValueError(
             f"this run's segment material needs {_gb(per_round)} of disk a round at stage {stage} "
-            f"({definition.diloco.inner_steps} inner steps, a checkpoint every {definition.segment_k}); "
-            f"{directory} has {_gb(room)}: the verifier's challenges could not be answered. Free space "
-            "there or give --home on a larger disk"
+            f"({definition.diloco.inner_steps} inner steps, a checkpoint every {definition.segment_k}), "
+            f"and a node holds two (the round it answers challenges on and the one it writes); "
+            f"{directory} has {_gb(room)}. Free space there or give --home on a larger disk"
         )
-    budget = min(wanted, int(room * 0.9))
     kept = budget // per_round
     note = (
         ""
@@ -187,7 +192,9 @@ def segment_store(
     )
     log(f"segments: {_gb(per_round)} a round, budget {_gb(budget)} under {directory}{note}")
     config = SegmentConfig(segment_steps=definition.segment_k, keep_rounds=keep_rounds, max_bytes=budget)
-    return SegmentStore(directory, config, log=log)
+    store = SegmentStore(directory, config, log=log)
+    store.trim()  # an earlier run's rounds beyond the budget go before this run writes its first
+    return store
 
 
 class Stoppable(Protocol):

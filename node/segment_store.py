@@ -156,6 +156,14 @@ class SegmentStore(SegmentSink):
         if not (where / "commitment.json").exists():
             shutil.rmtree(where, ignore_errors=True)
 
+    def trim(self) -> None:
+        """Bring what an earlier run left within the budget now (the newest round kept), rather
+        than when this run closes its first round, on top of which it would be written."""
+        with self._lock:
+            rounds = self._rounds_on_disk()
+        if rounds:
+            self._evict(keep=max(rounds))
+
     def _evict(self, keep: int) -> None:
         """Drop the checkpoints and payloads of whole oldest rounds beyond `keep_rounds` or the byte
         budget; a dropped round's small files (log, commitment, openings) stay for

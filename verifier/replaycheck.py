@@ -470,6 +470,8 @@ class ReplayChecker:
         """Fraud proofs found here (SegmentFraudProof or SenderFraudProof bytes), newest last."""
         self.queue: list[Challenge] = []
         self._overdue_picks: dict[int, int] = {}
+        self._overdue_taken: set[tuple[str, int]] = set()
+        """(wallet, round) drawn as overdue, so a pick that is then not checked gives its place back."""
         """Round → receipts drawn for being overdue (at most the budget's coverage share)."""
         self._picked: dict[str, int] = {}
         """Wallet → round of its latest receipt drawn here (its verdict may not be recorded yet)."""
@@ -604,7 +606,7 @@ class ReplayChecker:
                     f"replay check: {receipt.wallet_id} round {receipt.round} came after its round "
                     "settled; not checked"
                 )
-                self._unpick(receipt.wallet_id, picked_before)  # a late receipt resets no clock
+                self._unpick(receipt, picked_before)  # a late receipt resets no clock
             elif address is None:
                 self.ctx.log(
                     f"replay check: {receipt.wallet_id} has no registered address; round {receipt.round} skipped"
@@ -619,13 +621,13 @@ class ReplayChecker:
                     f"replay check: {len(self.queue)} challenges already waiting; "
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
-                self._unpick(receipt.wallet_id, picked_before)
+                self._unpick(receipt, picked_before)
             elif (queued := self._queued_of(receipt.wallet_id)) >= MAX_QUEUED_PER_WALLET:
                 self.ctx.log(
                     f"replay check: {receipt.wallet_id} has {queued} challenges in the queue already; "
                     f"round {receipt.round} not checked"
                 )
-                self._unpick(receipt.wallet_id, picked_before)
+                self._unpick(receipt, picked_before)
             else:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
@@ -635,13 +637,18 @@ class ReplayChecker:
     def _queued_of(self, wallet_id: str) -> int:
         return sum(1 for c in self.queue if c.receipt.wallet_id == wallet_id)
 
-    def _unpick(self, wallet_id: str, before: int | None) -> None:
+    def _unpick(self, receipt: m.Receipt, before: int | None) -> None:
         """A drawn receipt was not checked, by the wallet's doing or the queue's: not counted as
-        checked either, so the budget's draw still sees the wallet due (`_budget_draw`)."""
+        checked either, so the budget's draw still sees the wallet due (`_budget_draw`), and an
+        overdue place of its round it took is given back for another overdue wallet."""
+        wallet_id = receipt.wallet_id
         if before is None:
             self._picked.pop(wallet_id, None)
         else:
             self._picked[wallet_id] = before
+        if (wallet_id, receipt.round) in self._overdue_taken:
+            self._overdue_taken.discard((wallet_id, receipt.round))
+            self._overdue_picks[receipt.round] = max(0, self._overdue_picks.get(receipt.round, 0) - 1)
 
     def _draw_segments(self, receipt: m.Receipt, count: int) -> tuple[int, ...]:
         return draw_segments(
@@ -676,6 +683,7 @@ class ReplayChecker:
         per_round = math.ceil(budget.coverage_share * budget.checks)
         for old in [r for r in self._overdue_picks if r < latest - 10]:
             del self._overdue_picks[old]
+        self._overdue_taken = {(w, r) for w, r in self._overdue_taken if r >= latest - 10}
 
         def draw(receipt: m.Receipt) -> bool:
             standing = merged.get(receipt.wallet_id)
@@ -689,6 +697,7 @@ class ReplayChecker:
                 and self._overdue_picks.get(receipt.round, 0) < per_round
             ):
                 self._overdue_picks[receipt.round] = self._overdue_picks.get(receipt.round, 0) + 1
+                self._overdue_taken.add((receipt.wallet_id, receipt.round))
                 return True
             return sampled(
                 self.ctx.operator,

@@ -466,9 +466,28 @@ def test_the_segment_store_s_budget_follows_the_run_and_the_disk(tmp_path: Path)
     assert store.directory == tmp_path / "segments" / run.digest()[:16]
     assert "a round, budget" in lines[-1] and "room for" not in lines[-1]
 
-    store = segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 2 * per_round)
-    assert store.config.max_bytes == int(2 * per_round * 0.9)
+    # The round being written comes on top of the closed ones the budget keeps.
+    store = segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 3 * per_round)
+    assert store.config.max_bytes == int(3 * per_round * 0.9) - per_round
+    assert store.config.max_bytes + per_round <= 0.9 * 3 * per_round
     assert "room for 1 of --replay-rounds 3" in lines[-1], lines[-1]
 
     with pytest.raises(ValueError, match=r"needs .* of disk a round at stage 1"):
-        segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: per_round // 2)
+        segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 2 * per_round)
+
+
+def test_a_store_trims_what_an_earlier_run_left_before_writing(tmp_path: Path) -> None:
+    """Rounds an earlier run kept beyond this run's budget go when the store opens, not after the
+    first round, which would be written on top of them."""
+    directory = tmp_path / "store"
+    for r in range(3):
+        heavy = directory / f"round-{r:012d}"
+        heavy.mkdir(parents=True)
+        (heavy / "ckpt-000000.safetensors").write_bytes(b"x" * 1000)
+        (heavy / "log.json").write_text("{}")
+    store = SegmentStore(
+        directory, SegmentConfig(segment_steps=4, keep_rounds=3, max_bytes=1500), log=lambda _: None
+    )
+    store.trim()
+    left = sorted(p.parent.name for p in directory.rglob("ckpt-*"))
+    assert left == [f"round-{2:012d}"]

@@ -158,3 +158,34 @@ def test_a_cheaper_check_buys_more_checks_and_shorter_coverage() -> None:
         segment_check_cost(4, 0.0)
     with pytest.raises(ValueError, match="check_cost"):
         ReplayBudget(replicas=1.0, check_cost=0)
+
+
+def test_an_overdue_pick_that_is_not_checked_gives_its_place_back(db: Database) -> None:
+    """Overdue wallets share a fixed number of places a round; one drawn overdue whose receipt is
+    then not checked (the queue full, or its wallet holding its places in it: `_unpick`) gives its
+    place back, so another overdue wallet is drawn in that round instead of none."""
+    with db.write() as s:
+        for i in range(WALLETS):
+            s.add(m.Wallet(wallet_id=f"{i:020x}", public_key=f"{i:064x}", reputation=0.8, registered_at=0.0,
+                           software_version="x"))  # fmt: skip
+    budget = ReplayBudget(replicas=4.0, coverage_share=0.5)
+    checker = ReplayChecker(
+        JobContext(
+            db=db, network=small_network(), operator=Wallet.from_token("test-operator"), log=lambda _: None
+        ),
+        config=ReplayCheckConfig(budget=budget),
+    )
+    late = budget.max_gap(WALLETS) + 1  # every wallet, seen since round 0 and never checked, is overdue
+    store(db, range(0, late + 1))
+    with db.read() as session:
+        draw = checker._budget_draw(session)
+        receipts = session.scalars(select(m.Receipt).where(m.Receipt.round == late)).all()
+    places = math.ceil(budget.coverage_share * budget.checks)
+    drawn = [rc for rc in receipts if draw(rc)]
+    assert checker._overdue_picks[late] == places and len(drawn) >= places
+    first = next(rc for rc in drawn if (rc.wallet_id, late) in checker._overdue_taken)
+    checker._unpick(first, None)
+    assert checker._overdue_picks[late] == places - 1
+    others = [rc for rc in receipts if rc not in drawn]
+    assert any(draw(rc) for rc in others)  # the place went to another overdue wallet
+    assert checker._overdue_picks[late] == places
