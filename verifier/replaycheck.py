@@ -470,9 +470,9 @@ class ReplayChecker:
         """Fraud proofs found here (SegmentFraudProof or SenderFraudProof bytes), newest last."""
         self.queue: list[Challenge] = []
         self._overdue_picks: dict[int, int] = {}
+        """Round → receipts drawn for being overdue (at most the budget's coverage share)."""
         self._overdue_taken: set[tuple[str, int]] = set()
         """(wallet, round) drawn as overdue, so a pick that is then not checked gives its place back."""
-        """Round → receipts drawn for being overdue (at most the budget's coverage share)."""
         self._picked: dict[str, int] = {}
         """Wallet → round of its latest receipt drawn here (its verdict may not be recorded yet)."""
         self.last_id: int | None = None
