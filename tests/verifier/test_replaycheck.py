@@ -463,12 +463,8 @@ def test_an_answer_withdrawn_from_the_bucket_after_it_was_found_fails_the_check(
     assert "withdrew or spoiled an answer in the bucket after it was found there" in _verdicts(db)[-1]
 
 
-def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
-    db: Database, published: PublishedData
-) -> None:
-    """The budget's draw skips a wallet it picked lately (`_picked`); one whose challenge could not
-    be queued was not checked, so it must stay due rather than pass as checked."""
-    lines: list[str] = []
+def _checker_with_a_receipt(db: Database, published: PublishedData, lines: list[str]) -> ReplayChecker:
+    """A checker that has run once, and NODE's round-0 receipt (an unreachable address) waiting for it."""
     _register(db, "http://127.0.0.1:9")
     checker = _checker(db, published, lines)
     checker.run_once()
@@ -479,6 +475,16 @@ def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
     )
     with db.write() as s:
         s.add(_receipt(0, fake, [[order[0], 0, H * B]]))
+    return checker
+
+
+def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
+    db: Database, published: PublishedData
+) -> None:
+    """The budget's draw skips a wallet it picked lately (`_picked`); one whose challenge could not
+    be queued was not checked, so it must stay due rather than pass as checked."""
+    lines: list[str] = []
+    checker = _checker_with_a_receipt(db, published, lines)
     full = checker.config.max_queue + MAX_WAITING
     checker.queue = [SimpleNamespace(ready=True, holding=True, receipt=None)] * full  # type: ignore[list-item]
     checker._replay_next = lambda: None  # type: ignore[method-assign]
@@ -492,16 +498,7 @@ def test_one_wallet_holds_at_most_two_places_in_the_queue(db: Database, publishe
     windows (no one else would be checked meanwhile): a wallet with MAX_QUEUED_PER_WALLET challenges
     queued gets no more, stays due for the budget's draw, and one with fewer is queued as before."""
     lines: list[str] = []
-    _register(db, "http://127.0.0.1:9")
-    checker = _checker(db, published, lines)
-    checker.run_once()
-    theta = torch.zeros(4)
-    fake = ReplayRecord(round=0, theta_round=theta, inner=InnerState(theta, theta, theta), delta=theta)
-    order = assign_shards(
-        NODE.wallet_id, published.dataset.manifest, exclude={_network(published).held_out_shard}
-    )
-    with db.write() as s:
-        s.add(_receipt(0, fake, [[order[0], 0, H * B]]))
+    checker = _checker_with_a_receipt(db, published, lines)
     mine = SimpleNamespace(ready=True, holding=False, receipt=SimpleNamespace(wallet_id=NODE.wallet_id))
     checker.queue = [mine] * MAX_QUEUED_PER_WALLET  # type: ignore[list-item]
     checker._replay_next = lambda: None  # type: ignore[method-assign]
