@@ -93,6 +93,7 @@ RULES = (
     "whole:default",
     "part:prev+default",
     "part:prev+wt+default",
+    "part:prev+centered_clip",
 )
 """Rules with f = K (the true attacker count, as robustness papers assume), except "default",
 which is the network's default rule (``aggregation.default_rule``: centered clipping from the
