@@ -661,7 +661,7 @@ class ReplayChecker:
         )
 
     def _queued(self, wallet_id: str) -> bool:
-        return any(c.receipt.wallet_id == wallet_id for c in self.queue)
+        return self._queued_of(wallet_id) > 0
 
     def _drawn(self, receipt: m.Receipt) -> bool:
         rate = self.config.sample_rate
