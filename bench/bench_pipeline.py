@@ -19,6 +19,10 @@ Three measurements, each against bf16 (the wire before codecs) and each codec of
    lists). Synchronous data parallel over the same 2 data streams all-reduces the whole model's
    fp32 gradient every step, a ring all-reduce with n = 2 sending 2·(n−1)/n·4·d = 4·d bytes per node
    per step. Tokens/s is the drivers' trained tokens over the wall time of the run.
+   With --live-relay each codec's live run is made twice, alternating: replicas with ports, then
+   every replica behind NAT (`--relay`, no port: node.p2p.mailbox), the micro-batches and
+   gradients carried by an S3 bucket (a moto server on loopback, so the bucket's latency is
+   loopback's, not a real store's: the figure is the protocol's own cost, a lower bound).
 
 Every run sets torch.set_num_threads(1): four replicas share the process (3), and the loss
 comparison (2) must not depend on the machine's load.
@@ -31,7 +35,10 @@ comparison (2) must not depend on the machine's load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
+import os
 import statistics
 import tempfile
 import threading
@@ -50,6 +57,7 @@ from neuroshard.node.actcodec import CODECS, DEFAULT_CODEC, FORMATS, Codec, Form
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.auth import Traffic
+from neuroshard.node.p2p.bucket import RelayConfig
 from neuroshard.node.p2p.pipeline import PipelineConfig
 from neuroshard.node.p2p.pipeline_wire import encode_activations, encode_gradient
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
@@ -129,6 +137,10 @@ def main() -> None:
     p.add_argument("--inner-steps", type=int, default=50, help="H of the live run")
     p.add_argument("--rounds", type=int, default=3, help="outer rounds of the live run")
     p.add_argument("--encoding", default="int8", choices=["int8", "fp16"], help="Δ encoding of the sync")
+    p.add_argument(
+        "--live-relay", action="store_true",
+        help="also run each live codec with every replica behind NAT, through a moto S3 bucket",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object, last line")
     args = parse_with_quick(
         p,
@@ -153,7 +165,12 @@ def main() -> None:
         summary["held_out"] = loss_table(model, args, codecs, dataset)
     live = [c for c in args.live_codecs.split(",") if c and c != "none"]
     if live:
-        summary["live"] = {name: live_run(model, args, dataset, name) for name in live}
+        relay = _moto_bucket() if args.live_relay else None
+        summary["live"] = {}
+        for name in live:
+            summary["live"][name] = live_run(model, args, dataset, name)
+            if relay is not None:
+                summary["live"][f"{name} (bucket)"] = live_run(model, args, dataset, name, relay)
         live_table(summary["live"])
 
     default = summary["bytes"][DEFAULT_CODEC]
@@ -369,7 +386,7 @@ def loss_table(
 # --- 3. the live wire -------------------------------------------------------------------------
 
 
-def _net(encoding: str, peers: tuple[str, ...]) -> PeerPlaneConfig:
+def _net(encoding: str, peers: tuple[str, ...], relay: RelayConfig | None = None) -> PeerPlaneConfig:
     return PeerPlaneConfig(
         port=0,
         peers=peers,
@@ -377,6 +394,27 @@ def _net(encoding: str, peers: tuple[str, ...]) -> PeerPlaneConfig:
         round_timeout_s=120.0,
         gossip_interval_s=0.5,
         join_timeout_s=3.0,
+        relay=relay,
+        listen=relay is None,
+    )
+
+
+def _moto_bucket() -> RelayConfig:
+    """A fresh bucket on a moto S3 server on loopback (dummy credentials: it is ours alone)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one access-log line per request otherwise
+    for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        os.environ[name] = value
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench-pipeline")
+    return RelayConfig(
+        url="s3://bench-pipeline/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.5
     )
 
 
@@ -384,8 +422,17 @@ def _sent(t: Traffic) -> int:
     return t.bytes_sent
 
 
-def live_run(model: ModelConfig, args: argparse.Namespace, dataset: Dataset, codec: str) -> dict[str, Any]:
-    """2 stages × 2 replicas on loopback with `codec` on the pipeline wire; bytes and tokens/s."""
+def live_run(
+    model: ModelConfig,
+    args: argparse.Namespace,
+    dataset: Dataset,
+    codec: str,
+    relay: RelayConfig | None = None,
+) -> dict[str, Any]:
+    """2 stages × 2 replicas on loopback with `codec` on the pipeline wire; bytes and tokens/s. With
+    `relay`, every replica is behind NAT and the bucket carries everything (a prefix per run)."""
+    if relay is not None:
+        relay = dataclasses.replace(relay, url=f"{relay.url}-{codec}-{time.monotonic_ns()}")
     h, steps = args.inner_steps, args.inner_steps * args.rounds
     diloco = DiLoCoConfig(inner_steps=h, warmup_steps=min(20, h), total_steps=max(steps, 1000))
     pipe = PipelineConfig(num_stages=2, codec=codec, max_batch=args.batch_size)
@@ -394,21 +441,21 @@ def live_run(model: ModelConfig, args: argparse.Namespace, dataset: Dataset, cod
     for i in range(2):
         stop = threading.Event()
         stops.append(stop)
-        boot = (stage1[0].network.address,) if stage1 else ()
+        boot = (stage1[0].network.address,) if stage1 and relay is None else ()
         stage1.append(
             start_stage_replica(
                 wallet=Wallet.from_token(f"bench-pipeline-s1-{i}"), stage=1, model_config=model,
-                diloco_config=diloco, network_config=_net(args.encoding, boot), pipeline_config=pipe,
+                diloco_config=diloco, network_config=_net(args.encoding, boot, relay), pipeline_config=pipe,
                 worker_config=WorkerConfig(max_steps=steps, log_every=10**6), stop=stop, log=lambda line: None,
             )
         )  # fmt: skip
-    boot = (stage1[0].network.address,)
+    boot = (stage1[0].network.address,) if relay is None else ()
     drivers: list[tuple[Trainer, PeerPlane, PipelineLink]] = []
     with tempfile.TemporaryDirectory() as ckpt:
         for i in range(2):
             stop = threading.Event()
             stops.append(stop)
-            drivers.append(_driver(i, args, model, diloco, pipe, dataset, boot, Path(ckpt), stop))
+            drivers.append(_driver(i, args, model, diloco, pipe, dataset, boot, Path(ckpt), stop, relay))
         for trainer, network, _ in drivers:
             network.join_state(trainer.diloco)
         while any(len(n.node.peers.live(time.time(), 1)) < 2 for _, n, _ in drivers):
@@ -429,14 +476,19 @@ def live_run(model: ModelConfig, args: argparse.Namespace, dataset: Dataset, cod
             t.join()
         wall = time.perf_counter() - started
 
+        # Behind NAT the bucket's bytes are the client's (PeerPlane.traffic), the pipeline's among
+        # them, and a stage-1 replica's server is its loopback one (the pipeline again, off the wire).
         rows = []
         for i, (_, network, link) in enumerate(drivers):
             client, server = network.traffic()
-            rows.append((f"stage 0 replica {i}", _sent(link.client.traffic), _sent(client) + _sent(server)))
+            pipeline = _sent(link.client.traffic)
+            sync = _sent(client) + _sent(server) - (pipeline if relay is not None else 0)
+            rows.append((f"stage 0 replica {i}", pipeline, sync))
         for i, s in enumerate(stage1):
             client, server = s.network.traffic()
             pipeline = s.service.traffic.bytes_sent
-            rows.append((f"stage 1 replica {i}", pipeline, _sent(client) + _sent(server) - pipeline))
+            served = _sent(server) if relay is None else 0  # behind NAT: the loopback server's
+            rows.append((f"stage 1 replica {i}", pipeline, _sent(client) + served - pipeline))
         hashes = [{t.diloco.weights_hash() for t, _, _ in drivers}, {s.diloco.weights_hash() for s in stage1}]
         for (_, network, link), stop in zip(drivers, stops[2:], strict=True):
             stop.set()
@@ -486,10 +538,10 @@ def live_run(model: ModelConfig, args: argparse.Namespace, dataset: Dataset, cod
 
 def live_table(live: dict[str, Any]) -> None:
     print("\nlive runs side by side (bytes per token: HTTP bytes sent per node per micro-batch token):")
-    print(f"{'codec':<11} {'tokens/s':>9} {'wire B/token':>13} {'MB/node/round @H=500':>21} {'DP/ours':>8}")
+    print(f"{'codec':<20} {'tokens/s':>9} {'wire B/token':>13} {'MB/node/round @H=500':>21} {'DP/ours':>8}")
     for name, row in live.items():
         print(
-            f"{name:<11} {row['tokens_per_s']:>9,.0f} {row['pipeline_bytes_per_token_wire']:>13.1f} "
+            f"{name:<20} {row['tokens_per_s']:>9,.0f} {row['pipeline_bytes_per_token_wire']:>13.1f} "
             f"{row['pipeline_mb_per_node_round_h500'] + row['sync_mb_per_node_round']:>21.2f} "
             f"{row['dp_over_ours_h500']:>8.1f}"
         )
@@ -505,11 +557,12 @@ def _driver(  # type: ignore[no-untyped-def]
     boot: tuple[str, ...],
     ckpt: Path,
     stop: threading.Event,
+    relay: RelayConfig | None = None,
 ) -> tuple[Trainer, PeerPlane, PipelineLink]:
     """A stage-0 replica as `neuroshard-node --stages 2 --stage 0` builds it."""
     wallet = Wallet.from_token(f"bench-pipeline-s0-{i}")
     network = PeerPlane(
-        _net(args.encoding, boot),
+        _net(args.encoding, boot, relay),
         wallet,
         0,
         lambda line: None,

@@ -293,10 +293,6 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
         _log(roles.banner)
     try:
         run_ = run_settings(args, _log)
-        if args.relay and run_.num_stages > 1:
-            raise ValueError(
-                "--relay takes a data-parallel stage (--stages 1): pipeline stages need open ports"
-            )
         if args.stage > 0 and roles != Roles():
             raise ValueError(
                 f"--stage {args.stage}: the adversary's parts are mounted at stage 0 only; "

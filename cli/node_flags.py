@@ -197,8 +197,9 @@ def _add_network_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--relay",
         metavar="s3://BUCKET/PREFIX",
-        help="the stage's S3-compatible bucket; without --port this node opens no port and takes part "
-        "through the bucket alone (outbound connections only). Credentials: boto3's usual chain",
+        help="the run's S3-compatible bucket; without --port this node opens no port and takes part "
+        "through the bucket alone (outbound connections only), a pipeline stage's micro-batches "
+        "included. Credentials: boto3's usual chain",
     )
     g.add_argument("--relay-endpoint", help="S3-compatible endpoint URL (MinIO, R2, ...); default AWS")
     g.add_argument("--relay-region", help="the bucket's region; default boto3's")

@@ -1301,19 +1301,28 @@ class ReplayChecker:
             return False  # its receipt is not in yet
         receipt, address = found
         root, received_at = receipt.segment_root, receipt.received_at
-        # A relay replica is never a sender: `--relay` takes single-stage runs only.
-        if root is None or address is None or is_relay(address):
+        # A sender behind NAT (a relay stage-0 or middle replica) is asked through the bucket.
+        behind_nat = address is not None and is_relay(address)
+        if root is None or address is None or (behind_nat and self._bucket is None):
             self.ctx.log(
                 f"replay check: {wallet} round {match.round} commits to no segment log, or has no address "
-                "the verifier can reach; not matched"
+                "the verifier can reach (a relay replica needs the verifier's --relay); not matched"
             )
             return True
         if match.found is None:
             match.found = (self.ctx.clock(), received_at)
+        where_from: str | BucketHolder = BucketHolder(match.sender) if behind_nat else address
         try:
             signed = self._get_log(
-                address, match.round, timeout_s=min(SENDER_TIMEOUT_S, self.config.timeout_s)
+                where_from, match.round, timeout_s=min(SENDER_TIMEOUT_S, self.config.timeout_s)
             )
+        except NotAnswered as exc:  # asked through the bucket: read again on a later pass
+            return self._log_not_read(match, wallet, str(exc))
+        except BucketUnavailable as exc:  # the verifier's own trouble: no verdict on the sender
+            self.ctx.log(
+                f"replay check: cannot ask {wallet} for its round {match.round} log: {exc}; not matched"
+            )
+            return True
         except (ReplicaDeclined, OSError) as exc:
             what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
             return self._log_not_read(match, wallet, f"{what}: {exc}")

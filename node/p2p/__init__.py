@@ -14,6 +14,7 @@ bodies ``neuroshard.node.codec``):
 - ``objects`` the outer round's HTTP carrier: each replica serves its round objects (GET /p2p/obj)
 - ``bucket``  the outer round's S3 carrier: every replica's objects under its prefix of one bucket
 - ``relay``   a replica behind NAT: its server's answers put into the stage bucket instead
+- ``mailbox`` signed POSTs to a replica behind NAT through the bucket (a pipeline stage's micro-batches)
 - ``exchange`` the asynchronous steps around a round: gossip, statuses, the θ-hash vote, state sync
 - ``replay``  GET /p2p/replay/{round} and /p2p/segment/...: what the verifier's checks replay
 - ``pipeline_wire`` the pipeline's safetensors bodies: activations forward, gradients back, in the run's codec

@@ -262,7 +262,7 @@ class PeerClient:
         try:
             async with asyncio.timeout(timeout_s or self._request_timeout_s):
                 async with self._session.request(method, url, data=body or None, headers=signed) as resp:
-                    data = await _read_reply(resp, max_bytes)
+                    data = await read_reply(resp, max_bytes)
                     self.traffic.requests += 1
                     self.traffic.bytes_sent += len(body) + head_bytes(
                         f"{method} {path} HTTP/1.1", resp.request_info.headers.items()
@@ -275,7 +275,9 @@ class PeerClient:
             raise PeerUnreachable(f"{method} {address}{path}: {type(exc).__name__}: {exc}") from None
 
 
-async def _read_reply(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+async def read_reply(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """A reply's body, read in chunks that stop at `max_bytes` (8 KiB at least, for error replies);
+    PeerUnreachable beyond it."""
     # Error replies are small JSON; allow them even where a route's success body is empty.
     limit = max(max_bytes, 8192)
     if resp.content_length is not None and resp.content_length > limit:

@@ -18,8 +18,10 @@ Operator set-up (once per stage, outside NeuroShard):
   ``s3:PutObject``/``s3:DeleteObject`` on ``arn:aws:s3:::BUCKET/PREFIX/{wallet}/*`` only, or an R2
   token limited the same way — so a replica cannot overwrite another's objects (it would only make
   them absent, see above, but scoped keys keep that from happening at all), plus ``PREFIX/_want/*``
-  where readers ask a relay replica for its state (``relay.py``), and nothing under
-  ``PREFIX/_check/*``, where the verifier alone writes its challenges;
+  where readers ask a relay replica for its state (``relay.py``), ``PREFIX/_pipe/*/{wallet}/*``
+  where a pipeline stage sends micro-batches to next-stage replicas behind NAT (``mailbox.py``),
+  ``s3:DeleteObject`` on ``PREFIX/_pipe/{wallet}/*`` (its own inbox: requests whose sender left,
+  or beyond a sender's share, are cleared by the replica they were sent to), and nothing under ``PREFIX/_check/*``, where the verifier alone writes its challenges;
 - every replica gets read access to the stage: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:ListBucket``
   on the bucket with that prefix (without ListBucket, S3 answers 403 rather than 404 for an object
   not yet published, and a reader cannot wait for it);
@@ -227,6 +229,35 @@ class BucketStore:
         except (BotoCoreError, ClientError):
             return None
 
+    async def delete_shared(self, path: str) -> None:
+        """Delete the object at PREFIX/`path` (outside any wallet's prefix: a pipeline request this
+        wallet wrote, ``mailbox.py``); failures are logged, like `delete`."""
+        key = f"{self._root}{path}"
+        try:
+            await self._call(self.client.delete_object, Bucket=self.config.bucket, Key=key)
+        except (BotoCoreError, ClientError) as exc:
+            self.log(f"bucket: cannot delete s3://{self.config.bucket}/{key}: {exc}")
+
+    async def delete_shared_many(self, paths: list[str]) -> None:
+        """Delete the objects at PREFIX/`paths` (a relay replica clearing its pipeline inbox,
+        ``mailbox.py``), up to DELETE_BATCH a call; failures are logged, like `delete`."""
+        keys = [f"{self._root}{path}" for path in paths]
+        for i in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[i : i + DELETE_BATCH]]
+            try:
+                response = await self._call(
+                    self.client.delete_objects,
+                    Bucket=self.config.bucket,
+                    Delete={"Objects": batch, "Quiet": True},
+                )
+            except (BotoCoreError, ClientError) as exc:
+                self.log(
+                    f"bucket: cannot delete {len(batch)} objects under s3://{self.config.bucket}/: {exc}"
+                )
+                continue
+            if response.get("Errors"):
+                self.log(f"bucket: {len(response['Errors'])} of {len(batch)} deletes refused")
+
     async def delete(self, name: str) -> None:
         """Delete this wallet's object `name`; failures are logged (it costs storage only, and the
         lifecycle rule removes it later)."""
@@ -261,7 +292,11 @@ class BucketStore:
         max_bytes: int,
         span: tuple[int, int] | None = None,
         wait_s: float = 0.0,
+        poll_s: tuple[float, float] | None = None,
     ) -> bytes | None:
+        """`author`'s object `name` (a `span` of it), polled for up to `wait_s` until it appears; None
+        if it did not, or is over `max_bytes`. `poll_s`: (first, largest) wait between polls, each
+        wait x1.5, instead of the config's (a pipeline reply waits in tens of milliseconds)."""
         key = self.key(author, name)
         if span is not None:
             start, end = span
@@ -270,7 +305,7 @@ class BucketStore:
             if start == end:
                 return b""
         deadline = time.monotonic() + wait_s
-        interval = self.config.poll_interval_s
+        interval, largest = poll_s or (self.config.poll_interval_s, self.config.max_poll_s)
         while True:
             try:
                 return await self._get(key, max_bytes, span)
@@ -289,7 +324,7 @@ class BucketStore:
             if remaining <= 0:
                 return None
             await asyncio.sleep(min(interval, remaining))
-            interval = min(interval * 1.5, self.config.max_poll_s)
+            interval = min(interval * 1.5, largest)
 
     async def _get(self, key: str, max_bytes: int, span: tuple[int, int] | None) -> bytes | None:
         """The object's bytes, None if too large or not the length asked for; raises botocore errors."""

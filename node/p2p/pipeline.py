@@ -48,6 +48,10 @@ Route (every refusal is a JSON `ErrorReply`):
 |                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
 | POST /p2p/pipeline/end       | `PipelineEnd` (JSON: the sender sends no more micro-batches)     | 204 | 400 409 422     |
 
+A next-stage replica behind NAT (a relay address, ``relay.py``) is reached through the stage
+bucket instead: the same signed request, put in the bucket and answered there by that replica's
+own server (``mailbox.py``); a client given no bucket leaves such replicas out.
+
 Bodies are packed in the run's codec (`PipelineConfig.codec`, `pipeline_wire`); a micro-batch
 in another codec is refused with 422 `wrong_codec`. 422 also answers a micro-batch on which the
 layers overflow (non-finite loss or gradient: not stepped). 409 = this replica already took the micro-batch's id from this sender with another
@@ -94,7 +98,10 @@ from ..pipeline import NonFiniteStep
 from ..segments import SegmentRecorder
 from ..vocab import vocab_cap
 from ..wallet import Wallet
-from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerUnreachable, Traffic, head_bytes
+from . import mailbox
+from .auth import BODY, PEER_WALLET, Clock, PeerClient, PeerReply, PeerUnreachable, Traffic, head_bytes
+from .bucket import BucketStore
+from .mailbox import MailboxRoutes
 from .peers import PeerEntry, PeerTable
 from .pipeline_wire import (
     activation_size_bound,
@@ -104,6 +111,7 @@ from .pipeline_wire import (
     encode_gradient,
     gradient_size_bound,
 )
+from .relay import is_relay
 from .upstream import Upstream
 
 MAX_END_BYTES = 2048
@@ -310,7 +318,10 @@ class PipelineClient:
         stop: threading.Event,
         router: NextStageRouter | None = None,
         segments: SegmentRecorder | None = None,
+        bucket: BucketStore | None = None,
     ) -> None:
+        """`bucket`: the stage bucket (``--relay``), through which next-stage replicas behind NAT are
+        reached (mailbox.py); without it they are left out."""
         if not 0 <= stage < config.num_stages - 1:
             raise ValueError(f"stage {stage} has no next stage among {config.num_stages}")
         self.wallet = wallet
@@ -322,6 +333,8 @@ class PipelineClient:
         self.stop = stop
         self.segments = segments
         """Where the sent activations and the gradient replies are recorded (node.segments), if anywhere."""
+        self.bucket = bucket
+        self._cleanup = mailbox.Cleanup()
         self.router = router or NextStageRouter(
             ban_s=config.ban_s, busy_s=config.busy_s, ema=config.throughput_ema
         )
@@ -343,6 +356,7 @@ class PipelineClient:
         await self.client.start()
 
     async def close(self) -> None:
+        await self._cleanup.wait()
         await self.client.close()
 
     async def forward(
@@ -365,7 +379,11 @@ class PipelineClient:
             if self.stop.is_set():
                 raise PipelineUnavailable(f"micro-batch {micro_batch[:8]}: the node is stopping")
             now = self.clock()
-            live = {e.wallet: e for e in self.peers.live(now, self.stage + 1) if e.wallet not in refused}
+            live = {
+                e.wallet: e
+                for e in self.peers.live(now, self.stage + 1)
+                if e.wallet not in refused and (self.bucket is not None or not is_relay(e.address))
+            }
             pick = self.router.choose(live, now)
             if pick is None:
                 if time.monotonic() > deadline:
@@ -411,16 +429,41 @@ class PipelineClient:
             if peer is None:
                 return False
             try:
-                reply = await self.client.request(
-                    "POST", peer.address, END, body=body, max_bytes=4096,
-                    timeout_s=min(10.0, self.config.request_timeout_s),
-                )  # fmt: skip
+                reply = await self._post(peer, END, body, {}, 4096, min(10.0, self.config.request_timeout_s))
             except PeerUnreachable:
                 return False
             return reply.status == 204
 
         told = await asyncio.gather(*(tell(w) for w in wallets))
         return sum(told), len(wallets)
+
+    async def _post(
+        self,
+        peer: PeerEntry,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        max_bytes: int,
+        timeout_s: float,
+    ) -> PeerReply:
+        """A signed POST to `peer`: over HTTP, or through the bucket to a replica behind NAT, whose
+        answer also waits on the bucket's polls (so it gets half as long again)."""
+        if not is_relay(peer.address):
+            return await self.client.request(
+                "POST",
+                peer.address,
+                path,
+                body=body,
+                headers=headers,
+                max_bytes=max_bytes,
+                timeout_s=timeout_s,
+            )
+        if self.bucket is None:
+            raise PeerUnreachable(f"{peer.wallet[:12]} is behind NAT and this replica has no bucket")
+        return await mailbox.post(
+            self.bucket, self.wallet, self.clock, peer.wallet, path, body=body, headers=headers,
+            max_bytes=max_bytes, timeout_s=1.5 * timeout_s, traffic=self.client.traffic, cleanup=self._cleanup,
+        )  # fmt: skip
 
     async def _try(
         self,
@@ -433,9 +476,7 @@ class PipelineClient:
         payload), or why it failed."""
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
         try:
-            reply = await self.client.request(
-                "POST", peer.address, FORWARD, body=body, headers=headers, max_bytes=reply_bound
-            )
+            reply = await self._post(peer, FORWARD, body, headers, reply_bound, self.config.request_timeout_s)
         except PeerUnreachable as exc:
             return str(exc)
         if reply.status in (502, 503):
@@ -534,6 +575,17 @@ class PipelineService:
             return None
         cfg = self.model_config
         return activation_size_bound(self.config.max_batch, cfg.max_seq_len, cfg.dim, self.config.codec)
+
+    def mailbox(self) -> MailboxRoutes:
+        """What a replica behind NAT takes through its bucket (mailbox.py): both routes."""
+        cfg = self.model_config
+        return MailboxRoutes(
+            routes={FORWARD: self.body_limit(self.ROUTE) or 0, END: MAX_END_BYTES},
+            reply_bytes=gradient_size_bound(
+                self.config.max_batch, cfg.max_seq_len, cfg.dim, self.config.codec
+            ),
+            timeout_s=self.reply_timeout_s + 10.0,
+        )
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(FORWARD, self._forward, name=self.ROUTE)

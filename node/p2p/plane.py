@@ -69,6 +69,7 @@ from ..wallet import Wallet
 from .auth import Clock, PeerClient, Traffic
 from .bucket import BucketStore, RelayConfig
 from .exchange import Adopted, Exchange, ExchangeTimings
+from .mailbox import Mailboxed, MailboxRoutes, MailboxServer
 from .objects import HttpRoundStore, ObjectRoutes, ObjectShelf
 from .peers import PeerEntry, PeerTable
 from .quorum import quorum, vouched
@@ -308,6 +309,8 @@ class PeerPlane:
         self._gossip: asyncio.Task[None] | None = None
         self._challenges: asyncio.Task[None] | None = None
         """The running pass over the verifier's challenges (a relay replica's; relay.py)."""
+        self._mailbox: asyncio.Task[None] | None = None
+        """A relay replica's requests from the bucket to its loopback server (mailbox.py)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -315,6 +318,11 @@ class PeerPlane:
         """host:port of a known replica (the round's reads go to its author's own server)."""
         entry = self.node.peers.get(wallet)
         return None if entry is None else entry.address
+
+    @property
+    def bucket(self) -> BucketStore | None:
+        """The stage bucket, when this replica was given one (``--relay``): how it reaches relay replicas."""
+        return None if self._relay is None else self._relay.store
 
     @property
     def address(self) -> str:
@@ -350,6 +358,7 @@ class PeerPlane:
         if not cfg.listen:
             self.node.address = relay_address(self.wallet.public_key_hex)
             await self._client.start()
+            await self._serve_mailbox()
             self._gossip = asyncio.create_task(self._gossip_forever())
             return
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -376,6 +385,30 @@ class PeerPlane:
         await web.SockSite(self._runner, sock).start()
         await self._client.start()
         self._gossip = asyncio.create_task(self._gossip_forever())
+
+    async def _serve_mailbox(self) -> None:
+        """A replica with no port whose extensions take POSTs (a pipeline stage > 0): its server on a
+        loopback port, fed with the requests senders put in the bucket (mailbox.py)."""
+        boxed = [e.mailbox() for e in self._extensions if isinstance(e, Mailboxed)]
+        if not boxed or self._relay is None:
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # the loopback interface only: nothing outside this machine reaches it
+        local = f"127.0.0.1:{sock.getsockname()[1]}"
+        self._runner = web.AppRunner(
+            build_app(self.node, window_s=self.config.replay_window_s, extensions=self._extensions),
+            access_log=None,
+        )
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        routes = MailboxRoutes(
+            routes={path: limit for box in boxed for path, limit in box.routes.items()},
+            reply_bytes=max(box.reply_bytes for box in boxed),
+            timeout_s=max(box.timeout_s for box in boxed),
+        )
+        server = MailboxServer(self._relay.store, local=local, routes=routes, log=self._log)
+        self._mailbox = asyncio.create_task(server.run())
+        self._log(f"taking {', '.join(sorted(routes.routes))} through the bucket (server on {local} only)")
 
     def round_closing(self, round_: int) -> bool:
         """Whether the stage is already closing round `round_` (a trainer's ``round_closing``):
@@ -476,7 +509,7 @@ class PeerPlane:
         self._loop = self._thread = None
 
     async def _shutdown(self) -> None:
-        for task in (self._gossip, self._challenges):
+        for task in (self._gossip, self._challenges, self._mailbox):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

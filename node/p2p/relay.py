@@ -48,6 +48,11 @@ get it failed as silent), so the stage's set-up gives replicas write access to t
 Replicas with an open port join a mixed stage by being given the same ``--relay`` URL as well:
 they serve their own objects over HTTP and read the relay replicas' from the bucket
 (``outer.port.RoutedStore``).
+
+**Pipeline stages** behind NAT take their micro-batches through the same bucket: the replicas of
+the stage before put signed requests for them under ``_pipe/`` and read the answers back
+(``mailbox.py``). A relay replica *sends* micro-batches to next-stage replicas with a port over
+HTTP, as any outbound connection.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class PipelineLink:
             log=log,
             stop=stop,
             segments=segments,
+            bucket=network.bucket,
         )
 
     def start(self) -> None:

@@ -377,6 +377,43 @@ def test_a_sender_whose_headers_name_a_round_it_never_reports_fails_as_unanswere
     assert checker._sender_missing(match(8)) is False and len(_verdicts(db)) == 2
 
 
+def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
+    db: Database, published: PublishedData
+) -> None:
+    """Pipeline stages may run behind NAT (node.p2p.mailbox), so a sender may be a relay replica: its
+    round's log is asked for through the bucket like a segment, waited for while unanswered, and it
+    fails as unanswered after the window. A checker without a bucket leaves it unmatched, saying why."""
+    _register(db, relay_address(NODE.public_key_hex))
+    with db.write() as s:
+        s.add(m.Receipt(
+            wallet_id=NODE.wallet_id, stage=0, round=2, inner_steps=H, start_step=2 * H, tokens=1, shard_id=0,
+            offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
+            result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
+            body_sha256="2" * 64, received_at=time.time(), segment_root="3" * 64,
+        ))  # fmt: skip
+    lines: list[str] = []
+    checker = _checker(db, published, lines, answer_window_s=60.0)
+    match = SenderMatch(NODE.public_key_hex, 0, 2, "receiver-wallet", "ab" * 32, [], time.time())
+    assert checker._match_sender(match) is True and "needs the verifier's --relay" in lines[-1], lines
+
+    asked: list[object] = []
+
+    def unanswered(where: object, round_: int, **kwargs: object) -> None:
+        asked.append((where, round_))
+        raise NotAnswered("no answer to /p2p/segment-log/2 in the bucket yet")
+
+    checker._bucket = object()  # type: ignore[assignment]  # stands for RelayChallenges: _get_log is replaced
+    checker._get_log = unanswered  # type: ignore[method-assign,assignment]
+    checker._senders.append(match)
+    checker._match_senders()
+    assert asked == [(BucketHolder(NODE.public_key_hex), 2)] and len(checker._senders) == 1
+    assert match.found is not None and "not read yet (no answer" in lines[-1], lines
+    match.found = (match.found[0] - 61.0, match.found[1])  # the answer window is over
+    checker._match_senders()
+    assert not checker._senders and checker.unanswered == 1
+    assert "did not serve its round log within 60 s" in _verdicts(db)[-1], _verdicts(db)
+
+
 def _bucket_check(
     db: Database, published: PublishedData, lines: list[str]
 ) -> tuple[ReplayChecker, Challenge]:

@@ -443,6 +443,31 @@ async def test_with_no_reachable_next_stage_the_client_gives_up_at_its_deadline(
     assert time.monotonic() - started < 5.0 and client.retries == 1
 
 
+@pytest.mark.asyncio
+async def test_a_driver_without_the_bucket_leaves_next_stage_replicas_behind_nat_out(wallets) -> None:
+    """A replica behind NAT is reached through the stage bucket only (node.p2p.mailbox): a driver
+    given no --relay never picks it (it would only time out on it), and says so at its deadline."""
+    from neuroshard.node.p2p.peers import PeerTable
+    from neuroshard.node.p2p.pipeline import PipelineUnavailable
+    from neuroshard.node.p2p.relay import relay_address
+
+    now = time.time()
+    table = PeerTable(own_wallet=wallets[1].public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+    nat = relay_address(wallets[2].public_key_hex)
+    table.merge([PeerRecord.create(wallets[2], address=nat, stage=1, last_seen=now)], now)
+    client = PipelineClient(
+        wallet=wallets[1], stage=0, peers=table, config=replace(PIPE, deadline_s=0.3), clock=time.time,
+        log=lambda s: None, stop=threading.Event(),
+    )  # fmt: skip
+    await client.start()
+    try:
+        with pytest.raises(PipelineUnavailable, match="0 known"):
+            await client.forward(*_micro_batch(), round_=0, micro_batch="05" * 16)
+    finally:
+        await client.close()
+    assert client.retries == 0 and client.sent_to == set()
+
+
 # --- exactly once per replica ---------------------------------------------------------------
 
 

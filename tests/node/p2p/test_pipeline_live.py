@@ -65,11 +65,14 @@ class Driver:
         model: ModelConfig = MODEL,
         placement: Placement | None = None,
         vocab: VocabSchedule | None = None,
+        **net: object,
     ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-driver-{index}")
         self.stop = threading.Event()
         self.lines: list[str] = []
-        self.network = PeerPlane(_net(peers=bootstrap), self.wallet, 0, self.lines.append, stop=self.stop)
+        self.network = PeerPlane(
+            _net(peers=bootstrap, **net), self.wallet, 0, self.lines.append, stop=self.stop
+        )
         self.network.start()
         self.link = PipelineLink(
             self.network,
@@ -397,3 +400,66 @@ def test_three_stages_one_replica_each_train_through_a_middle_stage(published, t
     # The middle stage's logged loss is the last stage's, relayed back with the gradient.
     assert middle.replica.worker.stats.losses == last.replica.worker.stats.losses
     _loss_fell([driver], 0.3)
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_two_stages_all_behind_nat_train_through_the_bucket(published, tmp_path: Path, endpoint: str) -> None:
+    """`--relay` without `--port` on every replica of both stages: no replica opens a port to the
+    network. The drivers put their signed micro-batches in the (moto) bucket, each stage-1 replica
+    takes them from there into its own server on a loopback port and puts the gradients back
+    (node.p2p.mailbox). Both stages still agree every round with both contributions, both stage-1
+    replicas get work, and the loss falls."""
+    import boto3
+
+    from neuroshard.node.p2p.bucket import RelayConfig
+    from neuroshard.node.p2p.relay import is_relay
+
+    bucket = f"pipe-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+
+    def nat() -> dict[str, object]:
+        relay = RelayConfig(
+            url=f"s3://{bucket}/run1", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
+        )
+        return {"relay": relay, "listen": False}
+
+    made: list[Driver | Stage1] = []
+    try:
+        stage1 = [Stage1(i, (), None, **nat()) for i in range(2)]  # they run until told the drivers end
+        made.extend(stage1)
+        drivers = [Driver(i, published, tmp_path, (), **nat()) for i in range(2)]
+        made.extend(drivers)
+        for d in drivers:
+            d.network.join_state(d.trainer.diloco)
+        everyone = [d.network for d in drivers] + [s.replica.network for s in stage1]
+        assert all(is_relay(n.address) for n in everyone)
+        _wait(lambda: all(len(n.live_peers()) == 1 for n in everyone), 20.0, "stage peers to find each other")
+        _wait(
+            lambda: all(len(d.network.node.peers.live(time.time(), 1)) == 2 for d in drivers),
+            20.0,
+            "drivers to learn both stage-1 replicas from the bucket",
+        )
+        for d in drivers:
+            d.start()
+        _finish(drivers, 120.0)
+        for d in drivers:  # as `neuroshard-node` does after --max-steps: a signed end, through the bucket too
+            d.link.end(d.trainer.diloco.round, d.trainer.diloco.step)
+        for s in stage1:
+            s.thread.join(30.0)
+            assert not s.thread.is_alive(), "a stage-1 replica did not end when its senders did"
+    finally:
+        for m in made:
+            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
+            print("\n".join(m.lines))
+        for m in reversed(made):
+            m.close()
+    for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
+        _stage_agrees(stage_networks, range(ROUNDS))
+        assert all(len(r.accepted) == 2 for n in stage_networks for r in n.reports)
+    served = [s.replica.service.served for s in stage1]
+    assert all(n > 0 for n in served) and sum(served) >= 2 * ROUNDS * H
+    assert all(any("through the bucket (server on 127.0.0.1:" in line for line in s.lines) for s in stage1)
+    assert all(any("told 2/2 stage 1 replica(s)" in line for line in d.lines) for d in drivers)
+    # Every micro-batch went through the bucket: the drivers' pipeline traffic is mailbox requests.
+    assert sum(d.link.client.traffic.requests for d in drivers) >= 2 * ROUNDS * H
+    _loss_fell(drivers, 0.3)

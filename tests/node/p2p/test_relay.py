@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from neuroshard.cli.node_flags import build_parser, network_config_from_args
@@ -69,27 +67,12 @@ def test_the_port_a_node_opens_follows_what_it_is_for() -> None:
     assert relayed is not None and not relayed.listen
 
 
-def test_a_pipeline_stage_refuses_the_relay_before_anything_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from neuroshard.cli.node import main
-
-    monkeypatch.setenv("NEUROSHARD_TOKEN", "relay-stage-test")
-    argv = [
-        "--home",
-        str(tmp_path),
-        "--stages",
-        "2",
-        "--stage",
-        "1",
-        "--relay",
-        "s3://stage/run1",
-        "--threads",
-        "1",
-    ]
-    assert main(argv) == 2
-    assert "--relay takes a data-parallel stage" in capsys.readouterr().err
-    assert not (tmp_path / "data").exists()  # refused before the data set is built
+def test_a_pipeline_stage_behind_nat_opens_no_port() -> None:
+    """A stage > 0 replica with --relay and no --port takes its micro-batches through the bucket
+    (node.p2p.mailbox): its peer plane listens nowhere, as a data-parallel replica's does."""
+    args = build_parser().parse_args(["--stages", "2", "--stage", "1", "--relay", "s3://stage/run1"])
+    staged = network_config_from_args(args, reporting=False, pipeline=True)
+    assert staged is not None and not staged.listen and staged.relay is not None
 
 
 class _Bucket:

@@ -1,0 +1,250 @@
+"""Signed POSTs through the bucket (node.p2p.mailbox): the framing, and a receiver's server fed from
+a (moto) bucket, with the requests someone with write access to ``_pipe/`` could forge."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import socket
+import time
+from collections.abc import Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from neuroshard.node.p2p import mailbox
+from neuroshard.node.p2p.auth import BODY, PEER_WALLET, PeerReply, PeerUnreachable
+from neuroshard.node.p2p.bucket import BucketStore, RelayConfig
+from neuroshard.node.p2p.mailbox import (
+    MailboxRoutes,
+    MailboxServer,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    request_path,
+)
+from neuroshard.node.p2p.server import NodeState, build_app
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.peer import ErrorReply
+from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.signing import sign_request
+
+ECHO = "/p2p/test/echo"
+OTHER = "/p2p/test/other"
+
+
+def test_requests_and_replies_round_trip_and_carry_only_our_headers() -> None:
+    headers = {"X-NeuroShard-Activation": "{}", "Content-Type": "application/octet-stream", "Host": "evil"}
+    path, got, body = decode_request(encode_request(ECHO, headers, b"\x00\x01"))
+    assert (path, body) == (ECHO, b"\x00\x01")
+    assert got == {"X-NeuroShard-Activation": "{}", "Content-Type": "application/octet-stream"}
+    reply = decode_reply(encode_reply(204, {"X-NeuroShard-Gradient": "g", "Set-Cookie": "x"}, b""))
+    assert (reply.status, dict(reply.headers), reply.body) == (204, {"X-NeuroShard-Gradient": "g"}, b"")
+    for bad in (b"", b"\x00\x00", b"\x00\x00\xff\xff{}", b"\x00\x00\x00\x02[]", b"\x00\x00\x00\x01{"):
+        with pytest.raises(Refused):
+            decode_request(bad)
+        with pytest.raises(Refused):
+            decode_reply(bad)
+    with pytest.raises(Refused, match="POST"):
+        decode_request(mailbox._pack({"method": "GET", "path": ECHO, "headers": {}}, b""))
+    with pytest.raises(Refused, match="status"):
+        decode_reply(mailbox._pack({"status": True, "headers": {}}, b""))
+
+
+class _Echo:
+    """A POST route behind the signed-request middleware: answers the body reversed, and counts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(ECHO, self._echo, name="echo")
+        app.router.add_post(OTHER, self._echo, name="other")
+
+    def body_limit(self, route: str) -> int | None:
+        return 1024 if route in ("echo", "other") else None
+
+    async def _echo(self, request: web.Request) -> web.StreamResponse:
+        self.calls += 1
+        return web.Response(
+            body=request[BODY][::-1], headers={"X-NeuroShard-Signer": request[PEER_WALLET], "X-Other": "no"}
+        )
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_forged(
+    endpoint: str, make_node: Callable[..., NodeState]
+) -> None:
+    import boto3
+
+    bucket = f"mail-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    config = RelayConfig(
+        url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
+    )
+    receiver, sender, other = (
+        Wallet.from_token(f"mailbox-{name}") for name in ("receiver", "sender", "other")
+    )
+    node = make_node(receiver)
+    node.clock = time.time
+    echo = _Echo()
+
+    async def scenario() -> None:
+        theirs = BucketStore(config, receiver.public_key_hex)
+        ours = BucketStore(config, sender.public_key_hex)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        server = MailboxServer(
+            theirs,
+            local=f"127.0.0.1:{sock.getsockname()[1]}",
+            routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0),
+            log=print,
+            timings=mailbox.MailboxTimings(min_poll_s=0.02, max_poll_s=0.05),
+        )
+        task = asyncio.create_task(server.run())
+
+        def send(path: str = ECHO, body: bytes = b"abc") -> asyncio.Future[PeerReply]:
+            return asyncio.ensure_future(
+                mailbox.post(ours, sender, time.time, receiver.public_key_hex, path, body=body,
+                             headers={}, max_bytes=1024, timeout_s=5.0)
+            )  # fmt: skip
+
+        async def forged(
+            signer: Wallet, named: str, path: str = ECHO, headers: dict[str, str] | None = None
+        ) -> PeerReply:
+            """Put a request object by hand under `named`'s name and wait for the receiver's answer."""
+            token = secrets.token_hex(16)  # a fresh name, as every sender's request has
+            signed = headers or sign_request(signer, "POST", path, b"xyz", time.time())
+            await ours.put_shared(
+                request_path(receiver.public_key_hex, named, token), encode_request(path, signed, b"xyz")
+            )
+            raw = await theirs.fetch(
+                receiver.public_key_hex, f"pipe/{named}/{token}", max_bytes=1 << 20, wait_s=5.0
+            )
+            await ours.delete_shared(request_path(receiver.public_key_hex, named, token))
+            assert raw is not None
+            return decode_reply(raw)
+
+        try:
+            # Honest: answered by the server as over HTTP, our headers carried, others dropped.
+            reply = await send()
+            assert (reply.status, reply.body) == (200, b"cba")
+            assert (
+                reply.headers["X-NeuroShard-Signer"] == sender.public_key_hex
+                and "X-Other" not in reply.headers
+            )
+            # Several at once are served side by side.
+            replies = await asyncio.gather(*(send(body=bytes([i]) * 3) for i in range(5)))
+            assert [r.body for r in replies] == [bytes([i]) * 3 for i in range(5)] and echo.calls == 6
+            # Signed by one wallet, put under another's name: refused before the server.
+            refused = await forged(other, sender.public_key_hex)
+            assert refused.status == 400 and ErrorReply.from_json(refused.body).error == "not_own"
+            # A route the mailbox does not take, though the server has it: refused before the server.
+            refused = await forged(sender, sender.public_key_hex, OTHER)
+            assert refused.status == 404 and echo.calls == 6
+            # A signed request put again (its nonce already used): the server's replay check answers.
+            signed = sign_request(sender, "POST", ECHO, b"xyz", time.time())
+            assert (await forged(sender, sender.public_key_hex, headers=signed)).status == 200
+            await asyncio.sleep(0.2)  # the receiver sees the request gone and drops its answer
+            assert (await forged(sender, sender.public_key_hex, headers=signed)).status == 409
+            # A body tampered with after signing fails the signature there.
+            tampered = sign_request(sender, "POST", ECHO, b"other", time.time())
+            assert (await forged(sender, sender.public_key_hex, headers=tampered)).status == 401
+            assert echo.calls == 7
+            # Answers whose request is gone are deleted: nothing is left under the receiver's prefix.
+            await asyncio.sleep(0.3)
+            left, _ = await theirs.list_under(f"{receiver.public_key_hex}/pipe/")
+            waiting, _ = await theirs.list_under("_pipe/")
+            assert left == [] and waiting == []
+            # Nobody answers: the sender gives up after its timeout with PeerUnreachable.
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            with pytest.raises(PeerUnreachable, match="no answer"):
+                await mailbox.post(ours, sender, time.time, receiver.public_key_hex, ECHO, body=b"x",
+                                   headers={}, max_bytes=1024, timeout_s=0.3)  # fmt: skip
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await runner.cleanup()
+            theirs.close()
+            ours.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_receiver_clears_a_flooding_sender_and_requests_left_behind(
+    endpoint: str, make_node: Callable[..., NodeState]
+) -> None:
+    """One LIST page is all a receiver reads a pass, so a sender with more requests waiting than a
+    driver ever has (`per_sender`) has the rest deleted unanswered; and a request its sender never
+    deleted is cleared with its answer after `linger_s`, so neither fills the page for good."""
+    import boto3
+
+    bucket = f"mail-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    config = RelayConfig(
+        url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
+    )
+    receiver, flooder, honest = (
+        Wallet.from_token(f"mailbox-{name}") for name in ("receiver", "flood", "honest")
+    )
+    node = make_node(receiver)
+    node.clock = time.time
+    lines: list[str] = []
+
+    async def scenario() -> None:
+        theirs = BucketStore(config, receiver.public_key_hex)
+        flooding = BucketStore(config, flooder.public_key_hex)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[_Echo()]))
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        timings = mailbox.MailboxTimings(in_flight=0, per_sender=3, linger_s=3600.0)
+        server = MailboxServer(
+            theirs, local=f"127.0.0.1:{sock.getsockname()[1]}",
+            routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0), log=lines.append,
+            timings=timings,
+        )  # fmt: skip
+        inbox = f"_pipe/{receiver.public_key_hex}/"
+        try:
+            for _ in range(10):
+                signed = sign_request(flooder, "POST", ECHO, b"x", time.time())
+                path = request_path(receiver.public_key_hex, flooder.public_key_hex, secrets.token_hex(16))
+                await flooding.put_shared(path, encode_request(ECHO, signed, b"x"))
+            honest_path = request_path(receiver.public_key_hex, honest.public_key_hex, secrets.token_hex(16))
+            signed = sign_request(honest, "POST", ECHO, b"y", time.time())
+            await theirs.put_shared(honest_path, encode_request(ECHO, signed, b"y"))
+            assert await server.pass_once() == 0  # none taken (in_flight 0): the flood is cut to 3
+            left, _ = await theirs.list_under(inbox)
+            senders = [key.partition("/")[0] for key in left]
+            assert senders.count(flooder.public_key_hex) == 3 and senders.count(honest.public_key_hex) == 1
+            assert any("10 pipeline requests waiting here; all but 3 deleted" in line for line in lines), (
+                lines
+            )
+            # Taken and answered, but nobody collects the answers: cleared after linger_s.
+            server.timings = dataclasses.replace(timings, in_flight=8, linger_s=0.0)
+            server._session = aiohttp.ClientSession()
+            assert await server.pass_once() == 4
+            await asyncio.gather(*server._busy.values())
+            answers, _ = await theirs.list_under(f"{receiver.public_key_hex}/pipe/")
+            assert len(answers) == 4 and server.served == 4
+            await server.pass_once()  # answered longer than linger_s (0 s) ago: request and answer go
+            left, _ = await theirs.list_under(inbox)
+            answers, _ = await theirs.list_under(f"{receiver.public_key_hex}/pipe/")
+            assert left == [] and answers == []
+        finally:
+            if server._session is not None:
+                await server._session.close()
+            await runner.cleanup()
+            theirs.close()
+            flooding.close()
+
+    asyncio.run(scenario())
