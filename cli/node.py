@@ -156,7 +156,9 @@ def _reporting(
             log=_log,
             num_stages=joined.num_stages,
             network_name=joined.name,
-            segments=segment_store(args.home, joined, args.stage, args.replay_rounds, _log),
+            segments=segment_store(
+                args.home, joined, args.stage, args.replay_rounds, _log, share=args.disk_share
+            ),
             network_digest=joined.digest(),
             # The embedded verifier does not replay its own node's rounds, and a pipeline stage's
             # inner steps depend on the other stages' replicas: neither keeps replay material.

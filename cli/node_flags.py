@@ -262,6 +262,13 @@ def _add_verifier_arguments(parser: argparse.ArgumentParser) -> None:
         "for a round whose receipt names no segment root (a round redone after a restart) its θ_round, Δ and "
         "inner optimizer state in memory (4 × the model's size)",
     )
+    g.add_argument(
+        "--disk-share",
+        type=float,
+        default=1.0,
+        help="the part of the free disk under --home this node counts for its segment material, for "
+        "nodes that share one disk (neuroshard-swarm gives each of its N nodes 1/N); default all of it",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

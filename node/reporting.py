@@ -155,6 +155,7 @@ def segment_store(
     keep_rounds: int,
     log: Log,
     free: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free,
+    share: float = 1.0,
 ) -> SegmentStore:
     """The node's segment store under HOME/segments/<the run's definition digest, 16 hex>: one per
     run, since round numbers repeat across runs (a round committed in one must not stop the next
@@ -169,11 +170,17 @@ def segment_store(
     `keep_rounds`, the budget is what there is, and the log says how many rounds that keeps. Sized
     at the definition's vocabulary: a round after the vocabulary grew is larger (up to
     `vocab.GROWTH_FACTOR` times the embedding and head rows), and the store then keeps fewer
-    rounds until the node restarts and sizes it again."""
+    rounds until the node restarts and sizes it again.
+
+    `share` (--disk-share): the part of the disk's free space this node counts as its own, for nodes
+    that share one disk (neuroshard-swarm gives each of its N nodes 1/N); each would otherwise count
+    all of it, and together they could fill it."""
+    if not 0 < share <= 1:
+        raise ValueError(f"--disk-share must lie in (0, 1], got {share}")
     directory = Path(home) / "segments" / definition.digest()[:16]
     directory.mkdir(parents=True, exist_ok=True)
     per_round = int(segment_round_bytes(definition, stage) * DISK_MARGIN)
-    room = free(directory) + _held(directory)  # what this store already holds is its own to reuse
+    room = int(free(directory) * share) + _held(directory)  # what this store holds is its own to reuse
     # Closed rounds are dropped when a round closes, so the round being written comes on top of the
     # budget: the budget is what is left of 90% of the room after one round in progress.
     budget = min(keep_rounds * per_round, int(room * 0.9) - per_round)
@@ -182,7 +189,8 @@ def segment_store(
             f"this run's segment material needs {_gb(per_round)} of disk a round at stage {stage} "
             f"({definition.diloco.inner_steps} inner steps, a checkpoint every {definition.segment_k}), "
             f"and a node holds two (the round it answers challenges on and the one it writes); "
-            f"{directory} has {_gb(room)}. Free space there or give --home on a larger disk"
+            f"{directory} has {_gb(room)}{'' if share == 1 else f' ({share:.3g} of its free space)'}. "
+            "Free space there or give --home on a larger disk"
         )
     kept = budget // per_round
     note = (

@@ -194,6 +194,8 @@ def node_argv(
         "--inner-steps", str(args.inner_steps),
         *(["--max-steps", str(args.max_steps)] if args.max_steps is not None and node.stage == 0 else []),
         "--threads", str(threads),
+        # Every node's segment material goes to this machine's one disk: each counts its share.
+        "--disk-share", f"{1 / args.nodes:.6g}",
         "--host", "127.0.0.1",
         "--port", str(node.port),
         "--peers", peers,

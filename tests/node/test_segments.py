@@ -475,6 +475,14 @@ def test_the_segment_store_s_budget_follows_the_run_and_the_disk(tmp_path: Path)
     with pytest.raises(ValueError, match=r"needs .* of disk a round at stage 1"):
         segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 2 * per_round)
 
+    # Nodes sharing one disk (neuroshard-swarm) each count their share of its free space.
+    store = segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 12 * per_round, share=0.25)
+    assert store.config.max_bytes == int(3 * per_round * 0.9) - per_round
+    with pytest.raises(ValueError, match=r"\(0.125 of its free space\)"):
+        segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 12 * per_round, share=0.125)
+    with pytest.raises(ValueError, match="disk-share"):
+        segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 12 * per_round, share=0.0)
+
 
 def test_a_store_trims_what_an_earlier_run_left_before_writing(tmp_path: Path) -> None:
     """Rounds an earlier run kept beyond this run's budget go when the store opens, not after the

@@ -171,6 +171,7 @@ def test_node_command_line_has_peers_but_never_the_token(tmp_path: Path) -> None
     assert argv[argv.index("--peers") + 1] == "127.0.0.1:7420,127.0.0.1:7422"
     assert argv[argv.index("--port") + 1] == "7421" and argv[-2:] == ["--batch-size", "2"]
     assert "--max-steps" in argv and token not in " ".join(argv)
+    assert argv[argv.index("--disk-share") + 1] == "0.333333"  # three nodes on one disk
 
 
 def test_round_results_wait_for_running_nodes_and_skip_jumpers(capsys: pytest.CaptureFixture[str]) -> None:
