@@ -289,6 +289,14 @@ class SenderMatch:
     verifier): from then on the sender has the answer window to serve its log."""
     declined: str = ""
     """Why the sender's log was not read on the latest try."""
+    via_bucket: bool = False
+    """Asked through the bucket (a sender behind NAT): its challenge is released when the match ends."""
+    restarts: int = 0
+    """Answer windows restarted because the bucket failed the verifier (`MAX_SENDER_RESTARTS`)."""
+
+
+MAX_SENDER_RESTARTS = 3
+"""A sender match whose bucket reads failed the verifier this many times ends unmatched."""
 
 
 SEGMENTS_PER_CHECK = 4
@@ -1312,17 +1320,24 @@ class ReplayChecker:
         if match.found is None:
             match.found = (self.ctx.clock(), received_at)
         where_from: str | BucketHolder = BucketHolder(match.sender) if behind_nat else address
+        match.via_bucket = behind_nat
         try:
             signed = self._get_log(
                 where_from, match.round, timeout_s=min(SENDER_TIMEOUT_S, self.config.timeout_s)
             )
         except NotAnswered as exc:  # asked through the bucket: read again on a later pass
             return self._log_not_read(match, wallet, str(exc))
-        except BucketUnavailable as exc:  # the verifier's own trouble: no verdict on the sender
-            self.ctx.log(
-                f"replay check: cannot ask {wallet} for its round {match.round} log: {exc}; not matched"
-            )
-            return True
+        except BucketUnavailable as exc:  # the verifier's own trouble: a new window, not a verdict
+            match.restarts += 1
+            match.found = None
+            if match.restarts > MAX_SENDER_RESTARTS:
+                self.ctx.log(
+                    f"replay check: the bucket failed the verifier {match.restarts} times asking {wallet} "
+                    f"for its round {match.round} log ({exc}); not matched"
+                )
+                self._release_sender(match)
+                return True
+            return self._log_not_read(match, wallet, f"the bucket failed the verifier: {exc}")
         except (ReplicaDeclined, OSError) as exc:
             what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
             return self._log_not_read(match, wallet, f"{what}: {exc}")
@@ -1406,6 +1421,11 @@ class ReplayChecker:
                 self.unanswered += 1
         return True
 
+    def _release_sender(self, match: SenderMatch) -> None:
+        """A match through the bucket that ends unread: its challenge goes, so the sender's answer does."""
+        if match.via_bucket and self._bucket is not None:
+            self._bucket.release(match.sender, [SEGMENT_LOG.format(round=match.round)])
+
     def _log_not_read(self, match: SenderMatch, wallet: str, why: str) -> bool:
         """No usable log from the sender on this try: tried again until the answer window ends."""
         self.ctx.log(f"replay check: the log of {wallet} round {match.round} not read yet ({why})")
@@ -1422,6 +1442,7 @@ class ReplayChecker:
         where = (wallet, match.stage, match.round)
         late = self._after_settlement(match.stage, match.round, match.found[1])
         what = f"did not serve its round log within {self.config.answer_window_s:.0f} s ({match.declined})"
+        self._release_sender(match)
         if late or self._already_penalised(where):
             self.ctx.log(f"replay check: {wallet} round {match.round} {what}; no verdict")
             return

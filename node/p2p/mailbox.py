@@ -6,7 +6,7 @@ stage > 0 must take micro-batches from the stage before it. So the request trave
 | step | who      | what                                                                         |
 |------|----------|------------------------------------------------------------------------------|
 | 1    | sender   | PUT ``_pipe/{receiver}/{sender}/{token}``: the signed request (headers, body) |
-| 2    | receiver | LIST ``_pipe/{itself}/`` (one request a pass, however many send to it), GET it |
+| 2    | receiver | LIST ``_pipe/{itself}/`` (one LIST a pass, however many send to it), GET it   |
 | 3    | receiver | hand it to its own peer server on a loopback port, as it arrived             |
 | 4    | receiver | PUT ``{receiver}/pipe/{sender}/{token}``: the status, headers and body answered |
 | 5    | sender   | GET that key until it appears (tens of ms apart), then DELETE its request    |
@@ -22,8 +22,19 @@ checks like a forged HTTP request. Only the routes a server extension names for 
 (`Mailboxed`: the pipeline's forward and end); the peer plane's GET routes already have their
 bucket objects (relay.py).
 
-Write access. A wallet writes its requests under ``_pipe/*/{wallet}/*`` (an IAM resource pattern
-can say exactly that) and its answers under its own prefix, as it does its round objects.
+Write access. A wallet writes its requests under ``_pipe/*/{wallet}/*``, its answers under its own
+prefix (as it does its round objects), and deletes in its inbox ``_pipe/{wallet}/*``. An IAM ``*``
+also matches ``/``, so that pattern lets a wallet write names like ``_pipe/{r}/{other}/{wallet}/x``
+as well: the receiver reads only names that are exactly ``{sender}/{token}`` (which only the sender
+can write) and deletes every other name unread.
+
+What is written to an inbox cannot fill it for good or starve a sender (`MailboxServer`): one LIST
+page (1,000 names) is all a receiver reads a pass, so it deletes malformed names, a sender's names
+beyond `MailboxTimings.per_sender` (answered ones first) and answered requests left `linger_s`
+after their answer, and takes new requests one per sender in turn, the least recently served
+first. Not bounded: 125 wallets each at its share fill a page (names past it wait, and a
+truncated page deletes no answer); and every bucket reader can read the micro-batches in it (a
+request names its receiver, signed, so none can be replayed to another).
 
 Cost. The receiver LISTs every `MailboxTimings.min_poll_s` while requests come and backs off to
 `max_poll_s` when none do (S3: ~$0.005 per 1,000 LISTs, so ~$0.43 a day for an idle replica at
@@ -50,6 +61,7 @@ from multidict import CIMultiDict
 
 from neuroshard.protocol.peer import ErrorReply
 from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.schema import parse_json
 from neuroshard.protocol.signing import WALLET_HEADER, sign_request
 
 from ..outer.port import check_wallet
@@ -61,13 +73,16 @@ REQUEST_PREFIX = "_pipe"
 """Where senders put their requests (``_pipe/{receiver}/{sender}/{token}``)."""
 REPLY_DIR = "pipe"
 """Where a receiver puts its answers, under its own prefix (``{receiver}/pipe/{sender}/{token}``)."""
-TOKEN = re.compile(r"^[0-9a-f]{32}$")
-WALLET = re.compile(r"^[0-9a-f]{64}$")
+REQUEST_KEY = re.compile(r"[0-9a-f]{64}/[0-9a-f]{32}")
+"""A request's name under the receiver's inbox: ``{sender}/{token}``. Nothing else is read there."""
 HEAD = struct.Struct(">I")
 """A request or reply object: 4-byte length of its JSON head, the head, then the body."""
 MAX_HEAD_BYTES = 64 << 10
-PASSED_HEADERS = re.compile(r"^(x-neuroshard-[a-z0-9-]+|content-type)$", re.IGNORECASE)
-"""The headers a request or reply carries through the bucket: ours and the body's type, no others."""
+PASSED_HEADERS = re.compile(r"x-neuroshard-[a-z0-9-]+|content-type", re.IGNORECASE)
+"""The headers a request or reply carries through the bucket (whole names): ours and the body's
+type, no others."""
+HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,16384}")
+"""A header value: printable ASCII (no line breaks to inject headers with), 16 KiB at most."""
 MAX_LISTED = 1000
 
 
@@ -107,10 +122,13 @@ class MailboxTimings:
     in_flight: int = 8
     """Requests a receiver hands its server at once; the rest wait for a later pass."""
     per_sender: int = 8
-    """Requests one sender may have waiting here, not yet taken; beyond it the rest are deleted."""
-    linger_s: float = 300.0
+    """Requests one sender may have here, waiting, taken or answered: a driver has one in flight, a
+    middle stage's replica one for each micro-batch it computes (`PipelineConfig.max_pending` + 1),
+    a retry leaves one more behind. A sender with more is filling the inbox's one LIST page to crowd
+    the others out; the excess is deleted, answered ones first."""
+    linger_s: float = 120.0
     """An answered request still there this long after its answer (its sender gone) is deleted
-    with the answer: no sender waits that long (its signature's freshness is ±60 s)."""
+    with the answer: a sender waits 1.5 × the pipeline's request timeout (90 s by default)."""
 
 
 def request_path(receiver: str, sender: str, token: str) -> str:
@@ -134,10 +152,7 @@ def _unpack(data: bytes) -> tuple[dict[str, object], bytes]:
     end = HEAD.size + length
     if length > MAX_HEAD_BYTES or end > len(data):
         raise malformed(f"mailbox object head of {length} bytes does not fit")
-    try:
-        head = json.loads(data[HEAD.size : end])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise malformed(f"mailbox object head is not JSON: {exc}") from None
+    head = parse_json(data[HEAD.size : end], "a mailbox object's head")
     if not isinstance(head, dict):
         raise malformed("mailbox object head is not a JSON object")
     return head, data[end:]
@@ -148,7 +163,10 @@ def _headers(value: object) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise malformed("mailbox headers are not a JSON object of strings")
-    return {k: v for k, v in value.items() if PASSED_HEADERS.match(k)}
+    passed = {k: v for k, v in value.items() if PASSED_HEADERS.fullmatch(k)}
+    if not all(HEADER_VALUE.fullmatch(v) for v in passed.values()):
+        raise malformed("a mailbox header value is not printable ASCII of at most 16 KiB")
+    return passed
 
 
 def encode_request(path: str, headers: Mapping[str, str], body: bytes) -> bytes:
@@ -198,7 +216,7 @@ class Cleanup:
         if not task.cancelled():
             task.exception()  # a failure costs storage only (the bucket's lifecycle rule, bucket.py)
 
-    async def wait(self, timeout_s: float = 10.0) -> None:
+    async def wait(self, timeout_s: float = 3.0) -> None:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
@@ -247,7 +265,10 @@ async def post(
         traffic.bytes_sent += len(request)
         traffic.bytes_received += len(raw or b"")
     if raw is None:
-        raise PeerUnreachable(f"POST {path} to {to[:12]}: no answer in the bucket within {timeout_s:.0f} s")
+        raise PeerUnreachable(
+            f"POST {path} to {to[:12]}: no readable answer in the bucket within {timeout_s:.0f} s "
+            "(none, one over the size limit, or the bucket unreadable)"
+        )
     try:
         return decode_reply(raw)
     except Refused as exc:
@@ -255,7 +276,13 @@ async def post(
 
 
 class MailboxServer:
-    """A relay replica's side (steps 2, 3, 4 and 6): requests from the bucket to its loopback server."""
+    """A relay replica's side (steps 2, 3, 4 and 6): requests from the bucket to its loopback server.
+
+    Fair to every sender and bounded whatever is written to its inbox (module docstring): keys that
+    are not ``{sender}/{token}`` are deleted unread; a sender's keys beyond `per_sender` are deleted
+    (answered ones first); new requests are taken one per sender in turn, the senders served least
+    recently first; whatever a request holds, it gets an answer (a refusal if nothing else), so it
+    is never read twice; an answer that could not be uploaded is uploaded again, not recomputed."""
 
     def __init__(
         self,
@@ -278,13 +305,24 @@ class MailboxServer:
         self._answered: dict[str, float] = {}
         """Requests (``{sender}/{token}``) answered whose object is still there (the answer is kept
         until then, or until `MailboxTimings.linger_s` after it was written), and when."""
+        self._unsent: dict[str, bytes] = {}
+        """Answers computed whose upload failed: uploaded again, never recomputed (the server's
+        nonce check would refuse the same request a second time)."""
         self._busy: dict[str, asyncio.Task[None]] = {}
+        self._last_served: dict[str, int] = {}
+        """Sender → the pass in which one of its requests was last taken (fair turns)."""
+        self._passes = 0
+        self._swept = False
         self._session: aiohttp.ClientSession | None = None
         self._max_request = max(self.routes.values(), default=0) + MAX_HEAD_BYTES + HEAD.size
 
     @property
     def own(self) -> str:
         return self.store.wallet
+
+    @property
+    def inbox(self) -> str:
+        return f"{REQUEST_PREFIX}/{self.own}/"
 
     async def run(self) -> None:
         """Serve until cancelled."""
@@ -295,8 +333,8 @@ class MailboxServer:
             while True:
                 try:
                     new = await self.pass_once()
-                except RelayError as exc:
-                    self.log(f"bucket: cannot read pipeline requests: {exc}")
+                except Exception as exc:  # the bucket, or a bug: keep serving, and say so
+                    self.log(f"bucket: a pass over pipeline requests failed: {type(exc).__name__}: {exc}")
                     new = 0
                 if new or self._busy:
                     active_until = loop.time() + self.timings.active_s
@@ -312,70 +350,101 @@ class MailboxServer:
             await self._session.close()
 
     async def pass_once(self) -> int:
-        """One LIST: start serving new requests, delete the answers whose request is gone, and clear
-        what would otherwise fill the listing; returns how many requests were started."""
-        listed, _ = await self.store.list_under(f"{REQUEST_PREFIX}/{self.own}/", max_keys=MAX_LISTED)
-        waiting = set(listed)
+        """One LIST: clear what would fill the inbox, delete the answers whose request is gone, and
+        start serving new requests; returns how many were started."""
+        self._passes += 1
+        listed, _ = await self.store.list_under(self.inbox, max_keys=MAX_LISTED)
+        if not self._swept:
+            # What an earlier run left: its answers are not ours to vouch for, and its requests may
+            # be replays (this run's nonce cache starts empty). Their senders time out and retry.
+            self._swept = True
+            answers, _ = await self.store.list_under(f"{self.own}/{REPLY_DIR}/", max_keys=MAX_LISTED)
+            await self.store.delete_shared_many([f"{self.own}/{REPLY_DIR}/{a}" for a in answers])
+            await self.store.delete_shared_many([self.inbox + key for key in listed])
+            return 0
+        whole_page = len(listed) < MAX_LISTED  # a cut-off page says nothing of what it left out
+        junk = [key for key in listed if not REQUEST_KEY.fullmatch(key)]
+        waiting = {key for key in listed if REQUEST_KEY.fullmatch(key)}
         now = asyncio.get_running_loop().time()
-        gone = [key for key in self._answered if key not in waiting]
+        gone = [key for key in self._answered if key not in waiting] if whole_page else []
         stale = [
-            key for key, at in self._answered.items() if key in waiting and now - at > self.timings.linger_s
+            key
+            for key in self._answered
+            if key in waiting and now - self._answered[key] > self.timings.linger_s
         ]
-        flood = self._flooding(waiting)
-        for key in sorted(gone + stale):  # the sender has read its answer, gave up, or left
+        excess = self._excess(waiting - set(stale))
+        for key in sorted(set(gone + stale + excess) & self._answered.keys()):
             del self._answered[key]
             sender, _, token = key.partition("/")
             await self.store.delete(reply_name(sender, token))
-        if stale or flood:  # requests nobody waits for any more, or beyond a sender's share
-            await self.store.delete_shared_many(
-                [f"{REQUEST_PREFIX}/{self.own}/{key}" for key in stale + flood]
+        for key in list(self._unsent):
+            if key not in waiting or key in excess:
+                del self._unsent[key]
+        dropped = stale + [key for key in excess if key not in self._busy]
+        if junk or dropped:
+            await self.store.delete_shared_many([self.inbox + key for key in junk + dropped])
+            waiting.difference_update(dropped)
+        return self._start(waiting)
+
+    def _excess(self, waiting: set[str]) -> list[str]:
+        """Each sender's keys beyond `per_sender`, counting all it has here; answered ones go first."""
+        by_sender: dict[str, list[str]] = {}
+        for key in waiting:
+            by_sender.setdefault(key.partition("/")[0], []).append(key)
+        excess: list[str] = []
+        for sender, keys in sorted(by_sender.items()):
+            if len(keys) <= self.timings.per_sender:
+                continue
+            keys.sort(key=lambda k: (k not in self._answered, k in self._busy, k))
+            excess.extend(k for k in keys[: len(keys) - self.timings.per_sender] if k not in self._busy)
+            self.log(
+                f"bucket: {sender[:12]} has {len(keys)} pipeline requests here; "
+                f"all but {self.timings.per_sender} deleted"
             )
-            waiting.difference_update(flood)
-        started = 0
+        return excess
+
+    def _start(self, waiting: set[str]) -> int:
+        """Take new requests, one per sender in turn, least recently served senders first."""
+        queues: dict[str, list[str]] = {}
         for key in sorted(waiting - self._answered.keys() - self._busy.keys()):
-            if len(self._busy) >= self.timings.in_flight:
-                break
-            sender, _, token = key.partition("/")
-            if not WALLET.match(sender) or not TOKEN.match(token):
-                continue  # not a request's name: nothing to answer it under
-            task = asyncio.create_task(self._serve(sender, token))
+            queues.setdefault(key.partition("/")[0], []).append(key)
+        order = sorted(queues, key=lambda sender: (self._last_served.get(sender, 0), sender))
+        started = 0
+        while order and len(self._busy) < self.timings.in_flight:
+            sender = order.pop(0)
+            key = queues[sender].pop(0)
+            if queues[sender]:
+                order.append(sender)
+            task = asyncio.create_task(self._serve(key, self._unsent.pop(key, None)))
             self._busy[key] = task
             task.add_done_callback(functools.partial(self._done, key))
+            self._last_served[sender] = self._passes
             started += 1
         return started
 
     def _done(self, key: str, task: asyncio.Task[None]) -> None:
         self._busy.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.log(f"bucket: serving a pipeline request failed: {type(exc).__name__}: {exc}")
 
-    def _flooding(self, waiting: set[str]) -> list[str]:
-        """Requests beyond `MailboxTimings.per_sender` waiting from one sender and not yet taken: a
-        driver has one micro-batch in flight at a time (a few with retries), so a sender with more is
-        filling this replica's one LIST page to crowd the others out of it. Its first names in
-        order are kept (a token says nothing of age: which ones is arbitrary, but fixed)."""
-        by_sender: dict[str, list[str]] = {}
-        for key in waiting - self._answered.keys() - self._busy.keys():
-            by_sender.setdefault(key.partition("/")[0], []).append(key)
-        flood: list[str] = []
-        for sender, keys in sorted(by_sender.items()):
-            if len(keys) > self.timings.per_sender:
-                flood.extend(sorted(keys)[self.timings.per_sender :])
-                self.log(
-                    f"bucket: {sender[:12]} has {len(keys)} pipeline requests waiting here; "
-                    f"all but {self.timings.per_sender} deleted unanswered"
-                )
-        return flood
-
-    async def _serve(self, sender: str, token: str) -> None:
-        try:
-            reply = await self._answer(sender, token)
-        except Refused as exc:
-            reply = _refusal(status_of(exc.code), exc.code, exc.detail)
+    async def _serve(self, key: str, reply: bytes | None) -> None:
+        """Answer one request (or upload the answer an earlier try computed)."""
+        sender, _, token = key.partition("/")
+        if reply is None:
+            try:
+                reply = await self._answer(sender, token)
+            except Refused as exc:
+                reply = _refusal(status_of(exc.code), exc.code, exc.detail)
+            except Exception as exc:  # whatever the object held: answered, so never read again
+                reply = _refusal(500, "step_failed", f"{type(exc).__name__}")
         try:
             await self.store.publish(reply_name(sender, token), reply)
         except RelayError as exc:
-            self.log(f"bucket: cannot answer a pipeline request of {sender[:12]}: {exc}")
-            return  # not answered: the next pass tries again if the request is still there
-        self._answered[f"{sender}/{token}"] = asyncio.get_running_loop().time()
+            self._unsent[key] = reply
+            self.log(f"bucket: cannot answer a pipeline request of {sender[:12]} (will retry): {exc}")
+            return
+        self._answered[key] = asyncio.get_running_loop().time()
         self.served += 1
 
     async def _answer(self, sender: str, token: str) -> bytes:
@@ -400,7 +469,7 @@ class MailboxServer:
                     f"http://{self.local}{path}", data=body, headers=headers
                 ) as resp:
                     data = await read_reply(resp, self.reply_bytes)
-                    passed = {k: v for k, v in resp.headers.items() if PASSED_HEADERS.match(k)}
+                    passed = {k: v for k, v in resp.headers.items() if PASSED_HEADERS.fullmatch(k)}
                     return encode_reply(resp.status, passed, data)
         except PeerUnreachable as exc:
             return _refusal(500, "step_failed", f"this replica's answer is unfit to send: {exc}")

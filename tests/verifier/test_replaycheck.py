@@ -32,11 +32,12 @@ from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
 from neuroshard.verifier.network import NetworkDefinition
-from neuroshard.verifier.relaychallenge import BucketHolder, NotAnswered
+from neuroshard.verifier.relaychallenge import BucketHolder, BucketUnavailable, NotAnswered
 from neuroshard.verifier.replaycheck import (
     ANSWER_KEPT_S,
     MAX_QUEUED_PER_WALLET,
     MAX_SENDER_LOGS,
+    MAX_SENDER_RESTARTS,
     MAX_WAITING,
     MIN_TRIES,
     RETRY_EVERY_S,
@@ -402,7 +403,8 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
         asked.append((where, round_))
         raise NotAnswered("no answer to /p2p/segment-log/2 in the bucket yet")
 
-    checker._bucket = object()  # type: ignore[assignment]  # stands for RelayChallenges: _get_log is replaced
+    released: list[tuple[str, list[str]]] = []
+    checker._bucket = SimpleNamespace(release=lambda holder, paths: released.append((holder, list(paths))))  # type: ignore[assignment]
     checker._get_log = unanswered  # type: ignore[method-assign,assignment]
     checker._senders.append(match)
     checker._match_senders()
@@ -412,6 +414,29 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
     checker._match_senders()
     assert not checker._senders and checker.unanswered == 1
     assert "did not serve its round log within 60 s" in _verdicts(db)[-1], _verdicts(db)
+    assert released == [(NODE.public_key_hex, ["/p2p/segment-log/2"])]  # its challenge goes with it
+
+    # The bucket failing the verifier is no verdict on the sender: its window starts again, and after
+    # MAX_SENDER_RESTARTS the match ends unmatched (and its challenge is released).
+    def broken(where: object, round_: int, **kwargs: object) -> None:
+        raise BucketUnavailable("cannot read s3://stage/...: endpoint down")
+
+    checker._get_log = broken  # type: ignore[method-assign,assignment]
+    later = SenderMatch(NODE.public_key_hex, 0, 3, "receiver-wallet", "ab" * 32, [], time.time())
+    with db.write() as s:
+        s.add(m.Receipt(
+            wallet_id=NODE.wallet_id, stage=0, round=3, inner_steps=H, start_step=3 * H, tokens=1, shard_id=0,
+            offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
+            result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
+            body_sha256="4" * 64, received_at=time.time(), segment_root="3" * 64,
+        ))  # fmt: skip
+    checker._senders.append(later)
+    for _ in range(MAX_SENDER_RESTARTS):
+        checker._match_senders()
+        assert list(checker._senders) == [later] and later.found is None
+    checker._match_senders()
+    assert not checker._senders and checker.unanswered == 1 and len(released) == 2
+    assert "the bucket failed the verifier 4 times" in lines[-1], lines[-1]
 
 
 def _bucket_check(

@@ -107,6 +107,7 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
             log=print,
             timings=mailbox.MailboxTimings(min_poll_s=0.02, max_poll_s=0.05),
         )
+        assert await server.pass_once() == 0  # the first pass clears what an earlier run left
         task = asyncio.create_task(server.run())
 
         def send(path: str = ECHO, body: bytes = b"abc") -> asyncio.Future[PeerReply]:
@@ -165,7 +166,7 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
             # Nobody answers: the sender gives up after its timeout with PeerUnreachable.
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            with pytest.raises(PeerUnreachable, match="no answer"):
+            with pytest.raises(PeerUnreachable, match="no readable answer"):
                 await mailbox.post(ours, sender, time.time, receiver.public_key_hex, ECHO, body=b"x",
                                    headers={}, max_bytes=1024, timeout_s=0.3)  # fmt: skip
         finally:
@@ -179,12 +180,15 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
 
 
 @pytest.mark.usefixtures("aws_env")
-def test_a_receiver_clears_a_flooding_sender_and_requests_left_behind(
+def test_a_receiver_s_inbox_stays_bounded_and_fair_whatever_is_written_to_it(
     endpoint: str, make_node: Callable[..., NodeState]
 ) -> None:
-    """One LIST page is all a receiver reads a pass, so a sender with more requests waiting than a
-    driver ever has (`per_sender`) has the rest deleted unanswered; and a request its sender never
-    deleted is cleared with its answer after `linger_s`, so neither fills the page for good."""
+    """One LIST page is all a receiver reads a pass, so nothing written to its inbox may fill it
+    for good or starve a sender: keys that are not ``{sender}/{token}`` are deleted unread; a
+    sender's keys beyond `per_sender` are deleted; new requests are taken one per sender in turn;
+    an object that breaks the framing is answered with a refusal once and not read again; an
+    answered request its sender never deleted goes with its answer after `linger_s`; and what an
+    earlier run left is cleared on the first pass."""
     import boto3
 
     bucket = f"mail-{time.monotonic_ns()}"
@@ -192,59 +196,96 @@ def test_a_receiver_clears_a_flooding_sender_and_requests_left_behind(
     config = RelayConfig(
         url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
     )
-    receiver, flooder, honest = (
-        Wallet.from_token(f"mailbox-{name}") for name in ("receiver", "flood", "honest")
-    )
+    receiver, honest = Wallet.from_token("mailbox-receiver"), Wallet.from_token("mailbox-honest")
+    flooder = Wallet.from_token("mailbox-flood-1")
+    # The flooder's keys list first: taken in name order, they would all go before the honest one.
+    assert flooder.public_key_hex < honest.public_key_hex
     node = make_node(receiver)
     node.clock = time.time
+    echo = _Echo()
     lines: list[str] = []
 
     async def scenario() -> None:
-        theirs = BucketStore(config, receiver.public_key_hex)
-        flooding = BucketStore(config, flooder.public_key_hex)
+        store = BucketStore(config, receiver.public_key_hex)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[_Echo()]))
+        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
         await runner.setup()
         await web.SockSite(runner, sock).start()
-        timings = mailbox.MailboxTimings(in_flight=0, per_sender=3, linger_s=3600.0)
+        timings = mailbox.MailboxTimings(in_flight=2, per_sender=3, linger_s=3600.0)
         server = MailboxServer(
-            theirs, local=f"127.0.0.1:{sock.getsockname()[1]}",
+            store, local=f"127.0.0.1:{sock.getsockname()[1]}",
             routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0), log=lines.append,
             timings=timings,
         )  # fmt: skip
+        server._session = aiohttp.ClientSession()
         inbox = f"_pipe/{receiver.public_key_hex}/"
-        try:
-            for _ in range(10):
-                signed = sign_request(flooder, "POST", ECHO, b"x", time.time())
-                path = request_path(receiver.public_key_hex, flooder.public_key_hex, secrets.token_hex(16))
-                await flooding.put_shared(path, encode_request(ECHO, signed, b"x"))
-            honest_path = request_path(receiver.public_key_hex, honest.public_key_hex, secrets.token_hex(16))
-            signed = sign_request(honest, "POST", ECHO, b"y", time.time())
-            await theirs.put_shared(honest_path, encode_request(ECHO, signed, b"y"))
-            assert await server.pass_once() == 0  # none taken (in_flight 0): the flood is cut to 3
-            left, _ = await theirs.list_under(inbox)
-            senders = [key.partition("/")[0] for key in left]
-            assert senders.count(flooder.public_key_hex) == 3 and senders.count(honest.public_key_hex) == 1
-            assert any("10 pipeline requests waiting here; all but 3 deleted" in line for line in lines), (
-                lines
+        h, f = honest.public_key_hex, flooder.public_key_hex
+
+        async def put(
+            wallet: Wallet, body: bytes = b"x", key: str | None = None, raw: bytes | None = None
+        ) -> str:
+            key = key or f"{wallet.public_key_hex}/{secrets.token_hex(16)}"
+            signed = sign_request(wallet, "POST", ECHO, body, time.time())
+            await store.put_shared(
+                inbox + key, raw if raw is not None else encode_request(ECHO, signed, body)
             )
-            # Taken and answered, but nobody collects the answers: cleared after linger_s.
-            server.timings = dataclasses.replace(timings, in_flight=8, linger_s=0.0)
-            server._session = aiohttp.ClientSession()
-            assert await server.pass_once() == 4
+            return key
+
+        async def listed() -> list[str]:
+            return (await store.list_under(inbox))[0]
+
+        async def answers() -> list[str]:
+            return (await store.list_under(f"{receiver.public_key_hex}/pipe/"))[0]
+
+        async def settle() -> None:
             await asyncio.gather(*server._busy.values())
-            answers, _ = await theirs.list_under(f"{receiver.public_key_hex}/pipe/")
-            assert len(answers) == 4 and server.served == 4
-            await server.pass_once()  # answered longer than linger_s (0 s) ago: request and answer go
-            left, _ = await theirs.list_under(inbox)
-            answers, _ = await theirs.list_under(f"{receiver.public_key_hex}/pipe/")
-            assert left == [] and answers == []
+
+        try:
+            await put(honest)  # left by an earlier run
+            await store.publish(f"pipe/{h}/{'0' * 32}", b"an earlier run's answer")
+            assert await server.pass_once() == 0 and await listed() == [] and await answers() == []
+
+            # Junk names (what a wildcard IAM pattern would let a wallet write) go unread.
+            await put(flooder, key="-junk")
+            await put(flooder, key=f"{h}/0/{f}/x")
+            # A flood: 6 requests of one sender; the honest sender's one is taken in the first turn.
+            flood = [await put(flooder) for _ in range(6)]
+            mine = await put(honest)
+            assert await server.pass_once() == 2
+            assert mine in server._busy and any(k in server._busy for k in flood)
+            assert any("has 6 pipeline requests here; all but 3 deleted" in line for line in lines), lines
+            await settle()
+            keys = await listed()
+            assert len(keys) == 4 and mine in keys and not any("junk" in k or "/x" in k for k in keys)
+            # Answered requests count toward the share: more from the flooder push its answered ones out.
+            for _ in range(3):
+                await put(flooder)
+            await server.pass_once()
+            await settle()
+            assert sum(k.startswith(f) for k in await listed()) == 3
+            assert len(await answers()) == sum(k in server._answered for k in await listed())
+
+            # An object that breaks the framing (a header value with a line break) gets a refusal, once.
+            signed = sign_request(honest, "POST", ECHO, b"x", time.time())
+            bad = await put(honest, raw=encode_request(ECHO, {**signed, "X-NeuroShard-A": "a\r\nb: c"}, b"x"))
+            deep = await put(honest, raw=mailbox.HEAD.pack(20000) + b"[" * 10000 + b"]" * 10000)
+            for _ in range(4):
+                await server.pass_once()
+                await settle()
+            for key in (bad, deep):
+                raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
+                assert raw is not None and decode_reply(raw).status == 400
+                assert key in server._answered
+            calls = echo.calls
+            # Answered and never collected: gone with their answers after linger_s.
+            server.timings = dataclasses.replace(timings, linger_s=0.0, in_flight=8)
+            assert await server.pass_once() == 0  # deleted, not taken again
+            await settle()
+            assert await listed() == [] and await answers() == [] and echo.calls == calls
         finally:
-            if server._session is not None:
-                await server._session.close()
+            await server._session.close()
             await runner.cleanup()
-            theirs.close()
-            flooding.close()
+            store.close()
 
     asyncio.run(scenario())
