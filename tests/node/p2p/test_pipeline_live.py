@@ -463,3 +463,67 @@ def test_two_stages_all_behind_nat_train_through_the_bucket(published, tmp_path:
     # Every micro-batch went through the bucket: the drivers' pipeline traffic is mailbox requests.
     assert sum(d.link.client.traffic.requests for d in drivers) >= 2 * ROUNDS * H
     _loss_fell(drivers, 0.3)
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_middle_stage_behind_nat_takes_from_a_direct_driver_and_sends_to_a_direct_stage(
+    published, tmp_path: Path, endpoint: str
+) -> None:
+    """Mixed: the driver has a port (and the bucket), stage 1 of 3 is behind NAT, stage 2 has a port.
+    The driver reaches stage 1 through the bucket; stage 1 reaches stage 2 over plain HTTP, an
+    outbound connection, and relays its gradients back through the bucket."""
+    import boto3
+
+    from neuroshard.node.p2p.bucket import RelayConfig
+    from neuroshard.node.p2p.relay import is_relay
+
+    bucket = f"pipe3-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+
+    def relay() -> RelayConfig:
+        return RelayConfig(
+            url=f"s3://{bucket}/run1", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
+        )
+
+    model = dataclasses.replace(MODEL, n_layers=3)
+    pipe = dataclasses.replace(PIPE, num_stages=3)
+    made: list[Driver | Stage1] = []
+    try:
+        last = Stage1(0, (), ROUNDS * H, stage=2, pipe=pipe, model=model)
+        made.append(last)
+        boot = (last.replica.network.address,)
+        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model, relay=relay(), listen=False)
+        made.append(middle)
+        driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model, relay=relay())
+        made.append(driver)
+        assert is_relay(middle.replica.network.address) and not is_relay(driver.network.address)
+        driver.network.join_state(driver.trainer.diloco)
+        _wait(
+            lambda: len(driver.network.node.peers.live(time.time(), 1)) == 1,
+            20.0,
+            "the driver to find stage 1",
+        )
+        _wait(
+            lambda: len(middle.replica.network.node.peers.live(time.time(), 2)) == 1,
+            20.0,
+            "stage 1 to learn 2",
+        )
+        driver.start()
+        _finish([driver], 120.0)
+        for s in (middle, last):
+            s.thread.join(30.0)
+            assert not s.thread.is_alive()
+    finally:
+        for m in made:
+            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
+            print("\n".join(m.lines))
+        for m in reversed(made):
+            m.close()
+    assert middle.replica.service.served == last.replica.service.served == ROUNDS * H
+    assert middle.replica.link is not None and middle.replica.link.client.traffic.requests == ROUNDS * H
+    assert (
+        all(s.replica.diloco.round == ROUNDS for s in (middle, last))
+        and driver.trainer.diloco.round == ROUNDS
+    )
+    assert middle.replica.worker.stats.losses == last.replica.worker.stats.losses
+    _loss_fell([driver], 0.3)
