@@ -293,10 +293,13 @@ class SenderMatch:
     """Asked through the bucket (a sender behind NAT): its challenge is released when the match ends."""
     restarts: int = 0
     """Answer windows restarted because the bucket failed the verifier (`MAX_SENDER_RESTARTS`)."""
+    not_before: float = 0.0
+    """Not tried again before this time (RETRY_EVERY_S after the bucket failed the verifier)."""
 
 
 MAX_SENDER_RESTARTS = 3
-"""A sender match whose bucket reads failed the verifier this many times ends unmatched."""
+"""A sender match whose bucket reads failed the verifier more than this many times (each followed
+by a new answer window, RETRY_EVERY_S later) ends unmatched."""
 
 
 SEGMENTS_PER_CHECK = 4
@@ -1269,22 +1272,28 @@ class ReplayChecker:
         with self._senders_lock:
             batch = [self._senders.popleft() for _ in range(min(SENDERS_PER_PASS, len(self._senders)))]
         for match in batch:
-            try:
-                done = self._match_sender(match)
-                now = self.ctx.clock()
-                if done:
-                    continue
-                if match.found is not None:
-                    if now - match.found[0] > self.config.answer_window_s:
-                        self._sender_unanswered(match)
-                        continue
-                elif now - match.since > self.config.sender_wait_s and self._sender_missing(match):
-                    continue
-            except Exception as exc:  # best effort: a sender's answer must not stop the checker
-                self.ctx.log(f"replay check: matching a sender's log failed: {type(exc).__name__}: {exc}")
+            if match.not_before <= self.ctx.clock() and self._try_sender(match):
+                self._release_sender(match)  # ended: a challenge through the bucket goes with it
                 continue
             with self._senders_lock:
                 self._senders.append(match)
+
+    def _try_sender(self, match: SenderMatch) -> bool:
+        """One try of `_match_senders`; True when the match has ended."""
+        try:
+            if self._match_sender(match):
+                return True
+            now = self.ctx.clock()
+            if match.found is not None:
+                if now - match.found[0] > self.config.answer_window_s:
+                    self._sender_unanswered(match)
+                    return True
+            elif now - match.since > self.config.sender_wait_s and self._sender_missing(match):
+                return True
+        except Exception as exc:  # best effort: a sender's answer must not stop the checker
+            self.ctx.log(f"replay check: matching a sender's log failed: {type(exc).__name__}: {exc}")
+            return True
+        return False
 
     def _match_sender(self, match: SenderMatch) -> bool:
         """Hold one sender's signed log against the headers it signed (verifier.segmentcheck.
@@ -1335,8 +1344,8 @@ class ReplayChecker:
                     f"replay check: the bucket failed the verifier {match.restarts} times asking {wallet} "
                     f"for its round {match.round} log ({exc}); not matched"
                 )
-                self._release_sender(match)
                 return True
+            match.not_before = self.ctx.clock() + RETRY_EVERY_S  # as a challenge's try after it
             return self._log_not_read(match, wallet, f"the bucket failed the verifier: {exc}")
         except (ReplicaDeclined, OSError) as exc:
             what = "declined" if isinstance(exc, ReplicaDeclined) else "unreachable"
@@ -1442,7 +1451,6 @@ class ReplayChecker:
         where = (wallet, match.stage, match.round)
         late = self._after_settlement(match.stage, match.round, match.found[1])
         what = f"did not serve its round log within {self.config.answer_window_s:.0f} s ({match.declined})"
-        self._release_sender(match)
         if late or self._already_penalised(where):
             self.ctx.log(f"replay check: {wallet} round {match.round} {what}; no verdict")
             return

@@ -58,6 +58,8 @@ ABSENT_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 """Error codes meaning 'not published yet' (NoSuchBucket is a 404 too, but waiting will not fix it)."""
 DELETE_BATCH = 1000
 """DeleteObjects takes at most 1000 keys per call (S3 API reference)."""
+XML_SAFE = re.compile("[\x20-\x7e\u00a0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
+"""Key names DeleteObjects' XML body carries as they are (no control characters)."""
 
 
 class RelayError(RuntimeError):
@@ -240,23 +242,37 @@ class BucketStore:
 
     async def delete_shared_many(self, paths: list[str]) -> None:
         """Delete the objects at PREFIX/`paths` (a relay replica clearing its pipeline inbox,
-        ``mailbox.py``), up to DELETE_BATCH a call; failures are logged, like `delete`."""
+        ``mailbox.py``), up to DELETE_BATCH a call; failures are logged, like `delete`.
+
+        DeleteObjects names its keys in an XML body, and a name with a character XML 1.0 cannot
+        carry (a control character: S3 names are any UTF-8) would make the whole call fail; such
+        names are deleted one DeleteObject each (the name goes in the URL), and a batch that fails
+        anyway is retried one name at a time, so that no name can keep the others."""
         keys = [f"{self._root}{path}" for path in paths]
-        for i in range(0, len(keys), DELETE_BATCH):
-            batch = [{"Key": k} for k in keys[i : i + DELETE_BATCH]]
+        plain = [k for k in keys if XML_SAFE.fullmatch(k)]
+        for key in (k for k in keys if not XML_SAFE.fullmatch(k)):
+            await self._delete_key(key)
+        for i in range(0, len(plain), DELETE_BATCH):
+            batch = plain[i : i + DELETE_BATCH]
             try:
                 response = await self._call(
                     self.client.delete_objects,
                     Bucket=self.config.bucket,
-                    Delete={"Objects": batch, "Quiet": True},
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
                 )
             except (BotoCoreError, ClientError) as exc:
-                self.log(
-                    f"bucket: cannot delete {len(batch)} objects under s3://{self.config.bucket}/: {exc}"
-                )
+                self.log(f"bucket: deleting {len(batch)} objects at once failed ({exc}); one at a time")
+                for key in batch:
+                    await self._delete_key(key)
                 continue
             if response.get("Errors"):
                 self.log(f"bucket: {len(response['Errors'])} of {len(batch)} deletes refused")
+
+    async def _delete_key(self, key: str) -> None:
+        try:
+            await self._call(self.client.delete_object, Bucket=self.config.bucket, Key=key)
+        except (BotoCoreError, ClientError) as exc:
+            self.log(f"bucket: cannot delete s3://{self.config.bucket}/{key!r}: {exc}")
 
     async def delete(self, name: str) -> None:
         """Delete this wallet's object `name`; failures are logged (it costs storage only, and the
@@ -268,14 +284,17 @@ class BucketStore:
             self.log(f"bucket: cannot delete s3://{self.config.bucket}/{key}: {exc}")
 
     async def list_under(
-        self, path: str, *, delimiter: str | None = None, max_keys: int = 1000
+        self, path: str, *, delimiter: str | None = None, max_keys: int = 1000, start_after: str = ""
     ) -> tuple[list[str], list[str]]:
-        """One LIST page under PREFIX/`path`: (object keys, common prefixes), both relative to
-        PREFIX/`path` and without trailing slashes; raises RelayError when the bucket refuses."""
+        """One LIST page under PREFIX/`path` (of the names after `start_after`, relative, when
+        given): (object keys, common prefixes), both relative to PREFIX/`path` and without trailing
+        slashes, in name order; raises RelayError when the bucket refuses."""
         base = f"{self._root}{path}"
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": base, "MaxKeys": max_keys}
         if delimiter is not None:
             kwargs["Delimiter"] = delimiter
+        if start_after:
+            kwargs["StartAfter"] = base + start_after
         try:
             page = await self._call(self.client.list_objects_v2, **kwargs)
         except (BotoCoreError, ClientError) as exc:

@@ -28,13 +28,14 @@ also matches ``/``, so that pattern lets a wallet write names like ``_pipe/{r}/{
 as well: the receiver reads only names that are exactly ``{sender}/{token}`` (which only the sender
 can write) and deletes every other name unread.
 
-What is written to an inbox cannot fill it for good or starve a sender (`MailboxServer`): one LIST
-page (1,000 names) is all a receiver reads a pass, so it deletes malformed names, a sender's names
+What is written to an inbox cannot fill it for good or starve a sender (`MailboxServer`): a receiver
+reads one LIST page (1,000 names) a pass, the next page on the next pass when one is full; it
+deletes malformed names (one by one where DeleteObjects' XML cannot carry them), a sender's names
 beyond `MailboxTimings.per_sender` (answered ones first) and answered requests left `linger_s`
 after their answer, and takes new requests one per sender in turn, the least recently served
-first. Not bounded: 125 wallets each at its share fill a page (names past it wait, and a
-truncated page deletes no answer); and every bucket reader can read the micro-batches in it (a
-request names its receiver, signed, so none can be replayed to another).
+first. Not bounded: many wallets each at its share slow every sender down (a page a pass); and
+every bucket reader can read the micro-batches in it (a request names its receiver, signed, so
+none can be replayed to another).
 
 Cost. The receiver LISTs every `MailboxTimings.min_poll_s` while requests come and backs off to
 `max_poll_s` when none do (S3: ~$0.005 per 1,000 LISTs, so ~$0.43 a day for an idle replica at
@@ -313,6 +314,10 @@ class MailboxServer:
         """Sender → the pass in which one of its requests was last taken (fair turns)."""
         self._passes = 0
         self._swept = False
+        self._after = ""
+        """Where the next pass's LIST starts: after the last name of a full page, else at the start."""
+        self.clearing = False
+        """Whether the last pass had more than its page, or names to delete: poll again soon."""
         self._session: aiohttp.ClientSession | None = None
         self._max_request = max(self.routes.values(), default=0) + MAX_HEAD_BYTES + HEAD.size
 
@@ -336,7 +341,7 @@ class MailboxServer:
                 except Exception as exc:  # the bucket, or a bug: keep serving, and say so
                     self.log(f"bucket: a pass over pipeline requests failed: {type(exc).__name__}: {exc}")
                     new = 0
-                if new or self._busy:
+                if new or self._busy or self.clearing:  # a page of junk is activity too
                     active_until = loop.time() + self.timings.active_s
                 if loop.time() < active_until:
                     interval = self.timings.min_poll_s
@@ -350,27 +355,28 @@ class MailboxServer:
             await self._session.close()
 
     async def pass_once(self) -> int:
-        """One LIST: clear what would fill the inbox, delete the answers whose request is gone, and
-        start serving new requests; returns how many were started."""
+        """One LIST page: clear what would fill the inbox, delete the answers whose request is gone,
+        and start serving new requests; returns how many were started. A full page is followed by
+        the next one on the next pass (names sort, so a page covers a range of them)."""
         self._passes += 1
-        listed, _ = await self.store.list_under(self.inbox, max_keys=MAX_LISTED)
+        after = self._after
+        listed, _ = await self.store.list_under(self.inbox, max_keys=MAX_LISTED, start_after=after)
         if not self._swept:
-            # What an earlier run left: its answers are not ours to vouch for, and its requests may
-            # be replays (this run's nonce cache starts empty). Their senders time out and retry.
-            self._swept = True
-            answers, _ = await self.store.list_under(f"{self.own}/{REPLY_DIR}/", max_keys=MAX_LISTED)
-            await self.store.delete_shared_many([f"{self.own}/{REPLY_DIR}/{a}" for a in answers])
-            await self.store.delete_shared_many([self.inbox + key for key in listed])
+            await self._sweep(listed)
             return 0
-        whole_page = len(listed) < MAX_LISTED  # a cut-off page says nothing of what it left out
+        cut = len(listed) >= MAX_LISTED
+        self._after = listed[-1] if cut else ""
+
+        def covered(key: str) -> bool:
+            """Whether this page would have listed `key` had it been there."""
+            return key > after and (not cut or key <= listed[-1])
+
         junk = [key for key in listed if not REQUEST_KEY.fullmatch(key)]
         waiting = {key for key in listed if REQUEST_KEY.fullmatch(key)}
         now = asyncio.get_running_loop().time()
-        gone = [key for key in self._answered if key not in waiting] if whole_page else []
+        gone = [key for key in self._answered if covered(key) and key not in waiting]
         stale = [
-            key
-            for key in self._answered
-            if key in waiting and now - self._answered[key] > self.timings.linger_s
+            k for k in waiting & self._answered.keys() if now - self._answered[k] > self.timings.linger_s
         ]
         excess = self._excess(waiting - set(stale))
         for key in sorted(set(gone + stale + excess) & self._answered.keys()):
@@ -378,16 +384,33 @@ class MailboxServer:
             sender, _, token = key.partition("/")
             await self.store.delete(reply_name(sender, token))
         for key in list(self._unsent):
-            if key not in waiting or key in excess:
+            if key in excess or (covered(key) and key not in waiting):
                 del self._unsent[key]
         dropped = stale + [key for key in excess if key not in self._busy]
         if junk or dropped:
             await self.store.delete_shared_many([self.inbox + key for key in junk + dropped])
             waiting.difference_update(dropped)
+        self.clearing = bool(cut or junk or dropped)
         return self._start(waiting)
 
+    async def _sweep(self, listed: list[str]) -> None:
+        """The first pass: what an earlier run of this replica left. Its answers are not this run's
+        to vouch for, and its requests may be replays (this run's nonce cache starts empty): each is
+        answered 503, so its sender sends it again at once rather than after its timeout; other
+        names go. `_swept` only once all of it is done (a failure leaves it for the next pass)."""
+        answers, _ = await self.store.list_under(f"{self.own}/{REPLY_DIR}/", max_keys=MAX_LISTED)
+        await self.store.delete_shared_many([f"{self.own}/{REPLY_DIR}/{a}" for a in answers])
+        await self.store.delete_shared_many([self.inbox + k for k in listed if not REQUEST_KEY.fullmatch(k)])
+        restarted = _refusal(503, "busy", "this replica restarted after the request was sent: send it again")
+        for key in (k for k in listed if REQUEST_KEY.fullmatch(k)):
+            sender, _, token = key.partition("/")
+            await self.store.publish(reply_name(sender, token), restarted)
+            self._answered[key] = asyncio.get_running_loop().time()
+        self._swept = True
+
     def _excess(self, waiting: set[str]) -> list[str]:
-        """Each sender's keys beyond `per_sender`, counting all it has here; answered ones go first."""
+        """Each sender's keys beyond `per_sender`, counting all it has here; answered ones go first,
+        the longest answered first."""
         by_sender: dict[str, list[str]] = {}
         for key in waiting:
             by_sender.setdefault(key.partition("/")[0], []).append(key)
@@ -395,7 +418,7 @@ class MailboxServer:
         for sender, keys in sorted(by_sender.items()):
             if len(keys) <= self.timings.per_sender:
                 continue
-            keys.sort(key=lambda k: (k not in self._answered, k in self._busy, k))
+            keys.sort(key=lambda k: (k not in self._answered, self._answered.get(k, 0.0), k in self._busy, k))
             excess.extend(k for k in keys[: len(keys) - self.timings.per_sender] if k not in self._busy)
             self.log(
                 f"bucket: {sender[:12]} has {len(keys)} pipeline requests here; "

@@ -434,6 +434,11 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
     for _ in range(MAX_SENDER_RESTARTS):
         checker._match_senders()
         assert list(checker._senders) == [later] and later.found is None
+        assert later.not_before > time.time() + 10  # tried again RETRY_EVERY_S later, not at once
+        tries = later.restarts
+        checker._match_senders()
+        assert later.restarts == tries  # not due yet: not tried
+        later.not_before = 0.0  # time passes
     checker._match_senders()
     assert not checker._senders and checker.unanswered == 1 and len(released) == 2
     assert "the bucket failed the verifier 4 times" in lines[-1], lines[-1]

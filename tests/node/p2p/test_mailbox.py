@@ -245,9 +245,17 @@ def test_a_receiver_s_inbox_stays_bounded_and_fair_whatever_is_written_to_it(
             await asyncio.gather(*server._busy.values())
 
         try:
-            await put(honest)  # left by an earlier run
+            # What an earlier run left: its answer goes, its request is answered 503 (send it again),
+            # and a name DeleteObjects' XML body cannot carry goes one delete of its own.
+            left = await put(honest)
             await store.publish(f"pipe/{h}/{'0' * 32}", b"an earlier run's answer")
-            assert await server.pass_once() == 0 and await listed() == [] and await answers() == []
+            await put(flooder, key="\x01junk")
+            assert await server.pass_once() == 0 and await listed() == [left] and await answers() == [left]
+            raw = await store.fetch(receiver.public_key_hex, f"pipe/{left}", max_bytes=1 << 20)
+            assert raw is not None and decode_reply(raw).status == 503
+            await store.delete_shared(inbox + left)  # its sender read the answer
+            await server.pass_once()
+            assert await listed() == [] and await answers() == [] and echo.calls == 0
 
             # Junk names (what a wildcard IAM pattern would let a wallet write) go unread.
             await put(flooder, key="-junk")
@@ -286,6 +294,104 @@ def test_a_receiver_s_inbox_stays_bounded_and_fair_whatever_is_written_to_it(
             assert await server.pass_once() == 0  # deleted, not taken again
             await settle()
             assert await listed() == [] and await answers() == [] and echo.calls == calls
+        finally:
+            await server._session.close()
+            await runner.cleanup()
+            store.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_without_recomputing(
+    endpoint: str, make_node: Callable[..., NodeState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full page is followed by the next one on the next pass, so a sender whose names sort last
+    is still reached; an answer whose upload failed survives passes whose page does not cover it
+    and is then uploaded as it was (computing it again would meet the server's nonce check); and a
+    request whose handling fails in an unforeseen way is answered 500 once."""
+    import boto3
+
+    from neuroshard.node.p2p.bucket import RelayError
+
+    monkeypatch.setattr(mailbox, "MAX_LISTED", 3)
+    bucket = f"mail-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    config = RelayConfig(
+        url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
+    )
+    receiver, late = Wallet.from_token("mailbox-receiver"), Wallet.from_token("mailbox-honest")
+    early = Wallet.from_token("mailbox-flood-1")
+    assert early.public_key_hex < late.public_key_hex
+    node = make_node(receiver)
+    node.clock = time.time
+    echo = _Echo()
+
+    async def scenario() -> None:
+        store = BucketStore(config, receiver.public_key_hex)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        server = MailboxServer(
+            store, local=f"127.0.0.1:{sock.getsockname()[1]}",
+            routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0), log=print,
+        )  # fmt: skip
+        server._session = aiohttp.ClientSession()
+        inbox = f"_pipe/{receiver.public_key_hex}/"
+
+        async def put(wallet: Wallet) -> str:
+            key = f"{wallet.public_key_hex}/{secrets.token_hex(16)}"
+            signed = sign_request(wallet, "POST", ECHO, b"x", time.time())
+            await store.put_shared(inbox + key, encode_request(ECHO, signed, b"x"))
+            return key
+
+        async def answer(key: str) -> PeerReply | None:
+            raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
+            return None if raw is None else decode_reply(raw)
+
+        publish = store.publish
+        failing = {"once": True}
+
+        async def flaky(name: str, data: bytes) -> None:
+            if late.public_key_hex in name and failing.pop("once", False):
+                raise RelayError("endpoint down (a test's)")
+            await publish(name, data)
+
+        try:
+            assert await server.pass_once() == 0  # the first pass: nothing left from a run before
+            firsts = [await put(early) for _ in range(3)]
+            last = await put(late)
+            store.publish = flaky  # type: ignore[method-assign]
+            assert await server.pass_once() == 3 and server.clearing  # a full page: early's three
+            await asyncio.gather(*server._busy.values())
+            assert await server.pass_once() == 1  # the next page: late's, whose answer fails to upload
+            await asyncio.gather(*server._busy.values())
+            assert last in server._unsent and await answer(last) is None and echo.calls == 4
+            assert await server.pass_once() == 0  # back to the first page, which does not cover late's
+            assert last in server._unsent
+            assert await server.pass_once() == 1  # late's page again: the answer uploaded as it was
+            await asyncio.gather(*server._busy.values())
+            got = await answer(last)
+            assert got is not None and got.status == 200 and echo.calls == 4 and not server._unsent
+            for key in firsts:
+                got = await answer(key)
+                assert got is not None and got.status == 200
+
+            # Whatever goes wrong answering a request, it is answered (500), once.
+            def broken(data: bytes) -> tuple[str, dict[str, str], bytes]:
+                raise RuntimeError("a bug")
+
+            monkeypatch.setattr(mailbox, "decode_request", broken)
+            for key in [*firsts, last]:
+                await store.delete_shared(inbox + key)
+            odd = await put(late)
+            for _ in range(3):
+                await server.pass_once()
+                await asyncio.gather(*server._busy.values())
+            got = await answer(odd)
+            assert got is not None and got.status == 500 and odd in server._answered
         finally:
             await server._session.close()
             await runner.cleanup()
