@@ -331,7 +331,8 @@ class MailboxServer:
 
     async def run(self) -> None:
         """Serve until cancelled."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         loop = asyncio.get_running_loop()
         interval, active_until = self.timings.min_poll_s, 0.0
         try:

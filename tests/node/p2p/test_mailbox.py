@@ -4,11 +4,12 @@ a (moto) bucket, with the requests someone with write access to ``_pipe/`` could
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -74,17 +75,62 @@ class _Echo:
         )
 
 
+def _bucket(endpoint: str) -> RelayConfig:
+    """A fresh bucket on the tests' moto server."""
+    import boto3
+
+    name = f"mail-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return RelayConfig(url=f"s3://{name}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2)
+
+
+def _first_and_last() -> tuple[Wallet, Wallet, Wallet]:
+    """A receiver and two senders, the first of whose names lists before the second's: taken in
+    name order, the first one's requests would all go before the second's."""
+    receiver, first, last = (
+        Wallet.from_token(f"mailbox-{name}") for name in ("receiver", "flood-1", "honest")
+    )
+    assert first.public_key_hex < last.public_key_hex
+    return receiver, first, last
+
+
+@contextlib.asynccontextmanager
+async def _receiver(
+    config: RelayConfig,
+    node: NodeState,
+    echo: _Echo,
+    log: Callable[[str], None] = print,
+    timings: mailbox.MailboxTimings | None = None,
+) -> AsyncIterator[tuple[BucketStore, MailboxServer]]:
+    """`node`'s bucket store and mailbox server, its own server (with `echo`) on a loopback port."""
+    store = BucketStore(config, node.wallet.public_key_hex)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    routes = MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0)
+    server = MailboxServer(
+        store,
+        local=f"127.0.0.1:{sock.getsockname()[1]}",
+        routes=routes,
+        log=log,
+        timings=timings or mailbox.MailboxTimings(),
+    )
+    server._session = aiohttp.ClientSession()
+    try:
+        yield store, server
+    finally:
+        await server._session.close()
+        await runner.cleanup()
+        store.close()
+
+
 @pytest.mark.usefixtures("aws_env")
 def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_forged(
     endpoint: str, make_node: Callable[..., NodeState]
 ) -> None:
-    import boto3
-
-    bucket = f"mail-{time.monotonic_ns()}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    config = RelayConfig(
-        url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
-    )
+    config = _bucket(endpoint)
     receiver, sender, other = (
         Wallet.from_token(f"mailbox-{name}") for name in ("receiver", "sender", "other")
     )
@@ -93,20 +139,12 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
     echo = _Echo()
 
     async def scenario() -> None:
-        theirs = BucketStore(config, receiver.public_key_hex)
-        ours = BucketStore(config, sender.public_key_hex)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        server = MailboxServer(
-            theirs,
-            local=f"127.0.0.1:{sock.getsockname()[1]}",
-            routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0),
-            log=print,
-            timings=mailbox.MailboxTimings(min_poll_s=0.02, max_poll_s=0.05),
-        )
+        async with _receiver(
+            config, node, echo, timings=mailbox.MailboxTimings(min_poll_s=0.02, max_poll_s=0.05)
+        ) as (theirs, server):
+            await talk(theirs, server, BucketStore(config, sender.public_key_hex))
+
+    async def talk(theirs: BucketStore, server: MailboxServer, ours: BucketStore) -> None:
         assert await server.pass_once() == 0  # the first pass clears what an earlier run left
         task = asyncio.create_task(server.run())
 
@@ -175,8 +213,6 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await runner.cleanup()
-            theirs.close()
             ours.close()
 
     asyncio.run(scenario())
@@ -192,36 +228,20 @@ def test_a_receiver_s_inbox_stays_bounded_and_fair_whatever_is_written_to_it(
     an object that breaks the framing is answered with a refusal once and not read again; an
     answered request its sender never deleted goes with its answer after `linger_s`; and what an
     earlier run left is cleared on the first pass."""
-    import boto3
-
-    bucket = f"mail-{time.monotonic_ns()}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    config = RelayConfig(
-        url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
-    )
-    receiver, honest = Wallet.from_token("mailbox-receiver"), Wallet.from_token("mailbox-honest")
-    flooder = Wallet.from_token("mailbox-flood-1")
-    # The flooder's keys list first: taken in name order, they would all go before the honest one.
-    assert flooder.public_key_hex < honest.public_key_hex
+    config = _bucket(endpoint)
+    receiver, flooder, honest = _first_and_last()
     node = make_node(receiver)
     node.clock = time.time
     echo = _Echo()
     lines: list[str] = []
 
+    timings = mailbox.MailboxTimings(in_flight=2, per_sender=3, linger_s=3600.0)
+
     async def scenario() -> None:
-        store = BucketStore(config, receiver.public_key_hex)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        timings = mailbox.MailboxTimings(in_flight=2, per_sender=3, linger_s=3600.0)
-        server = MailboxServer(
-            store, local=f"127.0.0.1:{sock.getsockname()[1]}",
-            routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0), log=lines.append,
-            timings=timings,
-        )  # fmt: skip
-        server._session = aiohttp.ClientSession()
+        async with _receiver(config, node, echo, lines.append, timings) as (store, server):
+            await flood(store, server)
+
+    async def flood(store: BucketStore, server: MailboxServer) -> None:
         inbox = f"_pipe/{receiver.public_key_hex}/"
         h, f = honest.public_key_hex, flooder.public_key_hex
 
@@ -244,60 +264,55 @@ def test_a_receiver_s_inbox_stays_bounded_and_fair_whatever_is_written_to_it(
         async def settle() -> None:
             await asyncio.gather(*server._busy.values())
 
-        try:
-            # What an earlier run left: its answer goes, its request is answered 503 (send it again),
-            # and a name DeleteObjects' XML body cannot carry goes one delete of its own.
-            left = await put(honest)
-            await store.publish(f"pipe/{h}/{'0' * 32}", b"an earlier run's answer")
-            await put(flooder, key="\x01junk")
-            assert await server.pass_once() == 0 and await listed() == [left] and await answers() == [left]
-            raw = await store.fetch(receiver.public_key_hex, f"pipe/{left}", max_bytes=1 << 20)
-            assert raw is not None and decode_reply(raw).status == 503
-            await store.delete_shared(inbox + left)  # its sender read the answer
-            await server.pass_once()
-            assert await listed() == [] and await answers() == [] and echo.calls == 0
+        # What an earlier run left: its answer goes, its request is answered 503 (send it again),
+        # and a name DeleteObjects' XML body cannot carry goes one delete of its own.
+        left = await put(honest)
+        await store.publish(f"pipe/{h}/{'0' * 32}", b"an earlier run's answer")
+        await put(flooder, key="\x01junk")
+        assert await server.pass_once() == 0 and await listed() == [left] and await answers() == [left]
+        raw = await store.fetch(receiver.public_key_hex, f"pipe/{left}", max_bytes=1 << 20)
+        assert raw is not None and decode_reply(raw).status == 503
+        await store.delete_shared(inbox + left)  # its sender read the answer
+        await server.pass_once()
+        assert await listed() == [] and await answers() == [] and echo.calls == 0
 
-            # Junk names (what a wildcard IAM pattern would let a wallet write) go unread.
-            await put(flooder, key="-junk")
-            await put(flooder, key=f"{h}/0/{f}/x")
-            # A flood: 6 requests of one sender; the honest sender's one is taken in the first turn.
-            flood = [await put(flooder) for _ in range(6)]
-            mine = await put(honest)
-            assert await server.pass_once() == 2
-            assert mine in server._busy and any(k in server._busy for k in flood)
-            assert any("has 6 pipeline requests here; all but 3 deleted" in line for line in lines), lines
-            await settle()
-            keys = await listed()
-            assert len(keys) == 4 and mine in keys and not any("junk" in k or "/x" in k for k in keys)
-            # Answered requests count toward the share: more from the flooder push its answered ones out.
-            for _ in range(3):
-                await put(flooder)
+        # Junk names (what a wildcard IAM pattern would let a wallet write) go unread.
+        await put(flooder, key="-junk")
+        await put(flooder, key=f"{h}/0/{f}/x")
+        # A flood: 6 requests of one sender; the honest sender's one is taken in the first turn.
+        flood = [await put(flooder) for _ in range(6)]
+        mine = await put(honest)
+        assert await server.pass_once() == 2
+        assert mine in server._busy and any(k in server._busy for k in flood)
+        assert any("has 6 pipeline requests here; all but 3 deleted" in line for line in lines), lines
+        await settle()
+        keys = await listed()
+        assert len(keys) == 4 and mine in keys and not any("junk" in k or "/x" in k for k in keys)
+        # Answered requests count toward the share: more from the flooder push its answered ones out.
+        for _ in range(3):
+            await put(flooder)
+        await server.pass_once()
+        await settle()
+        assert sum(k.startswith(f) for k in await listed()) == 3
+        assert len(await answers()) == sum(k in server._answered for k in await listed())
+
+        # An object that breaks the framing (a header value with a line break) gets a refusal, once.
+        signed = sign_request(honest, "POST", ECHO, b"x", time.time())
+        bad = await put(honest, raw=encode_request(ECHO, {**signed, "X-NeuroShard-A": "a\r\nb: c"}, b"x"))
+        deep = await put(honest, raw=mailbox.HEAD.pack(20000) + b"[" * 10000 + b"]" * 10000)
+        for _ in range(4):
             await server.pass_once()
             await settle()
-            assert sum(k.startswith(f) for k in await listed()) == 3
-            assert len(await answers()) == sum(k in server._answered for k in await listed())
-
-            # An object that breaks the framing (a header value with a line break) gets a refusal, once.
-            signed = sign_request(honest, "POST", ECHO, b"x", time.time())
-            bad = await put(honest, raw=encode_request(ECHO, {**signed, "X-NeuroShard-A": "a\r\nb: c"}, b"x"))
-            deep = await put(honest, raw=mailbox.HEAD.pack(20000) + b"[" * 10000 + b"]" * 10000)
-            for _ in range(4):
-                await server.pass_once()
-                await settle()
-            for key in (bad, deep):
-                raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
-                assert raw is not None and decode_reply(raw).status == 400
-                assert key in server._answered
-            calls = echo.calls
-            # Answered and never collected: gone with their answers after linger_s.
-            server.timings = dataclasses.replace(timings, linger_s=0.0, in_flight=8)
-            assert await server.pass_once() == 0  # deleted, not taken again
-            await settle()
-            assert await listed() == [] and await answers() == [] and echo.calls == calls
-        finally:
-            await server._session.close()
-            await runner.cleanup()
-            store.close()
+        for key in (bad, deep):
+            raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
+            assert raw is not None and decode_reply(raw).status == 400
+            assert key in server._answered
+        calls = echo.calls
+        # Answered and never collected: gone with their answers after linger_s.
+        server.timings = dataclasses.replace(timings, linger_s=0.0, in_flight=8)
+        assert await server.pass_once() == 0  # deleted, not taken again
+        await settle()
+        assert await listed() == [] and await answers() == [] and echo.calls == calls
 
     asyncio.run(scenario())
 
@@ -310,35 +325,20 @@ def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_witho
     is still reached; an answer whose upload failed survives passes whose page does not cover it
     and is then uploaded as it was (computing it again would meet the server's nonce check); and a
     request whose handling fails in an unforeseen way is answered 500 once."""
-    import boto3
-
     from neuroshard.node.p2p.bucket import RelayError
 
     monkeypatch.setattr(mailbox, "MAX_LISTED", 3)
-    bucket = f"mail-{time.monotonic_ns()}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    config = RelayConfig(
-        url=f"s3://{bucket}/run", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
-    )
-    receiver, late = Wallet.from_token("mailbox-receiver"), Wallet.from_token("mailbox-honest")
-    early = Wallet.from_token("mailbox-flood-1")
-    assert early.public_key_hex < late.public_key_hex
+    config = _bucket(endpoint)
+    receiver, early, late = _first_and_last()
     node = make_node(receiver)
     node.clock = time.time
     echo = _Echo()
 
     async def scenario() -> None:
-        store = BucketStore(config, receiver.public_key_hex)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        server = MailboxServer(
-            store, local=f"127.0.0.1:{sock.getsockname()[1]}",
-            routes=MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0), log=print,
-        )  # fmt: skip
-        server._session = aiohttp.ClientSession()
+        async with _receiver(config, node, echo) as (store, server):
+            await page(store, server)
+
+    async def page(store: BucketStore, server: MailboxServer) -> None:
         inbox = f"_pipe/{receiver.public_key_hex}/"
 
         async def put(wallet: Wallet) -> str:
@@ -359,42 +359,37 @@ def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_witho
                 raise RelayError("endpoint down (a test's)")
             await publish(name, data)
 
-        try:
-            assert await server.pass_once() == 0  # the first pass: nothing left from a run before
-            firsts = [await put(early) for _ in range(3)]
-            last = await put(late)
-            store.publish = flaky  # type: ignore[method-assign]
-            assert await server.pass_once() == 3 and server.clearing  # a full page: early's three
-            await asyncio.gather(*server._busy.values())
-            assert await server.pass_once() == 1  # the next page: late's, whose answer fails to upload
-            await asyncio.gather(*server._busy.values())
-            assert last in server._unsent and await answer(last) is None and echo.calls == 4
-            assert await server.pass_once() == 0  # back to the first page, which does not cover late's
-            assert last in server._unsent
-            assert await server.pass_once() == 1  # late's page again: the answer uploaded as it was
-            await asyncio.gather(*server._busy.values())
-            got = await answer(last)
-            assert got is not None and got.status == 200 and echo.calls == 4 and not server._unsent
-            for key in firsts:
-                got = await answer(key)
-                assert got is not None and got.status == 200
+        assert await server.pass_once() == 0  # the first pass: nothing left from a run before
+        firsts = [await put(early) for _ in range(3)]
+        last = await put(late)
+        store.publish = flaky  # type: ignore[method-assign]
+        assert await server.pass_once() == 3 and server.clearing  # a full page: early's three
+        await asyncio.gather(*server._busy.values())
+        assert await server.pass_once() == 1  # the next page: late's, whose answer fails to upload
+        await asyncio.gather(*server._busy.values())
+        assert last in server._unsent and await answer(last) is None and echo.calls == 4
+        assert await server.pass_once() == 0  # back to the first page, which does not cover late's
+        assert last in server._unsent
+        assert await server.pass_once() == 1  # late's page again: the answer uploaded as it was
+        await asyncio.gather(*server._busy.values())
+        got = await answer(last)
+        assert got is not None and got.status == 200 and echo.calls == 4 and not server._unsent
+        for key in firsts:
+            got = await answer(key)
+            assert got is not None and got.status == 200
 
-            # Whatever goes wrong answering a request, it is answered (500), once.
-            def broken(data: bytes) -> tuple[str, dict[str, str], bytes]:
-                raise RuntimeError("a bug")
+        # Whatever goes wrong answering a request, it is answered (500), once.
+        def broken(data: bytes) -> tuple[str, dict[str, str], bytes]:
+            raise RuntimeError("a bug")
 
-            monkeypatch.setattr(mailbox, "decode_request", broken)
-            for key in [*firsts, last]:
-                await store.delete_shared(inbox + key)
-            odd = await put(late)
-            for _ in range(3):
-                await server.pass_once()
-                await asyncio.gather(*server._busy.values())
-            got = await answer(odd)
-            assert got is not None and got.status == 500 and odd in server._answered
-        finally:
-            await server._session.close()
-            await runner.cleanup()
-            store.close()
+        monkeypatch.setattr(mailbox, "decode_request", broken)
+        for key in [*firsts, last]:
+            await store.delete_shared(inbox + key)
+        odd = await put(late)
+        for _ in range(3):
+            await server.pass_once()
+            await asyncio.gather(*server._busy.values())
+        got = await answer(odd)
+        assert got is not None and got.status == 500 and odd in server._answered
 
     asyncio.run(scenario())

@@ -168,6 +168,15 @@ class Stage1:
         self.replica.close()
 
 
+def _dump_and_close(made: list[Driver | Stage1]) -> None:
+    """Print every replica's log (pytest shows it for a failed test), then close them, newest first."""
+    for m in made:
+        print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
+        print("\n".join(m.lines))
+    for m in reversed(made):
+        m.close()
+
+
 Build2x2 = Callable[..., tuple[list[Driver], list[Stage1]]]
 
 
@@ -217,11 +226,7 @@ def build_2x2(published, tmp_path: Path):  # type: ignore[no-untyped-def]
     try:
         yield build
     finally:
-        for m in made:
-            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
-            print("\n".join(m.lines))
-        for m in reversed(made):
-            m.close()
+        _dump_and_close(made)
 
 
 def _finish(drivers: list[Driver], timeout: float) -> None:
@@ -355,8 +360,12 @@ def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2
     _loss_fell(drivers, 0.2)
 
 
-def test_three_stages_one_replica_each_train_through_a_middle_stage(published, tmp_path: Path) -> None:
-    """Stage 1 of 3 receives, runs its layer, forwards to stage 2 and relays the gradient back."""
+def _three_stages(
+    published, tmp_path: Path, middle_net: dict[str, object], driver_net: dict[str, object]
+) -> tuple[Driver, Stage1, Stage1]:  # type: ignore[no-untyped-def]
+    """One replica each of stages 0, 1 and 2 of 3 (stage 2 with a port; the others' peer planes
+    take `middle_net` / `driver_net` on top), trained through ROUNDS rounds; the run's checks that
+    do not depend on the wiring are made here."""
     model = dataclasses.replace(MODEL, n_layers=3)
     pipe = dataclasses.replace(PIPE, num_stages=3)
     made: list[Driver | Stage1] = []
@@ -364,19 +373,19 @@ def test_three_stages_one_replica_each_train_through_a_middle_stage(published, t
         last = Stage1(0, (), ROUNDS * H, stage=2, pipe=pipe, model=model)
         made.append(last)
         boot = (last.replica.network.address,)
-        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model)
+        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model, **middle_net)
         made.append(middle)
-        driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model)
+        driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model, **driver_net)
         made.append(driver)
         driver.network.join_state(driver.trainer.diloco)
         _wait(
             lambda: len(driver.network.node.peers.live(time.time(), 1)) == 1,
-            10.0,
+            20.0,
             "the driver to learn stage 1",
         )
         _wait(
             lambda: len(middle.replica.network.node.peers.live(time.time(), 2)) == 1,
-            10.0,
+            20.0,
             "stage 1 to learn 2",
         )
         driver.start()
@@ -385,12 +394,8 @@ def test_three_stages_one_replica_each_train_through_a_middle_stage(published, t
             s.thread.join(30.0)
             assert not s.thread.is_alive()
     finally:
-        for m in made:
-            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
-            print("\n".join(m.lines))
-        for m in reversed(made):
-            m.close()
-    assert [list(m.replica.diloco.model.layer_range) for m in (middle, last)] == [[1], [2]]  # type: ignore[attr-defined]
+        _dump_and_close(made)
+    assert [list(m.replica.diloco.model.layer_range) for m in (middle, last)] == [[1], [2]]
     assert middle.replica.service.served == last.replica.service.served == ROUNDS * H
     assert middle.replica.link is not None and middle.replica.link.client.traffic.requests == ROUNDS * H
     assert (
@@ -400,6 +405,12 @@ def test_three_stages_one_replica_each_train_through_a_middle_stage(published, t
     # The middle stage's logged loss is the last stage's, relayed back with the gradient.
     assert middle.replica.worker.stats.losses == last.replica.worker.stats.losses
     _loss_fell([driver], 0.3)
+    return driver, middle, last
+
+
+def test_three_stages_one_replica_each_train_through_a_middle_stage(published, tmp_path: Path) -> None:
+    """Stage 1 of 3 receives, runs its layer, forwards to stage 2 and relays the gradient back."""
+    _three_stages(published, tmp_path, {}, {})
 
 
 @pytest.mark.usefixtures("aws_env")
@@ -448,11 +459,7 @@ def test_two_stages_all_behind_nat_train_through_the_bucket(published, tmp_path:
             s.thread.join(30.0)
             assert not s.thread.is_alive(), "a stage-1 replica did not end when its senders did"
     finally:
-        for m in made:
-            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
-            print("\n".join(m.lines))
-        for m in reversed(made):
-            m.close()
+        _dump_and_close(made)
     for stage_networks in ([d.network for d in drivers], [s.replica.network for s in stage1]):
         _stage_agrees(stage_networks, range(ROUNDS))
         assert all(len(r.accepted) == 2 for n in stage_networks for r in n.reports)
@@ -485,45 +492,7 @@ def test_a_middle_stage_behind_nat_takes_from_a_direct_driver_and_sends_to_a_dir
             url=f"s3://{bucket}/run1", endpoint_url=endpoint, poll_interval_s=0.05, max_poll_s=0.2
         )
 
-    model = dataclasses.replace(MODEL, n_layers=3)
-    pipe = dataclasses.replace(PIPE, num_stages=3)
-    made: list[Driver | Stage1] = []
-    try:
-        last = Stage1(0, (), ROUNDS * H, stage=2, pipe=pipe, model=model)
-        made.append(last)
-        boot = (last.replica.network.address,)
-        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model, relay=relay(), listen=False)
-        made.append(middle)
-        driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model, relay=relay())
-        made.append(driver)
-        assert is_relay(middle.replica.network.address) and not is_relay(driver.network.address)
-        driver.network.join_state(driver.trainer.diloco)
-        _wait(
-            lambda: len(driver.network.node.peers.live(time.time(), 1)) == 1,
-            20.0,
-            "the driver to find stage 1",
-        )
-        _wait(
-            lambda: len(middle.replica.network.node.peers.live(time.time(), 2)) == 1,
-            20.0,
-            "stage 1 to learn 2",
-        )
-        driver.start()
-        _finish([driver], 120.0)
-        for s in (middle, last):
-            s.thread.join(30.0)
-            assert not s.thread.is_alive()
-    finally:
-        for m in made:
-            print(f"--- {type(m).__name__} {m.wallet.wallet_id}")
-            print("\n".join(m.lines))
-        for m in reversed(made):
-            m.close()
-    assert middle.replica.service.served == last.replica.service.served == ROUNDS * H
-    assert middle.replica.link is not None and middle.replica.link.client.traffic.requests == ROUNDS * H
-    assert (
-        all(s.replica.diloco.round == ROUNDS for s in (middle, last))
-        and driver.trainer.diloco.round == ROUNDS
+    driver, middle, _ = _three_stages(
+        published, tmp_path, {"relay": relay(), "listen": False}, {"relay": relay()}
     )
-    assert middle.replica.worker.stats.losses == last.replica.worker.stats.losses
-    _loss_fell([driver], 0.3)
+    assert is_relay(middle.replica.network.address) and not is_relay(driver.network.address)
