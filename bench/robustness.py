@@ -329,22 +329,31 @@ def bucketed(stack: Tensor, generator: torch.Generator, size: int = 2) -> Tensor
     return torch.stack([aggregation.mean(stack[g]) for g in groups])
 
 
-CLIP_VARIANT = re.compile(r"cc([0-9]*\.?[0-9]+)x([1-9][0-9]*)")
+CLIP_VARIANT = re.compile(r"cc([0-9]*\.?[0-9]+)(?:-([0-9]*\.?[0-9]+))?x([1-9][0-9]*)")
 """Rule "cc<S>x<I>" (any screening prefix): centered clipping from the coordinate median with τ = S ×
-the median distance to it, I iterations with that τ; "cc1x1" is the default rule's maths for n ≥ 5."""
+the median distance to it, I iterations with that τ; "cc1x1" is the default rule's maths for n ≥ 5.
+"cc<S1>-<S2>x<I>": τ moves geometrically from S1 to S2 × that distance over the I iterations (a
+wide first pull for honest replicas with unusual data, narrower later ones against a searched
+ALIE; tried 2026-12-07)."""
 
 
-def clip_variant(stack: Tensor, scale: float, iters: int) -> Tensor:
+def clip_variant(stack: Tensor, scale: float, iters: int, last_scale: float | None = None) -> Tensor:
     """``aggregation.centered_clip`` from the coordinate median with τ scaled (the sweep of the
-    default rule's two knobs); below ``SMALL_N`` rows the median, as the default rule."""
+    default rule's two knobs); below ``SMALL_N`` rows the median, as the default rule. With
+    `last_scale`, iteration i of I clips at scale · (last_scale / scale)^(i / (I − 1))."""
     rows = stack[torch.isfinite(stack).all(dim=1)]
     if rows.shape[0] < aggregation.SMALL_N:
         return aggregation.aggregate("default", stack)
     center = aggregation.coordinate_median(rows)
-    tau = scale * float((rows.double() - center.double()).norm(dim=1).median())
-    if not tau > 0:
+    distance = float((rows.double() - center.double()).norm(dim=1).median())
+    if not distance > 0:
         return center
-    return aggregation.centered_clip(rows, center, tau, iters=iters)
+    if last_scale is None or iters == 1:
+        return aggregation.centered_clip(rows, center, scale * distance, iters=iters)
+    for i in range(iters):
+        step = scale * (last_scale / scale) ** (i / (iters - 1))
+        center = aggregation.centered_clip(rows, center, step * distance, iters=1)
+    return center
 
 
 def norm_clipped(stack: Tensor) -> Tensor:
@@ -738,7 +747,8 @@ class AttackedAggregate:
             return aggregation.centered_clip(stack, previous, None, iters=3)
         variant = CLIP_VARIANT.fullmatch(rule)
         if variant:
-            return clip_variant(stack, float(variant[1]), int(variant[2]))
+            last = None if variant[2] is None else float(variant[2])
+            return clip_variant(stack, float(variant[1]), int(variant[3]), last)
         if rule == "cclip_median":  # what a node runs when its network names "centered_clip": no history
             return aggregation.network_rule("centered_clip", f)(stack)
         if rule in ("mean", "median", "geometric_median", "default"):
