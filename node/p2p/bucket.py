@@ -21,10 +21,12 @@ Operator set-up (once per stage, outside NeuroShard):
   where readers ask a relay replica for its state (``relay.py``), ``PREFIX/_pipe/*/{wallet}/*``
   where a pipeline stage sends micro-batches to next-stage replicas behind NAT (``mailbox.py``),
   ``s3:DeleteObject`` on ``PREFIX/_pipe/{wallet}/*`` (its own inbox: requests whose sender left,
-  or beyond a sender's share, are cleared by the replica they were sent to), and nothing under ``PREFIX/_check/*``, where the verifier alone writes its challenges;
+  or beyond a sender's share, are cleared by the replica they were sent to), and nothing under
+  ``PREFIX/_check/*``, where the verifier alone writes its challenges;
 - every replica gets read access to the stage: ``s3:GetObject`` on ``PREFIX/*`` and ``s3:ListBucket``
   on the bucket with that prefix (without ListBucket, S3 answers 403 rather than 404 for an object
   not yet published, and a reader cannot wait for it);
+- ``replica_policy`` writes that policy for one wallet (IAM JSON);
 - a lifecycle rule deleting round objects older than N days (``bucket_lifecycle_rule``), as the
   backstop for replicas that vanish without calling ``retire``. We never install it ourselves.
 
@@ -161,6 +163,44 @@ def bucket_lifecycle_rule(prefix: str, days: int) -> dict[str, Any]:
                 "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
             }
         ]
+    }
+
+
+def replica_policy(bucket: str, prefix: str, wallet: str) -> dict[str, Any]:
+    """The IAM policy document (AWS's JSON, which R2 and MinIO read too) giving one wallet's
+    credentials what a replica needs in the stage bucket and nothing else (module docstring):
+    write and delete its own prefix, ask for states under ``_want/``, send pipeline requests as
+    itself and clear its own pipeline inbox (``mailbox.py``), read and list the rest. Nothing
+    under ``_check/``: only the verifier writes there. An IAM ``*`` matches ``/`` too, so
+    ``_pipe/*/{wallet}/*`` also admits deeper names ending in the wallet's; the receivers read
+    only ``{sender}/{token}`` names and delete the rest (``mailbox.MailboxServer``)."""
+    wallet = check_wallet(wallet)
+    root = f"arn:aws:s3:::{bucket}/" + (f"{prefix.strip('/')}/" if prefix.strip("/") else "")
+    listed = f"{prefix.strip('/')}/*" if prefix.strip("/") else "*"
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Sid": "OwnObjectsAndRequests",
+                "Effect": "Allow",
+                "Action": ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                "Resource": [f"{root}{wallet}/*", f"{root}_want/*", f"{root}_pipe/*/{wallet}/*"],
+            },
+            {
+                "Sid": "OwnInbox",
+                "Effect": "Allow",
+                "Action": ["s3:DeleteObject"],
+                "Resource": [f"{root}_pipe/{wallet}/*"],
+            },
+            {"Sid": "ReadTheStage", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"{root}*"]},
+            {
+                "Sid": "ListTheStage",
+                "Effect": "Allow",
+                "Action": ["s3:ListBucket"],
+                "Resource": [f"arn:aws:s3:::{bucket}"],
+                "Condition": {"StringLike": {"s3:prefix": [listed]}},
+            },
+        ],
     }
 
 

@@ -22,6 +22,7 @@ from neuroshard.node.p2p.bucket import (
     bucket_lifecycle_rule,
     make_s3_client,
     parse_url,
+    replica_policy,
 )
 
 A, B = (hashlib.sha256(seed).hexdigest() for seed in (b"wallet-a", b"wallet-b"))
@@ -202,3 +203,34 @@ def test_lifecycle_rule_is_accepted_by_the_bucket(config: RelayConfig) -> None:
     assert installed["Filter"] == {"Prefix": "runs/stage-net/"}
     with pytest.raises(ValueError, match="days"):
         bucket_lifecycle_rule("p", days=0)
+
+
+def test_a_replica_s_policy_lets_it_write_its_own_names_and_read_the_stage_and_no_more() -> None:
+    import json
+
+    from neuroshard.node.wallet import Wallet
+
+    wallet = Wallet.from_token("policy").public_key_hex
+    policy = replica_policy("stage", "/run1/", wallet)
+    json.dumps(policy)  # what an operator pastes into IAM
+    allowed = {(a, r) for st in policy["Statement"] for a in st["Action"] for r in st["Resource"]}
+    root = "arn:aws:s3:::stage/run1/"
+    assert ("s3:PutObject", f"{root}{wallet}/*") in allowed
+    assert ("s3:PutObject", f"{root}_pipe/*/{wallet}/*") in allowed
+    assert ("s3:DeleteObject", f"{root}_pipe/{wallet}/*") in allowed
+    assert ("s3:GetObject", f"{root}*") in allowed
+    written = {r for a, r in allowed if a in ("s3:PutObject", "s3:DeleteObject")}
+    assert not any("_check" in r for r in written)  # the verifier's alone
+    assert written == {
+        f"{root}{wallet}/*",
+        f"{root}_want/*",
+        f"{root}_pipe/*/{wallet}/*",
+        f"{root}_pipe/{wallet}/*",
+    }
+    (listing,) = [st for st in policy["Statement"] if st["Action"] == ["s3:ListBucket"]]
+    assert listing["Condition"]["StringLike"]["s3:prefix"] == ["run1/*"]
+    assert (
+        replica_policy("stage", "", wallet)["Statement"][0]["Resource"][0] == f"arn:aws:s3:::stage/{wallet}/*"
+    )
+    with pytest.raises(ValueError):
+        replica_policy("stage", "run1", "not-a-wallet")
