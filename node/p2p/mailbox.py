@@ -85,6 +85,8 @@ type, no others."""
 HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,16384}")
 """A header value: printable ASCII (no line breaks to inject headers with), 16 KiB at most."""
 MAX_LISTED = 1000
+MAX_REMEMBERED_SENDERS = 4096
+"""Senders whose last turn a receiver remembers (the half served longest ago is forgotten beyond it)."""
 
 
 @dataclass(frozen=True)
@@ -444,6 +446,11 @@ class MailboxServer:
             task.add_done_callback(functools.partial(self._done, key))
             self._last_served[sender] = self._passes
             started += 1
+        if len(self._last_served) > MAX_REMEMBERED_SENDERS:  # the longest unserved are forgotten
+            for sender in sorted(self._last_served, key=self._last_served.__getitem__)[
+                : len(self._last_served) // 2
+            ]:
+                del self._last_served[sender]
         return started
 
     def _done(self, key: str, task: asyncio.Task[None]) -> None:

@@ -328,6 +328,7 @@ def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_witho
     from neuroshard.node.p2p.bucket import RelayError
 
     monkeypatch.setattr(mailbox, "MAX_LISTED", 3)
+    monkeypatch.setattr(mailbox, "MAX_REMEMBERED_SENDERS", 1)  # two senders: one turn forgotten
     config = _bucket(endpoint)
     receiver, early, late = _first_and_last()
     node = make_node(receiver)
@@ -374,6 +375,7 @@ def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_witho
         await asyncio.gather(*server._busy.values())
         got = await answer(last)
         assert got is not None and got.status == 200 and echo.calls == 4 and not server._unsent
+        assert list(server._last_served) == [late.public_key_hex]  # early's turn, older, forgotten
         for key in firsts:
             got = await answer(key)
             assert got is not None and got.status == 200
