@@ -37,9 +37,10 @@ first. Not bounded: many wallets each at its share slow every sender down (a pag
 every bucket reader can read the micro-batches in it (a request names its receiver, signed, so
 none can be replayed to another).
 
-Cost. The receiver LISTs every `MailboxTimings.min_poll_s` while requests come and backs off to
-`max_poll_s` when none do (S3: ~$0.005 per 1,000 LISTs, so ~$0.43 a day for an idle replica at
-1 s); a micro-batch costs its sender one PUT, a few GETs and a DELETE, and its receiver one GET,
+Cost. While requests come, the receiver LISTs every tenth of the mean time between them (50 ms at
+least, `poll_interval`), and backs off to once a second when none do. At S3's $0.005 per 1,000
+LISTs that is ~$8.6 a day at the 50 ms floor (a tiny model's 0.2 s steps), ~$2.2 for a model
+that takes 2 s a micro-batch, ~$0.43 idle; R2 charges about the same for LISTs. A micro-batch costs its sender one PUT, a few GETs and a DELETE, and its receiver one GET,
 one PUT and one DELETE. Latency: a round trip adds two object writes and the polls to the step's
 compute (tens of milliseconds on a nearby bucket), which the pipeline's throughput-weighted
 router (pipeline.py) weighs like any other slowness.
@@ -113,13 +114,18 @@ class MailboxTimings:
     """Seconds."""
 
     min_poll_s: float = 0.05
-    """Between a receiver's LISTs while requests come, and between a sender's reads of its answer."""
+    """The shortest wait between a receiver's LISTs, and between a sender's reads of its answer."""
     max_poll_s: float = 1.0
     """The receiver's LIST interval when idle (after `active_s` without a request, each empty pass
     waits ×1.5 longer, up to this)."""
+    poll_share: float = 0.1
+    """While requests come, a receiver LISTs every `poll_share` × the mean time between them (within
+    [min_poll_s, max_poll_s]): the wait adds about half that share to a micro-batch's round trip,
+    and the LIST bill follows the request rate (`poll_interval`)."""
     active_s: float = 5.0
-    """How long after its last request a receiver keeps polling at `min_poll_s`: a driver sends its
-    next micro-batch a step after the last, and a backed-off poll would add its wait to every step."""
+    """How long after its last request (or 3 × the mean time between them, if longer) a receiver
+    keeps polling at that rate: a driver sends its next micro-batch a step after the last, and a
+    backed-off poll would add its wait to every step."""
     reply_poll_max_s: float = 0.1
     """Largest wait between a sender's reads of its answer."""
     in_flight: int = 8
@@ -132,6 +138,15 @@ class MailboxTimings:
     linger_s: float = 120.0
     """An answered request still there this long after its answer (its sender gone) is deleted
     with the answer: a sender waits 1.5 × the pipeline's request timeout (90 s by default)."""
+
+
+def poll_interval(gap_s: float | None, timings: MailboxTimings) -> float:
+    """A busy receiver's wait between LISTs, given the mean time between its requests (None: not
+    known yet). At S3's $0.005 per 1,000 LISTs, 20 a second cost ~$8.6 a day and 5 ~$2.2: a
+    model that takes 2 s a micro-batch pays the second, for ~5% more time per micro-batch."""
+    if gap_s is None:
+        return timings.min_poll_s
+    return min(max(timings.poll_share * gap_s, timings.min_poll_s), timings.max_poll_s)
 
 
 def request_path(receiver: str, sender: str, token: str) -> str:
@@ -320,6 +335,8 @@ class MailboxServer:
         """Where the next pass's LIST starts: after the last name of a full page, else at the start."""
         self.clearing = False
         """Whether the last pass had more than its page, or names to delete: poll again soon."""
+        self.gap_s: float | None = None
+        """The mean time between new requests (an exponential average), which sets the LIST rate."""
         self._session: aiohttp.ClientSession | None = None
         self._max_request = max(self.routes.values(), default=0) + MAX_HEAD_BYTES + HEAD.size
 
@@ -337,6 +354,7 @@ class MailboxServer:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         loop = asyncio.get_running_loop()
         interval, active_until = self.timings.min_poll_s, 0.0
+        last_new: float | None = None
         try:
             while True:
                 try:
@@ -344,10 +362,16 @@ class MailboxServer:
                 except Exception as exc:  # the bucket, or a bug: keep serving, and say so
                     self.log(f"bucket: a pass over pipeline requests failed: {type(exc).__name__}: {exc}")
                     new = 0
+                now = loop.time()
+                if new:
+                    if last_new is not None:  # the mean time between requests, as an average of 0.3
+                        gap = (now - last_new) / new
+                        self.gap_s = gap if self.gap_s is None else 0.7 * self.gap_s + 0.3 * gap
+                    last_new = now
                 if new or self._busy or self.clearing:  # a page of junk is activity too
-                    active_until = loop.time() + self.timings.active_s
-                if loop.time() < active_until:
-                    interval = self.timings.min_poll_s
+                    active_until = now + max(self.timings.active_s, 3 * (self.gap_s or 0.0))
+                if now < active_until:
+                    interval = poll_interval(self.gap_s, self.timings)
                 else:
                     interval = min(interval * 1.5, self.timings.max_poll_s)
                 await asyncio.sleep(interval)

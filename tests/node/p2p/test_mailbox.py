@@ -55,6 +55,16 @@ def test_requests_and_replies_round_trip_and_carry_only_our_headers() -> None:
         decode_reply(mailbox._pack({"status": True, "headers": {}}, b""))
 
 
+def test_a_busy_receiver_lists_at_a_tenth_of_the_time_between_its_requests() -> None:
+    """The LIST rate follows the request rate, within [min_poll_s, max_poll_s]: a tiny model's
+    0.2 s steps poll at the 50 ms floor, a model taking 2 s a micro-batch every 0.2 s."""
+    timings = mailbox.MailboxTimings()
+    assert mailbox.poll_interval(None, timings) == timings.min_poll_s
+    assert mailbox.poll_interval(0.2, timings) == timings.min_poll_s
+    assert mailbox.poll_interval(2.0, timings) == pytest.approx(0.2)
+    assert mailbox.poll_interval(60.0, timings) == timings.max_poll_s
+
+
 class _Echo:
     """A POST route behind the signed-request middleware: answers the body reversed, and counts."""
 
