@@ -1431,7 +1431,8 @@ class ReplayChecker:
         return True
 
     def _release_sender(self, match: SenderMatch) -> None:
-        """A match through the bucket that ends unread: its challenge goes, so the sender's answer does."""
+        """A match through the bucket has ended: its challenge goes, so the sender's answer does (a
+        log that was read was released by the read already; a second delete changes nothing)."""
         if match.via_bucket and self._bucket is not None:
             self._bucket.release(match.sender, [SEGMENT_LOG.format(round=match.round)])
 
