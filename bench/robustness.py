@@ -337,6 +337,12 @@ wide first pull for honest replicas with unusual data, narrower later ones again
 ALIE; tried 2026-12-07)."""
 
 
+CLIP_MOMENTUM = re.compile(r"ccm([0-9]*\.?[0-9]+)x([1-9][0-9]*)")
+"""Rule "ccm<S>x<I>": centered clipping around the outer momentum buffer's estimate of one round's
+aggregate, (1 − μ)·buffer (its steady state for a constant Δ), τ = S × the median distance to it,
+I iterations; the coordinate median where there is no buffer yet (tried 2026-12-07)."""
+
+
 def clip_variant(stack: Tensor, scale: float, iters: int, last_scale: float | None = None) -> Tensor:
     """``aggregation.centered_clip`` from the coordinate median with τ scaled (the sweep of the
     default rule's two knobs); below ``SMALL_N`` rows the median, as the default rule. With
@@ -730,6 +736,25 @@ class AttackedAggregate:
                 out[a:b] = self._apply(self.rule, kept[:, a:b].contiguous(), span=(a, b))
         return out
 
+    def _clip_around_momentum(
+        self, stack: Tensor, scale: float, iters: int, span: tuple[int, int] | None
+    ) -> Tensor:
+        """CLIP_MOMENTUM: centered clipping around (1 − μ) × the outer momentum buffer."""
+        buffer = (
+            None if self.shadow_opt is None else self.shadow_opt.state[self.shadow].get("momentum_buffer")
+        )
+        rows = stack[torch.isfinite(stack).all(dim=1)]
+        if buffer is None or rows.shape[0] < aggregation.SMALL_N:
+            return clip_variant(stack, scale, iters)
+        mu = float(self.shadow_opt.param_groups[0]["momentum"])  # type: ignore[union-attr]
+        center = (1 - mu) * buffer.detach()
+        if span is not None:
+            center = center[span[0] : span[1]]
+        distance = float((rows.double() - center.double()).norm(dim=1).median())
+        if not distance > 0:
+            return center.clone()
+        return aggregation.centered_clip(rows, center.contiguous(), scale * distance, iters=iters)
+
     def _apply(self, rule: str, stack: Tensor, span: tuple[int, int] | None = None) -> Tensor:
         f = self.job.byzantine
         if rule.startswith("bucket+"):
@@ -745,6 +770,9 @@ class AttackedAggregate:
             if previous is not None and span is not None:
                 previous = previous[span[0] : span[1]]
             return aggregation.centered_clip(stack, previous, None, iters=3)
+        around = CLIP_MOMENTUM.fullmatch(rule)
+        if around:
+            return self._clip_around_momentum(stack, float(around[1]), int(around[2]), span)
         variant = CLIP_VARIANT.fullmatch(rule)
         if variant:
             last = None if variant[2] is None else float(variant[2])
@@ -1133,7 +1161,8 @@ def main() -> None:
         kind, rule = split_rule(name)
         if rule.startswith("prev+") and kind != "part":
             parser.error(f"{name!r}: prev+ is simulated for the partitioned round only (part:prev+…)")
-        if name not in RULES and not CLIP_VARIANT.fullmatch(rule.removeprefix("prev+")):
+        bare = rule.removeprefix("prev+")
+        if name not in RULES and not (CLIP_VARIANT.fullmatch(bare) or CLIP_MOMENTUM.fullmatch(bare)):
             parser.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
     if "none" not in attack_names or "mean" not in rules:
         print("(note: without the none × mean run there is no clean loss to divide by; ratios show as –)")
