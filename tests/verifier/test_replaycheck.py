@@ -318,6 +318,21 @@ def test_the_senders_matched_are_drawn_not_taken_in_the_replicas_order(
     assert len(queued[0]) == MAX_SENDER_LOGS and queued[0] == queued[1]
 
 
+def _sender_receipt(
+    db: Database, round_: int, *, received_at: float | None = None, segment_root: str | None = None
+) -> None:
+    """NODE's stage-0 receipt of `round_` as a sender's (committing to a segment log when
+    `segment_root` is given), received at `received_at` (default now)."""
+    with db.write() as s:
+        s.add(m.Receipt(
+            wallet_id=NODE.wallet_id, stage=0, round=round_, inner_steps=H, start_step=round_ * H, tokens=1,
+            shard_id=0, offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
+            result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
+            body_sha256=f"{round_:064d}", segment_root=segment_root,
+            received_at=time.time() if received_at is None else received_at,
+        ))  # fmt: skip
+
+
 def test_a_sender_whose_headers_name_a_round_it_never_reports_fails_as_unanswered(
     db: Database, published: PublishedData
 ) -> None:
@@ -339,13 +354,7 @@ def test_a_sender_whose_headers_name_a_round_it_never_reports_fails_as_unanswere
             peer.registered_at = at
 
     def receipt(round_: int, received_at: float) -> None:
-        with db.write() as s:
-            s.add(m.Receipt(
-                wallet_id=NODE.wallet_id, stage=0, round=round_, inner_steps=H, start_step=round_ * H, tokens=1,
-                shard_id=0, offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
-                result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
-                body_sha256=f"{round_:064d}", received_at=received_at,
-            ))  # fmt: skip
+        _sender_receipt(db, round_, received_at=received_at)
 
     def match(round_: int) -> SenderMatch:
         return SenderMatch(NODE.public_key_hex, 0, round_, NODE.wallet_id, "ab" * 32, [], queued)
@@ -378,17 +387,6 @@ def test_a_sender_whose_headers_name_a_round_it_never_reports_fails_as_unanswere
     assert checker._sender_missing(match(8)) is False and len(_verdicts(db)) == 2
 
 
-def _rooted_receipt(db: Database, round_: int) -> None:
-    """NODE's stage-0 receipt of `round_`, committing to a segment log (a sender's, to match against)."""
-    with db.write() as s:
-        s.add(m.Receipt(
-            wallet_id=NODE.wallet_id, stage=0, round=round_, inner_steps=H, start_step=round_ * H, tokens=1,
-            shard_id=0, offset_start=0, offset_end=1, data_spans=[[0, 0, 1]], losses=[], base_hash="0" * 64,
-            result_hash="1" * 64, delta_digest="2" * 64, accepted=[], rejected=[], equivocators=[],
-            body_sha256=f"{round_:064d}", received_at=time.time(), segment_root="3" * 64,
-        ))  # fmt: skip
-
-
 def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
     db: Database, published: PublishedData
 ) -> None:
@@ -396,7 +394,7 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
     round's log is asked for through the bucket like a segment, waited for while unanswered, and it
     fails as unanswered after the window. A checker without a bucket leaves it unmatched, saying why."""
     _register(db, relay_address(NODE.public_key_hex))
-    _rooted_receipt(db, 2)
+    _sender_receipt(db, 2, segment_root="3" * 64)
     lines: list[str] = []
     checker = _checker(db, published, lines, answer_window_s=60.0)
     match = SenderMatch(NODE.public_key_hex, 0, 2, "receiver-wallet", "ab" * 32, [], time.time())
@@ -428,7 +426,7 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
 
     checker._get_log = broken  # type: ignore[method-assign,assignment]
     later = SenderMatch(NODE.public_key_hex, 0, 3, "receiver-wallet", "ab" * 32, [], time.time())
-    _rooted_receipt(db, 3)
+    _sender_receipt(db, 3, segment_root="3" * 64)
     checker._senders.append(later)
     for _ in range(MAX_SENDER_RESTARTS):
         checker._match_senders()
