@@ -49,7 +49,8 @@ import boto3
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..outer.port import Traffic, check_name, check_wallet
 
@@ -58,10 +59,23 @@ BUCKET_PATTERN = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 ABSENT_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 """Error codes meaning 'not published yet' (NoSuchBucket is a 404 too, but waiting will not fix it)."""
+BUSY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"})
+"""Error codes of a store that is busy or briefly failing (besides any 5xx status): worth waiting out."""
 DELETE_BATCH = 1000
 """DeleteObjects takes at most 1000 keys per call (S3 API reference)."""
 XML_SAFE = re.compile("[\x20-\x7e\u00a0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
 """Key names DeleteObjects' XML body carries as they are (no control characters)."""
+
+
+def transient(exc: BotoCoreError | ClientError) -> bool:
+    """Whether a bucket error (after botocore's own retries) may pass if the caller waits: the
+    connection (down, timed out, a body cut short) or the store (5xx, throttling). Not a refusal
+    (403, no such bucket), a missing object, or this machine's set-up (no credentials)."""
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        return (isinstance(status, int) and status >= 500) or code in BUSY_CODES
+    return isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError))
 
 
 class RelayError(RuntimeError):
@@ -271,6 +285,18 @@ class BucketStore:
         except (BotoCoreError, ClientError):
             return None
 
+    async def read_shared(self, path: str, max_bytes: int) -> bytes | None:
+        """The object at PREFIX/`path`, or None if it is absent, over `max_bytes`, or refused; raises
+        RelayError where waiting may cure the failure (`transient`), so the caller can read it again
+        rather than take the object for unreadable (a relay replica's pipeline inbox, ``mailbox.py``)."""
+        key = f"{self._root}{path}"
+        try:
+            return await self._get(key, max_bytes, None)
+        except (BotoCoreError, ClientError) as exc:
+            if transient(exc):
+                raise RelayError(f"cannot read s3://{self.config.bucket}/{key} for now: {exc}") from None
+            return None
+
     async def delete_shared(self, path: str) -> None:
         """Delete the object at PREFIX/`path` (outside any wallet's prefix: a pipeline request this
         wallet wrote, ``mailbox.py``); failures are logged, like `delete`."""
@@ -375,10 +401,11 @@ class BucketStore:
                     self.log(
                         f"bucket: GET {key} forbidden ({code}); readers need s3:GetObject and s3:ListBucket"
                     )
-                if code not in ABSENT_CODES:
+                if code not in ABSENT_CODES and not transient(exc):
                     return None
-            except BotoCoreError:  # endpoint down, timeouts, a body cut short
-                return None
+            except BotoCoreError as exc:  # endpoint down, timeouts, a body cut short: polled again
+                if not transient(exc):
+                    return None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -386,7 +413,8 @@ class BucketStore:
             interval = min(interval * 1.5, largest)
 
     async def _get(self, key: str, max_bytes: int, span: tuple[int, int] | None) -> bytes | None:
-        """The object's bytes, None if too large or not the length asked for; raises botocore errors."""
+        """The object's bytes, None if too large or not the length asked for; raises botocore errors
+        (IncompleteReadError for a body that ended early)."""
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": key}
         if span is not None:
             kwargs["Range"] = f"bytes={span[0]}-{span[1] - 1}"
@@ -402,6 +430,8 @@ class BucketStore:
         finally:
             body.close()
         self.traffic.bytes_received += len(data)
+        if len(data) < length:
+            raise IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
         return data if len(data) == length else None
 
     async def retire(self, stage: int, before_round: int) -> None:

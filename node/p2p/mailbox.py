@@ -88,6 +88,9 @@ HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,16384}")
 MAX_LISTED = 1000
 MAX_REMEMBERED_SENDERS = 4096
 """Senders whose last turn a receiver remembers (the half served longest ago is forgotten beyond it)."""
+READ_TRIES = 3
+"""Passes on which a receiver tries to read a request the bucket failed to hand over (a `transient`
+error, bucket.py) before it answers 503 (busy), so that its sender tries another replica at once."""
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,9 @@ class MailboxServer:
     are not ``{sender}/{token}`` are deleted unread; a sender's keys beyond `per_sender` are deleted
     (answered ones first); new requests are taken one per sender in turn, the senders served least
     recently first; whatever a request holds, it gets an answer (a refusal if nothing else), so it
-    is never read twice; an answer that could not be uploaded is uploaded again, not recomputed."""
+    is never handed to the server twice; a request the bucket failed to hand over is read again on
+    the next passes (`READ_TRIES`), not refused as unreadable; an answer that could not be uploaded
+    is uploaded again, not recomputed."""
 
     def __init__(
         self,
@@ -326,6 +331,8 @@ class MailboxServer:
         self._unsent: dict[str, bytes] = {}
         """Answers computed whose upload failed: uploaded again, never recomputed (the server's
         nonce check would refuse the same request a second time)."""
+        self._read_failures: dict[str, int] = {}
+        """Requests the bucket failed to hand over (`transient`), and on how many passes."""
         self._busy: dict[str, asyncio.Task[None]] = {}
         self._last_served: dict[str, int] = {}
         """Sender → the pass in which one of its requests was last taken (fair turns)."""
@@ -410,9 +417,10 @@ class MailboxServer:
             del self._answered[key]
             sender, _, token = key.partition("/")
             await self.store.delete(reply_name(sender, token))
-        for key in list(self._unsent):
-            if key in excess or (covered(key) and key not in waiting):
-                del self._unsent[key]
+        for kept in (self._unsent, self._read_failures):
+            for key in list(kept):
+                if key in excess or (covered(key) and key not in waiting):
+                    del kept[key]
         dropped = stale + [key for key in excess if key not in self._busy]
         if junk or dropped:
             await self.store.delete_shared_many([self.inbox + key for key in junk + dropped])
@@ -489,10 +497,18 @@ class MailboxServer:
         if reply is None:
             try:
                 reply = await self._answer(sender, token)
+            except RelayError as exc:  # the bucket did not hand the request over: not the sender's fault
+                tries = self._read_failures[key] = self._read_failures.get(key, 0) + 1
+                if tries < READ_TRIES:
+                    self.log(f"bucket: cannot read a pipeline request of {sender[:12]} (will retry): {exc}")
+                    return  # still waiting and not answered: taken again by a later pass
+                del self._read_failures[key]
+                reply = _refusal(503, "busy", "this replica cannot read the request from the bucket")
             except Refused as exc:
                 reply = _refusal(status_of(exc.code), exc.code, exc.detail)
             except Exception as exc:  # whatever the object held: answered, so never read again
                 reply = _refusal(500, "step_failed", f"{type(exc).__name__}")
+            self._read_failures.pop(key, None)
         try:
             await self.store.publish(reply_name(sender, token), reply)
         except RelayError as exc:
@@ -503,9 +519,9 @@ class MailboxServer:
         self.served += 1
 
     async def _answer(self, sender: str, token: str) -> bytes:
-        raw = await self.store.get_shared(request_path(self.own, sender, token), self._max_request)
+        raw = await self.store.read_shared(request_path(self.own, sender, token), self._max_request)
         if raw is None:
-            raise malformed("the request object is gone, too large or unreadable")
+            raise malformed("the request object is gone, too large or refused to this replica")
         path, headers, body = decode_request(raw)
         limit = self.routes.get(path)
         if limit is None:

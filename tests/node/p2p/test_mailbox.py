@@ -405,3 +405,107 @@ def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_witho
         assert got is not None and got.status == 500 and odd in server._answered
 
     asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_request_the_bucket_fails_to_hand_over_is_read_again_not_refused(
+    endpoint: str, make_node: Callable[..., NodeState]
+) -> None:
+    """A transient bucket error reading a request (a 5xx, a body cut short) is the bucket's trouble,
+    not the sender's: the request is read again on the next passes and answered as usual; one the
+    bucket keeps failing is answered 503 (busy: its sender tries another replica at once) after
+    READ_TRIES passes, never 400 (which costs the receiver a ban at its sender). A sender polling
+    for an answer polls through such errors too."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, IncompleteReadError
+
+    from neuroshard.node.p2p.bucket import transient
+
+    assert transient(EndpointConnectionError(endpoint_url="http://x")) and transient(
+        IncompleteReadError(actual_bytes=1, expected_bytes=2)
+    )
+    busy = ClientError(
+        {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "GetObject"
+    )
+    denied = ClientError(
+        {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject"
+    )
+    assert transient(busy) and not transient(denied)
+    config = _bucket(endpoint)
+    receiver, sender, _ = _first_and_last()
+    node = make_node(receiver)
+    node.clock = time.time
+    echo = _Echo()
+
+    async def scenario() -> None:
+        async with _receiver(config, node, echo) as (store, server):
+            inbox = f"_pipe/{receiver.public_key_hex}/"
+            get = store._get
+            failures = {"left": mailbox.READ_TRIES - 1}
+
+            async def flaky(key: str, max_bytes: int, span: tuple[int, int] | None) -> bytes | None:
+                if key.startswith(store._root + inbox) and failures["left"] > 0:
+                    failures["left"] -= 1
+                    raise busy
+                return await get(key, max_bytes, span)
+
+            store._get = flaky  # type: ignore[method-assign]
+
+            async def put() -> str:
+                key = f"{sender.public_key_hex}/{secrets.token_hex(16)}"
+                signed = sign_request(sender, "POST", ECHO, b"xy", time.time())
+                await store.put_shared(inbox + key, encode_request(ECHO, signed, b"xy"))
+                return key
+
+            async def answer(key: str) -> PeerReply | None:
+                raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
+                return None if raw is None else decode_reply(raw)
+
+            async def passes(n: int) -> None:
+                for _ in range(n):
+                    await server.pass_once()
+                    await asyncio.gather(*server._busy.values())
+
+            await server.pass_once()  # the first pass: the sweep
+            key = await put()
+            await passes(mailbox.READ_TRIES - 1)  # each read fails: no answer yet, nothing refused
+            assert await answer(key) is None and key in server._read_failures and echo.calls == 0
+            await passes(1)
+            got = await answer(key)
+            assert got is not None and (got.status, got.body) == (200, b"yx") and echo.calls == 1
+            assert not server._read_failures
+
+            failures["left"] = mailbox.READ_TRIES  # a bucket that keeps failing this request
+            stuck = await put()
+            await passes(mailbox.READ_TRIES)
+            got = await answer(stuck)
+            assert got is not None and got.status == 503 and echo.calls == 1
+            assert not server._read_failures
+
+            # The sender's side: a poll that meets a busy bucket polls on until the answer is there.
+            failures["left"] = 0
+            fails = {"left": 2}
+
+            async def flaky_reply(key: str, max_bytes: int, span: tuple[int, int] | None) -> bytes | None:
+                if "/pipe/" in key and fails["left"] > 0:
+                    fails["left"] -= 1
+                    raise busy
+                return await get(key, max_bytes, span)
+
+            store._get = flaky_reply  # type: ignore[method-assign]
+            raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20, wait_s=5.0)
+            assert raw is not None and decode_reply(raw).status == 200 and fails["left"] == 0
+            denied_left = {"left": 1}
+
+            async def refusing(key: str, max_bytes: int, span: tuple[int, int] | None) -> bytes | None:
+                denied_left["left"] -= 1
+                raise denied
+
+            store._get = refusing  # type: ignore[method-assign]
+            t0 = time.monotonic()
+            assert (
+                await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20, wait_s=5.0)
+                is None
+            )
+            assert time.monotonic() - t0 < 2.0 and denied_left["left"] == 0  # a refusal is final: one try
+
+    asyncio.run(scenario())
