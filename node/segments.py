@@ -13,6 +13,10 @@ replica records, for every inner step, a `StepRecord`:
   the bytes themselves go to the store too, so a segment check can hold what the replica sent to
   what its replayed step computes (verifier.segmentcheck.sent_comparisons);
 
+and, for the round as a whole, every activations header it signed (`Offer`: the micro-batch, the
+replica asked, the payload's sha256), whether that replica took it or not — a header names its
+round, and the log of that round must list it (verifier.segmentcheck.contradicting);
+
 and at every segment boundary (steps 0, k, 2k, …, and the round's last) the sha256 of its weights
 and inner AdamW state (`checkpoint_sha256`). `SegmentLog.root()` chains all of it in order; the
 root goes into the round's receipt and into a `SegmentCommitment` the replica signs, so a spot
@@ -22,7 +26,7 @@ before it knew which segment is drawn, and a failed check is a proof a third par
 `SegmentRecorder` builds the log while the replica trains: the training loop calls
 `record_step` once per inner step; the round hook (node.receipt.Receipting) calls `start_round`
 when a round starts, `end_round` before the outer step and `close_round` after it; the transport
-calls `note_received` / `note_sent` from its own thread.
+calls `note_received` / `note_sent` / `note_offer` from its own thread.
 Pure torch and plain Python; the disk store is node.segment_store.
 """
 
@@ -40,11 +44,13 @@ from torch import Tensor
 from neuroshard.protocol.segments import (
     MAX_MESSAGES_PER_STEP,
     CheckpointOpening,
+    Offer,
     Received,
     SegmentCommitment,
     SegmentLog,
     SentRef,
     StepRecord,
+    max_offers,
 )
 
 from .diloco import DiLoCo, flat_parameters, tensor_digest
@@ -139,6 +145,11 @@ class _Round:
     """Per step, the messages with their bytes (for the store)."""
     checkpoints: list[Future[CheckpointOpening]] = field(default_factory=list)
     """Each checkpoint's hashes, computed (and the checkpoint stored) off the training thread."""
+    max_offers: int = 0
+    """What a log of the round's H steps may hold (`max_offers`): bursts early in a round are fine."""
+    offered: set[Offer] = field(default_factory=set)
+    overflowed: bool = False
+    """More offers than a log may hold (`max_offers`): the round gets no log."""
     ended: bool = False
 
 
@@ -260,7 +271,11 @@ class SegmentRecorder:
         checkpoint = capture_checkpoint(diloco)
         if checkpoint is None:
             return
-        self._current = _Round(round=diloco.round, start_step=diloco.schedule_step)
+        self._current = _Round(
+            round=diloco.round,
+            start_step=diloco.schedule_step,
+            max_offers=max_offers(diloco.config.inner_steps),
+        )
         self._engine = diloco
         self._checkpoint(checkpoint)
 
@@ -308,6 +323,22 @@ class SegmentRecorder:
                         return
             if kind == "activations":  # sent during its step; a gradient reply only ever follows one
                 self._pending_sent.append((micro_batch, ref, body))
+
+    def note_offer(self, round_: int, micro_batch: str, to: str, payload_sha256: str) -> None:
+        """An activations header this replica signed, naming `round_`, for replica `to`: call it
+        before sending, for every attempt. Listed in that round's log if it is the round being
+        recorded (a header is signed during its step, so it is); a round whose offers outgrow what a
+        log may hold (`max_offers`) gets no log rather than one that leaves headers out."""
+        offer = Offer(micro_batch=micro_batch, to=to, payload_sha256=payload_sha256)
+        with self._lock:
+            current = self._current
+            if current is None or current.ended or current.round != round_ or current.overflowed:
+                return
+            if offer not in current.offered and len(current.offered) >= current.max_offers:
+                current.overflowed = True
+                current.offered.clear()
+                return
+            current.offered.add(offer)
 
     def _attach(self, current: _Round, index: int, ref: SentRef, body: bytes | None) -> None:
         """Under the lock: a payload sent after step `index` was recorded. A retried request is
@@ -392,6 +423,16 @@ class SegmentRecorder:
         self._current = None
         with self._lock:
             steps = tuple(current.steps)
+            offered = tuple(sorted(current.offered))
+        if current.overflowed or len(offered) > max_offers(len(steps)):
+            if self._log:
+                self._log(
+                    f"segments: round {current.round} asked more next-stage replicas than a log "
+                    f"holds ({max_offers(len(steps))}); no log for it"
+                )
+            self._io(self.sink.abandon, current.round)
+            self.flush()
+            return None
         openings = [f.result() for f in current.checkpoints]
         log = SegmentLog(
             stage=self.stage,
@@ -400,6 +441,7 @@ class SegmentRecorder:
             start_step=current.start_step,
             steps=steps,
             checkpoints=tuple(o.sha256() for o in openings),
+            offered=offered,
         )
         commitment = (
             None

@@ -3,8 +3,9 @@ any k-step segment of any stage (node.segments records it; verifier.segmentcheck
 
 - `StepRecord`: one inner step: the data span it read (stage 0) or the micro-batch it trained on,
   the messages it consumed (`ReceivedRef`, by hashes) and sent (`SentRef`);
-- `SegmentLog`: a round's step records and checkpoint hashes; its `root()` is a hash chain over
-  them, which the receipt carries (`Receipt.segment_root`);
+- `Offer`: activations the replica signed for a next-stage replica, one per attempt (taken or not);
+- `SegmentLog`: a round's step records, checkpoint hashes and offers; its `root()` is a hash chain
+  over them, which the receipt carries (`Receipt.segment_root`);
 - `SegmentCommitment`: the replica's signature on that root;
 - `checkpoint_hash` / `CheckpointOpening`: a checkpoint's hash from its weights' and optimizer's
   own hashes, and those two for one checkpoint (which the hash alone does not reveal);
@@ -32,7 +33,7 @@ from .schema import (
     parse_json,
 )
 
-DOMAIN = b"neuroshard/segments/v1"
+DOMAIN = b"neuroshard/segments/v2"
 KINDS = ("activations", "gradient")
 """What crosses a stage boundary: activations forward (with labels), activation gradients back."""
 MAX_STEPS = 1_000_000
@@ -40,10 +41,21 @@ MAX_STEPS = 1_000_000
 MAX_MESSAGES_PER_STEP = 8
 """A step receives at most an activation and a gradient, and sends at most one of each; 8 leaves
 room for a retry recorded twice without letting a log grow without bound."""
+OFFERS_PER_STEP = 8
+"""A log's offers (distinct next-stage replicas asked to take a micro-batch) average at most this
+many a step, plus `OFFERS_SLACK`; a sender that needs more in a round records no log for it."""
+OFFERS_SLACK = 64
+
+
+def max_offers(steps: int) -> int:
+    """The most offers a log of `steps` steps may hold."""
+    return OFFERS_PER_STEP * steps + OFFERS_SLACK
 
 
 _KIND = choice(KINDS)
 _SHA256 = hex_bytes(32)
+_MICRO_BATCH = hex_bytes(16)
+"""A pipeline micro-batch id (protocol.pipeline.micro_batch_id: 16 bytes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +95,21 @@ class SentRef(Message):
 
     NAME = "sent message"
     kind: Annotated[str, _KIND]
+    payload_sha256: Annotated[str, _SHA256]
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Offer(Message):
+    """Activations this replica signed for replica `to` (an ActivationHeader): every attempt, taken,
+    refused or lost. Its header names the round, so the log of that round must list it whatever
+    became of it: a receiver holding the header then finds it here, and a sender that signs
+    headers naming a round whose log does not list them is caught (verifier.segmentcheck.
+    contradicting) — which a log of completed exchanges alone cannot tell from a lost attempt."""
+
+    NAME = "offered activations"
+    micro_batch: Annotated[str, _MICRO_BATCH]
+    to: Annotated[str, hex_bytes(32)]
+    """The replica the header names (its wallet key)."""
     payload_sha256: Annotated[str, _SHA256]
 
 
@@ -158,6 +185,8 @@ class SegmentLog:
     steps: tuple[StepRecord, ...]
     checkpoints: tuple[str, ...]
     """sha256 of the checkpoint at each of `segment_boundaries(len(steps), segment_steps)`."""
+    offered: tuple[Offer, ...] = ()
+    """Every activations header the replica signed in the round (`Offer`), sorted, each once."""
 
     def __post_init__(self) -> None:
         wanted = len(self.boundaries)
@@ -166,6 +195,13 @@ class SegmentLog:
                 f"segment log of {len(self.steps)} steps in segments of {self.segment_steps} needs "
                 f"{wanted} checkpoint hashes, has {len(self.checkpoints)}"
             )
+        if len(self.offered) > max_offers(len(self.steps)):
+            raise malformed(
+                f"segment log of {len(self.steps)} steps lists {len(self.offered)} offers, "
+                f"more than {max_offers(len(self.steps))}"
+            )
+        if list(self.offered) != sorted(set(self.offered)):
+            raise malformed("segment log offers must be sorted, each listed once")
 
     @property
     def boundaries(self) -> list[int]:
@@ -183,7 +219,8 @@ class SegmentLog:
         return b[j], b[j + 1]
 
     def root(self) -> str:
-        """h ← sha256(h ‖ entry) over the header, then checkpoints and step records in step order."""
+        """h ← sha256(h ‖ entry) over the header, then checkpoints and step records in step order,
+        then the offers (one entry: the sha256 of their list)."""
         head = {"stage": self.stage, "round": self.round, "k": self.segment_steps, "start": self.start_step}
         h = hashlib.sha256(DOMAIN + b"\nhead\n" + canonical_json(head)).digest()
         at = dict(zip(self.boundaries, self.checkpoints, strict=True))
@@ -192,7 +229,8 @@ class SegmentLog:
                 h = hashlib.sha256(h + b"C" + bytes.fromhex(at[i])).digest()
             if i < len(self.steps):
                 h = hashlib.sha256(h + b"S" + bytes.fromhex(self.steps[i].sha256())).digest()
-        return h.hex()
+        offers = hashlib.sha256(DOMAIN + b"\noffers\n" + canonical_json([o.to_obj() for o in self.offered]))
+        return hashlib.sha256(h + b"O" + offers.digest()).hexdigest()
 
     def to_obj(self) -> dict[str, Any]:
         return {
@@ -202,6 +240,7 @@ class SegmentLog:
             "start_step": self.start_step,
             "steps": [s.to_obj() for s in self.steps],
             "checkpoints": list(self.checkpoints),
+            "offered": [o.to_obj() for o in self.offered],
         }
 
     def to_json(self) -> bytes:
@@ -213,12 +252,14 @@ class SegmentLog:
 
     @classmethod
     def from_obj(cls, obj: Any) -> SegmentLog:
-        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints"}
+        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints", "offered"}
         if not isinstance(obj, dict) or set(obj) != keys:
             raise malformed(f"segment log must hold exactly {', '.join(sorted(keys))}")
-        steps, hashes = obj["steps"], obj["checkpoints"]
+        steps, hashes, offered = obj["steps"], obj["checkpoints"], obj["offered"]
         if not isinstance(steps, list) or len(steps) > MAX_STEPS or not isinstance(hashes, list):
             raise malformed(f"segment log steps must be a list of at most {MAX_STEPS}")
+        if not isinstance(offered, list) or len(offered) > max_offers(len(steps)):
+            raise malformed(f"segment log offers must be a list of at most {max_offers(len(steps))}")
         return cls(
             stage=integer(0, MAX_STAGE)(obj["stage"], "segment log stage"),
             round=integer(0, MAX_COUNT)(obj["round"], "segment log round"),
@@ -226,6 +267,7 @@ class SegmentLog:
             start_step=integer(0, MAX_COUNT)(obj["start_step"], "segment log start_step"),
             steps=tuple(StepRecord.from_obj(s, f"segment log step {i}") for i, s in enumerate(steps)),
             checkpoints=tuple(hex_bytes(32)(h, "segment log checkpoint") for h in hashes),
+            offered=tuple(Offer.from_obj(o, "segment log offer") for o in offered),
         )
 
 

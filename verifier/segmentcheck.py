@@ -57,7 +57,6 @@ from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import canonical_json, parse_json
 from neuroshard.protocol.segments import (
-    KINDS,
     CheckpointOpening,
     Received,
     SegmentCommitment,
@@ -364,27 +363,30 @@ def contradicting(
     sender: SignedSegmentLog, messages: Iterable[Received], receiver: str
 ) -> list[tuple[Received, str]]:
     """Where a sender's signed round log contradicts headers it signed to `receiver` (a public key;
-    empty when it agrees): for each of `messages` (what that checked replica consumed) whose header
-    the log's signer signed, for the log's round and addressed to `receiver` (its signed `to`),
-    the steps of the sender's log that name the micro-batch and record the receiver's answer to it
-    (a received message from `receiver`: the gradient its activations got back, or the activations
-    its gradient answered) must record sending that payload among what they record sending; a
-    step that records sending nothing of that kind contradicts it too (an honest node records the
-    activations it sends during their step, and the gradient it answers with before it answers:
-    node.stage_worker). A step that names no exchange with the receiver makes no claim (the id may
-    have gone to another replica: a retry after a 409, or two senders using one id). Both sides are the sender's own
-    signatures — its commitment on the log; its header on the payload and on whom it was sent to —
-    so a contradiction is its fault whatever its receiver did: it sent that receiver something
-    other than what it recorded. Check the log with `signed_log_problem` first."""
+    empty when it agrees): each of `messages` (what that checked replica consumed) whose header the
+    log's signer signed, for the log's round and run and addressed to `receiver` (its signed `to`),
+    must be in the log:
+
+    - activations: among its offers (`Offer`: every activations header a replica signs is listed
+      in the log of the round it names, whether the replica asked took it or not: node.segments);
+    - a gradient: on a step that names the micro-batch and records the receiver's activations to
+      it, as what that step sent back (an honest node records the gradient it answers with before
+      it answers, and the round's log closes only once every reply is recorded: node.stage_worker).
+
+    Both sides are the sender's own signatures — its commitment on the log; its header on the
+    payload, on whom it was sent to and on the round — so a contradiction is its fault whatever its
+    receiver did: it sent that receiver something other than what it recorded, or named a round
+    whose log does not list it. Check the log with `signed_log_problem` first."""
     log, signer = sender.log, sender.commitment.wallet
     out: list[tuple[Received, str]] = []
-    sent: dict[tuple[str, str], set[str]] = {}
+    offered = {(o.micro_batch, o.to, o.payload_sha256) for o in log.offered}
+    answered: dict[str, set[str]] = {}
+    """Micro-batch → the gradients sent back by the steps that took the receiver's activations."""
     for step in log.steps:
-        if step.micro_batch and any(ref.sender == receiver for ref in step.received):
-            for kind in KINDS:  # a step that names the exchange records what it sent of each kind
-                sent.setdefault((step.micro_batch, kind), set())
-            for ref in step.sent:
-                sent[(step.micro_batch, ref.kind)].add(ref.payload_sha256)
+        if step.micro_batch and any(r.sender == receiver and r.kind == "activations" for r in step.received):
+            answered.setdefault(step.micro_batch, set()).update(
+                ref.payload_sha256 for ref in step.sent if ref.kind == "gradient"
+            )
     for message in messages:
         if message.sender != signer or sender_round(message) != (log.stage, log.round):
             continue
@@ -396,16 +398,17 @@ def contradicting(
             continue  # signed for another exchange: its record is that one's
         if header.network is None or header.network != sender.commitment.network:
             continue  # another run's (or unbound): ids and rounds repeat across runs
-        recorded = sent.get((header.micro_batch, message.kind))
-        if recorded is not None and header.payload_sha256 not in recorded:
-            named = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"
-            out.append(
-                (
-                    message,
-                    f"micro-batch {header.micro_batch}: it signed {message.kind} "
-                    f"{header.payload_sha256[:16]}, its log records sending {named}",
-                )
-            )
+        named = f"micro-batch {header.micro_batch}: it signed {message.kind} {header.payload_sha256[:16]}"
+        if message.kind == "activations":
+            if (header.micro_batch, receiver, header.payload_sha256) not in offered:
+                out.append((message, f"{named} for round {log.round}, whose log lists no such offer"))
+            continue
+        recorded = answered.get(header.micro_batch)
+        if recorded is None:
+            out.append((message, f"{named} for round {log.round}, whose log has no step on it"))
+        elif header.payload_sha256 not in recorded:
+            sent = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"
+            out.append((message, f"{named}, its log records sending {sent}"))
     return out
 
 
@@ -864,7 +867,8 @@ class SenderFraudProof:
 
     def step(self) -> int | None:
         """The first step of the log that names the header's micro-batch and an exchange with the
-        receiver (where the contradiction lies); None when there is none."""
+        receiver (where the contradiction lies); None when there is none (an offer the log does
+        not list: the whole round's log is the proof)."""
         micro_batch, receiver = self._header().micro_batch, self.receiver
         for i, step in enumerate(self.log.log.steps):
             if step.micro_batch == micro_batch and any(r.sender == receiver for r in step.received):
@@ -882,9 +886,10 @@ def judge_sender_proof(
     proof: SenderFraudProof, *, num_stages: int | None = None, network: str | None = None
 ) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why: the log is signed by the
-    wallet that signed the header, its chain hashes to the root that signature covers, and it
-    records sending, for the header's micro-batch in a step that exchanged with the replica the
-    header is addressed to, something other than the payload the header signs; both name one run
+    wallet that signed the header, its chain hashes to the root that signature covers, and it does
+    not record the header as sent (`contradicting`: activations among the log's offers, a gradient
+    on the step that took the addressed replica's activations), though the header names the log's
+    round; both name one run
     (their definition's digest: ids and rounds repeat across a wallet's runs). `num_stages` and
     `network` (its digest), when the run's definition is at hand: the commitment's stage must be one
     that sends what the header carries, and the run the definition's."""
@@ -906,7 +911,8 @@ def judge_sender_proof(
     found = contradicting(proof.log, [proof.message], proof.receiver)
     if not found:
         return FraudProofVerdict(
-            False, "the log does not contradict the header (another signer, round, or no claim on it)"
+            False,
+            "the log does not contradict the header (another signer, round or run, or the header is recorded)",
         )
     receiver = wallet_id_of(bytes.fromhex(proof.receiver))
     return FraudProofVerdict(True, f"its signed log contradicts what it signed for {receiver}: {found[0][1]}")

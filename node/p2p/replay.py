@@ -47,9 +47,10 @@ SEGMENT_LOG_PATH = re.compile(r"^/p2p/segment-log/([^/]+)$")
 
 def segment_log_bound(inner_steps: int) -> int:
     """Largest signed-log body of a round of `inner_steps` steps: a step's record is at most ~3 KB
-    (a span, a micro-batch id, 8 received and 8 sent references; ~0.3 KB in practice), plus the
-    checkpoint hashes and the commitment."""
-    return 4096 * inner_steps + (64 << 10)
+    (a span, a micro-batch id, 8 received and 8 sent references; ~0.3 KB in practice) and its
+    share of the offers ~1.7 KB (8 of ~210 bytes: protocol.segments.max_offers; one or two in
+    practice), plus the checkpoint hashes, the offers' slack and the commitment."""
+    return 6144 * inner_steps + (64 << 10)
 
 
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"

@@ -34,12 +34,14 @@ from neuroshard.node.work import RoundWork
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.reports import DataSpan, Receipt
 from neuroshard.protocol.segments import (
+    Offer,
     Received,
     ReceivedRef,
     SegmentCommitment,
     SegmentLog,
     SentRef,
     StepRecord,
+    max_offers,
     segment_boundaries,
 )
 from neuroshard.testing.verifier import small_network
@@ -85,9 +87,11 @@ def test_the_root_changes_with_every_step_record_and_checkpoint_and_survives_jso
         _log(round=4),
         _log(start_step=16),
         _log(steps=log.steps[:4], checkpoints=log.checkpoints[:3]),
+        _log(offered=(Offer(micro_batch="00" * 16, to="11" * 32, payload_sha256="22" * 32),)),
     ]
     roots = {v.root() for v in variants}
     assert log.root() not in roots and len(roots) == len(variants)
+    assert SegmentLog.from_json(variants[-1].to_json()) == variants[-1]
 
 
 def test_a_malformed_log_is_refused() -> None:
@@ -96,6 +100,56 @@ def test_a_malformed_log_is_refused() -> None:
         SegmentLog.from_json(obj)
     with refused("malformed", match="exactly"):
         SegmentLog.from_json(b'{"stage":0}')
+    a, b = (Offer(micro_batch=f"{i:032x}", to="11" * 32, payload_sha256="22" * 32) for i in range(2))
+    for offered in ((b, a), (a, a)):  # one order, each once: one root for one set of offers
+        with refused("malformed", match="sorted, each listed once"):
+            _log(offered=offered)
+    many = [
+        Offer(micro_batch=f"{i:032x}", to="11" * 32, payload_sha256="22" * 32)
+        for i in range(max_offers(5) + 1)
+    ]
+    with refused("malformed", match="offers"):
+        SegmentLog.from_json(_log().to_json().replace(b'"offered":[]', canonical(many)))
+
+
+def canonical(offers: list[Offer]) -> bytes:
+    return b'"offered":[' + b",".join(o.to_json() for o in offers) + b"]"
+
+
+def test_every_activations_header_signed_is_offered_in_the_round_it_names(tmp_path: Path) -> None:
+    """The recorder lists every offer of the round being recorded, once, sorted; one naming another
+    round is not this round's; a round that asks more replicas than a log holds gets no log (and
+    says why) rather than one that leaves offers out."""
+    said: list[str] = []
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0, log=said.append)
+    diloco = _engine()
+    recorder.start_round(diloco)
+    round_ = diloco.round
+    for i in range(diloco.config.inner_steps):
+        mb = f"{i:032x}"
+        for to in ("bb" * 32, "aa" * 32, "bb" * 32):  # busy, then taken elsewhere; a retry repeats one
+            recorder.note_offer(round_, mb, to, "cc" * 32)
+        recorder.note_offer(round_ + 1, mb, "dd" * 32, "cc" * 32)  # names another round: not here
+        diloco.inner_step(*_batch(i))
+        recorder.record_step(diloco, micro_batch=mb)
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = recorder.close_round(WALLET)
+    assert closed is not None
+    log, _ = closed
+    assert len(log.offered) == 2 * diloco.config.inner_steps and list(log.offered) == sorted(log.offered)
+    assert {o.to for o in log.offered} == {"aa" * 32, "bb" * 32}
+
+    recorder.start_round(diloco)
+    for i in range(max_offers(diloco.config.inner_steps) + 1):  # more than a log of its steps holds
+        recorder.note_offer(diloco.round, "ee" * 16, f"{i:064x}", "cc" * 32)
+    for i in range(diloco.config.inner_steps):
+        diloco.inner_step(*_batch(i))
+        recorder.record_step(diloco, micro_batch=f"{i:032x}")
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    assert recorder.close_round(WALLET) is None
+    assert any("more next-stage replicas than a log holds" in line for line in said)
 
 
 def test_received_and_sent_refs_are_hashes_of_what_travelled() -> None:

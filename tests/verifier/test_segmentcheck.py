@@ -38,6 +38,7 @@ from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import (
+    Offer,
     Received,
     ReceivedRef,
     SegmentCommitment,
@@ -617,31 +618,46 @@ def sent_contradictions(sender: SignedSegmentLog, messages: list[Received], rece
 
 
 def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path: Path) -> None:
-    """Stage 1 holds what the driver sent it under the driver's signed headers; a driver whose own
-    signed log says it sent other bytes in the step where it got stage 1's answer contradicts
-    itself, whatever stage 1 says. Only the sender's signatures count: a log it did not sign, or not
-    the one its receipt committed to, is held against nobody; a step that names no exchange with
-    the checked replica (the id went elsewhere) makes no claim."""
+    """Stage 1 holds what the driver sent it under the driver's signed headers; every activations
+    header a sender signs is an offer in the log of the round it names, so a driver whose signed log
+    lists other bytes for that exchange, or none (it named a round it did other work in),
+    contradicts itself, whatever stage 1 says. Only the sender's signatures count: a log it did not
+    sign, or not the one its receipt committed to, is held against nobody."""
     stage1 = train_round(tmp_path / "s1", stage=1, num_stages=2)
     consumed = [m for j in range(H // K) for step in stage1.material(j).received for m in step]
     assert {sender_round(m) for m in consumed} == {(0, ROUND)}
     me = REPLICA.public_key_hex
+
+    def micro_batch(m: Received) -> str:
+        return ActivationHeader.from_json(m.header).micro_batch
 
     def step(m: Received, payload: str, answered_by: str = me) -> StepRecord:
         answer = ReceivedRef(
             kind="gradient", sender=answered_by, header_sha256="cd" * 32, payload_sha256="ef" * 32
         )
         return StepRecord(
-            micro_batch=ActivationHeader.from_json(m.header).micro_batch,
+            micro_batch=micro_batch(m),
             received=[answer],
             sent=[SentRef(kind="activations", payload_sha256=payload)],
         )
 
+    def offers(steps: list[StepRecord]) -> set[Offer]:
+        """What an honest sender offers in these steps: each to the replica that answered it."""
+        return {
+            Offer(micro_batch=s.micro_batch, to=s.received[0].sender, payload_sha256=s.sent[0].payload_sha256)
+            for s in steps
+            if s.sent
+        }
+
     sender_steps = [step(m, sha256_hex(m.body)) for m in consumed]
 
-    def signed(steps: list[StepRecord], by: Wallet = PREV, run: str | None = RUN) -> SignedSegmentLog:
+    def signed(
+        steps: list[StepRecord], by: Wallet = PREV, run: str | None = RUN, offered: set[Offer] | None = None
+    ) -> SignedSegmentLog:
+        listed = tuple(sorted(offers(steps) if offered is None else offered))
         log = SegmentLog(stage=0, round=ROUND, segment_steps=K, start_step=ROUND * H, steps=tuple(steps),
-                         checkpoints=tuple("ab" * 32 for _ in segment_boundaries(len(steps), K)))  # fmt: skip
+                         checkpoints=tuple("ab" * 32 for _ in segment_boundaries(len(steps), K)),
+                         offered=listed)  # fmt: skip
         commitment = SegmentCommitment.create(by, stage=0, round=ROUND, root=log.root(), network=run)
         return SignedSegmentLog(log, commitment)
 
@@ -654,22 +670,27 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     lying = signed(sender_steps)
     assert signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, lying.log.root()) is None
     (problem,) = sent_contradictions(lying, consumed, me)
-    assert f"micro-batch {sender_steps[3].micro_batch}" in problem and "records sending 0000" in problem
+    assert f"micro-batch {sender_steps[3].micro_batch}" in problem and "lists no such offer" in problem
     # the receipt committed to the honest chain: a lying log served later is not its commitment
     assert "receipt committed" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, root) or "")
     forged = signed(sender_steps, by=NEXT)  # signed by someone else
     assert "not signed by it" in (signed_log_problem(forged, PREV.public_key_hex, 0, ROUND, root) or "")
     assert sent_contradictions(forged, consumed, me) == []  # NEXT signed none of these headers
     assert "round" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND + 1, lying.log.root()) or "")
-    # the same id answered by another replica (a retry after a 409): that step claims nothing here
-    elsewhere = [*sender_steps[:3], step(consumed[3], "0" * 64, NEXT.public_key_hex), *sender_steps[4:]]
-    assert sent_contradictions(signed(elsewhere), consumed, me) == []
-    sender_steps[3] = StepRecord(micro_batch=sender_steps[3].micro_batch, received=sender_steps[3].received)
-    # A step that names the exchange but records sending nothing of the header's kind contradicts
-    # it too: an honest node records what it sends before its answer comes back (node.segments,
-    # node.stage_worker).
-    (silent,) = sent_contradictions(signed(sender_steps), consumed, me)
-    assert "its log records sending nothing of that kind" in silent
+    # A retry elsewhere after this replica took the micro-batch and its answer was lost: the step
+    # records the other exchange, the offers both. An honest log; one that leaves the first offer
+    # out (as a log of completed exchanges would) no longer makes the header no claim.
+    retried = [*sender_steps[:3], step(consumed[3], "1" * 64, NEXT.public_key_hex), *sender_steps[4:]]
+    both = offers(retried) | {Offer(micro_batch=micro_batch(consumed[3]), to=me, payload_sha256="0" * 64)}
+    assert sent_contradictions(signed(retried, offered=both), consumed[3:4], me) != []  # other bytes
+    both.add(Offer(micro_batch=micro_batch(consumed[3]), to=me, payload_sha256=sha256_hex(consumed[3].body)))
+    assert sent_contradictions(signed(retried, offered=both), consumed, me) == []
+    (lost,) = sent_contradictions(signed(retried), consumed, me)
+    assert "lists no such offer" in lost
+    # A header naming a round the sender did report, but whose log lists nothing sent to this
+    # replica (its steps there went elsewhere): each header contradicts that log.
+    elsewhere = [step(m, sha256_hex(m.body), NEXT.public_key_hex) for m in consumed]
+    assert len(sent_contradictions(signed(elsewhere), consumed, me)) == len(consumed)
 
     # The contradiction as a proof anyone can check alone: both statements are the sender's.
     bare = Received(consumed[3].kind, consumed[3].sender, consumed[3].header, b"")
@@ -679,7 +700,7 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     assert data.startswith(SENDER_PROOF_MAGIC) and SenderFraudProof.decode(data) == proof
     assert (proof.step(), proof.segment()) == (3, 3 // K)
     verdict = judge_sender_proof(SenderFraudProof.decode(data), num_stages=2, network=RUN)
-    assert verdict.proves and "records sending 0000" in verdict.reason, verdict
+    assert verdict.proves and "lists no such offer" in verdict.reason, verdict
     # One wallet trains several runs, whose rounds and micro-batch ids repeat: a log of another run,
     # or one that names none, makes no claim on this run's headers; a definition of another run
     # judges no proof of this one.
@@ -698,8 +719,9 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     tampered = SignedSegmentLog(honest.log, lying.commitment)  # the honest chain under the lie's signature
     assert "root" in judge_sender_proof(SenderFraudProof(tampered, bare)).reason
 
-    # One id sent to two replicas (a retry elsewhere): the log records both exchanges, each with its
-    # own bytes. A header PREV signed for one exchange cannot be held against its record of the other.
+    # One id sent to two replicas (a retry elsewhere): the log lists both offers, each with its own
+    # bytes. A header PREV signed for one exchange cannot be held against its record of the other,
+    # and any header it signed that its log does not list is a proof.
     header3 = ActivationHeader.from_json(consumed[3].header)
 
     def readdressed(to: Wallet, payload: str) -> Received:
@@ -710,16 +732,16 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
             "activations", PREV.public_key_hex, ActivationHeader.create(PREV, **fields).to_json(), b""
         )
 
-    retried = list(honest.log.steps)
-    retried.insert(4, step(consumed[3], "1" * 64, NEXT.public_key_hex))
-    both = signed(retried)
+    twice = list(honest.log.steps)
+    twice.insert(4, step(consumed[3], "1" * 64, NEXT.public_key_hex))
+    to_both = signed(twice)
     for message, proves in (
-        (bare, False),  # to me, the bytes its exchange with me records
-        (readdressed(NEXT, "1" * 64), False),  # to NEXT, the bytes its exchange with NEXT records
+        (bare, False),  # to me, the bytes its offer to me lists
+        (readdressed(NEXT, "1" * 64), False),  # to NEXT, the bytes its offer to NEXT lists
         (readdressed(NEXT, sha256_hex(consumed[3].body)), True),  # to NEXT, but the bytes it sent me
-        (readdressed(PREV, "1" * 64), False),  # to a replica it records no exchange with
+        (readdressed(PREV, "1" * 64), True),  # to a replica its log lists no offer to
     ):
-        assert judge_sender_proof(SenderFraudProof(both, message)).proves is proves, message.header
+        assert judge_sender_proof(SenderFraudProof(to_both, message)).proves is proves, message.header
 
     # One proof, one encoding: anything else is refused, not listed under another sha256.
     obj = json.loads(data[len(SENDER_PROOF_MAGIC) :])

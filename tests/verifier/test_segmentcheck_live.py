@@ -132,8 +132,9 @@ def _replica(
     published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool, lie_sent: bool = False
 ) -> Replica:
     """A replica that ran round 0 with a segment recorder and serves its segments to the operator.
-    The driver records sending the activations stage 1 receives (under its signed headers), which
-    are what its steps computed (`DRIVER_SENT`); `lie_sent`: its log names other bytes for one of them.
+    The driver records sending the activations stage 1 receives (under its signed headers, offered
+    to both stage-1 replicas), which are what its steps computed (`DRIVER_SENT`); `lie_sent`: its
+    log names other bytes for one of them.
     A stage-0 replica's gradients come from HONEST as it trains (a copy of its stage-1 engine steps
     in lockstep: the model's init is the run's, so HONEST, built later on the same activations,
     computes and records the same replies), and a stage-1 replica records each gradient it answers
@@ -186,6 +187,8 @@ def _replica(
             # A liar records (and serves) bytes close enough to what its step computed to pass its own
             # segment check, but not the bytes its header signed for the receiver.
             body = recorded[i] if lie_sent and i == 5 else computed[i]
+            for to in (HONEST, LIAR):  # both stage-1 replicas hold a header it signed for them
+                recorder.note_offer(0, mb, to.public_key_hex, sha256_hex(body))
             recorder.note_sent(mb, "activations", sha256_hex(body), body)
         else:
             act, mb = _activations(i, DRIVER, wallet, run)
@@ -379,7 +382,7 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
 ) -> None:
     """Checking a stage-1 replica's segments, the verifier reads the signed log of the driver whose
     activations they consumed (GET /p2p/segment-log) once the driver's receipt is in, however
-    much later: a driver whose log records sending other bytes than the header it signed fails a
+    much later: a driver whose log lists other bytes than the header it signed fails a
     spot check in its own stage and round, though its own segments replay fine; the receiver
     passes. The contradiction is kept as a sender fraud proof that `neuroshard-check-proof` checks
     alone, without the run's definition."""
@@ -416,7 +419,7 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     (failed,) = [e for e in events if e[3] < 0]
     assert failed[:3] == (DRIVER.wallet_id, 0, 0), events
     assert f"contradicts what it signed for {HONEST.wallet_id}" in failed[4]
-    assert "it signed activations" in failed[4] and "its log records sending" in failed[4]
+    assert "it signed activations" in failed[4] and "whose log lists no such offer" in failed[4]
     assert not [e for e in events if e[0] == HONEST.wallet_id and e[3] < 0]
 
     with db.read() as s:
@@ -438,18 +441,25 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     (tmp_path / "network.json").write_bytes(_network(published).canonical_bytes())
     code, out = _check_proof([str(path), "--network", str(tmp_path / "network.json")], capsys)
     assert code == 0 and "PROVES FRAUD" in out and "definition sha256" in out, out
-    # A header the driver signed for the same micro-batch to another replica (a retry elsewhere)
-    # is another exchange's: its log records none with LIAR, so it claims nothing about it.
+    # A header the driver signed for the same micro-batch to another replica is another exchange's:
+    # held to its offer to LIAR, which lists it, it proves nothing; with bytes no offer lists, it does.
     proof = SenderFraudProof.decode(path.read_bytes())
     header = ActivationHeader.from_json(proof.message.header)
-    fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
-    fields.update(to=LIAR.public_key_hex, payload_sha256="1" * 64)
-    del fields["wallet"], fields["signature"]
-    elsewhere = ActivationHeader.create(DRIVER, **fields).to_json()
-    message = Received("activations", DRIVER.public_key_hex, elsewhere, b"")
-    (tmp_path / "other.proof").write_bytes(SenderFraudProof(proof.log, message).encode())
-    code, out = _check_proof([str(tmp_path / "other.proof")], capsys)
-    assert code == 1 and out.startswith("does not prove fraud: the log does not contradict the header"), out
+    (to_liar,) = [
+        o for o in proof.log.log.offered if (o.micro_batch, o.to) == (header.micro_batch, LIAR.public_key_hex)
+    ]
+    for payload, proves in ((to_liar.payload_sha256, False), ("1" * 64, True)):
+        fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
+        fields.update(to=LIAR.public_key_hex, payload_sha256=payload)
+        del fields["wallet"], fields["signature"]
+        elsewhere = ActivationHeader.create(DRIVER, **fields).to_json()
+        message = Received("activations", DRIVER.public_key_hex, elsewhere, b"")
+        (tmp_path / "other.proof").write_bytes(SenderFraudProof(proof.log, message).encode())
+        code, out = _check_proof([str(tmp_path / "other.proof")], capsys)
+        if proves:
+            assert code == 0 and f"contradicts what it signed for {LIAR.wallet_id}" in out, out
+        else:
+            assert code == 1 and out.startswith("does not prove fraud: the log does not contradict"), out
     # Its log edited (the counterpart renamed everywhere): no longer the chain its signature covers.
     edited = path.read_bytes().replace(HONEST.public_key_hex.encode(), DRIVER.public_key_hex.encode())
     (tmp_path / "edited.proof").write_bytes(edited)
