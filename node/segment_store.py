@@ -6,6 +6,9 @@ For each of the last `SegmentConfig.keep_rounds` rounds, under `directory/round-
   step counts, float32; node.segments.SegmentCheckpoint);
 - `step-<i>.safetensors`: the messages inner step i consumed, each as two uint8 tensors (the
   sender's signed header and the payload bytes) — stage 0 of a single-stage run writes none;
+- `headers.jsonl`: every pipeline header the replica signed naming the round (`SignedHeader`), one
+  JSON line each, appended and synced before the header is sent; kept when an unfinished recording
+  is dropped, so a round redone after a crash lists what the crashed run signed;
 - `end.json` and `start.json` (the openings of the round's last and first checkpoints: their
   weights' and optimizer's hashes), `commitment.json` and `log.json` once the round is closed (written last: a round without them
   was never committed and is not served).
@@ -35,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from neuroshard.protocol.refusal import malformed
+from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import split_header
 from neuroshard.protocol.segments import (
     KINDS,
@@ -44,6 +47,7 @@ from neuroshard.protocol.segments import (
     Received,
     SegmentCommitment,
     SegmentLog,
+    SignedHeader,
 )
 
 from .replay import InnerState
@@ -75,6 +79,9 @@ def _bytes_tensor(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+HEADERS_FILE = "headers.jsonl"
+
+
 LOG_ROUNDS = 64
 """Rounds whose log, commitment and end opening are kept after their checkpoints and payloads are
 dropped (a log is ~0.3 KB a step: ~10 MB for 64 rounds at H = 500)."""
@@ -94,6 +101,7 @@ class SegmentStore(SegmentSink):
         self.config = config
         self._log = log
         self._lock = threading.Lock()
+        self._headers_lock = threading.Lock()
         directory.mkdir(parents=True, exist_ok=True)
 
     # --- writing (the training thread) --------------------------------------------------------
@@ -108,6 +116,34 @@ class SegmentStore(SegmentSink):
             "steps": checkpoint.inner.steps.contiguous(),
         }
         _atomic_save(tensors, where / f"ckpt-{step:08d}.safetensors")
+
+    def header(self, round_: int, header: SignedHeader) -> None:
+        """Append `header` to the round's `headers.jsonl` and sync it (any thread): a header is sent
+        only once its line is on disk."""
+        where = _round_dir(self.directory, round_)
+        with self._headers_lock:
+            where.mkdir(exist_ok=True)
+            fd = os.open(where / HEADERS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, header.to_json() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def headers(self, round_: int) -> list[SignedHeader]:
+        """The round's `headers.jsonl`, read back; a line a crash cut short (its header was never
+        sent) or anything else unreadable is skipped."""
+        try:
+            data = (_round_dir(self.directory, round_) / HEADERS_FILE).read_bytes()
+        except OSError:
+            return []
+        out = []
+        for line in data.splitlines():
+            try:
+                out.append(SignedHeader.from_json(line))
+            except (Refused, ValueError):
+                continue
+        return out
 
     def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
         where = _round_dir(self.directory, round_)
@@ -149,12 +185,22 @@ class SegmentStore(SegmentSink):
         return (_round_dir(self.directory, round_) / "commitment.json").exists()
 
     def abandon(self, round_: int) -> None:
-        """Drop what an unfinished recording of `round_` left; a round already committed (its
-        commitment written, its receipt perhaps sent) is kept: a node resumed at its start after a
-        crash must still answer for it."""
+        """Drop what an unfinished recording of `round_` left but its signed headers (a redone round
+        lists them); a round already committed (its commitment written, its receipt perhaps sent)
+        is kept: a node resumed at its start after a crash must still answer for it."""
         where = _round_dir(self.directory, round_)
-        if not (where / "commitment.json").exists():
+        if (where / "commitment.json").exists() or not where.is_dir():
+            return
+        if not (where / HEADERS_FILE).exists():
             shutil.rmtree(where, ignore_errors=True)
+            return
+        for entry in where.iterdir():
+            if entry.name == HEADERS_FILE:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
     def trim(self) -> None:
         """Bring what an earlier run left within the budget now (the newest round kept), rather

@@ -13,9 +13,11 @@ replica records, for every inner step, a `StepRecord`:
   the bytes themselves go to the store too, so a segment check can hold what the replica sent to
   what its replayed step computes (verifier.segmentcheck.sent_comparisons);
 
-and, for the round as a whole, every activations header it signed (`Offer`: the micro-batch, the
-replica asked, the payload's sha256), whether that replica took it or not — a header names its
-round, and the log of that round must list it (verifier.segmentcheck.contradicting);
+and, for the round as a whole, every pipeline header it signed naming the round (`SignedHeader`:
+activations offered to a next-stage replica, whether it took them or not, and gradients answered
+with) — the log of the round a header names must list it (verifier.segmentcheck.contradicting).
+Each is handed to the sink (on disk: appended and synced) before the header is sent, so a round
+redone after a crash lists what the crashed run signed naming it too;
 
 and at every segment boundary (steps 0, k, 2k, …, and the round's last) the sha256 of its weights
 and inner AdamW state (`checkpoint_sha256`). `SegmentLog.root()` chains all of it in order; the
@@ -26,7 +28,7 @@ before it knew which segment is drawn, and a failed check is a proof a third par
 `SegmentRecorder` builds the log while the replica trains: the training loop calls
 `record_step` once per inner step; the round hook (node.receipt.Receipting) calls `start_round`
 when a round starts, `end_round` before the outer step and `close_round` after it; the transport
-calls `note_received` / `note_sent` / `note_offer` from its own thread.
+calls `note_received` / `note_sent` / `note_header` from its own thread.
 Pure torch and plain Python; the disk store is node.segment_store.
 """
 
@@ -44,13 +46,13 @@ from torch import Tensor
 from neuroshard.protocol.segments import (
     MAX_MESSAGES_PER_STEP,
     CheckpointOpening,
-    Offer,
     Received,
     SegmentCommitment,
     SegmentLog,
     SentRef,
+    SignedHeader,
     StepRecord,
-    max_offers,
+    max_headers,
 )
 
 from .diloco import DiLoCo, flat_parameters, tensor_digest
@@ -145,11 +147,11 @@ class _Round:
     """Per step, the messages with their bytes (for the store)."""
     checkpoints: list[Future[CheckpointOpening]] = field(default_factory=list)
     """Each checkpoint's hashes, computed (and the checkpoint stored) off the training thread."""
-    max_offers: int = 0
-    """What a log of the round's H steps may hold (`max_offers`): bursts early in a round are fine."""
-    offered: set[Offer] = field(default_factory=set)
+    max_headers: int = 0
+    """What a log of the round's H steps may hold (`max_headers`): bursts early in a round are fine."""
+    headers: set[SignedHeader] = field(default_factory=set)
     overflowed: bool = False
-    """More offers than a log may hold (`max_offers`): the round gets no log."""
+    """More signed headers than a log may hold (`max_headers`): the round gets no log."""
     ended: bool = False
 
 
@@ -159,6 +161,13 @@ class SegmentSink:
 
     def checkpoint(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> None:
         """The checkpoint at inner step `step` of `round_`."""
+
+    def header(self, round_: int, header: SignedHeader) -> None:
+        """A pipeline header about to be sent, naming `round_`: durable when this returns."""
+
+    def headers(self, round_: int) -> list[SignedHeader]:
+        """The headers an earlier run handed `header` for `round_` (a round redone after a crash)."""
+        return []
 
     def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
         """The messages inner step `step` consumed."""
@@ -225,8 +234,10 @@ class SegmentRecorder:
         self._pending_received: list[Received] = []
         self._pending_sent: list[tuple[str, SentRef, bytes | None]] = []
         self._late_sent: list[tuple[int, int, str, bytes]] = []
-        self._last_step: tuple[int, int] | None = None
         """(round, step, kind, body) of payloads sent after their step was recorded, for the sink."""
+        self._last_step: tuple[int, int] | None = None
+        self._warned: set[int] = set()
+        """Rounds `note_header` looked up as committed (each is warned about once)."""
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment-writer")
         self._in_flight: deque[Future[Any]] = deque()
 
@@ -271,11 +282,15 @@ class SegmentRecorder:
         checkpoint = capture_checkpoint(diloco)
         if checkpoint is None:
             return
-        self._current = _Round(
+        current = _Round(
             round=diloco.round,
             start_step=diloco.schedule_step,
-            max_offers=max_offers(diloco.config.inner_steps),
+            max_headers=max_headers(diloco.config.inner_steps),
         )
+        with self._lock:  # a header noted meanwhile is on disk already, or is noted after this
+            for header in self.sink.headers(diloco.round):  # what a crashed run signed naming it
+                self._add_header(current, header)
+            self._current = current
         self._engine = diloco
         self._checkpoint(checkpoint)
 
@@ -324,21 +339,41 @@ class SegmentRecorder:
             if kind == "activations":  # sent during its step; a gradient reply only ever follows one
                 self._pending_sent.append((micro_batch, ref, body))
 
-    def note_offer(self, round_: int, micro_batch: str, to: str, payload_sha256: str) -> None:
-        """An activations header this replica signed, naming `round_`, for replica `to`: call it
-        before sending, for every attempt. Listed in that round's log if it is the round being
-        recorded (a header is signed during its step, so it is); a round whose offers outgrow what a
-        log may hold (`max_offers`) gets no log rather than one that leaves headers out."""
-        offer = Offer(micro_batch=micro_batch, to=to, payload_sha256=payload_sha256)
+    def note_header(self, round_: int, kind: str, micro_batch: str, to: str, payload_sha256: str) -> None:
+        """A pipeline header this replica is about to sign and send, naming `round_`, for replica
+        `to`: call it before sending, for every attempt (activations) and every answer (a gradient).
+        The sink keeps it first (durable on disk), whether or not the round is being recorded: a
+        round redone after a crash then lists it. Listed in the log of `round_` when that is the
+        round being recorded (a header is signed during or just after its step, so it is); a round
+        whose headers outgrow what a log may hold (`max_headers`) gets no log rather than one that
+        leaves headers out."""
+        header = SignedHeader(kind=kind, micro_batch=micro_batch, to=to, payload_sha256=payload_sha256)
+        self.sink.header(round_, header)
         with self._lock:
             current = self._current
-            if current is None or current.ended or current.round != round_ or current.overflowed:
+            if current is not None and current.round == round_:  # open until close_round
+                self._add_header(current, header)
                 return
-            if offer not in current.offered and len(current.offered) >= current.max_offers:
-                current.overflowed = True
-                current.offered.clear()
-                return
-            current.offered.add(offer)
+            warn = round_ not in self._warned and self.sink.committed(round_)
+            self._warned.add(round_)
+        if warn and self._log:
+            self._log(
+                f"segments: signing pipeline headers naming round {round_}, which this replica committed "
+                "before it restarted (its checkpoint is older than that commitment, and no peer was "
+                "ahead to take the stage's state from): that round's log cannot list them, so a check "
+                "of a replica that received them can prove a contradiction against this one"
+            )
+
+    @staticmethod
+    def _add_header(current: _Round, header: SignedHeader) -> None:
+        """Under the lock (or before `current` is shared)."""
+        if current.overflowed or header in current.headers:
+            return
+        if len(current.headers) >= current.max_headers:
+            current.overflowed = True
+            current.headers.clear()
+            return
+        current.headers.add(header)
 
     def _attach(self, current: _Round, index: int, ref: SentRef, body: bytes | None) -> None:
         """Under the lock: a payload sent after step `index` was recorded. A retried request is
@@ -423,12 +458,12 @@ class SegmentRecorder:
         self._current = None
         with self._lock:
             steps = tuple(current.steps)
-            offered = tuple(sorted(current.offered))
-        if current.overflowed or len(offered) > max_offers(len(steps)):
+            headers = tuple(sorted(current.headers))
+        if current.overflowed or len(headers) > max_headers(len(steps)):
             if self._log:
                 self._log(
-                    f"segments: round {current.round} asked more next-stage replicas than a log "
-                    f"holds ({max_offers(len(steps))}); no log for it"
+                    f"segments: round {current.round} signed more pipeline headers than a log "
+                    f"holds ({max_headers(len(steps))}); no log for it"
                 )
             self._io(self.sink.abandon, current.round)
             self.flush()
@@ -441,7 +476,7 @@ class SegmentRecorder:
             start_step=current.start_step,
             steps=steps,
             checkpoints=tuple(o.sha256() for o in openings),
-            offered=offered,
+            headers=headers,
         )
         commitment = (
             None

@@ -262,8 +262,9 @@ class StageWorker(InnerLoop):
 
     def _settle(self, job: Job, grad: Tensor, loss: float, round_: int) -> None:
         """Answer a recorded step. With the job's `encode`, the gradient is encoded on the reply
-        thread, noted as the step's gradient sent back (node.segments), and only then handed to the
-        sender: every reply a replica signs is in its log, on the step that computed it (named by
+        thread, noted as the step's gradient sent back and as a header signed naming the step's
+        round (node.segments: on disk first), and only then handed to the sender: every reply a
+        replica signs is in its log, on the step that computed it (named by
         the recorder's `last_step`, as one replica may train one id twice), and a segment check
         holds the bytes to what the replayed step computed. At most MAX_REPLIES_IN_FLIGHT wait, and
         the round's last step waits for all of them: its log closes complete."""
@@ -280,7 +281,12 @@ class StageWorker(InnerLoop):
                 job.done(exc)
                 return
             if self.segments is not None:
-                self.segments.note_sent(job.micro_batch, "gradient", sha256_hex(body), body, step=step)
+                payload = sha256_hex(body)
+                self.segments.note_sent(job.micro_batch, "gradient", payload, body, step=step)
+                if job.received is not None:  # the reply is signed for the activations' sender
+                    self.segments.note_header(
+                        round_, "gradient", job.micro_batch, job.received.sender, payload
+                    )
             job.done((body, loss, round_))
 
         self._in_flight.append(self._replies.submit(reply))

@@ -3,9 +3,10 @@ any k-step segment of any stage (node.segments records it; verifier.segmentcheck
 
 - `StepRecord`: one inner step: the data span it read (stage 0) or the micro-batch it trained on,
   the messages it consumed (`ReceivedRef`, by hashes) and sent (`SentRef`);
-- `Offer`: activations the replica signed for a next-stage replica, one per attempt (taken or not);
-- `SegmentLog`: a round's step records, checkpoint hashes and offers; its `root()` is a hash chain
-  over them, which the receipt carries (`Receipt.segment_root`);
+- `SignedHeader`: a pipeline header the replica signed (activations it offered a next-stage
+  replica, taken or not; a gradient it answered with);
+- `SegmentLog`: a round's step records, checkpoint hashes and signed headers; its `root()` is a
+  hash chain over them, which the receipt carries (`Receipt.segment_root`);
 - `SegmentCommitment`: the replica's signature on that root;
 - `checkpoint_hash` / `CheckpointOpening`: a checkpoint's hash from its weights' and optimizer's
   own hashes, and those two for one checkpoint (which the hash alone does not reveal);
@@ -33,7 +34,7 @@ from .schema import (
     parse_json,
 )
 
-DOMAIN = b"neuroshard/segments/v2"
+DOMAIN = b"neuroshard/segments/v1"
 KINDS = ("activations", "gradient")
 """What crosses a stage boundary: activations forward (with labels), activation gradients back."""
 MAX_STEPS = 1_000_000
@@ -41,15 +42,16 @@ MAX_STEPS = 1_000_000
 MAX_MESSAGES_PER_STEP = 8
 """A step receives at most an activation and a gradient, and sends at most one of each; 8 leaves
 room for a retry recorded twice without letting a log grow without bound."""
-OFFERS_PER_STEP = 8
-"""A log's offers (distinct next-stage replicas asked to take a micro-batch) average at most this
-many a step, plus `OFFERS_SLACK`; a sender that needs more in a round records no log for it."""
-OFFERS_SLACK = 64
+HEADERS_PER_STEP = 8
+"""A log's signed headers (a gradient answered, and distinct next-stage replicas asked to take a
+micro-batch) average at most this many a step, plus `HEADERS_SLACK`; a replica that signs more in
+a round records no log for it."""
+HEADERS_SLACK = 64
 
 
-def max_offers(steps: int) -> int:
-    """The most offers a log of `steps` steps may hold."""
-    return OFFERS_PER_STEP * steps + OFFERS_SLACK
+def max_headers(steps: int) -> int:
+    """The most signed headers a log of `steps` steps may hold."""
+    return HEADERS_PER_STEP * steps + HEADERS_SLACK
 
 
 _KIND = choice(KINDS)
@@ -99,14 +101,17 @@ class SentRef(Message):
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
-class Offer(Message):
-    """Activations this replica signed for replica `to` (an ActivationHeader): every attempt, taken,
-    refused or lost. Its header names the round, so the log of that round must list it whatever
-    became of it: a receiver holding the header then finds it here, and a sender that signs
-    headers naming a round whose log does not list them is caught (verifier.segmentcheck.
-    contradicting) — which a log of completed exchanges alone cannot tell from a lost attempt."""
+class SignedHeader(Message):
+    """A pipeline header this replica signed for replica `to`: activations it offered (every
+    attempt, taken, busy, refused or lost: an ActivationHeader) or a gradient it answered with (a
+    GradientReply). A header names its round, so the log of that round lists it whatever became of
+    it: a receiver holding the header finds it there, and a replica that signs headers naming a
+    round whose log does not list them is caught (verifier.segmentcheck.contradicting) — which a
+    log of completed exchanges alone cannot tell from a lost attempt. A node writes each to disk
+    before it sends it, so a round redone after a crash lists what the crashed run signed too."""
 
-    NAME = "offered activations"
+    NAME = "signed header"
+    kind: Annotated[str, _KIND]
     micro_batch: Annotated[str, _MICRO_BATCH]
     to: Annotated[str, hex_bytes(32)]
     """The replica the header names (its wallet key)."""
@@ -185,8 +190,11 @@ class SegmentLog:
     steps: tuple[StepRecord, ...]
     checkpoints: tuple[str, ...]
     """sha256 of the checkpoint at each of `segment_boundaries(len(steps), segment_steps)`."""
-    offered: tuple[Offer, ...] = ()
-    """Every activations header the replica signed in the round (`Offer`), sorted, each once."""
+    headers: tuple[SignedHeader, ...] | None = ()
+    """Every pipeline header the replica signed naming the round (`SignedHeader`), sorted, each once.
+    None: a log written before logs listed them (2026-12-07), read back so that fraud proofs kept
+    from then still check (its root is the chain without them); the verifier's live checks refuse
+    such a log from a node (verifier.replaycheck)."""
 
     def __post_init__(self) -> None:
         wanted = len(self.boundaries)
@@ -195,13 +203,15 @@ class SegmentLog:
                 f"segment log of {len(self.steps)} steps in segments of {self.segment_steps} needs "
                 f"{wanted} checkpoint hashes, has {len(self.checkpoints)}"
             )
-        if len(self.offered) > max_offers(len(self.steps)):
+        if self.headers is None:
+            return
+        if len(self.headers) > max_headers(len(self.steps)):
             raise malformed(
-                f"segment log of {len(self.steps)} steps lists {len(self.offered)} offers, "
-                f"more than {max_offers(len(self.steps))}"
+                f"segment log of {len(self.steps)} steps lists {len(self.headers)} signed headers, "
+                f"more than {max_headers(len(self.steps))}"
             )
-        if list(self.offered) != sorted(set(self.offered)):
-            raise malformed("segment log offers must be sorted, each listed once")
+        if list(self.headers) != sorted(set(self.headers)):
+            raise malformed("segment log headers must be sorted, each listed once")
 
     @property
     def boundaries(self) -> list[int]:
@@ -220,7 +230,8 @@ class SegmentLog:
 
     def root(self) -> str:
         """h ← sha256(h ‖ entry) over the header, then checkpoints and step records in step order,
-        then the offers (one entry: the sha256 of their list)."""
+        then the signed headers (one entry: the sha256 of their list; none in a log from before
+        they were listed)."""
         head = {"stage": self.stage, "round": self.round, "k": self.segment_steps, "start": self.start_step}
         h = hashlib.sha256(DOMAIN + b"\nhead\n" + canonical_json(head)).digest()
         at = dict(zip(self.boundaries, self.checkpoints, strict=True))
@@ -229,19 +240,23 @@ class SegmentLog:
                 h = hashlib.sha256(h + b"C" + bytes.fromhex(at[i])).digest()
             if i < len(self.steps):
                 h = hashlib.sha256(h + b"S" + bytes.fromhex(self.steps[i].sha256())).digest()
-        offers = hashlib.sha256(DOMAIN + b"\noffers\n" + canonical_json([o.to_obj() for o in self.offered]))
-        return hashlib.sha256(h + b"O" + offers.digest()).hexdigest()
+        if self.headers is None:
+            return h.hex()
+        headers = hashlib.sha256(DOMAIN + b"\nheaders\n" + canonical_json([x.to_obj() for x in self.headers]))
+        return hashlib.sha256(h + b"H" + headers.digest()).hexdigest()
 
     def to_obj(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "stage": self.stage,
             "round": self.round,
             "segment_steps": self.segment_steps,
             "start_step": self.start_step,
             "steps": [s.to_obj() for s in self.steps],
             "checkpoints": list(self.checkpoints),
-            "offered": [o.to_obj() for o in self.offered],
         }
+        if self.headers is not None:
+            obj["headers"] = [x.to_obj() for x in self.headers]
+        return obj
 
     def to_json(self) -> bytes:
         return canonical_json(self.to_obj())
@@ -252,14 +267,16 @@ class SegmentLog:
 
     @classmethod
     def from_obj(cls, obj: Any) -> SegmentLog:
-        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints", "offered"}
-        if not isinstance(obj, dict) or set(obj) != keys:
-            raise malformed(f"segment log must hold exactly {', '.join(sorted(keys))}")
-        steps, hashes, offered = obj["steps"], obj["checkpoints"], obj["offered"]
+        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints", "headers"}
+        if not isinstance(obj, dict) or not keys - {"headers"} <= set(obj) <= keys:
+            raise malformed(
+                f"segment log must hold exactly {', '.join(sorted(keys))} (headers may be absent)"
+            )
+        steps, hashes, headers = obj["steps"], obj["checkpoints"], obj.get("headers", [])
         if not isinstance(steps, list) or len(steps) > MAX_STEPS or not isinstance(hashes, list):
             raise malformed(f"segment log steps must be a list of at most {MAX_STEPS}")
-        if not isinstance(offered, list) or len(offered) > max_offers(len(steps)):
-            raise malformed(f"segment log offers must be a list of at most {max_offers(len(steps))}")
+        if not isinstance(headers, list) or len(headers) > max_headers(len(steps)):
+            raise malformed(f"segment log headers must be a list of at most {max_headers(len(steps))}")
         return cls(
             stage=integer(0, MAX_STAGE)(obj["stage"], "segment log stage"),
             round=integer(0, MAX_COUNT)(obj["round"], "segment log round"),
@@ -267,7 +284,9 @@ class SegmentLog:
             start_step=integer(0, MAX_COUNT)(obj["start_step"], "segment log start_step"),
             steps=tuple(StepRecord.from_obj(s, f"segment log step {i}") for i, s in enumerate(steps)),
             checkpoints=tuple(hex_bytes(32)(h, "segment log checkpoint") for h in hashes),
-            offered=tuple(Offer.from_obj(o, "segment log offer") for o in offered),
+            headers=tuple(SignedHeader.from_obj(x, "segment log header") for x in headers)
+            if "headers" in obj
+            else None,
         )
 
 

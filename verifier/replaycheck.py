@@ -1353,6 +1353,8 @@ class ReplayChecker:
         except (Malformed, ValueError) as exc:
             return self._log_not_read(match, wallet, f"unreadable: {exc}")
         problem = signed_log_problem(signed, match.sender, match.stage, match.round, root)
+        if problem is None and signed.log.headers is None:
+            problem = "its log lists no signed headers (a log from before 2026-12-07), which a node must"
         if problem is None and signed.commitment.network != self.ctx.network.digest():
             # Headers are held only to a log of their own run: one naming another, or none, would
             # keep the sender out of every claim (a node names its run: NetworkDefinition.digest).

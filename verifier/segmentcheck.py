@@ -57,6 +57,7 @@ from neuroshard.protocol.pipeline import ActivationHeader, GradientReply
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import canonical_json, parse_json
 from neuroshard.protocol.segments import (
+    KINDS,
     CheckpointOpening,
     Received,
     SegmentCommitment,
@@ -363,30 +364,39 @@ def contradicting(
     sender: SignedSegmentLog, messages: Iterable[Received], receiver: str
 ) -> list[tuple[Received, str]]:
     """Where a sender's signed round log contradicts headers it signed to `receiver` (a public key;
-    empty when it agrees): each of `messages` (what that checked replica consumed) whose header the
-    log's signer signed, for the log's round and run and addressed to `receiver` (its signed `to`),
-    must be in the log:
+    empty when it agrees). Each of `messages` (what that checked replica consumed) whose header the
+    log's signer signed, for the log's round and run and addressed to `receiver` (its signed `to`):
 
-    - activations: among its offers (`Offer`: every activations header a replica signs is listed
-      in the log of the round it names, whether the replica asked took it or not: node.segments);
-    - a gradient: on a step that names the micro-batch and records the receiver's activations to
-      it, as what that step sent back (an honest node records the gradient it answers with before
-      it answers, and the round's log closes only once every reply is recorded: node.stage_worker).
+    - must be listed among the log's signed headers (`SignedHeader`: a node lists every header it
+      signs in the log of the round the header names, activations offered whether the receiver
+      took them or not, gradients answered with; node.segments, on disk before it is sent, so a
+      round redone after a crash lists the crashed run's too);
+    - and a step of the log that records the receiver's answer to the micro-batch (a received
+      message from `receiver`: the gradient its activations got back, or the activations its
+      gradient answered) must record sending that payload among what it sent of that kind; a
+      step that records sending nothing of that kind contradicts it too (an honest node records
+      the activations it sends during their step, and the gradient it answers with before it
+      answers, and closes a round only once every answer is recorded: node.stage_worker).
 
     Both sides are the sender's own signatures — its commitment on the log; its header on the
     payload, on whom it was sent to and on the round — so a contradiction is its fault whatever its
     receiver did: it sent that receiver something other than what it recorded, or named a round
-    whose log does not list it. Check the log with `signed_log_problem` first."""
+    whose log does not list it. A log from before logs listed their headers (`headers` None: an
+    old fraud proof) is held to its steps only. Check the log with `signed_log_problem` first."""
     log, signer = sender.log, sender.commitment.wallet
     out: list[tuple[Received, str]] = []
-    offered = {(o.micro_batch, o.to, o.payload_sha256) for o in log.offered}
-    answered: dict[str, set[str]] = {}
-    """Micro-batch → the gradients sent back by the steps that took the receiver's activations."""
+    listed = (
+        None
+        if log.headers is None
+        else {(x.kind, x.micro_batch, x.to, x.payload_sha256) for x in log.headers}
+    )
+    sent: dict[tuple[str, str], set[str]] = {}
     for step in log.steps:
-        if step.micro_batch and any(r.sender == receiver and r.kind == "activations" for r in step.received):
-            answered.setdefault(step.micro_batch, set()).update(
-                ref.payload_sha256 for ref in step.sent if ref.kind == "gradient"
-            )
+        if step.micro_batch and any(ref.sender == receiver for ref in step.received):
+            for kind in KINDS:  # a step that names the exchange records what it sent of each kind
+                sent.setdefault((step.micro_batch, kind), set())
+            for ref in step.sent:
+                sent[(step.micro_batch, ref.kind)].add(ref.payload_sha256)
     for message in messages:
         if message.sender != signer or sender_round(message) != (log.stage, log.round):
             continue
@@ -399,16 +409,16 @@ def contradicting(
         if header.network is None or header.network != sender.commitment.network:
             continue  # another run's (or unbound): ids and rounds repeat across runs
         named = f"micro-batch {header.micro_batch}: it signed {message.kind} {header.payload_sha256[:16]}"
-        if message.kind == "activations":
-            if (header.micro_batch, receiver, header.payload_sha256) not in offered:
-                out.append((message, f"{named} for round {log.round}, whose log lists no such offer"))
+        if (
+            listed is not None
+            and (message.kind, header.micro_batch, receiver, header.payload_sha256) not in listed
+        ):
+            out.append((message, f"{named} for round {log.round}, whose log does not list that header"))
             continue
-        recorded = answered.get(header.micro_batch)
-        if recorded is None:
-            out.append((message, f"{named} for round {log.round}, whose log has no step on it"))
-        elif header.payload_sha256 not in recorded:
-            sent = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"
-            out.append((message, f"{named}, its log records sending {sent}"))
+        recorded = sent.get((header.micro_batch, message.kind))
+        if recorded is not None and header.payload_sha256 not in recorded:
+            what = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"
+            out.append((message, f"{named}, its log records sending {what}"))
     return out
 
 
@@ -867,7 +877,7 @@ class SenderFraudProof:
 
     def step(self) -> int | None:
         """The first step of the log that names the header's micro-batch and an exchange with the
-        receiver (where the contradiction lies); None when there is none (an offer the log does
+        receiver (where the contradiction lies); None when there is none (a header the log does
         not list: the whole round's log is the proof)."""
         micro_batch, receiver = self._header().micro_batch, self.receiver
         for i, step in enumerate(self.log.log.steps):
@@ -887,9 +897,9 @@ def judge_sender_proof(
 ) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why: the log is signed by the
     wallet that signed the header, its chain hashes to the root that signature covers, and it does
-    not record the header as sent (`contradicting`: activations among the log's offers, a gradient
-    on the step that took the addressed replica's activations), though the header names the log's
-    round; both name one run
+    does not list the header among those it signed, or a step of it that exchanged with the replica
+    the header is addressed to records sending something other than the payload the header signs
+    (`contradicting`), though the header names the log's round; both name one run
     (their definition's digest: ids and rounds repeat across a wallet's runs). `num_stages` and
     `network` (its digest), when the run's definition is at hand: the commitment's stage must be one
     that sends what the header carries, and the run the definition's."""

@@ -401,8 +401,10 @@ class PipelineClient:
                 batch=batch, seq_len=seq_len, dim=dim, codec=codec, payload_sha256=payload_sha256,
                 network=self.config.network,
             )  # fmt: skip
-            if self.segments is not None:  # every header it signs, taken or not, is in its round's log
-                self.segments.note_offer(round_, micro_batch, pick, payload_sha256)
+            if self.segments is not None:  # every header it signs, taken or not, on disk before it leaves
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self.segments.note_header, round_, "activations", micro_batch, pick, payload_sha256
+                )
             outcome = await self._try(live[pick], body, header, reply_bound)
             if isinstance(outcome, tuple):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)

@@ -48,8 +48,8 @@ SEGMENT_LOG_PATH = re.compile(r"^/p2p/segment-log/([^/]+)$")
 def segment_log_bound(inner_steps: int) -> int:
     """Largest signed-log body of a round of `inner_steps` steps: a step's record is at most ~3 KB
     (a span, a micro-batch id, 8 received and 8 sent references; ~0.3 KB in practice) and its
-    share of the offers ~1.7 KB (8 of ~210 bytes: protocol.segments.max_offers; one or two in
-    practice), plus the checkpoint hashes, the offers' slack and the commitment."""
+    share of the signed headers ~1.8 KB (8 of ~225 bytes: protocol.segments.max_headers; two or
+    three in practice), plus the checkpoint hashes, the headers' slack and the commitment."""
     return 6144 * inner_steps + (64 << 10)
 
 

@@ -34,14 +34,14 @@ from neuroshard.node.work import RoundWork
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.reports import DataSpan, Receipt
 from neuroshard.protocol.segments import (
-    Offer,
     Received,
     ReceivedRef,
     SegmentCommitment,
     SegmentLog,
     SentRef,
+    SignedHeader,
     StepRecord,
-    max_offers,
+    max_headers,
     segment_boundaries,
 )
 from neuroshard.testing.verifier import small_network
@@ -87,7 +87,11 @@ def test_the_root_changes_with_every_step_record_and_checkpoint_and_survives_jso
         _log(round=4),
         _log(start_step=16),
         _log(steps=log.steps[:4], checkpoints=log.checkpoints[:3]),
-        _log(offered=(Offer(micro_batch="00" * 16, to="11" * 32, payload_sha256="22" * 32),)),
+        _log(
+            headers=(
+                SignedHeader(kind="gradient", micro_batch="00" * 16, to="11" * 32, payload_sha256="22" * 32),
+            )
+        ),
     ]
     roots = {v.root() for v in variants}
     assert log.root() not in roots and len(roots) == len(variants)
@@ -100,36 +104,58 @@ def test_a_malformed_log_is_refused() -> None:
         SegmentLog.from_json(obj)
     with refused("malformed", match="exactly"):
         SegmentLog.from_json(b'{"stage":0}')
-    a, b = (Offer(micro_batch=f"{i:032x}", to="11" * 32, payload_sha256="22" * 32) for i in range(2))
-    for offered in ((b, a), (a, a)):  # one order, each once: one root for one set of offers
+    a, b = (
+        SignedHeader(kind="activations", micro_batch=f"{i:032x}", to="11" * 32, payload_sha256="22" * 32)
+        for i in range(2)
+    )
+    for listed in ((b, a), (a, a)):  # one order, each once: one root for one set of headers
         with refused("malformed", match="sorted, each listed once"):
-            _log(offered=offered)
+            _log(headers=listed)
     many = [
-        Offer(micro_batch=f"{i:032x}", to="11" * 32, payload_sha256="22" * 32)
-        for i in range(max_offers(5) + 1)
+        SignedHeader(kind="activations", micro_batch=f"{i:032x}", to="11" * 32, payload_sha256="22" * 32)
+        for i in range(max_headers(5) + 1)
     ]
-    with refused("malformed", match="offers"):
-        SegmentLog.from_json(_log().to_json().replace(b'"offered":[]', canonical(many)))
+    with refused("malformed", match="headers"):
+        SegmentLog.from_json(_log().to_json().replace(b'"headers":[]', _listed(many)))
 
 
-def canonical(offers: list[Offer]) -> bytes:
-    return b'"offered":[' + b",".join(o.to_json() for o in offers) + b"]"
+def test_a_log_from_before_headers_were_listed_reads_back_with_its_old_root() -> None:
+    """Fraud proofs kept from before 2026-12-07 hold logs without a headers list: such a log parses
+    (headers None), keeps the root it was committed to (the chain without the headers' entry) and
+    writes back as it was; an empty list is another log, with another root."""
+    old = _log().to_obj()
+    del old["headers"]
+    log = SegmentLog.from_obj(old)
+    assert log.headers is None and log.to_obj() == old
+    assert log.root() != _log().root() and SegmentLog.from_json(log.to_json()).root() == log.root()
 
 
-def test_every_activations_header_signed_is_offered_in_the_round_it_names(tmp_path: Path) -> None:
-    """The recorder lists every offer of the round being recorded, once, sorted; one naming another
-    round is not this round's; a round that asks more replicas than a log holds gets no log (and
-    says why) rather than one that leaves offers out."""
+def _listed(headers: list[SignedHeader]) -> bytes:
+    return b'"headers":[' + b",".join(x.to_json() for x in headers) + b"]"
+
+
+def test_every_header_signed_is_listed_in_the_round_it_names_even_across_a_crash(tmp_path: Path) -> None:
+    """The recorder lists every header signed naming the round being recorded, once, sorted; one
+    naming another round is not this round's. Each is on disk before it is sent, so a round redone
+    after a crash (a new recorder on the same store, the round started again) lists what the
+    crashed run signed, and a line the crash cut short is skipped. A round that signs more headers
+    than a log holds gets no log (and says why) rather than one that leaves headers out."""
     said: list[str] = []
-    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0, log=said.append)
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    crashed = SegmentRecorder(SegmentConfig(segment_steps=2), stage=1, sink=store)
     diloco = _engine()
-    recorder.start_round(diloco)
+    crashed.start_round(diloco)
     round_ = diloco.round
+    crashed.note_header(round_, "gradient", "ff" * 16, "ee" * 32, "cc" * 32)  # then the process dies
+    with open(tmp_path / f"round-{round_:012d}" / "headers.jsonl", "ab") as torn:
+        torn.write(b'{"kind":"activ')  # a line cut short: its header was never sent
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=1, sink=store, log=said.append)
+    recorder.start_round(diloco)  # the round redone from its start
     for i in range(diloco.config.inner_steps):
         mb = f"{i:032x}"
         for to in ("bb" * 32, "aa" * 32, "bb" * 32):  # busy, then taken elsewhere; a retry repeats one
-            recorder.note_offer(round_, mb, to, "cc" * 32)
-        recorder.note_offer(round_ + 1, mb, "dd" * 32, "cc" * 32)  # names another round: not here
+            recorder.note_header(round_, "activations", mb, to, "cc" * 32)
+        recorder.note_header(round_ + 1, "activations", mb, "dd" * 32, "cc" * 32)  # another round's
         diloco.inner_step(*_batch(i))
         recorder.record_step(diloco, micro_batch=mb)
     recorder.end_round(diloco)
@@ -137,19 +163,20 @@ def test_every_activations_header_signed_is_offered_in_the_round_it_names(tmp_pa
     closed = recorder.close_round(WALLET)
     assert closed is not None
     log, _ = closed
-    assert len(log.offered) == 2 * diloco.config.inner_steps and list(log.offered) == sorted(log.offered)
-    assert {o.to for o in log.offered} == {"aa" * 32, "bb" * 32}
+    assert len(log.headers) == 2 * diloco.config.inner_steps + 1 and list(log.headers) == sorted(log.headers)
+    assert {x.to for x in log.headers} == {"aa" * 32, "bb" * 32, "ee" * 32}
+    assert store.log(round_) is not None and store.log(round_)[0].headers == log.headers  # type: ignore[index]
 
     recorder.start_round(diloco)
-    for i in range(max_offers(diloco.config.inner_steps) + 1):  # more than a log of its steps holds
-        recorder.note_offer(diloco.round, "ee" * 16, f"{i:064x}", "cc" * 32)
+    for i in range(max_headers(diloco.config.inner_steps) + 1):  # more than a log of its steps holds
+        recorder.note_header(diloco.round, "activations", "ee" * 16, f"{i:064x}", "cc" * 32)
     for i in range(diloco.config.inner_steps):
         diloco.inner_step(*_batch(i))
         recorder.record_step(diloco, micro_batch=f"{i:032x}")
     recorder.end_round(diloco)
     diloco.outer_step(diloco.pseudo_gradient())
     assert recorder.close_round(WALLET) is None
-    assert any("more next-stage replicas than a log holds" in line for line in said)
+    assert any("more pipeline headers than a log holds" in line for line in said)
 
 
 def test_received_and_sent_refs_are_hashes_of_what_travelled() -> None:

@@ -441,6 +441,32 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
     assert "the bucket failed the verifier 4 times" in lines[-1], lines[-1]
 
 
+def test_a_sender_log_that_lists_no_signed_headers_is_not_its_log(
+    db: Database, published: PublishedData
+) -> None:
+    """Logs list every header their replica signed since 2026-12-07 (protocol.segments.SignedHeader):
+    one without that list, which a sender could serve to keep its headers from being held to it
+    (only its steps would count), is not read as its log; tried again until the window ends."""
+    from neuroshard.protocol.segments import SegmentCommitment, SegmentLog, SignedSegmentLog, StepRecord
+
+    _register(db, "http://127.0.0.1:9")
+    log = SegmentLog(stage=0, round=2, segment_steps=1, start_step=0, steps=(StepRecord(),),
+                     checkpoints=("ab" * 32, "cd" * 32), headers=None)  # fmt: skip
+    run = _network(published).digest()
+    signed = SignedSegmentLog(
+        log, SegmentCommitment.create(NODE, stage=0, round=2, root=log.root(), network=run)
+    )
+    _sender_receipt(db, 2, segment_root=log.root())
+    lines: list[str] = []
+    checker = _checker(db, published, lines)
+    checker._get_log = lambda where, round_, **kwargs: signed  # type: ignore[method-assign,assignment,misc]
+    match = SenderMatch(NODE.public_key_hex, 0, 2, "receiver-wallet", "ab" * 32, [], time.time())
+    assert checker._match_sender(match) is False
+    assert "lists no signed headers" in lines[-1], lines
+    listed = SegmentLog(**{**log.__dict__, "headers": ()})
+    assert listed.root() != log.root()  # the list is in the root: one served later is not this one
+
+
 def _bucket_check(
     db: Database, published: PublishedData, lines: list[str]
 ) -> tuple[ReplayChecker, Challenge]:

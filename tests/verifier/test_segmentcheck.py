@@ -38,12 +38,12 @@ from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import (
-    Offer,
     Received,
     ReceivedRef,
     SegmentCommitment,
     SegmentLog,
     SentRef,
+    SignedHeader,
     SignedSegmentLog,
     StepRecord,
     checkpoint_hash,
@@ -619,9 +619,9 @@ def sent_contradictions(sender: SignedSegmentLog, messages: list[Received], rece
 
 def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path: Path) -> None:
     """Stage 1 holds what the driver sent it under the driver's signed headers; every activations
-    header a sender signs is an offer in the log of the round it names, so a driver whose signed log
-    lists other bytes for that exchange, or none (it named a round it did other work in),
-    contradicts itself, whatever stage 1 says. Only the sender's signatures count: a log it did not
+    header a sender signs is listed in the log of the round it names, so a driver whose signed log
+    lists other bytes for that exchange, or none (it named a round it did other work in), or
+    whose step with stage 1 records sending other bytes, contradicts itself, whatever stage 1 says. Only the sender's signatures count: a log it did not
     sign, or not the one its receipt committed to, is held against nobody."""
     stage1 = train_round(tmp_path / "s1", stage=1, num_stages=2)
     consumed = [m for j in range(H // K) for step in stage1.material(j).received for m in step]
@@ -641,23 +641,25 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
             sent=[SentRef(kind="activations", payload_sha256=payload)],
         )
 
-    def offers(steps: list[StepRecord]) -> set[Offer]:
-        """What an honest sender offers in these steps: each to the replica that answered it."""
-        return {
-            Offer(micro_batch=s.micro_batch, to=s.received[0].sender, payload_sha256=s.sent[0].payload_sha256)
-            for s in steps
-            if s.sent
-        }
+    def offer(mb: str, to: str, payload: str) -> SignedHeader:
+        return SignedHeader(kind="activations", micro_batch=mb, to=to, payload_sha256=payload)
+
+    def offers(steps: list[StepRecord]) -> set[SignedHeader]:
+        """What an honest sender signs in these steps: each to the replica that answered it."""
+        return {offer(s.micro_batch, s.received[0].sender, s.sent[0].payload_sha256) for s in steps if s.sent}
 
     sender_steps = [step(m, sha256_hex(m.body)) for m in consumed]
 
     def signed(
-        steps: list[StepRecord], by: Wallet = PREV, run: str | None = RUN, offered: set[Offer] | None = None
+        steps: list[StepRecord],
+        by: Wallet = PREV,
+        run: str | None = RUN,
+        offered: set[SignedHeader] | None = None,
     ) -> SignedSegmentLog:
         listed = tuple(sorted(offers(steps) if offered is None else offered))
         log = SegmentLog(stage=0, round=ROUND, segment_steps=K, start_step=ROUND * H, steps=tuple(steps),
                          checkpoints=tuple("ab" * 32 for _ in segment_boundaries(len(steps), K)),
-                         offered=listed)  # fmt: skip
+                         headers=listed)  # fmt: skip
         commitment = SegmentCommitment.create(by, stage=0, round=ROUND, root=log.root(), network=run)
         return SignedSegmentLog(log, commitment)
 
@@ -670,7 +672,11 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     lying = signed(sender_steps)
     assert signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, lying.log.root()) is None
     (problem,) = sent_contradictions(lying, consumed, me)
-    assert f"micro-batch {sender_steps[3].micro_batch}" in problem and "lists no such offer" in problem
+    assert f"micro-batch {sender_steps[3].micro_batch}" in problem and "does not list that header" in problem
+    # Listed, but its step with this replica records sending other bytes: a contradiction as well.
+    listed_too = offers(sender_steps) | {offer(sender_steps[3].micro_batch, me, sha256_hex(consumed[3].body))}
+    (stepped,) = sent_contradictions(signed(sender_steps, offered=listed_too), consumed, me)
+    assert "its log records sending 0000" in stepped
     # the receipt committed to the honest chain: a lying log served later is not its commitment
     assert "receipt committed" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, root) or "")
     forged = signed(sender_steps, by=NEXT)  # signed by someone else
@@ -681,12 +687,18 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     # records the other exchange, the offers both. An honest log; one that leaves the first offer
     # out (as a log of completed exchanges would) no longer makes the header no claim.
     retried = [*sender_steps[:3], step(consumed[3], "1" * 64, NEXT.public_key_hex), *sender_steps[4:]]
-    both = offers(retried) | {Offer(micro_batch=micro_batch(consumed[3]), to=me, payload_sha256="0" * 64)}
+    both = offers(retried) | {offer(micro_batch(consumed[3]), me, "0" * 64)}
     assert sent_contradictions(signed(retried, offered=both), consumed[3:4], me) != []  # other bytes
-    both.add(Offer(micro_batch=micro_batch(consumed[3]), to=me, payload_sha256=sha256_hex(consumed[3].body)))
+    both.add(offer(micro_batch(consumed[3]), me, sha256_hex(consumed[3].body)))
     assert sent_contradictions(signed(retried, offered=both), consumed, me) == []
     (lost,) = sent_contradictions(signed(retried), consumed, me)
-    assert "lists no such offer" in lost
+    assert "does not list that header" in lost
+    # A log from before logs listed their headers (an old fraud proof's) is held to its steps only.
+    unlisted = dataclasses.replace(signed(retried).log, headers=None)
+    old = SignedSegmentLog(
+        unlisted, SegmentCommitment.create(PREV, stage=0, round=ROUND, root=unlisted.root(), network=RUN)
+    )
+    assert sent_contradictions(old, consumed, me) == []
     # A header naming a round the sender did report, but whose log lists nothing sent to this
     # replica (its steps there went elsewhere): each header contradicts that log.
     elsewhere = [step(m, sha256_hex(m.body), NEXT.public_key_hex) for m in consumed]
@@ -700,7 +712,7 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     assert data.startswith(SENDER_PROOF_MAGIC) and SenderFraudProof.decode(data) == proof
     assert (proof.step(), proof.segment()) == (3, 3 // K)
     verdict = judge_sender_proof(SenderFraudProof.decode(data), num_stages=2, network=RUN)
-    assert verdict.proves and "lists no such offer" in verdict.reason, verdict
+    assert verdict.proves and "does not list that header" in verdict.reason, verdict
     # One wallet trains several runs, whose rounds and micro-batch ids repeat: a log of another run,
     # or one that names none, makes no claim on this run's headers; a definition of another run
     # judges no proof of this one.
@@ -719,7 +731,7 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     tampered = SignedSegmentLog(honest.log, lying.commitment)  # the honest chain under the lie's signature
     assert "root" in judge_sender_proof(SenderFraudProof(tampered, bare)).reason
 
-    # One id sent to two replicas (a retry elsewhere): the log lists both offers, each with its own
+    # One id sent to two replicas (a retry elsewhere): the log lists both headers, each with its own
     # bytes. A header PREV signed for one exchange cannot be held against its record of the other,
     # and any header it signed that its log does not list is a proof.
     header3 = ActivationHeader.from_json(consumed[3].header)
@@ -736,10 +748,10 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     twice.insert(4, step(consumed[3], "1" * 64, NEXT.public_key_hex))
     to_both = signed(twice)
     for message, proves in (
-        (bare, False),  # to me, the bytes its offer to me lists
-        (readdressed(NEXT, "1" * 64), False),  # to NEXT, the bytes its offer to NEXT lists
+        (bare, False),  # to me, the bytes its header to me lists
+        (readdressed(NEXT, "1" * 64), False),  # to NEXT, the bytes its header to NEXT lists
         (readdressed(NEXT, sha256_hex(consumed[3].body)), True),  # to NEXT, but the bytes it sent me
-        (readdressed(PREV, "1" * 64), True),  # to a replica its log lists no offer to
+        (readdressed(PREV, "1" * 64), True),  # to a replica its log lists no header to
     ):
         assert judge_sender_proof(SenderFraudProof(to_both, message)).proves is proves, message.header
 

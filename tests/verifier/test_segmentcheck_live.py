@@ -132,8 +132,8 @@ def _replica(
     published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool, lie_sent: bool = False
 ) -> Replica:
     """A replica that ran round 0 with a segment recorder and serves its segments to the operator.
-    The driver records sending the activations stage 1 receives (under its signed headers, offered
-    to both stage-1 replicas), which are what its steps computed (`DRIVER_SENT`); `lie_sent`: its
+    The driver records sending the activations stage 1 receives (under the headers it signed for
+    both stage-1 replicas, all listed in its log), which are what its steps computed (`DRIVER_SENT`); `lie_sent`: its
     log names other bytes for one of them.
     A stage-0 replica's gradients come from HONEST as it trains (a copy of its stage-1 engine steps
     in lockstep: the model's init is the run's, so HONEST, built later on the same activations,
@@ -188,7 +188,7 @@ def _replica(
             # segment check, but not the bytes its header signed for the receiver.
             body = recorded[i] if lie_sent and i == 5 else computed[i]
             for to in (HONEST, LIAR):  # both stage-1 replicas hold a header it signed for them
-                recorder.note_offer(0, mb, to.public_key_hex, sha256_hex(body))
+                recorder.note_header(0, "activations", mb, to.public_key_hex, sha256_hex(body))
             recorder.note_sent(mb, "activations", sha256_hex(body), body)
         else:
             act, mb = _activations(i, DRIVER, wallet, run)
@@ -200,6 +200,7 @@ def _replica(
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
         if stage > 0:
             recorder.note_sent(mb, "gradient", sha256_hex(reply), reply)
+            recorder.note_header(0, "gradient", mb, DRIVER.public_key_hex, sha256_hex(reply))
     recorder.end_round(diloco)
     delta = diloco.pseudo_gradient()
     diloco.outer_step(delta)
@@ -419,7 +420,7 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     (failed,) = [e for e in events if e[3] < 0]
     assert failed[:3] == (DRIVER.wallet_id, 0, 0), events
     assert f"contradicts what it signed for {HONEST.wallet_id}" in failed[4]
-    assert "it signed activations" in failed[4] and "whose log lists no such offer" in failed[4]
+    assert "it signed activations" in failed[4] and "whose log does not list that header" in failed[4]
     assert not [e for e in events if e[0] == HONEST.wallet_id and e[3] < 0]
 
     with db.read() as s:
@@ -442,11 +443,13 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     code, out = _check_proof([str(path), "--network", str(tmp_path / "network.json")], capsys)
     assert code == 0 and "PROVES FRAUD" in out and "definition sha256" in out, out
     # A header the driver signed for the same micro-batch to another replica is another exchange's:
-    # held to its offer to LIAR, which lists it, it proves nothing; with bytes no offer lists, it does.
+    # held to its header to LIAR, which its log lists, it proves nothing; with bytes none lists, it does.
     proof = SenderFraudProof.decode(path.read_bytes())
     header = ActivationHeader.from_json(proof.message.header)
     (to_liar,) = [
-        o for o in proof.log.log.offered if (o.micro_batch, o.to) == (header.micro_batch, LIAR.public_key_hex)
+        x
+        for x in proof.log.log.headers or ()
+        if (x.micro_batch, x.to) == (header.micro_batch, LIAR.public_key_hex)
     ]
     for payload, proves in ((to_liar.payload_sha256, False), ("1" * 64, True)):
         fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
