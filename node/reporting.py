@@ -119,15 +119,17 @@ def _version() -> str:
         return "0.0.0"
 
 
-def segment_round_bytes(definition: NetworkDefinition, stage: int) -> int:
+def segment_round_bytes(definition: NetworkDefinition, stage: int, params: int | None = None) -> int:
     """What one round of this stage's segment material takes on disk (`segments.round_bytes`): the
     stage's checkpoints, and each step's payloads in the run's codec, received and sent (both are
     kept: activations in and gradients out for a stage > 0, activations out and gradients in for
-    a stage that is not the last)."""
+    a stage that is not the last). `params`: the stage's parameters when not the definition's (a
+    grown vocabulary)."""
     model, stages = definition.model, definition.num_stages
-    params = model.num_params(
-        layers=stage_layers(model.n_layers, stage, stages), embedding=stage == 0, head=stage == stages - 1
-    )
+    if params is None:
+        params = model.num_params(
+            layers=stage_layers(model.n_layers, stage, stages), embedding=stage == 0, head=stage == stages - 1
+        )
     payload = 0
     if stages > 1:
         forward, backward = bytes_per_token(definition.pipeline_codec, model.dim)
@@ -168,9 +170,10 @@ def segment_store(
     the disk under HOME cannot hold one closed round and the one being written: every challenge
     would go unanswered and cost the wallet reputation. With room for fewer rounds than
     `keep_rounds`, the budget is what there is, and the log says how many rounds that keeps. Sized
-    at the definition's vocabulary: a round after the vocabulary grew is larger (up to
-    `vocab.GROWTH_FACTOR` times the embedding and head rows), and the store then keeps fewer
-    rounds until the node restarts and sizes it again.
+    at the definition's vocabulary, and again whenever a round starts with another parameter count
+    (the vocabulary grew: up to `vocab.GROWTH_FACTOR` times the embedding and head rows;
+    `SegmentStore.fit`), from the free space then: a grown round that the disk cannot hold twice is
+    kept alone, and the log says that older rounds' challenges go unanswered.
 
     `share` (--disk-share): the part of the disk's free space this node counts as its own, for nodes
     that share one disk (neuroshard-swarm gives each of its N nodes 1/N); each would otherwise count
@@ -179,11 +182,7 @@ def segment_store(
         raise ValueError(f"--disk-share must lie in (0, 1], got {share}")
     directory = Path(home) / "segments" / definition.digest()[:16]
     directory.mkdir(parents=True, exist_ok=True)
-    per_round = int(segment_round_bytes(definition, stage) * DISK_MARGIN)
-    room = int(free(directory) * share) + _held(directory)  # what this store holds is its own to reuse
-    # Closed rounds are dropped when a round closes, so the round being written comes on top of the
-    # budget: the budget is what is left of 90% of the room after one round in progress.
-    budget = min(keep_rounds * per_round, int(room * 0.9) - per_round)
+    per_round, room, budget = _segment_budget(definition, stage, keep_rounds, directory, free, share)
     if budget < per_round:
         raise ValueError(
             f"this run's segment material needs {_gb(per_round)} of disk a round at stage {stage} "
@@ -200,9 +199,46 @@ def segment_store(
     )
     log(f"segments: {_gb(per_round)} a round, budget {_gb(budget)} under {directory}{note}")
     config = SegmentConfig(segment_steps=definition.segment_k, keep_rounds=keep_rounds, max_bytes=budget)
-    store = SegmentStore(directory, config, log=log)
+
+    def budget_for(params: int) -> int:
+        """The budget for rounds of `params` parameters (a grown vocabulary), from the room now."""
+        per_round, room, budget = _segment_budget(
+            definition, stage, keep_rounds, directory, free, share, params
+        )
+        if budget < per_round:
+            log(
+                f"segments: a round of {params:,} parameters takes {_gb(per_round)}, and {directory} has "
+                f"{_gb(room)}: one round is kept, so challenges of the rounds before it go unanswered. "
+                "Free space there"
+            )
+            return per_round
+        kept = budget // per_round
+        note = "" if kept >= keep_rounds else f" (room for {kept} of --replay-rounds {keep_rounds})"
+        log(
+            f"segments: rounds of {params:,} parameters take {_gb(per_round)} each, budget {_gb(budget)}{note}"
+        )
+        return budget
+
+    store = SegmentStore(directory, config, log=log, budget_for=budget_for)
     store.trim()  # an earlier run's rounds beyond the budget go before this run writes its first
     return store
+
+
+def _segment_budget(
+    definition: NetworkDefinition,
+    stage: int,
+    keep_rounds: int,
+    directory: Path,
+    free: Callable[[Path], int],
+    share: float,
+    params: int | None = None,
+) -> tuple[int, int, int]:
+    """(bytes a round, the room this store may use, its budget) for `segment_store`."""
+    per_round = int(segment_round_bytes(definition, stage, params) * DISK_MARGIN)
+    room = int(free(directory) * share) + _held(directory)  # what this store holds is its own to reuse
+    # Closed rounds are dropped when a round closes, so the round being written comes on top of the
+    # budget: the budget is what is left of 90% of the room after one round in progress.
+    return per_round, room, min(keep_rounds * per_round, int(room * 0.9) - per_round)
 
 
 class Stoppable(Protocol):

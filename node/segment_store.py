@@ -23,6 +23,7 @@ whoever uses it (verifier.segmentcheck), not trusted here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -96,10 +97,21 @@ def _heavy_files(where: Path) -> list[Path]:
 class SegmentStore(SegmentSink):
     """A SegmentSink on disk, read by the peer route that answers challenges."""
 
-    def __init__(self, directory: Path, config: SegmentConfig, *, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        config: SegmentConfig,
+        *,
+        log: Callable[[str], None] = print,
+        budget_for: Callable[[int], int] | None = None,
+    ) -> None:
         self.directory = directory
         self.config = config
         self._log = log
+        self._budget_for = budget_for
+        """Parameters of a round → the byte budget for rounds that size (node.reporting.segment_store);
+        None: `config.max_bytes` whatever the rounds hold."""
+        self._params: int | None = None
         self._lock = threading.Lock()
         self._headers_lock = threading.Lock()
         directory.mkdir(parents=True, exist_ok=True)
@@ -116,6 +128,16 @@ class SegmentStore(SegmentSink):
             "steps": checkpoint.inner.steps.contiguous(),
         }
         _atomic_save(tensors, where / f"ckpt-{step:08d}.safetensors")
+
+    def fit(self, params: int) -> None:
+        """Rounds from now on checkpoint `params` parameters: set the budget for them when that is
+        not the size the budget was set for (a grown vocabulary makes every checkpoint larger, and a
+        budget sized before would keep fewer rounds than it should). The first call only notes it."""
+        if self._budget_for is None or params == self._params:
+            return
+        if self._params is not None:
+            self.config = dataclasses.replace(self.config, max_bytes=max(1, self._budget_for(params)))
+        self._params = params
 
     def header(self, round_: int, header: SignedHeader) -> None:
         """Append `header` to the round's `headers.jsonl` and sync it (any thread): a header is sent

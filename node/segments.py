@@ -162,6 +162,9 @@ class SegmentSink:
     def checkpoint(self, round_: int, step: int, checkpoint: SegmentCheckpoint) -> None:
         """The checkpoint at inner step `step` of `round_`."""
 
+    def fit(self, params: int) -> None:
+        """Rounds from now on checkpoint `params` parameters (a store sizes its budget by it)."""
+
     def header(self, round_: int, header: SignedHeader) -> None:
         """A pipeline header about to be sent, naming `round_`: durable when this returns."""
 
@@ -282,6 +285,7 @@ class SegmentRecorder:
         checkpoint = capture_checkpoint(diloco)
         if checkpoint is None:
             return
+        self.sink.fit(checkpoint.weights.numel())  # a grown vocabulary makes rounds larger
         current = _Round(
             round=diloco.round,
             start_step=diloco.schedule_step,

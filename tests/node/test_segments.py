@@ -565,6 +565,32 @@ def test_the_segment_store_s_budget_follows_the_run_and_the_disk(tmp_path: Path)
         segment_store(tmp_path, run, 1, 3, lines.append, free=lambda _: 12 * per_round, share=0.0)
 
 
+def test_the_budget_follows_a_grown_vocabulary(tmp_path: Path) -> None:
+    """A round that starts with more parameters (the vocabulary grew) sets the budget for rounds of
+    that size from the free space then, so the store keeps --replay-rounds of them, not fewer; a
+    disk that cannot hold two of them keeps one and says that older challenges go unanswered."""
+    run = _pipeline_run()
+    last = run.num_stages - 1  # the head's stage holds vocabulary rows
+    params = run.model.num_params(
+        layers=stage_layers(run.model.n_layers, last, run.num_stages), embedding=False, head=True
+    )
+    grown = params + 3 * run.model.vocab_size * run.model.dim  # the vocabulary grown 4x
+    space = {"free": 100 * int(segment_round_bytes(run, last, grown) * DISK_MARGIN)}
+    lines: list[str] = []
+    store = segment_store(tmp_path, run, last, 3, lines.append, free=lambda _: space["free"])
+    before = store.config.max_bytes
+    store.fit(params)  # the definition's size: the budget it was set for
+    assert store.config.max_bytes == before
+    store.fit(grown)
+    assert store.config.max_bytes == 3 * int(segment_round_bytes(run, last, grown) * DISK_MARGIN) > before
+    assert "rounds of" in lines[-1] and "room for" not in lines[-1], lines[-1]
+    space["free"] = int(segment_round_bytes(run, last, grown) * DISK_MARGIN)  # the disk filled up meanwhile
+    store.fit(params)
+    store.fit(grown)
+    assert store.config.max_bytes == int(segment_round_bytes(run, last, grown) * DISK_MARGIN)
+    assert "one round is kept" in lines[-1], lines[-1]
+
+
 def test_a_store_trims_what_an_earlier_run_left_before_writing(tmp_path: Path) -> None:
     """Rounds an earlier run kept beyond this run's budget go when the store opens, not after the
     first round, which would be written on top of them."""
