@@ -327,6 +327,20 @@ def test_a_receiver_s_inbox_stays_bounded_and_fair_whatever_is_written_to_it(
     asyncio.run(scenario())
 
 
+async def _request(store: BucketStore, receiver: Wallet, sender: Wallet, body: bytes = b"x") -> str:
+    """A signed POST of `body` to ECHO that `sender` puts in `receiver`'s inbox; its name there."""
+    key = f"{sender.public_key_hex}/{secrets.token_hex(16)}"
+    signed = sign_request(sender, "POST", ECHO, body, time.time())
+    await store.put_shared(f"_pipe/{receiver.public_key_hex}/{key}", encode_request(ECHO, signed, body))
+    return key
+
+
+async def _answer(store: BucketStore, receiver: Wallet, key: str) -> PeerReply | None:
+    """`receiver`'s answer to the request named `key`, if it is in the bucket."""
+    raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
+    return None if raw is None else decode_reply(raw)
+
+
 @pytest.mark.usefixtures("aws_env")
 def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_without_recomputing(
     endpoint: str, make_node: Callable[..., NodeState], monkeypatch: pytest.MonkeyPatch
@@ -353,14 +367,10 @@ def test_a_receiver_pages_through_a_full_inbox_and_uploads_an_answer_again_witho
         inbox = f"_pipe/{receiver.public_key_hex}/"
 
         async def put(wallet: Wallet) -> str:
-            key = f"{wallet.public_key_hex}/{secrets.token_hex(16)}"
-            signed = sign_request(wallet, "POST", ECHO, b"x", time.time())
-            await store.put_shared(inbox + key, encode_request(ECHO, signed, b"x"))
-            return key
+            return await _request(store, receiver, wallet)
 
         async def answer(key: str) -> PeerReply | None:
-            raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
-            return None if raw is None else decode_reply(raw)
+            return await _answer(store, receiver, key)
 
         publish = store.publish
         failing = {"once": True}
@@ -451,14 +461,10 @@ def test_a_request_the_bucket_fails_to_hand_over_is_read_again_not_refused(
             store._get = flaky  # type: ignore[method-assign]
 
             async def put() -> str:
-                key = f"{sender.public_key_hex}/{secrets.token_hex(16)}"
-                signed = sign_request(sender, "POST", ECHO, b"xy", time.time())
-                await store.put_shared(inbox + key, encode_request(ECHO, signed, b"xy"))
-                return key
+                return await _request(store, receiver, sender, b"xy")
 
             async def answer(key: str) -> PeerReply | None:
-                raw = await store.fetch(receiver.public_key_hex, f"pipe/{key}", max_bytes=1 << 20)
-                return None if raw is None else decode_reply(raw)
+                return await _answer(store, receiver, key)
 
             async def passes(n: int) -> None:
                 for _ in range(n):
