@@ -83,6 +83,20 @@ def _bytes_tensor(data: bytes) -> Tensor:
 HEADERS_FILE = "headers.jsonl"
 
 
+def _fsync_directory(where: Path) -> None:
+    """Make a new file's name in `where` durable (POSIX: fsync the directory; elsewhere a no-op)."""
+    try:
+        fd = os.open(where, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 LOG_ROUNDS = 64
 """Rounds whose log, commitment and end opening are kept after their checkpoints and payloads are
 dropped (a log is ~0.3 KB a step: ~10 MB for 64 rounds at H = 500)."""
@@ -90,8 +104,10 @@ dropped (a log is ~0.3 KB a step: ~10 MB for 64 rounds at H = 500)."""
 
 def _heavy_files(where: Path) -> list[Path]:
     """A round's checkpoints and received payloads, and any file a crash left half-written: all but
-    its small JSON files (what the byte budget bounds)."""
-    return sorted(f for f in where.iterdir() if f.is_file() and f.suffix != ".json")
+    its small JSON files and its signed headers (what the byte budget bounds)."""
+    return sorted(
+        f for f in where.iterdir() if f.is_file() and f.suffix != ".json" and f.name != HEADERS_FILE
+    )
 
 
 class SegmentStore(SegmentSink):
@@ -145,12 +161,16 @@ class SegmentStore(SegmentSink):
         where = _round_dir(self.directory, round_)
         with self._headers_lock:
             where.mkdir(exist_ok=True)
-            fd = os.open(where / HEADERS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            path = where / HEADERS_FILE
+            new = not path.exists()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 os.write(fd, header.to_json() + b"\n")
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if new:  # the file's name is durable too
+                _fsync_directory(where)
 
     def headers(self, round_: int) -> list[SignedHeader]:
         """The round's `headers.jsonl`, read back; a line a crash cut short (its header was never
@@ -211,24 +231,25 @@ class SegmentStore(SegmentSink):
         lists them); a round already committed (its commitment written, its receipt perhaps sent)
         is kept: a node resumed at its start after a crash must still answer for it."""
         where = _round_dir(self.directory, round_)
-        if (where / "commitment.json").exists() or not where.is_dir():
-            return
-        if not (where / HEADERS_FILE).exists():
-            shutil.rmtree(where, ignore_errors=True)
-            return
-        for entry in where.iterdir():
-            if entry.name == HEADERS_FILE:
-                continue
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+        with self._headers_lock:  # a header being written to this round is kept
+            if (where / "commitment.json").exists() or not where.is_dir():
+                return
+            if not (where / HEADERS_FILE).exists():
+                shutil.rmtree(where, ignore_errors=True)
+                return
+            for entry in where.iterdir():
+                if entry.name == HEADERS_FILE:
+                    continue
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
 
     def trim(self) -> None:
         """Bring what an earlier run left within the budget now (the newest round kept), rather
         than when this run closes its first round, on top of which it would be written."""
         with self._lock:
-            rounds = self._rounds_on_disk()
+            rounds = [r for r in self._rounds_on_disk() if _heavy_files(_round_dir(self.directory, r))]
         if rounds:
             self._evict(keep=max(rounds))
 

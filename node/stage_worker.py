@@ -282,11 +282,16 @@ class StageWorker(InnerLoop):
                 return
             if self.segments is not None:
                 payload = sha256_hex(body)
-                self.segments.note_sent(job.micro_batch, "gradient", payload, body, step=step)
                 if job.received is not None:  # the reply is signed for the activations' sender
-                    self.segments.note_header(
-                        round_, "gradient", job.micro_batch, job.received.sender, payload
-                    )
+                    try:
+                        self.segments.note_header(
+                            round_, "gradient", job.micro_batch, job.received.sender, payload
+                        )
+                    except OSError as exc:  # not on disk, so not sent (and not recorded as sent)
+                        self._log(f"segments: cannot keep a gradient reply's header, not sending it: {exc}")
+                        job.done(exc)
+                        return
+                self.segments.note_sent(job.micro_batch, "gradient", payload, body, step=step)
             job.done((body, loss, round_))
 
         self._in_flight.append(self._replies.submit(reply))

@@ -371,7 +371,14 @@ class Trainer(InnerLoop):
             self.work.clear()
             self._apply_dataset_update()
         with timed(seconds, "checkpoint"):
-            self._save_in_turn()
+            if self.num_stages > 1 and self.segments is not None:
+                # The round's log is committed: a restart from an older checkpoint would train the
+                # round again and sign pipeline headers naming it that its log cannot list
+                # (node.segments). So the round's end is always written, right away.
+                self._writer.flush()
+                self.save(wait=False)
+            else:
+                self._save_in_turn()
         with timed(seconds, "log"):
             self._log_round_done()
 

@@ -467,6 +467,9 @@ class ReplayChecker:
         """`dataset`: a loader in place of the run's published data set (tests). `membership`: a
         pass counts toward a probationer's admission (verifier.members)."""
         self.ctx = ctx
+        self.started_at = ctx.clock()
+        """When this checker started: sender logs without a header list are refused for rounds
+        received since, and held to their steps for rounds received before (an upgrade)."""
         self.membership = membership or MembershipConfig()
         self.config = config or ReplayCheckConfig()
         self._open_dataset = dataset or (
@@ -1353,7 +1356,9 @@ class ReplayChecker:
         except (Malformed, ValueError) as exc:
             return self._log_not_read(match, wallet, f"unreadable: {exc}")
         problem = signed_log_problem(signed, match.sender, match.stage, match.round, root)
-        if problem is None and signed.log.headers is None:
+        if problem is None and signed.log.headers is None and received_at >= self.started_at:
+            # A round committed before this verifier started may be an older node's, from before
+            # logs listed their headers (an upgrade): held to its steps only (`contradicting`).
             problem = "its log lists no signed headers (a log from before 2026-12-07), which a node must"
         if problem is None and signed.commitment.network != self.ctx.network.digest():
             # Headers are held only to a log of their own run: one naming another, or none, would

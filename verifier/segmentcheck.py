@@ -897,7 +897,7 @@ def judge_sender_proof(
 ) -> FraudProofVerdict:
     """Whether `proof` proves fraud by its own signed content, and why: the log is signed by the
     wallet that signed the header, its chain hashes to the root that signature covers, and it does
-    does not list the header among those it signed, or a step of it that exchanged with the replica
+    not list the header among those it signed, or a step of it that exchanged with the replica
     the header is addressed to records sending something other than the payload the header signs
     (`contradicting`), though the header names the log's round; both name one run
     (their definition's digest: ids and rounds repeat across a wallet's runs). `num_stages` and

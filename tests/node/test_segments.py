@@ -166,6 +166,16 @@ def test_every_header_signed_is_listed_in_the_round_it_names_even_across_a_crash
     assert len(log.headers) == 2 * diloco.config.inner_steps + 1 and list(log.headers) == sorted(log.headers)
     assert {x.to for x in log.headers} == {"aa" * 32, "bb" * 32, "ee" * 32}
     assert store.log(round_) is not None and store.log(round_)[0].headers == log.headers  # type: ignore[index]
+    # A round a crash left with its headers alone holds no heavy files: the budget and the choice of
+    # the round to keep pass over it.
+    store.header(
+        round_ + 7,
+        SignedHeader(kind="gradient", micro_batch="ff" * 16, to="ee" * 32, payload_sha256="cc" * 32),
+    )
+    store.abandon(round_ + 7)
+    assert (tmp_path / f"round-{round_ + 7:012d}" / "headers.jsonl").exists()
+    store.trim()
+    assert store.rounds() == [round_] and store.load_checkpoint(round_, 0) is not None
 
     recorder.start_round(diloco)
     for i in range(max_headers(diloco.config.inner_steps) + 1):  # more than a log of its steps holds

@@ -446,25 +446,31 @@ def test_a_sender_log_that_lists_no_signed_headers_is_not_its_log(
 ) -> None:
     """Logs list every header their replica signed since 2026-12-07 (protocol.segments.SignedHeader):
     one without that list, which a sender could serve to keep its headers from being held to it
-    (only its steps would count), is not read as its log; tried again until the window ends."""
+    (only its steps would count), is not read as its log for a round received since the checker
+    started; tried again until the window ends. For a round received before (a node of the older
+    code, across an upgrade) it is held to its steps, as then."""
     from neuroshard.protocol.segments import SegmentCommitment, SegmentLog, SignedSegmentLog, StepRecord
 
     _register(db, "http://127.0.0.1:9")
-    log = SegmentLog(stage=0, round=2, segment_steps=1, start_step=0, steps=(StepRecord(),),
-                     checkpoints=("ab" * 32, "cd" * 32), headers=None)  # fmt: skip
     run = _network(published).digest()
-    signed = SignedSegmentLog(
-        log, SegmentCommitment.create(NODE, stage=0, round=2, root=log.root(), network=run)
-    )
-    _sender_receipt(db, 2, segment_root=log.root())
+
+    def unlisted(round_: int) -> SignedSegmentLog:
+        log = SegmentLog(stage=0, round=round_, segment_steps=1, start_step=0, steps=(StepRecord(),),
+                         checkpoints=("ab" * 32, "cd" * 32), headers=None)  # fmt: skip
+        commitment = SegmentCommitment.create(NODE, stage=0, round=round_, root=log.root(), network=run)
+        return SignedSegmentLog(log, commitment)
+
+    _sender_receipt(db, 1, segment_root=unlisted(1).log.root(), received_at=time.time() - 60)
     lines: list[str] = []
     checker = _checker(db, published, lines)
-    checker._get_log = lambda where, round_, **kwargs: signed  # type: ignore[method-assign,assignment,misc]
-    match = SenderMatch(NODE.public_key_hex, 0, 2, "receiver-wallet", "ab" * 32, [], time.time())
-    assert checker._match_sender(match) is False
-    assert "lists no signed headers" in lines[-1], lines
-    listed = SegmentLog(**{**log.__dict__, "headers": ()})
-    assert listed.root() != log.root()  # the list is in the root: one served later is not this one
+    _sender_receipt(db, 2, segment_root=unlisted(2).log.root())
+    checker._get_log = lambda where, round_, **kwargs: unlisted(round_)  # type: ignore[method-assign,assignment,misc]
+    for round_, ended in ((2, False), (1, True)):
+        match = SenderMatch(NODE.public_key_hex, 0, round_, "receiver-wallet", "ab" * 32, [], time.time())
+        assert checker._match_sender(match) is ended, lines
+    assert any("round 2 not read yet" in line and "lists no signed headers" in line for line in lines), lines
+    log = unlisted(2).log
+    assert SegmentLog(**{**log.__dict__, "headers": ()}).root() != log.root()  # the list is in the root
 
 
 def _bucket_check(
