@@ -371,6 +371,11 @@ def contradicting(
       signs in the log of the round the header names, activations offered whether the receiver
       took them or not, gradients answered with; node.segments, on disk before it is sent, so a
       round redone after a crash lists the crashed run's too);
+    - from a driver (stage 0), the activations the log's step on that micro-batch records sending,
+      whoever it sent them to: a driver names each micro-batch after its own inner step
+      (protocol.pipeline.micro_batch_id) and sends every attempt the same bytes (node.p2p.pipeline
+      `forward`), so an attempt whose answer was lost is held to the step too (a later stage
+      replica's step may fail and its micro-batch go elsewhere: its lost attempts are not);
     - and a step of the log that records the receiver's answer to the micro-batch (a received
       message from `receiver`: the gradient its activations got back, or the activations its
       gradient answered) must record sending that payload among what it sent of that kind; a
@@ -397,6 +402,14 @@ def contradicting(
                 sent.setdefault((step.micro_batch, kind), set())
             for ref in step.sent:
                 sent[(step.micro_batch, ref.kind)].add(ref.payload_sha256)
+    driven: dict[str, set[str]] = {}
+    """A driver's (stage 0's) steps: micro-batch id → the activations they sent, to anyone."""
+    if log.stage == 0:
+        for step in log.steps:
+            if step.micro_batch:
+                driven.setdefault(step.micro_batch, set()).update(
+                    ref.payload_sha256 for ref in step.sent if ref.kind == "activations"
+                )
     for message in messages:
         if message.sender != signer or sender_round(message) != (log.stage, log.round):
             continue
@@ -415,6 +428,17 @@ def contradicting(
         ):
             out.append((message, f"{named} for round {log.round}, whose log does not list that header"))
             continue
+        if listed is not None and log.stage == 0:
+            # A driver names each micro-batch after its own step and sends every attempt of it the
+            # same bytes, so what it signed for any replica is what that step records sending.
+            stepped = driven.get(header.micro_batch)
+            if stepped is None:
+                out.append((message, f"{named} for round {log.round}, whose log has no step on it"))
+                continue
+            if header.payload_sha256 not in stepped:
+                what = ", ".join(sorted(r[:16] for r in stepped)) or "nothing"
+                out.append((message, f"{named}, its step on it records sending {what}"))
+                continue
         recorded = sent.get((header.micro_batch, message.kind))
         if recorded is not None and header.payload_sha256 not in recorded:
             what = ", ".join(sorted(r[:16] for r in recorded)) or "nothing of that kind"

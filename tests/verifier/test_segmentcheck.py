@@ -676,7 +676,7 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     # Listed, but its step with this replica records sending other bytes: a contradiction as well.
     listed_too = offers(sender_steps) | {offer(sender_steps[3].micro_batch, me, sha256_hex(consumed[3].body))}
     (stepped,) = sent_contradictions(signed(sender_steps, offered=listed_too), consumed, me)
-    assert "its log records sending 0000" in stepped
+    assert "records sending 0000" in stepped
     # the receipt committed to the honest chain: a lying log served later is not its commitment
     assert "receipt committed" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, root) or "")
     forged = signed(sender_steps, by=NEXT)  # signed by someone else
@@ -686,13 +686,20 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     # A retry elsewhere after this replica took the micro-batch and its answer was lost: the step
     # records the other exchange, the offers both. An honest log; one that leaves the first offer
     # out (as a log of completed exchanges would) no longer makes the header no claim.
-    retried = [*sender_steps[:3], step(consumed[3], "1" * 64, NEXT.public_key_hex), *sender_steps[4:]]
+    real3 = sha256_hex(consumed[3].body)  # a driver sends every attempt of a micro-batch the same bytes
+    retried = [*sender_steps[:3], step(consumed[3], real3, NEXT.public_key_hex), *sender_steps[4:]]
     both = offers(retried) | {offer(micro_batch(consumed[3]), me, "0" * 64)}
     assert sent_contradictions(signed(retried, offered=both), consumed[3:4], me) != []  # other bytes
     both.add(offer(micro_batch(consumed[3]), me, sha256_hex(consumed[3].body)))
     assert sent_contradictions(signed(retried, offered=both), consumed, me) == []
     (lost,) = sent_contradictions(signed(retried), consumed, me)
     assert "does not list that header" in lost
+    # A driver that sent this replica other bytes in an attempt whose answer it then ignored, and
+    # records its step against another replica: listed, but not what its step on the id sent.
+    garbage = offers(retried) | {offer(micro_batch(consumed[3]), me, real3)}
+    forged_step = [*retried[:3], step(consumed[3], "2" * 64, NEXT.public_key_hex), *retried[4:]]
+    (ignored,) = sent_contradictions(signed(forged_step, offered=garbage | offers(forged_step)), consumed, me)
+    assert "its step on it records sending 2222" in ignored
     # A log from before logs listed their headers (an old fraud proof's) is held to its steps only.
     unlisted = dataclasses.replace(signed(retried).log, headers=None)
     old = SignedSegmentLog(
@@ -754,6 +761,20 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
         (readdressed(PREV, "1" * 64), True),  # to a replica its log lists no header to
     ):
         assert judge_sender_proof(SenderFraudProof(to_both, message)).proves is proves, message.header
+    # A driver's header for a micro-batch none of its steps trained, even listed, is a proof: a
+    # driver names micro-batches after its own steps.
+    fields = {f.name: getattr(header3, f.name) for f in dataclasses.fields(header3)}
+    fields.update(micro_batch="ab" * 16)
+    del fields["wallet"], fields["signature"]
+    stray = Received(
+        "activations", PREV.public_key_hex, ActivationHeader.create(PREV, **fields).to_json(), b""
+    )
+    with_stray = signed(
+        list(honest.log.steps),
+        offered=offers(list(honest.log.steps)) | {offer("ab" * 16, me, header3.payload_sha256)},
+    )
+    verdict = judge_sender_proof(SenderFraudProof(with_stray, stray))
+    assert verdict.proves and "whose log has no step on it" in verdict.reason, verdict
 
     # One proof, one encoding: anything else is refused, not listed under another sha256.
     obj = json.loads(data[len(SENDER_PROOF_MAGIC) :])
