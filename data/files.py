@@ -41,11 +41,16 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """fsync `directory`, so that a file created or renamed in it survives a power cut (POSIX)."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 _torch_save_lock = threading.Lock()

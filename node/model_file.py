@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from neuroshard.data.files import fsync_directory
 from neuroshard.tokenizer import BPETokenizer
 
 from .diloco import tensor_digest
@@ -92,11 +93,7 @@ def save_model_file(
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power cut
-    finally:
-        os.close(directory)
+    fsync_directory(path.parent)  # the rename itself survives a power cut
 
 
 # ----- the verifier's majority models, by round -----

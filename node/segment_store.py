@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from neuroshard.data.files import fsync_directory
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import split_header
 from neuroshard.protocol.segments import (
@@ -81,20 +82,6 @@ def _bytes_tensor(data: bytes) -> Tensor:
 
 
 HEADERS_FILE = "headers.jsonl"
-
-
-def _fsync_directory(where: Path) -> None:
-    """Make a new file's name in `where` durable (POSIX: fsync the directory; elsewhere a no-op)."""
-    try:
-        fd = os.open(where, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 LOG_ROUNDS = 64
@@ -170,7 +157,7 @@ class SegmentStore(SegmentSink):
             finally:
                 os.close(fd)
             if new:  # the file's name is durable too
-                _fsync_directory(where)
+                fsync_directory(where)
 
     def headers(self, round_: int) -> list[SignedHeader]:
         """The round's `headers.jsonl`, read back; a line a crash cut short (its header was never
