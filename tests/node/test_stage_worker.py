@@ -15,12 +15,12 @@ from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
 from neuroshard.node.pipeline import stage_fingerprint
-from neuroshard.node.segments import SegmentConfig, SegmentRecorder
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder, SegmentSink
 from neuroshard.node.stage_worker import StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
 from neuroshard.node.vocab import VocabSchedule, vocab_of
 from neuroshard.protocol.identity import sha256_hex
-from neuroshard.protocol.segments import SegmentLog, SentRef
+from neuroshard.protocol.segments import Received, SegmentLog, SentRef, SignedHeader
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
 H = 3
@@ -214,6 +214,7 @@ def test_every_gradient_sent_back_is_in_the_step_s_record_before_the_round_close
     def encoded(seed: int) -> Job:
         job = _job(results, seed)
         job.encode = lambda grad: grad.numpy().tobytes()  # any codec: the record names these bytes
+        job.received = Received("activations", SENDER, b"{}", b"")  # the reply is signed for its sender
         return job
 
     thread = threading.Thread(target=worker.run, args=(threading.Event(), 0.01), daemon=True)
@@ -239,6 +240,38 @@ def test_every_gradient_sent_back_is_in_the_step_s_record_before_the_round_close
     assert len(replies) == 2 * H and all(isinstance(r[0], bytes) for r in replies)
     recorded = [step.sent for log in logs for step in log.steps]
     assert recorded == [[SentRef(kind="gradient", payload_sha256=sha256_hex(r[0]))] for r in replies]  # type: ignore[arg-type]
+    # Each reply's header is listed in the log of the round it names (the round of its step).
+    listed = [{(x.kind, x.micro_batch, x.to) for x in log.headers or ()} for log in logs]
+    assert listed == [
+        {("gradient", f"{i:032x}", SENDER) for i in range(r * H, (r + 1) * H)} for r in range(2)
+    ]
+
+
+SENDER = "aa" * 32
+
+
+class _FullDisk(SegmentSink):
+    def header(self, round_: int, header: SignedHeader) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_reply_whose_header_cannot_be_kept_is_not_sent() -> None:
+    """A reply is sent only once its header is on disk (node.segments): when it cannot be written,
+    the sender gets the error (and tries another replica), and the step records no gradient sent."""
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1, sink=_FullDisk())
+    engine = _engine()
+    recorder.start_round(engine)
+    said: list[str] = []
+    worker = StageWorker(engine, WorkerConfig(max_steps=1), log=said.append, segments=recorder)
+    results: list[JobResult] = []
+    job = _job(results, 0)
+    job.encode = lambda grad: grad.numpy().tobytes()
+    job.received = Received("activations", SENDER, b"{}", b"")
+    worker.jobs.offer(job)
+    worker.run(threading.Event(), 0.01)
+    assert len(results) == 1 and isinstance(results[0], OSError), results
+    assert any("cannot keep a gradient reply's header" in line for line in said), said
+    assert recorder._current is not None and recorder._current.steps[0].sent == []
 
 
 def test_replies_land_on_their_own_steps_when_one_id_is_trained_twice() -> None:
