@@ -544,6 +544,20 @@ def test_checkpoints_within_the_interval_are_passed_over_and_the_final_one_is_wr
     assert _steps_written(trainer) == written
 
 
+def test_a_pipeline_driver_that_records_segments_writes_every_round_s_end(published, tmp_path: Path) -> None:
+    """A round whose segment log is committed must not be trained again after a restart (the
+    headers it signs would name a round whose log cannot list them: node.segments), so a pipeline
+    driver that records segments writes every round's end checkpoint, whatever the interval."""
+    from neuroshard.node.segments import SegmentConfig, SegmentRecorder
+
+    trainer = _trainer(
+        published, tmp_path, Placement.cpu(), max_steps=12, num_stages=2,
+        loss_fn=lambda out, labels: out.float().pow(2).mean(),
+        segments=SegmentRecorder(SegmentConfig(segment_steps=3), stage=0),
+    )  # fmt: skip
+    assert _steps_written(trainer) == [6, 12, 12]  # both rounds' ends (H = 6), then the final one
+
+
 def test_the_checkpoint_interval_defaults_to_every_turn_on_the_cpu() -> None:
     assert checkpoint_interval(build_parser().parse_args([]), Placement.cpu()) == 0.0
     chosen = build_parser().parse_args(["--checkpoint-interval", "30"])
