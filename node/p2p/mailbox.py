@@ -33,7 +33,10 @@ reads one LIST page (1,000 names) a pass, the next page on the next pass when on
 deletes malformed names (one by one where DeleteObjects' XML cannot carry them), a sender's names
 beyond `MailboxTimings.per_sender` (answered ones first) and answered requests left `linger_s`
 after their answer, and takes new requests one per sender in turn, the least recently served
-first. Not bounded: many wallets each at its share slow every sender down (a page a pass); and
+first — a sender never served here as if served now, so that a crowd of fresh wallets does not go
+ahead of the senders taking turns, and a sender lately refused (forged, malformed: `REFUSED_STATUSES`)
+after everyone. Not bounded: many wallets each at its share slow every sender down (a page a pass,
+and a turn each once they have had one); and
 every bucket reader can read the micro-batches in it (a request names its receiver, signed, so
 none can be replayed to another).
 
@@ -88,6 +91,11 @@ HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,16384}")
 MAX_LISTED = 1000
 MAX_REMEMBERED_SENDERS = 4096
 """Senders whose last turn a receiver remembers (the half served longest ago is forgotten beyond it)."""
+REFUSED_STATUSES = frozenset({400, 401, 403, 404, 413, 422})
+"""Answers that say a request was not one to take (forged, malformed, another route or run): a
+sender given one waits behind every other sender for `REFUSED_PASSES` passes. Not 409 (an id
+reused: a retry does that) and not 5xx (this replica's trouble)."""
+REFUSED_PASSES = 100
 READ_TRIES = 3
 """Passes on which a receiver tries to read a request the bucket failed to hand over (a `transient`
 error, bucket.py) before it answers 503 (busy), so that its sender tries another replica at once."""
@@ -214,6 +222,14 @@ def decode_reply(data: bytes) -> PeerReply:
     return PeerReply(status, CIMultiDict(_headers(head.get("headers"))), body)
 
 
+def _status(reply: bytes) -> int | None:
+    """The status an encoded reply (`encode_reply`) carries; None if it holds none."""
+    try:
+        return decode_reply(reply).status
+    except Refused:
+        return None
+
+
 def _refusal(status: int, code: str, detail: str) -> bytes:
     return encode_reply(
         status, {"Content-Type": "application/json"}, ErrorReply(error=code, detail=detail).to_json()
@@ -336,6 +352,9 @@ class MailboxServer:
         self._busy: dict[str, asyncio.Task[None]] = {}
         self._last_served: dict[str, int] = {}
         """Sender → the pass in which one of its requests was last taken (fair turns)."""
+        self._refused: dict[str, int] = {}
+        """Sender → the pass in which one of its requests was last answered with a refusal
+        (`REFUSED_STATUSES`): it waits behind the others for `REFUSED_PASSES` passes."""
         self._passes = 0
         self._swept = False
         self._after = ""
@@ -462,11 +481,19 @@ class MailboxServer:
         return excess
 
     def _start(self, waiting: set[str]) -> int:
-        """Take new requests, one per sender in turn, least recently served senders first."""
+        """Take new requests, one per sender in turn: senders refused lately last, then the least
+        recently served first, a sender never served here as if served now (so that a crowd of
+        new wallets does not go ahead of the senders already waiting their turn)."""
         queues: dict[str, list[str]] = {}
         for key in sorted(waiting - self._answered.keys() - self._busy.keys()):
             queues.setdefault(key.partition("/")[0], []).append(key)
-        order = sorted(queues, key=lambda sender: (self._last_served.get(sender, 0), sender))
+        now = self._passes
+
+        def turn(sender: str) -> tuple[bool, int, str]:
+            refused = now - self._refused.get(sender, -REFUSED_PASSES - 1) <= REFUSED_PASSES
+            return refused, self._last_served.get(sender, now), sender
+
+        order = sorted(queues, key=turn)
         started = 0
         while order and len(self._busy) < self.timings.in_flight:
             sender = order.pop(0)
@@ -478,11 +505,10 @@ class MailboxServer:
             task.add_done_callback(functools.partial(self._done, key))
             self._last_served[sender] = self._passes
             started += 1
-        if len(self._last_served) > MAX_REMEMBERED_SENDERS:  # the longest unserved are forgotten
-            for sender in sorted(self._last_served, key=self._last_served.__getitem__)[
-                : len(self._last_served) // 2
-            ]:
-                del self._last_served[sender]
+        for remembered in (self._last_served, self._refused):  # the longest unserved are forgotten
+            if len(remembered) > MAX_REMEMBERED_SENDERS:
+                for sender in sorted(remembered, key=remembered.__getitem__)[: len(remembered) // 2]:
+                    del remembered[sender]
         return started
 
     def _done(self, key: str, task: asyncio.Task[None]) -> None:
@@ -509,6 +535,8 @@ class MailboxServer:
             except Exception as exc:  # whatever the object held: answered, so never read again
                 reply = _refusal(500, "step_failed", f"{type(exc).__name__}")
             self._read_failures.pop(key, None)
+            if _status(reply) in REFUSED_STATUSES:
+                self._refused[sender] = self._passes
         try:
             await self.store.publish(reply_name(sender, token), reply)
         except RelayError as exc:

@@ -515,3 +515,51 @@ def test_a_request_the_bucket_fails_to_hand_over_is_read_again_not_refused(
             assert time.monotonic() - t0 < 2.0 and denied_left["left"] == 0  # a refusal is final: one try
 
     asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_new_and_refused_senders_wait_behind_those_already_waiting_their_turn(
+    endpoint: str, make_node: Callable[..., NodeState]
+) -> None:
+    """Turns go to the senders served longest ago; a sender never served here counts as served now,
+    so a crowd of fresh wallets does not go ahead of a sender already taking turns, and a sender
+    whose request was refused (forged, malformed) waits behind everyone for REFUSED_PASSES passes."""
+    config = _bucket(endpoint)
+    receiver, early, late = _first_and_last()  # early's names sort first
+    crowd = [Wallet.from_token(f"mailbox-crowd-{i}") for i in range(3)]
+    node = make_node(receiver)
+    node.clock = time.time
+    echo = _Echo()
+    timings = mailbox.MailboxTimings(in_flight=1)
+
+    async def scenario() -> None:
+        async with _receiver(config, node, echo, timings=timings) as (store, server):
+            await server.pass_once()  # the sweep
+
+            async def one_pass() -> set[str]:
+                await server.pass_once()
+                taken = {key.partition("/")[0] for key in server._busy}
+                await asyncio.gather(*server._busy.values())
+                return taken
+
+            await _request(store, receiver, late)
+            assert await one_pass() == {late.public_key_hex}  # late has now had a turn
+            for wallet in crowd:
+                await _request(store, receiver, wallet)
+            await _request(store, receiver, late)
+            assert await one_pass() == {late.public_key_hex}  # served long ago beats never served
+            # A request under early's name that another wallet signed is refused (400)...
+            inbox = f"_pipe/{receiver.public_key_hex}/"
+            forged = sign_request(late, "POST", ECHO, b"x", time.time())
+            await store.put_shared(
+                inbox + f"{early.public_key_hex}/{'f' * 32}", encode_request(ECHO, forged, b"x")
+            )
+            taken = [await one_pass() for _ in range(len(crowd) + 1)]
+            assert {early.public_key_hex} in taken and early.public_key_hex in server._refused
+            # ...and early then waits behind every sender with a request waiting, whatever its name.
+            await _request(store, receiver, early)
+            await _request(store, receiver, late)
+            assert await one_pass() == {late.public_key_hex}
+            assert await one_pass() == {early.public_key_hex}
+
+    asyncio.run(scenario())
