@@ -1161,7 +1161,7 @@ def main() -> None:
         kind, rule = split_rule(name)
         if rule.startswith("prev+") and kind != "part":
             parser.error(f"{name!r}: prev+ is simulated for the partitioned round only (part:prev+…)")
-        bare = rule.removeprefix("prev+")
+        bare = rule.removeprefix("prev+").removeprefix("bucket+")
         if name not in RULES and not (CLIP_VARIANT.fullmatch(bare) or CLIP_MOMENTUM.fullmatch(bare)):
             parser.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
     if "none" not in attack_names or "mean" not in rules:
