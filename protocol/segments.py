@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from .identity import sha256_hex
+from .pipeline import MICRO_BATCH_BYTES
 from .refusal import malformed
 from .schema import (
     MAX_COUNT,
@@ -56,8 +57,8 @@ def max_headers(steps: int) -> int:
 
 _KIND = choice(KINDS)
 _SHA256 = hex_bytes(32)
-_MICRO_BATCH = hex_bytes(16)
-"""A pipeline micro-batch id (protocol.pipeline.micro_batch_id: 16 bytes)."""
+_MICRO_BATCH = hex_bytes(MICRO_BATCH_BYTES)
+"""A pipeline micro-batch id (protocol.pipeline.micro_batch_id)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +194,9 @@ class SegmentLog:
     headers: tuple[SignedHeader, ...] | None = ()
     """Every pipeline header the replica signed naming the round (`SignedHeader`), sorted, each once.
     None: a log written before logs listed them (2026-12-07), read back so that fraud proofs kept
-    from then still check (its root is the chain without them); the verifier's live checks refuse
-    such a log from a node (verifier.replaycheck)."""
+    from then still check (its root is the chain without them); sender matching holds such a log
+    to its steps for a round received before the verifier started (an upgrade) and refuses it for
+    a round received since (verifier.replaycheck)."""
 
     def __post_init__(self) -> None:
         wanted = len(self.boundaries)
