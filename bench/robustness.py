@@ -337,6 +337,19 @@ wide first pull for honest replicas with unusual data, narrower later ones again
 ALIE; tried 2026-12-07)."""
 
 
+SIGN_AGREEMENT = re.compile(r"sg([0-9]*\.?[0-9]+)\+")
+"""Prefix "sg<θ>+<rule>": the rule's aggregate with every coordinate zeroed whose rows agree on the
+sign by less than θ (|Σ sign(x_i)| / n < θ): a robust learning rate in the manner of Ozdayi,
+Kantarcioglu & Gel (AAAI 2021), who flip such coordinates' step instead; zeroing is the milder
+form. Column-local, so a part zeroes like the same columns of the whole (tried 2026-12-07)."""
+
+
+def sign_masked(stack: Tensor, aggregate: Tensor, threshold: float) -> Tensor:
+    """`aggregate` with the coordinates whose rows' sign agreement is below `threshold` set to 0."""
+    agreement = torch.sign(stack).sum(dim=0).abs_().div_(stack.shape[0])
+    return torch.where(agreement >= threshold, aggregate, torch.zeros_like(aggregate))
+
+
 CLIP_MOMENTUM = re.compile(r"ccm([0-9]*\.?[0-9]+)x([1-9][0-9]*)")
 """Rule "ccm<S>x<I>": centered clipping around the outer momentum buffer's estimate of one round's
 aggregate, (1 − μ)·buffer (its steady state for a constant Δ), τ = S × the median distance to it,
@@ -757,6 +770,10 @@ class AttackedAggregate:
 
     def _apply(self, rule: str, stack: Tensor, span: tuple[int, int] | None = None) -> Tensor:
         f = self.job.byzantine
+        masked = SIGN_AGREEMENT.match(rule)
+        if masked:
+            inner = self._apply(rule[masked.end() :], stack, span)
+            return sign_masked(stack, inner, float(masked[1]))
         if rule.startswith("bucket+"):
             gen = attacker_generator(
                 self.job.seed, self.round, 1_000_000
@@ -1161,7 +1178,9 @@ def main() -> None:
         kind, rule = split_rule(name)
         if rule.startswith("prev+") and kind != "part":
             parser.error(f"{name!r}: prev+ is simulated for the partitioned round only (part:prev+…)")
-        bare = rule.removeprefix("prev+").removeprefix("bucket+")
+        bare = rule.removeprefix("prev+")
+        bare = bare[m.end() :] if (m := SIGN_AGREEMENT.match(bare)) else bare
+        bare = bare.removeprefix("bucket+")
         if name not in RULES and not (CLIP_VARIANT.fullmatch(bare) or CLIP_MOMENTUM.fullmatch(bare)):
             parser.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
     if "none" not in attack_names or "mean" not in rules:
