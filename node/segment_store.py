@@ -175,6 +175,13 @@ class SegmentStore(SegmentSink):
         return out
 
     def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
+        self._save_messages(round_, f"step-{step:08d}.safetensors", messages)
+
+    def failed(self, round_: int, index: int, messages: Sequence[Received], body: bytes) -> None:
+        self._save_messages(round_, f"failed-{index:08d}.safetensors", messages)
+        _atomic_write(body, _round_dir(self.directory, round_) / f"failed-{index:08d}-activations.bin")
+
+    def _save_messages(self, round_: int, name: str, messages: Sequence[Received]) -> None:
         where = _round_dir(self.directory, round_)
         where.mkdir(exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
@@ -184,7 +191,7 @@ class SegmentStore(SegmentSink):
             tensors[f"body{j}"] = _bytes_tensor(m.body)
             metadata[f"kind{j}"] = m.kind
             metadata[f"sender{j}"] = m.sender
-        _atomic_save(tensors, where / f"step-{step:08d}.safetensors", metadata)
+        _atomic_save(tensors, where / name, metadata)
 
     def sent(self, round_: int, step: int, kind: str, body: bytes) -> None:
         if kind not in KINDS:
@@ -320,7 +327,19 @@ class SegmentStore(SegmentSink):
         return SegmentCheckpoint(t["weights"], InnerState(t["exp_avg"], t["exp_avg_sq"], t["steps"]))
 
     def load_received(self, round_: int, step: int) -> list[Received]:
-        path = _round_dir(self.directory, round_) / f"step-{step:08d}.safetensors"
+        return self._load_messages(_round_dir(self.directory, round_) / f"step-{step:08d}.safetensors")
+
+    def load_failed(self, round_: int, index: int) -> tuple[list[Received], bytes] | None:
+        """Failed step `index`'s messages and the activations it offered; None when not held."""
+        where = _round_dir(self.directory, round_)
+        try:
+            body = (where / f"failed-{index:08d}-activations.bin").read_bytes()
+        except FileNotFoundError:
+            return None
+        return self._load_messages(where / f"failed-{index:08d}.safetensors"), body
+
+    @staticmethod
+    def _load_messages(path: Path) -> list[Received]:
         if not path.exists():
             return []
         with safe_open(str(path), framework="pt") as f:
@@ -368,6 +387,12 @@ class SegmentStore(SegmentSink):
             return None
         received = tuple(tuple(self.load_received(round_, i)) for i in range(first, end))
         sent = tuple(tuple(self.load_sent(round_, i)) for i in range(first, end))
+        failed = []
+        for index in log.failures_in(segment):
+            held_failed = self.load_failed(round_, index)
+            if held_failed is None:
+                return None
+            failed.append((index, tuple(held_failed[0]), held_failed[1]))
         opening = self.start_opening(round_)
         return SegmentMaterial(
             log,
@@ -379,6 +404,7 @@ class SegmentStore(SegmentSink):
             theta_round=round_start.weights,
             sent=sent,
             start_inner=None if opening is None else opening.inner_sha256,
+            failed=tuple(failed),
         )
 
 
@@ -425,6 +451,9 @@ class SegmentMaterial:
     """The sha256 of the inner optimizer state the round started from (the second half of its first
     checkpoint's opening, `theta_round` being the first): what a continuity fraud proof needs
     (verifier.segmentcheck.ContinuityFraudProof). None from nodes before it was served."""
+    failed: tuple[tuple[int, tuple[Received, ...], bytes], ...] = ()
+    """(index in the log's `failed`, the messages it ran on, the activations it offered) for each
+    failed step the segment replays (`SegmentLog.failures_in`), in order."""
 
     def encode(self) -> bytes:
         """safetensors: the two checkpoints' tensors and each message's header and payload as uint8
@@ -454,6 +483,14 @@ class SegmentMaterial:
         for i, step in enumerate(self.sent):
             for kind, body in step:
                 tensors[f"s{i}.{kind}"] = _bytes_tensor(body)
+        if self.failed:
+            metadata["failed"] = ",".join(f"{n}:{len(messages)}" for n, messages, _ in self.failed)
+        for n, messages, body in self.failed:
+            tensors[f"f{n}.sent"] = _bytes_tensor(body)
+            for j, m in enumerate(messages):
+                tensors[f"f{n}.{j}.header"] = _bytes_tensor(m.header)
+                tensors[f"f{n}.{j}.body"] = _bytes_tensor(m.body)
+                metadata[f"f{n}.{j}"] = f"{m.kind}:{m.sender}"
         return st_save(tensors, metadata=metadata)
 
     @staticmethod
@@ -498,6 +535,10 @@ class SegmentMaterial:
                 (int(i), kind)
                 for i, _, kind in (e.partition(":") for e in metadata.get("sent", "").split(",") if e)
             ]
+            failed_counts = [
+                (int(n), int(c))
+                for n, _, c in (e.partition(":") for e in metadata.get("failed", "").split(",") if e)
+            ]
         except (KeyError, ValueError) as exc:
             raise malformed(f"segment material metadata is incomplete: {exc}") from None
         start_inner = metadata.get("start_inner")
@@ -518,6 +559,12 @@ class SegmentMaterial:
         if outside or len(set(sent_keys)) != len(sent_keys):
             raise malformed("segment material names sent payloads of no step of the segment, or twice")
         wanted |= {f"s{i}.{kind}" for i, kind in sent_keys}
+        if [n for n, _ in failed_counts] != log.failures_in(segment) or any(
+            not 0 <= c <= MAX_MESSAGES_PER_STEP for _, c in failed_counts
+        ):
+            raise malformed("segment material's failed steps are not the ones its segment replays")
+        for n, c in failed_counts:
+            wanted |= {f"f{n}.sent"} | {f"f{n}.{j}.{part}" for j in range(c) for part in ("header", "body")}
         if set(tensors) != wanted:
             raise malformed(
                 f"segment material holds tensors {sorted(set(tensors) ^ wanted)[:4]} unexpectedly or lacks them"
@@ -534,18 +581,26 @@ class SegmentMaterial:
             ckpts.append(
                 SegmentCheckpoint(t["weights"], InnerState(t["exp_avg"], t["exp_avg_sq"], t["steps"]))
             )
-        received = []
-        for i, c in enumerate(counts):
-            step = []
+
+        def messages(prefix: str, c: int, what: str) -> tuple[Received, ...]:
+            out = []
             for j in range(c):
-                kind, _, sender = metadata.get(f"m{i}.{j}", "").partition(":")
+                kind, _, sender = metadata.get(f"{prefix}.{j}", "").partition(":")
                 if kind not in KINDS or len(sender) != 64:
-                    raise malformed(f"message {j} of step {i} has no kind and sender")
-                header, body = tensors[f"m{i}.{j}.header"], tensors[f"m{i}.{j}.body"]
+                    raise malformed(f"message {j} of {what} has no kind and sender")
+                header, body = tensors[f"{prefix}.{j}.header"], tensors[f"{prefix}.{j}.body"]
                 if header.dtype != torch.uint8 or body.dtype != torch.uint8:
-                    raise malformed(f"message {j} of step {i} is not raw bytes")
-                step.append(Received(kind, sender, header.numpy().tobytes(), body.numpy().tobytes()))
-            received.append(tuple(step))
+                    raise malformed(f"message {j} of {what} is not raw bytes")
+                out.append(Received(kind, sender, header.numpy().tobytes(), body.numpy().tobytes()))
+            return tuple(out)
+
+        received = [messages(f"m{i}", c, f"step {i}") for i, c in enumerate(counts)]
+        failed = []
+        for n, c in failed_counts:
+            offered = tensors[f"f{n}.sent"]
+            if offered.dtype != torch.uint8:
+                raise malformed(f"the activations failed step {n} offered are not raw bytes")
+            failed.append((n, messages(f"f{n}", c, f"failed step {n}"), offered.numpy().tobytes()))
         sent: list[list[tuple[str, bytes]]] = [[] for _ in counts]
         for i, kind in sorted(sent_keys, key=lambda k: (k[0], KINDS.index(k[1]))):
             body = tensors[f"s{i}.{kind}"]
@@ -565,4 +620,5 @@ class SegmentMaterial:
             theta,
             tuple(tuple(s) for s in sent),
             start_inner,
+            tuple(failed),
         )

@@ -46,12 +46,14 @@ from torch import Tensor
 from neuroshard.protocol.segments import (
     MAX_MESSAGES_PER_STEP,
     CheckpointOpening,
+    FailedStep,
     Received,
     SegmentCommitment,
     SegmentLog,
     SentRef,
     SignedHeader,
     StepRecord,
+    max_failed,
     max_headers,
 )
 
@@ -149,9 +151,11 @@ class _Round:
     """Each checkpoint's hashes, computed (and the checkpoint stored) off the training thread."""
     max_headers: int = 0
     """What a log of the round's H steps may hold (`max_headers`): bursts early in a round are fine."""
+    max_failed: int = 0
     headers: set[SignedHeader] = field(default_factory=set)
+    failed: list[FailedStep] = field(default_factory=list)
     overflowed: bool = False
-    """More signed headers than a log may hold (`max_headers`): the round gets no log."""
+    """More signed headers or failed steps than a log may hold: the round gets no log."""
     ended: bool = False
 
 
@@ -171,6 +175,10 @@ class SegmentSink:
     def headers(self, round_: int) -> list[SignedHeader]:
         """The headers an earlier run handed `header` for `round_` (a round redone after a crash)."""
         return []
+
+    def failed(self, round_: int, index: int, messages: Sequence[Received], body: bytes) -> None:
+        """Failed step `index` of the round (`SegmentLog.failed`): what it was given and the
+        activations it offered (a segment check replays it)."""
 
     def received(self, round_: int, step: int, messages: Sequence[Received]) -> None:
         """The messages inner step `step` consumed."""
@@ -236,6 +244,9 @@ class SegmentRecorder:
         growth builds a new one) cannot replay from the round's first checkpoint."""
         self._pending_received: list[Received] = []
         self._pending_sent: list[tuple[str, SentRef, bytes | None]] = []
+        self._pending_offered: dict[tuple[str, str], bytes | None] = {}
+        """(micro-batch, payload sha256) → bytes of the activations the step in progress offered
+        (`note_header`): what a step that fails after offering them records (`note_failed`)."""
         self._late_sent: list[tuple[int, int, str, bytes]] = []
         """(round, step, kind, body) of payloads sent after their step was recorded, for the sink."""
         self._last_step: tuple[int, int] | None = None
@@ -264,6 +275,7 @@ class SegmentRecorder:
         with self._lock:
             self._pending_received.clear()
             self._pending_sent.clear()
+            self._pending_offered.clear()
         if self._current is not None and not self._current.ended:
             self._io(self.sink.abandon, self._current.round)
         self._current = None
@@ -290,10 +302,21 @@ class SegmentRecorder:
             round=diloco.round,
             start_step=diloco.schedule_step,
             max_headers=max_headers(diloco.config.inner_steps),
+            max_failed=max_failed(diloco.config.inner_steps),
         )
         with self._lock:  # a header noted meanwhile is on disk already, or is noted after this
+            carried: set[tuple[str, str]] = set()
             for header in self.sink.headers(diloco.round):  # what a crashed run signed naming it
                 self._add_header(current, header)
+                offer = (header.micro_batch, header.payload_sha256)
+                if header.kind == "activations" and self.stage > 0 and offer not in carried:
+                    carried.add(offer)
+                    # Offered by that run, whose steps and weights are gone: listed as failed steps
+                    # without their input (not replayed), so its offers match this log.
+                    self._add_failed(current, FailedStep(
+                        after=0, micro_batch=header.micro_batch, received=(),
+                        sent=SentRef(kind="activations", payload_sha256=header.payload_sha256),
+                    ))  # fmt: skip
             self._current = current
         self._engine = diloco
         self._checkpoint(checkpoint)
@@ -343,20 +366,31 @@ class SegmentRecorder:
             if kind == "activations":  # sent during its step; a gradient reply only ever follows one
                 self._pending_sent.append((micro_batch, ref, body))
 
-    def note_header(self, round_: int, kind: str, micro_batch: str, to: str, payload_sha256: str) -> None:
+    def note_header(
+        self,
+        round_: int,
+        kind: str,
+        micro_batch: str,
+        to: str,
+        payload_sha256: str,
+        body: bytes | None = None,
+    ) -> None:
         """A pipeline header this replica is about to sign and send, naming `round_`, for replica
         `to`: call it before sending, for every attempt (activations) and every answer (a gradient).
         The sink keeps it first (durable on disk), whether or not the round is being recorded: a
         round redone after a crash then lists it. Listed in the log of `round_` when that is the
         round being recorded (a header is signed during or just after its step, so it is); a round
         whose headers outgrow what a log may hold (`max_headers`) gets no log rather than one that
-        leaves headers out."""
+        leaves headers out. `body`: the activations' bytes, kept until the step in progress is
+        recorded, for `note_failed`."""
         header = SignedHeader(kind=kind, micro_batch=micro_batch, to=to, payload_sha256=payload_sha256)
         self.sink.header(round_, header)
         with self._lock:
             current = self._current
             if current is not None and current.round == round_:  # open until close_round
                 self._add_header(current, header)
+                if kind == "activations":
+                    self._pending_offered.setdefault((micro_batch, payload_sha256), body)
                 return
             warn = round_ not in self._warned and self.sink.committed(round_)
             self._warned.add(round_)
@@ -379,6 +413,17 @@ class SegmentRecorder:
             return
         current.headers.add(header)
 
+    @staticmethod
+    def _add_failed(current: _Round, failed: FailedStep) -> None:
+        """Under the lock (or before `current` is shared)."""
+        if current.overflowed:
+            return
+        if len(current.failed) >= current.max_failed:
+            current.overflowed = True
+            current.failed.clear()
+            return
+        current.failed.append(failed)
+
     def _attach(self, current: _Round, index: int, ref: SentRef, body: bytes | None) -> None:
         """Under the lock: a payload sent after step `index` was recorded. A retried request is
         answered again with the same bytes: recorded once. A step sends one payload of a kind (the
@@ -389,12 +434,31 @@ class SegmentRecorder:
             if body is not None:  # written by the training thread (`_write_late_sent`)
                 self._late_sent.append((current.round, index, ref.kind, body))
 
-    def discard_pending(self) -> None:
-        """A step that failed after it sent or received something (its micro-batch is retried):
-        what it gathered is not the next step's."""
+    def note_failed(self, micro_batch: str, received: Sequence[Received] = ()) -> None:
+        """The step in progress failed (its micro-batch is retried, here or elsewhere): what it
+        gathered is not the next step's. If it offered activations downstream (the headers it
+        signed for them are listed), it is recorded as a `FailedStep` with `received`, the messages
+        it ran on, and the sink keeps them with the offered bytes: a segment check replays the
+        offer at the weights it was computed with, as it replays a step."""
         with self._lock:
+            offered = [(p, b) for (mb, p), b in self._pending_offered.items() if mb == micro_batch]
             self._pending_received.clear()
             self._pending_sent.clear()
+            self._pending_offered.clear()
+            current = self._current
+            if not offered or current is None or current.ended or not received:
+                return
+            payload, body = offered[0]  # a job encodes its output once: every attempt carries it
+            failed = FailedStep(
+                after=len(current.steps),
+                micro_batch=micro_batch,
+                received=tuple(m.ref() for m in received[:MAX_MESSAGES_PER_STEP]),
+                sent=SentRef(kind="activations", payload_sha256=payload),
+            )
+            self._add_failed(current, failed)
+            index = len(current.failed) - 1
+        if not current.overflowed and body is not None:
+            self._io(self.sink.failed, current.round, index, list(received), body)
 
     def record_step(
         self,
@@ -416,6 +480,7 @@ class SegmentRecorder:
             sent = list(dict.fromkeys(ref for ref, _ in pending))[:1]  # a step forwards one payload
             self._pending_received.clear()
             self._pending_sent.clear()
+            self._pending_offered.clear()
         self._write_late_sent()
         if current is None or current.ended:
             return
@@ -463,11 +528,17 @@ class SegmentRecorder:
         with self._lock:
             steps = tuple(current.steps)
             headers = tuple(sorted(current.headers))
-        if current.overflowed or len(headers) > max_headers(len(steps)):
+            failed = tuple(current.failed)
+        if (
+            current.overflowed
+            or len(headers) > max_headers(len(steps))
+            or len(failed) > max_failed(len(steps))
+            or any(f.after >= len(steps) for f in failed)
+        ):
             if self._log:
                 self._log(
-                    f"segments: round {current.round} signed more pipeline headers than a log "
-                    f"holds ({max_headers(len(steps))}); no log for it"
+                    f"segments: round {current.round} signed more pipeline headers or failed more "
+                    f"steps than a log holds ({max_headers(len(steps))}, {max_failed(len(steps))}); no log for it"
                 )
             self._io(self.sink.abandon, current.round)
             self.flush()
@@ -481,6 +552,7 @@ class SegmentRecorder:
             steps=steps,
             checkpoints=tuple(o.sha256() for o in openings),
             headers=headers,
+            failed=failed,
         )
         commitment = (
             None

@@ -5,6 +5,9 @@ any k-step segment of any stage (node.segments records it; verifier.segmentcheck
   the messages it consumed (`ReceivedRef`, by hashes) and sent (`SentRef`);
 - `SignedHeader`: a pipeline header the replica signed (activations it offered a next-stage
   replica, taken or not; a gradient it answered with);
+- `FailedStep`: a micro-batch a later stage's replica forwarded and did not step on (every attempt
+  downstream failed, or its backward did): what it was given and what it offered, so the offer
+  can be replayed like a step's;
 - `SegmentLog`: a round's step records, checkpoint hashes and signed headers; its `root()` is a
   hash chain over them, which the receipt carries (`Receipt.segment_root`);
 - `SegmentCommitment`: the replica's signature on that root;
@@ -53,6 +56,12 @@ HEADERS_SLACK = 64
 def max_headers(steps: int) -> int:
     """The most signed headers a log of `steps` steps may hold."""
     return HEADERS_PER_STEP * steps + HEADERS_SLACK
+
+
+def max_failed(steps: int) -> int:
+    """The most failed steps a log of `steps` steps may hold (a replica whose downstream fails more
+    often than it steps records no log for the round)."""
+    return steps + HEADERS_SLACK
 
 
 _KIND = choice(KINDS)
@@ -165,6 +174,51 @@ class StepRecord:
         return sha256_hex(DOMAIN + b"\nstep\n" + canonical_json(self.to_obj()))
 
 
+@dataclass(frozen=True)
+class FailedStep:
+    """A micro-batch a replica of a middle stage (neither the first nor the last) took, forwarded,
+    and did not step on: every replica of the next stage it offered the activations to failed or
+    refused, or the step's backward did (node.stage_worker). A step that fails changes no weights,
+    so the offer was computed at the weights of the round's step `after` (the number of steps
+    recorded before it): a segment check replays it as it replays a step's forward, and its
+    `sent` holds the activations every attempt carried (one payload: a job encodes its output
+    once). A later stage's replica signs headers for such offers, and sender matching holds each
+    of them to a step or a failed step of the log (verifier.segmentcheck.contradicting).
+
+    `received` empty: the offer was signed by an earlier run of the round that a crash ended
+    (node.segments reads its headers back from disk); that run's weights are gone, so it is
+    listed, not replayed (module README: what is not checked)."""
+
+    after: int
+    micro_batch: str
+    received: tuple[ReceivedRef, ...]
+    sent: SentRef
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "after": self.after,
+            "micro_batch": self.micro_batch,
+            "received": [r.to_obj() for r in self.received],
+            "sent": self.sent.to_obj(),
+        }
+
+    @classmethod
+    def from_obj(cls, obj: Any, where: str) -> FailedStep:
+        if not isinstance(obj, dict) or set(obj) != {"after", "micro_batch", "received", "sent"}:
+            raise malformed(f"{where} must hold exactly after, micro_batch, received, sent")
+        sent = SentRef.from_obj(obj["sent"], f"{where}.sent")
+        if sent.kind != "activations":
+            raise malformed(f"{where}.sent must be activations (a failed step offered them on)")
+        return cls(
+            after=integer(0, MAX_STEPS)(obj["after"], f"{where}.after"),
+            micro_batch=_MICRO_BATCH(obj["micro_batch"], f"{where}.micro_batch"),
+            received=tuple(
+                ReceivedRef.from_obj(r, f"{where}.received") for r in _items(obj["received"], where)
+            ),
+            sent=sent,
+        )
+
+
 def _items(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list) or len(value) > MAX_MESSAGES_PER_STEP:
         raise malformed(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
@@ -197,6 +251,10 @@ class SegmentLog:
     from then still check (its root is the chain without them); sender matching holds such a log
     to its steps for a round received before the verifier started (an upgrade) and refuses it for
     a round received since (verifier.replaycheck)."""
+    failed: tuple[FailedStep, ...] | None = ()
+    """Every micro-batch the replica forwarded and did not step on (`FailedStep`), in the order they
+    happened (`after` never decreasing). None: a log written before logs listed them (2026-12-07,
+    later), read back as `headers` None is; its root is the chain without them."""
 
     def __post_init__(self) -> None:
         wanted = len(self.boundaries)
@@ -205,6 +263,17 @@ class SegmentLog:
                 f"segment log of {len(self.steps)} steps in segments of {self.segment_steps} needs "
                 f"{wanted} checkpoint hashes, has {len(self.checkpoints)}"
             )
+        if self.failed is not None:
+            afters = [f.after for f in self.failed]
+            if len(self.failed) > max_failed(len(self.steps)):
+                raise malformed(
+                    f"segment log of {len(self.steps)} steps lists {len(self.failed)} failed steps, "
+                    f"more than {max_failed(len(self.steps))}"
+                )
+            if afters != sorted(afters) or any(a >= len(self.steps) for a in afters):
+                raise malformed(
+                    "segment log failed steps must come in order, each before the round's last step"
+                )
         if self.headers is None:
             return
         if len(self.headers) > max_headers(len(self.steps)):
@@ -230,10 +299,16 @@ class SegmentLog:
             raise IndexError(f"segment {j} of a round with {len(b) - 1} segments")
         return b[j], b[j + 1]
 
+    def failures_in(self, j: int) -> list[int]:
+        """Indices in `failed` of the failed steps segment j replays: those that ran at its weights
+        (`after` in the segment) and name their input (not carried over from a crashed run)."""
+        first, end = self.segment(j)
+        return [i for i, f in enumerate(self.failed or ()) if first <= f.after < end and f.received]
+
     def root(self) -> str:
         """h ← sha256(h ‖ entry) over the header, then checkpoints and step records in step order,
         then the signed headers (one entry: the sha256 of their list; none in a log from before
-        they were listed)."""
+        they were listed), then the failed steps (likewise)."""
         head = {"stage": self.stage, "round": self.round, "k": self.segment_steps, "start": self.start_step}
         h = hashlib.sha256(DOMAIN + b"\nhead\n" + canonical_json(head)).digest()
         at = dict(zip(self.boundaries, self.checkpoints, strict=True))
@@ -242,10 +317,13 @@ class SegmentLog:
                 h = hashlib.sha256(h + b"C" + bytes.fromhex(at[i])).digest()
             if i < len(self.steps):
                 h = hashlib.sha256(h + b"S" + bytes.fromhex(self.steps[i].sha256())).digest()
-        if self.headers is None:
-            return h.hex()
-        headers = hashlib.sha256(DOMAIN + b"\nheaders\n" + canonical_json([x.to_obj() for x in self.headers]))
-        return hashlib.sha256(h + b"H" + headers.digest()).hexdigest()
+        if self.headers is not None:
+            listed = canonical_json([x.to_obj() for x in self.headers])
+            h = hashlib.sha256(h + b"H" + hashlib.sha256(DOMAIN + b"\nheaders\n" + listed).digest()).digest()
+        if self.failed is not None:
+            failed = canonical_json([x.to_obj() for x in self.failed])
+            h = hashlib.sha256(h + b"F" + hashlib.sha256(DOMAIN + b"\nfailed\n" + failed).digest()).digest()
+        return h.hex()
 
     def to_obj(self) -> dict[str, Any]:
         obj: dict[str, Any] = {
@@ -258,6 +336,8 @@ class SegmentLog:
         }
         if self.headers is not None:
             obj["headers"] = [x.to_obj() for x in self.headers]
+        if self.failed is not None:
+            obj["failed"] = [x.to_obj() for x in self.failed]
         return obj
 
     def to_json(self) -> bytes:
@@ -269,16 +349,19 @@ class SegmentLog:
 
     @classmethod
     def from_obj(cls, obj: Any) -> SegmentLog:
-        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints", "headers"}
-        if not isinstance(obj, dict) or not keys - {"headers"} <= set(obj) <= keys:
+        keys = {"stage", "round", "segment_steps", "start_step", "steps", "checkpoints", "headers", "failed"}
+        if not isinstance(obj, dict) or not keys - {"headers", "failed"} <= set(obj) <= keys:
             raise malformed(
-                f"segment log must hold exactly {', '.join(sorted(keys))} (headers may be absent)"
+                f"segment log must hold exactly {', '.join(sorted(keys))} (headers and failed may be absent)"
             )
         steps, hashes, headers = obj["steps"], obj["checkpoints"], obj.get("headers", [])
+        failed = obj.get("failed", [])
         if not isinstance(steps, list) or len(steps) > MAX_STEPS or not isinstance(hashes, list):
             raise malformed(f"segment log steps must be a list of at most {MAX_STEPS}")
         if not isinstance(headers, list) or len(headers) > max_headers(len(steps)):
             raise malformed(f"segment log headers must be a list of at most {max_headers(len(steps))}")
+        if not isinstance(failed, list) or len(failed) > max_failed(len(steps)):
+            raise malformed(f"segment log failed steps must be a list of at most {max_failed(len(steps))}")
         return cls(
             stage=integer(0, MAX_STAGE)(obj["stage"], "segment log stage"),
             round=integer(0, MAX_COUNT)(obj["round"], "segment log round"),
@@ -288,6 +371,9 @@ class SegmentLog:
             checkpoints=tuple(hex_bytes(32)(h, "segment log checkpoint") for h in hashes),
             headers=tuple(SignedHeader.from_obj(x, "segment log header") for x in headers)
             if "headers" in obj
+            else None,
+            failed=tuple(FailedStep.from_obj(x, f"segment log failed step {i}") for i, x in enumerate(failed))
+            if "failed" in obj
             else None,
         )
 

@@ -1360,6 +1360,12 @@ class ReplayChecker:
             # A round committed before this verifier started may be an older node's, from before
             # logs listed their headers (an upgrade): held to its steps only (`contradicting`).
             problem = "its log lists no signed headers (a log from before 2026-12-07), which a node must"
+        if problem is None and signed.log.failed is None and received_at >= self.started_at:
+            # Likewise a log from before failed steps were listed: its middle stage's offers are
+            # not held to its steps (`contradicting`), so one received since must list them.
+            problem = (
+                "its log lists no failed steps (a log from before 2026-12-07, later), which a node's must"
+            )
         if problem is None and signed.commitment.network != self.ctx.network.digest():
             # Headers are held only to a log of their own run: one naming another, or none, would
             # keep the sender out of every claim (a node names its run: NetworkDefinition.digest).

@@ -27,6 +27,7 @@ or by the senders it names, so anyone with the run's definition and data re-chec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import random
@@ -206,6 +207,7 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
         got = {(kind, sha256_hex(body)) for kind, body in served}
         if got != recorded:
             problems.append(f"step {i}: the payloads served as sent are not the ones its record names")
+    problems += _failed_problems(material, claim)
     if (
         claim.stage == 0
         and claim.spans
@@ -213,6 +215,28 @@ def commitment_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[
     ):
         problems.append("the log's data spans differ from the receipt's")
     return problems
+
+
+def _failed_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]:
+    """The failed steps the segment replays (`SegmentLog.failures_in`) against what was served for
+    them: each ran on one activations message, signed for this replica and micro-batch, and
+    offered the payload its record names. Only a middle stage forwards what it may fail to step on."""
+    log, out = material.log, []
+    if log.failed and not 0 < claim.stage < claim.num_stages - 1:
+        out.append(
+            f"the log lists failed steps, which a stage {claim.stage} replica of {claim.num_stages} never has"
+        )
+    if [n for n, _, _ in material.failed] != log.failures_in(material.segment):
+        return [*out, "the failed steps served are not the ones the segment replays"]
+    for n, messages, offered in material.failed:
+        failed = log.failed[n]  # type: ignore[index]  # failures_in found them
+        record = StepRecord(micro_batch=failed.micro_batch, received=list(failed.received))
+        out += _step_problems(f"failed {n}", record, messages, claim, ["activations"])
+        if sha256_hex(offered) != failed.sent.payload_sha256:
+            out.append(
+                f"failed step {n}: the activations served as offered are not the ones its record names"
+            )
+    return out
 
 
 def _round_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]:
@@ -236,14 +260,23 @@ def _round_problems(material: SegmentMaterial, claim: SegmentClaim) -> list[str]
     return out
 
 
-def _step_problems(i: int, step: StepRecord, messages: Sequence[Received], claim: SegmentClaim) -> list[str]:
+def _step_problems(
+    i: int | str,
+    step: StepRecord,
+    messages: Sequence[Received],
+    claim: SegmentClaim,
+    wanted: list[str] | None = None,
+) -> list[str]:
+    """What is wrong with step `i`'s served messages (`wanted`: the kinds it must have consumed;
+    default, what a step of the claim's stage consumes)."""
     out = []
     if [m.ref() for m in messages] != step.received:
         return [f"step {i}: the messages served differ from the ones its record commits to"]
     kinds = [m.kind for m in messages]
-    wanted = (["activations"] if claim.stage > 0 else []) + (
-        ["gradient"] if claim.stage < claim.num_stages - 1 else []
-    )
+    if wanted is None:
+        wanted = (["activations"] if claim.stage > 0 else []) + (
+            ["gradient"] if claim.stage < claim.num_stages - 1 else []
+        )
     if kinds != wanted:
         return [
             f"step {i}: received {kinds}, a stage {claim.stage} step of {claim.num_stages} takes {wanted}"
@@ -371,11 +404,14 @@ def contradicting(
       signs in the log of the round the header names, activations offered whether the receiver
       took them or not, gradients answered with; node.segments, on disk before it is sent, so a
       round redone after a crash lists the crashed run's too);
-    - from a driver (stage 0), the activations the log's step on that micro-batch records sending,
-      whoever it sent them to: a driver names each micro-batch after its own inner step
+    - activations must be what the log's steps on that micro-batch record sending, whoever they
+      went to: a driver (stage 0) names each micro-batch after its own inner step
       (protocol.pipeline.micro_batch_id) and sends every attempt the same bytes (node.p2p.pipeline
-      `forward`), so an attempt whose answer was lost is held to the step too (a later stage
-      replica's step may fail and its micro-batch go elsewhere: its lost attempts are not);
+      `forward`), so an attempt whose answer was lost is held to the step too. A later stage's
+      replica also encodes a micro-batch's output once per job, and a job whose every attempt
+      failed is listed as a failed step (`FailedStep`, replayed by a segment check like a step),
+      so its activations are held to its steps and failed steps on that micro-batch. A later
+      stage's log from before failed steps were listed (`failed` None) is not held to this;
     - and a step of the log that records the receiver's answer to the micro-batch (a received
       message from `receiver`: the gradient its activations got back, or the activations its
       gradient answered) must record sending that payload among what it sent of that kind; a
@@ -402,14 +438,20 @@ def contradicting(
                 sent.setdefault((step.micro_batch, kind), set())
             for ref in step.sent:
                 sent[(step.micro_batch, ref.kind)].add(ref.payload_sha256)
-    driven: dict[str, set[str]] = {}
-    """A driver's (stage 0's) steps: micro-batch id → the activations they sent, to anyone."""
-    if log.stage == 0:
-        for step in log.steps:
-            if step.micro_batch:
-                driven.setdefault(step.micro_batch, set()).update(
-                    ref.payload_sha256 for ref in step.sent if ref.kind == "activations"
-                )
+    offered: dict[str, set[str]] = {}
+    """Micro-batch id → the activations the log's steps (and, past stage 0, its failed steps)
+    record sending on, to anyone."""
+    held = log.stage == 0 or log.failed is not None
+    """Whether every activations header is held to `offered`: a driver's always; a later stage's
+    when its log lists its failed steps (a log from before they were listed is not)."""
+    for step in log.steps:
+        if step.micro_batch:
+            offered.setdefault(step.micro_batch, set()).update(
+                ref.payload_sha256 for ref in step.sent if ref.kind == "activations"
+            )
+    if log.stage > 0:
+        for failed in log.failed or ():
+            offered.setdefault(failed.micro_batch, set()).add(failed.sent.payload_sha256)
     for message in messages:
         if message.sender != signer or sender_round(message) != (log.stage, log.round):
             continue
@@ -428,16 +470,18 @@ def contradicting(
         ):
             out.append((message, f"{named} for round {log.round}, whose log does not list that header"))
             continue
-        if listed is not None and log.stage == 0:
+        if listed is not None and held and message.kind == "activations":
             # A driver names each micro-batch after its own step and sends every attempt of it the
-            # same bytes, so what it signed for any replica is what that step records sending.
-            stepped = driven.get(header.micro_batch)
+            # same bytes; a later stage's replica encodes a micro-batch's output once per job and
+            # records each job as a step or a failed step. So whoever it went to, what it signed is
+            # what one of those records sending.
+            stepped = offered.get(header.micro_batch)
             if stepped is None:
                 out.append((message, f"{named} for round {log.round}, whose log has no step on it"))
                 continue
             if header.payload_sha256 not in stepped:
                 what = ", ".join(sorted(r[:16] for r in stepped)) or "nothing"
-                out.append((message, f"{named}, its step on it records sending {what}"))
+                out.append((message, f"{named}, its steps on it record sending {what}"))
                 continue
         recorded = sent.get((header.micro_batch, message.kind))
         if recorded is not None and header.payload_sha256 not in recorded:
@@ -479,6 +523,22 @@ def step_inputs(
     return out
 
 
+def failed_inputs(material: SegmentMaterial, claim: SegmentClaim) -> list[tuple[int, Tensor, Tensor]]:
+    """(after, activations, labels) of each failed step the segment replays, decoded (after
+    `commitment_problems` came back empty). Raises Refused as `step_inputs` does."""
+    vocab = label_bound(claim.model, claim.stage, claim.num_stages)
+    out = []
+    for n, messages, _ in material.failed:
+        header = ActivationHeader.from_json(messages[0].header)
+        inputs, labels = decode_activations(messages[0].body, header, vocab)
+        out.append((material.log.failed[n].after, inputs, labels))  # type: ignore[index]
+    return out
+
+
+class _Abandoned(Exception):
+    """Ends a replayed failed step once its forward is captured (nothing is stepped)."""
+
+
 def at_material_vocab(claim: SegmentClaim, material: SegmentMaterial) -> SegmentClaim:
     """`claim` with the model at the vocabulary the material's weights hold: the definition's, or
     grown (verifier.stageshape). ValueError when they are no vocabulary of this stage's model, or
@@ -495,11 +555,15 @@ def replay_segment(
     material: SegmentMaterial,
     steps: Sequence[StepInputs],
     outputs: list[dict[str, Tensor]] | None = None,
+    failed: Sequence[tuple[int, Tensor, Tensor]] = (),
+    offers: list[Tensor] | None = None,
 ) -> Tensor:
     """The weights (d,) after replaying the segment's steps from its start checkpoint (`claim`'s
     model at the material's vocabulary: `at_material_vocab`). `outputs`, when given, gets per step
     what the step sends on as it computes it: "activations" (the stage's output, not the last
-    stage) and "gradient" (∂loss/∂input, not stage 0), float32 on the CPU."""
+    stage) and "gradient" (∂loss/∂input, not stage 0), float32 on the CPU. `failed`
+    (`failed_inputs`): each failed step's forward runs before the step its `after` names, as the
+    replica ran it, and ends without a step; `offers` gets its activations, in order."""
     model = build_stage(claim.model, claim.stage, claim.num_stages)
     copy_into_parameters(material.start.weights, model.parameters())
     current: list[StepInputs] = []
@@ -518,7 +582,18 @@ def replay_segment(
     install_inner_state(diloco, material.start.inner)
     first, _ = material.log.segment(material.segment)
     diloco.round, diloco.steps_in_round = claim.round, first
-    for step in steps:
+    pending = list(failed)
+
+    def offered(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
+        if offers is not None:
+            offers.append(hidden.detach().float().cpu())
+        raise _Abandoned
+
+    for index, step in enumerate(steps):
+        while pending and pending[0][0] == first + index:
+            _, inputs, labels = pending.pop(0)
+            with contextlib.suppress(_Abandoned):
+                stage_inner_step(diloco, inputs, labels, offered)
         current[:] = [step]
         if outputs is not None:
             outputs.append({})
@@ -709,6 +784,30 @@ def sent_problem(
     return None
 
 
+def offer_problem(
+    claim: SegmentClaim,
+    material: SegmentMaterial,
+    failed: Sequence[tuple[int, Tensor, Tensor]],
+    offers: Sequence[Tensor],
+) -> str | None:
+    """The first failed step whose offered activations are not what its replayed forward computed
+    (within SENT_TOLERANCE, as a step's), or carry other labels than it was given; None when none."""
+    vocab = label_bound(claim.model, claim.stage, claim.num_stages)
+    for (n, messages, body), (_, _, labels), replayed in zip(material.failed, failed, offers, strict=True):
+        header_codec = ActivationHeader.from_json(messages[0].header).codec
+        shape = cast(tuple[int, int, int], tuple(replayed.shape))
+        try:
+            sent, sent_labels = decode_activations_as(body, shape, header_codec, vocab)
+        except Refused as exc:
+            return f"failed step {n}: the activations it offered do not decode: {exc}"
+        if not torch.equal(sent_labels, labels.long().cpu()):
+            return f"failed step {n}: the activations it offered carry other labels than it was given"
+        result = compare_sent(sent, replayed, codec(header_codec).forward)
+        if not result.ok:
+            return f"failed step {n}: the activations it offered are not what its forward computes ({result.reason})"
+    return None
+
+
 # --- 3. the verdict ----------------------------------------------------------------------------
 
 
@@ -731,10 +830,12 @@ def check_segment(
         return SegmentVerdict(False, f"the material is not this stage's model: {exc}")
     try:
         steps = step_inputs(material, claim, read_batch)
+        failed = failed_inputs(material, claim)
     except Refused as exc:
         return SegmentVerdict(False, f"a recorded payload does not decode: {exc}")
     outputs: list[dict[str, Tensor]] = []
-    replayed = replay_segment(claim, material, steps, outputs)
+    offers: list[Tensor] = []
+    replayed = replay_segment(claim, material, steps, outputs, failed, offers)
     start = material.start.weights
     result = compare_deltas(material.end.weights - start, replayed - start, tolerance)
     counted = material.end.inner.steps - material.start.inner.steps
@@ -751,7 +852,9 @@ def check_segment(
             result.norm_ratio,
         )
     if result.ok:
-        problem = sent_problem(claim, material, steps, outputs)
+        problem = sent_problem(claim, material, steps, outputs) or offer_problem(
+            claim, material, failed, offers
+        )
         if problem is not None:
             return SegmentVerdict(False, problem, True, result.cosine, result.norm_ratio)
     return SegmentVerdict(result.ok, result.reason, True, result.cosine, result.norm_ratio)

@@ -403,7 +403,14 @@ class PipelineClient:
             )  # fmt: skip
             if self.segments is not None:  # every header it signs, taken or not, on disk before it leaves
                 await asyncio.get_running_loop().run_in_executor(
-                    None, self.segments.note_header, round_, "activations", micro_batch, pick, payload_sha256
+                    None,
+                    self.segments.note_header,
+                    round_,
+                    "activations",
+                    micro_batch,
+                    pick,
+                    payload_sha256,
+                    body,
                 )
             outcome = await self._try(live[pick], body, header, reply_bound)
             if isinstance(outcome, tuple):

@@ -676,7 +676,7 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     # Listed, but its step with this replica records sending other bytes: a contradiction as well.
     listed_too = offers(sender_steps) | {offer(sender_steps[3].micro_batch, me, sha256_hex(consumed[3].body))}
     (stepped,) = sent_contradictions(signed(sender_steps, offered=listed_too), consumed, me)
-    assert "records sending 0000" in stepped
+    assert "record sending 0000" in stepped
     # the receipt committed to the honest chain: a lying log served later is not its commitment
     assert "receipt committed" in (signed_log_problem(lying, PREV.public_key_hex, 0, ROUND, root) or "")
     forged = signed(sender_steps, by=NEXT)  # signed by someone else
@@ -699,7 +699,7 @@ def test_a_sender_whose_log_contradicts_the_headers_it_signed_is_caught(tmp_path
     garbage = offers(retried) | {offer(micro_batch(consumed[3]), me, real3)}
     forged_step = [*retried[:3], step(consumed[3], "2" * 64, NEXT.public_key_hex), *retried[4:]]
     (ignored,) = sent_contradictions(signed(forged_step, offered=garbage | offers(forged_step)), consumed, me)
-    assert "its step on it records sending 2222" in ignored
+    assert "its steps on it record sending 2222" in ignored
     # A log from before logs listed their headers (an old fraud proof's) is held to its steps only.
     unlisted = dataclasses.replace(signed(retried).log, headers=None)
     old = SignedSegmentLog(
