@@ -34,6 +34,7 @@ from neuroshard.node.work import RoundWork
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.reports import DataSpan, Receipt
 from neuroshard.protocol.segments import (
+    FailedStep,
     Received,
     ReceivedRef,
     SegmentCommitment,
@@ -41,6 +42,7 @@ from neuroshard.protocol.segments import (
     SentRef,
     SignedHeader,
     StepRecord,
+    max_failed,
     max_headers,
     segment_boundaries,
 )
@@ -130,6 +132,43 @@ def test_a_log_from_before_headers_were_listed_reads_back_with_its_old_root() ->
     assert log.root() != _log().root() and SegmentLog.from_json(log.to_json()).root() == log.root()
 
 
+def _failed(after: int, received: tuple[ReceivedRef, ...] = ()) -> FailedStep:
+    return FailedStep(
+        after=after, micro_batch="ab" * 16, received=received,
+        sent=SentRef(kind="activations", payload_sha256="22" * 32),
+    )  # fmt: skip
+
+
+def test_a_log_s_failed_steps_are_bound_into_its_root_and_checked_when_read() -> None:
+    """Failed steps (a middle stage's micro-batches offered downstream and never stepped on) are a
+    chain entry of their own: a log that lists one has another root, one from before they were
+    listed (no "failed" key) keeps its old root and writes back as it was, and a list out of
+    order, past the round's last step, too long, or naming a gradient as offered is refused."""
+    given = ReceivedRef(
+        kind="activations", sender="aa" * 32, header_sha256="bb" * 32, payload_sha256="cc" * 32
+    )
+    listed = _log(failed=(_failed(0), _failed(2, (given,))))
+    back = SegmentLog.from_json(listed.to_json())
+    assert back == listed and back.root() == listed.root() != _log().root()
+    assert listed.failures_in(0) == [] and listed.failures_in(1) == [
+        1
+    ]  # one without its input is not replayed
+    old = _log().to_obj()
+    del old["failed"]
+    before = SegmentLog.from_obj(old)
+    assert before.failed is None and before.to_obj() == old and before.root() != _log().root()
+    assert before.failures_in(0) == []
+    for wrong in ((_failed(3), _failed(1)), (_failed(5),)):
+        with refused("malformed", match="in order, each before the round's last step"):
+            _log(failed=wrong)
+    too_many = [_failed(0).to_obj() for _ in range(max_failed(5) + 1)]
+    with refused("malformed", match="failed steps must be a list of at most"):
+        SegmentLog.from_obj({**_log().to_obj(), "failed": too_many})
+    gradient = {**_failed(1).to_obj(), "sent": {"kind": "gradient", "payload_sha256": "22" * 32}}
+    with refused("malformed", match="must be activations"):
+        SegmentLog.from_obj({**_log().to_obj(), "failed": [gradient]})
+
+
 def _listed(headers: list[SignedHeader]) -> bytes:
     return b'"headers":[' + b",".join(x.to_json() for x in headers) + b"]"
 
@@ -187,6 +226,74 @@ def test_every_header_signed_is_listed_in_the_round_it_names_even_across_a_crash
     diloco.outer_step(diloco.pseudo_gradient())
     assert recorder.close_round(WALLET) is None
     assert any("more pipeline headers or failed more steps than a log holds" in line for line in said)
+
+
+def test_a_failed_step_is_kept_with_what_it_ran_on_and_a_crashed_run_s_offers_are_carried(
+    tmp_path: Path,
+) -> None:
+    """A later stage's micro-batch that offered activations downstream and failed is recorded as a
+    failed step after the steps before it, with the message it ran on; the store keeps that and
+    the offered bytes, and the material of its segment carries them (through the wire's encoding).
+    A failure that offered nothing records nothing. Offers a crashed run signed naming the round
+    are carried into the redone round's log as failed steps without their input, once each."""
+    store = SegmentStore(tmp_path, SegmentConfig(segment_steps=2), log=lambda _: None)
+    crashed = SegmentRecorder(SegmentConfig(segment_steps=2), stage=1, sink=store)
+    diloco = _engine()
+    crashed.start_round(diloco)
+    round_ = diloco.round
+    for to in ("aa" * 32, "bb" * 32):  # one offer to two replicas, then the process dies
+        crashed.note_header(round_, "activations", "01" * 16, to, "cc" * 32, b"offer")
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=2), stage=1, sink=store)
+    recorder.start_round(diloco)
+    given = Received("activations", "dd" * 32, b"header", b"input")
+    first = f"{1:032x}"
+    for i in range(diloco.config.inner_steps):
+        mb = f"{i:032x}"
+        if i == 1:
+            recorder.note_failed("ee" * 16, [given])  # failed before it offered anything
+            for to in ("aa" * 32, "bb" * 32):
+                recorder.note_header(round_, "activations", mb, to, sha256_hex(b"first"), b"first")
+            recorder.note_failed(mb, [given])
+        diloco.inner_step(*_batch(i))
+        recorder.record_step(diloco, micro_batch=mb, received=[given])
+    recorder.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = recorder.close_round(WALLET)
+    assert closed is not None
+    log, _ = closed
+    offered = SentRef(kind="activations", payload_sha256=sha256_hex(b"first"))
+    assert log.failed == (
+        FailedStep(
+            after=0,
+            micro_batch="01" * 16,
+            received=(),
+            sent=SentRef(kind="activations", payload_sha256="cc" * 32),
+        ),
+        FailedStep(after=1, micro_batch=first, received=(given.ref(),), sent=offered),
+    )
+    assert store.load_failed(round_, 1) == ([given], b"first") and store.load_failed(round_, 0) is None
+    material = store.material(round_, 0)
+    assert material is not None and [(n, body) for n, _, body in material.failed] == [(1, b"first")]
+    wire = SegmentMaterial.decode(
+        material.encode(), numel=material.start.weights.numel(), n_tensors=material.start.inner.steps.numel()
+    )
+    assert wire.failed == material.failed == ((1, (given,), b"first"),)
+    assert store.material(round_, 1) is not None and store.material(round_, 1).failed == ()  # type: ignore[union-attr]
+    # A driver redoing a round re-sends its own ids' bytes: it carries nothing over.
+    driver = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0, sink=store)
+    store.header(
+        round_ + 1,
+        SignedHeader(kind="activations", micro_batch="01" * 16, to="aa" * 32, payload_sha256="cc" * 32),
+    )
+    diloco.round, diloco.steps_in_round = round_ + 1, 0
+    driver.start_round(diloco)
+    for i in range(diloco.config.inner_steps):
+        diloco.inner_step(*_batch(i))
+        driver.record_step(diloco, micro_batch=f"{i:032x}")
+    driver.end_round(diloco)
+    diloco.outer_step(diloco.pseudo_gradient())
+    closed = driver.close_round(WALLET)
+    assert closed is not None and closed[0].failed == ()
 
 
 def test_received_and_sent_refs_are_hashes_of_what_travelled() -> None:

@@ -311,3 +311,43 @@ def test_replies_land_on_their_own_steps_when_one_id_is_trained_twice() -> None:
     assert len(replies) == H
     recorded = [step.sent for step in logs[0].steps]
     assert recorded == [[SentRef(kind="gradient", payload_sha256=sha256_hex(r[0]))] for r in replies]  # type: ignore[arg-type]
+
+
+def test_a_middle_stage_job_that_offered_its_output_and_failed_is_a_failed_step() -> None:
+    """A middle stage's job whose every attempt downstream failed answers its sender with the error
+    (it retries) and is recorded as a failed step after the steps before it, with the message it
+    ran on and the activations it offered (node.segments.note_failed): the headers it signed for
+    them are held to that record, and a segment check replays it. Its retry, at the same weights,
+    offers the same bytes and becomes the step."""
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
+    engine = DiLoCo(
+        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
+        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
+    )
+    recorder.start_round(engine)
+    tries: list[str] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor, mb: str) -> tuple[torch.Tensor, float]:
+        body = hidden.numpy().tobytes()
+        recorder.note_header(engine.round, "activations", mb, "bb" * 32, sha256_hex(body), body)
+        tries.append(mb)
+        if len(tries) == 1:
+            raise ConnectionError("no replica of stage 2 took it")
+        recorder.note_sent(mb, "activations", sha256_hex(body), body)
+        return torch.zeros_like(hidden), 1.0
+
+    worker = StageWorker(
+        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
+        segments=recorder,
+    )  # fmt: skip
+    results: list[JobResult] = []
+    first, again = _job(results, 0), _job(results, 0)
+    first.received = again.received = Received("activations", SENDER, b"{}", b"x")
+    worker.jobs.offer(first)
+    worker.jobs.offer(again)
+    worker.run(threading.Event(), 0.01)
+    assert isinstance(results[0], ConnectionError) and isinstance(results[1], tuple), results
+    current = recorder._current
+    assert current is not None and [(f.after, f.micro_batch) for f in current.failed] == [(0, f"{0:032x}")]
+    assert current.failed[0].received == (first.received.ref(),)
+    assert current.steps[0].sent[0] == current.failed[0].sent  # the same weights offer the same bytes

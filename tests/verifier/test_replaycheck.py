@@ -441,14 +441,18 @@ def test_a_sender_behind_nat_is_asked_for_its_log_through_the_bucket(
     assert "the bucket failed the verifier 4 times" in lines[-1], lines[-1]
 
 
+@pytest.mark.parametrize(
+    ("missing", "said"), [("headers", "lists no signed headers"), ("failed", "lists no failed steps")]
+)
 def test_a_sender_log_that_lists_no_signed_headers_is_not_its_log(
-    db: Database, published: PublishedData
+    db: Database, published: PublishedData, missing: str, said: str
 ) -> None:
-    """Logs list every header their replica signed since 2026-12-07 (protocol.segments.SignedHeader):
-    one without that list, which a sender could serve to keep its headers from being held to it
-    (only its steps would count), is not read as its log for a round received since the checker
-    started; tried again until the window ends. For a round received before (a node of the older
-    code, across an upgrade) it is held to its steps, as then."""
+    """Logs list every header their replica signed since 2026-12-07 (protocol.segments.SignedHeader),
+    and later that day their failed steps (FailedStep): one without either list, which a sender
+    could serve to keep its headers from being held to it (only its steps would count), is not
+    read as its log for a round received since the checker started; tried again until the window
+    ends. For a round received before (a node of the older code, across an upgrade) it is held
+    to its steps, as then."""
     from neuroshard.protocol.segments import SegmentCommitment, SegmentLog, SignedSegmentLog, StepRecord
 
     _register(db, "http://127.0.0.1:9")
@@ -456,7 +460,7 @@ def test_a_sender_log_that_lists_no_signed_headers_is_not_its_log(
 
     def unlisted(round_: int) -> SignedSegmentLog:
         log = SegmentLog(stage=0, round=round_, segment_steps=1, start_step=0, steps=(StepRecord(),),
-                         checkpoints=("ab" * 32, "cd" * 32), headers=None)  # fmt: skip
+                         checkpoints=("ab" * 32, "cd" * 32), **{missing: None})  # fmt: skip
         commitment = SegmentCommitment.create(NODE, stage=0, round=round_, root=log.root(), network=run)
         return SignedSegmentLog(log, commitment)
 
@@ -468,9 +472,9 @@ def test_a_sender_log_that_lists_no_signed_headers_is_not_its_log(
     for round_, ended in ((2, False), (1, True)):
         match = SenderMatch(NODE.public_key_hex, 0, round_, "receiver-wallet", "ab" * 32, [], time.time())
         assert checker._match_sender(match) is ended, lines
-    assert any("round 2 not read yet" in line and "lists no signed headers" in line for line in lines), lines
+    assert any("round 2 not read yet" in line and said in line for line in lines), lines
     log = unlisted(2).log
-    assert SegmentLog(**{**log.__dict__, "headers": ()}).root() != log.root()  # the list is in the root
+    assert SegmentLog(**{**log.__dict__, missing: ()}).root() != log.root()  # the list is in the root
 
 
 def _bucket_check(

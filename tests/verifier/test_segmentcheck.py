@@ -38,6 +38,7 @@ from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import (
+    FailedStep,
     Received,
     ReceivedRef,
     SegmentCommitment,
@@ -178,10 +179,13 @@ def train_round(
     recorded: Callable[[int, Received], Received] | None = None,
     sends: Callable[[int, Tensor], Tensor] | None = None,
     unrecorded: int | None = None,
+    fails: dict[int, Callable[[Tensor], Tensor]] | None = None,
 ) -> Run:
     """One replica's round of H steps with a SegmentRecorder, as the node records it. `sends`:
     (step, what the step computed) -> what the replica sends on instead (and records as sent);
-    `unrecorded`: a step whose gradient sent back the replica leaves out of its log."""
+    `unrecorded`: a step whose gradient sent back the replica leaves out of its log; `fails`
+    (a middle stage): before step i, a micro-batch whose forward it offers downstream (the tensor
+    it computed, through the hook) and whose every attempt fails, as the node records it."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
     run_digest = _run_network(num_stages=num_stages).digest()  # the run `_definition` describes
@@ -206,6 +210,29 @@ def train_round(
     recorder.start_round(diloco)
     spans = []
     for i in range(H):
+        if fails is not None and i in fails:
+            offer = fails[i]
+            act, failed_mb = activations(100 + i, stage=stage)
+            inputs, labels = decode_activations(
+                act.body, ActivationHeader.from_json(act.header), MODEL.vocab_size
+            )
+
+            def unanswered(
+                hidden: Tensor,
+                labels: Tensor,
+                offer: Callable[[Tensor], Tensor] = offer,
+                failed_mb: str = failed_mb,
+            ) -> tuple[Tensor, float]:
+                body = encode_activations(offer(hidden), labels, CODEC)
+                for to in (NEXT, PREV):  # two replicas of the next stage tried, both failed
+                    recorder.note_header(
+                        ROUND, "activations", failed_mb, to.public_key_hex, sha256_hex(body), body
+                    )
+                raise ConnectionError("no replica of the next stage took it")
+
+            with pytest.raises(ConnectionError):
+                stage_inner_step(diloco, inputs, labels, unanswered)
+            recorder.note_failed(failed_mb, [act])
         span, received, mb, reply = None, [], "", None
         if stage == 0:
             span = (3, i * B, (i + 1) * B)
@@ -419,6 +446,115 @@ def test_what_a_replica_sends_on_is_held_to_what_its_step_computes(
     kw = dict(model=MODEL, diloco=DILOCO, num_stages=num_stages, read_batch=read_batch, spans=run.spans)
     proof = SegmentFraudProof(run.material(1))
     assert judge_fraud_proof(proof, tolerance=calibrated_tolerance(K), **kw).proves
+
+
+def test_a_middle_stage_s_failed_steps_are_listed_and_replayed(tmp_path: Path) -> None:
+    """A middle stage's micro-batch whose every attempt downstream failed changed no weights, but
+    the activations it offered were signed for the replicas it tried: the log lists it as a
+    failed step (what it ran on, what it offered, after which step), the store keeps its bytes,
+    and the segment it ran in replays its forward and holds the offer to it as it holds a step's.
+    An honest one passes; a replica that offered something else than its forward computed fails
+    that segment, and the material proves it alone."""
+    honest = train_round(tmp_path / "honest", stage=1, num_stages=3, fails={1: lambda t: t, 5: lambda t: t})
+    material = honest.material(1)
+    log = material.log
+    assert log.failed is not None and [f.after for f in log.failed] == [1, 5]
+    assert [n for n, _, _ in material.failed] == log.failures_in(1) == [1]
+    assert log.failures_in(0) == [0] and len(honest.material(0).failed) == 1
+    assert check(honest, 0).ok and check(honest, 1).ok
+    headers = {(h.micro_batch, h.payload_sha256) for h in log.headers or ()}
+    assert {(f.micro_batch, f.sent.payload_sha256) for f in log.failed} <= headers
+    for lie in ("scaled", "noise", "stale"):
+        liar = train_round(tmp_path / lie, stage=1, num_stages=3, fails={5: SENT_LIES[lie]})
+        assert check(liar, 0).ok
+        verdict = check(liar, 1)
+        assert not verdict.ok and verdict.replayed, (lie, verdict.reason)
+        assert "failed step 0: the activations it offered are not what its forward computes" in verdict.reason
+        kw = dict(model=MODEL, diloco=DILOCO, num_stages=3, read_batch=read_batch, spans=liar.spans)
+        assert judge_fraud_proof(
+            SegmentFraudProof(liar.material(1)), tolerance=calibrated_tolerance(K), **kw
+        ).proves
+    # Served without the failed step's bytes, or with other ones: the material is not the log's.
+    other = dataclasses.replace(material, failed=())
+    assert (
+        "the failed steps served are not the ones the segment replays"
+        in check_segment(honest.claim(), other, SEGMENT_TOLERANCE).reason
+    )
+    n, messages, body = material.failed[0]
+    swapped = dataclasses.replace(material, failed=((n, messages, body[:-1] + bytes([body[-1] ^ 1])),))
+    assert (
+        "are not the ones its record names"
+        in check_segment(honest.claim(), swapped, SEGMENT_TOLERANCE).reason
+    )
+    # A last stage forwards nothing, so lists no failed step.
+    claim = dataclasses.replace(honest.claim(), num_stages=2, stage=1)
+    assert "never has" in " ".join(commitment_problems(material, claim))
+
+
+def test_a_middle_stage_is_held_to_its_steps_and_failed_steps_on_a_micro_batch() -> None:
+    """A middle stage that sends one replica of the next stage garbage, ignores its answer and
+    records its step against another replica contradicts its own log: what it signs for a
+    micro-batch is held to its steps and failed steps on it, whoever the header went to (each job
+    encodes its output once). A failed step that names the offer is an honest log (and is replayed
+    by a segment check); a log from before failed steps were listed is not held to this."""
+    me, elsewhere = REPLICA.public_key_hex, NEXT.public_key_hex
+    consumed = [activations(i, stage=2)[0] for i in range(H)]  # signed by PREV, a stage-1 replica
+    mbs = [ActivationHeader.from_json(m.header).micro_batch for m in consumed]
+    given = ReceivedRef(
+        kind="activations", sender="aa" * 32, header_sha256="cd" * 32, payload_sha256="ef" * 32
+    )
+
+    def answer(by: str) -> ReceivedRef:
+        return ReceivedRef(kind="gradient", sender=by, header_sha256="cd" * 32, payload_sha256="ef" * 32)
+
+    def step(i: int, payload: str, by: str = me) -> StepRecord:
+        return StepRecord(
+            micro_batch=mbs[i], received=[given, answer(by)],
+            sent=[SentRef(kind="activations", payload_sha256=payload), SentRef(kind="gradient", payload_sha256="12" * 32)],
+        )  # fmt: skip
+
+    def offer(i: int, to: str, payload: str) -> SignedHeader:
+        return SignedHeader(kind="activations", micro_batch=mbs[i], to=to, payload_sha256=payload)
+
+    def signed(
+        steps: list[StepRecord], listed: set[SignedHeader], failed: tuple[FailedStep, ...] | None = ()
+    ) -> SignedSegmentLog:
+        log = SegmentLog(stage=1, round=ROUND, segment_steps=K, start_step=ROUND * H, steps=tuple(steps),
+                         checkpoints=tuple("ab" * 32 for _ in segment_boundaries(len(steps), K)),
+                         headers=tuple(sorted(listed)), failed=failed)  # fmt: skip
+        return SignedSegmentLog(
+            log, SegmentCommitment.create(PREV, stage=1, round=ROUND, root=log.root(), network=RUN)
+        )
+
+    real = [sha256_hex(m.body) for m in consumed]
+    steps = [step(i, real[i]) for i in range(H)]
+    listed = {offer(i, me, real[i]) for i in range(H)}
+    assert sent_contradictions(signed(steps, listed), consumed, me) == []
+    # Garbage to this replica for micro-batch 3, its answer ignored, the step recorded with another.
+    steps[3] = step(3, "1" * 64, elsewhere)
+    listed.add(offer(3, elsewhere, "1" * 64))
+    lying = signed(steps, listed)
+    (problem,) = sent_contradictions(lying, consumed, me)
+    assert f"micro-batch {mbs[3]}" in problem and "its steps on it record sending 1111" in problem
+    proof = SenderFraudProof(lying, Received(consumed[3].kind, consumed[3].sender, consumed[3].header, b""))
+    assert judge_sender_proof(proof, num_stages=3, network=RUN).proves
+    # The same offer as a failed step (every attempt failed, the micro-batch retried and stepped
+    # with the other replica): listed, so no contradiction here; its segment check replays it.
+    failed = (
+        FailedStep(
+            after=3,
+            micro_batch=mbs[3],
+            received=(given,),
+            sent=SentRef(kind="activations", payload_sha256=real[3]),
+        ),
+    )
+    assert sent_contradictions(signed(steps, listed, failed), consumed, me) == []
+    # No step and no failed step on a micro-batch it signed for: a contradiction too.
+    steps[5] = step(7, real[7])
+    (none,) = sent_contradictions(signed(steps, listed, failed), consumed[5:6], me)
+    assert "whose log has no step on it" in none
+    # A log from before failed steps were listed is held as before: to the exchange with this replica.
+    assert sent_contradictions(signed(steps, listed, None), consumed[3:4], me) == []
 
 
 def _boundary_tensor(seed: int, gradient: bool) -> Tensor:
