@@ -19,6 +19,12 @@ with) — the log of the round a header names must list it (verifier.segmentchec
 Each is handed to the sink (on disk: appended and synced) before the header is sent, so a round
 redone after a crash lists what the crashed run signed naming it too;
 
+a middle stage's micro-batches that it forwarded and did not step on (`FailedStep`: every attempt
+downstream failed, or its backward did; the worker calls `note_failed`), with what each ran on,
+what it offered and after which step, the bytes kept like a step's so a segment check replays
+the offer; in a round redone after a crash, the crashed run's offers are listed as failed steps
+without their input (its weights are gone: listed, not replayed);
+
 and at every segment boundary (steps 0, k, 2k, …, and the round's last) the sha256 of its weights
 and inner AdamW state (`checkpoint_sha256`). `SegmentLog.root()` chains all of it in order; the
 root goes into the round's receipt and into a `SegmentCommitment` the replica signs, so a spot
@@ -28,7 +34,8 @@ before it knew which segment is drawn, and a failed check is a proof a third par
 `SegmentRecorder` builds the log while the replica trains: the training loop calls
 `record_step` once per inner step; the round hook (node.receipt.Receipting) calls `start_round`
 when a round starts, `end_round` before the outer step and `close_round` after it; the transport
-calls `note_received` / `note_sent` / `note_header` from its own thread.
+calls `note_received` / `note_sent` / `note_header` from its own thread, and a stage worker
+`note_failed` when a step fails.
 Pure torch and plain Python; the disk store is node.segment_store.
 """
 
