@@ -61,6 +61,7 @@ from neuroshard.protocol.segments import (
     SignedHeader,
     StepRecord,
     max_failed,
+    max_failed_in_segment,
     max_headers,
 )
 
@@ -249,7 +250,9 @@ class SegmentRecorder:
         self._engine: DiLoCo | None = None
         """The engine the current round started on: a replica that swaps it mid-round (vocabulary
         growth builds a new one) cannot replay from the round's first checkpoint."""
-        self._pending_received: list[Received] = []
+        self._pending_received: list[tuple[str, Received]] = []
+        """(micro-batch, message) the step in progress consumed; one of another micro-batch is a
+        late answer to an attempt the step gave up on, not this step's."""
         self._pending_sent: list[tuple[str, SentRef, bytes | None]] = []
         self._pending_offered: dict[tuple[str, str], bytes | None] = {}
         """(micro-batch, payload sha256) → bytes of the activations the step in progress offered
@@ -328,10 +331,11 @@ class SegmentRecorder:
         self._engine = diloco
         self._checkpoint(checkpoint)
 
-    def note_received(self, message: Received) -> None:
-        """A message the step in progress consumes (the gradient a driver gets back, say)."""
+    def note_received(self, message: Received, micro_batch: str = "") -> None:
+        """A message the step in progress consumes (the gradient a driver gets back, say), for
+        `micro_batch` ("" when unknown: kept whatever the step's id)."""
         with self._lock:
-            self._pending_received.append(message)
+            self._pending_received.append((micro_batch, message))
 
     def last_step(self) -> tuple[int, int] | None:
         """(round, index) of the step `record_step` recorded last, on the training thread: where a
@@ -420,12 +424,16 @@ class SegmentRecorder:
             return
         current.headers.add(header)
 
-    @staticmethod
-    def _add_failed(current: _Round, failed: FailedStep) -> None:
-        """Under the lock (or before `current` is shared)."""
+    def _add_failed(self, current: _Round, failed: FailedStep) -> None:
+        """Under the lock (or before `current` is shared). A round with more failed steps than a
+        log holds, in all or in one segment (`max_failed_in_segment`), gets no log."""
         if current.overflowed:
             return
-        if len(current.failed) >= current.max_failed:
+        k = self.config.segment_steps
+        crowd = sum(1 for f in current.failed if f.received and f.after // k == failed.after // k)
+        if len(current.failed) >= current.max_failed or (
+            failed.received and crowd >= max_failed_in_segment(k)
+        ):
             current.overflowed = True
             current.failed.clear()
             return
@@ -459,13 +467,13 @@ class SegmentRecorder:
             failed = FailedStep(
                 after=len(current.steps),
                 micro_batch=micro_batch,
-                received=tuple(m.ref() for m in received[:MAX_MESSAGES_PER_STEP]),
+                received=tuple(m.ref() for m in received[:1]),
                 sent=SentRef(kind="activations", payload_sha256=payload),
             )
             self._add_failed(current, failed)
             index = len(current.failed) - 1
         if not current.overflowed and body is not None:
-            self._io(self.sink.failed, current.round, index, list(received), body)
+            self._io(self.sink.failed, current.round, index, list(received[:1]), body)
 
     def record_step(
         self,
@@ -480,8 +488,9 @@ class SegmentRecorder:
         self._last_step = None
         current = self._current
         with self._lock:
-            messages = [*received, *self._pending_received][:MAX_MESSAGES_PER_STEP]
             micro_batch = micro_batch or next((mb for mb, _, _ in self._pending_sent if mb), "")
+            messages = [*received, *(m for mb, m in self._pending_received if not mb or mb == micro_batch)]
+            messages = messages[:MAX_MESSAGES_PER_STEP]
             pending = [(ref, body) for mb, ref, body in self._pending_sent if mb == micro_batch]
             bodies = {ref: body for ref, body in pending if body is not None}
             sent = list(dict.fromkeys(ref for ref, _ in pending))[:1]  # a step forwards one payload

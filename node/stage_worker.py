@@ -245,9 +245,13 @@ class StageWorker(InnerLoop):
             grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self._onward(job))
         except Exception as exc:  # the sender retries elsewhere; this replica did not step
             self.stats.failed += 1
-            if self.segments is not None:  # what it offered downstream is a failed step's, replayed
-                self.segments.note_failed(job.micro_batch, () if job.received is None else (job.received,))
-            job.done(exc)
+            try:
+                if self.segments is not None:  # what it offered downstream is a failed step's, replayed
+                    self.segments.note_failed(
+                        job.micro_batch, () if job.received is None else (job.received,)
+                    )
+            finally:  # the sender is answered even when the segment store cannot write
+                job.done(exc)
             return None
         result.inner_seconds += time.perf_counter() - step_start
         self.work.trained(job.labels.numel(), loss)

@@ -64,6 +64,17 @@ def max_failed(steps: int) -> int:
     return steps + HEADERS_SLACK
 
 
+FAILED_SEGMENT_SLACK = 8
+
+
+def max_failed_in_segment(segment_steps: int) -> int:
+    """The most replayed failed steps (`FailedStep` with an input) one segment of `segment_steps`
+    steps may hold: a check replays each one's forward, so this bounds what a segment costs the
+    verifier (at most about twice its steps). A job fails only once every replica downstream
+    has failed it for the pipeline's deadline, so an honest replica has few."""
+    return segment_steps + FAILED_SEGMENT_SLACK
+
+
 _KIND = choice(KINDS)
 _SHA256 = hex_bytes(32)
 _MICRO_BATCH = hex_bytes(MICRO_BATCH_BYTES)
@@ -187,7 +198,9 @@ class FailedStep:
 
     `received` empty: the offer was signed by an earlier run of the round that a crash ended
     (node.segments reads its headers back from disk); that run's weights are gone, so it is
-    listed, not replayed (module README: what is not checked)."""
+    listed, not replayed. Such entries come first, at `after` 0, and a log that has any earns no
+    credit from a segment check that passes (verifier.segmentlive.SegmentsJudged.credit): a
+    claimed crash buys what recording no log buys, no more."""
 
     after: int
     micro_batch: str
@@ -213,10 +226,16 @@ class FailedStep:
             after=integer(0, MAX_STEPS)(obj["after"], f"{where}.after"),
             micro_batch=_MICRO_BATCH(obj["micro_batch"], f"{where}.micro_batch"),
             received=tuple(
-                ReceivedRef.from_obj(r, f"{where}.received") for r in _items(obj["received"], where)
+                ReceivedRef.from_obj(r, f"{where}.received") for r in _one(obj["received"], where)
             ),
             sent=sent,
         )
+
+
+def _one(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list) or len(value) > 1:
+        raise malformed(f"{where}.received must list at most one message (the activations it ran on)")
+    return value
 
 
 def _items(value: Any, where: str) -> list[Any]:
@@ -274,6 +293,24 @@ class SegmentLog:
                 raise malformed(
                     "segment log failed steps must come in order, each before the round's last step"
                 )
+            crowded = [
+                j
+                for j in range(self.segments)
+                if len(self.failures_in(j)) > max_failed_in_segment(self.segment_steps)
+            ]
+            if crowded:
+                raise malformed(
+                    f"segment log segment {crowded[0]} lists more than "
+                    f"{max_failed_in_segment(self.segment_steps)} failed steps"
+                )
+            carried = [not f.received for f in self.failed]
+            if carried != sorted(carried, reverse=True) or any(
+                f.after != 0 for f in self.failed if not f.received
+            ):
+                raise malformed(
+                    "segment log failed steps carried from a crashed run (no input) must come "
+                    "first, at step 0"
+                )
         if self.headers is None:
             return
         if len(self.headers) > max_headers(len(self.steps)):
@@ -304,6 +341,12 @@ class SegmentLog:
         (`after` in the segment) and name their input (not carried over from a crashed run)."""
         first, end = self.segment(j)
         return [i for i, f in enumerate(self.failed or ()) if first <= f.after < end and f.received]
+
+    @property
+    def carries(self) -> bool:
+        """Whether the log lists offers carried from a crashed run of the round (no input: listed,
+        not replayed)."""
+        return any(not f.received for f in self.failed or ())
 
     def root(self) -> str:
         """h ← sha256(h ‖ entry) over the header, then checkpoints and step records in step order,

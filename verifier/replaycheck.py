@@ -999,6 +999,14 @@ class ReplayChecker:
                     proofs=[] if proof is None else [k for k in [self._write_proof(receipt, 0, proof)] if k],
                 )  # fmt: skip
                 return
+        if judged.ok and not judged.credit:
+            # Offers of a crashed run are listed, not replayed: a pass earns nothing (no more than
+            # a receipt without a root earns). Its headers still hold its senders to their logs.
+            self.ctx.log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} passed, not counted: {judged.detail}"
+            )
+            self._queue_senders(challenge)
+            return
         self.fraud_proofs.extend(proof for _, proof in judged.proofs)
         kept = [k for k in (self._write_proof(receipt, j, proof) for j, proof in judged.proofs) if k]
         self._record(
@@ -1243,7 +1251,8 @@ class ReplayChecker:
         against their own logs: on the fetching thread, once their receipts are in."""
         by_sender: dict[tuple[str, int, int], list[Received]] = {}
         for j in challenge.segments:
-            for step in challenge.pieces[j].received:
+            piece = challenge.pieces[j]  # the failed steps' activations were signed by senders too
+            for step in [*piece.received, *(messages for _, messages, _ in piece.failed)]:
                 for message in step:
                     where = sender_round(message)
                     if where is not None:
@@ -1360,9 +1369,11 @@ class ReplayChecker:
             # A round committed before this verifier started may be an older node's, from before
             # logs listed their headers (an upgrade): held to its steps only (`contradicting`).
             problem = "its log lists no signed headers (a log from before 2026-12-07), which a node must"
-        if problem is None and signed.log.failed is None and received_at >= self.started_at:
-            # Likewise a log from before failed steps were listed: its middle stage's offers are
-            # not held to its steps (`contradicting`), so one received since must list them.
+        middle = 0 < match.stage < self.ctx.network.num_stages - 1
+        if problem is None and middle and signed.log.failed is None and received_at >= self.started_at:
+            # Likewise a log from before failed steps were listed: a middle stage's offers are not
+            # held to its steps (`contradicting`), so one received since must list them (the first
+            # and last stages never fail a step after offering: nothing to list).
             problem = (
                 "its log lists no failed steps (a log from before 2026-12-07, later), which a node's must"
             )

@@ -302,6 +302,13 @@ def _step_problems(
             out.append(f"step {i}: {m.kind} header is for stage {header.stage}, not {expected_stage}")
         elif header.to != claim.wallet:
             out.append(f"step {i}: {m.kind} header is addressed to another replica")
+        elif isinstance(header, ActivationHeader) and (
+            header.dim != claim.model.dim or header.seq_len > claim.model.max_seq_len
+        ):
+            out.append(
+                f"step {i}: activations of width {header.dim} and length {header.seq_len}; the "
+                f"model's are {claim.model.dim} and at most {claim.model.max_seq_len}"
+            )
         elif step.micro_batch and header.micro_batch != step.micro_batch:
             out.append(
                 f"step {i}: {m.kind} is for micro-batch {header.micro_batch}, the step for {step.micro_batch}"

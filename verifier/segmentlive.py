@@ -82,6 +82,11 @@ class SegmentsJudged:
     detail: str
     proofs: list[tuple[int, bytes]] = field(default_factory=list)
     """(segment, SegmentFraudProof bytes) of segments that failed their replay on committed material."""
+    credit: bool = True
+    """False for a pass of a log that carries offers from a crashed run of the round
+    (protocol.segments.SegmentLog.carries): those are listed, not replayed, so the pass proves less
+    than a round's check should; it earns the wallet no reputation and no admission, as a receipt
+    with no segment root earns none (verifier.replaycheck)."""
 
 
 def judge_segments(
@@ -140,6 +145,10 @@ def judge_segments(
     replayed = sorted(pieces) if replay is None else sorted(set(pieces) & set(replay))
     also = sorted(set(pieces) - set(replayed))
     checked = f"; segment {also[0]} checked against its commitments" if also else ""
+    carried = any(material.log.carries for material in pieces.values())
     return SegmentsJudged(
-        True, f"segments {replayed} of {root[1]} replayed, cosine ≥ {min(cosines):.6f}{checked}"
+        True,
+        f"segments {replayed} of {root[1]} replayed, cosine ≥ {min(cosines):.6f}{checked}"
+        + ("; its log carries offers of a crashed run (listed, not replayed)" if carried else ""),
+        credit=not carried,
     )

@@ -522,7 +522,9 @@ class PipelineClient:
             return f"bad reply: {exc}"
         if self.segments is not None:  # the step in progress consumed this reply and sent `body`
             self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256, body)
-            self.segments.note_received(Received("gradient", answer.wallet, answer.to_json(), reply.body))
+            self.segments.note_received(
+                Received("gradient", answer.wallet, answer.to_json(), reply.body), header.micro_batch
+            )
         return grad, answer.loss
 
 

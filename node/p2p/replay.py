@@ -30,7 +30,7 @@ from torch import Tensor
 
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused, malformed
-from neuroshard.protocol.segments import SignedSegmentLog
+from neuroshard.protocol.segments import SignedSegmentLog, max_failed_in_segment
 
 from ..codec import HEADER_SLACK, check_layout
 from ..replay import InnerState, ReplayArchive, ReplayRecord
@@ -49,8 +49,10 @@ def segment_log_bound(inner_steps: int) -> int:
     """Largest signed-log body of a round of `inner_steps` steps: a step's record is at most ~3 KB
     (a span, a micro-batch id, 8 received and 8 sent references; ~0.3 KB in practice) and its
     share of the signed headers ~1.8 KB (8 of ~225 bytes: protocol.segments.max_headers; two or
-    three in practice), plus the checkpoint hashes, the headers' slack and the commitment."""
-    return 6144 * inner_steps + (64 << 10)
+    three in practice), a middle stage's failed steps (at most one a step plus 64, ~0.6 KB each:
+    protocol.segments.max_failed), plus the checkpoint hashes, the headers' slack and the
+    commitment."""
+    return 6784 * inner_steps + (128 << 10)
 
 
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"
@@ -59,9 +61,11 @@ THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "e
 def segment_size_bound(numel: int, n_tensors: int, steps: int, message_bytes: int) -> int:
     """Largest segment body: θ_round and two checkpoints (weights, two moments; step counts), `steps`
     inner steps each with up to two messages received and two payloads sent of at most
-    `message_bytes`, the log (~0.5 KB a step of the round, at most 1,000,000 steps:
-    MAX_MATERIAL_HEADER bounds it) and the commitment."""
-    return 4 * (7 * numel + 2 * n_tensors) + 4 * steps * message_bytes + (16 << 20) + HEADER_SLACK
+    `message_bytes`, a middle stage's failed steps (at most `max_failed_in_segment(steps)`, each
+    one message received and one payload offered), the log (~0.5 KB a step of the round, at most
+    1,000,000 steps: MAX_MATERIAL_HEADER bounds it) and the commitment."""
+    messages = 4 * steps + 2 * max_failed_in_segment(steps)
+    return 4 * (7 * numel + 2 * n_tensors) + messages * message_bytes + (16 << 20) + HEADER_SLACK
 
 
 def replay_size_bound(numel: int, n_tensors: int) -> int:

@@ -4,6 +4,7 @@ trainer + receipt hook committing a root the verifier's segment check accepts on
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from neuroshard.protocol.segments import (
     SignedHeader,
     StepRecord,
     max_failed,
+    max_failed_in_segment,
     max_headers,
     segment_boundaries,
 )
@@ -167,6 +169,30 @@ def test_a_log_s_failed_steps_are_bound_into_its_root_and_checked_when_read() ->
     gradient = {**_failed(1).to_obj(), "sent": {"kind": "gradient", "payload_sha256": "22" * 32}}
     with refused("malformed", match="must be activations"):
         SegmentLog.from_obj({**_log().to_obj(), "failed": [gradient]})
+    two = {**_failed(1).to_obj(), "received": [given.to_obj(), given.to_obj()]}
+    with refused("malformed", match="at most one message"):
+        SegmentLog.from_obj({**_log().to_obj(), "failed": [two]})
+
+
+def test_offers_carried_from_a_crashed_run_come_first_and_a_segment_s_failed_steps_are_bounded() -> None:
+    """An entry without its input (an offer of a crashed run of the round, listed, not replayed) is
+    only ever written at the redone round's start: one placed later, or after a replayed entry, is
+    a forged way to list an offer unchecked and is refused. A log with one `carries` (a segment
+    check of it earns no credit: verifier.segmentlive). One segment lists at most
+    `max_failed_in_segment(k)` replayed failed steps (each costs the check a forward)."""
+    given = ReceivedRef(
+        kind="activations", sender="aa" * 32, header_sha256="bb" * 32, payload_sha256="cc" * 32
+    )
+    assert _log(failed=(_failed(0), _failed(0, (given,)))).carries
+    assert not _log(failed=(_failed(0, (given,)),)).carries and not _log().carries
+    for forged in ((_failed(2),), (_failed(0, (given,)), _failed(0))):
+        with refused("malformed", match="carried from a crashed run .* must come first, at step 0"):
+            _log(failed=forged)
+    k = _log().segment_steps
+    crowd = tuple(_failed(2, (given,)) for _ in range(max_failed_in_segment(k) + 1))
+    with refused("malformed", match=f"segment 1 lists more than {max_failed_in_segment(k)} failed steps"):
+        _log(failed=crowd)
+    assert len(_log(failed=crowd[1:]).failures_in(1)) == max_failed_in_segment(k)
 
 
 def _listed(headers: list[SignedHeader]) -> bytes:
@@ -278,6 +304,19 @@ def test_a_failed_step_is_kept_with_what_it_ran_on_and_a_crashed_run_s_offers_ar
         material.encode(), numel=material.start.weights.numel(), n_tensors=material.start.inner.steps.numel()
     )
     assert wire.failed == material.failed == ((1, (given,), b"first"),)
+    # Metadata that names other failed steps, or more messages than one ran on, or no number at
+    # all, is refused before any of it is used; so is a failed step's tensor left out.
+    n, k = material.start.weights.numel(), material.start.inner.steps.numel()
+    for failed, said in (
+        ("0:1", "not the ones its segment replays"),
+        ("1:2", "not the ones its segment replays"),
+        ("", "not the ones its segment replays"),
+        ("x:1", "metadata is incomplete"),
+    ):
+        with refused("malformed", match=said):
+            SegmentMaterial.decode(_with_metadata(material.encode(), failed=failed), numel=n, n_tensors=k)
+    with refused("malformed", match="unexpectedly or lacks them"):
+        SegmentMaterial.decode(_with_metadata(material.encode(), drop="f1.sent"), numel=n, n_tensors=k)
     assert store.material(round_, 1) is not None and store.material(round_, 1).failed == ()  # type: ignore[union-attr]
     # A driver redoing a round re-sends its own ids' bytes: it carries nothing over.
     driver = SegmentRecorder(SegmentConfig(segment_steps=2), stage=0, sink=store)
@@ -294,6 +333,22 @@ def test_a_failed_step_is_kept_with_what_it_ran_on_and_a_crashed_run_s_offers_ar
     diloco.outer_step(diloco.pseudo_gradient())
     closed = driver.close_round(WALLET)
     assert closed is not None and closed[0].failed == ()
+
+
+def _with_metadata(data: bytes, *, drop: str = "", **changes: str) -> bytes:
+    """Segment material's bytes with metadata entries changed (an empty value removes one) and a
+    tensor dropped: what a dishonest replica could serve."""
+    from safetensors.torch import load, save
+
+    size = int.from_bytes(data[:8], "little")  # safetensors: a u64 header length, then its JSON
+    metadata = dict(json.loads(data[8 : 8 + size])["__metadata__"])
+    for key, value in changes.items():
+        if value:
+            metadata[key] = value
+        else:
+            metadata.pop(key, None)
+    tensors = {name: t for name, t in load(data).items() if name != drop}
+    return save(tensors, metadata=metadata)
 
 
 def test_received_and_sent_refs_are_hashes_of_what_travelled() -> None:
@@ -579,6 +634,8 @@ def test_what_a_step_sent_is_kept_with_it_and_nothing_strays_to_another_step(tmp
             recorder.note_sent(mb, "activations", sha256_hex(b"first try"), b"first try")
             recorder.note_failed(mb)
         recorder.note_sent(f"{99:032x}", "gradient", sha256_hex(b"stray"), b"stray")  # no such step
+        # A late answer to an attempt of another micro-batch that a step gave up on: not this step's.
+        recorder.note_received(Received("gradient", "aa" * 32, b"late", b"late"), f"{98:032x}")
         recorder.note_sent(mb, "activations", sha256_hex(bytes([i])), bytes([i]))
         diloco.inner_step(*_batch(i))
         recorder.record_step(diloco, micro_batch=mb)
@@ -594,7 +651,7 @@ def test_what_a_step_sent_is_kept_with_it_and_nothing_strays_to_another_step(tmp
     for i, step in enumerate(log.steps):
         want = [("activations", bytes([i])), ("gradient", bytes([100 + i]))]
         assert [(r.kind, r.payload_sha256) for r in step.sent] == [(k, sha256_hex(b)) for k, b in want], i
-        assert store.load_sent(0, i) == want
+        assert store.load_sent(0, i) == want and step.received == []
 
 
 def test_one_id_trained_twice_keeps_each_step_s_payloads_on_that_step(tmp_path: Path) -> None:

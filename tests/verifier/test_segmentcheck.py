@@ -179,13 +179,16 @@ def train_round(
     recorded: Callable[[int, Received], Received] | None = None,
     sends: Callable[[int, Tensor], Tensor] | None = None,
     unrecorded: int | None = None,
-    fails: dict[int, Callable[[Tensor], Tensor]] | None = None,
+    crashed_offers: int = 0,
+    fails: dict[int, Callable[[Tensor], Tensor] | tuple[Callable[[Tensor], Tensor], ...]] | None = None,
 ) -> Run:
     """One replica's round of H steps with a SegmentRecorder, as the node records it. `sends`:
     (step, what the step computed) -> what the replica sends on instead (and records as sent);
     `unrecorded`: a step whose gradient sent back the replica leaves out of its log; `fails`
     (a middle stage): before step i, a micro-batch whose forward it offers downstream (the tensor
-    it computed, through the hook) and whose every attempt fails, as the node records it."""
+    it computed, through the hook) and whose every attempt fails, as the node records it (a tuple
+    of hooks: that many failed micro-batches in a row before step i); `crashed_offers`: offers an
+    earlier run of the round signed before a crash (the redone round carries them)."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
     run_digest = _run_network(num_stages=num_stages).digest()  # the run `_definition` describes
@@ -207,12 +210,16 @@ def train_round(
     last = stage == num_stages - 1
     kwargs = {"loss_fn": remote_loss(downstream)} if stage == 0 and not last else {}
     diloco = DiLoCo(model, DILOCO, placement=place, **kwargs)
+    for n in range(crashed_offers):
+        store.header(ROUND, SignedHeader(
+            kind="activations", micro_batch=f"{n:032x}", to=NEXT.public_key_hex, payload_sha256="cc" * 32
+        ))  # fmt: skip
     recorder.start_round(diloco)
     spans = []
     for i in range(H):
-        if fails is not None and i in fails:
-            offer = fails[i]
-            act, failed_mb = activations(100 + i, stage=stage)
+        hooks = () if fails is None else fails.get(i, ())
+        for n, offer in enumerate(hooks if isinstance(hooks, tuple) else (hooks,)):
+            act, failed_mb = activations(100 + i + 50 * n, stage=stage)
             inputs, labels = decode_activations(
                 act.body, ActivationHeader.from_json(act.header), MODEL.vocab_size
             )
@@ -489,6 +496,47 @@ def test_a_middle_stage_s_failed_steps_are_listed_and_replayed(tmp_path: Path) -
     # A last stage forwards nothing, so lists no failed step.
     claim = dataclasses.replace(honest.claim(), num_stages=2, stage=1)
     assert "never has" in " ".join(commitment_problems(material, claim))
+
+
+def test_failed_steps_on_a_segment_boundary_and_in_a_row_replay_in_the_order_they_ran(
+    tmp_path: Path,
+) -> None:
+    """A failed step before the first step of a segment ran at the segment's start checkpoint (its
+    `after` is the boundary), and several before one step ran one after another at the same
+    weights: each is replayed in its place, and a lie in the last of a row is the one named."""
+    same: Callable[[Tensor], Tensor] = lambda t: t  # noqa: E731
+    honest = train_round(tmp_path / "honest", stage=1, num_stages=3, fails={K: same, K + 2: (same, same)})
+    log = honest.material(1).log
+    assert log.failed is not None and [f.after for f in log.failed] == [K, K + 2, K + 2]
+    assert log.failures_in(0) == [] and log.failures_in(1) == [0, 1, 2]
+    assert check(honest, 0).ok and check(honest, 1).ok
+    liar = train_round(
+        tmp_path / "liar", stage=1, num_stages=3, fails={K: same, K + 2: (same, SENT_LIES["scaled"])}
+    )
+    verdict = check(liar, 1)
+    assert not verdict.ok and verdict.replayed, verdict.reason
+    assert "failed step 2: the activations it offered are not what its forward computes" in verdict.reason
+
+
+def test_a_log_that_carries_a_crashed_run_s_offers_passes_without_credit(tmp_path: Path) -> None:
+    """Offers a crashed run of the round signed are carried into the redone round's log without
+    their input (listed, not replayed): its segments still replay and pass, but the pass earns no
+    credit (verifier.replaycheck records no verdict), so claiming a crash buys no more than
+    recording no log."""
+    run = train_round(tmp_path, stage=1, num_stages=3, crashed_offers=2)
+    assert run.material(0).log.carries
+    network = _run_network(num_stages=3)
+    last = H // K - 1
+    pieces = {0: run.material(0), last: run.material(last)}
+    receipt = m.Receipt(
+        wallet_id=REPLICA.wallet_id, stage=1, round=ROUND, segment_root=run.root, segments=H // K,
+        data_spans=[], base_hash=run.base_hash, delta_digest=run.delta_digest,
+    )  # fmt: skip
+    judged = judge_segments(network, receipt, pieces, tolerance_for("cpu", "fp32", ReplayCheckConfig()), None)
+    assert judged.ok and not judged.credit, judged.detail
+    assert "carries offers of a crashed run" in judged.detail
+    clean = train_round(tmp_path / "clean", stage=1, num_stages=3)
+    assert not clean.material(0).log.carries
 
 
 def test_a_middle_stage_is_held_to_its_steps_and_failed_steps_on_a_micro_batch() -> None:
@@ -1429,6 +1477,21 @@ def test_the_live_checker_keeps_a_continuity_break_as_a_proof(
     assert checker.failed == 2 and "optimizer continuity" in lines[-1], lines
     with db.read() as s:
         assert len(s.scalars(select(m.FraudProof)).all()) == 1
+
+    # A pass without credit (its log carries a crashed run's offers): no verdict, no reputation.
+    monkeypatch.setattr(
+        replaycheck, "judge_segments", lambda *a, **k: SegmentsJudged(True, "replayed; carries", credit=False)
+    )
+    monkeypatch.setattr(checker, "_continuity", lambda c: None)
+    verdicts = _events(db)
+    checker._check_segments(challenge())
+    assert (checker.passed, checker.failed) == (0, 2) and "passed, not counted" in lines[-1], lines
+    assert _events(db) == verdicts
+
+
+def _events(db: Database) -> list[str]:
+    with db.read() as s:
+        return [e.reason for e in s.scalars(select(m.ReputationEvent).order_by(m.ReputationEvent.id))]
 
 
 def test_the_served_start_opening_must_open_the_round_s_first_checkpoint(tmp_path: Path) -> None:
