@@ -408,7 +408,7 @@ def load(args: argparse.Namespace) -> Loaded | str:
         raise Unreadable(f"{args.proof} is not a stage-{stage} proof of this run's model: {exc}") from None
     n_tensors = stage_size(network.model, stage, stages)[1]
     first, end = log.segment(segment)
-    bound = segment_size_bound(numel, n_tensors, end - first, MAX_MESSAGE_BYTES)
+    bound = segment_size_bound(numel, n_tensors, end - first, MAX_MESSAGE_BYTES, log.segment_steps)
     if size > bound:
         raise Unreadable(
             f"{args.proof} holds {size} bytes, more than a stage-{stage} segment of {end - first} steps "

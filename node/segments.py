@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
+from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.segments import (
     MAX_MESSAGES_PER_STEP,
     CheckpointOpening,
@@ -560,16 +561,23 @@ class SegmentRecorder:
             self.flush()
             return None
         openings = [f.result() for f in current.checkpoints]
-        log = SegmentLog(
-            stage=self.stage,
-            round=current.round,
-            segment_steps=self.config.segment_steps,
-            start_step=current.start_step,
-            steps=steps,
-            checkpoints=tuple(o.sha256() for o in openings),
-            headers=headers,
-            failed=failed,
-        )
+        try:
+            log = SegmentLog(
+                stage=self.stage,
+                round=current.round,
+                segment_steps=self.config.segment_steps,
+                start_step=current.start_step,
+                steps=steps,
+                checkpoints=tuple(o.sha256() for o in openings),
+                headers=headers,
+                failed=failed,
+            )
+        except Refused as exc:  # what was recorded is no log a verifier reads: none, not a broken one
+            if self._log:
+                self._log(f"segments: round {current.round} recorded no valid log ({exc}); no log for it")
+            self._io(self.sink.abandon, current.round)
+            self.flush()
+            return None
         commitment = (
             None
             if sign is None

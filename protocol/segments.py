@@ -68,10 +68,13 @@ FAILED_SEGMENT_SLACK = 8
 
 
 def max_failed_in_segment(segment_steps: int) -> int:
-    """The most replayed failed steps (`FailedStep` with an input) one segment of `segment_steps`
-    steps may hold: a check replays each one's forward, so this bounds what a segment costs the
-    verifier (at most about twice its steps). A job fails only once every replica downstream
-    has failed it for the pipeline's deadline, so an honest replica has few."""
+    """The most replayed failed steps (`FailedStep` with an input) one segment of a log cut in
+    segments of `segment_steps` may hold: a check replays each one's forward, so this bounds what
+    a segment costs the verifier (k + 8 forwards beside its steps). A job fails when every replica
+    downstream failed it for the pipeline's deadline, or when its own backward is not finite
+    (node.pipeline.NonFiniteStep) — which a hostile neighbour can cause: one that answers every
+    offer with a gradient that overflows the backward can run a segment's budget out and cost an
+    honest middle replica its round's log (README, "what is left")."""
     return segment_steps + FAILED_SEGMENT_SLACK
 
 

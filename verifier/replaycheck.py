@@ -396,6 +396,9 @@ class Challenge:
     material: ReplayRecord | None = None
     segments: tuple[int, ...] = ()
     """The drawn segments of a receipt that commits to a segment root; () for a whole-round replay."""
+    picked_before: int | None = None
+    """The wallet's last picked round before this draw (`ReplayChecker._unpick`: a check that ends
+    without counting gives it back)."""
     last: int | None = None
     """The round's last segment, fetched on every segment check (replayed only when drawn): its end
     checkpoint is the one the receipt's Δ must come from."""
@@ -646,7 +649,9 @@ class ReplayChecker:
                 drawn = () if segmented is None else self._draw_segments(receipt, segmented[1])
                 last = None if segmented is None else segmented[1] - 1
                 where = BucketHolder(public_key) if is_relay(address) and public_key else address
-                self.queue.append(Challenge(receipt, where, segments=drawn, last=last))
+                self.queue.append(
+                    Challenge(receipt, where, segments=drawn, last=last, picked_before=picked_before)
+                )
 
     def _queued_of(self, wallet_id: str) -> int:
         return sum(1 for c in self.queue if c.receipt.wallet_id == wallet_id)
@@ -1005,6 +1010,8 @@ class ReplayChecker:
             self.ctx.log(
                 f"replay check: {receipt.wallet_id} round {receipt.round} passed, not counted: {judged.detail}"
             )
+            if self._picked.get(receipt.wallet_id) == receipt.round:  # nothing later picked since
+                self._unpick(receipt, challenge.picked_before)  # still due, as without a root
             self._queue_senders(challenge)
             return
         self.fraud_proofs.extend(proof for _, proof in judged.proofs)

@@ -302,6 +302,8 @@ def _step_problems(
             out.append(f"step {i}: {m.kind} header is for stage {header.stage}, not {expected_stage}")
         elif header.to != claim.wallet:
             out.append(f"step {i}: {m.kind} header is addressed to another replica")
+        elif header.wallet == claim.wallet:  # another stage's replica signs what a step consumes
+            out.append(f"step {i}: {m.kind} header is signed by this replica itself")
         elif isinstance(header, ActivationHeader) and (
             header.dim != claim.model.dim or header.seq_len > claim.model.max_seq_len
         ):

@@ -58,13 +58,16 @@ def segment_log_bound(inner_steps: int) -> int:
 THETA, DELTA, EXP_AVG, EXP_AVG_SQ, STEPS = "theta_round", "delta", "exp_avg", "exp_avg_sq", "steps"
 
 
-def segment_size_bound(numel: int, n_tensors: int, steps: int, message_bytes: int) -> int:
+def segment_size_bound(
+    numel: int, n_tensors: int, steps: int, message_bytes: int, segment_steps: int | None = None
+) -> int:
     """Largest segment body: θ_round and two checkpoints (weights, two moments; step counts), `steps`
     inner steps each with up to two messages received and two payloads sent of at most
-    `message_bytes`, a middle stage's failed steps (at most `max_failed_in_segment(steps)`, each
-    one message received and one payload offered), the log (~0.5 KB a step of the round, at most
-    1,000,000 steps: MAX_MATERIAL_HEADER bounds it) and the commitment."""
-    messages = 4 * steps + 2 * max_failed_in_segment(steps)
+    `message_bytes`, a middle stage's failed steps (at most `max_failed_in_segment(k)` for the
+    log's k, `segment_steps`, default `steps`: a round's shorter last segment may hold as many as
+    any; each one message received and one payload offered), the log (~0.5 KB a step of the round,
+    at most 1,000,000 steps: MAX_MATERIAL_HEADER bounds it) and the commitment."""
+    messages = 4 * steps + 2 * max_failed_in_segment(steps if segment_steps is None else segment_steps)
     return 4 * (7 * numel + 2 * n_tensors) + messages * message_bytes + (16 << 20) + HEADER_SLACK
 
 

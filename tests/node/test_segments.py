@@ -195,6 +195,34 @@ def test_offers_carried_from_a_crashed_run_come_first_and_a_segment_s_failed_ste
     assert len(_log(failed=crowd[1:]).failures_in(1)) == max_failed_in_segment(k)
 
 
+def test_a_round_with_more_failed_steps_in_a_segment_than_a_log_holds_records_none(tmp_path: Path) -> None:
+    """The recorder counts a segment's replayed failed steps as the log's validator does: k + 8 in
+    one segment make a log that parses; one more, no log for the round (and it says why)."""
+    k = 2
+    for extra, logged in ((0, True), (1, False)):
+        said: list[str] = []
+        recorder = SegmentRecorder(SegmentConfig(segment_steps=k), stage=1, log=said.append)
+        diloco = _engine()
+        recorder.start_round(diloco)
+        given = Received("activations", "dd" * 32, b"header", b"input")
+        for i in range(diloco.config.inner_steps):
+            if i == k:  # the first step of segment 1: its failures ran at the segment's start
+                for n in range(max_failed_in_segment(k) + extra):
+                    mb = f"{1000 + n:032x}"
+                    recorder.note_header(diloco.round, "activations", mb, "aa" * 32, "cc" * 32, b"x")
+                    recorder.note_failed(mb, [given])
+            diloco.inner_step(*_batch(i))
+            recorder.record_step(diloco, micro_batch=f"{i:032x}", received=[given])
+        recorder.end_round(diloco)
+        diloco.outer_step(diloco.pseudo_gradient())
+        closed = recorder.close_round(WALLET)
+        if logged:
+            assert closed is not None and len(closed[0].failures_in(1)) == max_failed_in_segment(k)
+            assert SegmentLog.from_json(closed[0].to_json()) == closed[0]
+        else:
+            assert closed is None and any("failed more steps than a log holds" in x for x in said), said
+
+
 def _listed(headers: list[SignedHeader]) -> bytes:
     return b'"headers":[' + b",".join(x.to_json() for x in headers) + b"]"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -351,3 +352,30 @@ def test_a_middle_stage_job_that_offered_its_output_and_failed_is_a_failed_step(
     assert current is not None and [(f.after, f.micro_batch) for f in current.failed] == [(0, f"{0:032x}")]
     assert current.failed[0].received == (first.received.ref(),)
     assert current.steps[0].sent[0] == current.failed[0].sent  # the same weights offer the same bytes
+
+
+def test_a_failed_job_answers_its_sender_even_when_the_store_raises() -> None:
+    """A store that cannot keep a failed step raises on the worker's thread, but the job's sender
+    gets its answer first (it would otherwise wait out its timeout for a replica that is gone)."""
+
+    class Broken(SegmentRecorder):
+        def note_failed(self, micro_batch: str, received: Sequence[Received] = ()) -> None:
+            raise OSError("disk full")
+
+    engine = DiLoCo(
+        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
+        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
+    )
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor, mb: str) -> tuple[torch.Tensor, float]:
+        raise ConnectionError("no replica of stage 2 took it")
+
+    worker = StageWorker(
+        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
+        segments=Broken(SegmentConfig(segment_steps=H), stage=1),
+    )  # fmt: skip
+    results: list[JobResult] = []
+    worker.jobs.offer(_job(results, 0))
+    with pytest.raises(OSError, match="disk full"):
+        worker.run(threading.Event(), 0.01)
+    assert len(results) == 1 and isinstance(results[0], ConnectionError), results

@@ -733,6 +733,19 @@ def test_activations_sent_to_another_replica_are_refused(tmp_path: Path) -> None
     verdict = check(run, 1)
     assert not verdict.ok and "activations header is addressed to another replica" in verdict.reason
 
+    def own(i: int, m: Received) -> Received:  # inputs it made up and signed itself
+        if i != 5:
+            return m
+        header = ActivationHeader.from_json(m.header)
+        fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
+        del fields["wallet"], fields["signature"]
+        return Received(
+            m.kind, REPLICA.public_key_hex, ActivationHeader.create(REPLICA, **fields).to_json(), m.body
+        )
+
+    verdict = check(train_round(tmp_path / "own", stage=1, num_stages=2, recorded=own), 1)
+    assert not verdict.ok and "activations header is signed by this replica itself" in verdict.reason
+
 
 def test_inputs_that_disagree_with_the_senders_record_are_refused(tmp_path: Path) -> None:
     """The replica trained on other activations than the previous stage sent and records those:
@@ -1484,9 +1497,11 @@ def test_the_live_checker_keeps_a_continuity_break_as_a_proof(
     )
     monkeypatch.setattr(checker, "_continuity", lambda c: None)
     verdicts = _events(db)
-    checker._check_segments(challenge())
+    checker._picked[REPLICA.wallet_id] = 3  # drawn when round 2 had been picked before
+    checker._check_segments(dataclasses.replace(challenge(), picked_before=2))
     assert (checker.passed, checker.failed) == (0, 2) and "passed, not counted" in lines[-1], lines
     assert _events(db) == verdicts
+    assert checker._picked[REPLICA.wallet_id] == 2  # still due for the budget's draw, as without a root
 
 
 def _events(db: Database) -> list[str]:
