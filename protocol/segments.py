@@ -229,21 +229,15 @@ class FailedStep:
             after=integer(0, MAX_STEPS)(obj["after"], f"{where}.after"),
             micro_batch=_MICRO_BATCH(obj["micro_batch"], f"{where}.micro_batch"),
             received=tuple(
-                ReceivedRef.from_obj(r, f"{where}.received") for r in _one(obj["received"], where)
+                ReceivedRef.from_obj(r, f"{where}.received") for r in _items(obj["received"], where, 1)
             ),
             sent=sent,
         )
 
 
-def _one(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list) or len(value) > 1:
-        raise malformed(f"{where}.received must list at most one message (the activations it ran on)")
-    return value
-
-
-def _items(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list) or len(value) > MAX_MESSAGES_PER_STEP:
-        raise malformed(f"{where} lists must hold at most {MAX_MESSAGES_PER_STEP} messages")
+def _items(value: Any, where: str, most: int = MAX_MESSAGES_PER_STEP) -> list[Any]:
+    if not isinstance(value, list) or len(value) > most:
+        raise malformed(f"{where} lists must hold at most {most} message{'s' * (most != 1)}")
     return value
 
 

@@ -170,7 +170,7 @@ def test_a_log_s_failed_steps_are_bound_into_its_root_and_checked_when_read() ->
     with refused("malformed", match="must be activations"):
         SegmentLog.from_obj({**_log().to_obj(), "failed": [gradient]})
     two = {**_failed(1).to_obj(), "received": [given.to_obj(), given.to_obj()]}
-    with refused("malformed", match="at most one message"):
+    with refused("malformed", match="at most 1 message"):
         SegmentLog.from_obj({**_log().to_obj(), "failed": [two]})
 
 
