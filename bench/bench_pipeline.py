@@ -580,7 +580,7 @@ def _driver(  # type: ignore[no-untyped-def]
         config=TrainerConfig(batch_size=args.batch_size, seq_len=args.seq_len, max_steps=args.inner_steps * args.rounds,
                              checkpoint_every=10**6, log_every=10**6),
         checkpoint_dir=ckpt / str(i), log=lambda line: None,
-        finish_round=network.finish_round, num_stages=2, loss_fn=remote_loss(link.downstream),
+        finish_round=network.finish_round, num_stages=2, loss_fn=remote_loss(link.downstream, link.blame_driven),
     )  # fmt: skip
     holder.append(trainer)
     return trainer, network, link

@@ -411,7 +411,10 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             dataset_updates=updates,
             fresh=args.fresh,
             num_stages=run_.num_stages,
-            loss_fn=remote_loss(lambda hidden, labels: _downstream(link, hidden, labels))
+            loss_fn=remote_loss(
+                lambda hidden, labels: _downstream(link, hidden, labels),
+                lambda why: link.blame_driven(why) if link is not None else None,
+            )
             if run_.num_stages > 1
             else None,
             placement=placement,

@@ -342,6 +342,14 @@ class DiLoCo:
     def queue_inner_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """`inner_step` without waiting for the device: returns the loss as a 0-d tensor on the
         device, so the caller can prepare the next batch while the kernels run."""
+        loss = self.backward(input_ids, labels)
+        self.inner_update(scaled=self.scaler is not None)
+        return loss
+
+    def backward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """The forward and backward of an inner step, not stepped: the gradients are left in
+        ``.grad`` (scaled when `scaler` is set) for `inner_update`, or for the caller to clear
+        (`inner_optimizer.zero_grad`). Returns the loss as a detached 0-d tensor on the device."""
         x, y = self.placement.to_device(input_ids), self.placement.to_device(labels)
         with self.placement.autocast():
             loss = self.loss_fn(self.model(x), y)
@@ -349,7 +357,6 @@ class DiLoCo:
             self.scaler.scale(loss).backward()
         else:
             loss.backward()
-        self.inner_update(scaled=self.scaler is not None)
         return loss.detach()
 
     def inner_update(self, *, scaled: bool = False) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .diloco import DiLoCo, LossFn
+from .diloco import DiLoCo
 from .model import ModelConfig, cross_entropy_loss
 
 Downstream = Callable[[Tensor, Tensor], tuple[Tensor, float]]
@@ -39,13 +39,14 @@ class _RemoteLoss(torch.autograd.Function):
     returns the gradient they sent back (scaled by the incoming gradient, 1 for `.backward()`)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, labels: Tensor, downstream: Downstream) -> Tensor:
+    def forward(ctx: Any, hidden: Tensor, labels: Tensor, remote: RemoteLoss) -> Tensor:
         # The wire takes CPU float32 whatever this stage runs on (a no-op on a CPU fp32 stage).
-        grad, loss = downstream(hidden.detach().float().cpu(), labels.cpu())
+        grad, loss = remote.downstream(hidden.detach().float().cpu(), labels.cpu())
         if grad.shape != hidden.shape:
             raise ValueError(
                 f"downstream returned a gradient of shape {tuple(grad.shape)}, expected {tuple(hidden.shape)}"
             )
+        remote.gradient = grad
         ctx.save_for_backward(grad.to(device=hidden.device, dtype=hidden.dtype))
         return torch.tensor(loss, dtype=hidden.dtype, device=hidden.device)
 
@@ -55,23 +56,61 @@ class _RemoteLoss(torch.autograd.Function):
         return grad * grad_output, None, None
 
 
-def remote_loss(downstream: Downstream) -> LossFn:
-    """A DiLoCo `loss_fn` for stage 0 of S > 1: `DiLoCo.inner_step` then runs local forward ->
-    the rest of the pipeline -> local backward with the returned gradient -> inner update."""
+Blame = Callable[[str], None]
+"""Called with the reason when the gradient the next stage sent back for the micro-batch in
+progress overflowed this stage's backward (`NonFiniteStep.gradient_at_fault`): the transport bans
+the replica that sent it and a retry of the micro-batch goes elsewhere (p2p.pipeline)."""
 
-    def loss_fn(hidden: Tensor, labels: Tensor) -> Tensor:
-        return _RemoteLoss.apply(hidden, labels, downstream)
 
-    return loss_fn
+class RemoteLoss:
+    """A DiLoCo `loss_fn` for stage 0 of S > 1: the local forward's output goes to the rest of the
+    pipeline, whose gradient comes back for the local backward. Step with `driver_inner_step`,
+    which refuses a gradient that overflows the backward and, with `blame`, retries elsewhere."""
+
+    def __init__(self, downstream: Downstream, blame: Blame | None = None) -> None:
+        self.downstream = downstream
+        self.blame = blame
+        self.gradient: Tensor | None = None
+        """The gradient the last call got back (CPU float32), for `driver_inner_step`'s check."""
+
+    def __call__(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        self.gradient = None
+        return _RemoteLoss.apply(hidden, labels, self)
+
+
+def remote_loss(downstream: Downstream, blame: Blame | None = None) -> RemoteLoss:
+    """A DiLoCo `loss_fn` for stage 0 of S > 1: local forward -> the rest of the pipeline -> local
+    backward with the returned gradient (`RemoteLoss`)."""
+    return RemoteLoss(downstream, blame)
 
 
 MAX_WIRE_VALUE = 2.0**120
 """Largest |∂loss/∂hidden| a stage > 0 replica steps on: 64 times it is still a finite float32,
 so every codec encodes it (node.actcodec: the Hadamard rotation sums 64 values)."""
 
+MAX_BLAMED = 8
+"""Gradients one step may refuse as overflowing its backward (each from a replica it then bans)
+before it gives up on the micro-batch: bounds a step's retries when many next-stage replicas lie."""
+
+
+class NonFiniteStep(ValueError):
+    """A micro-batch whose loss or gradients are not finite: refused, nothing stepped.
+
+    `gradient_at_fault`: the gradient the next stage sent back overflowed the backward, not this
+    stage's forward — the same backward with that gradient scaled down to a largest value of 1 is
+    finite (`_gradient_overflowed`). The sender of that gradient is blamed, not the micro-batch."""
+
+    def __init__(self, message: str, *, gradient_at_fault: bool = False) -> None:
+        super().__init__(message)
+        self.gradient_at_fault = gradient_at_fault
+
 
 def stage_inner_step(
-    diloco: DiLoCo, hidden: Tensor, labels: Tensor, downstream: Downstream | None
+    diloco: DiLoCo,
+    hidden: Tensor,
+    labels: Tensor,
+    downstream: Downstream | None,
+    blame: Blame | None = None,
 ) -> tuple[Tensor, float]:
     """One inner step of a stage > 0 on a received micro-batch.
 
@@ -80,53 +119,155 @@ def stage_inner_step(
     CPU, loss) after the inner optimizer stepped. The layers run on the replica's placement
     (device and autocast); what crosses to the neighbours is CPU float32 either way. On an
     exception nothing was stepped and no gradient is left behind.
+
+    A gradient from downstream that overflows the backward raises `NonFiniteStep` with
+    `gradient_at_fault`; with `blame`, the step blames it instead and sends its output again (the
+    same tensor, so the same bytes) for another gradient, at most `MAX_BLAMED` times. A segment
+    check replays with the recorded gradient and no `blame`.
     """
     place = diloco.placement
     x = place.to_device(hidden.detach().float()).requires_grad_(True)
-    try:
-        # enable_grad: a caller may sit inside an autograd Function's forward (chained in-process).
-        # Autocast as stage 0's DiLoCo.queue_inner_step does: a stage's precision is its placement's.
-        with torch.enable_grad():
-            with place.autocast():
-                out = diloco.model(x)
-                loss = cross_entropy_loss(out, place.to_device(labels)) if downstream is None else None
-            if downstream is None:
-                assert loss is not None
-                loss.backward()
-                value = loss.item()
-            else:
-                grad_out, value = downstream(out.detach().float().cpu(), labels)
-                out.backward(place.to_device(grad_out).to(out.dtype))
-        assert x.grad is not None
-        if not (
-            math.isfinite(value)
-            and _all_finite([x.grad, *(p.grad for p in diloco.params if p.grad is not None)])
-        ):
-            # Finite but extreme activations (a faulty or hostile sender) can overflow inside the
-            # layers; one such step would turn the replica's weights to NaN.
-            raise NonFiniteStep(
-                f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
-            )
-        largest = float(x.grad.abs().max()) if x.grad.numel() else 0.0
-        if largest > MAX_WIRE_VALUE:
-            # The gradient sent back must be encodable (a rotating codec's sum of 64 values must not
-            # overflow float32): refused before the step, so a replica never trains on a micro-batch
-            # it cannot answer, whose step its log would record without the reply.
-            raise NonFiniteStep(
-                f"micro-batch gives an input gradient up to {largest:.3g}, beyond what the wire carries "
-                f"({MAX_WIRE_VALUE:.3g}); not stepped"
-            )
-    except BaseException:
-        diloco.inner_optimizer.zero_grad(set_to_none=True)
-        raise
-    diloco.inner_update()
-    return x.grad.cpu(), value
+    sent: Tensor | None = None
+    """The output as first sent downstream: a retry offers the same bytes (the forward is redone
+    for its graph, and need not be bit-identical on every device)."""
+    blamed = 0
+    while True:
+        try:
+            x.grad = None
+            # enable_grad: a caller may sit inside an autograd Function's forward (chained in-process).
+            # Autocast as stage 0's DiLoCo.backward does: a stage's precision is its placement's.
+            with torch.enable_grad():
+                with place.autocast():
+                    out = diloco.model(x)
+                    loss = cross_entropy_loss(out, place.to_device(labels)) if downstream is None else None
+                grad_out = None
+                if downstream is None:
+                    assert loss is not None
+                    loss.backward()
+                    value = loss.item()
+                else:
+                    if sent is None:
+                        sent = out.detach().float().cpu()
+                    grad_out, value = downstream(sent, labels)
+                    out.backward(place.to_device(grad_out).to(out.dtype))
+            assert x.grad is not None
+            problem = _step_problem(value, x.grad, diloco)
+            if problem is not None:
+                at_fault = grad_out is not None and _gradient_overflowed(
+                    diloco, lambda x2: diloco.model(x2), x, grad_out
+                )
+                raise NonFiniteStep(problem, gradient_at_fault=at_fault)
+        except NonFiniteStep as exc:
+            diloco.inner_optimizer.zero_grad(set_to_none=True)
+            if exc.gradient_at_fault and blame is not None and blamed < MAX_BLAMED:
+                blamed += 1
+                blame(str(exc))
+                continue
+            raise
+        except BaseException:
+            diloco.inner_optimizer.zero_grad(set_to_none=True)
+            raise
+        diloco.inner_update()
+        return x.grad.cpu(), value
 
 
-class NonFiniteStep(ValueError):
-    """A micro-batch whose loss or gradients are not finite: refused, nothing stepped."""
+def driver_inner_step(diloco: DiLoCo, input_ids: Tensor, labels: Tensor) -> Tensor:
+    """Stage 0's inner step of a pipeline (`diloco.loss_fn` a `RemoteLoss`), as
+    `DiLoCo.queue_inner_step`, but refusing a gradient from the next stage that overflows the
+    backward: with the loss's `blame`, the sender is blamed and the micro-batch sent again (same
+    step, so the same id and bytes) up to `MAX_BLAMED` times; otherwise, or past that,
+    `NonFiniteStep`, with nothing stepped. Without the check one such gradient turns every
+    weight to NaN (`clip_grad_norm_` of an infinite norm multiplies by 0). Under fp16 loss scaling
+    the scaler already skips a step whose gradients overflow, so no check is added there."""
+    remote = diloco.loss_fn
+    if not isinstance(remote, RemoteLoss):
+        raise TypeError("driver_inner_step needs a DiLoCo whose loss_fn is a RemoteLoss")
+    ids = diloco.placement.to_device(input_ids)
+    blamed = 0
+    while True:
+        try:
+            loss = diloco.backward(input_ids, labels)
+            if diloco.scaler is None:
+                value = float(loss)
+                grads = [p.grad for p in diloco.params if p.grad is not None]
+                if not (math.isfinite(value) and _all_finite(grads)):
+                    grad = remote.gradient
+                    at_fault = grad is not None and _gradient_overflowed(
+                        diloco, lambda _: diloco.model(ids), None, grad
+                    )
+                    raise NonFiniteStep(
+                        f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped",
+                        gradient_at_fault=at_fault,
+                    )
+        except NonFiniteStep as exc:
+            diloco.inner_optimizer.zero_grad(set_to_none=True)
+            if exc.gradient_at_fault and remote.blame is not None and blamed < MAX_BLAMED:
+                blamed += 1
+                remote.blame(str(exc))
+                continue
+            raise
+        except BaseException:
+            diloco.inner_optimizer.zero_grad(set_to_none=True)
+            raise
+        diloco.inner_update(scaled=diloco.scaler is not None)
+        return loss
+
+
+def _step_problem(value: float, input_grad: Tensor, diloco: DiLoCo) -> str | None:
+    """Why a stage > 0 step on these gradients must not be taken, or None."""
+    if not (
+        math.isfinite(value)
+        and _all_finite([input_grad, *(p.grad for p in diloco.params if p.grad is not None)])
+    ):
+        # Finite but extreme activations (a faulty or hostile sender) can overflow inside the
+        # layers; one such step would turn the replica's weights to NaN.
+        return f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
+    largest = float(input_grad.abs().max()) if input_grad.numel() else 0.0
+    if largest > MAX_WIRE_VALUE:
+        # The gradient sent back must be encodable (a rotating codec's sum of 64 values must not
+        # overflow float32): refused before the step, so a replica never trains on a micro-batch
+        # it cannot answer, whose step its log would record without the reply.
+        return (
+            f"micro-batch gives an input gradient up to {largest:.3g}, beyond what the wire carries "
+            f"({MAX_WIRE_VALUE:.3g}); not stepped"
+        )
+    return None
+
+
+def _gradient_overflowed(
+    diloco: DiLoCo, forward: Callable[[Tensor | None], Tensor], x: Tensor | None, grad: Tensor
+) -> bool:
+    """Whether a backward that came out non-finite (or too large to send) did so because of the
+    size of `grad`, the gradient the next stage sent back, rather than because of the forward.
+
+    A backward is linear in the gradient it starts from, so the same backward with `grad` scaled
+    down to a largest value of 1 tells them apart: if every gradient it gives (the parameters',
+    and the input's for a stage > 0, `x`) stays within MAX_WIRE_VALUE, the forward is sound and
+    only the gradient's size overflowed; if not, the forward itself (this replica's weights, or
+    the activations it was sent) is at fault. A gradient no larger than 1 is never blamed. Runs
+    the forward again (`forward(x2)`, x2 a fresh leaf copy of `x`), so it costs a step's compute,
+    only on a step that failed. Leaves no `.grad` behind."""
+    largest = float(grad.abs().max()) if grad.numel() else 0.0
+    if not largest > 1.0:
+        return False
+    place = diloco.placement
+    x2 = None if x is None else x.detach().requires_grad_(True)
+    params = [p for p in diloco.params if p.requires_grad]
+    wrt = params if x2 is None else [x2, *params]
+    with torch.enable_grad():
+        with place.autocast():
+            out = forward(x2)
+        unit = place.to_device(grad / largest).to(out.dtype)
+        grads = torch.autograd.grad(out, wrt, unit, allow_unused=True)
+    present = [g for g in grads if g is not None]
+    if not present:
+        return False
+    worst = torch.stack([torch.linalg.vector_norm(g.float(), ord=math.inf) for g in present]).max()
+    return bool(torch.isfinite(worst)) and float(worst) <= MAX_WIRE_VALUE
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
+    if not tensors:
+        return True
     norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])  # one norm per tensor
     return bool(torch.isfinite(norms).all())

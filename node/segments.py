@@ -338,6 +338,15 @@ class SegmentRecorder:
         with self._lock:
             self._pending_received.append((micro_batch, message))
 
+    def note_discarded(self, micro_batch: str, sender: str) -> None:
+        """A message `note_received` took for the step in progress that the step did not consume
+        (a gradient refused for overflowing the backward, node.pipeline.NonFiniteStep): left out
+        of the step's record, so the step lists what it trained on."""
+        with self._lock:
+            self._pending_received = [
+                (mb, m) for mb, m in self._pending_received if not (mb == micro_batch and m.sender == sender)
+            ]
+
     def last_step(self) -> tuple[int, int] | None:
         """(round, index) of the step `record_step` recorded last, on the training thread: where a
         reply encoded later belongs (`note_sent`'s `step`); None when it recorded none."""

@@ -165,6 +165,7 @@ def start_stage_replica(
             log=log,
             jobs=jobs,
             downstream=None if link is None else link.forward,
+            blame=None if link is None else link.blame,
             finish_round=finish_round,
             checkpoint=checkpoint,
             segments=recorder,

@@ -33,7 +33,7 @@ from .checkpoint import CheckpointIdentity, CheckpointMismatch, CheckpointWriter
 from .diloco import DiLoCo
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .p2p.pipeline import Busy, Job
-from .pipeline import Downstream, stage_inner_step
+from .pipeline import Blame, Downstream, stage_inner_step
 from .segments import SegmentRecorder
 from .vocab import VocabSchedule, regrow, state_vocab, vocab_of
 from .work import RoundWork
@@ -177,6 +177,7 @@ class StageWorker(InnerLoop):
         log: Callable[[str], None],
         jobs: JobQueue | None = None,
         downstream: Forward | None = None,
+        blame: Callable[[str, str], None] | None = None,
         finish_round: RoundFinisher = lone_replica,
         checkpoint: StageCheckpoint | None = None,
         segments: SegmentRecorder | None = None,
@@ -186,7 +187,9 @@ class StageWorker(InnerLoop):
         poll_s: float = 0.1,
     ) -> None:
         """`jobs`: where the micro-batches arrive (default: a queue of `config.max_pending`);
-        `downstream`: the next stages (None on the last); `finish_round`: the round's finisher;
+        `downstream`: the next stages (None on the last); `blame(micro_batch, why)`: bans the
+        next-stage replica whose gradient for that id overflowed the backward, so the step sends
+        it elsewhere (node.pipeline.stage_inner_step); `finish_round`: the round's finisher;
         `segments` records every inner step's received and sent messages (node.segments);
         `upstream_over` says why no more work will come (the stage before ended), else None:
         the worker then ends as at `max_steps`. `vocab_schedule` (the last stage's, which holds the
@@ -197,6 +200,7 @@ class StageWorker(InnerLoop):
         self.log_every = config.log_every
         self.jobs = jobs or JobQueue(config.max_pending)
         self.downstream = downstream
+        self.blame = blame
         self._log = log
         self._finish_round_hook = finish_round
         self.checkpoint = checkpoint
@@ -242,7 +246,9 @@ class StageWorker(InnerLoop):
         round_ = self.diloco.round
         step_start = time.perf_counter()
         try:
-            grad, loss = stage_inner_step(self.diloco, job.hidden, job.labels, self._onward(job))
+            grad, loss = stage_inner_step(
+                self.diloco, job.hidden, job.labels, self._onward(job), self._blame(job)
+            )
         except Exception as exc:  # the sender retries elsewhere; this replica did not step
             self.stats.failed += 1
             try:
@@ -319,6 +325,13 @@ class StageWorker(InnerLoop):
         if forward is None:
             return None
         return lambda hidden, labels: forward(hidden, labels, job.micro_batch)
+
+    def _blame(self, job: Job) -> Blame | None:
+        """Bans the replica whose gradient for this job overflowed its backward (None: no blame)."""
+        blame = self.blame
+        if blame is None or self.downstream is None:
+            return None
+        return lambda why: blame(job.micro_batch, why)
 
     def _finish_round(self, seconds: dict[str, float]) -> None:
         self.jobs.enter_round(self.diloco.round)

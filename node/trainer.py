@@ -30,7 +30,7 @@ from .device import CopyStream, Placement
 from .diloco import DiLoCo, DiLoCoConfig, LossFn, tensor_digest
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .model import ModelConfig, build_stage, cross_entropy_loss
-from .pipeline import stage_fingerprint
+from .pipeline import RemoteLoss, driver_inner_step, stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .segments import SegmentRecorder
 from .vocab import VocabSchedule, model_of, regrow
@@ -437,7 +437,10 @@ class Trainer(InnerLoop):
             self._plateau.reset()
         self._last_shard = batch.shard_id
         step_start = time.perf_counter()
-        queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
+        if isinstance(self.diloco.loss_fn, RemoteLoss):  # a pipeline's driver: refuses overflowing gradients
+            queued = driver_inner_step(self.diloco, batch.inputs, batch.labels)
+        else:
+            queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
         queued_s = time.perf_counter() - step_start
         with timed(result.seconds, "data ahead"):
             self._feed.read_ahead()  # on CUDA: the next batch's copy overlaps this step's kernels

@@ -90,6 +90,7 @@ STATUS: Mapping[str, int] = {
     "wrong_shape": 422,
     "wrong_codec": 422,
     "non_finite": 422,
+    "struck": 429,
     "downstream": 502,
     "step_failed": 500,
 }

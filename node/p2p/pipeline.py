@@ -155,6 +155,15 @@ class JobSink(Protocol):
         ...
 
 
+ANSWERS_KEPT = 64
+"""Micro-batch ids whose answering replica a `PipelineClient` remembers, for `blame`: a step blames
+the answer it just got, so a few are enough (a driver has one step in flight, a worker one job)."""
+
+
+MAX_STRUCK = 4096
+"""Senders a `PipelineService` remembers striking (a stage's replicas, and then some)."""
+
+
 class PipelineUnavailable(ConnectionError):
     """No replica of the next stage took the micro-batch before the deadline (or the node is stopping)."""
 
@@ -239,6 +248,12 @@ class _Link:
     skip_until: float = 0.0
     failures: int = 0
     successes: int = 0
+    blamed: int = 0
+    """Gradients from this peer that overflowed this replica's backward (never reset)."""
+
+
+BLAME_BAN_DOUBLINGS = 7
+"""A blamed replica's ban doubles with each blame up to 2**7 × ban_s (64 min at the default 30 s)."""
 
 
 @dataclass
@@ -302,6 +317,18 @@ class NextStageRouter:
     def busy(self, wallet: str, now: float) -> None:
         self._link(wallet).skip_until = now + self.busy_s
 
+    def blamed(self, wallet: str, now: float) -> float:
+        """The peer answered with a gradient that overflowed this replica's backward (a faulty or
+        hostile replica: an honest gradient never does, node.pipeline.NonFiniteStep): banned like a
+        failure, for `ban_s` doubled at each such answer (at most BLAME_BAN_DOUBLINGS times), so
+        a replica that keeps lying is asked ever more rarely. Returns the ban in seconds."""
+        link = self._link(wallet)
+        self.failed(wallet, now)
+        link.blamed += 1
+        ban = self.ban_s * 2.0 ** min(link.blamed - 1, BLAME_BAN_DOUBLINGS)
+        link.skip_until = now + ban
+        return ban
+
 
 class PipelineClient:
     """Sends micro-batches to the next stage. Its coroutines run on the peer network's event loop."""
@@ -343,6 +370,11 @@ class PipelineClient:
             request_timeout_s=config.request_timeout_s,
         )  # fmt: skip
         self.retries = 0
+        self.blamed = 0
+        """Gradients refused as overflowing this replica's backward (`blame`)."""
+        self._answered: OrderedDict[str, str] = OrderedDict()
+        """micro-batch id -> the replica whose gradient came back for it last (the newest
+        ANSWERS_KEPT): whom `blame` bans."""
         self.sent_to: set[str] = set()
         """Replicas of the next stage this one offered a micro-batch to: where `end` goes (one that
         never took one refuses the end, harmlessly)."""
@@ -415,6 +447,10 @@ class PipelineClient:
             outcome = await self._try(live[pick], body, header, reply_bound)
             if isinstance(outcome, tuple):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
+                self._answered[micro_batch] = pick
+                self._answered.move_to_end(micro_batch)
+                while len(self._answered) > ANSWERS_KEPT:
+                    self._answered.popitem(last=False)
                 return outcome
             self.retries += 1
             if outcome == "busy":
@@ -427,6 +463,23 @@ class PipelineClient:
                 self.router.failed(pick, self.clock())
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} failed ({outcome}); "
                          f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
+
+    async def blame(self, micro_batch: str, why: str) -> str | None:
+        """The gradient that came back for `micro_batch` overflowed this replica's backward
+        (node.pipeline.NonFiniteStep.gradient_at_fault): its sender is banned (`router.blamed`),
+        the step in progress does not list it as received, and a retry of the micro-batch goes to
+        another replica. Returns the blamed wallet (None: no answer known for that id)."""
+        wallet = self._answered.pop(micro_batch, None)
+        if wallet is None:
+            return None
+        ban = self.router.blamed(wallet, self.clock())
+        self.blamed += 1
+        if self.segments is not None:
+            self.segments.note_discarded(micro_batch, wallet)
+        self.log(f"pipeline: stage {self.stage + 1} replica {wallet[:12]} answered micro-batch {micro_batch[:8]} "
+                 f"with a gradient that overflows this stage's backward ({why}); banned {ban:.0f} s, "
+                 "sending it elsewhere")  # fmt: skip
+        return wallet
 
     async def end(self, round_: int, step: int) -> tuple[int, int]:
         """Tell every next-stage replica this one sent work to that it sends no more (a signed
@@ -569,6 +622,9 @@ class PipelineService:
         self.traffic = Traffic()
         """Answered micro-batches at the HTTP layer (as the middleware counts them): the pipeline's
         share of this server's traffic, so a bench can tell it from the round exchange's."""
+        self._struck: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        """sender -> (strikes, refused until, monotonic s): senders whose activations overflowed
+        this replica's step (`_strike`); the newest MAX_STRUCK."""
 
     def set_vocab(self, vocab_size: int) -> None:
         """The head grew (node.vocab): labels below the new vocabulary are taken from now on."""
@@ -643,6 +699,7 @@ class PipelineService:
             raise Refused("malformed", f"missing {ACTIVATION_HEADER} header")
         header = ActivationHeader.from_json(raw)
         self._check(header, request)
+        self._refuse_struck(header.wallet)
         taken = self._known(header) or await self._take(header, request[BODY])
         self.upstream.sent(header.wallet)  # taken: this sender is live (`_take` raised if busy)
         try:
@@ -651,6 +708,28 @@ class PipelineService:
             # Still queued or computing: the outcome stays here for a retry of the same id.
             raise Refused("busy", f"no result within {self.reply_timeout_s:.0f} s") from None
         return await self._reply(request, header, outcome)
+
+    def _strike(self, sender: str) -> None:
+        """`sender`'s activations gave a step that overflowed with a sound gradient from downstream
+        (NonFiniteStep, not `gradient_at_fault`): its micro-batches are refused for `ban_s`,
+        doubled at each strike (as the router bans a blamed next-stage replica). A middle replica
+        that offered its output on records such a step as failed (node.segments), and a segment
+        holds only so many (protocol.segments.max_failed_in_segment): without the strikes a
+        hostile sender could run that budget out and cost this replica its round's log."""
+        strikes = self._struck.pop(sender, (0, 0.0))[0] + 1
+        ban = self.config.ban_s * 2.0 ** min(strikes - 1, BLAME_BAN_DOUBLINGS)
+        self._struck[sender] = (strikes, time.monotonic() + ban)
+        while len(self._struck) > MAX_STRUCK:
+            self._struck.popitem(last=False)
+
+    def _refuse_struck(self, sender: str) -> None:
+        struck = self._struck.get(sender)
+        if struck is not None and time.monotonic() < struck[1]:
+            raise Refused(
+                "struck",
+                f"{struck[0]} micro-batch(es) from {sender[:12]} overflowed this replica's step; "
+                f"refused for {struck[1] - time.monotonic():.0f} s more",
+            )
 
     async def _end(self, request: web.Request) -> web.StreamResponse:
         end = PipelineEnd.from_json(request[BODY])
@@ -693,6 +772,8 @@ class PipelineService:
         def settle(outcome: JobResult) -> None:
             if not taken.outcome.done():
                 taken.outcome.set_result(outcome)
+                if isinstance(outcome, NonFiniteStep) and not outcome.gradient_at_fault:
+                    self._strike(header.wallet)
             if isinstance(outcome, BaseException) and self._taken.get(key) is taken:
                 del self._taken[key]  # not stepped: a retry of this id may train on it
 

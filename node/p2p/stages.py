@@ -45,6 +45,8 @@ class PipelineLink:
         self.log = log
         self.round_of = round_of
         self.step_of = step_of
+        self.driving: str | None = None
+        """The micro-batch id `downstream` sent last (the driver's step in progress)."""
         self.client = PipelineClient(
             wallet=network.wallet,
             stage=network.stage,
@@ -83,7 +85,19 @@ class PipelineLink:
             raise ValueError("only the driver (stage 0, built with step_of) names micro-batches")
         round_ = self.round_of()
         micro_batch = micro_batch_id(self.network.wallet.public_key_hex, round_, self.step_of())
+        self.driving = micro_batch
         return self.forward(hidden, labels, micro_batch)
+
+    def blame_driven(self, why: str) -> None:
+        """The driver's `pipeline.Blame`: the gradient for the micro-batch `downstream` sent last
+        overflowed the backward; its sender is banned and a retry goes elsewhere."""
+        if self.driving is not None:
+            self.blame(self.driving, why)
+
+    def blame(self, micro_batch: str, why: str) -> None:
+        """The gradient that came back for `micro_batch` overflowed this replica's backward: ban
+        its sender (`PipelineClient.blame`)."""
+        self.network.call(self.client.blame(micro_batch, why), timeout=10.0)
 
     def forward(self, hidden: Tensor, labels: Tensor, micro_batch: str) -> tuple[Tensor, float]:
         """A `stage_worker.Forward`: send a micro-batch on under the id it already has."""
