@@ -72,9 +72,10 @@ def max_failed_in_segment(segment_steps: int) -> int:
     segments of `segment_steps` may hold: a check replays each one's forward, so this bounds what
     a segment costs the verifier (k + 8 forwards beside its steps). A job fails when every replica
     downstream failed it for the pipeline's deadline, or when its own backward is not finite
-    (node.pipeline.NonFiniteStep) — which a hostile neighbour can cause: one that answers every
-    offer with a gradient that overflows the backward can run a segment's budget out and cost an
-    honest middle replica its round's log (README, "what is left")."""
+    (node.pipeline.NonFiniteStep) — which a hostile neighbour can cause. A gradient that overflows
+    the backward is blamed on its sender, banned, and the output sent elsewhere without a failed
+    step; activations that do fail the step and strike their sender (node.p2p.pipeline), so each
+    hostile wallet of the previous stage costs one failed step per ban (README)."""
     return segment_steps + FAILED_SEGMENT_SLACK
 
 

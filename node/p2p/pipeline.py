@@ -6,9 +6,12 @@
   never measured enters at the back of the queue: it is tried after every measured peer
   when retrying, and drawn with the weight of the slowest measured one (so it gets measured
   without getting the bulk of the traffic). A failed peer is banned for `ban_s`; a busy one
-  (503: in its outer round, queue full) is skipped for `busy_s`.
+  (503: in its outer round, queue full) is skipped for `busy_s`; a blamed one (its gradient
+  overflowed this replica's backward) for `ban_s` doubled at each blame.
 - `PipelineClient` sends one micro-batch (`pipeline_wire`) and retries it elsewhere until
-  `deadline_s`; it returns the gradient and loss, or raises `PipelineUnavailable`.
+  `deadline_s`; it returns the gradient and loss, or raises `PipelineUnavailable`. `blame`
+  bans the replica whose answer to an id overflowed the step (node.pipeline.NonFiniteStep's
+  `gradient_at_fault`), and the step sends the micro-batch again, elsewhere.
 - `PipelineService` is the server side, a `server.ServerExtension`: POST /p2p/pipeline/forward,
   sharing the signed-request middleware; the body limit follows this stage's shapes.
   It checks everything before handing the micro-batch to the `StageWorker`; a bad request is
@@ -44,7 +47,7 @@ Route (every refusal is a JSON `ErrorReply`):
 
 | route                        | in -> out                                                        | ok  | refusals        |
 |------------------------------|------------------------------------------------------------------|-----|-----------------|
-| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 5xx     |
+| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 429 5xx |
 |                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
 | POST /p2p/pipeline/end       | `PipelineEnd` (JSON: the sender sends no more micro-batches)     | 204 | 400 409 422     |
 
@@ -54,7 +57,8 @@ own server (``mailbox.py``); a client given no bucket leaves such replicas out.
 
 Bodies are packed in the run's codec (`PipelineConfig.codec`, `pipeline_wire`); a micro-batch
 in another codec is refused with 422 `wrong_codec`. 422 also answers a micro-batch on which the
-layers overflow (non-finite loss or gradient: not stepped). 409 = this replica already took the micro-batch's id from this sender with another
+layers overflow (non-finite loss or gradient: not stepped); its sender is then struck and its
+micro-batches refused with 429 `struck` for `ban_s`, doubled at each strike. 409 = this replica already took the micro-batch's id from this sender with another
 payload (the sender moves on to another replica). 503 = busy (the replica is in its outer round or its queue is full; retry another);
 502 = this replica could not reach the stage after it (retry another); 500 = the step failed
 for another reason (a bug: the sender bans this replica for a while).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +13,13 @@ from neuroshard.node import pipeline
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
-from neuroshard.node.pipeline import MAX_WIRE_VALUE, NonFiniteStep, remote_loss, stage_inner_step
+from neuroshard.node.pipeline import (
+    MAX_WIRE_VALUE,
+    NonFiniteStep,
+    driver_inner_step,
+    remote_loss,
+    stage_inner_step,
+)
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=3, n_heads=2, ffn_dim=32, max_seq_len=16)
 SGD = DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100, grad_clip=None, min_lr_ratio=1.0)
@@ -163,3 +171,115 @@ def test_an_input_gradient_no_codec_carries_is_refused_before_the_step(
         stage_inner_step(stage, torch.randn(2, 8, MODEL.dim), _batch()[1], None)
     assert stage.step == 0 and all(p.grad is None for p in stage.model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, stage.model.parameters(), strict=True))
+
+
+# --- a gradient that overflows the backward -------------------------------------------------
+
+HUGE = 3e38
+"""A finite float32 (and bf16) that no backward survives: what a hostile next stage answers."""
+
+
+def _weights(engine: DiLoCo) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.model.parameters()]
+
+
+def _honest(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A next stage that answers with a fixed, modest gradient."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(hidden.shape, generator=g) * 1e-3, 2.0
+
+
+def test_a_driver_refuses_a_gradient_that_overflows_its_backward_and_keeps_its_weights() -> None:
+    """Before: one such gradient turned every weight of an honest stage 0 to NaN (the infinite
+    gradient norm makes clip_grad_norm_ multiply by 0). Now nothing is stepped and the gradient,
+    not the forward, is named at fault."""
+    torch.manual_seed(0)
+    engine = DiLoCo(build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100))
+    engine.loss_fn = remote_loss(lambda h, labels: (torch.full_like(h, HUGE), 1.0))
+    before = _weights(engine)
+    with pytest.raises(NonFiniteStep) as refused:
+        driver_inner_step(engine, *_batch(0))
+    assert refused.value.gradient_at_fault
+    assert engine.step == 0 and all(p.grad is None for p in engine.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(engine), strict=True))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_driver_blames_an_overflowing_gradient_and_steps_on_the_next_one_as_if_it_never_came(
+    precision: str,
+) -> None:
+    torch.manual_seed(0)
+    config = DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100)
+    place = Placement(device=torch.device("cpu"), precision=precision)  # bf16: autocast on the CPU
+    clean = DiLoCo(build_stage(MODEL, 0, 2), config, placement=place)
+    attacked = DiLoCo(copy.deepcopy(clean.model), config, placement=place)
+    clean.loss_fn = remote_loss(_honest)
+    answers = iter([(HUGE, 1.0), (HUGE, 1.0)])
+    sent: list[torch.Tensor] = []
+    blamed: list[str] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        sent.append(hidden)
+        answer = next(answers, None)
+        return _honest(hidden, labels) if answer is None else (torch.full_like(hidden, answer[0]), answer[1])
+
+    attacked.loss_fn = remote_loss(downstream, blamed.append)
+    assert float(driver_inner_step(attacked, *_batch(0))) == 2.0
+    clean.inner_step(*_batch(0))
+    assert len(blamed) == 2 and "non-finite" in blamed[0] and attacked.step == 1
+    assert all(torch.equal(s, sent[0]) for s in sent)  # every attempt sends the same activations
+    assert all(torch.equal(a, b) for a, b in zip(_weights(clean), _weights(attacked), strict=True))
+
+
+def test_a_driver_gives_up_after_max_blamed_gradients() -> None:
+    engine = DiLoCo(build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100))
+    blamed: list[str] = []
+    engine.loss_fn = remote_loss(lambda h, labels: (torch.full_like(h, HUGE), 1.0), blamed.append)
+    with pytest.raises(NonFiniteStep):
+        driver_inner_step(engine, *_batch(0))
+    assert len(blamed) == pipeline.MAX_BLAMED and engine.step == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_middle_stage_blames_an_overflowing_gradient_and_resends_the_same_output(precision: str) -> None:
+    torch.manual_seed(0)
+    layered = dataclasses.replace(MODEL, n_layers=3)
+    config = DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100)
+    place = Placement(device=torch.device("cpu"), precision=precision)
+    clean = DiLoCo(build_stage(layered, 1, 3), config, placement=place)
+    attacked = DiLoCo(copy.deepcopy(clean.model), config, placement=place)
+    hidden, labels = torch.randn(2, 8, MODEL.dim), _batch()[1]
+    sent: list[torch.Tensor] = []
+    blamed: list[str] = []
+
+    def downstream(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        sent.append(h)
+        return (torch.full_like(h, HUGE), 1.0) if len(sent) == 1 else _honest(h, y)
+
+    grad, loss = stage_inner_step(attacked, hidden, labels, downstream, blamed.append)
+    want, _ = stage_inner_step(clean, hidden, labels, _honest)
+    assert len(blamed) == 1 and loss == 2.0 and len(sent) == 2 and sent[1] is sent[0]
+    assert torch.equal(grad, want)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(clean), _weights(attacked), strict=True))
+    # Without a blame (a segment check's replay) the same gradient is refused, at fault.
+    with pytest.raises(NonFiniteStep) as refused:
+        stage_inner_step(attacked, hidden, labels, lambda h, y: (torch.full_like(h, HUGE), 1.0))
+    assert refused.value.gradient_at_fault and attacked.step == 1
+
+
+def test_activations_that_overflow_the_forward_are_not_blamed_on_the_next_stage() -> None:
+    """A backward that overflows even from a unit gradient is the forward's doing (the activations
+    it was sent, or its own weights): the next stage's replica is not blamed; the sender is."""
+    layered = dataclasses.replace(MODEL, n_layers=3)
+    engine = DiLoCo(
+        build_stage(layered, 1, 3), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100)
+    )
+    blamed: list[str] = []
+    for answer in (1e-3, HUGE):  # a modest gradient, and one that would be blamed on a sound forward
+        with pytest.raises(NonFiniteStep) as refused:
+            stage_inner_step(
+                engine, torch.full((2, 8, MODEL.dim), HUGE), _batch()[1],
+                lambda h, y, a=answer: (torch.full_like(h, a), 1.0), blamed.append,
+            )  # fmt: skip
+        assert not refused.value.gradient_at_fault
+    assert blamed == [] and engine.step == 0 and all(p.grad is None for p in engine.model.parameters())

@@ -379,3 +379,37 @@ def test_a_failed_job_answers_its_sender_even_when_the_store_raises() -> None:
     with pytest.raises(OSError, match="disk full"):
         worker.run(threading.Event(), 0.01)
     assert len(results) == 1 and isinstance(results[0], ConnectionError), results
+
+
+def test_a_middle_stage_blames_an_overflowing_gradient_by_its_job_id_and_steps_without_a_failed_step() -> (
+    None
+):
+    """The worker hands `stage_inner_step` a blame bound to the job's micro-batch: the transport
+    bans whoever answered that id, the output goes elsewhere, and the step is recorded as one step
+    (no failed step: nothing failed that a segment check must replay)."""
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
+    engine = DiLoCo(
+        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
+        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
+    )
+    recorder.start_round(engine)
+    answers: list[str] = []
+    blamed: list[tuple[str, str]] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor, mb: str) -> tuple[torch.Tensor, float]:
+        answers.append(mb)
+        return torch.full_like(hidden, 3e38 if len(answers) == 1 else 1e-3), 1.0
+
+    worker = StageWorker(
+        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
+        blame=lambda mb, why: blamed.append((mb, why)), segments=recorder,
+    )  # fmt: skip
+    results: list[JobResult] = []
+    job = _job(results, 0)
+    job.received = Received("activations", SENDER, b"{}", b"x")
+    worker.jobs.offer(job)
+    worker.run(threading.Event(), 0.01)
+    assert isinstance(results[0], tuple) and engine.step == 1, results
+    assert [mb for mb, _ in blamed] == [f"{0:032x}"] == answers[:1] and len(answers) == 2
+    current = recorder._current
+    assert current is not None and current.failed == [] and len(current.steps) == 1

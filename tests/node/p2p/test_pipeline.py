@@ -28,9 +28,18 @@ from safetensors.torch import save as st_save
 from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
-from neuroshard.node.p2p.pipeline import NextStageRouter, PipelineClient, PipelineConfig, PipelineService
+from neuroshard.node.p2p.pipeline import (
+    BLAME_BAN_DOUBLINGS,
+    Job,
+    NextStageRouter,
+    PipelineClient,
+    PipelineConfig,
+    PipelineService,
+)
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, encode_activations
 from neuroshard.node.p2p.server import NodeState, build_app
+from neuroshard.node.pipeline import driver_inner_step, remote_loss
+from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.stage_worker import StageWorker, WorkerConfig
 from neuroshard.node.vocab import vocab_cap
 from neuroshard.node.wallet import Wallet
@@ -75,6 +84,16 @@ def test_choice_is_proportional_to_throughput_and_new_peers_get_the_slowest_weig
     assert share["a"] == pytest.approx(0.6, abs=0.03)
     assert share["b"] == pytest.approx(0.2, abs=0.03)
     assert share["new"] == pytest.approx(0.2, abs=0.03)
+
+
+def test_a_blamed_peer_is_banned_for_twice_as_long_at_each_blame_up_to_a_cap() -> None:
+    router = NextStageRouter(ban_s=10.0, busy_s=1.0)
+    router.succeeded("a", tokens=100, seconds=1.0)
+    bans = [router.blamed("a", now=0.0) for _ in range(BLAME_BAN_DOUBLINGS + 3)]
+    assert bans[:3] == [10.0, 20.0, 40.0] and bans[-1] == bans[-2] == 10.0 * 2**BLAME_BAN_DOUBLINGS
+    assert router.throughput("a") is None  # forgotten, as after a failure
+    router.succeeded("a", tokens=100, seconds=1.0)  # an answer later does not wipe the record
+    assert router.blamed("a", now=0.0) == 10.0 * 2**BLAME_BAN_DOUBLINGS
 
 
 def test_a_failed_peer_is_banned_then_returns_at_the_back_and_busy_is_short() -> None:
@@ -155,12 +174,17 @@ def _signed(sender: Wallet, body: bytes, **over: Any) -> ActivationHeader:
 
 @contextlib.asynccontextmanager
 async def _serve(
-    node: NodeState, wallet: Wallet, *, config: PipelineConfig = PIPE, run: bool = True
+    node: NodeState,
+    wallet: Wallet,
+    *,
+    config: PipelineConfig = PIPE,
+    run: bool = True,
+    worker_type: type[StageWorker] = StageWorker,
 ) -> AsyncIterator[tuple[Served, Callable[[], None]]]:
     """A last-stage replica on loopback, and a function that starts its worker (already started if `run`)."""
     torch.manual_seed(0)
     cfg = DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000)
-    worker = StageWorker(
+    worker = worker_type(
         DiLoCo(build_stage(MODEL, 1, 2), cfg), WorkerConfig(log_every=1000), log=lambda s: None
     )
     service = PipelineService(wallet=wallet, stage=1, model_config=MODEL, config=config, worker=worker.jobs)
@@ -282,6 +306,17 @@ async def test_a_micro_batch_the_layers_overflow_on_is_refused_with_no_state_cha
         assert (got, ErrorReply.from_json(reply).error) == (422, "non_finite")
         await asyncio.sleep(0.05)  # a micro-batch that slipped through would be stepped on by now
         assert _same(served.fingerprint(), before)
+        # The sender is struck: its next micro-batches are refused for ban_s (a middle replica
+        # records each such step as failed, and a segment holds only so many); others are served.
+        good = encode_activations(hidden, labels, "int8")
+        got, _, reply = await served.send(
+            wallets[1], good, _signed(wallets[1], good, codec="int8", micro_batch="cd" * 16)
+        )
+        assert (got, ErrorReply.from_json(reply).error) == (429, "struck")
+        got, _, reply = await served.send(
+            wallets[2], good, _signed(wallets[2], good, codec="int8", micro_batch="cd" * 16)
+        )
+        assert got == 200, reply
 
 
 @pytest.mark.asyncio
@@ -583,3 +618,78 @@ def test_only_the_last_stage_bounds_labels_by_its_head_and_a_growth_moves_the_bo
     three = dataclasses.replace(PIPE, num_stages=3)
     middle = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=three, worker=jobs)
     assert middle.label_bound == vocab_cap(MODEL.vocab_size)  # no rows: it passes a grown tokenizer's ids on
+
+
+class _Overflowing(StageWorker):
+    """A hostile last stage: it trains as an honest one but answers every micro-batch with a
+    gradient of 3e38s, finite on the wire (bf16) and fatal to an honest driver's backward."""
+
+    def _settle(self, job: Job, grad: torch.Tensor, loss: float, round_: int) -> None:
+        super()._settle(job, torch.full_like(grad, 3e38), loss, round_)
+
+
+@pytest.mark.asyncio
+async def test_a_driver_bans_a_replica_whose_gradient_overflows_its_backward_and_trains_elsewhere(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """Over loopback: the driver's step refuses the hostile gradient (no NaN weights), the client
+    bans its sender (doubling with each blame), the step does not list it as received, and the
+    micro-batch's retry, the same bytes under the same id, is trained on by the honest replica."""
+    from neuroshard.node.p2p.peers import PeerTable
+
+    config = replace(PIPE, codec="bf16")
+    driver = wallets[1]
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0], config=config, worker_type=_Overflowing) as (
+            bad,
+            _,
+        ),
+        _serve(make_node(wallets[2], stage=1), wallets[2], config=config) as (good, _),
+    ):
+        now = time.time()
+        table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+        table.merge(
+            [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in (bad, good)], now
+        )
+        router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
+        router.succeeded(bad.wallet.public_key_hex, tokens=10**9, seconds=1.0)  # drawn first
+        router.succeeded(good.wallet.public_key_hex, tokens=1, seconds=1.0)
+        recorder = SegmentRecorder(SegmentConfig(segment_steps=4), stage=0)
+        lines: list[str] = []
+        client = PipelineClient(
+            wallet=driver, stage=0, peers=table, config=config, clock=time.time, log=lines.append,
+            stop=threading.Event(), router=router, segments=recorder,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        id_ = micro_batch_id(driver.public_key_hex, 0, 0)
+
+        def downstream(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+            return asyncio.run_coroutine_threadsafe(
+                client.forward(hidden, labels, round_=0, micro_batch=id_), loop
+            ).result(20.0)
+
+        def blame(why: str) -> None:
+            asyncio.run_coroutine_threadsafe(client.blame(id_, why), loop).result(5.0)
+
+        torch.manual_seed(0)
+        stage0 = DiLoCo(
+            build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000),
+            loss_fn=remote_loss(downstream, blame),
+        )  # fmt: skip
+        recorder.start_round(stage0)
+        tokens = torch.randint(0, MODEL.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(5))
+        await client.start()
+        try:
+            await asyncio.to_thread(driver_inner_step, stage0, tokens[:, :-1], tokens[:, 1:])
+            recorder.record_step(stage0, data=(0, 0, 1), micro_batch=id_)
+        finally:
+            await client.close()
+    assert stage0.step == 1 and all(bool(torch.isfinite(p).all()) for p in stage0.model.parameters())
+    assert (bad.worker.diloco.step, good.worker.diloco.step) == (1, 1) and client.blamed == 1
+    assert router.ranking([bad.wallet.public_key_hex, good.wallet.public_key_hex], time.time()) == [
+        good.wallet.public_key_hex
+    ]
+    assert any("overflows" in line and bad.wallet.public_key_hex[:12] in line for line in lines)
+    current = recorder._current
+    assert current is not None
+    assert [m.sender for m in current.steps[0].received] == [good.wallet.public_key_hex]
