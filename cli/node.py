@@ -413,7 +413,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
             num_stages=run_.num_stages,
             loss_fn=remote_loss(
                 lambda hidden, labels: _downstream(link, hidden, labels),
-                lambda why: link.blame_driven(why) if link is not None else None,
+                lambda why: link is not None and link.blame_driven(why),
             )
             if run_.num_stages > 1
             else None,

@@ -41,12 +41,13 @@ class _RemoteLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, labels: Tensor, remote: RemoteLoss) -> Tensor:
         # The wire takes CPU float32 whatever this stage runs on (a no-op on a CPU fp32 stage).
-        grad, loss = remote.downstream(hidden.detach().float().cpu(), labels.cpu())
+        sent = remote.resend if remote.resend is not None else hidden.detach().float().cpu()
+        grad, loss = remote.downstream(sent, labels.cpu())
         if grad.shape != hidden.shape:
             raise ValueError(
                 f"downstream returned a gradient of shape {tuple(grad.shape)}, expected {tuple(hidden.shape)}"
             )
-        remote.gradient = grad
+        remote.sent, remote.gradient = sent, grad
         ctx.save_for_backward(grad.to(device=hidden.device, dtype=hidden.dtype))
         return torch.tensor(loss, dtype=hidden.dtype, device=hidden.device)
 
@@ -56,10 +57,12 @@ class _RemoteLoss(torch.autograd.Function):
         return grad * grad_output, None, None
 
 
-Blame = Callable[[str], None]
+Blame = Callable[[str], bool]
 """Called with the reason when the gradient the next stage sent back for the micro-batch in
 progress overflowed this stage's backward (`NonFiniteStep.gradient_at_fault`): the transport bans
-the replica that sent it and a retry of the micro-batch goes elsewhere (p2p.pipeline)."""
+the replica that sent it, so that a retry of the micro-batch goes elsewhere (p2p.pipeline).
+Returns whether it banned one (False: it knows no answer to that id, and a retry could reach
+the same replica)."""
 
 
 class RemoteLoss:
@@ -70,11 +73,16 @@ class RemoteLoss:
     def __init__(self, downstream: Downstream, blame: Blame | None = None) -> None:
         self.downstream = downstream
         self.blame = blame
+        self.sent: Tensor | None = None
+        """What the last call sent on (CPU float32)."""
         self.gradient: Tensor | None = None
         """The gradient the last call got back (CPU float32), for `driver_inner_step`'s check."""
+        self.resend: Tensor | None = None
+        """Set by `driver_inner_step` for a retry: sent instead of the forward's output, so every
+        attempt of one step carries the same bytes whether or not the forward is bit-reproducible."""
 
     def __call__(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        self.gradient = None
+        self.sent = self.gradient = None
         return _RemoteLoss.apply(hidden, labels, self)
 
 
@@ -92,13 +100,19 @@ MAX_BLAMED = 8
 """Gradients one step may refuse as overflowing its backward (each from a replica it then bans)
 before it gives up on the micro-batch: bounds a step's retries when many next-stage replicas lie."""
 
+MAX_SOUND_GAIN = 2.0**20
+"""The largest |∂loss/∂input| a sound forward of a stage > 0 gives from a gradient whose largest
+value is 1 (`_gradient_overflowed`). A trained or freshly initialised stage gives at most a few
+thousand (every output position an input reaches, times the weights); degenerate inputs, such as
+all-zero activations through RMSNorm, give 1e10 and more (the 350m preset at initialisation)."""
+
 
 class NonFiniteStep(ValueError):
     """A micro-batch whose loss or gradients are not finite: refused, nothing stepped.
 
     `gradient_at_fault`: the gradient the next stage sent back overflowed the backward, not this
-    stage's forward — the same backward with that gradient scaled down to a largest value of 1 is
-    finite (`_gradient_overflowed`). The sender of that gradient is blamed, not the micro-batch."""
+    stage's forward — the same backward from that gradient scaled down to a largest value of 1 is
+    sound (`_gradient_overflowed`). The sender of that gradient is blamed, not the micro-batch."""
 
     def __init__(self, message: str, *, gradient_at_fault: bool = False) -> None:
         super().__init__(message)
@@ -121,9 +135,10 @@ def stage_inner_step(
     exception nothing was stepped and no gradient is left behind.
 
     A gradient from downstream that overflows the backward raises `NonFiniteStep` with
-    `gradient_at_fault`; with `blame`, the step blames it instead and sends its output again (the
-    same tensor, so the same bytes) for another gradient, at most `MAX_BLAMED` times. A segment
-    check replays with the recorded gradient and no `blame`.
+    `gradient_at_fault`; with `blame`, the step blames its sender instead and sends its output
+    again (the same tensor, so the same bytes) for another gradient, until it has refused
+    `MAX_BLAMED` of them.
+    A segment check replays with the recorded gradient and no `blame`.
     """
     place = diloco.placement
     x = place.to_device(hidden.detach().float()).requires_grad_(True)
@@ -152,65 +167,76 @@ def stage_inner_step(
                     out.backward(place.to_device(grad_out).to(out.dtype))
             assert x.grad is not None
             problem = _step_problem(value, x.grad, diloco)
-            if problem is not None:
-                at_fault = grad_out is not None and _gradient_overflowed(
-                    diloco, lambda x2: diloco.model(x2), x, grad_out
-                )
-                raise NonFiniteStep(problem, gradient_at_fault=at_fault)
-        except NonFiniteStep as exc:
-            diloco.inner_optimizer.zero_grad(set_to_none=True)
-            if exc.gradient_at_fault and blame is not None and blamed < MAX_BLAMED:
-                blamed += 1
-                blame(str(exc))
-                continue
-            raise
+            at_fault = (
+                problem is not None
+                and grad_out is not None
+                and _gradient_overflowed(diloco, lambda x2: diloco.model(x2), x, grad_out)
+            )
         except BaseException:
             diloco.inner_optimizer.zero_grad(set_to_none=True)
             raise
-        diloco.inner_update()
-        return x.grad.cpu(), value
+        if problem is None:
+            diloco.inner_update()
+            return x.grad.cpu(), value
+        diloco.inner_optimizer.zero_grad(set_to_none=True)
+        blamed = _blamed(problem, at_fault, blame, blamed)
 
 
 def driver_inner_step(diloco: DiLoCo, input_ids: Tensor, labels: Tensor) -> Tensor:
     """Stage 0's inner step of a pipeline (`diloco.loss_fn` a `RemoteLoss`), as
     `DiLoCo.queue_inner_step`, but refusing a gradient from the next stage that overflows the
-    backward: with the loss's `blame`, the sender is blamed and the micro-batch sent again (same
-    step, so the same id and bytes) up to `MAX_BLAMED` times; otherwise, or past that,
-    `NonFiniteStep`, with nothing stepped. Without the check one such gradient turns every
-    weight to NaN (`clip_grad_norm_` of an infinite norm multiplies by 0). Under fp16 loss scaling
-    the scaler already skips a step whose gradients overflow, so no check is added there."""
+    backward: with the loss's `blame`, its sender is blamed and the same activations (same step,
+    so the same id and bytes) are sent again, until `MAX_BLAMED` gradients were refused; then, or
+    with nobody to blame, `NonFiniteStep` with nothing stepped. Without the check one such gradient turns every weight
+    to NaN (`clip_grad_norm_` of an infinite norm multiplies by 0). Under fp16 loss scaling a
+    step whose scaled gradients overflow is left to the scaler (which skips it and lowers the
+    scale) unless the gradient is at fault: an honest one never is, a hostile one would otherwise
+    drive the scale down until honest gradients underflow. Reads the loss and one norm per
+    gradient before the update (a device sync; a driver's forward already waited for the wire)."""
     remote = diloco.loss_fn
     if not isinstance(remote, RemoteLoss):
         raise TypeError("driver_inner_step needs a DiLoCo whose loss_fn is a RemoteLoss")
     ids = diloco.placement.to_device(input_ids)
     blamed = 0
-    while True:
-        try:
-            loss = diloco.backward(input_ids, labels)
-            if diloco.scaler is None:
+    try:
+        while True:
+            try:
+                loss = diloco.backward(input_ids, labels)
                 value = float(loss)
                 grads = [p.grad for p in diloco.params if p.grad is not None]
-                if not (math.isfinite(value) and _all_finite(grads)):
-                    grad = remote.gradient
-                    at_fault = grad is not None and _gradient_overflowed(
-                        diloco, lambda _: diloco.model(ids), None, grad
-                    )
-                    raise NonFiniteStep(
-                        f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped",
-                        gradient_at_fault=at_fault,
-                    )
-        except NonFiniteStep as exc:
+                sound = math.isfinite(value) and _all_finite(grads)
+                grad = remote.gradient
+                at_fault = (
+                    not sound
+                    and grad is not None
+                    and _gradient_overflowed(diloco, lambda _: diloco.model(ids), None, grad)
+                )
+            except BaseException:
+                diloco.inner_optimizer.zero_grad(set_to_none=True)
+                raise
+            if sound or (diloco.scaler is not None and not at_fault):
+                diloco.inner_update(scaled=diloco.scaler is not None)
+                return loss
             diloco.inner_optimizer.zero_grad(set_to_none=True)
-            if exc.gradient_at_fault and remote.blame is not None and blamed < MAX_BLAMED:
-                blamed += 1
-                remote.blame(str(exc))
-                continue
-            raise
-        except BaseException:
-            diloco.inner_optimizer.zero_grad(set_to_none=True)
-            raise
-        diloco.inner_update(scaled=diloco.scaler is not None)
-        return loss
+            problem = f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
+            blamed = _blamed(problem, at_fault, remote.blame, blamed)
+            remote.resend = remote.sent
+    finally:
+        remote.resend = None
+
+
+def _blamed(problem: str, at_fault: bool, blame: Blame | None, blamed: int) -> int:
+    """After a refused step: blames the gradient's sender when it is at fault and returns the
+    count of blames so far, for a retry; raises `NonFiniteStep` when there is nobody to blame (or
+    the transport banned no one) and after the MAX_BLAMED-th blame."""
+    if not (at_fault and blame is not None and blame(problem)):
+        raise NonFiniteStep(problem, gradient_at_fault=at_fault)
+    if blamed + 1 >= MAX_BLAMED:
+        raise NonFiniteStep(
+            f"{problem}; {MAX_BLAMED} answers from the next stage in a row overflowed it",
+            gradient_at_fault=True,
+        )
+    return blamed + 1
 
 
 def _step_problem(value: float, input_grad: Tensor, diloco: DiLoCo) -> str | None:
@@ -240,13 +266,14 @@ def _gradient_overflowed(
     """Whether a backward that came out non-finite (or too large to send) did so because of the
     size of `grad`, the gradient the next stage sent back, rather than because of the forward.
 
-    A backward is linear in the gradient it starts from, so the same backward with `grad` scaled
-    down to a largest value of 1 tells them apart: if every gradient it gives (the parameters',
-    and the input's for a stage > 0, `x`) stays within MAX_WIRE_VALUE, the forward is sound and
-    only the gradient's size overflowed; if not, the forward itself (this replica's weights, or
-    the activations it was sent) is at fault. A gradient no larger than 1 is never blamed. Runs
-    the forward again (`forward(x2)`, x2 a fresh leaf copy of `x`), so it costs a step's compute,
-    only on a step that failed. Leaves no `.grad` behind."""
+    A backward is linear in the gradient it starts from, so the same backward from `grad` scaled
+    down to a largest value of 1 tells them apart. The gradient is at fault when that backward is
+    sound: every gradient it gives finite by the step's own test (one float32 norm per tensor)
+    and, for a stage > 0, its input gradient at most MAX_SOUND_GAIN — a forward on degenerate
+    inputs (all-zero activations, say) amplifies even an honest gradient past the step's limits,
+    and that is the sender's doing, not the next stage's. A gradient no larger than 1 is never at
+    fault. Runs the forward again (`forward(x2)`, x2 a fresh leaf copy of `x`), so it costs a
+    step's compute, only on a step that failed. Leaves no `.grad` behind."""
     largest = float(grad.abs().max()) if grad.numel() else 0.0
     if not largest > 1.0:
         return False
@@ -260,10 +287,9 @@ def _gradient_overflowed(
         unit = place.to_device(grad / largest).to(out.dtype)
         grads = torch.autograd.grad(out, wrt, unit, allow_unused=True)
     present = [g for g in grads if g is not None]
-    if not present:
+    if not _all_finite(present):
         return False
-    worst = torch.stack([torch.linalg.vector_norm(g.float(), ord=math.inf) for g in present]).max()
-    return bool(torch.isfinite(worst)) and float(worst) <= MAX_WIRE_VALUE
+    return x2 is None or grads[0] is None or float(grads[0].abs().max()) <= MAX_SOUND_GAIN
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:

@@ -177,7 +177,7 @@ class StageWorker(InnerLoop):
         log: Callable[[str], None],
         jobs: JobQueue | None = None,
         downstream: Forward | None = None,
-        blame: Callable[[str, str], None] | None = None,
+        blame: Callable[[str, str], bool] | None = None,
         finish_round: RoundFinisher = lone_replica,
         checkpoint: StageCheckpoint | None = None,
         segments: SegmentRecorder | None = None,

@@ -91,8 +91,9 @@ HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,16384}")
 MAX_LISTED = 1000
 MAX_REMEMBERED_SENDERS = 4096
 """Senders whose last turn a receiver remembers (the half served longest ago is forgotten beyond it)."""
-REFUSED_STATUSES = frozenset({400, 401, 403, 404, 413, 422})
-"""Answers that say a request was not one to take (forged, malformed, another route or run): a
+REFUSED_STATUSES = frozenset({400, 401, 403, 404, 413, 422, 429})
+"""Answers that say a request was not one to take (forged, malformed, another route or run, a
+struck sender's): a
 sender given one waits behind every other sender for `REFUSED_PASSES` passes. Not 409 (an id
 reused: a retry does that) and not 5xx (this replica's trouble)."""
 REFUSED_PASSES = 100

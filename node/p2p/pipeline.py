@@ -703,8 +703,10 @@ class PipelineService:
             raise Refused("malformed", f"missing {ACTIVATION_HEADER} header")
         header = ActivationHeader.from_json(raw)
         self._check(header, request)
-        self._refuse_struck(header.wallet)
-        taken = self._known(header) or await self._take(header, request[BODY])
+        taken = self._known(header)  # a retry of a micro-batch stepped on gets its answer, struck or not
+        if taken is None:
+            self._refuse_struck(header.wallet)
+            taken = await self._take(header, request[BODY])
         self.upstream.sent(header.wallet)  # taken: this sender is live (`_take` raised if busy)
         try:
             outcome = await asyncio.wait_for(asyncio.shield(taken.outcome), self.reply_timeout_s)
@@ -808,6 +810,10 @@ class PipelineService:
             raise Refused("busy", str(outcome))
         if isinstance(outcome, ConnectionError):
             raise Refused("downstream", f"the next stage is unreachable: {outcome}")
+        if isinstance(outcome, NonFiniteStep) and outcome.gradient_at_fault:
+            # The next stage's answers overflowed the step, MAX_BLAMED times: not this micro-batch's
+            # fault nor this replica's, so the sender retries elsewhere without a ban, as for 502.
+            raise Refused("downstream", f"the next stage answered with gradients that overflow: {outcome}")
         if isinstance(outcome, NonFiniteStep):
             raise Refused("non_finite", str(outcome))
         if isinstance(outcome, BaseException):

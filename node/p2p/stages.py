@@ -88,16 +88,15 @@ class PipelineLink:
         self.driving = micro_batch
         return self.forward(hidden, labels, micro_batch)
 
-    def blame_driven(self, why: str) -> None:
+    def blame_driven(self, why: str) -> bool:
         """The driver's `pipeline.Blame`: the gradient for the micro-batch `downstream` sent last
         overflowed the backward; its sender is banned and a retry goes elsewhere."""
-        if self.driving is not None:
-            self.blame(self.driving, why)
+        return self.driving is not None and self.blame(self.driving, why)
 
-    def blame(self, micro_batch: str, why: str) -> None:
+    def blame(self, micro_batch: str, why: str) -> bool:
         """The gradient that came back for `micro_batch` overflowed this replica's backward: ban
-        its sender (`PipelineClient.blame`)."""
-        self.network.call(self.client.blame(micro_batch, why), timeout=10.0)
+        its sender (`PipelineClient.blame`); False when no answer to that id is known."""
+        return self.network.call(self.client.blame(micro_batch, why), timeout=10.0) is not None
 
     def forward(self, hidden: Tensor, labels: Tensor, micro_batch: str) -> tuple[Tensor, float]:
         """A `stage_worker.Forward`: send a micro-batch on under the id it already has."""

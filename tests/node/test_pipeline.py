@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -183,6 +184,16 @@ def _weights(engine: DiLoCo) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.model.parameters()]
 
 
+def _banning(log: list[str]) -> Callable[[str], bool]:
+    """A transport's blame that always finds the answering replica to ban."""
+
+    def blame(why: str) -> bool:
+        log.append(why)
+        return True
+
+    return blame
+
+
 def _honest(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
     """A next stage that answers with a fixed, modest gradient."""
     g = torch.Generator().manual_seed(7)
@@ -223,18 +234,18 @@ def test_a_driver_blames_an_overflowing_gradient_and_steps_on_the_next_one_as_if
         answer = next(answers, None)
         return _honest(hidden, labels) if answer is None else (torch.full_like(hidden, answer[0]), answer[1])
 
-    attacked.loss_fn = remote_loss(downstream, blamed.append)
+    attacked.loss_fn = remote_loss(downstream, _banning(blamed))
     assert float(driver_inner_step(attacked, *_batch(0))) == 2.0
     clean.inner_step(*_batch(0))
     assert len(blamed) == 2 and "non-finite" in blamed[0] and attacked.step == 1
-    assert all(torch.equal(s, sent[0]) for s in sent)  # every attempt sends the same activations
+    assert all(s is sent[0] for s in sent)  # every attempt sends the same activations, not a recomputation
     assert all(torch.equal(a, b) for a, b in zip(_weights(clean), _weights(attacked), strict=True))
 
 
 def test_a_driver_gives_up_after_max_blamed_gradients() -> None:
     engine = DiLoCo(build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100))
     blamed: list[str] = []
-    engine.loss_fn = remote_loss(lambda h, labels: (torch.full_like(h, HUGE), 1.0), blamed.append)
+    engine.loss_fn = remote_loss(lambda h, labels: (torch.full_like(h, HUGE), 1.0), _banning(blamed))
     with pytest.raises(NonFiniteStep):
         driver_inner_step(engine, *_batch(0))
     assert len(blamed) == pipeline.MAX_BLAMED and engine.step == 0
@@ -256,7 +267,7 @@ def test_a_middle_stage_blames_an_overflowing_gradient_and_resends_the_same_outp
         sent.append(h)
         return (torch.full_like(h, HUGE), 1.0) if len(sent) == 1 else _honest(h, y)
 
-    grad, loss = stage_inner_step(attacked, hidden, labels, downstream, blamed.append)
+    grad, loss = stage_inner_step(attacked, hidden, labels, downstream, _banning(blamed))
     want, _ = stage_inner_step(clean, hidden, labels, _honest)
     assert len(blamed) == 1 and loss == 2.0 and len(sent) == 2 and sent[1] is sent[0]
     assert torch.equal(grad, want)
@@ -279,7 +290,69 @@ def test_activations_that_overflow_the_forward_are_not_blamed_on_the_next_stage(
         with pytest.raises(NonFiniteStep) as refused:
             stage_inner_step(
                 engine, torch.full((2, 8, MODEL.dim), HUGE), _batch()[1],
-                lambda h, y, a=answer: (torch.full_like(h, a), 1.0), blamed.append,
+                lambda h, y, a=answer: (torch.full_like(h, a), 1.0), _banning(blamed),
             )  # fmt: skip
         assert not refused.value.gradient_at_fault
     assert blamed == [] and engine.step == 0 and all(p.grad is None for p in engine.model.parameters())
+
+
+def test_a_blame_that_bans_no_one_ends_the_retries_at_once() -> None:
+    """A transport that knows no answer to the id bans no one, so a retry could reach the same
+    replica: the step gives up (NonFiniteStep, still naming the gradient) instead of retrying."""
+    engine = DiLoCo(build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100))
+    calls: list[str] = []
+
+    def unknown(why: str) -> bool:
+        calls.append(why)
+        return False
+
+    engine.loss_fn = remote_loss(lambda h, labels: (torch.full_like(h, HUGE), 1.0), unknown)
+    with pytest.raises(NonFiniteStep) as refused:
+        driver_inner_step(engine, *_batch(0))
+    assert refused.value.gradient_at_fault and len(calls) == 1 and engine.step == 0
+
+
+def test_a_forward_that_amplifies_a_unit_gradient_past_the_sound_gain_is_the_sender_s_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Degenerate activations (all zeros through RMSNorm, on a large model) make even an honest
+    next stage's gradient overflow the step; the test for fault bounds what the forward does to a
+    unit gradient, so such a step is the sender's fault. The bound is lowered here to reach it on
+    the test model, whose gain at a unit gradient is far below MAX_SOUND_GAIN."""
+    layered = dataclasses.replace(MODEL, n_layers=3)
+    engine = DiLoCo(
+        build_stage(layered, 1, 3), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100)
+    )
+    hidden, labels = torch.zeros(2, 8, MODEL.dim), _batch()[1]
+    answer = lambda h, y: (torch.full_like(h, HUGE), 1.0)  # noqa: E731
+    with pytest.raises(NonFiniteStep) as refused:
+        stage_inner_step(engine, hidden, labels, answer)
+    assert refused.value.gradient_at_fault  # a sound gain at this size: the gradient's fault
+    monkeypatch.setattr(pipeline, "MAX_SOUND_GAIN", 1e-9)
+    blamed: list[str] = []
+    with pytest.raises(NonFiniteStep) as refused:
+        stage_inner_step(engine, hidden, labels, answer, _banning(blamed))
+    assert not refused.value.gradient_at_fault and blamed == [] and engine.step == 0
+
+
+def test_an_fp16_driver_blames_an_overflowing_gradient_without_touching_its_loss_scale() -> None:
+    """Under fp16 loss scaling the scaler would skip such a step and halve its scale; a hostile
+    replica answering every time would drive the scale down until honest gradients underflow. The
+    gradient is blamed first, and the scaler sees only the honest step."""
+    engine = DiLoCo(
+        build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=100, warmup_steps=0, total_steps=100),
+        placement=Placement(device=torch.device("cpu"), precision="fp16"),
+    )  # fmt: skip
+    assert engine.scaler is not None
+    scale = engine.scaler.get_scale()
+    answers = iter([HUGE])
+    blamed: list[str] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        value = next(answers, None)
+        return (torch.full_like(hidden, value), 1.0) if value is not None else _honest(hidden, labels)
+
+    engine.loss_fn = remote_loss(downstream, _banning(blamed))
+    driver_inner_step(engine, *_batch(0))
+    assert len(blamed) == 1 and engine.step == 1 and engine.scaler.get_scale() == scale
+    assert all(bool(torch.isfinite(p).all()) for p in engine.model.parameters())

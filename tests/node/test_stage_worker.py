@@ -402,7 +402,7 @@ def test_a_middle_stage_blames_an_overflowing_gradient_by_its_job_id_and_steps_w
 
     worker = StageWorker(
         engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
-        blame=lambda mb, why: blamed.append((mb, why)), segments=recorder,
+        blame=lambda mb, why: blamed.append((mb, why)) is None, segments=recorder,
     )  # fmt: skip
     results: list[JobResult] = []
     job = _job(results, 0)

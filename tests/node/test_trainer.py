@@ -14,6 +14,7 @@ from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.node.checkpoint import CheckpointMismatch
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.pipeline import MAX_BLAMED, remote_loss
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
 from neuroshard.node.vocab import VocabSchedule
@@ -262,3 +263,33 @@ def test_a_replica_started_after_its_stage_s_growth_was_scheduled_starts_grown(
             config=TrainerConfig(batch_size=2, seq_len=32, max_steps=4), checkpoint_dir=tmp_path / "u",
             log=lambda line: None, vocab_schedule=unscheduled,
         )  # fmt: skip
+
+
+def test_a_pipeline_driver_steps_past_next_stage_replicas_whose_gradients_overflow_it(
+    published, tmp_path: Path
+) -> None:
+    """Stage 0 of 2 through `Trainer`: MAX_BLAMED overflowing answers in a row (each blamed: the
+    transport bans the replica) make the step give up once; the batch is sent again, not
+    dropped, and every step of the run is taken on honest gradients with finite weights."""
+    answers = iter([3e38] * MAX_BLAMED)
+    blamed: list[str] = []
+    sent: list[torch.Tensor] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        sent.append(hidden)
+        value = next(answers, None)
+        return torch.full_like(hidden, 1e-3 if value is None else value), 2.0
+
+    def blame(why: str) -> bool:
+        blamed.append(why)
+        return True
+
+    lines: list[str] = []
+    trainer = _trainer_on(
+        published.dataset, tmp_path / "ck", 6, lines, num_stages=2, loss_fn=remote_loss(downstream, blame)
+    )
+    trainer.run(threading.Event())
+    assert trainer.diloco.step == 6 and len(blamed) == MAX_BLAMED
+    assert sum("sending the batch again" in line for line in lines) == 1
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+    assert torch.equal(sent[0], sent[MAX_BLAMED])  # the batch given up on went again

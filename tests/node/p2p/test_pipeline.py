@@ -38,7 +38,7 @@ from neuroshard.node.p2p.pipeline import (
 )
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, encode_activations
 from neuroshard.node.p2p.server import NodeState, build_app
-from neuroshard.node.pipeline import driver_inner_step, remote_loss
+from neuroshard.node.pipeline import NonFiniteStep, driver_inner_step, remote_loss
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.stage_worker import StageWorker, WorkerConfig
 from neuroshard.node.vocab import vocab_cap
@@ -668,8 +668,8 @@ async def test_a_driver_bans_a_replica_whose_gradient_overflows_its_backward_and
                 client.forward(hidden, labels, round_=0, micro_batch=id_), loop
             ).result(20.0)
 
-        def blame(why: str) -> None:
-            asyncio.run_coroutine_threadsafe(client.blame(id_, why), loop).result(5.0)
+        def blame(why: str) -> bool:
+            return asyncio.run_coroutine_threadsafe(client.blame(id_, why), loop).result(5.0) is not None
 
         torch.manual_seed(0)
         stage0 = DiLoCo(
@@ -693,3 +693,44 @@ async def test_a_driver_bans_a_replica_whose_gradient_overflows_its_backward_and
     current = recorder._current
     assert current is not None
     assert [m.sender for m in current.steps[0].received] == [good.wallet.public_key_hex]
+
+
+class _Failing:
+    """A `JobSink` whose every job fails with `outcome`: a worker whose step overflowed."""
+
+    def __init__(self, outcome: BaseException) -> None:
+        self.outcome = outcome
+
+    def offer(self, job: Job) -> None:
+        job.done(self.outcome)
+
+
+@pytest.mark.parametrize(
+    ("at_fault", "first", "then"),
+    [(False, (422, "non_finite"), (429, "struck")), (True, (502, "downstream"), (502, "downstream"))],
+    ids=["the-sender-s-activations", "the-next-stage-s-gradients"],
+)
+@pytest.mark.asyncio
+async def test_an_overflowing_step_strikes_its_sender_only_when_the_sender_is_at_fault(
+    make_node, wallets, at_fault, first, then
+) -> None:  # type: ignore[no-untyped-def]
+    """A step the next stage's gradients overflowed (MAX_BLAMED times: the worker gave up) is not
+    the sender's doing: 502, which its client takes as busy (no ban), and no strike. One its own
+    activations overflowed strikes it: 429 for ban_s, while a retry of an id already answered
+    still gets its answer."""
+    service = PipelineService(
+        wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE,
+        worker=_Failing(NonFiniteStep("overflow", gradient_at_fault=at_fault)),
+    )  # fmt: skip
+    node = make_node(wallets[0], stage=1)
+    server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with ClientSession() as session:
+            served = Served(node, None, service, server, session, wallets[0])  # type: ignore[arg-type]
+            body = encode_activations(*_micro_batch(), PIPE.codec)
+            for expected, mb in ((first, "ab" * 16), (then, "cd" * 16)):
+                got, _, reply = await served.send(wallets[1], body, _signed(wallets[1], body, micro_batch=mb))
+                assert (got, ErrorReply.from_json(reply).error) == expected
+    finally:
+        await server.close()
