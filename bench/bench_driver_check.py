@@ -62,7 +62,7 @@ def _run(size: str, steps: int, batch: int, seq_len: int) -> dict[str, float | s
         value = next(answers, None)
         return (torch.full_like(hidden, value), 3.0) if value is not None else _answer(hidden, labels)
 
-    ours.loss_fn = remote_loss(hostile_once, blamed.append)
+    ours.loss_fn = remote_loss(hostile_once, lambda why: blamed.append(why) is None)
     start = time.perf_counter()
     float(driver_inner_step(ours, x, y))
     refused_s = time.perf_counter() - start
