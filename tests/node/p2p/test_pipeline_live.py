@@ -95,7 +95,7 @@ class Driver:
             log=self.lines.append,
             finish_round=self.network.finish_round,
             num_stages=pipe.num_stages,
-            loss_fn=remote_loss(self.link.downstream),
+            loss_fn=remote_loss(self.link.downstream, self.link.blame_driven),
             placement=placement,
             vocab_schedule=vocab,
         )
@@ -357,6 +357,45 @@ def test_when_a_stage_1_replica_dies_the_drivers_go_on_through_the_other(build_2
     assert survivor.replica.service.served > victim.replica.service.served
     assert survivor.replica.service.served + victim.replica.service.served >= 2 * ROUNDS * H
     assert survivor.replica.diloco.round >= ROUNDS - 1
+    _loss_fell(drivers, 0.2)
+
+
+def test_a_stage_1_replica_answering_overflowing_gradients_is_banned_and_the_drivers_train_on(
+    build_2x2: Build2x2,
+) -> None:
+    """One stage-1 replica trains as it should but answers every micro-batch with a gradient of
+    1e30s (encodable in the default codec, and past what a driver's backward survives): before,
+    the first such answer turned a driver's weights to NaN. The drivers blame it, ban it for
+    longer at each blame, send the micro-batch to the other replica, and end every round
+    bit-identical with finite weights and a falling loss."""
+    # Stage 1 serves until stopped; a short round timeout: the hostile replica, banned, falls behind.
+    drivers, (honest, hostile) = build_2x2(
+        None, round_timeout_s=2.0, hash_check_timeout_s=1.0, commit_timeout_s=1.0
+    )
+    worker = hostile.replica.worker
+    settle = worker._settle
+    worker._settle = lambda job, grad, loss, round_: settle(job, torch.full_like(grad, 1e30), loss, round_)  # type: ignore[method-assign]
+    for d in drivers:
+        d.start()
+    _finish(drivers, 120.0)
+    for s in (honest, hostile):
+        s.stop.set()
+        s.thread.join(30.0)
+    _stage_agrees([d.network for d in drivers], range(ROUNDS))
+    assert all(d.trainer.diloco.round == ROUNDS for d in drivers)
+    assert all(bool(torch.isfinite(d.trainer.diloco.theta_round).all()) for d in drivers)
+    blamed = [d.link.client.blamed for d in drivers]
+    assert sum(blamed) >= 1 and hostile.replica.service.served >= sum(blamed)
+    assert all(
+        "overflows" in line and hostile.wallet.public_key_hex[:12] in line
+        for d in drivers
+        for line in d.lines
+        if "overflows" in line
+    )
+    assert honest.replica.service.served >= 2 * ROUNDS * H
+    print(
+        f"hostile stage-1 replica: blamed {blamed} times by the two drivers, served {hostile.replica.service.served}"
+    )
     _loss_fell(drivers, 0.2)
 
 
