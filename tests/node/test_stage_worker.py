@@ -31,6 +31,14 @@ def _engine() -> DiLoCo:
     return DiLoCo(build_stage(MODEL, 1, 2), DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100))
 
 
+def _middle_engine() -> DiLoCo:
+    """Stage 1 of 3: a middle stage, which sends its output on."""
+    return DiLoCo(
+        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
+        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
+    )
+
+
 def _job(results: list[JobResult], seed: int) -> Job:
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, 8, MODEL.dim, generator=g)
@@ -321,10 +329,7 @@ def test_a_middle_stage_job_that_offered_its_output_and_failed_is_a_failed_step(
     them are held to that record, and a segment check replays it. Its retry, at the same weights,
     offers the same bytes and becomes the step."""
     recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
-    engine = DiLoCo(
-        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
-        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
-    )
+    engine = _middle_engine()
     recorder.start_round(engine)
     tries: list[str] = []
 
@@ -362,10 +367,7 @@ def test_a_failed_job_answers_its_sender_even_when_the_store_raises() -> None:
         def note_failed(self, micro_batch: str, received: Sequence[Received] = ()) -> None:
             raise OSError("disk full")
 
-    engine = DiLoCo(
-        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
-        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
-    )
+    engine = _middle_engine()
 
     def downstream(hidden: torch.Tensor, labels: torch.Tensor, mb: str) -> tuple[torch.Tensor, float]:
         raise ConnectionError("no replica of stage 2 took it")
@@ -388,10 +390,7 @@ def test_a_middle_stage_blames_an_overflowing_gradient_by_its_job_id_and_steps_w
     bans whoever answered that id, the output goes elsewhere, and the step is recorded as one step
     (no failed step: nothing failed that a segment check must replay)."""
     recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
-    engine = DiLoCo(
-        build_stage(dataclasses.replace(MODEL, n_layers=3), 1, 3),
-        DiLoCoConfig(inner_steps=H, warmup_steps=0, total_steps=100),
-    )
+    engine = _middle_engine()
     recorder.start_round(engine)
     answers: list[str] = []
     blamed: list[tuple[str, str]] = []

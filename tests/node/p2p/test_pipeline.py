@@ -567,9 +567,35 @@ async def test_a_micro_batch_whose_reply_was_lost_is_not_trained_again(make_node
         assert s.worker.diloco.step == 1 and s.service.duplicates == 1
 
 
+def _client_of_two(
+    driver: Wallet,
+    first: Served,
+    second: Served,
+    config: PipelineConfig,
+    log: Callable[[str], None],
+    segments: SegmentRecorder | None = None,
+) -> tuple[PipelineClient, NextStageRouter]:
+    """A driver's client that knows two stage-1 replicas, `first` measured as the faster (drawn
+    first), and its router."""
+    from neuroshard.node.p2p.peers import PeerTable
+
+    now = time.time()
+    table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+    table.merge(
+        [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in (first, second)], now
+    )
+    router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
+    router.succeeded(first.wallet.public_key_hex, tokens=10**9, seconds=1.0)
+    router.succeeded(second.wallet.public_key_hex, tokens=1, seconds=1.0)
+    client = PipelineClient(
+        wallet=driver, stage=0, peers=table, config=config, clock=time.time, log=log,
+        stop=threading.Event(), router=router, segments=segments,
+    )  # fmt: skip
+    return client, router
+
+
 @pytest.mark.asyncio
 async def test_a_driver_refused_409_sends_the_micro_batch_elsewhere_without_a_ban(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
-    from neuroshard.node.p2p.peers import PeerTable
 
     driver = wallets[1]
     hidden, labels = _micro_batch(3)
@@ -581,18 +607,7 @@ async def test_a_driver_refused_409_sends_the_micro_batch_elsewhere_without_a_ba
         # Replica a trained micro-batch 0 before the driver restarted and recomputed it differently.
         earlier = encode_activations(*_micro_batch(4), PIPE.codec)
         assert (await a.send(driver, earlier, _signed(driver, earlier, micro_batch=id_)))[0] == 200
-        now = time.time()
-        table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
-        table.merge(
-            [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in (a, b)], now
-        )
-        router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
-        router.succeeded(a.wallet.public_key_hex, tokens=10**9, seconds=1.0)  # drawn first
-        router.succeeded(b.wallet.public_key_hex, tokens=1, seconds=1.0)
-        client = PipelineClient(
-            wallet=driver, stage=0, peers=table, config=PIPE, clock=time.time, log=lambda s: None,
-            stop=threading.Event(), router=router,
-        )  # fmt: skip
+        client, router = _client_of_two(driver, a, b, PIPE, lambda s: None)
         await client.start()
         try:
             grad, _ = await client.forward(hidden, labels, round_=0, micro_batch=id_)
@@ -635,7 +650,6 @@ async def test_a_driver_bans_a_replica_whose_gradient_overflows_its_backward_and
     """Over loopback: the driver's step refuses the hostile gradient (no NaN weights), the client
     bans its sender (doubling with each blame), the step does not list it as received, and the
     micro-batch's retry, the same bytes under the same id, is trained on by the honest replica."""
-    from neuroshard.node.p2p.peers import PeerTable
 
     config = replace(PIPE, codec="bf16")
     driver = wallets[1]
@@ -646,20 +660,9 @@ async def test_a_driver_bans_a_replica_whose_gradient_overflows_its_backward_and
         ),
         _serve(make_node(wallets[2], stage=1), wallets[2], config=config) as (good, _),
     ):
-        now = time.time()
-        table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
-        table.merge(
-            [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in (bad, good)], now
-        )
-        router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
-        router.succeeded(bad.wallet.public_key_hex, tokens=10**9, seconds=1.0)  # drawn first
-        router.succeeded(good.wallet.public_key_hex, tokens=1, seconds=1.0)
         recorder = SegmentRecorder(SegmentConfig(segment_steps=4), stage=0)
         lines: list[str] = []
-        client = PipelineClient(
-            wallet=driver, stage=0, peers=table, config=config, clock=time.time, log=lines.append,
-            stop=threading.Event(), router=router, segments=recorder,
-        )  # fmt: skip
+        client, router = _client_of_two(driver, bad, good, config, lines.append, recorder)
         loop = asyncio.get_running_loop()
         id_ = micro_batch_id(driver.public_key_hex, 0, 0)
 
