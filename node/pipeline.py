@@ -187,8 +187,9 @@ def driver_inner_step(diloco: DiLoCo, input_ids: Tensor, labels: Tensor) -> Tens
     `DiLoCo.queue_inner_step`, but refusing a gradient from the next stage that overflows the
     backward: with the loss's `blame`, its sender is blamed and the same activations (same step,
     so the same id and bytes) are sent again, until `MAX_BLAMED` gradients were refused; then, or
-    with nobody to blame, `NonFiniteStep` with nothing stepped. Without the check one such gradient turns every weight
-    to NaN (`clip_grad_norm_` of an infinite norm multiplies by 0). Under fp16 loss scaling a
+    with nobody to blame, `NonFiniteStep` with nothing stepped. Without the check one such
+    gradient turns every weight to NaN (`clip_grad_norm_` of an infinite norm multiplies by 0).
+    Under fp16 loss scaling a
     step whose scaled gradients overflow is left to the scaler (which skips it and lowers the
     scale) unless the gradient is at fault: an honest one never is, a hostile one would otherwise
     drive the scale down until honest gradients underflow. Reads the loss and one norm per
