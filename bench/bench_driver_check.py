@@ -12,7 +12,7 @@ on two copies of the same weights; medians over the steps. Torch threads: 1 (`--
 A third column times the failure path once per size: a gradient of 3e38s refused and blamed,
 then the honest one stepped (`_gradient_overflowed` runs the forward and a backward again).
 
-    .venv/bin/python bench/bench_driver_check.py [--sizes micro,tiny,small] [--steps 40]
+    .venv/bin/python bench/bench_driver_check.py [--sizes micro,tiny,small] [--steps 40] [--quick]
 """
 
 from __future__ import annotations
@@ -88,7 +88,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list, last")
+    parser.add_argument(
+        "--quick", action="store_true", help="the micro size, 4 steps: seconds, for a smoke test"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.steps = "micro", 4
     torch.set_num_threads(args.threads)
     rows = []
     print(f"{'size':>6} {'params':>11} {'queue_inner_step ms':>20} {'driver_inner_step ms':>21} "
