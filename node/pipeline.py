@@ -100,11 +100,16 @@ MAX_BLAMED = 8
 """Gradients one step may refuse as overflowing its backward (each from a replica it then bans)
 before it gives up on the micro-batch: bounds a step's retries when many next-stage replicas lie."""
 
+DRIVER_MAX_BLAMED = 4 * MAX_BLAMED
+"""A driver's `max_blamed`: it has no sender to hand a micro-batch back to, so it tries longer
+before it stops (each blamed replica is banned, for longer at each blame)."""
+
 MAX_SOUND_GAIN = 2.0**20
 """The largest |∂loss/∂input| a sound forward of a stage > 0 gives from a gradient whose largest
 value is 1 (`_gradient_overflowed`). A trained or freshly initialised stage gives at most a few
 thousand (every output position an input reaches, times the weights); degenerate inputs, such as
-all-zero activations through RMSNorm, give 1e10 and more (the 350m preset at initialisation)."""
+all-zero activations through RMSNorm, give 1e10 and more to an 8-layer stage of the 350m preset
+at initialisation, but only 1.2e5–2e5 to a 4-layer one, under the bound (README, what is left)."""
 
 
 class NonFiniteStep(ValueError):
@@ -167,33 +172,33 @@ def stage_inner_step(
                     out.backward(place.to_device(grad_out).to(out.dtype))
             assert x.grad is not None
             problem = _step_problem(value, x.grad, diloco)
-            at_fault = (
-                problem is not None
-                and grad_out is not None
-                and _gradient_overflowed(diloco, lambda x2: diloco.model(x2), x, grad_out)
+            if problem is None:
+                diloco.inner_update()
+                return x.grad.cpu(), value
+            diloco.inner_optimizer.zero_grad(set_to_none=True)  # before the diagnosis: its memory
+            at_fault = grad_out is not None and _gradient_overflowed(
+                diloco, lambda x2: diloco.model(x2), x, grad_out
             )
         except BaseException:
             diloco.inner_optimizer.zero_grad(set_to_none=True)
             raise
-        if problem is None:
-            diloco.inner_update()
-            return x.grad.cpu(), value
-        diloco.inner_optimizer.zero_grad(set_to_none=True)
         blamed = _blamed(problem, at_fault, blame, blamed)
 
 
-def driver_inner_step(diloco: DiLoCo, input_ids: Tensor, labels: Tensor) -> Tensor:
+def driver_inner_step(
+    diloco: DiLoCo, input_ids: Tensor, labels: Tensor, *, max_blamed: int = MAX_BLAMED
+) -> Tensor:
     """Stage 0's inner step of a pipeline (`diloco.loss_fn` a `RemoteLoss`), as
     `DiLoCo.queue_inner_step`, but refusing a gradient from the next stage that overflows the
     backward: with the loss's `blame`, its sender is blamed and the same activations (same step,
-    so the same id and bytes) are sent again, until `MAX_BLAMED` gradients were refused; then, or
-    with nobody to blame, `NonFiniteStep` with nothing stepped. Without the check one such
-    gradient turns every weight to NaN (`clip_grad_norm_` of an infinite norm multiplies by 0).
-    Under fp16 loss scaling a
-    step whose scaled gradients overflow is left to the scaler (which skips it and lowers the
-    scale) unless the gradient is at fault: an honest one never is, a hostile one would otherwise
-    drive the scale down until honest gradients underflow. Reads the loss and one norm per
-    gradient before the update (a device sync; a driver's forward already waited for the wire)."""
+    so the same id and bytes, not a recomputation) are sent again, until `max_blamed` gradients
+    were refused; then, or with nobody to blame, `NonFiniteStep` with nothing stepped. Without
+    the check one such gradient turns every weight to NaN (`clip_grad_norm_` of an infinite norm
+    multiplies by 0). Under fp16 loss scaling a step whose scaled gradients overflow is left to
+    the scaler (which skips it and lowers the scale) unless the gradient is at fault, which a
+    gradient no larger than 1 never is (README: such answers can still lower the scale). Reads
+    the loss and one norm per gradient before the update (a device sync; a driver's forward
+    already waited for the wire)."""
     remote = diloco.loss_fn
     if not isinstance(remote, RemoteLoss):
         raise TypeError("driver_inner_step needs a DiLoCo whose loss_fn is a RemoteLoss")
@@ -201,41 +206,41 @@ def driver_inner_step(diloco: DiLoCo, input_ids: Tensor, labels: Tensor) -> Tens
     blamed = 0
     try:
         while True:
-            try:
-                loss = diloco.backward(input_ids, labels)
-                value = float(loss)
-                grads = [p.grad for p in diloco.params if p.grad is not None]
-                sound = math.isfinite(value) and _all_finite(grads)
-                grad = remote.gradient
-                at_fault = (
-                    not sound
-                    and grad is not None
-                    and _gradient_overflowed(diloco, lambda _: diloco.model(ids), None, grad)
-                )
-            except BaseException:
-                diloco.inner_optimizer.zero_grad(set_to_none=True)
-                raise
+            loss = diloco.backward(input_ids, labels)
+            value = float(loss)
+            grads = [p.grad for p in diloco.params if p.grad is not None]
+            sound = math.isfinite(value) and _all_finite(grads)
+            if not sound and diloco.scaler is None:
+                diloco.inner_optimizer.zero_grad(set_to_none=True)  # before the diagnosis: its memory
+            grad = remote.gradient
+            at_fault = (
+                not sound
+                and grad is not None
+                and _gradient_overflowed(diloco, lambda _: diloco.model(ids), None, grad)
+            )
             if sound or (diloco.scaler is not None and not at_fault):
                 diloco.inner_update(scaled=diloco.scaler is not None)
                 return loss
             diloco.inner_optimizer.zero_grad(set_to_none=True)
+            remote.resend = remote.sent  # every attempt of the step sends the same bytes
             problem = f"micro-batch gives a non-finite loss or gradient (loss {value}); not stepped"
-            blamed = _blamed(problem, at_fault, remote.blame, blamed)
-            remote.resend = remote.sent
+            blamed = _blamed(problem, at_fault, remote.blame, blamed, max_blamed)
+    except BaseException:
+        diloco.inner_optimizer.zero_grad(set_to_none=True)
+        raise
     finally:
         remote.resend = None
 
 
-def _blamed(problem: str, at_fault: bool, blame: Blame | None, blamed: int) -> int:
+def _blamed(problem: str, at_fault: bool, blame: Blame | None, blamed: int, most: int = MAX_BLAMED) -> int:
     """After a refused step: blames the gradient's sender when it is at fault and returns the
     count of blames so far, for a retry; raises `NonFiniteStep` when there is nobody to blame (or
-    the transport banned no one) and after the MAX_BLAMED-th blame."""
+    the transport banned no one) and after the `most`-th blame."""
     if not (at_fault and blame is not None and blame(problem)):
         raise NonFiniteStep(problem, gradient_at_fault=at_fault)
-    if blamed + 1 >= MAX_BLAMED:
+    if blamed + 1 >= most:
         raise NonFiniteStep(
-            f"{problem}; {MAX_BLAMED} answers from the next stage in a row overflowed it",
-            gradient_at_fault=True,
+            f"{problem}; {most} answers from the next stage in a row overflowed it", gradient_at_fault=True
         )
     return blamed + 1
 

@@ -152,6 +152,21 @@ class JobQueue:
             self._closed = reason
         self.drain(reason)
 
+    def drop(self, sender: str, reason: str) -> int:
+        """Answer `Busy(reason)` to the waiting micro-batches of `sender` (its wallet), leaving the
+        others queued in order; returns how many. For a sender the route struck: its micro-batches
+        already waiting would otherwise each be stepped on, and each may fail the same way."""
+        with self._jobs.mutex:  # queue.Queue's own lock over its deque
+            waiting = list(self._jobs.queue)
+            dropped = [j for j in waiting if j.received is not None and j.received.sender == sender]
+            if dropped:
+                self._jobs.queue.clear()
+                self._jobs.queue.extend(j for j in waiting if not any(j is d for d in dropped))
+                self._jobs.not_full.notify_all()
+        for job in dropped:
+            job.done(Busy(reason))
+        return len(dropped)
+
     def drain(self, reason: str) -> None:
         while True:
             try:

@@ -30,7 +30,7 @@ from .device import CopyStream, Placement
 from .diloco import DiLoCo, DiLoCoConfig, LossFn, tensor_digest
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .model import ModelConfig, build_stage, cross_entropy_loss
-from .pipeline import NonFiniteStep, RemoteLoss, driver_inner_step, stage_fingerprint
+from .pipeline import DRIVER_MAX_BLAMED, RemoteLoss, driver_inner_step, stage_fingerprint
 from .rotation import PlateauDetector, RotationConfig
 from .segments import SegmentRecorder
 from .vocab import VocabSchedule, model_of, regrow
@@ -438,7 +438,7 @@ class Trainer(InnerLoop):
         self._last_shard = batch.shard_id
         step_start = time.perf_counter()
         if isinstance(self.diloco.loss_fn, RemoteLoss):  # a pipeline's driver: refuses overflowing gradients
-            queued = self._driver_step(batch)
+            queued = driver_inner_step(self.diloco, batch.inputs, batch.labels, max_blamed=DRIVER_MAX_BLAMED)
         else:
             queued = self.diloco.queue_inner_step(batch.inputs, batch.labels)
         queued_s = time.perf_counter() - step_start
@@ -454,19 +454,6 @@ class Trainer(InnerLoop):
             self._plateau.reset()
         self.work.losses.append(loss)
         return Stepped(loss=loss, data=(batch.shard_id, batch.start, batch.end))
-
-    def _driver_step(self, batch: FedBatch) -> Tensor:
-        """A pipeline driver's step on `batch`. When MAX_BLAMED next-stage replicas in a row answer
-        with gradients that overflow it (each now banned, for longer at each blame), the batch is
-        sent again rather than dropped; the transport gives up (PipelineUnavailable) when no
-        replica is left to ask, or when the node stops."""
-        while True:
-            try:
-                return driver_inner_step(self.diloco, batch.inputs, batch.labels)
-            except NonFiniteStep as exc:
-                if not exc.gradient_at_fault:
-                    raise  # this replica's own forward: nothing another replica can fix
-                self._log(f"pipeline: {exc}; sending the batch again")
 
     def _between_steps(self, step: int, seconds: dict[str, float]) -> None:
         if step % self.config.checkpoint_every == 0:

@@ -74,8 +74,10 @@ def max_failed_in_segment(segment_steps: int) -> int:
     downstream failed it for the pipeline's deadline, or when its own backward is not finite
     (node.pipeline.NonFiniteStep) — which a hostile neighbour can cause. A gradient that overflows
     the backward is blamed on its sender, banned, and the output sent elsewhere without a failed
-    step; activations that do fail the step and strike their sender (node.p2p.pipeline), so each
-    hostile wallet of the previous stage costs one failed step per ban (README)."""
+    step (a failed step only once MAX_BLAMED such answers came in a row); activations that do
+    fail the step and strike their sender, whose queued micro-batches are then answered busy
+    (node.p2p.pipeline), so each hostile wallet of the previous stage costs one failed step per
+    ban (README)."""
     return segment_steps + FAILED_SEGMENT_SLACK
 
 

@@ -158,6 +158,10 @@ class JobSink(Protocol):
         """Take `job` or raise `Busy`; `job.done` is called exactly once."""
         ...
 
+    def drop(self, sender: str, reason: str) -> int:
+        """Answer `Busy(reason)` to the jobs of `sender` still waiting; returns how many."""
+        ...
+
 
 ANSWERS_KEPT = 64
 """Micro-batch ids whose answering replica a `PipelineClient` remembers, for `blame`: a step blames
@@ -322,8 +326,8 @@ class NextStageRouter:
         self._link(wallet).skip_until = now + self.busy_s
 
     def blamed(self, wallet: str, now: float) -> float:
-        """The peer answered with a gradient that overflowed this replica's backward (a faulty or
-        hostile replica: an honest gradient never does, node.pipeline.NonFiniteStep): banned like a
+        """The peer answered with a gradient that overflowed this replica's backward from a sound
+        forward (a faulty or hostile replica, node.pipeline.NonFiniteStep): banned like a
         failure, for `ban_s` doubled at each such answer (at most BLAME_BAN_DOUBLINGS times), so
         a replica that keeps lying is asked ever more rarely. Returns the ban in seconds."""
         link = self._link(wallet)
@@ -718,7 +722,8 @@ class PipelineService:
     def _strike(self, sender: str) -> None:
         """`sender`'s activations gave a step that overflowed with a sound gradient from downstream
         (NonFiniteStep, not `gradient_at_fault`): its micro-batches are refused for `ban_s`,
-        doubled at each strike (as the router bans a blamed next-stage replica). A middle replica
+        doubled at each strike (as the router bans a blamed next-stage replica), and those
+        already queued are answered busy. A middle replica
         that offered its output on records such a step as failed (node.segments), and a segment
         holds only so many (protocol.segments.max_failed_in_segment): without the strikes a
         hostile sender could run that budget out and cost this replica its round's log."""
@@ -727,6 +732,9 @@ class PipelineService:
         self._struck[sender] = (strikes, time.monotonic() + ban)
         while len(self._struck) > MAX_STRUCK:
             self._struck.popitem(last=False)
+        self.worker.drop(
+            sender, f"{sender[:12]} is struck: one of its micro-batches overflowed this replica's step"
+        )
 
     def _refuse_struck(self, sender: str) -> None:
         struck = self._struck.get(sender)

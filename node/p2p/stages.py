@@ -2,8 +2,9 @@
 thread. The stage > 0 replica that serves micro-batches is built in node.stage_replica.
 
 - Stage 0 (the driver) is a normal `Trainer` built with ``num_stages=S`` and
-  ``loss_fn=remote_loss(link.downstream)``: each inner step runs its layers, sends the hidden
-  state through `PipelineLink`, and back-propagates the gradient that comes back.
+  ``loss_fn=remote_loss(link.downstream, link.blame_driven)``: each inner step runs its layers,
+  sends the hidden state through `PipelineLink`, and back-propagates the gradient that comes back
+  (refusing one that overflows the backward, whose sender `blame_driven` bans).
 - A stage i > 0 replica (node.stage_replica) has no data: its peer server takes micro-batches
   (`PipelineService`), a `StageWorker` trains on them, and a non-last stage forwards its own
   output through its own `PipelineLink`.

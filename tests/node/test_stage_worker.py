@@ -17,7 +17,7 @@ from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
 from neuroshard.node.pipeline import stage_fingerprint
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder, SegmentSink
-from neuroshard.node.stage_worker import StageCheckpoint, StageWorker, WorkerConfig
+from neuroshard.node.stage_worker import JobQueue, StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
 from neuroshard.node.vocab import VocabSchedule, vocab_of
 from neuroshard.protocol.identity import sha256_hex
@@ -412,3 +412,17 @@ def test_a_middle_stage_blames_an_overflowing_gradient_by_its_job_id_and_steps_w
     assert [mb for mb, _ in blamed] == [f"{0:032x}"] == answers[:1] and len(answers) == 2
     current = recorder._current
     assert current is not None and current.failed == [] and len(current.steps) == 1
+
+
+def test_dropping_a_sender_answers_its_waiting_jobs_busy_and_keeps_the_others_in_order() -> None:
+    jobs = JobQueue(max_pending=4)
+    results: dict[int, list[JobResult]] = {i: [] for i in range(4)}
+    for i, sender in enumerate(["aa", "bb", "aa", "cc"]):
+        job = _job(results[i], i)
+        job.received = Received("activations", sender * 32, b"{}", b"x")
+        jobs.offer(job)
+    assert jobs.drop("aa" * 32, "struck") == 2
+    assert [type(r[0]) for r in (results[0], results[2])] == [Busy, Busy] and not results[1]
+    left = [jobs.take(0.01), jobs.take(0.01), jobs.take(0.01)]
+    assert [j.micro_batch if j else None for j in left] == [f"{1:032x}", f"{3:032x}", None]
+    jobs.offer(_job([], 9))  # room again

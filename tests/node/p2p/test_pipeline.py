@@ -703,9 +703,14 @@ class _Failing:
 
     def __init__(self, outcome: BaseException) -> None:
         self.outcome = outcome
+        self.dropped: list[str] = []
 
     def offer(self, job: Job) -> None:
         job.done(self.outcome)
+
+    def drop(self, sender: str, reason: str) -> int:
+        self.dropped.append(sender)
+        return 0
 
 
 @pytest.mark.parametrize(
@@ -721,9 +726,9 @@ async def test_an_overflowing_step_strikes_its_sender_only_when_the_sender_is_at
     the sender's doing: 502, which its client takes as busy (no ban), and no strike. One its own
     activations overflowed strikes it: 429 for ban_s, while a retry of an id already answered
     still gets its answer."""
+    failing = _Failing(NonFiniteStep("overflow", gradient_at_fault=at_fault))
     service = PipelineService(
-        wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE,
-        worker=_Failing(NonFiniteStep("overflow", gradient_at_fault=at_fault)),
+        wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=failing
     )  # fmt: skip
     node = make_node(wallets[0], stage=1)
     server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
@@ -737,3 +742,5 @@ async def test_an_overflowing_step_strikes_its_sender_only_when_the_sender_is_at
                 assert (got, ErrorReply.from_json(reply).error) == expected
     finally:
         await server.close()
+    # A strike also answers the sender's jobs still waiting (each would be stepped on, and fail).
+    assert failing.dropped == ([] if at_fault else [wallets[1].public_key_hex])
