@@ -147,9 +147,9 @@ def stage_inner_step(
     """
     place = diloco.placement
     x = place.to_device(hidden.detach().float()).requires_grad_(True)
+    # The output as first sent downstream: a retry offers the same bytes (the forward is redone
+    # for its graph, and need not be bit-identical on every device).
     sent: Tensor | None = None
-    """The output as first sent downstream: a retry offers the same bytes (the forward is redone
-    for its graph, and need not be bit-identical on every device)."""
     blamed = 0
     while True:
         try:

@@ -156,12 +156,15 @@ class JobQueue:
         """Answer `Busy(reason)` to the waiting micro-batches of `sender` (its wallet), leaving the
         others queued in order; returns how many. For a sender the route struck: its micro-batches
         already waiting would otherwise each be stepped on, and each may fail the same way."""
+        kept: list[Job] = []
+        dropped: list[Job] = []
         with self._jobs.mutex:  # queue.Queue's own lock over its deque
-            waiting = list(self._jobs.queue)
-            dropped = [j for j in waiting if j.received is not None and j.received.sender == sender]
+            for job in self._jobs.queue:
+                ours = job.received is not None and job.received.sender == sender
+                (dropped if ours else kept).append(job)
             if dropped:
                 self._jobs.queue.clear()
-                self._jobs.queue.extend(j for j in waiting if not any(j is d for d in dropped))
+                self._jobs.queue.extend(kept)
                 self._jobs.not_full.notify_all()
         for job in dropped:
             job.done(Busy(reason))

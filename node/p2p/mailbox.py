@@ -93,9 +93,8 @@ MAX_REMEMBERED_SENDERS = 4096
 """Senders whose last turn a receiver remembers (the half served longest ago is forgotten beyond it)."""
 REFUSED_STATUSES = frozenset({400, 401, 403, 404, 413, 422, 429})
 """Answers that say a request was not one to take (forged, malformed, another route or run, a
-struck sender's): a
-sender given one waits behind every other sender for `REFUSED_PASSES` passes. Not 409 (an id
-reused: a retry does that) and not 5xx (this replica's trouble)."""
+struck sender's): a sender given one waits behind every other sender for `REFUSED_PASSES`
+passes. Not 409 (an id reused: a retry does that) and not 5xx (this replica's trouble)."""
 REFUSED_PASSES = 100
 READ_TRIES = 3
 """Passes on which a receiver tries to read a request the bucket failed to hand over (a `transient`

@@ -723,10 +723,10 @@ class PipelineService:
         """`sender`'s activations gave a step that overflowed with a sound gradient from downstream
         (NonFiniteStep, not `gradient_at_fault`): its micro-batches are refused for `ban_s`,
         doubled at each strike (as the router bans a blamed next-stage replica), and those
-        already queued are answered busy. A middle replica
-        that offered its output on records such a step as failed (node.segments), and a segment
-        holds only so many (protocol.segments.max_failed_in_segment): without the strikes a
-        hostile sender could run that budget out and cost this replica its round's log."""
+        already queued are answered busy. A middle replica that offered its output on records such
+        a step as failed (node.segments), and a segment holds only so many
+        (protocol.segments.max_failed_in_segment): without the strikes a hostile sender could run
+        that budget out and cost this replica its round's log."""
         strikes = self._struck.pop(sender, (0, 0.0))[0] + 1
         ban = self.config.ban_s * 2.0 ** min(strikes - 1, BLAME_BAN_DOUBLINGS)
         self._struck[sender] = (strikes, time.monotonic() + ban)
