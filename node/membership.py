@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from neuroshard.protocol.roster import MemberList
@@ -114,13 +115,75 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
     if roster is None:
         return Split(tuple(sorted(wallets)), ())
     members = tuple(sorted(w for w in wallets if w in roster.admitted))
-    candidates = sorted(
-        (w for w in wallets if w in roster.probation), key=lambda w: probation_rank(round_, w)
-    )
-    taken = candidates[: roster.cap.of(len(members))]
-    return Split(
-        members, tuple(sorted(taken)), waiting=len(candidates) - len(taken), listed=roster.listed(me)
-    )
+    candidates = [w for w in wallets if w in roster.probation]
+    taken = _first_probationers(candidates, round_, roster.cap.of(len(members)))
+    return Split(members, taken, waiting=len(candidates) - len(taken), listed=roster.listed(me))
+
+
+def _first_probationers(candidates: Iterable[str], round_: int, slots: int) -> tuple[str, ...]:
+    """The `slots` probationers `probation_rank` puts first for `round_`, sorted."""
+    return tuple(sorted(sorted(candidates, key=lambda w: probation_rank(round_, w))[:slots]))
+
+
+class Neighbours:
+    """Which replicas of a neighbouring pipeline stage this replica works with: the stage before
+    (whose micro-batches it takes) or the stage after (where it sends its own). Thread-safe: the
+    tracker sets the roster, the event loop asks.
+
+    The same membership as the round's, so that a flood of fresh wallets in the next stage cannot
+    answer a driver with gradients it must refuse one by one (each costs it a step's compute, and a
+    driver gives up after `pipeline.DRIVER_MAX_BLAMED`), nor one in the stage before hand a middle
+    replica enough failing micro-batches to cost it its round's log
+    (`protocol.segments.max_failed_in_segment`). Without a roster (an ``open`` stage, a run without
+    a verifier) everyone is taken, as before. With one, the admitted wallets are, and of the
+    probationers the `ProbationCap` of them that `probation_rank` puts first for this replica's
+    round (`round_of`: its own, which no neighbour chooses). They are drawn from every listed
+    probationer, not from the live ones a round counts, since a replica does not see the
+    neighbour stage's live set; so listed wallets that never run dilute an honest probationer's
+    turns, as they cannot in its own stage's rounds. Everyone else is refused."""
+
+    def __init__(self, stage: int, round_of: Callable[[], int]) -> None:
+        self.stage = stage
+        self.round_of = round_of
+        self._lock = threading.Lock()
+        self._roster: StageRoster | None = None
+        self._picked: tuple[int, frozenset[str]] | None = None
+        """(round, the probationers taken in it) for the roster in force."""
+
+    @property
+    def roster(self) -> StageRoster | None:
+        return self._roster
+
+    def set(self, roster: StageRoster | None) -> None:
+        """The neighbour stage's member list in force from now on (None: its stage is ``open``)."""
+        if roster is not None and roster.stage != self.stage:
+            raise ValueError(f"a roster of stage {roster.stage} given for stage {self.stage}'s neighbours")
+        with self._lock:
+            self._roster, self._picked = roster, None
+
+    def refusal(self, wallet: str) -> str | None:
+        """Why this replica does not work with `wallet` of the neighbour stage now; None: it does."""
+        with self._lock:
+            roster = self._roster
+            if roster is None or wallet in roster.admitted:
+                return None
+            if wallet not in roster.probation:
+                return (
+                    f"{wallet[:12]} is not on stage {self.stage}'s member list ({roster.source or 'roster'})"
+                )
+            round_ = self.round_of()
+            if self._picked is None or self._picked[0] != round_:
+                slots = roster.cap.of(len(roster.admitted))
+                self._picked = (round_, frozenset(_first_probationers(roster.probation, round_, slots)))
+            if wallet in self._picked[1]:
+                return None
+            return (
+                f"{wallet[:12]} is on probation in stage {self.stage} and not among the "
+                f"{len(self._picked[1])} probationer(s) this replica takes in its round {round_}"
+            )
+
+    def takes(self, wallet: str) -> bool:
+        return self.refusal(wallet) is None
 
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:

@@ -34,7 +34,7 @@ from neuroshard.protocol.reports import Receipt
 from neuroshard.protocol.roster import MemberList, RosterError
 
 from .diloco import DiLoCoConfig
-from .membership import roster_of
+from .membership import Neighbours, roster_of
 from .model import ModelConfig, stage_layers
 from .network_definition import NetworkDefinition
 from .p2p.pipeline_wire import bytes_per_token
@@ -270,6 +270,8 @@ class Reporting:
     """The stage's vocabulary growth round, from the verifier's member lists (node.vocab); None
     where no verifier schedules growth (a lone node grows when it takes a grown manifest)."""
     tracker: VerifierClient | None = field(default=None, init=False)
+    neighbours: dict[int, Neighbours] = field(default_factory=dict, init=False)
+    """The pipeline neighbours' memberships (`neighbours_of`), by stage, which the tracker keeps current."""
 
     @classmethod
     def nobody(cls, log: Log) -> Reporting:
@@ -296,6 +298,17 @@ class Reporting:
         return SegmentRecorder(
             self.segments.config, stage=stage, sink=self.segments, log=self.log, network=self.network_digest
         )
+
+    def neighbours_of(self, stage: int, round_of: Callable[[], int]) -> Neighbours:
+        """The membership of `stage`, a pipeline neighbour of this replica's (the stage before it,
+        whose micro-batches it takes, or the one after, where it sends its own), kept current by
+        the tracker from the verifier's signed member lists once `track` starts it. Until a list is
+        read, and for good without a verifier or under an ``open`` policy, it takes everyone.
+        `round_of`: this replica's round, which picks the probationers it works with."""
+        neighbours = self.neighbours.get(stage)
+        if neighbours is None:
+            neighbours = self.neighbours[stage] = Neighbours(stage, round_of)
+        return neighbours
 
     def receipting(
         self,
@@ -344,6 +357,7 @@ class Reporting:
                 software_version=_version(),
                 operator_key=self.operator_key,
                 network=self.network_name,
+                neighbour_stages=tuple(sorted(self.neighbours)),
                 # A node's own verifier serves that node alone: no burst to spread, so no wait.
                 receipt_splay=0.0 if self.embedded is not None else VerifierClientConfig.receipt_splay,
             ),
@@ -352,6 +366,7 @@ class Reporting:
             progress=progress,
             on_peers=network.add_bootstrap,
             on_members=lambda members: self._take_members(network, members),
+            on_neighbours=self._take_neighbours,
         )
         tracker.start()
         self.tracker = tracker
@@ -375,6 +390,22 @@ class Reporting:
     def _take_members(self, network: PeerPlane, members: MemberList) -> None:
         network.set_roster(roster_of(members), members.effective_round)
         self._take_vocab(members)
+
+    def _take_neighbours(self, members: MemberList) -> None:
+        roster = roster_of(members)
+        neighbours = self.neighbours[members.stage]
+        before = neighbours.roster
+        neighbours.set(roster)
+        if roster is None:
+            if before is not None:
+                self.log(
+                    f"membership: stage {members.stage} is open; pipeline micro-batches go to and from anyone"
+                )
+        elif before is None or (before.admitted, before.probation) != (roster.admitted, roster.probation):
+            self.log(
+                f"membership: pipeline neighbours of stage {members.stage}: {len(roster.admitted)} admitted, "
+                f"{len(roster.probation)} on probation ({roster.policy}, {roster.source}); no others"
+            )
 
     def _take_vocab(self, members: MemberList) -> None:
         if self.vocab is None or members.vocab_size is None or members.vocab_from_round is None:

@@ -218,6 +218,9 @@ class VerifierClientConfig:
     stage: int = 0
     next_stage: bool = False
     """Also discover the replicas of stage + 1: a pipeline stage sends its micro-batches there."""
+    neighbour_stages: tuple[int, ...] = ()
+    """Stages whose member lists are read beside this one's (`on_neighbours`): a pipeline replica's
+    neighbours, whose membership decides whom it sends micro-batches to and takes them from."""
     software_version: str = "0.1.0"
     queue_size: int = 1024
     """Receipts kept while the verifier is unreachable (~1 KB each); the oldest is dropped beyond."""
@@ -297,6 +300,7 @@ class VerifierClient:
         progress: Progress = lambda: (0, 0),
         on_peers: Callable[[list[str]], None] | None = None,
         on_members: Callable[[MemberList], None] | None = None,
+        on_neighbours: Callable[[MemberList], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -309,6 +313,9 @@ class VerifierClient:
         self.members: MemberList | None = None
         """The newest valid member list of this replica's stage (epoch order; an older one replayed
         to this node is refused)."""
+        self._on_neighbours = on_neighbours
+        self.neighbour_members: dict[int, MemberList] = {}
+        """The same for each of `config.neighbour_stages`."""
         self._clock = clock
         self._queue: deque[tuple[float, Receipt]] = deque()
         """(monotonic time it may be sent, receipt), oldest first."""
@@ -421,27 +428,41 @@ class VerifierClient:
         return nonce
 
     def _members(self) -> None:
-        """Read the stage's member list; keep and hand on the newest one signed by the operator key."""
+        """Read the member lists of this replica's stage and of its pipeline neighbours
+        (`config.neighbour_stages`); keep and hand on the newest of each signed by the operator key."""
         cfg = self.config
         if cfg.operator_key is None or cfg.network is None or self._on_members is None:
             return
         try:
-            raw, _ = _request(cfg.url, f"/api/stages/{cfg.stage}/members", timeout_s=cfg.timeout_s)
+            members = self._newer_list(cfg.stage, self.members)
         except Refused as exc:
             if exc.code != "not_found":
                 raise
             self._log(f"tracker: {cfg.url} serves no member lists ({exc}); every live peer counts")
             self._on_members = None  # an older verifier: stop asking
             return
-        try:
-            members = checked_member_list(raw, cfg.stage, cfg.operator_key, cfg.network, now=self._clock())
-            newer = members.newer_than(self.members)
-        except (Refused, RosterError) as exc:
-            self._log(f"tracker: member list refused: {exc}")
-            return
-        if newer:
+        if members is not None:
             self.members = members
             self._on_members(members)
+        for stage in cfg.neighbour_stages if self._on_neighbours is not None else ():
+            members = self._newer_list(stage, self.neighbour_members.get(stage))
+            if members is not None and self._on_neighbours is not None:
+                self.neighbour_members[stage] = members
+                self._on_neighbours(members)
+
+    def _newer_list(self, stage: int, known: MemberList | None) -> MemberList | None:
+        """`stage`'s member list, read and checked, when it is newer than `known`; None when it is
+        not, or is refused (logged). Raises Refused and VerifierUnreachable from the read."""
+        cfg = self.config
+        assert cfg.operator_key is not None and cfg.network is not None
+        raw, _ = _request(cfg.url, f"/api/stages/{stage}/members", timeout_s=cfg.timeout_s)
+        try:
+            members = checked_member_list(raw, stage, cfg.operator_key, cfg.network, now=self._clock())
+            newer = members.newer_than(known)
+        except (Refused, RosterError) as exc:
+            self._log(f"tracker: stage {stage}'s member list refused: {exc}")
+            return None
+        return members if newer else None
 
     def _read_members(self) -> float:
         """`_members`, its failures logged once per outage; returns the seconds until the next read:

@@ -91,6 +91,7 @@ STATUS: Mapping[str, int] = {
     "wrong_codec": 422,
     "non_finite": 422,
     "struck": 429,
+    "not_a_member": 403,
     "downstream": 502,
     "step_failed": 500,
 }

@@ -35,6 +35,12 @@ the gradient of the reply it got, and counts the micro-batch's tokens once. What
 guarantees is that no replica steps twice on one micro-batch, not that exactly one replica of
 the next stage does.
 
+Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
+verifier), a replica offers micro-batches only to the next stage's replicas its `Neighbours` take
+(the admitted, and the probationers the cap picks for its round) and takes micro-batches only
+from such replicas of the stage before (403 `not_a_member` to anyone else), so fresh wallets in
+a neighbouring stage cost it nothing; without lists, everyone, as before.
+
 The end of a run. A sender whose run ends POSTs a signed `PipelineEnd` to every next-stage
 replica it sent work to (`PipelineClient.end`); a replica's `Upstream` records who sends it work
 and who ended, and says the pipeline is over for it once every sender heard from in the last
@@ -47,8 +53,8 @@ Route (every refusal is a JSON `ErrorReply`):
 
 | route                        | in -> out                                                        | ok  | refusals        |
 |------------------------------|------------------------------------------------------------------|-----|-----------------|
-| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 422 429 5xx |
-|                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 409             |
+| POST /p2p/pipeline/forward   | `X-NeuroShard-Activation` + safetensors hidden, labels           | 200 | 400 403 409 422 |
+|                              | -> `X-NeuroShard-Gradient` + safetensors ∂loss/∂hidden           |     | 429 5xx         |
 | POST /p2p/pipeline/end       | `PipelineEnd` (JSON: the sender sends no more micro-batches)     | 204 | 400 409 422     |
 
 A next-stage replica behind NAT (a relay address, ``relay.py``) is reached through the stage
@@ -97,6 +103,7 @@ from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.schema import MAX_STAGE
 from neuroshard.protocol.segments import Received
 
+from ..membership import Neighbours
 from ..model import ModelConfig
 from ..pipeline import NonFiniteStep
 from ..segments import SegmentRecorder
@@ -354,9 +361,12 @@ class PipelineClient:
         router: NextStageRouter | None = None,
         segments: SegmentRecorder | None = None,
         bucket: BucketStore | None = None,
+        receivers: Neighbours | None = None,
     ) -> None:
         """`bucket`: the stage bucket (``--relay``), through which next-stage replicas behind NAT are
-        reached (mailbox.py); without it they are left out."""
+        reached (mailbox.py); without it they are left out. `receivers`: the next stage's
+        membership (node.membership.Neighbours); replicas it does not take are never offered a
+        micro-batch (None: every live one is)."""
         if not 0 <= stage < config.num_stages - 1:
             raise ValueError(f"stage {stage} has no next stage among {config.num_stages}")
         self.wallet = wallet
@@ -369,6 +379,7 @@ class PipelineClient:
         self.segments = segments
         """Where the sent activations and the gradient replies are recorded (node.segments), if anywhere."""
         self.bucket = bucket
+        self.receivers = receivers
         self._cleanup = mailbox.Cleanup()
         self.router = router or NextStageRouter(
             ban_s=config.ban_s, busy_s=config.busy_s, ema=config.throughput_ema
@@ -419,10 +430,13 @@ class PipelineClient:
             if self.stop.is_set():
                 raise PipelineUnavailable(f"micro-batch {micro_batch[:8]}: the node is stopping")
             now = self.clock()
-            live = {
-                e.wallet: e
+            reachable = [
+                e
                 for e in self.peers.live(now, self.stage + 1)
                 if e.wallet not in refused and (self.bucket is not None or not is_relay(e.address))
+            ]
+            live = {
+                e.wallet: e for e in reachable if self.receivers is None or self.receivers.takes(e.wallet)
             }
             pick = self.router.choose(live, now)
             if pick is None:
@@ -430,7 +444,8 @@ class PipelineClient:
                     raise PipelineUnavailable(
                         f"micro-batch {micro_batch[:8]}: no replica of stage {self.stage + 1} took it "
                         f"within {self.config.deadline_s:.0f} s ({len(live)} known, {len(refused)} "
-                        "had its id with another payload)"
+                        f"had its id with another payload, {len(reachable) - len(live)} not taken "
+                        "by the stage's member list)"
                     )
                 await asyncio.sleep(self.config.retry_pause_s)
                 continue
@@ -612,7 +627,10 @@ class PipelineService:
         config: PipelineConfig,
         worker: JobSink,
         reply_timeout_s: float | None = None,
+        senders: Neighbours | None = None,
     ) -> None:
+        """`senders`: the previous stage's membership (node.membership.Neighbours); micro-batches
+        from wallets it does not take are refused (403 ``not_a_member``). None: everyone's are taken."""
         if not 1 <= stage < config.num_stages:
             raise ValueError(f"PipelineService serves stages 1..{config.num_stages - 1}, got stage {stage}")
         self.wallet = wallet
@@ -621,6 +639,11 @@ class PipelineService:
         self.config = config
         self.worker = worker
         self.reply_timeout_s = reply_timeout_s or config.request_timeout_s
+        self.senders = senders
+        if senders is not None and senders.stage != stage - 1:
+            raise ValueError(f"stage {stage} takes micro-batches from stage {stage - 1}, not {senders.stage}")
+        self.outsiders = 0
+        """Micro-batches refused because the previous stage's member list does not take their sender."""
         self.served = 0
         self.duplicates = 0
         """Requests answered from a micro-batch already taken (retries): no second inner step."""
@@ -709,6 +732,7 @@ class PipelineService:
         self._check(header, request)
         taken = self._known(header)  # a retry of a micro-batch stepped on gets its answer, struck or not
         if taken is None:
+            self._refuse_outsider(header.wallet)
             self._refuse_struck(header.wallet)
             taken = await self._take(header, request[BODY])
         self.upstream.sent(header.wallet)  # taken: this sender is live (`_take` raised if busy)
@@ -735,6 +759,12 @@ class PipelineService:
         self.worker.drop(
             sender, f"{sender[:12]} is struck: one of its micro-batches overflowed this replica's step"
         )
+
+    def _refuse_outsider(self, sender: str) -> None:
+        why = None if self.senders is None else self.senders.refusal(sender)
+        if why is not None:
+            self.outsiders += 1
+            raise Refused("not_a_member", f"{why}: this replica takes no micro-batch from it")
 
     def _refuse_struck(self, sender: str) -> None:
         struck = self._struck.get(sender)

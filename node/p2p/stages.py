@@ -21,6 +21,7 @@ from torch import Tensor
 
 from neuroshard.protocol.pipeline import micro_batch_id
 
+from ..membership import Neighbours
 from ..segments import SegmentRecorder
 from .pipeline import PipelineClient, PipelineConfig
 from .plane import PeerPlane
@@ -39,8 +40,10 @@ class PipelineLink:
         log: Callable[[str], None],
         step_of: Callable[[], int] | None = None,
         segments: SegmentRecorder | None = None,
+        receivers: Neighbours | None = None,
     ) -> None:
-        """`segments`: where the sent activations and the gradient replies are recorded, if anywhere."""
+        """`segments`: where the sent activations and the gradient replies are recorded, if anywhere.
+        `receivers`: the next stage's membership (None: every live replica of it is offered work)."""
         self.network = network
         self.config = config
         self.log = log
@@ -58,6 +61,7 @@ class PipelineLink:
             stop=stop,
             segments=segments,
             bucket=network.bucket,
+            receivers=receivers,
         )
 
     def start(self) -> None:

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from neuroshard.cli.embedded import EmbeddedVerifier, start_embedded_verifier
+from neuroshard.node import verifier_client
 from neuroshard.node.network_definition import NetworkError
 from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network, splay_share
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.reports import Receipt
+from neuroshard.protocol.roster import MemberList
 from neuroshard.testing.api import receipt_doc
 from neuroshard.testing.ports import free_port
 from neuroshard.testing.verifier import small_network
@@ -235,3 +237,43 @@ def test_join_asks_again_until_the_verifier_answers_or_time_is_up(
             f"http://127.0.0.1:{free_port()}", operator_key=None, home=tmp_path, log=lines.append
         )
     assert any("retrying" in line for line in lines)
+
+
+def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A middle replica reads the lists of stages 0 and 2 beside its own: each valid, newer one is
+    handed on once; one signed by another key, or older than what it holds, is not."""
+    operator, stranger = Wallet.from_token("neighbours-operator"), Wallet.from_token("neighbours-stranger")
+    served: dict[int, bytes] = {}
+
+    def listing(stage: int, epoch: int, signer: Wallet = operator) -> bytes:
+        return MemberList.create(
+            signer, network="n", expires_at=2**40, stage=stage, epoch=epoch, effective_round=0,
+            policy="allowlist", admitted=(NODE.public_key_hex,), probation=(), admission_rounds=3,
+        ).to_json()  # fmt: skip
+
+    def request(url: str, path: str, **_: object) -> tuple[bytes, dict[str, str]]:
+        return served[int(path.split("/")[3])], {}
+
+    monkeypatch.setattr(verifier_client, "_request", request)
+    own: list[MemberList] = []
+    neighbours: list[MemberList] = []
+    lines: list[str] = []
+    config = VerifierClientConfig(
+        url="http://127.0.0.1:9", address="127.0.0.1:7999", stage=1, operator_key=operator.public_key_hex,
+        network="n", neighbour_stages=(0, 2),
+    )  # fmt: skip
+    tracker = VerifierClient(
+        config, NODE, lines.append, on_members=own.append, on_neighbours=neighbours.append
+    )
+    served.update({0: listing(0, 3), 1: listing(1, 1), 2: listing(2, 5)})
+    tracker._members()
+    assert [m.stage for m in own] == [1] and [(m.stage, m.epoch) for m in neighbours] == [(0, 3), (2, 5)]
+    served.update({0: listing(0, 2), 2: listing(2, 6, signer=stranger)})  # replayed older; forged
+    tracker._members()
+    assert len(neighbours) == 2 and {s: m.epoch for s, m in tracker.neighbour_members.items()} == {0: 3, 2: 5}
+    assert any("stage 2's member list refused" in line for line in lines)
+    served[0] = listing(0, 4)
+    tracker._members()
+    assert [(m.stage, m.epoch) for m in neighbours[2:]] == [(0, 4)] and len(own) == 1

@@ -60,3 +60,39 @@ def test_swarm_with_two_stages_trains_through_the_pipeline_and_each_stage_agrees
         losses = [float(m[3]) for m in map(LOSS.match, swarm.lines) if m and int(m[1]) == node]
         assert len(losses) >= rounds - 1, f"node {node} logged {losses}"
         assert losses[-1] < losses[0] - 0.3, f"node {node}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.slow
+def test_an_allowlist_pipeline_sends_micro_batches_only_between_listed_replicas(
+    published, tmp_path: Path
+) -> None:
+    """Six replicas over two stages, the operator's roster naming nodes 0-4: node 5, a stage-1
+    replica off the list, is refused at registration, and no driver offers it a micro-batch (each
+    replica reads its neighbours' member lists); the listed ones train and agree as in an open run."""
+    rounds, h = 4, 10
+    swarm = SwarmProcess(
+        published, tmp_path, "--nodes", "6", "--stages", "2", "--inner-steps", str(h),
+        "--max-steps", str(rounds * h), "--round-timeout", "30", "--admission", "allowlist", "--roster", "5",
+        nodes=6,
+        node_args=(
+            "--model-size", "micro", "--batch-size", "4", "--seq-len", "32",
+            "--log-every", str(h), "--inner-lr", "1e-2", "--warmup-steps", "2",
+        ),
+    )  # fmt: skip
+    try:
+        assert swarm.finish(timeout=240) == 0
+    finally:
+        swarm.kill()
+    text = "\n".join(swarm.lines)
+    print(text)  # shown by pytest when an assertion below fails
+    assert "DIFFER" not in text and "Traceback" not in text
+    for driver in (0, 2, 4):
+        assert re.search(rf"^\[{driver}\] membership: pipeline neighbours of stage 1: 2 admitted, 0 on probation "
+                         r"\(allowlist, verifier epoch \d+\); no others$", text, re.M)  # fmt: skip
+        assert f"[{driver}] done at step={rounds * h} round={rounds}" in text
+    for replica in (1, 3):
+        assert re.search(
+            rf"^\[{replica}\] membership: pipeline neighbours of stage 0: 3 admitted", text, re.M
+        )
+    # Node 5 trained on nothing: it never logs a step.
+    assert not re.search(r"^\[5\] step=", text, re.M) and re.search(r"^\[[13]\] step=", text, re.M)

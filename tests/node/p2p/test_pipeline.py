@@ -27,6 +27,7 @@ from safetensors.torch import save as st_save
 
 from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
+from neuroshard.node.membership import Neighbours, StageRoster
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import (
     BLAME_BAN_DOUBLINGS,
@@ -35,6 +36,7 @@ from neuroshard.node.p2p.pipeline import (
     PipelineClient,
     PipelineConfig,
     PipelineService,
+    PipelineUnavailable,
 )
 from neuroshard.node.p2p.pipeline_wire import decode_gradient, encode_activations
 from neuroshard.node.p2p.server import NodeState, build_app
@@ -180,6 +182,7 @@ async def _serve(
     config: PipelineConfig = PIPE,
     run: bool = True,
     worker_type: type[StageWorker] = StageWorker,
+    senders: Neighbours | None = None,
 ) -> AsyncIterator[tuple[Served, Callable[[], None]]]:
     """A last-stage replica on loopback, and a function that starts its worker (already started if `run`)."""
     torch.manual_seed(0)
@@ -187,7 +190,9 @@ async def _serve(
     worker = worker_type(
         DiLoCo(build_stage(MODEL, 1, 2), cfg), WorkerConfig(log_every=1000), log=lambda s: None
     )
-    service = PipelineService(wallet=wallet, stage=1, model_config=MODEL, config=config, worker=worker.jobs)
+    service = PipelineService(
+        wallet=wallet, stage=1, model_config=MODEL, config=config, worker=worker.jobs, senders=senders
+    )
     server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
     await server.start_server()
     stop = threading.Event()
@@ -574,6 +579,7 @@ def _client_of_two(
     config: PipelineConfig,
     log: Callable[[str], None],
     segments: SegmentRecorder | None = None,
+    receivers: Neighbours | None = None,
 ) -> tuple[PipelineClient, NextStageRouter]:
     """A driver's client that knows two stage-1 replicas, `first` measured as the faster (drawn
     first), and its router."""
@@ -589,7 +595,7 @@ def _client_of_two(
     router.succeeded(second.wallet.public_key_hex, tokens=1, seconds=1.0)
     client = PipelineClient(
         wallet=driver, stage=0, peers=table, config=config, clock=time.time, log=log,
-        stop=threading.Event(), router=router, segments=segments,
+        stop=threading.Event(), router=router, segments=segments, receivers=receivers,
     )  # fmt: skip
     return client, router
 
@@ -744,3 +750,70 @@ async def test_an_overflowing_step_strikes_its_sender_only_when_the_sender_is_at
         await server.close()
     # A strike also answers the sender's jobs still waiting (each would be stepped on, and fail).
     assert failing.dropped == ([] if at_fault else [wallets[1].public_key_hex])
+
+
+# --- membership: whom a replica works with -------------------------------------------------
+
+
+def _listed(stage: int, *admitted: Wallet) -> Neighbours:
+    neighbours = Neighbours(stage, round_of=lambda: 0)
+    neighbours.set(
+        StageRoster(stage=stage, policy="allowlist", admitted=frozenset(w.public_key_hex for w in admitted))
+    )
+    return neighbours
+
+
+@pytest.mark.asyncio
+async def test_a_replica_takes_micro_batches_only_from_the_previous_stage_s_members(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    senders = _listed(0, wallets[1])
+    async with _serve(make_node(wallets[0], stage=1), wallets[0], senders=senders) as (served, _):
+        body = encode_activations(*_micro_batch(), PIPE.codec)
+        before = served.fingerprint()
+        status, _, reply = await served.send(wallets[2], body, _signed(wallets[2], body))
+        refusal = ErrorReply.from_json(reply)
+        assert (status, refusal.error) == (
+            403,
+            "not_a_member",
+        ) and "not on stage 0's member list" in refusal.detail
+        assert _same(served.fingerprint(), before) and served.service.outsiders == 1
+        # A member's micro-batch is taken; a list that drops the member later still answers a
+        # retry of what it took, and refuses what it sends next.
+        assert (await served.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+        senders.set(StageRoster(stage=0, policy="allowlist", admitted=frozenset({wallets[3].public_key_hex})))
+        assert (await served.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+        other = encode_activations(*_micro_batch(1), PIPE.codec)
+        status, _, _ = await served.send(wallets[1], other, _signed(wallets[1], other, micro_batch="cd" * 16))
+        assert status == 403 and served.worker.diloco.step == 1
+
+
+@pytest.mark.asyncio
+async def test_a_driver_offers_micro_batches_only_to_the_next_stage_s_members(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    driver = wallets[1]
+    hidden, labels = _micro_batch(3)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0]) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (b, _),
+    ):
+        # a is measured as far the faster, and is drawn first whenever it may be: it is off the list.
+        client, _ = _client_of_two(driver, a, b, PIPE, lambda s: None, receivers=_listed(1, b.wallet))
+        await client.start()
+        try:
+            for step in range(3):
+                id_ = micro_batch_id(driver.public_key_hex, 0, step)
+                await client.forward(hidden, labels, round_=0, micro_batch=id_)
+        finally:
+            await client.close()
+        assert (a.worker.diloco.step, b.worker.diloco.step) == (0, 3) and client.retries == 0
+        # With nobody on the list, nobody is offered it, and the error says why.
+        nobody = replace(PIPE, deadline_s=0.3)
+        client, _ = _client_of_two(driver, a, b, nobody, lambda s: None, receivers=_listed(1, wallets[3]))
+        await client.start()
+        try:
+            with pytest.raises(PipelineUnavailable, match="2 not taken by the stage's member list"):
+                await client.forward(
+                    hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 9)
+                )
+        finally:
+            await client.close()

@@ -1,0 +1,90 @@
+"""Pipeline neighbours (node.membership.Neighbours): whom a replica sends micro-batches to and takes
+them from, by the neighbouring stage's member list. The round's split is tested with the round
+(tests/node/outer/test_probation.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuroshard.node.membership import Neighbours, ProbationCap, StageRoster, split_members
+from neuroshard.node.reporting import Reporting
+from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import MemberList
+
+ADMITTED = frozenset(f"a{i}" for i in range(8))
+FLOOD = frozenset(f"p{i:04d}" for i in range(1000))
+
+
+def probation(stage: int = 1) -> StageRoster:
+    return StageRoster(
+        stage=stage, policy="probation", admitted=ADMITTED, probation=FLOOD, source="verifier epoch 3"
+    )
+
+
+def test_without_a_roster_everyone_is_taken() -> None:
+    neighbours = Neighbours(1, round_of=lambda: 0)
+    assert neighbours.takes("anyone") and neighbours.roster is None
+
+
+def test_admitted_wallets_are_taken_and_wallets_off_the_list_are_not() -> None:
+    neighbours = Neighbours(1, round_of=lambda: 0)
+    neighbours.set(StageRoster(stage=1, policy="allowlist", admitted=ADMITTED, source="verifier epoch 2"))
+    assert all(neighbours.takes(w) for w in ADMITTED)
+    why = neighbours.refusal("stranger")
+    assert why is not None and "not on stage 1's member list (verifier epoch 2)" in why
+    neighbours.set(None)  # the stage went open
+    assert neighbours.takes("stranger")
+
+
+def test_the_cap_of_probationers_is_taken_each_round_as_the_round_would_pick_them() -> None:
+    round_ = [5]
+    neighbours = Neighbours(1, round_of=lambda: round_[0])
+    neighbours.set(probation())
+    taken = {w for w in FLOOD if neighbours.takes(w)}
+    assert len(taken) == ProbationCap().of(len(ADMITTED)) == 2
+    # The same probationers a round of that stage would take if all of them were live.
+    assert tuple(sorted(taken)) == split_members(ADMITTED | FLOOD, "a0", probation(), 5).probationers
+    left_out = next(w for w in sorted(FLOOD) if w not in taken)
+    why = neighbours.refusal(left_out)
+    assert why is not None and "not among the 2 probationer(s) this replica takes in its round 5" in why
+    round_[0] = 6  # the replica's own round moves on: other probationers get their turn
+    assert {w for w in FLOOD if neighbours.takes(w)} != taken
+    # A new list takes effect at once (the pick is made again from it).
+    neighbours.set(StageRoster(stage=1, policy="probation", admitted=ADMITTED | {left_out}))
+    assert neighbours.takes(left_out) and not any(neighbours.takes(w) for w in taken)
+
+
+def test_a_roster_of_another_stage_is_refused() -> None:
+    with pytest.raises(ValueError, match="roster of stage 2 given for stage 1"):
+        Neighbours(1, round_of=lambda: 0).set(probation(stage=2))
+
+
+def test_the_tracker_s_lists_reach_the_neighbours_a_replica_built() -> None:
+    operator = Wallet.from_token("neighbours-operator")
+    lines: list[str] = []
+    reporting = Reporting(url="http://127.0.0.1:9", operator_key=operator.public_key_hex, log=lines.append)
+    before, after = (
+        reporting.neighbours_of(0, round_of=lambda: 0),
+        reporting.neighbours_of(2, round_of=lambda: 0),
+    )
+    assert reporting.neighbours_of(2, round_of=lambda: 9) is after
+
+    def listing(stage: int, policy: str, epoch: int) -> MemberList:
+        return MemberList.create(
+            operator, network="n", expires_at=2**40, stage=stage, epoch=epoch, effective_round=0, policy=policy,
+            admitted=(operator.public_key_hex,), probation=(), admission_rounds=3,
+        )  # fmt: skip
+
+    reporting._take_neighbours(listing(2, "allowlist", 1))
+    reporting._take_neighbours(listing(2, "allowlist", 2))  # the same members again: said once
+    assert (
+        before.roster is None
+        and after.roster is not None
+        and after.takes(operator.public_key_hex)
+        and not after.takes("stranger")
+    )
+    assert lines == [
+        "membership: pipeline neighbours of stage 2: 1 admitted, 0 on probation (allowlist, verifier epoch 1); no others"
+    ]
+    reporting._take_neighbours(listing(2, "open", 3))
+    assert after.takes("stranger") and lines[-1].startswith("membership: stage 2 is open")
