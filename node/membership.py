@@ -18,6 +18,9 @@ A replica that is itself on no list yet (it just registered; or refused), or a p
 cap leaves out of a round, observes the round: it publishes nothing, reads the decided
 aggregates like everyone and steps with them, so its θ stays the stage's while it waits.
 
+In a pipeline the same lists say whom a replica works with in the stages before and after its
+own (`Neighbours`): the wallets on them, probationers only while their faults stay under a bound.
+
 A probationer earns admission at the verifier by rounds of verified work (it agreed with the
 stage's majority and passed replay spot checks); the verifier then lists it as admitted in its
 next signed member list. Without a roster (a run with no definition and no verifier: direct
@@ -115,14 +118,18 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
     if roster is None:
         return Split(tuple(sorted(wallets)), ())
     members = tuple(sorted(w for w in wallets if w in roster.admitted))
-    candidates = [w for w in wallets if w in roster.probation]
-    taken = _first_probationers(candidates, round_, roster.cap.of(len(members)))
-    return Split(members, taken, waiting=len(candidates) - len(taken), listed=roster.listed(me))
+    candidates = sorted(
+        (w for w in wallets if w in roster.probation), key=lambda w: probation_rank(round_, w)
+    )
+    taken = candidates[: roster.cap.of(len(members))]
+    return Split(
+        members, tuple(sorted(taken)), waiting=len(candidates) - len(taken), listed=roster.listed(me)
+    )
 
 
-def _first_probationers(candidates: Iterable[str], round_: int, slots: int) -> tuple[str, ...]:
-    """The `slots` probationers `probation_rank` puts first for `round_`, sorted."""
-    return tuple(sorted(sorted(candidates, key=lambda w: probation_rank(round_, w))[:slots]))
+PROBATION_FAULTS = 4
+"""Faults (a struck micro-batch, a blamed gradient) of a neighbour stage's probationers one replica
+bears in one of its rounds before it stops working with probationers until its next round."""
 
 
 class Neighbours:
@@ -130,25 +137,27 @@ class Neighbours:
     (whose micro-batches it takes) or the stage after (where it sends its own). Thread-safe: the
     tracker sets the roster, the event loop asks.
 
-    The same membership as the round's, so that a flood of fresh wallets in the next stage cannot
-    answer a driver with gradients it must refuse one by one (each costs it a step's compute, and a
-    driver gives up after `pipeline.DRIVER_MAX_BLAMED`), nor one in the stage before hand a middle
-    replica enough failing micro-batches to cost it its round's log
-    (`protocol.segments.max_failed_in_segment`). Without a roster (an ``open`` stage, a run without
-    a verifier) everyone is taken, as before. With one, the admitted wallets are, and of the
-    probationers the `ProbationCap` of them that `probation_rank` puts first for this replica's
-    round (`round_of`: its own, which no neighbour chooses). They are drawn from every listed
-    probationer, not from the live ones a round counts, since a replica does not see the
-    neighbour stage's live set; so listed wallets that never run dilute an honest probationer's
-    turns, as they cannot in its own stage's rounds. Everyone else is refused."""
+    Without a roster (an ``open`` stage, a run without a verifier) everyone, as before. With one,
+    the wallets on it: admitted ones, each bought with verified rounds, and probationers, who
+    must work to be admitted. A flood of fresh wallets off the list costs the replica nothing;
+    probationers cost it a bounded amount. Their faults are counted together (`fault`):
+    - a micro-batch from one that overflowed this replica's step (a failed step, and a segment
+      holds only so many: `protocol.segments.max_failed_in_segment`);
+    - a gradient from one that this replica had to refuse (a step's compute each; a driver gives
+      up after `pipeline.DRIVER_MAX_BLAMED`).
+    After `PROBATION_FAULTS` of them in one of this replica's rounds (`round_of`: its own, which
+    no neighbour chooses), it works with admitted wallets only until its next round. So keys that
+    cost a registration each buy at most that many faults a round, however many there are, and
+    what honest probationers lose while that lasts is the rest of the round with this replica.
+    Each faulty wallet is also banned on its own (the router's blame, the service's strike)."""
 
     def __init__(self, stage: int, round_of: Callable[[], int]) -> None:
         self.stage = stage
         self.round_of = round_of
         self._lock = threading.Lock()
         self._roster: StageRoster | None = None
-        self._picked: tuple[int, frozenset[str]] | None = None
-        """(round, the probationers taken in it) for the roster in force."""
+        self._faults: tuple[int, int] = (0, 0)
+        """(round, probationers' faults in it)."""
 
     @property
     def roster(self) -> StageRoster | None:
@@ -159,7 +168,7 @@ class Neighbours:
         if roster is not None and roster.stage != self.stage:
             raise ValueError(f"a roster of stage {roster.stage} given for stage {self.stage}'s neighbours")
         with self._lock:
-            self._roster, self._picked = roster, None
+            self._roster = roster
 
     def refusal(self, wallet: str) -> str | None:
         """Why this replica does not work with `wallet` of the neighbour stage now; None: it does."""
@@ -171,19 +180,31 @@ class Neighbours:
                 return (
                     f"{wallet[:12]} is not on stage {self.stage}'s member list ({roster.source or 'roster'})"
                 )
-            round_ = self.round_of()
-            if self._picked is None or self._picked[0] != round_:
-                slots = roster.cap.of(len(roster.admitted))
-                self._picked = (round_, frozenset(_first_probationers(roster.probation, round_, slots)))
-            if wallet in self._picked[1]:
+            round_, faults = self._faults_now()
+            if faults < PROBATION_FAULTS:
                 return None
             return (
-                f"{wallet[:12]} is on probation in stage {self.stage} and not among the "
-                f"{len(self._picked[1])} probationer(s) this replica takes in its round {round_}"
+                f"{wallet[:12]} is on probation in stage {self.stage}, and that stage's probationers "
+                f"were at fault {faults} times in this replica's round {round_}: admitted replicas only "
+                "until its next round"
             )
 
     def takes(self, wallet: str) -> bool:
         return self.refusal(wallet) is None
+
+    def fault(self, wallet: str) -> None:
+        """`wallet`'s micro-batch overflowed this replica's step, or its gradient was refused: counted
+        against the stage's probationers when it is one of them."""
+        with self._lock:
+            roster = self._roster
+            if roster is None or wallet not in roster.probation:
+                return
+            round_, faults = self._faults_now()
+            self._faults = (round_, faults + 1)
+
+    def _faults_now(self) -> tuple[int, int]:
+        round_ = self.round_of()
+        return (round_, self._faults[1]) if self._faults[0] == round_ else (round_, 0)
 
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:

@@ -304,7 +304,7 @@ class Reporting:
         whose micro-batches it takes, or the one after, where it sends its own), kept current by
         the tracker from the verifier's signed member lists once `track` starts it. Until a list is
         read, and for good without a verifier or under an ``open`` policy, it takes everyone.
-        `round_of`: this replica's round, which picks the probationers it works with."""
+        `round_of`: this replica's round, over which its probationers' faults are counted."""
         neighbours = self.neighbours.get(stage)
         if neighbours is None:
             neighbours = self.neighbours[stage] = Neighbours(stage, round_of)

@@ -36,10 +36,11 @@ guarantees is that no replica steps twice on one micro-batch, not that exactly o
 the next stage does.
 
 Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
-verifier), a replica offers micro-batches only to the next stage's replicas its `Neighbours` take
-(the admitted, and the probationers the cap picks for its round) and takes micro-batches only
-from such replicas of the stage before (403 `not_a_member` to anyone else), so fresh wallets in
-a neighbouring stage cost it nothing; without lists, everyone, as before.
+verifier), a replica offers micro-batches only to the next stage's replicas on its list and takes
+micro-batches only from those of the stage before (403 `not_a_member` to anyone else), so fresh
+wallets in a neighbouring stage cost it nothing; probationers are dropped for the rest of the
+replica's round once they were at fault a few times in it (`Neighbours`: blamed, struck).
+Without lists, everyone, as before.
 
 The end of a run. A sender whose run ends POSTs a signed `PipelineEnd` to every next-stage
 replica it sent work to (`PipelineClient.end`); a replica's `Upstream` records who sends it work
@@ -366,7 +367,7 @@ class PipelineClient:
         """`bucket`: the stage bucket (``--relay``), through which next-stage replicas behind NAT are
         reached (mailbox.py); without it they are left out. `receivers`: the next stage's
         membership (node.membership.Neighbours); replicas it does not take are never offered a
-        micro-batch (None: every live one is)."""
+        micro-batch (None: every live one is), and a blamed one is its `fault`."""
         if not 0 <= stage < config.num_stages - 1:
             raise ValueError(f"stage {stage} has no next stage among {config.num_stages}")
         self.wallet = wallet
@@ -496,6 +497,8 @@ class PipelineClient:
         if wallet is None:
             return None
         ban = self.router.blamed(wallet, self.clock())
+        if self.receivers is not None:
+            self.receivers.fault(wallet)
         self.blamed += 1
         if self.segments is not None:
             self.segments.note_discarded(micro_batch, wallet)
@@ -630,7 +633,8 @@ class PipelineService:
         senders: Neighbours | None = None,
     ) -> None:
         """`senders`: the previous stage's membership (node.membership.Neighbours); micro-batches
-        from wallets it does not take are refused (403 ``not_a_member``). None: everyone's are taken."""
+        from wallets it does not take are refused (403 ``not_a_member``), and a struck sender is
+        its `fault`. None: everyone's are taken."""
         if not 1 <= stage < config.num_stages:
             raise ValueError(f"PipelineService serves stages 1..{config.num_stages - 1}, got stage {stage}")
         self.wallet = wallet
@@ -751,6 +755,8 @@ class PipelineService:
         a step as failed (node.segments), and a segment holds only so many
         (protocol.segments.max_failed_in_segment): without the strikes a hostile sender could run
         that budget out and cost this replica its round's log."""
+        if self.senders is not None:
+            self.senders.fault(sender)
         strikes = self._struck.pop(sender, (0, 0.0))[0] + 1
         ban = self.config.ban_s * 2.0 ** min(strikes - 1, BLAME_BAN_DOUBLINGS)
         self._struck[sender] = (strikes, time.monotonic() + ban)

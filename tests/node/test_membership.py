@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from neuroshard.node.membership import Neighbours, ProbationCap, StageRoster, split_members
+from neuroshard.node.membership import PROBATION_FAULTS, Neighbours, StageRoster
 from neuroshard.node.reporting import Reporting
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.roster import MemberList
@@ -36,22 +36,28 @@ def test_admitted_wallets_are_taken_and_wallets_off_the_list_are_not() -> None:
     assert neighbours.takes("stranger")
 
 
-def test_the_cap_of_probationers_is_taken_each_round_as_the_round_would_pick_them() -> None:
+def test_probationers_are_taken_until_their_faults_in_a_round_reach_the_bound() -> None:
     round_ = [5]
     neighbours = Neighbours(1, round_of=lambda: round_[0])
     neighbours.set(probation())
-    taken = {w for w in FLOOD if neighbours.takes(w)}
-    assert len(taken) == ProbationCap().of(len(ADMITTED)) == 2
-    # The same probationers a round of that stage would take if all of them were live.
-    assert tuple(sorted(taken)) == split_members(ADMITTED | FLOOD, "a0", probation(), 5).probationers
-    left_out = next(w for w in sorted(FLOOD) if w not in taken)
-    why = neighbours.refusal(left_out)
-    assert why is not None and "not among the 2 probationer(s) this replica takes in its round 5" in why
-    round_[0] = 6  # the replica's own round moves on: other probationers get their turn
-    assert {w for w in FLOOD if neighbours.takes(w)} != taken
-    # A new list takes effect at once (the pick is made again from it).
-    neighbours.set(StageRoster(stage=1, policy="probation", admitted=ADMITTED | {left_out}))
-    assert neighbours.takes(left_out) and not any(neighbours.takes(w) for w in taken)
+    assert all(neighbours.takes(w) for w in FLOOD)
+    flood = sorted(FLOOD)
+    for i in range(PROBATION_FAULTS):
+        assert neighbours.takes(flood[-1])
+        neighbours.fault(flood[i])  # each from another key: they count together
+        neighbours.fault("a0")  # an admitted wallet's fault is its own ban's business, not counted
+    why = neighbours.refusal(flood[-1])
+    assert why is not None and f"at fault {PROBATION_FAULTS} times in this replica's round 5" in why
+    assert all(neighbours.takes(w) for w in ADMITTED) and not neighbours.takes("stranger")
+    round_[0] = 6  # the replica's next round: probationers are taken again, with a fresh count
+    assert neighbours.takes(flood[-1])
+    neighbours.fault(flood[0])
+    assert neighbours.takes(flood[-1])
+    # A new list in the middle of a round keeps the round's count.
+    for w in flood[1:PROBATION_FAULTS]:
+        neighbours.fault(w)
+    neighbours.set(probation())
+    assert not neighbours.takes(flood[-1])
 
 
 def test_a_roster_of_another_stage_is_refused() -> None:

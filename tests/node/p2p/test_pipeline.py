@@ -27,7 +27,7 @@ from safetensors.torch import save as st_save
 
 from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.membership import Neighbours, StageRoster
+from neuroshard.node.membership import PROBATION_FAULTS, Neighbours, StageRoster
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import (
     BLAME_BAN_DOUBLINGS,
@@ -817,3 +817,71 @@ async def test_a_driver_offers_micro_batches_only_to_the_next_stage_s_members(ma
                 )
         finally:
             await client.close()
+
+
+def _probation(stage: int, admitted: list[Wallet], probation: list[Wallet]) -> Neighbours:
+    neighbours = Neighbours(stage, round_of=lambda: 0)
+    neighbours.set(
+        StageRoster(
+            stage=stage, policy="probation", admitted=frozenset(w.public_key_hex for w in admitted),
+            probation=frozenset(w.public_key_hex for w in probation),
+        )
+    )  # fmt: skip
+    return neighbours
+
+
+@pytest.mark.asyncio
+async def test_struck_probationers_close_the_replica_to_probationers_for_its_round(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """Each probation key's failing micro-batch strikes it, and the strikes add up across keys: at
+    PROBATION_FAULTS the replica takes admitted senders only, so more keys buy nothing more."""
+    keys = [Wallet.from_token(f"probation-sender-{i}") for i in range(PROBATION_FAULTS + 1)]
+    senders = _probation(0, [wallets[1]], keys)
+    failing = _Failing(NonFiniteStep("overflow"))
+    service = PipelineService(
+        wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=failing, senders=senders
+    )  # fmt: skip
+    node = make_node(wallets[0], stage=1)
+    server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
+    await server.start_server()
+    body = encode_activations(*_micro_batch(), PIPE.codec)
+    try:
+        async with ClientSession() as session:
+            served = Served(node, None, service, server, session, wallets[0])  # type: ignore[arg-type]
+            for key in keys[:-1]:
+                got, _, reply = await served.send(key, body, _signed(key, body))
+                assert (got, ErrorReply.from_json(reply).error) == (422, "non_finite")
+            got, _, reply = await served.send(keys[-1], body, _signed(keys[-1], body))
+            refusal = ErrorReply.from_json(reply)
+            assert (got, refusal.error) == (
+                403,
+                "not_a_member",
+            ) and "admitted replicas only" in refusal.detail
+            got, _, reply = await served.send(
+                wallets[1], body, _signed(wallets[1], body)
+            )  # admitted: still taken
+            assert (got, ErrorReply.from_json(reply).error) == (422, "non_finite")
+    finally:
+        await server.close()
+    assert len(failing.dropped) == PROBATION_FAULTS + 1
+
+
+@pytest.mark.asyncio
+async def test_a_blamed_probationer_counts_against_its_stage_s_probationers(wallets) -> None:
+    from neuroshard.node.p2p.peers import PeerTable
+
+    keys = [Wallet.from_token(f"probation-replica-{i}") for i in range(PROBATION_FAULTS)]
+    receivers = _probation(1, [wallets[2]], keys)
+    table = PeerTable(own_wallet=wallets[1].public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+    client = PipelineClient(
+        wallet=wallets[1], stage=0, peers=table, config=PIPE, clock=time.time, log=lambda s: None,
+        stop=threading.Event(), receivers=receivers,
+    )  # fmt: skip
+    for i, key in enumerate(keys):
+        assert receivers.takes(key.public_key_hex)
+        client._answered[f"{i:02x}" * 16] = key.public_key_hex
+        assert await client.blame(f"{i:02x}" * 16, "overflowed") == key.public_key_hex
+    assert not any(receivers.takes(k.public_key_hex) for k in keys) and receivers.takes(
+        wallets[2].public_key_hex
+    )
