@@ -15,27 +15,36 @@ STAGE_AGREE = re.compile(r"^\[swarm\] stage (\d) round (\d+): (\d+)/(\d+) nodes 
 LOSS = re.compile(r"^\[(\d+)\] step=(\d+) round=\d+ loss=([0-9.]+)")
 
 
-@pytest.mark.slow
-def test_swarm_with_two_stages_trains_through_the_pipeline_and_each_stage_agrees(
-    published, tmp_path: Path
-) -> None:
-    rounds, h = 6, 10
+def run_two_stages(  # type: ignore[no-untyped-def]
+    published, home: Path, *args: str, nodes: int, rounds: int, h: int, timeout: float
+) -> tuple[SwarmProcess, str]:
+    """A swarm of `nodes` micro-model replicas over two stages (even nodes drive, odd ones hold
+    stage 1), run to `rounds` rounds of H = `h`; its output, which must hold no disagreement."""
     swarm = SwarmProcess(
-        published, tmp_path, "--nodes", "4", "--stages", "2", "--inner-steps", str(h),
-        "--max-steps", str(rounds * h), "--round-timeout", "30",
-        nodes=4,
+        published, home, "--nodes", str(nodes), "--stages", "2", "--inner-steps", str(h),
+        "--max-steps", str(rounds * h), "--round-timeout", "30", *args,
+        nodes=nodes,
         node_args=(
             "--model-size", "micro", "--batch-size", "4", "--seq-len", "32",
             "--log-every", str(h), "--inner-lr", "1e-2", "--warmup-steps", "2",
         ),
     )  # fmt: skip
     try:
-        assert swarm.finish(timeout=150) == 0
+        assert swarm.finish(timeout=timeout) == 0
     finally:
         swarm.kill()
     text = "\n".join(swarm.lines)
-    print(text)  # shown by pytest when an assertion below fails
+    print(text)  # shown by pytest when an assertion fails
     assert "DIFFER" not in text and "Traceback" not in text
+    return swarm, text
+
+
+@pytest.mark.slow
+def test_swarm_with_two_stages_trains_through_the_pipeline_and_each_stage_agrees(
+    published, tmp_path: Path
+) -> None:
+    rounds, h = 6, 10
+    swarm, text = run_two_stages(published, tmp_path, nodes=4, rounds=rounds, h=h, timeout=150)
     for i, stage in enumerate((0, 1, 0, 1)):
         assert f"[swarm] node {i}: pid" in text and f"stage {stage}, wallet" in text
     agreed = {
@@ -70,22 +79,18 @@ def test_an_allowlist_pipeline_sends_micro_batches_only_between_listed_replicas(
     replica off the list, is refused at registration, and no driver offers it a micro-batch (each
     replica reads its neighbours' member lists); the listed ones train and agree as in an open run."""
     rounds, h = 4, 10
-    swarm = SwarmProcess(
-        published, tmp_path, "--nodes", "6", "--stages", "2", "--inner-steps", str(h),
-        "--max-steps", str(rounds * h), "--round-timeout", "30", "--admission", "allowlist", "--roster", "5",
+    _, text = run_two_stages(
+        published,
+        tmp_path,
+        "--admission",
+        "allowlist",
+        "--roster",
+        "5",
         nodes=6,
-        node_args=(
-            "--model-size", "micro", "--batch-size", "4", "--seq-len", "32",
-            "--log-every", str(h), "--inner-lr", "1e-2", "--warmup-steps", "2",
-        ),
-    )  # fmt: skip
-    try:
-        assert swarm.finish(timeout=240) == 0
-    finally:
-        swarm.kill()
-    text = "\n".join(swarm.lines)
-    print(text)  # shown by pytest when an assertion below fails
-    assert "DIFFER" not in text and "Traceback" not in text
+        rounds=rounds,
+        h=h,
+        timeout=240,
+    )
     for driver in (0, 2, 4):
         assert re.search(rf"^\[{driver}\] membership: pipeline neighbours of stage 1: 2 admitted, 0 on probation "
                          r"\(allowlist, verifier epoch \d+\); no others$", text, re.M)  # fmt: skip
