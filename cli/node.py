@@ -391,7 +391,7 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
                     step_of=lambda: _engine(trainer).step,
                     log=_log,
                     segments=recorder,
-                    receivers=reporting.neighbours_of(1, round_of=lambda: _engine(trainer).round),
+                    receivers=reporting.neighbours_of(1),
                 )
                 link.start()
         trainer = roles.trainer(

@@ -19,7 +19,7 @@ cap leaves out of a round, observes the round: it publishes nothing, reads the d
 aggregates like everyone and steps with them, so its θ stays the stage's while it waits.
 
 In a pipeline the same lists say whom a replica works with in the stages before and after its
-own (`Neighbours`): the wallets on them, probationers only while their faults stay under a bound.
+own (`Neighbours`): the wallets on them, admitted or on probation.
 
 A probationer earns admission at the verifier by rounds of verified work (it agreed with the
 stage's majority and passed replay spot checks); the verifier then lists it as admitted in its
@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from neuroshard.protocol.roster import MemberList
@@ -127,37 +127,28 @@ def split_members(live: Iterable[str], me: str, roster: StageRoster | None, roun
     )
 
 
-PROBATION_FAULTS = 4
-"""Faults (a struck micro-batch, a blamed gradient) of a neighbour stage's probationers one replica
-bears in one of its rounds before it stops working with probationers until its next round."""
-
-
 class Neighbours:
     """Which replicas of a neighbouring pipeline stage this replica works with: the stage before
     (whose micro-batches it takes) or the stage after (where it sends its own). Thread-safe: the
     tracker sets the roster, the event loop asks.
 
     Without a roster (an ``open`` stage, a run without a verifier) everyone, as before. With one,
-    the wallets on it: admitted ones, each bought with verified rounds, and probationers, who
-    must work to be admitted. A flood of fresh wallets off the list costs the replica nothing;
-    probationers cost it a bounded amount. Their faults are counted together (`fault`):
-    - a micro-batch from one that overflowed this replica's step (a failed step, and a segment
-      holds only so many: `protocol.segments.max_failed_in_segment`);
-    - a gradient from one that this replica had to refuse (a step's compute each; a driver gives
-      up after `pipeline.DRIVER_MAX_BLAMED`).
-    After `PROBATION_FAULTS` of them in one of this replica's rounds (`round_of`: its own, which
-    no neighbour chooses), it works with admitted wallets only until its next round. So keys that
-    cost a registration each buy at most that many faults a round, however many there are, and
-    what honest probationers lose while that lasts is the rest of the round with this replica.
-    Each faulty wallet is also banned on its own (the router's blame, the service's strike)."""
+    the wallets on it: admitted ones, each bought with verified rounds, and the probationers it
+    names, who must work to be admitted (at most `verifier.members.MembershipConfig.max_probation_listed`,
+    each a registration). Nobody else: keys that cost nothing to make get no micro-batch from this
+    replica and none of theirs is stepped on, so they cannot answer a driver with gradients it must
+    refuse one by one (a step's compute each; a driver gives up after `pipeline.DRIVER_MAX_BLAMED`)
+    or hand a middle replica failing micro-batches (a segment holds only so many:
+    `protocol.segments.max_failed_in_segment`). A listed wallet that does either is banned on its
+    own, for longer each time (the router's blame, the service's strike).
 
-    def __init__(self, stage: int, round_of: Callable[[], int]) -> None:
+    A neighbour's list is taken as soon as it is read, not at its `effective_round`: that round is
+    the neighbour stage's, and whom this replica works with needs no agreement with its own stage."""
+
+    def __init__(self, stage: int) -> None:
         self.stage = stage
-        self.round_of = round_of
         self._lock = threading.Lock()
         self._roster: StageRoster | None = None
-        self._faults: tuple[int, int] = (0, 0)
-        """(round, probationers' faults in it)."""
 
     @property
     def roster(self) -> StageRoster | None:
@@ -174,37 +165,12 @@ class Neighbours:
         """Why this replica does not work with `wallet` of the neighbour stage now; None: it does."""
         with self._lock:
             roster = self._roster
-            if roster is None or wallet in roster.admitted:
-                return None
-            if wallet not in roster.probation:
-                return (
-                    f"{wallet[:12]} is not on stage {self.stage}'s member list ({roster.source or 'roster'})"
-                )
-            round_, faults = self._faults_now()
-            if faults < PROBATION_FAULTS:
-                return None
-            return (
-                f"{wallet[:12]} is on probation in stage {self.stage}, and that stage's probationers "
-                f"were at fault {faults} times in this replica's round {round_}: admitted replicas only "
-                "until its next round"
-            )
+        if roster is None or roster.listed(wallet):
+            return None
+        return f"{wallet[:12]} is not on stage {self.stage}'s member list ({roster.source or 'roster'})"
 
     def takes(self, wallet: str) -> bool:
         return self.refusal(wallet) is None
-
-    def fault(self, wallet: str) -> None:
-        """`wallet`'s micro-batch overflowed this replica's step, or its gradient was refused: counted
-        against the stage's probationers when it is one of them."""
-        with self._lock:
-            roster = self._roster
-            if roster is None or wallet not in roster.probation:
-                return
-            round_, faults = self._faults_now()
-            self._faults = (round_, faults + 1)
-
-    def _faults_now(self) -> tuple[int, int]:
-        round_ = self.round_of()
-        return (round_, self._faults[1]) if self._faults[0] == round_ else (round_, 0)
 
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:

@@ -299,15 +299,19 @@ class Reporting:
             self.segments.config, stage=stage, sink=self.segments, log=self.log, network=self.network_digest
         )
 
-    def neighbours_of(self, stage: int, round_of: Callable[[], int]) -> Neighbours:
+    def neighbours_of(self, stage: int) -> Neighbours:
         """The membership of `stage`, a pipeline neighbour of this replica's (the stage before it,
         whose micro-batches it takes, or the one after, where it sends its own), kept current by
-        the tracker from the verifier's signed member lists once `track` starts it. Until a list is
-        read, and for good without a verifier or under an ``open`` policy, it takes everyone.
-        `round_of`: this replica's round, over which its probationers' faults are counted."""
+        the tracker from the verifier's signed member lists once `track` starts it (so ask before).
+        Until a list is read, and for good without a verifier or under an ``open`` policy, it
+        takes everyone."""
         neighbours = self.neighbours.get(stage)
         if neighbours is None:
-            neighbours = self.neighbours[stage] = Neighbours(stage, round_of)
+            if self.tracker is not None:
+                raise RuntimeError(
+                    f"stage {stage}'s neighbours asked for after the tracker started: never read"
+                )
+            neighbours = self.neighbours[stage] = Neighbours(stage)
         return neighbours
 
     def receipting(

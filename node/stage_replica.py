@@ -121,7 +121,7 @@ def start_stage_replica(
         model_config=dataclasses.replace(model_config, vocab_size=vocab_of(diloco)),
         config=pipeline_config,
         worker=jobs,
-        senders=reporting.neighbours_of(stage - 1, round_of=lambda: engine().round),
+        senders=reporting.neighbours_of(stage - 1),
     )
     extensions: list[ServerExtension] = [service, *reporting.extensions()]
     network = PeerPlane(
@@ -150,7 +150,7 @@ def start_stage_replica(
                 round_of=lambda: engine().round,
                 log=log,
                 segments=recorder,
-                receivers=reporting.neighbours_of(stage + 1, round_of=lambda: engine().round),
+                receivers=reporting.neighbours_of(stage + 1),
             )
             link.start()
         finish_round: RoundFinisher = network.finish_round

@@ -221,6 +221,9 @@ class VerifierClientConfig:
     neighbour_stages: tuple[int, ...] = ()
     """Stages whose member lists are read beside this one's (`on_neighbours`): a pipeline replica's
     neighbours, whose membership decides whom it sends micro-batches to and takes them from."""
+    neighbours_every_s: float = 15.0
+    """Seconds between reads of the neighbours' lists: a wallet newly named there waits up to this
+    (plus the sender's `ban_s`) before this replica works with it; each read is one GET per stage."""
     software_version: str = "0.1.0"
     queue_size: int = 1024
     """Receipts kept while the verifier is unreachable (~1 KB each); the oldest is dropped beyond."""
@@ -270,6 +273,7 @@ class VerifierClientConfig:
                 self.timeout_s,
                 self.members_every_s,
                 self.members_waiting_s,
+                self.neighbours_every_s,
             )
             <= 0
         ):
@@ -316,6 +320,8 @@ class VerifierClient:
         self._on_neighbours = on_neighbours
         self.neighbour_members: dict[int, MemberList] = {}
         """The same for each of `config.neighbour_stages`."""
+        self._neighbours_due = 0.0
+        """When (monotonic s) the neighbours' lists are read next."""
         self._clock = clock
         self._queue: deque[tuple[float, Receipt]] = deque()
         """(monotonic time it may be sent, receipt), oldest first."""
@@ -444,8 +450,15 @@ class VerifierClient:
         if members is not None:
             self.members = members
             self._on_members(members)
-        for stage in cfg.neighbour_stages if self._on_neighbours is not None else ():
-            members = self._newer_list(stage, self.neighbour_members.get(stage))
+        if self._on_neighbours is None or time.monotonic() < self._neighbours_due:
+            return
+        self._neighbours_due = time.monotonic() + cfg.neighbours_every_s
+        for stage in cfg.neighbour_stages:
+            try:
+                members = self._newer_list(stage, self.neighbour_members.get(stage))
+            except Refused as exc:  # one stage's list not read this time: the others still are
+                self._log(f"tracker: stage {stage}'s member list not read: {exc}")
+                continue
             if members is not None and self._on_neighbours is not None:
                 self.neighbour_members[stage] = members
                 self._on_neighbours(members)

@@ -36,11 +36,11 @@ guarantees is that no replica steps twice on one micro-batch, not that exactly o
 the next stage does.
 
 Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
-verifier), a replica offers micro-batches only to the next stage's replicas on its list and takes
-micro-batches only from those of the stage before (403 `not_a_member` to anyone else), so fresh
-wallets in a neighbouring stage cost it nothing; probationers are dropped for the rest of the
-replica's round once they were at fault a few times in it (`Neighbours`: blamed, struck).
-Without lists, everyone, as before.
+verifier), a replica offers micro-batches only to the next stage's replicas on its list and steps
+only on micro-batches from those of the stage before (403 `not_a_member` to anyone else), so
+fresh wallets in a neighbouring stage cost it no step. Without lists, everyone, as before. A
+sender refused as not a member is not banned for it: it raises `NotListed` at its deadline, and a
+driver waits for a list that names it (`stages.PipelineLink.downstream`).
 
 The end of a run. A sender whose run ends POSTs a signed `PipelineEnd` to every next-stage
 replica it sent work to (`PipelineClient.end`); a replica's `Upstream` records who sends it work
@@ -182,6 +182,12 @@ MAX_STRUCK = 4096
 
 class PipelineUnavailable(ConnectionError):
     """No replica of the next stage took the micro-batch before the deadline (or the node is stopping)."""
+
+
+class NotListed(PipelineUnavailable):
+    """No replica of the next stage took the micro-batch before the deadline, and some refused it
+    because this replica is not on their member list of its stage (403 ``not_a_member``): it is
+    new, or its stage's list is full; it may be named in a later list."""
 
 
 @dataclass(kw_only=True)
@@ -367,7 +373,7 @@ class PipelineClient:
         """`bucket`: the stage bucket (``--relay``), through which next-stage replicas behind NAT are
         reached (mailbox.py); without it they are left out. `receivers`: the next stage's
         membership (node.membership.Neighbours); replicas it does not take are never offered a
-        micro-batch (None: every live one is), and a blamed one is its `fault`."""
+        micro-batch (None: every live one is)."""
         if not 0 <= stage < config.num_stages - 1:
             raise ValueError(f"stage {stage} has no next stage among {config.num_stages}")
         self.wallet = wallet
@@ -427,6 +433,8 @@ class PipelineClient:
         deadline = time.monotonic() + self.config.deadline_s
         refused: set[str] = set()
         """Replicas that already took this id with another payload: never asked again for it."""
+        outsider: set[str] = set()
+        """Replicas that refused it because their member list does not name this replica."""
         while True:
             if self.stop.is_set():
                 raise PipelineUnavailable(f"micro-batch {micro_batch[:8]}: the node is stopping")
@@ -441,6 +449,12 @@ class PipelineClient:
             }
             pick = self.router.choose(live, now)
             if pick is None:
+                if time.monotonic() > deadline and outsider:
+                    raise NotListed(
+                        f"micro-batch {micro_batch[:8]}: {len(outsider)} replica(s) of stage {self.stage + 1} "
+                        f"do not take micro-batches from this one (it is not on their member list of stage "
+                        f"{self.stage}) and no other took it within {self.config.deadline_s:.0f} s"
+                    )
                 if time.monotonic() > deadline:
                     raise PipelineUnavailable(
                         f"micro-batch {micro_batch[:8]}: no replica of stage {self.stage + 1} took it "
@@ -479,6 +493,13 @@ class PipelineClient:
             self.retries += 1
             if outcome == "busy":
                 self.router.busy(pick, self.clock())
+            elif outcome == "outsider":
+                if pick not in outsider:
+                    self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} takes no micro-batch from this one "
+                             f"(it is not on its member list of stage {self.stage}); asking again in "
+                             f"{self.config.ban_s:.0f} s")  # fmt: skip
+                outsider.add(pick)
+                self.router.failed(pick, self.clock())  # asked again after ban_s: it may read a newer list
             elif outcome == "reused":
                 refused.add(pick)
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} already took micro-batch "
@@ -497,8 +518,6 @@ class PipelineClient:
         if wallet is None:
             return None
         ban = self.router.blamed(wallet, self.clock())
-        if self.receivers is not None:
-            self.receivers.fault(wallet)
         self.blamed += 1
         if self.segments is not None:
             self.segments.note_discarded(micro_batch, wallet)
@@ -563,7 +582,7 @@ class PipelineClient:
         reply_bound: int,
     ) -> tuple[Tensor, float] | str:
         """One attempt: the result, "busy", "reused" (409: the replica holds this id with another
-        payload), or why it failed."""
+        payload), "outsider" (403: its member list does not name this replica), or why it failed."""
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
         try:
             reply = await self._post(peer, FORWARD, body, headers, reply_bound, self.config.request_timeout_s)
@@ -573,6 +592,8 @@ class PipelineClient:
             return "busy"
         if reply.status == 409:
             return "reused"
+        if reply.status == 403:
+            return "outsider"
         if not reply.ok:
             return f"status {reply.status}: {reply.error()}"
         try:
@@ -633,8 +654,7 @@ class PipelineService:
         senders: Neighbours | None = None,
     ) -> None:
         """`senders`: the previous stage's membership (node.membership.Neighbours); micro-batches
-        from wallets it does not take are refused (403 ``not_a_member``), and a struck sender is
-        its `fault`. None: everyone's are taken."""
+        from wallets it does not take are refused (403 ``not_a_member``). None: everyone's are taken."""
         if not 1 <= stage < config.num_stages:
             raise ValueError(f"PipelineService serves stages 1..{config.num_stages - 1}, got stage {stage}")
         self.wallet = wallet
@@ -755,8 +775,6 @@ class PipelineService:
         a step as failed (node.segments), and a segment holds only so many
         (protocol.segments.max_failed_in_segment): without the strikes a hostile sender could run
         that budget out and cost this replica its round's log."""
-        if self.senders is not None:
-            self.senders.fault(sender)
         strikes = self._struck.pop(sender, (0, 0.0))[0] + 1
         ban = self.config.ban_s * 2.0 ** min(strikes - 1, BLAME_BAN_DOUBLINGS)
         self._struck[sender] = (strikes, time.monotonic() + ban)

@@ -23,7 +23,7 @@ from neuroshard.protocol.pipeline import micro_batch_id
 
 from ..membership import Neighbours
 from ..segments import SegmentRecorder
-from .pipeline import PipelineClient, PipelineConfig
+from .pipeline import NotListed, PipelineClient, PipelineConfig
 from .plane import PeerPlane
 
 
@@ -49,6 +49,7 @@ class PipelineLink:
         self.log = log
         self.round_of = round_of
         self.step_of = step_of
+        self.stop = stop
         self.driving: str | None = None
         """The micro-batch id `downstream` sent last (the driver's step in progress)."""
         self.client = PipelineClient(
@@ -85,13 +86,23 @@ class PipelineLink:
 
     def downstream(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
         """The driver's `Downstream`: (hidden (B, T, C), labels (B, T)) -> (∂loss/∂hidden, loss), sent
-        as micro-batch number `step_of()` (the inner step it is for) of round `round_of()`."""
+        as micro-batch number `step_of()` (the inner step it is for) of round `round_of()`. While the
+        next stage's replicas refuse it as not on their member list (`NotListed`), it waits and
+        asks again, until stopped; with nobody there at all it raises `PipelineUnavailable`."""
         if self.step_of is None:
             raise ValueError("only the driver (stage 0, built with step_of) names micro-batches")
         round_ = self.round_of()
         micro_batch = micro_batch_id(self.network.wallet.public_key_hex, round_, self.step_of())
         self.driving = micro_batch
-        return self.forward(hidden, labels, micro_batch)
+        while True:
+            try:
+                return self.forward(hidden, labels, micro_batch)
+            except NotListed as exc:
+                # A driver new to the run (or past a full list of probationers) is not named yet:
+                # the next stage reads its lists every few seconds, so it waits rather than stops.
+                if self.stop.is_set():
+                    raise
+                self.log(f"pipeline: {exc}; waiting for a member list that names this replica")
 
     def blame_driven(self, why: str) -> bool:
         """The driver's `pipeline.Blame`: the gradient for the micro-batch `downstream` sent last

@@ -1,5 +1,6 @@
 """The node's verifier client against a real verifier (uvicorn on loopback, SQLite)."""
 
+import dataclasses
 import json
 import socket
 import time
@@ -15,6 +16,7 @@ from neuroshard.node import verifier_client
 from neuroshard.node.network_definition import NetworkError
 from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network, splay_share
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import Receipt
 from neuroshard.protocol.roster import MemberList
 from neuroshard.testing.api import receipt_doc
@@ -253,8 +255,13 @@ def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
             policy="allowlist", admitted=(NODE.public_key_hex,), probation=(), admission_rounds=3,
         ).to_json()  # fmt: skip
 
+    busy: set[int] = set()
+
     def request(url: str, path: str, **_: object) -> tuple[bytes, dict[str, str]]:
-        return served[int(path.split("/")[3])], {}
+        stage = int(path.split("/")[3])
+        if stage in busy:
+            raise Refused("busy", "try again later")
+        return served[stage], {}
 
     monkeypatch.setattr(verifier_client, "_request", request)
     own: list[MemberList] = []
@@ -262,7 +269,7 @@ def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
     lines: list[str] = []
     config = VerifierClientConfig(
         url="http://127.0.0.1:9", address="127.0.0.1:7999", stage=1, operator_key=operator.public_key_hex,
-        network="n", neighbour_stages=(0, 2),
+        network="n", neighbour_stages=(0, 2), neighbours_every_s=1e-6,
     )  # fmt: skip
     tracker = VerifierClient(
         config, NODE, lines.append, on_members=own.append, on_neighbours=neighbours.append
@@ -277,3 +284,19 @@ def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
     served[0] = listing(0, 4)
     tracker._members()
     assert [(m.stage, m.epoch) for m in neighbours[2:]] == [(0, 4)] and len(own) == 1
+    # One neighbour's list not read this time (a refusal): the other is read all the same.
+    busy.add(0)
+    served[2] = listing(2, 7)
+    tracker._members()
+    assert [(m.stage, m.epoch) for m in neighbours[3:]] == [(2, 7)]
+    assert any("stage 0's member list not read: try again later" in line for line in lines)
+    # At the default pace the neighbours' lists are read every 15 s, not at every read of its own.
+    slow = VerifierClient(
+        dataclasses.replace(config, neighbours_every_s=15.0), NODE, lines.append, on_members=own.append,
+        on_neighbours=neighbours.append,
+    )  # fmt: skip
+    busy.clear()
+    slow._members()
+    served[2] = listing(2, 8)
+    slow._members()
+    assert [(m.stage, m.epoch) for m in neighbours[4:]] == [(0, 4), (2, 7)]

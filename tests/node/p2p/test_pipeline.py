@@ -27,12 +27,13 @@ from safetensors.torch import save as st_save
 
 from neuroshard.node import actcodec
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.membership import PROBATION_FAULTS, Neighbours, StageRoster
+from neuroshard.node.membership import Neighbours, StageRoster
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import (
     BLAME_BAN_DOUBLINGS,
     Job,
     NextStageRouter,
+    NotListed,
     PipelineClient,
     PipelineConfig,
     PipelineService,
@@ -756,7 +757,7 @@ async def test_an_overflowing_step_strikes_its_sender_only_when_the_sender_is_at
 
 
 def _listed(stage: int, *admitted: Wallet) -> Neighbours:
-    neighbours = Neighbours(stage, round_of=lambda: 0)
+    neighbours = Neighbours(stage)
     neighbours.set(
         StageRoster(stage=stage, policy="allowlist", admitted=frozenset(w.public_key_hex for w in admitted))
     )
@@ -819,69 +820,57 @@ async def test_a_driver_offers_micro_batches_only_to_the_next_stage_s_members(ma
             await client.close()
 
 
-def _probation(stage: int, admitted: list[Wallet], probation: list[Wallet]) -> Neighbours:
-    neighbours = Neighbours(stage, round_of=lambda: 0)
-    neighbours.set(
-        StageRoster(
-            stage=stage, policy="probation", admitted=frozenset(w.public_key_hex for w in admitted),
-            probation=frozenset(w.public_key_hex for w in probation),
-        )
-    )  # fmt: skip
-    return neighbours
-
-
 @pytest.mark.asyncio
-async def test_struck_probationers_close_the_replica_to_probationers_for_its_round(
-    make_node, wallets
-) -> None:  # type: ignore[no-untyped-def]
-    """Each probation key's failing micro-batch strikes it, and the strikes add up across keys: at
-    PROBATION_FAULTS the replica takes admitted senders only, so more keys buy nothing more."""
-    keys = [Wallet.from_token(f"probation-sender-{i}") for i in range(PROBATION_FAULTS + 1)]
-    senders = _probation(0, [wallets[1]], keys)
-    failing = _Failing(NonFiniteStep("overflow"))
-    service = PipelineService(
-        wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=failing, senders=senders
-    )  # fmt: skip
-    node = make_node(wallets[0], stage=1)
-    server = test_utils.TestServer(build_app(node, window_s=60.0, extensions=[service]), host="127.0.0.1")
-    await server.start_server()
-    body = encode_activations(*_micro_batch(), PIPE.codec)
-    try:
-        async with ClientSession() as session:
-            served = Served(node, None, service, server, session, wallets[0])  # type: ignore[arg-type]
-            for key in keys[:-1]:
-                got, _, reply = await served.send(key, body, _signed(key, body))
-                assert (got, ErrorReply.from_json(reply).error) == (422, "non_finite")
-            got, _, reply = await served.send(keys[-1], body, _signed(keys[-1], body))
-            refusal = ErrorReply.from_json(reply)
-            assert (got, refusal.error) == (
-                403,
-                "not_a_member",
-            ) and "admitted replicas only" in refusal.detail
-            got, _, reply = await served.send(
-                wallets[1], body, _signed(wallets[1], body)
-            )  # admitted: still taken
-            assert (got, ErrorReply.from_json(reply).error) == (422, "non_finite")
-    finally:
-        await server.close()
-    assert len(failing.dropped) == PROBATION_FAULTS + 1
+async def test_a_sender_off_the_next_stage_s_lists_is_told_it_is_not_listed(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    """Refused as not a member by every next-stage replica: `NotListed` at its deadline (which a
+    driver waits out, below), not a plain failure; each refusing replica is asked again after ban_s."""
+    driver = wallets[1]
+    hidden, labels = _micro_batch(3)
+    lines: list[str] = []
+    config = replace(PIPE, deadline_s=0.5)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0], senders=_listed(0, wallets[3])) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2], senders=_listed(0, wallets[3])) as (b, _),
+    ):
+        client, router = _client_of_two(driver, a, b, config, lines.append)
+        await client.start()
+        try:
+            with pytest.raises(
+                NotListed, match="2 replica\\(s\\) of stage 1 do not take micro-batches from this one"
+            ):
+                await client.forward(
+                    hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 0)
+                )
+        finally:
+            await client.close()
+    assert (a.worker.diloco.step, b.worker.diloco.step) == (0, 0)
+    assert sum("takes no micro-batch from this one" in line for line in lines) == 2
+    assert router.ranking([a.wallet.public_key_hex, b.wallet.public_key_hex], time.time()) == []
 
 
-@pytest.mark.asyncio
-async def test_a_blamed_probationer_counts_against_its_stage_s_probationers(wallets) -> None:
-    from neuroshard.node.p2p.peers import PeerTable
+def test_a_driver_not_yet_listed_waits_for_a_list_that_names_it(wallets) -> None:
+    """`PipelineLink.downstream` asks again while the next stage refuses it as not listed, and
+    stops asking when the node stops."""
+    from types import SimpleNamespace
 
-    keys = [Wallet.from_token(f"probation-replica-{i}") for i in range(PROBATION_FAULTS)]
-    receivers = _probation(1, [wallets[2]], keys)
-    table = PeerTable(own_wallet=wallets[1].public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
-    client = PipelineClient(
-        wallet=wallets[1], stage=0, peers=table, config=PIPE, clock=time.time, log=lambda s: None,
-        stop=threading.Event(), receivers=receivers,
-    )  # fmt: skip
-    for i, key in enumerate(keys):
-        assert receivers.takes(key.public_key_hex)
-        client._answered[f"{i:02x}" * 16] = key.public_key_hex
-        assert await client.blame(f"{i:02x}" * 16, "overflowed") == key.public_key_hex
-    assert not any(receivers.takes(k.public_key_hex) for k in keys) and receivers.takes(
-        wallets[2].public_key_hex
-    )
+    from neuroshard.node.p2p.stages import PipelineLink
+
+    lines: list[str] = []
+    refusals = [NotListed("2 replica(s) of stage 1 do not take micro-batches from this one")] * 2
+    link = PipelineLink.__new__(PipelineLink)  # its network is not needed: `forward` is stood in for
+    link.network, link.log, link.stop = SimpleNamespace(wallet=wallets[1]), lines.append, threading.Event()  # type: ignore[assignment]
+    link.round_of, link.step_of = (lambda: 0), (lambda: 0)
+    answer = (torch.zeros(B, T, MODEL.dim), 1.0)
+
+    def forward(hidden: torch.Tensor, labels: torch.Tensor, micro_batch: str) -> tuple[torch.Tensor, float]:
+        if refusals:
+            raise refusals.pop()
+        return answer
+
+    link.forward = forward  # type: ignore[method-assign]
+    assert link.downstream(*_micro_batch()) is answer
+    assert len(lines) == 2 and all("waiting for a member list that names this replica" in x for x in lines)
+    refusals.append(NotListed("not listed"))
+    link.stop.set()
+    with pytest.raises(NotListed):
+        link.downstream(*_micro_batch())

@@ -23,6 +23,7 @@ from neuroshard.node.p2p.pipeline_wire import encode_activations
 from neuroshard.node.p2p.plane import PeerPlane, PeerPlaneConfig
 from neuroshard.node.p2p.stages import PipelineLink
 from neuroshard.node.pipeline import remote_loss
+from neuroshard.node.reporting import Reporting
 from neuroshard.node.stage_replica import StageReplica, start_stage_replica
 from neuroshard.node.stage_worker import WorkerConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
@@ -137,6 +138,7 @@ class Stage1:
         model: ModelConfig = MODEL,
         placement: Placement | None = None,
         vocab: VocabSchedule | None = None,
+        reporting: Reporting | None = None,
         **net: object,
     ) -> None:
         self.wallet = Wallet.from_token(f"pipeline-stage{stage}-{index}")
@@ -154,6 +156,7 @@ class Stage1:
             log=self.lines.append,
             placement=placement,
             vocab_schedule=vocab,
+            reporting=reporting,
         )
         self.result: TrainResult | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -408,8 +411,17 @@ def _three_stages(
         last = Stage1(0, (), ROUNDS * H, stage=2, pipe=pipe, model=model)
         made.append(last)
         boot = (last.replica.network.address,)
-        middle = Stage1(0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model, **middle_net)
+        reporting = Reporting.nobody(lambda line: None)
+        middle = Stage1(
+            0, boot, ROUNDS * H, stage=1, pipe=pipe, model=model, reporting=reporting, **middle_net
+        )
         made.append(middle)
+        # Its neighbours' memberships are the ones its tracker would keep current (none here: everyone).
+        assert middle.replica.service.senders is reporting.neighbours[0]
+        assert (
+            middle.replica.link is not None
+            and middle.replica.link.client.receivers is reporting.neighbours[2]
+        )
         driver = Driver(0, published, tmp_path, boot, pipe=pipe, model=model, **driver_net)
         made.append(driver)
         driver.network.join_state(driver.trainer.diloco)
