@@ -111,6 +111,10 @@ class MailboxRoutes:
     """The largest body it answers."""
     timeout_s: float
     """How long its server may take to answer one request."""
+    refuses: Callable[[str], str | None] | None = None
+    """Why its routes take nothing from a sender (a wallet off the stage's member list), or None:
+    such a sender's requests are answered 403 ``not_a_member`` without being read from the bucket.
+    None: every sender's are read."""
 
 
 @runtime_checkable
@@ -336,6 +340,7 @@ class MailboxServer:
         self.local = local
         """host:port of this replica's own server, on the loopback interface."""
         self.routes = dict(routes.routes)
+        self.refuses = routes.refuses
         self.reply_bytes = routes.reply_bytes
         self.request_timeout_s = routes.timeout_s
         self.log = log
@@ -547,6 +552,9 @@ class MailboxServer:
         self.served += 1
 
     async def _answer(self, sender: str, token: str) -> bytes:
+        why = None if self.refuses is None else self.refuses(sender)
+        if why is not None:  # by the name it sent under; a name that lies is caught below, once read
+            raise Refused("not_a_member", f"{why}: this replica takes no request from it (not read)")
         raw = await self.store.read_shared(request_path(self.own, sender, token), self._max_request)
         if raw is None:
             raise malformed("the request object is gone, too large or refused to this replica")

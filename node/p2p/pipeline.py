@@ -709,7 +709,15 @@ class PipelineService:
                 self.config.max_batch, cfg.max_seq_len, cfg.dim, self.config.codec
             ),
             timeout_s=self.reply_timeout_s + 10.0,
+            refuses=None if self.senders is None else self._outsider,
         )
+
+    def _outsider(self, sender: str) -> str | None:
+        assert self.senders is not None
+        why = self.senders.refusal(sender)
+        if why is not None:
+            self.outsiders += 1
+        return why
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(FORWARD, self._forward, name=self.ROUTE)
@@ -785,9 +793,8 @@ class PipelineService:
         )
 
     def _refuse_outsider(self, sender: str) -> None:
-        why = None if self.senders is None else self.senders.refusal(sender)
+        why = None if self.senders is None else self._outsider(sender)
         if why is not None:
-            self.outsiders += 1
             raise Refused("not_a_member", f"{why}: this replica takes no micro-batch from it")
 
     def _refuse_struck(self, sender: str) -> None:

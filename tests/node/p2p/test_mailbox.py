@@ -111,6 +111,7 @@ async def _receiver(
     echo: _Echo,
     log: Callable[[str], None] = print,
     timings: mailbox.MailboxTimings | None = None,
+    refuses: Callable[[str], str | None] | None = None,
 ) -> AsyncIterator[tuple[BucketStore, MailboxServer]]:
     """`node`'s bucket store and mailbox server, its own server (with `echo`) on a loopback port."""
     store = BucketStore(config, node.wallet.public_key_hex)
@@ -119,7 +120,7 @@ async def _receiver(
     runner = web.AppRunner(build_app(node, window_s=60.0, extensions=[echo]))
     await runner.setup()
     await web.SockSite(runner, sock).start()
-    routes = MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0)
+    routes = MailboxRoutes(routes={ECHO: 1024}, reply_bytes=1024, timeout_s=5.0, refuses=refuses)
     server = MailboxServer(
         store,
         local=f"127.0.0.1:{sock.getsockname()[1]}",
@@ -224,6 +225,63 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             ours.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_requests_from_a_sender_the_routes_refuse_are_answered_without_being_read(
+    endpoint: str, make_node: Callable[..., NodeState]
+) -> None:
+    """A wallet off the stage's member list (the pipeline's `refuses`): its request is answered 403
+    `not_a_member` by the name it was put under, never read from the bucket nor passed on; a
+    member's is served as before."""
+    config = _bucket(endpoint)
+    receiver, member, outsider = (
+        Wallet.from_token(f"mailbox-{name}") for name in ("receiver", "member", "out")
+    )
+    node = make_node(receiver)
+    node.clock = time.time
+    echo = _Echo()
+
+    def refuses(sender: str) -> str | None:
+        return None if sender == member.public_key_hex else f"{sender[:12]} is not on stage 0's member list"
+
+    async def scenario() -> None:
+        timings = mailbox.MailboxTimings(min_poll_s=0.02, max_poll_s=0.05)
+        async with _receiver(config, node, echo, timings=timings, refuses=refuses) as (theirs, server):
+            read: list[str] = []
+            read_shared = theirs.read_shared
+
+            async def counted(name: str, max_bytes: int) -> bytes | None:
+                read.append(name)
+                return await read_shared(name, max_bytes)
+
+            theirs.read_shared = counted  # type: ignore[method-assign]
+            await server.pass_once()
+            task = asyncio.create_task(server.run())
+            try:
+                replies = {}
+                for sender in (outsider, member):
+                    store = BucketStore(config, sender.public_key_hex)
+                    try:
+                        replies[sender] = await mailbox.post(
+                            store, sender, time.time, receiver.public_key_hex, ECHO, body=b"abc",
+                            headers={}, max_bytes=1024, timeout_s=5.0,
+                        )  # fmt: skip
+                    finally:
+                        store.close()
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        refused = ErrorReply.from_json(replies[outsider].body)
+        assert (replies[outsider].status, refused.error) == (
+            403,
+            "not_a_member",
+        ) and "(not read)" in refused.detail
+        assert (replies[member].status, replies[member].body) == (200, b"cba") and echo.calls == 1
+        assert [name for name in read if outsider.public_key_hex in name] == []
+        assert len([name for name in read if member.public_key_hex in name]) == 1
 
     asyncio.run(scenario())
 
