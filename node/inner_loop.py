@@ -158,7 +158,16 @@ class InnerLoop:
             if stop.is_set():
                 result.stopped_by_signal = True
                 break
-            stepped = self._step(result)
+            try:
+                stepped = self._step(result)
+            except Exception as exc:
+                if not stop.is_set():
+                    raise
+                # Cut short by the stop (a pipeline send it abandoned, say): nothing was stepped,
+                # so the run ends as stopped, with its checkpoint, not as failed.
+                self._log(f"stopping: the step in progress was abandoned ({type(exc).__name__}: {exc})")
+                result.stopped_by_signal = True
+                break
             if stepped is None:
                 continue
             if self.segments is not None:

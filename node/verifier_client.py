@@ -222,8 +222,9 @@ class VerifierClientConfig:
     """Stages whose member lists are read beside this one's (`on_neighbours`): a pipeline replica's
     neighbours, whose membership decides whom it sends micro-batches to and takes them from."""
     neighbours_every_s: float = 15.0
-    """Seconds between reads of the neighbours' lists: a wallet newly named there waits up to this
-    (plus the sender's `ban_s`) before this replica works with it; each read is one GET per stage."""
+    """Seconds between reads of the neighbours' lists, one GET per stage (a cached read at the
+    verifier, up to its few seconds' cache age): a wallet newly named there waits up to that, plus
+    `p2p.pipeline.OUTSIDER_RETRY_S`, before this replica works with it."""
     software_version: str = "0.1.0"
     queue_size: int = 1024
     """Receipts kept while the verifier is unreachable (~1 KB each); the oldest is dropped beyond."""
@@ -320,8 +321,7 @@ class VerifierClient:
         self._on_neighbours = on_neighbours
         self.neighbour_members: dict[int, MemberList] = {}
         """The same for each of `config.neighbour_stages`."""
-        self._neighbours_due = 0.0
-        """When (monotonic s) the neighbours' lists are read next."""
+        self._neighbours_failing: set[int] = set()
         self._clock = clock
         self._queue: deque[tuple[float, Receipt]] = deque()
         """(monotonic time it may be sent, receipt), oldest first."""
@@ -434,8 +434,7 @@ class VerifierClient:
         return nonce
 
     def _members(self) -> None:
-        """Read the member lists of this replica's stage and of its pipeline neighbours
-        (`config.neighbour_stages`); keep and hand on the newest of each signed by the operator key."""
+        """Read the stage's member list; keep and hand on the newest one signed by the operator key."""
         cfg = self.config
         if cfg.operator_key is None or cfg.network is None or self._on_members is None:
             return
@@ -450,18 +449,29 @@ class VerifierClient:
         if members is not None:
             self.members = members
             self._on_members(members)
-        if self._on_neighbours is None or time.monotonic() < self._neighbours_due:
-            return
-        self._neighbours_due = time.monotonic() + cfg.neighbours_every_s
+
+    def _read_neighbours(self) -> float:
+        """Read the member lists of the pipeline neighbours (`config.neighbour_stages`) and hand on
+        the newest of each; returns the seconds until the next read. A stage whose list cannot be
+        read this time is logged, and the others are read all the same."""
+        cfg = self.config
+        if not cfg.neighbour_stages or self._on_neighbours is None:
+            return math.inf
+        if cfg.operator_key is None or cfg.network is None or self._on_members is None:
+            return math.inf  # no key to check lists with, or a verifier that serves none
         for stage in cfg.neighbour_stages:
             try:
                 members = self._newer_list(stage, self.neighbour_members.get(stage))
-            except Refused as exc:  # one stage's list not read this time: the others still are
-                self._log(f"tracker: stage {stage}'s member list not read: {exc}")
+            except (Refused, VerifierUnreachable) as exc:
+                if stage not in self._neighbours_failing:  # once an outage
+                    self._log(f"tracker: stage {stage}'s member list not read: {exc}")
+                self._neighbours_failing.add(stage)
                 continue
-            if members is not None and self._on_neighbours is not None:
+            self._neighbours_failing.discard(stage)
+            if members is not None:
                 self.neighbour_members[stage] = members
                 self._on_neighbours(members)
+        return cfg.neighbours_every_s
 
     def _newer_list(self, stage: int, known: MemberList | None) -> MemberList | None:
         """`stage`'s member list, read and checked, when it is newer than `known`; None when it is
@@ -558,7 +568,7 @@ class VerifierClient:
         return max(retry or 0.0, self.config.retry_s)
 
     def _run(self) -> None:
-        next_beat = next_peers = next_members = 0.0
+        next_beat = next_peers = next_members = next_neighbours = 0.0
         while not self._stop.is_set():
             pause = 1.0
             now = time.monotonic()
@@ -583,6 +593,8 @@ class VerifierClient:
                 pause = self._failed(exc)
             if now >= next_members:  # after the receipts (they are due first), and even when
                 next_members = now + self._read_members()  # registration was refused
-            pause = min(pause, max(0.05, next_members - time.monotonic()))
+            if now >= next_neighbours:
+                next_neighbours = now + self._read_neighbours()
+            pause = min(pause, max(0.05, min(next_members, next_neighbours) - time.monotonic()))
             self._wake.wait(pause)
             self._wake.clear()

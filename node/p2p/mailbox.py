@@ -57,7 +57,7 @@ import json
 import re
 import secrets
 import struct
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,6 +115,27 @@ class MailboxRoutes:
     """Why its routes take nothing from a sender (a wallet off the stage's member list), or None:
     such a sender's requests are answered 403 ``not_a_member`` without being read from the bucket.
     None: every sender's are read."""
+
+    @staticmethod
+    def merged(boxes: Sequence[MailboxRoutes]) -> MailboxRoutes:
+        """What a replica's extensions take through the bucket together. A request is left unread
+        only when every extension refuses its sender (each asked until one takes it)."""
+        refusers = [box.refuses for box in boxes if box.refuses is not None]
+
+        def refuses(sender: str) -> str | None:
+            why = None
+            for refuser in refusers:
+                why = refuser(sender)
+                if why is None:
+                    return None
+            return why
+
+        return MailboxRoutes(
+            routes={path: limit for box in boxes for path, limit in box.routes.items()},
+            reply_bytes=max(box.reply_bytes for box in boxes),
+            timeout_s=max(box.timeout_s for box in boxes),
+            refuses=refuses if refusers and len(refusers) == len(boxes) else None,
+        )
 
 
 @runtime_checkable

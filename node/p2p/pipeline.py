@@ -89,6 +89,7 @@ from torch import Tensor
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
 from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.peer import ErrorReply
 from neuroshard.protocol.pipeline import (
     ACTIVATION_DTYPES,
     ACTIVATION_HEADER,
@@ -178,6 +179,11 @@ the answer it just got, so a few are enough (a driver has one step in flight, a 
 
 MAX_STRUCK = 4096
 """Senders a `PipelineService` remembers striking (a stage's replicas, and then some)."""
+
+
+OUTSIDER_RETRY_S = 10.0
+"""How long a next-stage replica that refused this one as not on its member list is skipped: about
+the time it takes to read a newer list (`verifier_client.VerifierClientConfig.neighbours_every_s`)."""
 
 
 class PipelineUnavailable(ConnectionError):
@@ -339,6 +345,12 @@ class NextStageRouter:
     def busy(self, wallet: str, now: float) -> None:
         self._link(wallet).skip_until = now + self.busy_s
 
+    def outsider(self, wallet: str, now: float) -> None:
+        """The peer refused this replica as not on its member list: asked again after
+        `OUTSIDER_RETRY_S`, by when it may have read a list that names this replica. Not a failure:
+        its measured throughput stays."""
+        self._link(wallet).skip_until = now + OUTSIDER_RETRY_S
+
     def blamed(self, wallet: str, now: float) -> float:
         """The peer answered with a gradient that overflowed this replica's backward from a sound
         forward (a faulty or hostile replica, node.pipeline.NonFiniteStep): banned like a
@@ -350,6 +362,14 @@ class NextStageRouter:
         ban = self.ban_s * 2.0 ** min(link.blamed - 1, BLAME_BAN_DOUBLINGS)
         link.skip_until = now + ban
         return ban
+
+
+def _refusal_code(reply: PeerReply) -> str | None:
+    """The code of a peer's ErrorReply, or None when the body is not one."""
+    try:
+        return ErrorReply.from_json(reply.body).error
+    except Refused:
+        return None
 
 
 class PipelineClient:
@@ -398,6 +418,8 @@ class PipelineClient:
         self.retries = 0
         self.blamed = 0
         """Gradients refused as overflowing this replica's backward (`blame`)."""
+        self._not_member: set[str] = set()
+        """Next-stage replicas whose last answer refused this one as not on their member list."""
         self._answered: OrderedDict[str, str] = OrderedDict()
         """micro-batch id -> the replica whose gradient came back for it last (the newest
         ANSWERS_KEPT): whom `blame` bans."""
@@ -418,11 +440,14 @@ class PipelineClient:
         await self.client.close()
 
     async def forward(
-        self, hidden: Tensor, labels: Tensor, *, round_: int, micro_batch: str
+        self, hidden: Tensor, labels: Tensor, *, round_: int, micro_batch: str, patient: bool = True
     ) -> tuple[Tensor, float]:
         """Send hidden (B, T, C) and labels (B, T) to a next-stage replica, retrying elsewhere;
         returns (∂loss/∂hidden (B, T, C) float32, loss). `micro_batch` is the driver's
-        `micro_batch_id`, the same on every attempt and every hop."""
+        `micro_batch_id`, the same on every attempt and every hop. No attempt starts after
+        `deadline_s`; then `PipelineUnavailable`, or `NotListed` when replicas skipped refused this
+        one as not on their member list. Not `patient` (a middle replica, whose sender can go
+        elsewhere): `NotListed` as soon as every replica it may ask refused it so."""
         batch, seq_len, dim = hidden.shape
         codec = self.config.codec
         body = await asyncio.get_running_loop().run_in_executor(
@@ -433,8 +458,6 @@ class PipelineClient:
         deadline = time.monotonic() + self.config.deadline_s
         refused: set[str] = set()
         """Replicas that already took this id with another payload: never asked again for it."""
-        outsider: set[str] = set()
-        """Replicas that refused it because their member list does not name this replica."""
         while True:
             if self.stop.is_set():
                 raise PipelineUnavailable(f"micro-batch {micro_batch[:8]}: the node is stopping")
@@ -448,14 +471,16 @@ class PipelineClient:
                 e.wallet: e for e in reachable if self.receivers is None or self.receivers.takes(e.wallet)
             }
             pick = self.router.choose(live, now)
-            if pick is None:
-                if time.monotonic() > deadline and outsider:
-                    raise NotListed(
-                        f"micro-batch {micro_batch[:8]}: {len(outsider)} replica(s) of stage {self.stage + 1} "
-                        f"do not take micro-batches from this one (it is not on their member list of stage "
-                        f"{self.stage}) and no other took it within {self.config.deadline_s:.0f} s"
-                    )
-                if time.monotonic() > deadline:
+            late = time.monotonic() > deadline
+            outsiders = self._not_member & live.keys()
+            if outsiders and (late or (not patient and pick is None and outsiders == live.keys())):
+                raise NotListed(
+                    f"micro-batch {micro_batch[:8]}: {len(outsiders)} replica(s) of stage {self.stage + 1} "
+                    f"do not take micro-batches from this one (it is not on their member list of stage "
+                    f"{self.stage}) and no other took it"
+                )
+            if pick is None or late:
+                if late:
                     raise PipelineUnavailable(
                         f"micro-batch {micro_batch[:8]}: no replica of stage {self.stage + 1} took it "
                         f"within {self.config.deadline_s:.0f} s ({len(live)} known, {len(refused)} "
@@ -483,6 +508,8 @@ class PipelineClient:
                     body,
                 )
             outcome = await self._try(live[pick], body, header, reply_bound)
+            if outcome != "outsider":
+                self._not_member.discard(pick)
             if isinstance(outcome, tuple):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
                 self._answered[micro_batch] = pick
@@ -494,12 +521,12 @@ class PipelineClient:
             if outcome == "busy":
                 self.router.busy(pick, self.clock())
             elif outcome == "outsider":
-                if pick not in outsider:
+                if pick not in self._not_member:
                     self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} takes no micro-batch from this one "
-                             f"(it is not on its member list of stage {self.stage}); asking again in "
-                             f"{self.config.ban_s:.0f} s")  # fmt: skip
-                outsider.add(pick)
-                self.router.failed(pick, self.clock())  # asked again after ban_s: it may read a newer list
+                             f"(it is not on its member list of stage {self.stage}); asking again every "
+                             f"{OUTSIDER_RETRY_S:.0f} s")  # fmt: skip
+                self._not_member.add(pick)
+                self.router.outsider(pick, self.clock())
             elif outcome == "reused":
                 refused.add(pick)
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} already took micro-batch "
@@ -592,7 +619,7 @@ class PipelineClient:
             return "busy"
         if reply.status == 409:
             return "reused"
-        if reply.status == 403:
+        if reply.status == 403 and _refusal_code(reply) == "not_a_member":
             return "outsider"
         if not reply.ok:
             return f"status {reply.status}: {reply.error()}"
@@ -709,8 +736,13 @@ class PipelineService:
                 self.config.max_batch, cfg.max_seq_len, cfg.dim, self.config.codec
             ),
             timeout_s=self.reply_timeout_s + 10.0,
-            refuses=None if self.senders is None else self._outsider,
+            refuses=None if self.senders is None else self._unread,
         )
+
+    def _unread(self, sender: str) -> str | None:
+        """`MailboxRoutes.refuses`: why a sender's requests are answered unread. A recent sender's
+        are read whatever the list says now (a retry of a micro-batch taken, its end), as over HTTP."""
+        return None if self.upstream.knows(sender) else self._outsider(sender)
 
     def _outsider(self, sender: str) -> str | None:
         assert self.senders is not None

@@ -401,18 +401,7 @@ class PeerPlane:
         )
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
-        refusers = [box.refuses for box in boxed if box.refuses is not None]
-
-        def refuses(sender: str) -> str | None:  # unread only when no extension would take the sender
-            whys = [refuser(sender) for refuser in refusers]
-            return whys[0] if whys and len(refusers) == len(boxed) and None not in whys else None
-
-        routes = MailboxRoutes(
-            routes={path: limit for box in boxed for path, limit in box.routes.items()},
-            reply_bytes=max(box.reply_bytes for box in boxed),
-            timeout_s=max(box.timeout_s for box in boxed),
-            refuses=refuses if refusers else None,
-        )
+        routes = MailboxRoutes.merged(boxed)
         server = MailboxServer(self._relay.store, local=local, routes=routes, log=self._log)
         self._mailbox = asyncio.create_task(server.run())
         self._log(f"taking {', '.join(sorted(routes.routes))} through the bucket (server on {local} only)")

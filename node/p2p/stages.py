@@ -96,7 +96,7 @@ class PipelineLink:
         self.driving = micro_batch
         while True:
             try:
-                return self.forward(hidden, labels, micro_batch)
+                return self.forward(hidden, labels, micro_batch, patient=True)
             except NotListed as exc:
                 # A driver new to the run (or past a full list of probationers) is not named yet:
                 # the next stage reads its lists every few seconds, so it waits rather than stops.
@@ -114,7 +114,16 @@ class PipelineLink:
         its sender (`PipelineClient.blame`); False when no answer to that id is known."""
         return self.network.call(self.client.blame(micro_batch, why), timeout=10.0) is not None
 
-    def forward(self, hidden: Tensor, labels: Tensor, micro_batch: str) -> tuple[Tensor, float]:
-        """A `stage_worker.Forward`: send a micro-batch on under the id it already has."""
-        coro = self.client.forward(hidden, labels, round_=self.round_of(), micro_batch=micro_batch)
-        return self.network.call(coro, timeout=self.config.deadline_s + self.config.request_timeout_s + 10.0)
+    def forward(
+        self, hidden: Tensor, labels: Tensor, micro_batch: str, *, patient: bool = False
+    ) -> tuple[Tensor, float]:
+        """A `stage_worker.Forward`: send a micro-batch on under the id it already has. A middle
+        replica is not `patient`: refused as not listed by every next-stage replica, it gives the
+        micro-batch up at once (`NotListed`) and its sender takes it elsewhere."""
+        coro = self.client.forward(
+            hidden, labels, round_=self.round_of(), micro_batch=micro_batch, patient=patient
+        )
+        # No attempt starts after deadline_s, and one through the bucket may take 1.5 × the timeout.
+        return self.network.call(
+            coro, timeout=self.config.deadline_s + 1.5 * self.config.request_timeout_s + 10.0
+        )

@@ -46,6 +46,12 @@ class Upstream:
             self._ended.pop(wallet, None)
             self._trim()
 
+    def knows(self, wallet: str) -> bool:
+        """Whether a micro-batch of `wallet` was taken here in the last `ttl_s`."""
+        with self._lock:
+            self._trim()
+            return wallet in self._last_sent
+
     def ended(self, end: PipelineEnd) -> bool:
         """Record that `end.wallet` sends no more (its signature checked by the caller); False, and
         nothing recorded, when no micro-batch of that wallet was taken here in the last `ttl_s`."""

@@ -14,6 +14,7 @@ from neuroshard.data.publish import TOKENIZER_NAME, publish_shards
 from neuroshard.node.checkpoint import CheckpointMismatch
 from neuroshard.node.diloco import DiLoCoConfig
 from neuroshard.node.model import ModelConfig
+from neuroshard.node.p2p.pipeline import PipelineUnavailable
 from neuroshard.node.pipeline import MAX_BLAMED, NonFiniteStep, remote_loss
 from neuroshard.node.rotation import RotationConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig
@@ -311,3 +312,39 @@ def test_a_pipeline_driver_whose_blame_bans_no_one_stops_instead_of_spinning(
         trainer.run(threading.Event())
     assert refused.value.gradient_at_fault and len(calls) == 1 and trainer.diloco.step == 0
     assert trainer.diloco.loss_fn.resend is None  # type: ignore[attr-defined]
+
+
+def test_a_step_cut_short_by_the_stop_ends_the_run_as_stopped_with_its_checkpoint(
+    published, tmp_path: Path
+) -> None:
+    """A driver waiting on the pipeline when the node is told to stop (`PipelineClient.forward`
+    raises: "the node is stopping"): the run ends as stopped by the signal, not as failed, and
+    writes its checkpoint at the last step taken. The same failure without the stop is raised."""
+    stop = threading.Event()
+    answered = [0]
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if answered[0] == 3:
+            stop.set()  # as a signal handler would, while this send waits
+            raise PipelineUnavailable("micro-batch 00000000: the node is stopping")
+        answered[0] += 1
+        return torch.full_like(hidden, 1e-3), 2.0
+
+    lines: list[str] = []
+    trainer = _trainer_on(
+        published.dataset, tmp_path / "ck", 6, lines, num_stages=2, loss_fn=remote_loss(downstream)
+    )
+    result = trainer.run(stop)
+    assert result.stopped_by_signal and trainer.diloco.step == 3
+    assert any("the step in progress was abandoned (PipelineUnavailable" in line for line in lines)
+    resumed: list[str] = []
+    _trainer_on(published.dataset, tmp_path / "ck", 6, resumed, num_stages=2, loss_fn=remote_loss(downstream))
+    assert any("resumed from" in line and "step=3 " in line for line in resumed), resumed
+
+    answered[0] = -100  # never stops: the same failure is an error
+    failing = _trainer_on(
+        published.dataset, tmp_path / "ck2", 6, [], num_stages=2,
+        loss_fn=remote_loss(lambda h, y: (_ for _ in ()).throw(PipelineUnavailable("nobody took it"))),
+    )  # fmt: skip
+    with pytest.raises(PipelineUnavailable, match="nobody took it"):
+        failing.run(threading.Event())

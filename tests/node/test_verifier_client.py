@@ -1,7 +1,7 @@
 """The node's verifier client against a real verifier (uvicorn on loopback, SQLite)."""
 
-import dataclasses
 import json
+import math
 import socket
 import time
 import urllib.request
@@ -14,7 +14,13 @@ import pytest
 from neuroshard.cli.embedded import EmbeddedVerifier, start_embedded_verifier
 from neuroshard.node import verifier_client
 from neuroshard.node.network_definition import NetworkError
-from neuroshard.node.verifier_client import VerifierClient, VerifierClientConfig, fetch_network, splay_share
+from neuroshard.node.verifier_client import (
+    VerifierClient,
+    VerifierClientConfig,
+    VerifierUnreachable,
+    fetch_network,
+    splay_share,
+)
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
 from neuroshard.protocol.reports import Receipt
@@ -245,7 +251,8 @@ def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A middle replica reads the lists of stages 0 and 2 beside its own: each valid, newer one is
-    handed on once; one signed by another key, or older than what it holds, is not."""
+    handed on once; one signed by another key, or older than what it holds, is not; one stage's
+    list not read (refused, or the verifier unreachable) leaves the other read all the same."""
     operator, stranger = Wallet.from_token("neighbours-operator"), Wallet.from_token("neighbours-stranger")
     served: dict[int, bytes] = {}
 
@@ -255,12 +262,12 @@ def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
             policy="allowlist", admitted=(NODE.public_key_hex,), probation=(), admission_rounds=3,
         ).to_json()  # fmt: skip
 
-    busy: set[int] = set()
+    failing: dict[int, Exception] = {}
 
     def request(url: str, path: str, **_: object) -> tuple[bytes, dict[str, str]]:
         stage = int(path.split("/")[3])
-        if stage in busy:
-            raise Refused("busy", "try again later")
+        if stage in failing:
+            raise failing[stage]
         return served[stage], {}
 
     monkeypatch.setattr(verifier_client, "_request", request)
@@ -269,34 +276,32 @@ def test_the_tracker_reads_the_member_lists_of_its_pipeline_neighbours(
     lines: list[str] = []
     config = VerifierClientConfig(
         url="http://127.0.0.1:9", address="127.0.0.1:7999", stage=1, operator_key=operator.public_key_hex,
-        network="n", neighbour_stages=(0, 2), neighbours_every_s=1e-6,
+        network="n", neighbour_stages=(0, 2),
     )  # fmt: skip
     tracker = VerifierClient(
         config, NODE, lines.append, on_members=own.append, on_neighbours=neighbours.append
     )
     served.update({0: listing(0, 3), 1: listing(1, 1), 2: listing(2, 5)})
     tracker._members()
+    assert tracker._read_neighbours() == config.neighbours_every_s == 15.0  # its own pace
     assert [m.stage for m in own] == [1] and [(m.stage, m.epoch) for m in neighbours] == [(0, 3), (2, 5)]
     served.update({0: listing(0, 2), 2: listing(2, 6, signer=stranger)})  # replayed older; forged
-    tracker._members()
+    tracker._read_neighbours()
     assert len(neighbours) == 2 and {s: m.epoch for s, m in tracker.neighbour_members.items()} == {0: 3, 2: 5}
     assert any("stage 2's member list refused" in line for line in lines)
     served[0] = listing(0, 4)
-    tracker._members()
+    tracker._read_neighbours()
     assert [(m.stage, m.epoch) for m in neighbours[2:]] == [(0, 4)] and len(own) == 1
-    # One neighbour's list not read this time (a refusal): the other is read all the same.
-    busy.add(0)
-    served[2] = listing(2, 7)
+    for failure in (Refused("busy", "try again later"), VerifierUnreachable("GET: timed out")):
+        failing[0] = failure
+        served[2] = listing(2, tracker.neighbour_members[2].epoch + 1)
+        tracker._read_neighbours()
+        tracker._read_neighbours()  # still failing: said once
+        assert neighbours[-1].stage == 2 and neighbours[-1].epoch == tracker.neighbour_members[2].epoch
+        assert sum(f"stage 0's member list not read: {failure}" in line for line in lines) == 1
+        del failing[0]
+        tracker._read_neighbours()  # read again: the next failure is said again
+    # A verifier that serves no member lists at all: neither its own nor its neighbours' are asked for.
+    failing[1] = Refused("not_found", "no such route")
     tracker._members()
-    assert [(m.stage, m.epoch) for m in neighbours[3:]] == [(2, 7)]
-    assert any("stage 0's member list not read: try again later" in line for line in lines)
-    # At the default pace the neighbours' lists are read every 15 s, not at every read of its own.
-    slow = VerifierClient(
-        dataclasses.replace(config, neighbours_every_s=15.0), NODE, lines.append, on_members=own.append,
-        on_neighbours=neighbours.append,
-    )  # fmt: skip
-    busy.clear()
-    slow._members()
-    served[2] = listing(2, 8)
-    slow._members()
-    assert [(m.stage, m.epoch) for m in neighbours[4:]] == [(0, 4), (2, 7)]
+    assert tracker._read_neighbours() == math.inf

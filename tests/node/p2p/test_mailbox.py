@@ -229,6 +229,25 @@ def test_a_receiver_behind_nat_answers_through_the_bucket_and_forwards_nothing_f
     asyncio.run(scenario())
 
 
+def test_merged_routes_leave_a_request_unread_only_when_every_extension_refuses_its_sender() -> None:
+    def refusing(*wallets: str) -> Callable[[str], str | None]:
+        return lambda sender: f"{sender} refused" if sender in wallets else None
+
+    pipe = MailboxRoutes(routes={ECHO: 10}, reply_bytes=5, timeout_s=1.0, refuses=refusing("a", "b"))
+    other = MailboxRoutes(routes={OTHER: 20}, reply_bytes=7, timeout_s=3.0, refuses=refusing("a"))
+    merged = MailboxRoutes.merged([pipe, other])
+    assert (dict(merged.routes), merged.reply_bytes, merged.timeout_s) == ({ECHO: 10, OTHER: 20}, 7, 3.0)
+    assert merged.refuses is not None
+    assert [merged.refuses(w) for w in ("a", "b", "c")] == ["a refused", None, None]
+    single = MailboxRoutes.merged([pipe]).refuses
+    assert single is not None and (single("b"), single("c")) == ("b refused", None)
+    # An extension that reads every sender's requests: nothing is left unread.
+    assert (
+        MailboxRoutes.merged([pipe, MailboxRoutes(routes={OTHER: 1}, reply_bytes=1, timeout_s=1.0)]).refuses
+        is None
+    )
+
+
 @pytest.mark.usefixtures("aws_env")
 def test_requests_from_a_sender_the_routes_refuse_are_answered_without_being_read(
     endpoint: str, make_node: Callable[..., NodeState]

@@ -31,6 +31,7 @@ from neuroshard.node.membership import Neighbours, StageRoster
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import (
     BLAME_BAN_DOUBLINGS,
+    OUTSIDER_RETRY_S,
     Job,
     NextStageRouter,
     NotListed,
@@ -849,8 +850,9 @@ async def test_a_sender_off_the_next_stage_s_lists_is_told_it_is_not_listed(make
 
 
 def test_a_driver_not_yet_listed_waits_for_a_list_that_names_it(wallets) -> None:
-    """`PipelineLink.downstream` asks again while the next stage refuses it as not listed, and
-    stops asking when the node stops."""
+    """`PipelineLink.downstream` (a driver's, patient) asks again while the next stage refuses it as
+    not listed. (A stop during the wait ends the client's loop with "the node is stopping", which
+    the trainer takes as the stop: tests/node/test_trainer.py.)"""
     from types import SimpleNamespace
 
     from neuroshard.node.p2p.stages import PipelineLink
@@ -862,7 +864,10 @@ def test_a_driver_not_yet_listed_waits_for_a_list_that_names_it(wallets) -> None
     link.round_of, link.step_of = (lambda: 0), (lambda: 0)
     answer = (torch.zeros(B, T, MODEL.dim), 1.0)
 
-    def forward(hidden: torch.Tensor, labels: torch.Tensor, micro_batch: str) -> tuple[torch.Tensor, float]:
+    def forward(
+        hidden: torch.Tensor, labels: torch.Tensor, micro_batch: str, *, patient: bool = False
+    ) -> tuple[torch.Tensor, float]:
+        assert patient  # a driver has nobody to hand the micro-batch back to
         if refusals:
             raise refusals.pop()
         return answer
@@ -870,7 +875,64 @@ def test_a_driver_not_yet_listed_waits_for_a_list_that_names_it(wallets) -> None
     link.forward = forward  # type: ignore[method-assign]
     assert link.downstream(*_micro_batch()) is answer
     assert len(lines) == 2 and all("waiting for a member list that names this replica" in x for x in lines)
-    refusals.append(NotListed("not listed"))
-    link.stop.set()
-    with pytest.raises(NotListed):
-        link.downstream(*_micro_batch())
+
+
+@pytest.mark.asyncio
+async def test_not_listed_is_remembered_across_micro_batches_and_a_middle_replica_gives_up_at_once(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """A replica refused as not a member is skipped for OUTSIDER_RETRY_S, not banned; the next
+    micro-batch, finding only such replicas, is `NotListed` at its deadline, not "nobody there".
+    A middle replica (not patient) gives a micro-batch up at once when every replica refused it so."""
+    hidden, labels = _micro_batch(3)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0], senders=_listed(0, wallets[3])) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2], senders=_listed(0, wallets[3])) as (b, _),
+    ):
+        client, router = _client_of_two(wallets[1], a, b, replace(PIPE, deadline_s=0.3), lambda s: None)
+        await client.start()
+        try:
+            for step in range(2):
+                started = time.monotonic()
+                with pytest.raises(NotListed):
+                    await client.forward(
+                        hidden,
+                        labels,
+                        round_=0,
+                        micro_batch=micro_batch_id(wallets[1].public_key_hex, 0, step),
+                    )
+                assert time.monotonic() - started >= 0.3
+            assert router.throughput(a.wallet.public_key_hex) is not None  # not a failure: still measured
+            router.outsider(a.wallet.public_key_hex, time.time() - OUTSIDER_RETRY_S)  # a's skip is over
+            router.outsider(b.wallet.public_key_hex, time.time() - OUTSIDER_RETRY_S)
+            started = time.monotonic()
+            with pytest.raises(NotListed):
+                await client.forward(
+                    hidden,
+                    labels,
+                    round_=0,
+                    micro_batch=micro_batch_id(wallets[1].public_key_hex, 0, 9),
+                    patient=False,
+                )
+            assert time.monotonic() - started < 0.3
+        finally:
+            await client.close()
+    assert (a.worker.diloco.step, b.worker.diloco.step) == (0, 0)
+
+
+def test_a_replica_behind_nat_reads_a_recent_sender_s_requests_whatever_its_list_says(wallets) -> None:
+    """What `MailboxRoutes.refuses` leaves unread: a sender off the list, unless this replica took a
+    micro-batch of it lately (a retry of it, or its end, is then read and answered as over HTTP)."""
+    jobs = _Failing(NonFiniteStep("unused"))
+    service = PipelineService(
+        wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=jobs, senders=_listed(0, wallets[3])
+    )  # fmt: skip
+    refuses = service.mailbox().refuses
+    assert refuses is not None
+    assert refuses(wallets[3].public_key_hex) is None
+    why = refuses(wallets[1].public_key_hex)
+    assert why is not None and "not on stage 0's member list" in why
+    service.upstream.sent(wallets[1].public_key_hex)  # it sent a micro-batch before the list dropped it
+    assert refuses(wallets[1].public_key_hex) is None
+    open_service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=jobs)
+    assert open_service.mailbox().refuses is None
