@@ -301,10 +301,10 @@ class Reporting:
 
     def neighbours_of(self, stage: int) -> Neighbours:
         """The membership of `stage`, a pipeline neighbour of this replica's (the stage before it,
-        whose micro-batches it takes, or the one after, where it sends its own), kept current by
-        the tracker from the verifier's signed member lists once `track` starts it (so ask before).
-        Until a list is read, and for good without a verifier or under an ``open`` policy, it
-        takes everyone."""
+        whose micro-batches it takes, or the one after, where it sends its own): read from the
+        verifier once now, before any micro-batch is taken or sent, then kept current by the
+        tracker once `track` starts it (so ask before). Until a list is read, and for good without
+        a verifier or under an ``open`` policy, it takes everyone."""
         neighbours = self.neighbours.get(stage)
         if neighbours is None:
             if self.tracker is not None:
@@ -312,7 +312,21 @@ class Reporting:
                     f"stage {stage}'s neighbours asked for after the tracker started: never read"
                 )
             neighbours = self.neighbours[stage] = Neighbours(stage)
+            self._read_neighbours(stage)
         return neighbours
+
+    def _read_neighbours(self, stage: int) -> None:
+        if self.url is None or self.operator_key is None or self.network_name is None:
+            return
+        try:
+            members = fetch_member_list(self.url, stage, self.operator_key, self.network_name, timeout_s=5.0)
+        except (Refused, RosterError, VerifierUnreachable) as exc:
+            self.log(
+                f"verifier: stage {stage}'s member list not read at start ({exc}); pipeline micro-batches go "
+                "to and from anyone of that stage until the tracker reads it"
+            )
+            return
+        self._take_neighbours(members)
 
     def receipting(
         self,

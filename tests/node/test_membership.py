@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from neuroshard.node import reporting as reporting_module
 from neuroshard.node.membership import Neighbours, StageRoster
 from neuroshard.node.reporting import Reporting
+from neuroshard.node.verifier_client import VerifierUnreachable
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.roster import MemberList
 
@@ -77,3 +79,34 @@ def test_the_tracker_s_lists_reach_the_neighbours_a_replica_built() -> None:
     reporting.tracker = object()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="after the tracker started"):
         reporting.neighbours_of(3)
+
+
+def test_a_replica_reads_its_neighbours_lists_before_it_works_with_anyone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`neighbours_of` reads the stage's list at once (the tracker only keeps it current), so a
+    replica does not start by taking micro-batches from anyone; a list it cannot read is said."""
+    operator = Wallet.from_token("neighbours-operator")
+    asked: list[int] = []
+
+    def fetch(url: str, stage: int, operator_key: str, network: str, **_: object) -> MemberList:
+        asked.append(stage)
+        if stage == 2:
+            raise VerifierUnreachable("GET /api/stages/2/members: timed out")
+        return MemberList.create(
+            operator, network=network, expires_at=2**40, stage=stage, epoch=1, effective_round=0,
+            policy="allowlist", admitted=(operator.public_key_hex,), probation=(), admission_rounds=3,
+        )  # fmt: skip
+
+    monkeypatch.setattr(reporting_module, "fetch_member_list", fetch)
+    lines: list[str] = []
+    reporting = Reporting(
+        url="http://127.0.0.1:9", operator_key=operator.public_key_hex, log=lines.append, network_name="n"
+    )
+    before, after = reporting.neighbours_of(0), reporting.neighbours_of(2)
+    reporting.neighbours_of(0)
+    assert asked == [0, 2]  # once each
+    assert not before.takes("stranger") and before.takes(operator.public_key_hex)
+    assert after.roster is None and after.takes("stranger")
+    assert "membership: pipeline neighbours of stage 0: 1 admitted" in lines[0]
+    assert "stage 2's member list not read at start (GET /api/stages/2/members: timed out)" in lines[1]
