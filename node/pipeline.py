@@ -109,7 +109,40 @@ MAX_SOUND_GAIN = 2.0**20
 value is 1 (`_gradient_overflowed`). A trained or freshly initialised stage gives at most a few
 thousand (every output position an input reaches, times the weights); degenerate inputs, such as
 all-zero activations through RMSNorm, give 1e10 and more to an 8-layer stage of the 350m preset
-at initialisation, but only 1.2e5–2e5 to a 4-layer one, under the bound (README, what is left)."""
+at initialisation, but only 1.2e5–4e5 to a 4-layer one, under the bound; such inputs are refused
+where they enter (`DEGENERATE_MEAN_SQUARE`), so they no longer pass through shallow stages."""
+
+
+DEGENERATE_MEAN_SQUARE = 0.25
+"""A position of hidden state whose mean square over the width is below this many times the
+model's RMSNorm eps (`ModelConfig.norm_eps`) is degenerate: a stage > 0 takes no micro-batch
+that has one, and a stage sends on no output that has one (`degenerate_problem`).
+
+Below about eps, RMSNorm no longer brings a position back to unit scale, so nothing a stage's
+layers add restores it either: with no biases, all-zero activations come out of a stage as
+exactly zero, and each stage they pass multiplies the gradient by its gain at zero (3.7e5 on a
+4-layer stage of the 350m preset, `bench/bench_degenerate.py`) until an honest replica further
+down the pipeline overflows and blames the wrong neighbour. At a quarter of eps the first norm
+still restores the position (to rms 0.45): a stage's gain there is 369 (the next stage's 1.9,
+its input back at the scale of honest activations), so a sender that sits just above the bound
+passes nothing degenerate on. Honest activations sit far above it: stage 0's output at
+initialisation is 32× eps (tiny) to 707× (350m) at its smallest position, and grows as a model
+trains (the tiny model's is about 10^4× after 100 steps)."""
+
+
+def degenerate_problem(hidden: Tensor, eps: float) -> str | None:
+    """Why `hidden` (…, C) is degenerate (`DEGENERATE_MEAN_SQUARE`), or None. One float32 pass."""
+    if hidden.numel() == 0:
+        return None
+    mean_square = hidden.detach().float().pow(2).mean(dim=-1)
+    low = mean_square < DEGENERATE_MEAN_SQUARE * eps
+    count = int(low.sum())
+    if count == 0:
+        return None
+    return (
+        f"{count} of {mean_square.numel()} positions have a mean square of {float(mean_square.min()):.3g}, "
+        f"below {DEGENERATE_MEAN_SQUARE} × the norm eps ({eps:g}): degenerate activations"
+    )
 
 
 class NonFiniteStep(ValueError):

@@ -122,6 +122,7 @@ def start_stage_replica(
         config=pipeline_config,
         worker=jobs,
         senders=reporting.neighbours_of(stage - 1),
+        log=log,
     )
     extensions: list[ServerExtension] = [service, *reporting.extensions()]
     network = PeerPlane(

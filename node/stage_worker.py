@@ -32,8 +32,9 @@ from neuroshard.protocol.identity import sha256_hex
 from .checkpoint import CheckpointIdentity, CheckpointMismatch, CheckpointWriter, load_checkpoint
 from .diloco import DiLoCo
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
+from .model import Transformer
 from .p2p.pipeline import Busy, Job
-from .pipeline import Blame, Downstream, stage_inner_step
+from .pipeline import Blame, Downstream, NonFiniteStep, degenerate_problem, stage_inner_step
 from .segments import SegmentRecorder
 from .vocab import VocabSchedule, regrow, state_vocab, vocab_of
 from .work import RoundWork
@@ -338,11 +339,30 @@ class StageWorker(InnerLoop):
                 self.checkpoint.save(self.diloco, wait=True)
 
     def _onward(self, job: Job) -> Downstream | None:
-        """The next stage for this job (None on the last stage), reached under the job's id."""
+        """The next stage for this job (None on the last stage), reached under the job's id.
+
+        An output that is degenerate (node.pipeline.degenerate_problem) is not sent: the step
+        fails as a `NonFiniteStep` that is the sender's fault (the service strikes it), and
+        nothing was offered, so the segment log records nothing. Activations the service took
+        are not degenerate, and on those an honest stage's output is not either (its first norm
+        restores every position), so only a sender that fitted its activations to this replica's
+        weights gets here; without the check the next stage would strike this replica instead."""
         forward = self.downstream
         if forward is None:
             return None
-        return lambda hidden, labels: forward(hidden, labels, job.micro_batch)
+        model = self.diloco.model
+        assert isinstance(model, Transformer), "a stage worker trains a node.model stage"
+        eps = model.config.norm_eps
+
+        def onward(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
+            degenerate = degenerate_problem(hidden, eps)
+            if degenerate is not None:
+                raise NonFiniteStep(
+                    f"this stage's output on the micro-batch is degenerate: {degenerate}; not sent"
+                )
+            return forward(hidden, labels, job.micro_batch)
+
+        return onward
 
     def _blame(self, job: Job) -> Blame | None:
         """Bans the replica whose gradient for this job overflowed its backward (None: no blame)."""

@@ -90,6 +90,7 @@ STATUS: Mapping[str, int] = {
     "wrong_shape": 422,
     "wrong_codec": 422,
     "non_finite": 422,
+    "degenerate_activations": 422,
     "struck": 429,
     "not_a_member": 403,
     "downstream": 502,

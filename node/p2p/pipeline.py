@@ -64,7 +64,10 @@ own server (``mailbox.py``); a client given no bucket leaves such replicas out.
 
 Bodies are packed in the run's codec (`PipelineConfig.codec`, `pipeline_wire`); a micro-batch
 in another codec is refused with 422 `wrong_codec`. 422 also answers a micro-batch on which the
-layers overflow (non-finite loss or gradient: not stepped); its sender is then struck and its
+layers overflow (non-finite loss or gradient: not stepped) or whose output is degenerate, and
+one whose activations are degenerate themselves (`degenerate_activations`: a position whose mean
+square is under a quarter of the norm's eps, `node.pipeline.DEGENERATE_MEAN_SQUARE`, which no
+honest stage sends); its sender is then struck and its
 micro-batches refused with 429 `struck` for `ban_s`, doubled at each strike. 409 = this replica already took the micro-batch's id from this sender with another
 payload (the sender moves on to another replica). 503 = busy (the replica is in its outer round or its queue is full; retry another);
 502 = this replica could not reach the stage after it (retry another); 500 = the step failed
@@ -107,7 +110,7 @@ from neuroshard.protocol.segments import Received
 
 from ..membership import Neighbours
 from ..model import ModelConfig
-from ..pipeline import NonFiniteStep
+from ..pipeline import NonFiniteStep, degenerate_problem
 from ..segments import SegmentRecorder
 from ..vocab import vocab_cap
 from ..wallet import Wallet
@@ -679,9 +682,11 @@ class PipelineService:
         worker: JobSink,
         reply_timeout_s: float | None = None,
         senders: Neighbours | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         """`senders`: the previous stage's membership (node.membership.Neighbours); micro-batches
-        from wallets it does not take are refused (403 ``not_a_member``). None: everyone's are taken."""
+        from wallets it does not take are refused (403 ``not_a_member``). None: everyone's are taken.
+        `log`: where strikes are said (none by default)."""
         if not 1 <= stage < config.num_stages:
             raise ValueError(f"PipelineService serves stages 1..{config.num_stages - 1}, got stage {stage}")
         self.wallet = wallet
@@ -691,6 +696,7 @@ class PipelineService:
         self.worker = worker
         self.reply_timeout_s = reply_timeout_s or config.request_timeout_s
         self.senders = senders
+        self.log = log or (lambda _: None)
         if senders is not None and senders.stage != stage - 1:
             raise ValueError(f"stage {stage} takes micro-batches from stage {stage - 1}, not {senders.stage}")
         self.outsiders = 0
@@ -807,9 +813,10 @@ class PipelineService:
             raise Refused("busy", f"no result within {self.reply_timeout_s:.0f} s") from None
         return await self._reply(request, header, outcome)
 
-    def _strike(self, sender: str) -> None:
+    def _strike(self, sender: str, why: str) -> None:
         """`sender`'s activations gave a step that overflowed with a sound gradient from downstream
-        (NonFiniteStep, not `gradient_at_fault`): its micro-batches are refused for `ban_s`,
+        (NonFiniteStep, not `gradient_at_fault`), or a degenerate output (the same), or were
+        degenerate themselves (node.pipeline.degenerate_problem): its micro-batches are refused for `ban_s`,
         doubled at each strike (as the router bans a blamed next-stage replica), and those
         already queued are answered busy. A middle replica that offered its output on records such
         a step as failed (node.segments), and a segment holds only so many
@@ -820,9 +827,10 @@ class PipelineService:
         self._struck[sender] = (strikes, time.monotonic() + ban)
         while len(self._struck) > MAX_STRUCK:
             self._struck.popitem(last=False)
-        self.worker.drop(
-            sender, f"{sender[:12]} is struck: one of its micro-batches overflowed this replica's step"
+        self.log(
+            f"pipeline: {sender[:12]} struck ({strikes}), its micro-batches refused for {ban:.0f} s: {why}"
         )
+        self.worker.drop(sender, f"{sender[:12]} is struck: {why}")
 
     def _refuse_outsider(self, sender: str) -> None:
         why = None if self.senders is None else self._outsider(sender)
@@ -834,7 +842,7 @@ class PipelineService:
         if struck is not None and time.monotonic() < struck[1]:
             raise Refused(
                 "struck",
-                f"{struck[0]} micro-batch(es) from {sender[:12]} overflowed this replica's step; "
+                f"{struck[0]} micro-batch(es) from {sender[:12]} failed this replica's step or were degenerate; "
                 f"refused for {struck[1] - time.monotonic():.0f} s more",
             )
 
@@ -873,6 +881,10 @@ class PipelineService:
         """Decode the micro-batch and queue it on the worker, remembering its id; Busy -> 503."""
         loop = asyncio.get_running_loop()
         hidden, labels = await loop.run_in_executor(None, decode_activations, body, header, self.label_bound)
+        degenerate = degenerate_problem(hidden, self.model_config.norm_eps)
+        if degenerate is not None:  # an honest stage sends none (pipeline.DEGENERATE_MEAN_SQUARE)
+            self._strike(header.wallet, f"it sent degenerate activations ({degenerate})")
+            raise Refused("degenerate_activations", f"{degenerate}; not taken")
         key = (header.wallet, header.micro_batch)
         taken = _Taken(header.payload_sha256, loop.create_future())
 
@@ -880,7 +892,9 @@ class PipelineService:
             if not taken.outcome.done():
                 taken.outcome.set_result(outcome)
                 if isinstance(outcome, NonFiniteStep) and not outcome.gradient_at_fault:
-                    self._strike(header.wallet)
+                    self._strike(
+                        header.wallet, f"one of its micro-batches failed this replica's step ({outcome})"
+                    )
             if isinstance(outcome, BaseException) and self._taken.get(key) is taken:
                 del self._taken[key]  # not stepped: a retry of this id may train on it
 

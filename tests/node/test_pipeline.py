@@ -13,10 +13,12 @@ import torch
 from neuroshard.node import pipeline
 from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.model import ModelConfig, build_stage, cross_entropy_loss
+from neuroshard.node.model import MODEL_SIZES, ModelConfig, build_stage, cross_entropy_loss
 from neuroshard.node.pipeline import (
+    DEGENERATE_MEAN_SQUARE,
     MAX_WIRE_VALUE,
     NonFiniteStep,
+    degenerate_problem,
     driver_inner_step,
     remote_loss,
     stage_inner_step,
@@ -356,3 +358,60 @@ def test_an_fp16_driver_blames_an_overflowing_gradient_without_touching_its_loss
     driver_inner_step(engine, *_batch(0))
     assert len(blamed) == 1 and engine.step == 1 and engine.scaler.get_scale() == scale
     assert all(bool(torch.isfinite(p).all()) for p in engine.model.parameters())
+
+
+# --- degenerate activations ------------------------------------------------------------------
+
+
+def _at_mean_square(shape: tuple[int, ...], mean_square: float, seed: int = 0) -> torch.Tensor:
+    """Random activations whose every position has exactly this mean square over the width."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return x * (mean_square / x.pow(2).mean(-1, keepdim=True)).sqrt()
+
+
+def test_degenerate_problem_counts_positions_under_a_quarter_of_the_norm_eps() -> None:
+    eps = 1e-5
+    assert degenerate_problem(torch.randn(2, 8, 16), eps) is None
+    assert degenerate_problem(_at_mean_square((2, 8, 16), 0.26 * eps), eps) is None
+    problem = degenerate_problem(_at_mean_square((2, 8, 16), 0.24 * eps), eps)
+    assert problem is not None and problem.startswith("16 of 16 positions")
+    one = torch.randn(2, 8, 16)
+    one[1, 3] = 0.0  # a single all-zero position is enough to pass zeros on
+    assert (degenerate_problem(one, eps) or "").startswith("1 of 16 positions")
+    assert degenerate_problem(torch.zeros(0, 8, 16), eps) is None
+
+
+def test_a_stage_restores_activations_at_the_bound_but_passes_zeros_on_as_zeros() -> None:
+    """Why a bound at a quarter of eps (pipeline.DEGENERATE_MEAN_SQUARE) is enough: zeros come out
+    of a stage as zeros, so the next stage sees them too and the gain compounds down the pipeline;
+    activations just above the bound come out above it (RMSNorm restores each position), so each
+    stage's first norm sees a restored input and nothing compounds. Honest stage-0 output sits
+    well above the bound from initialisation on."""
+    config = ModelConfig(vocab_size=512, **dict(MODEL_SIZES["tiny"]) | {"n_layers": 6})
+    torch.manual_seed(0)
+    first, middle = build_stage(config, 0, 3), build_stage(config, 1, 3)
+    eps = config.norm_eps
+    with torch.no_grad():
+        honest = first(torch.randint(0, config.vocab_size, (2, 32)))
+    assert degenerate_problem(honest, eps) is None
+    assert float(honest.pow(2).mean(-1).min()) > 20 * eps
+
+    def through(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        x = x.clone().requires_grad_(True)
+        out = middle(x)
+        unit = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        out.backward(unit / unit.abs().max())
+        assert x.grad is not None
+        return out.detach(), float(x.grad.abs().max())
+
+    zeros_out, zeros_gain = through(torch.zeros(2, 32, config.dim))
+    assert torch.equal(zeros_out, torch.zeros_like(zeros_out))
+    edge = _at_mean_square((2, 32, config.dim), DEGENERATE_MEAN_SQUARE * eps * 1.01)
+    assert degenerate_problem(edge, eps) is None
+    edge_out, edge_gain = through(edge)
+    assert degenerate_problem(edge_out, eps) is None
+    # Nothing degenerate passes on: the first norm restores every position (here to ~10× the bound
+    # on a 2-layer stage at initialisation, whose layers add little yet; 3,700× on a 4-layer
+    # stage of the 350m preset, bench/bench_degenerate.py), and the stage gains less than on zeros.
+    assert float(edge_out.pow(2).mean(-1).min()) > 4 * DEGENERATE_MEAN_SQUARE * eps
+    assert edge_gain < zeros_gain, (edge_gain, zeros_gain)

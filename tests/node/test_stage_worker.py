@@ -15,7 +15,7 @@ from neuroshard.node.checkpoint import CheckpointIdentity, CheckpointMismatch
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
-from neuroshard.node.pipeline import stage_fingerprint
+from neuroshard.node.pipeline import NonFiniteStep, stage_fingerprint
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder, SegmentSink
 from neuroshard.node.stage_worker import JobQueue, StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
@@ -426,3 +426,46 @@ def test_dropping_a_sender_answers_its_waiting_jobs_busy_and_keeps_the_others_in
     left = [jobs.take(0.01), jobs.take(0.01), jobs.take(0.01)]
     assert [j.micro_batch if j else None for j in left] == [f"{1:032x}", f"{3:032x}", None]
     jobs.offer(_job([], 9))  # room again
+
+
+def test_a_middle_stage_sends_no_degenerate_output_and_fails_the_step_on_its_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An output with a degenerate position (node.pipeline.degenerate_problem) is not offered: the
+    step fails as the sender's fault (the service strikes whoever sent the activations), nothing
+    is stepped, and the log records no failed step (nothing was signed or sent)."""
+    recorder = SegmentRecorder(SegmentConfig(segment_steps=H), stage=1)
+    engine = _middle_engine()
+    recorder.start_round(engine)
+    forward = engine.model.forward
+    calls: list[int] = []
+
+    def fitted(
+        x: torch.Tensor,
+    ) -> torch.Tensor:  # the first job's output as activations fitted to its weights make it
+        calls.append(1)
+        return forward(x) * (0.0 if len(calls) == 1 else 1.0)
+
+    monkeypatch.setattr(engine.model, "forward", fitted)
+    offered: list[str] = []
+
+    def downstream(hidden: torch.Tensor, labels: torch.Tensor, mb: str) -> tuple[torch.Tensor, float]:
+        offered.append(mb)
+        return torch.zeros_like(hidden), 1.0
+
+    worker = StageWorker(
+        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
+        segments=recorder,
+    )  # fmt: skip
+    results: list[JobResult] = []
+    for seed in (0, 1):  # the second job's output is the stage's own: it steps, and the run ends
+        job = _job(results, seed)
+        job.received = Received("activations", SENDER, b"{}", b"x")
+        worker.jobs.offer(job)
+    worker.run(threading.Event(), 0.01)
+    failure = results[0]
+    assert isinstance(failure, NonFiniteStep) and not failure.gradient_at_fault, results
+    assert "degenerate" in str(failure) and isinstance(results[1], tuple)
+    assert offered == [f"{1:032x}"] and engine.step == 1
+    current = recorder._current
+    assert current is not None and current.failed == [] and len(current.steps) == 1

@@ -327,6 +327,34 @@ async def test_a_micro_batch_the_layers_overflow_on_is_refused_with_no_state_cha
 
 
 @pytest.mark.asyncio
+async def test_degenerate_activations_are_refused_before_the_queue_and_strike_their_sender(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """A micro-batch with an all-zero position (node.pipeline.degenerate_problem) is refused with
+    422 `degenerate_activations` before it is queued, and its sender is struck: zeros come out
+    of a stage as zeros, and refused here they cannot reach a stage further down, whose honest
+    next stage would take the blame for the overflow they cause there."""
+    async with _serve(make_node(wallets[0], stage=1), wallets[0]) as (served, _):
+        lines: list[str] = []
+        served.service.log = lines.append
+        hidden, labels = _micro_batch()
+        hidden[0, 2] = 0.0
+        body = encode_activations(hidden, labels, PIPE.codec)
+        before = served.fingerprint()
+        got, _, reply = await served.send(wallets[1], body, _signed(wallets[1], body))
+        refusal = ErrorReply.from_json(reply)
+        assert (got, refusal.error) == (422, "degenerate_activations") and "1 of" in refusal.detail
+        assert len(lines) == 1 and "struck (1)" in lines[0] and "degenerate activations" in lines[0], lines
+        await asyncio.sleep(0.05)  # a micro-batch that slipped through would be stepped on by now
+        assert _same(served.fingerprint(), before)
+        good = encode_activations(*_micro_batch(), PIPE.codec)
+        got, _, reply = await served.send(wallets[1], good, _signed(wallets[1], good, micro_batch="cd" * 16))
+        assert (got, ErrorReply.from_json(reply).error) == (429, "struck")
+        got, _, reply = await served.send(wallets[2], good, _signed(wallets[2], good, micro_batch="cd" * 16))
+        assert got == 200, reply
+
+
+@pytest.mark.asyncio
 async def test_header_problems_and_oversized_bodies_are_refused(served, wallets) -> None:
     body = _good_body()
     before = served.fingerprint()
