@@ -87,7 +87,9 @@ before: the two logs are its own signatures, so the break checks alone with the 
 After a check passes, the senders whose messages its segments consumed (MAX_SENDER_LOGS, drawn)
 are held to their own signed round logs (`_match_senders`): a sender whose log contradicts a
 header it signed fails in its own stage and round and leaves a SenderFraudProof, kept and listed
-like a segment proof (kind "sender"), which checks alone without the run's definition.
+like a segment proof (kind "sender"), which checks alone without the run's definition. Under
+the ``allowlist`` and ``probation`` policies a pass whose segments consumed messages from a
+wallet never registered for the stage its header names counts for nothing (`_strangers`).
 """
 
 from __future__ import annotations
@@ -1004,9 +1006,14 @@ class ReplayChecker:
                     proofs=[] if proof is None else [k for k in [self._write_proof(receipt, 0, proof)] if k],
                 )  # fmt: skip
                 return
+        if judged.ok and judged.credit:
+            strangers = self._strangers(challenge)
+            if strangers is not None:
+                judged = replace(judged, credit=False, detail=f"{judged.detail}; {strangers}")
         if judged.ok and not judged.credit:
-            # Offers of a crashed run are listed, not replayed: a pass earns nothing (no more than
-            # a receipt without a root earns). Its headers still hold its senders to their logs.
+            # Offers of a crashed run are listed, not replayed, and inputs from wallets no stage
+            # registered vouch for nothing: a pass earns nothing (no more than a receipt without
+            # a root earns). Its headers still hold its senders to their logs.
             self.ctx.log(
                 f"replay check: {receipt.wallet_id} round {receipt.round} passed, not counted: {judged.detail}"
             )
@@ -1253,17 +1260,68 @@ class ReplayChecker:
 
     # --- senders' records ----------------------------------------------------------------------
 
-    def _queue_senders(self, challenge: Challenge) -> None:
-        """Queue the senders of the drawn segments' messages (`MAX_SENDER_LOGS` of them, drawn) for matching
-        against their own logs: on the fetching thread, once their receipts are in."""
+    @staticmethod
+    def _signed_by_senders(challenge: Challenge) -> dict[tuple[str, int, int], list[Received]]:
+        """The drawn segments' messages by (sender's public key, its stage, its round), as their
+        headers name them (`sender_round`); the failed steps' activations were signed by senders too."""
         by_sender: dict[tuple[str, int, int], list[Received]] = {}
         for j in challenge.segments:
-            piece = challenge.pieces[j]  # the failed steps' activations were signed by senders too
+            piece = challenge.pieces[j]
             for step in [*piece.received, *(messages for _, messages, _ in piece.failed)]:
                 for message in step:
                     where = sender_round(message)
                     if where is not None:
                         by_sender.setdefault((message.sender, *where), []).append(message)
+        return by_sender
+
+    def _strangers(self, challenge: Challenge) -> str | None:
+        """Why a passed check earns no credit because its segments consumed messages from wallets
+        that never registered with this verifier for the stage their headers name (None: all did,
+        or the policy is ``open``, under which a replica takes everyone's).
+
+        Under ``allowlist`` or ``probation`` a replica takes micro-batches only from wallets on
+        its neighbour stages' member lists (node.membership.Neighbours), and a wallet is listed
+        only after it registered for that stage, which leaves a `Membership` row that is never
+        deleted, or when the operator's roster names it for that stage. A stranger's inputs are then ones the replica should not have taken: made up
+        and signed with a free key, say, to steer its training while every segment replays. No
+        verdict, because an honest replica that could not read the lists yet takes everyone (it
+        starts with none, and a verifier that cannot be reached is not a reason to stop), and a
+        verdict would let whoever keeps it from reading them cost it reputation: the pass
+        counts for nothing instead, so rounds trained on such inputs earn no reputation and no
+        admission. A wallet that registered and was dropped from the lists later (refused, or off
+        the roster) is not a stranger: a replica reads the lists every 15 s, not at once."""
+        if self.membership.policy == "open":
+            return None
+        pairs = {(key, stage) for key, stage, _ in self._signed_by_senders(challenge)}
+        if not pairs:
+            return None
+        with self.ctx.db.read() as session:
+            rows = session.execute(
+                select(m.Wallet.public_key, m.Membership.stage)
+                .join(m.Membership, m.Membership.wallet_id == m.Wallet.wallet_id)
+                .where(m.Wallet.public_key.in_(sorted({key for key, _ in pairs})))
+            )
+            known = {(key, stage) for key, stage in rows}
+            # The operator's roster lists its wallets whether they registered or not.
+            roster = members.current_roster(session, now=self.ctx.clock())
+        if roster is not None:
+            known |= {(key, stage) for key, stage in pairs if key in roster.wallets(stage)}
+        strangers = sorted(pairs - known)
+        if not strangers:
+            return None
+        named = ", ".join(
+            f"{wallet_id_of(bytes.fromhex(key))} (stage {stage})" for key, stage in strangers[:3]
+        )
+        more = f" and {len(strangers) - 3} more" if len(strangers) > 3 else ""
+        return (
+            f"it stepped on messages signed by {len(strangers)} wallet(s) never registered for the stage "
+            f"their headers name: {named}{more}"
+        )
+
+    def _queue_senders(self, challenge: Challenge) -> None:
+        """Queue the senders of the drawn segments' messages (`MAX_SENDER_LOGS` of them, drawn) for matching
+        against their own logs: on the fetching thread, once their receipts are in."""
+        by_sender = self._signed_by_senders(challenge)
         now = self.ctx.clock()
         receiver = challenge.receipt.wallet_id
         key = next(iter(challenge.pieces.values())).commitment.wallet  # checked: the receipt's wallet

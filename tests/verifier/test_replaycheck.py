@@ -29,9 +29,11 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
 from neuroshard.protocol.segments import Received
 from neuroshard.testing.verifier import small_network
+from neuroshard.verifier import members, replaycheck
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.db import Database
+from neuroshard.verifier.members import MembershipConfig
 from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.relaychallenge import BucketHolder, BucketUnavailable, NotAnswered
 from neuroshard.verifier.replaycheck import (
@@ -48,6 +50,7 @@ from neuroshard.verifier.replaycheck import (
     SenderMatch,
 )
 from neuroshard.verifier.reputation import ReputationConfig
+from neuroshard.verifier.segmentlive import SegmentsJudged
 
 NODE = Wallet.from_token("replaycheck-node")
 OPERATOR = Wallet.from_token("replaycheck-operator")
@@ -651,3 +654,72 @@ def test_one_wallet_holds_at_most_two_places_in_the_queue(db: Database, publishe
     assert (
         len(checker.queue) == MAX_QUEUED_PER_WALLET and checker.queue[-1].receipt.wallet_id == NODE.wallet_id
     ), lines
+
+
+def test_a_pass_on_inputs_from_wallets_never_registered_for_their_stage_counts_for_nothing(
+    db: Database, published: PublishedData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `probation` or `allowlist` a replica takes micro-batches only from its neighbours'
+    member lists, and only registered (or rostered) wallets are on them: a check whose segments
+    consumed a stranger's messages passes without credit (no verdict: a replica that could not
+    read the lists yet takes everyone). A registration for another stage does not count; a
+    roster that names the wallet does; under `open` nobody is a stranger."""
+    sender = Wallet.from_token("replaycheck-stranger")
+    header = ActivationHeader.create(
+        sender, to=NODE.public_key_hex, micro_batch=micro_batch_id(sender.public_key_hex, 0, 0), stage=1,
+        round=0, batch=1, seq_len=1, dim=1, codec=DEFAULT_CODEC, payload_sha256="0" * 64,
+    )  # fmt: skip
+    piece = SimpleNamespace(
+        received=[[Received("activations", sender.public_key_hex, header.to_json(), b"")]],
+        failed=(),
+        commitment=SimpleNamespace(wallet=NODE.public_key_hex),
+    )
+    receipt = m.Receipt(wallet_id=NODE.wallet_id, stage=1, round=0)
+    challenge = Challenge(receipt, "http://127.0.0.1:1", segments=(0,), pieces={0: piece})  # type: ignore[dict-item]
+
+    def checker(policy: str, lines: list[str]) -> ReplayChecker:
+        return ReplayChecker(
+            JobContext(db=db, network=_network(published), operator=OPERATOR, log=lines.append),
+            config=ReplayCheckConfig(sample_rate=1.0),
+            membership=MembershipConfig(policy=policy),
+        )
+
+    assert checker("open", [])._strangers(challenge) is None
+    why = checker("probation", [])._strangers(challenge)
+    assert why is not None and f"{sender.wallet_id} (stage 0)" in why
+
+    # The check itself: the replay passes, and the pass is not counted (no verdict recorded).
+    lines: list[str] = []
+    probation = checker("probation", lines)
+    recorded: list[bool] = []
+    monkeypatch.setattr(replaycheck, "judge_segments", lambda *a, **k: SegmentsJudged(True, "replayed"))
+    monkeypatch.setattr(probation, "_continuity", lambda c: None)
+    monkeypatch.setattr(probation, "_record", lambda receipt, ok, *a, **k: recorded.append(ok))
+    probation._check_segments(challenge)
+    assert recorded == [] and "passed, not counted" in lines[-1] and "never registered" in lines[-1], lines
+
+    now = time.time()
+    with db.write() as s:
+        s.add(m.Wallet(wallet_id=sender.wallet_id, public_key=sender.public_key_hex, reputation=0.5,
+                       status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+        s.flush()
+        s.add(m.Membership(stage=1, wallet_id=sender.wallet_id, status=m.MEMBER_PROBATION, streak=0,
+                           checks_passed=0, since=now, reason="registered"))  # fmt: skip
+    assert probation._strangers(challenge) is not None  # registered, but for stage 1, not 0
+    monkeypatch.setattr(
+        members,
+        "current_roster",
+        lambda session, now: SimpleNamespace(wallets=lambda stage: {sender.public_key_hex}),
+    )
+    assert probation._strangers(challenge) is None  # the operator's roster names it
+    monkeypatch.undo()
+    with db.write() as s:
+        s.add(m.Membership(stage=0, wallet_id=sender.wallet_id, status=m.MEMBER_PROBATION, streak=0,
+                           checks_passed=0, since=now, reason="registered"))  # fmt: skip
+    assert probation._strangers(challenge) is None
+    monkeypatch.setattr(replaycheck, "judge_segments", lambda *a, **k: SegmentsJudged(True, "replayed"))
+    monkeypatch.setattr(probation, "_continuity", lambda c: None)
+    monkeypatch.setattr(probation, "_record", lambda receipt, ok, *a, **k: recorded.append(ok))
+    monkeypatch.setattr(probation, "_queue_senders", lambda c: None)
+    probation._check_segments(challenge)
+    assert recorded == [True]
