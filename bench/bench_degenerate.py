@@ -14,7 +14,7 @@ has one. This prints what that bound rests on, per model size, at initialisation
 
 Compute only, no timing: a size takes seconds on 2 cores (350m builds two 4-layer stages).
 
-    .venv/bin/python bench/bench_degenerate.py [--sizes tiny,350m] [--stages 6] [--json]
+    .venv/bin/python bench/bench_degenerate.py [--sizes tiny,350m] [--stages 6] [--json] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import json
 
 import torch
+from common import parse_with_quick
 
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.pipeline import DEGENERATE_MEAN_SQUARE
@@ -48,6 +49,8 @@ def _run(size: str, num_stages: int, batch: int, seq_len: int) -> list[dict[str,
     config = ModelConfig.named(size, vocab_size=4096, max_seq_len=seq_len)
     eps = config.norm_eps
     num_stages = min(num_stages, config.n_layers)  # tiny's 4 layers make at most 4 stages
+    if num_stages < 3:
+        raise SystemExit(f"{size} has {config.n_layers} layers: too few for a middle stage and one after it")
     first, middle, after = (build_stage(config, s, num_stages) for s in range(3))
     layers = len(middle.layers)
     with torch.no_grad():
@@ -79,7 +82,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list last")
-    args = parser.parse_args()
+    args = parse_with_quick(parser, sizes="tiny", seq_len=16)
     if args.stages < 3:
         parser.error("--stages must be at least 3 (a middle stage and the one after it)")
     torch.set_num_threads(args.threads)

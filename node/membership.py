@@ -172,6 +172,14 @@ class Neighbours:
     def takes(self, wallet: str) -> bool:
         return self.refusal(wallet) is None
 
+    def counts(self, wallet: str) -> bool:
+        """Whether `wallet`'s work counts here: admitted (everyone without a roster). A listed
+        probationer is taken but does not count: a sender applies no gradient of its (node.p2p.
+        pipeline.PipelineClient sends it shadow copies instead), as a round takes no Δ of its."""
+        with self._lock:
+            roster = self._roster
+        return roster is None or roster.counts(wallet)
+
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:
     """A replica's roster from the verifier's signed member list (its signature, network, stage,

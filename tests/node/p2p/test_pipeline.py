@@ -849,6 +849,82 @@ async def test_a_driver_offers_micro_batches_only_to_the_next_stage_s_members(ma
             await client.close()
 
 
+def _on_probation(stage: int, admitted: Wallet, *probationers: Wallet) -> Neighbours:
+    neighbours = Neighbours(stage)
+    neighbours.set(
+        StageRoster(
+            stage=stage, policy="probation", admitted=frozenset({admitted.public_key_hex}),
+            probation=frozenset(w.public_key_hex for w in probationers),
+        )
+    )  # fmt: skip
+    return neighbours
+
+
+@pytest.mark.asyncio
+async def test_a_probationer_s_gradient_is_never_applied_and_it_trains_on_shadow_copies(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """A probationer of the next stage measured as far the faster (as one answering at once with
+    any gradient would be) is never asked for the gradient a step applies: the admitted replica
+    is. It gets the same bytes as a shadow copy (`shadow_share`), under a header of its own that
+    the sender's log lists before the answer returns, and trains on them; its answer is dropped."""
+    driver = wallets[1]
+    hidden, labels = _micro_batch(3)
+    config = replace(PIPE, shadow_share=1.0)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0]) as (fast, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (admitted, _),
+    ):
+        recorder = SegmentRecorder(SegmentConfig(segment_steps=4), stage=0)
+        stage0 = DiLoCo(
+            build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000)
+        )
+        recorder.start_round(stage0)
+        receivers = _on_probation(1, admitted.wallet, fast.wallet)
+        client, _ = _client_of_two(driver, fast, admitted, config, lambda s: None, recorder, receivers)
+        await client.start()
+        try:
+            for step in range(3):
+                id_ = micro_batch_id(driver.public_key_hex, 0, step)
+                await client.forward(hidden, labels, round_=0, micro_batch=id_)
+                assert client._answered[id_] == admitted.wallet.public_key_hex
+                current = recorder._current
+                assert current is not None
+                listed = {(h.micro_batch, h.to) for h in current.headers}
+                assert (id_, fast.wallet.public_key_hex) in listed  # listed before forward returned
+            for _ in range(500):
+                if fast.worker.diloco.step == 3:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await client.close()
+        assert (fast.worker.diloco.step, admitted.worker.diloco.step) == (3, 3)
+        assert client.shadowed == 3 and client.retries == 0
+        assert fast.wallet.public_key_hex in client.sent_to  # it hears the end like any replica sent to
+
+        # No shadow share: the probationer gets nothing while an admitted replica is live; with
+        # only probationers live, nobody's gradient is applied, and the error says why.
+        quiet = replace(PIPE, shadow_share=0.0, deadline_s=0.3)
+        client, _ = _client_of_two(driver, fast, admitted, quiet, lambda s: None, receivers=receivers)
+        await client.start()
+        try:
+            await client.forward(
+                hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 5)
+            )
+            assert client.shadowed == 0
+            receivers.set(
+                StageRoster(stage=1, policy="probation", admitted=frozenset({wallets[3].public_key_hex}),
+                            probation=frozenset({fast.wallet.public_key_hex, admitted.wallet.public_key_hex}))
+            )  # fmt: skip
+            with pytest.raises(PipelineUnavailable, match="2 on probation there"):
+                await client.forward(
+                    hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 6)
+                )
+        finally:
+            await client.close()
+        assert (fast.worker.diloco.step, admitted.worker.diloco.step) == (3, 4)
+
+
 @pytest.mark.asyncio
 async def test_a_sender_off_the_next_stage_s_lists_is_told_it_is_not_listed(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
     """Refused as not a member by every next-stage replica: `NotListed` at its deadline (which a
