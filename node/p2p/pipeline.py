@@ -239,13 +239,16 @@ class PipelineConfig:
     reply comes right after the sender's `request_timeout_s`, when at most `max_pending` + 1 other
     micro-batches per sender have been taken here since; each outcome held costs its gradient,
     B·T·C·4 bytes (512 KiB for the tiny model at 8 × 128: 16 MiB for the window)."""
-    shadow_share: float = 0.25
-    """With the next stage's member list in hand: the share of micro-batches whose answered
-    activations are also sent, as a shadow copy, to one of its listed probationers (drawn
-    uniformly), whose gradient is dropped. A probationer's gradients are never applied (as a
-    round never takes its Δ), so a key that costs nothing cannot steer this replica's training;
-    the shadow copies are what it trains on to earn admission (`PipelineClient.forward`). 0: no
-    copies (probationers of the next stage get no micro-batch while an admitted one is live)."""
+    shadow_share: float = 1.0
+    """With the next stage's member list in hand, a probationer's gradients are never applied (as
+    a round never takes its Δ), so a key that costs nothing cannot steer this replica's training;
+    instead the next stage's probationers taken in this replica's round (at most a quarter of its
+    live admitted replicas, at least one: `membership.Neighbours.shadowed`) get shadow copies of
+    answered micro-batches, whose gradients are dropped: what they train on to earn admission
+    (`PipelineClient.forward`). Each gets about `shadow_share` times an admitted replica's share
+    of the micro-batches, so at 1 it keeps the stage's pace (a replica that falls behind its
+    stage's rounds earns nothing); the copies cost at most a quarter more activation bytes (all
+    of them again while the next stage has one admitted replica). 0: no copies."""
     upstream_ttl_s: float = 600.0
     """A stage > 0 replica ends when every replica of the stage before it that sent it a micro-batch
     in the last `upstream_ttl_s` has sent a signed `PipelineEnd` (a sender quiet for longer, gone
@@ -276,8 +279,8 @@ class PipelineConfig:
             raise ValueError("PipelineConfig: ban_s, busy_s and max_pending must be >= 0")
         if not 0 < self.throughput_ema <= 1:
             raise ValueError(f"PipelineConfig.throughput_ema must lie in (0, 1], got {self.throughput_ema}")
-        if not 0 <= self.shadow_share <= 1:
-            raise ValueError(f"PipelineConfig.shadow_share must lie in [0, 1], got {self.shadow_share}")
+        if self.shadow_share < 0:
+            raise ValueError(f"PipelineConfig.shadow_share must be >= 0, got {self.shadow_share}")
 
 
 @dataclass
@@ -478,9 +481,9 @@ class PipelineClient:
         replicas are drawn ∝ throughput, an instant answer draws nearly every micro-batch: one
         such key on stage 1 stopped a tiny model's stage 0 from learning at all
         (`bench/bench_pipeline_poison.py`). Probationers still need micro-batches to train on,
-        so after an answer, `shadow_share` of the micro-batches also go to one listed
-        probationer as a shadow copy (the same id and bytes, a header of its own, listed in this
-        replica's log before the answer returns), whose gradient is dropped."""
+        so after an answer the micro-batch may also go to a probationer as a shadow copy (the
+        same id and bytes, a header of its own, listed in this replica's log before the answer
+        returns), whose gradient is dropped (`PipelineConfig.shadow_share`)."""
         batch, seq_len, dim = hidden.shape
         codec = self.config.codec
         body = await asyncio.get_running_loop().run_in_executor(
@@ -580,8 +583,10 @@ class PipelineClient:
         answered: ActivationHeader,
         reply_bound: int,
     ) -> None:
-        """Maybe (`shadow_share`) send the answered micro-batch's bytes to one usable probationer
-        of the next stage, drawn uniformly (answering fast buys a probationer nothing). Its header
+        """Maybe send the answered micro-batch's bytes to one of the next stage's probationers taken
+        in this round (`Neighbours.shadowed`), drawn uniformly (answering fast buys a probationer
+        nothing), with the chance that gives each about `shadow_share` times an admitted
+        replica's share of the micro-batches (1 / the live admitted replicas). Its header
         is listed in this replica's log before this returns, inside the step that sends the same
         bytes (a sender's log must list every header it signs, and hold what its step sent: a
         header written after the round's log closed would contradict it); the copy itself goes
@@ -589,11 +594,13 @@ class PipelineClient:
         if self.receivers is None or self.config.shadow_share <= 0:
             return
         now = self.clock()
-        skip = set(applied)
-        candidates = sorted(w for w in live if w not in skip and self.router.usable(w, now))
-        if not candidates or self.router.rng.random() >= self.config.shadow_share:
+        admitted = set(applied)
+        usable = [w for w in live if w not in admitted and self.router.usable(w, now)]
+        taken = self.receivers.shadowed(answered.round, usable, len(admitted))
+        chance = self.config.shadow_share * len(taken) / max(1, len(admitted))
+        if not taken or self.router.rng.random() >= chance:
             return
-        pick = self.router.rng.choice(candidates)
+        pick = self.router.rng.choice(taken)
         header = ActivationHeader.create(  # the answered header's fields, signed for the probationer
             self.wallet, to=pick, micro_batch=answered.micro_batch, stage=answered.stage, round=answered.round,
             batch=answered.batch, seq_len=answered.seq_len, dim=answered.dim, codec=answered.codec,
