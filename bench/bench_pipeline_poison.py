@@ -1,5 +1,6 @@
-"""A hostile next-stage replica's gradients against a driver, and why a sender applies only
-admitted replicas' gradients (issue 17, hostile neighbours; issue 19, membership).
+"""A hostile next-stage replica's gradients against a driver (issue 17, hostile neighbours; issue
+19, membership): what one listed key that answers at once can do to a pipeline (README, "In a
+pipeline": not closed).
 
 A stage > 0 replica answers each micro-batch with ∂loss/∂hidden, which the sender's step applies.
 Nothing but the overflow check (`node.pipeline`) holds that answer to anything at the time, and a
@@ -7,9 +8,7 @@ sender draws next-stage replicas ∝ their measured throughput, so a replica tha
 computing nothing, draws nearly every micro-batch. This prints:
 
 1. the share of a sender's micro-batches such a replica draws from the real `NextStageRouter`,
-   answering 50× faster than n honest replicas (n = 1, 4, 16), when every listed replica counts
-   (as before 2026-12-07, and still in an ``open`` stage) and when it is a listed probationer
-   (a sender applies only admitted replicas' gradients: `PipelineClient.forward`);
+   answering 50× faster than n honest replicas (n = 1, 4, 16);
 2. the held-out loss of stages 0 and 1 of the tiny model trained in-process for `--steps` inner
    steps when that share of the driver's micro-batches is answered by a hostile replica (it
    trains a copy of stage 1 on them, as an honest one would, and answers with the gradient
@@ -35,7 +34,6 @@ from common import bench_dataset, fresh_clone_text, parse_with_quick, quick_data
 from torch import Tensor
 
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
-from neuroshard.node.membership import Neighbours, StageRoster
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import NextStageRouter
 from neuroshard.node.pipeline import remote_loss, stage_inner_step
@@ -45,21 +43,14 @@ HOSTILE = "ff" * 32
 ATTACKS = ("negate", "zeros")
 
 
-def drawn_share(honest: int, *, probation: bool, draws: int = 20_000) -> float:
+def drawn_share(honest: int, draws: int = 20_000) -> float:
     """The share of draws a replica 50× faster than `honest` others gets from the sender's router."""
     router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(0))
     wallets = [f"{i:064x}" for i in range(honest)]
     for wallet in wallets:
         router.succeeded(wallet, tokens=1000, seconds=1.0)
     router.succeeded(HOSTILE, tokens=50_000, seconds=1.0)
-    neighbours = Neighbours(1)
-    if probation:
-        neighbours.set(
-            StageRoster(
-                stage=1, policy="probation", admitted=frozenset(wallets), probation=frozenset({HOSTILE})
-            )
-        )
-    candidates = [w for w in [*wallets, HOSTILE] if neighbours.counts(w)]  # as PipelineClient.forward
+    candidates = [*wallets, HOSTILE]
     hits = sum(router.choose(candidates, 0.0) == HOSTILE for _ in range(draws))
     return hits / draws
 
@@ -106,11 +97,9 @@ def main() -> None:
     print(
         "1. share of micro-batches a replica answering 50x faster draws (20,000 draws of the sender's router)"
     )
-    routing = {n: (drawn_share(n, probation=False), drawn_share(n, probation=True)) for n in (1, 4, 16)}
-    for n, (counted, probationer) in routing.items():
-        print(
-            f"   {n:2d} honest replicas: {counted:.3f} when it counts, {probationer:.3f} as a listed probationer"
-        )
+    routing = {n: drawn_share(n) for n in (1, 4, 16)}
+    for n, share in routing.items():
+        print(f"   {n:2d} honest replicas: {share:.3f}")
 
     dataset = quick_dataset() if args.quick else bench_dataset(fresh_clone_text(2_000_000), 512, 100_000)
     tokens = _tokens(dataset)
@@ -142,7 +131,7 @@ def main() -> None:
             )
     if args.json:
         print(json.dumps({
-            "routing": {str(n): {"counted": c, "probationer": p} for n, (c, p) in routing.items()},
+            "routing": {str(n): share for n, share in routing.items()},
             "losses": {a: {str(s): v for s, v in by.items()} for a, by in losses.items()},
         }))  # fmt: skip
 

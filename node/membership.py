@@ -172,28 +172,6 @@ class Neighbours:
     def takes(self, wallet: str) -> bool:
         return self.refusal(wallet) is None
 
-    def shadowed(self, round_: int, candidates: Iterable[str], admitted: int) -> list[str]:
-        """The listed probationers among `candidates` that a sender gives shadow copies to while
-        it is in `round_` (node.p2p.pipeline.PipelineClient): at most the roster's `ProbationCap`
-        of `admitted`, picked by `probation_rank` as a round picks its probationers, so a flood of
-        listed keys waits its turn with everyone else. Empty without a roster."""
-        with self._lock:
-            roster = self._roster
-        if roster is None:
-            return []
-        waiting = sorted(
-            (w for w in candidates if w in roster.probation), key=lambda w: probation_rank(round_, w)
-        )
-        return waiting[: roster.cap.of(admitted)]
-
-    def counts(self, wallet: str) -> bool:
-        """Whether `wallet`'s work counts here: admitted (everyone without a roster). A listed
-        probationer is taken but does not count: a sender applies no gradient of its (node.p2p.
-        pipeline.PipelineClient sends it shadow copies instead), as a round takes no Δ of its."""
-        with self._lock:
-            roster = self._roster
-        return roster is None or roster.counts(wallet)
-
 
 def roster_of(members: MemberList, cap: ProbationCap | None = None) -> StageRoster | None:
     """A replica's roster from the verifier's signed member list (its signature, network, stage,

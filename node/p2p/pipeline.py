@@ -239,16 +239,6 @@ class PipelineConfig:
     reply comes right after the sender's `request_timeout_s`, when at most `max_pending` + 1 other
     micro-batches per sender have been taken here since; each outcome held costs its gradient,
     B·T·C·4 bytes (512 KiB for the tiny model at 8 × 128: 16 MiB for the window)."""
-    shadow_share: float = 1.0
-    """With the next stage's member list in hand, a probationer's gradients are never applied (as
-    a round never takes its Δ), so a key that costs nothing cannot steer this replica's training;
-    instead the next stage's probationers taken in this replica's round (at most a quarter of its
-    live admitted replicas, at least one: `membership.Neighbours.shadowed`) get shadow copies of
-    answered micro-batches, whose gradients are dropped: what they train on to earn admission
-    (`PipelineClient.forward`). Each gets about `shadow_share` times an admitted replica's share
-    of the micro-batches, so at 1 it keeps the stage's pace (a replica that falls behind its
-    stage's rounds earns nothing); the copies cost at most a quarter more activation bytes (all
-    of them again while the next stage has one admitted replica). 0: no copies."""
     upstream_ttl_s: float = 600.0
     """A stage > 0 replica ends when every replica of the stage before it that sent it a micro-batch
     in the last `upstream_ttl_s` has sent a signed `PipelineEnd` (a sender quiet for longer, gone
@@ -279,8 +269,6 @@ class PipelineConfig:
             raise ValueError("PipelineConfig: ban_s, busy_s and max_pending must be >= 0")
         if not 0 < self.throughput_ema <= 1:
             raise ValueError(f"PipelineConfig.throughput_ema must lie in (0, 1], got {self.throughput_ema}")
-        if self.shadow_share < 0:
-            raise ValueError(f"PipelineConfig.shadow_share must be >= 0, got {self.shadow_share}")
 
 
 @dataclass
@@ -318,10 +306,6 @@ class NextStageRouter:
     def throughput(self, wallet: str) -> float | None:
         link = self._links.get(wallet)
         return None if link is None else link.throughput
-
-    def usable(self, wallet: str, now: float) -> bool:
-        """Not skipped now (banned, busy, or refused this replica as an outsider)."""
-        return self._link(wallet).skip_until <= now
 
     def ranking(self, candidates: Iterable[str], now: float) -> list[str]:
         """Usable candidates, fastest measured first, then never-measured ones in order of arrival."""
@@ -445,9 +429,6 @@ class PipelineClient:
         self.sent_to: set[str] = set()
         """Replicas of the next stage this one offered a micro-batch to: where `end` goes (one that
         never took one refuses the end, harmlessly)."""
-        self.shadowed = 0
-        """Shadow copies sent to probationers of the next stage (`shadow_share`)."""
-        self._shadows: set[asyncio.Task[None]] = set()
 
     @property
     def traffic(self) -> Traffic:
@@ -458,10 +439,6 @@ class PipelineClient:
         await self.client.start()
 
     async def close(self) -> None:
-        if self._shadows:  # a copy's answer is dropped anyway: nothing waits for it
-            for task in list(self._shadows):
-                task.cancel()
-            await asyncio.gather(*self._shadows, return_exceptions=True)
         await self._cleanup.wait()
         await self.client.close()
 
@@ -473,17 +450,7 @@ class PipelineClient:
         `micro_batch_id`, the same on every attempt and every hop. No attempt starts after
         `deadline_s`; then `PipelineUnavailable`, or `NotListed` when replicas skipped refused this
         one as not on their member list. Not `patient` (a middle replica, whose sender can go
-        elsewhere): `NotListed` as soon as every replica it may ask refused it so.
-
-        With the next stage's member list (`receivers`), only its admitted replicas are asked:
-        a probationer's gradient is never applied. Otherwise a key that costs nothing could
-        answer at once with any gradient it likes (zeros, the true one negated), and since
-        replicas are drawn ∝ throughput, an instant answer draws nearly every micro-batch: one
-        such key on stage 1 stopped a tiny model's stage 0 from learning at all
-        (`bench/bench_pipeline_poison.py`). Probationers still need micro-batches to train on,
-        so after an answer the micro-batch may also go to a probationer as a shadow copy (the
-        same id and bytes, a header of its own, listed in this replica's log before the answer
-        returns), whose gradient is dropped (`PipelineConfig.shadow_share`)."""
+        elsewhere): `NotListed` as soon as every replica it may ask refused it so."""
         batch, seq_len, dim = hidden.shape
         codec = self.config.codec
         body = await asyncio.get_running_loop().run_in_executor(
@@ -506,11 +473,10 @@ class PipelineClient:
             live = {
                 e.wallet: e for e in reachable if self.receivers is None or self.receivers.takes(e.wallet)
             }
-            applied = {w: e for w, e in live.items() if self.receivers is None or self.receivers.counts(w)}
-            pick = self.router.choose(applied, now)
+            pick = self.router.choose(live, now)
             late = time.monotonic() > deadline
-            outsiders = self._not_member & applied.keys()
-            if outsiders and (late or (not patient and pick is None and outsiders == applied.keys())):
+            outsiders = self._not_member & live.keys()
+            if outsiders and (late or (not patient and pick is None and outsiders == live.keys())):
                 raise NotListed(
                     f"micro-batch {micro_batch[:8]}: {len(outsiders)} replica(s) of stage {self.stage + 1} "
                     f"do not take micro-batches from this one (it is not on their member list of stage "
@@ -520,10 +486,9 @@ class PipelineClient:
                 if late:
                     raise PipelineUnavailable(
                         f"micro-batch {micro_batch[:8]}: no replica of stage {self.stage + 1} took it "
-                        f"within {self.config.deadline_s:.0f} s ({len(applied)} known, {len(refused)} "
+                        f"within {self.config.deadline_s:.0f} s ({len(live)} known, {len(refused)} "
                         f"had its id with another payload, {len(reachable) - len(live)} not taken "
-                        f"by the stage's member list, {len(live) - len(applied)} on probation there: "
-                        "a probationer's gradients are not applied)"
+                        "by the stage's member list)"
                     )
                 await asyncio.sleep(self.config.retry_pause_s)
                 continue
@@ -554,7 +519,6 @@ class PipelineClient:
                 self._answered.move_to_end(micro_batch)
                 while len(self._answered) > ANSWERS_KEPT:
                     self._answered.popitem(last=False)
-                await self._shadow(live, applied.keys(), body, header, reply_bound)
                 return outcome
             self.retries += 1
             if outcome == "busy":
@@ -574,62 +538,6 @@ class PipelineClient:
                 self.router.failed(pick, self.clock())
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} failed ({outcome}); "
                          f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
-
-    async def _shadow(
-        self,
-        live: dict[str, PeerEntry],
-        applied: Iterable[str],
-        body: bytes,
-        answered: ActivationHeader,
-        reply_bound: int,
-    ) -> None:
-        """Maybe send the answered micro-batch's bytes to one of the next stage's probationers taken
-        in this round (`Neighbours.shadowed`), drawn uniformly (answering fast buys a probationer
-        nothing), with the chance that gives each about `shadow_share` times an admitted
-        replica's share of the micro-batches (1 / the live admitted replicas). Its header
-        is listed in this replica's log before this returns, inside the step that sends the same
-        bytes (a sender's log must list every header it signs, and hold what its step sent: a
-        header written after the round's log closed would contradict it); the copy itself goes
-        in the background and its answer is dropped."""
-        if self.receivers is None or self.config.shadow_share <= 0:
-            return
-        now = self.clock()
-        admitted = set(applied)
-        usable = [w for w in live if w not in admitted and self.router.usable(w, now)]
-        taken = self.receivers.shadowed(answered.round, usable, len(admitted))
-        chance = self.config.shadow_share * len(taken) / max(1, len(admitted))
-        if not taken or self.router.rng.random() >= chance:
-            return
-        pick = self.router.rng.choice(taken)
-        header = ActivationHeader.create(  # the answered header's fields, signed for the probationer
-            self.wallet, to=pick, micro_batch=answered.micro_batch, stage=answered.stage, round=answered.round,
-            batch=answered.batch, seq_len=answered.seq_len, dim=answered.dim, codec=answered.codec,
-            payload_sha256=answered.payload_sha256, network=answered.network,
-        )  # fmt: skip
-        if self.segments is not None:
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.segments.note_header, header.round, "activations", header.micro_batch, pick,
-                header.payload_sha256, body,
-            )  # fmt: skip
-        self.sent_to.add(pick)
-        self.shadowed += 1
-        task = asyncio.create_task(self._send_shadow(live[pick], body, header, reply_bound))
-        self._shadows.add(task)
-        task.add_done_callback(self._shadows.discard)
-
-    async def _send_shadow(
-        self, peer: PeerEntry, body: bytes, header: ActivationHeader, reply_bound: int
-    ) -> None:
-        started = time.monotonic()
-        outcome = await self._try(peer, body, header, reply_bound, consumed=False)
-        if isinstance(outcome, tuple):
-            self.router.succeeded(peer.wallet, header.batch * header.seq_len, time.monotonic() - started)
-        elif outcome == "busy":
-            self.router.busy(peer.wallet, self.clock())
-        elif outcome == "outsider":
-            self.router.outsider(peer.wallet, self.clock())
-        elif outcome != "reused":
-            self.router.failed(peer.wallet, self.clock())
 
     async def blame(self, micro_batch: str, why: str) -> str | None:
         """The gradient that came back for `micro_batch` overflowed this replica's backward
@@ -702,12 +610,9 @@ class PipelineClient:
         body: bytes,
         header: ActivationHeader,
         reply_bound: int,
-        *,
-        consumed: bool = True,
     ) -> tuple[Tensor, float] | str:
         """One attempt: the result, "busy", "reused" (409: the replica holds this id with another
-        payload), "outsider" (403: its member list does not name this replica), or why it failed.
-        Not `consumed` (a shadow copy): the answer is checked but not recorded as received."""
+        payload), "outsider" (403: its member list does not name this replica), or why it failed."""
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
         try:
             reply = await self._post(peer, FORWARD, body, headers, reply_bound, self.config.request_timeout_s)
@@ -745,7 +650,7 @@ class PipelineClient:
             )
         except Refused as exc:
             return f"bad reply: {exc}"
-        if self.segments is not None and consumed:  # the step in progress consumed this reply and sent `body`
+        if self.segments is not None:  # the step in progress consumed this reply and sent `body`
             self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256, body)
             self.segments.note_received(
                 Received("gradient", answer.wallet, answer.to_json(), reply.body), header.micro_batch

@@ -38,31 +38,10 @@ def test_admitted_wallets_are_taken_and_wallets_off_the_list_are_not() -> None:
     assert neighbours.takes("stranger")
 
 
-def test_listed_probationers_are_taken_but_only_admitted_wallets_count() -> None:
-    """A sender takes gradients only from wallets that count (node.p2p.pipeline); probationers are
-    taken (their micro-batches, and shadow copies sent to them) but do not count."""
+def test_listed_probationers_are_taken_as_admitted_wallets_are() -> None:
     neighbours = Neighbours(1)
-    assert neighbours.counts("anyone") and neighbours.shadowed(0, ["anyone"], 1) == []  # no roster
     neighbours.set(probation())
     assert all(neighbours.takes(w) for w in ADMITTED | FLOOD) and not neighbours.takes("p9999")
-    assert all(neighbours.counts(w) for w in ADMITTED) and not any(neighbours.counts(w) for w in FLOOD)
-
-
-def test_shadow_copies_go_to_a_capped_set_of_probationers_that_turns_with_the_round() -> None:
-    """As a round takes at most ProbationCap probationers, picked by a hash of (round, wallet), a
-    sender gives shadow copies to at most a quarter of the live admitted count (at least one): a
-    flood of listed keys waits its turn, and every probationer gets a turn."""
-    neighbours = Neighbours(1)
-    neighbours.set(probation())
-    live = sorted(FLOOD)[:40] + ["stranger", *sorted(ADMITTED)]
-    assert len(neighbours.shadowed(0, live, admitted=8)) == 2
-    assert len(neighbours.shadowed(0, live, admitted=1)) == 1
-    turns = [set(neighbours.shadowed(r, live, admitted=8)) for r in range(200)]
-    assert all(t <= set(sorted(FLOOD)[:40]) for t in turns)  # never an admitted wallet or a stranger
-    assert len(set().union(*turns)) == 40  # each of the 40 live probationers gets rounds
-    assert neighbours.shadowed(7, live, admitted=8) == neighbours.shadowed(
-        7, list(reversed(live)), admitted=8
-    )
 
 
 def test_a_roster_of_another_stage_is_refused() -> None:
