@@ -55,7 +55,7 @@ def _run(size: str, num_stages: int, batch: int, seq_len: int) -> list[dict[str,
     layers = len(middle.layers)
     with torch.no_grad():
         honest = first(torch.randint(0, config.vocab_size, (batch, seq_len)))
-    where = {"size": size, "stages": num_stages, "layers": layers}
+    where: dict[str, float | str] = {"size": size, "stages": num_stages, "layers": layers}
     lowest = float(_mean_square(honest).min()) / eps
     rows: list[dict[str, float | str]] = [
         {**where, "input": "stage 0 output (honest)", "input_ms_over_eps": lowest}

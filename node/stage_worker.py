@@ -34,7 +34,7 @@ from .diloco import DiLoCo
 from .inner_loop import InnerLoop, RoundFinisher, Stepped, TrainResult, lone_replica, timed
 from .model import Transformer
 from .p2p.pipeline import Busy, Job
-from .pipeline import Blame, Downstream, NonFiniteStep, degenerate_problem, stage_inner_step
+from .pipeline import SEND_MARGIN, Blame, Downstream, NonFiniteStep, degenerate_problem, stage_inner_step
 from .segments import SegmentRecorder
 from .vocab import VocabSchedule, regrow, state_vocab, vocab_of
 from .work import RoundWork
@@ -341,12 +341,13 @@ class StageWorker(InnerLoop):
     def _onward(self, job: Job) -> Downstream | None:
         """The next stage for this job (None on the last stage), reached under the job's id.
 
-        An output that is degenerate (node.pipeline.degenerate_problem) is not sent: the step
-        fails as a `NonFiniteStep` that is the sender's fault (the service strikes it), and
-        nothing was offered, so the segment log records nothing. Activations the service took
-        are not degenerate, and on those an honest stage's output is not either (its first norm
-        restores every position), so only a sender that fitted its activations to this replica's
-        weights gets here; without the check the next stage would strike this replica instead."""
+        An output with a position under `SEND_MARGIN` times the degenerate bound
+        (node.pipeline.degenerate_problem) is not sent: the step fails as a `NonFiniteStep` that
+        is the sender's fault (the service strikes it), and nothing was offered, so the segment
+        log records nothing. On honest activations an honest stage's output is far above it; a
+        sender that sits at the bound on a shallow stage whose layers add little, or fits its
+        activations to this replica's weights, gets here. Without the check (or without the
+        margin, against the codec's rounding) the next stage would strike this replica instead."""
         forward = self.downstream
         if forward is None:
             return None
@@ -355,7 +356,7 @@ class StageWorker(InnerLoop):
         eps = model.config.norm_eps
 
         def onward(hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
-            degenerate = degenerate_problem(hidden, eps)
+            degenerate = degenerate_problem(hidden, eps, margin=SEND_MARGIN)
             if degenerate is not None:
                 raise NonFiniteStep(
                     f"this stage's output on the micro-batch is degenerate: {degenerate}; not sent"

@@ -1289,7 +1289,9 @@ class ReplayChecker:
         verdict would let whoever keeps it from reading them cost it reputation: the pass
         counts for nothing instead, so rounds trained on such inputs earn no reputation and no
         admission. A wallet that registered and was dropped from the lists later (refused, or off
-        the roster) is not a stranger: a replica reads the lists every 15 s, not at once."""
+        the roster) is not a stranger: a replica reads the lists every 15 s, not at once. One that
+        only the roster named, never registered, is judged by the roster in force at the check:
+        dropped from it since the round, it is a stranger (the round's roster is not kept)."""
         if self.membership.policy == "open":
             return None
         pairs = {(key, stage) for key, stage, _ in self._signed_by_senders(challenge)}

@@ -521,6 +521,11 @@ class PipelineClient:
                     self._answered.popitem(last=False)
                 return outcome
             self.retries += 1
+            if outcome == "degenerate":  # the bytes' fault, not the replica's: every replica refuses them
+                raise NonFiniteStep(
+                    f"a stage {self.stage + 1} replica refused micro-batch {micro_batch[:8]}'s activations "
+                    "as degenerate (node.pipeline.DEGENERATE_MEAN_SQUARE); not sent elsewhere"
+                )
             if outcome == "busy":
                 self.router.busy(pick, self.clock())
             elif outcome == "outsider":
@@ -612,7 +617,8 @@ class PipelineClient:
         reply_bound: int,
     ) -> tuple[Tensor, float] | str:
         """One attempt: the result, "busy", "reused" (409: the replica holds this id with another
-        payload), "outsider" (403: its member list does not name this replica), or why it failed."""
+        payload), "outsider" (403: its member list does not name this replica), "degenerate"
+        (422: it refused the activations as degenerate), or why it failed."""
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
         try:
             reply = await self._post(peer, FORWARD, body, headers, reply_bound, self.config.request_timeout_s)
@@ -624,6 +630,8 @@ class PipelineClient:
             return "reused"
         if reply.status == 403 and _refusal_code(reply) == "not_a_member":
             return "outsider"
+        if reply.status == 422 and _refusal_code(reply) == "degenerate_activations":
+            return "degenerate"
         if not reply.ok:
             return f"status {reply.status}: {reply.error()}"
         try:
@@ -877,11 +885,15 @@ class PipelineService:
         self.duplicates += 1
         return taken
 
+    def _decode(self, body: bytes, header: ActivationHeader) -> tuple[Tensor, Tensor, str | None]:
+        """`decode_activations`, and why they are degenerate (None: they are not), off the event loop."""
+        hidden, labels = decode_activations(body, header, self.label_bound)
+        return hidden, labels, degenerate_problem(hidden, self.model_config.norm_eps)
+
     async def _take(self, header: ActivationHeader, body: bytes) -> _Taken:
         """Decode the micro-batch and queue it on the worker, remembering its id; Busy -> 503."""
         loop = asyncio.get_running_loop()
-        hidden, labels = await loop.run_in_executor(None, decode_activations, body, header, self.label_bound)
-        degenerate = degenerate_problem(hidden, self.model_config.norm_eps)
+        hidden, labels, degenerate = await loop.run_in_executor(None, self._decode, body, header)
         if degenerate is not None:  # an honest stage sends none (pipeline.DEGENERATE_MEAN_SQUARE)
             self._strike(header.wallet, f"it sent degenerate activations ({degenerate})")
             raise Refused("degenerate_activations", f"{degenerate}; not taken")

@@ -379,6 +379,12 @@ def test_degenerate_problem_counts_positions_under_a_quarter_of_the_norm_eps() -
     one[1, 3] = 0.0  # a single all-zero position is enough to pass zeros on
     assert (degenerate_problem(one, eps) or "").startswith("1 of 16 positions")
     assert degenerate_problem(torch.zeros(0, 8, 16), eps) is None
+    # The bound follows the model's eps, and a margin raises it (a sender's check of its output).
+    assert degenerate_problem(_at_mean_square((2, 8, 16), 0.24 * eps), eps / 10) is None
+    assert degenerate_problem(_at_mean_square((2, 8, 16), 0.4 * eps), eps) is None
+    assert (degenerate_problem(_at_mean_square((2, 8, 16), 0.4 * eps), eps, margin=2.0) or "").startswith(
+        "16 of"
+    )
 
 
 def test_a_stage_restores_activations_at_the_bound_but_passes_zeros_on_as_zeros() -> None:

@@ -15,7 +15,7 @@ from neuroshard.node.checkpoint import CheckpointIdentity, CheckpointMismatch
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
-from neuroshard.node.pipeline import NonFiniteStep, stage_fingerprint
+from neuroshard.node.pipeline import DEGENERATE_MEAN_SQUARE, NonFiniteStep, stage_fingerprint
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder, SegmentSink
 from neuroshard.node.stage_worker import JobQueue, StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
@@ -440,11 +440,18 @@ def test_a_middle_stage_sends_no_degenerate_output_and_fails_the_step_on_its_sen
     forward = engine.model.forward
     calls: list[int] = []
 
-    def fitted(
-        x: torch.Tensor,
-    ) -> torch.Tensor:  # the first job's output as activations fitted to its weights make it
+    def fitted(x: torch.Tensor) -> torch.Tensor:
+        """The first job's output as activations fitted to its weights make it: one position, the
+        last, just under twice the bound (the codec could carry it under the bound itself, and the
+        next stage would strike this replica)."""
         calls.append(1)
-        return forward(x) * (0.0 if len(calls) == 1 else 1.0)
+        out = forward(x)
+        if len(calls) > 1:
+            return out
+        scale = torch.ones_like(out)
+        target = 1.9 * DEGENERATE_MEAN_SQUARE * MODEL.norm_eps
+        scale[-1, -1] = (target / out[-1, -1].detach().pow(2).mean()).sqrt()
+        return out * scale
 
     monkeypatch.setattr(engine.model, "forward", fitted)
     offered: list[str] = []

@@ -338,7 +338,7 @@ async def test_degenerate_activations_are_refused_before_the_queue_and_strike_th
         lines: list[str] = []
         served.service.log = lines.append
         hidden, labels = _micro_batch()
-        hidden[0, 2] = 0.0
+        hidden[-1, -2] = 0.0  # one position, in the last sequence
         body = encode_activations(hidden, labels, PIPE.codec)
         before = served.fingerprint()
         got, _, reply = await served.send(wallets[1], body, _signed(wallets[1], body))
@@ -352,6 +352,34 @@ async def test_degenerate_activations_are_refused_before_the_queue_and_strike_th
         assert (got, ErrorReply.from_json(reply).error) == (429, "struck")
         got, _, reply = await served.send(wallets[2], good, _signed(wallets[2], good, micro_batch="cd" * 16))
         assert got == 200, reply
+
+
+@pytest.mark.asyncio
+async def test_a_sender_whose_activations_are_refused_as_degenerate_sends_them_nowhere_else(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """A 422 `degenerate_activations` is the bytes' fault, not the replica's: every replica would
+    refuse them (and strike the sender), so the step fails at once as its sender's fault, and
+    the replica that said so is not banned."""
+    driver = wallets[1]
+    hidden, labels = _micro_batch(3)
+    hidden[1, 0] = 0.0
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0]) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (b, _),
+    ):
+        client, router = _client_of_two(driver, a, b, PIPE, lambda s: None)
+        await client.start()
+        try:
+            with pytest.raises(NonFiniteStep, match="degenerate") as refused:
+                await client.forward(
+                    hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 0)
+                )
+        finally:
+            await client.close()
+    assert not refused.value.gradient_at_fault and client.retries == 1
+    assert (a.worker.diloco.step, b.worker.diloco.step) == (0, 0)
+    assert router.ranking([a.wallet.public_key_hex], time.time()) == [a.wallet.public_key_hex]  # not banned
 
 
 @pytest.mark.asyncio
