@@ -1282,9 +1282,9 @@ class ReplayChecker:
         Under ``allowlist`` or ``probation`` a replica takes micro-batches only from wallets on
         its neighbour stages' member lists (node.membership.Neighbours), and a wallet is listed
         only after it registered for that stage, which leaves a `Membership` row that is never
-        deleted, or when the operator's roster names it for that stage. A stranger's inputs are then ones the replica should not have taken: made up
-        and signed with a free key, say, to steer its training while every segment replays. No
-        verdict, because an honest replica that could not read the lists yet takes everyone (it
+        deleted, or when the operator's roster names it for that stage. A stranger's inputs are
+        then ones the replica should not have taken: made up and signed with a free key, say, to
+        steer its training while every segment replays. No verdict, because an honest replica that could not read the lists yet takes everyone (it
         starts with none, and a verifier that cannot be reached is not a reason to stop), and a
         verdict would let whoever keeps it from reading them cost it reputation: the pass
         counts for nothing instead, so rounds trained on such inputs earn no reputation and no
