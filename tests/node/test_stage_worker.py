@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import Busy, Job, JobResult
 from neuroshard.node.pipeline import DEGENERATE_MEAN_SQUARE, NonFiniteStep, stage_fingerprint
 from neuroshard.node.segments import SegmentConfig, SegmentRecorder, SegmentSink
-from neuroshard.node.stage_worker import JobQueue, StageCheckpoint, StageWorker, WorkerConfig
+from neuroshard.node.stage_worker import Forward, JobQueue, StageCheckpoint, StageWorker, WorkerConfig
 from neuroshard.node.trainer import TrainResult
 from neuroshard.node.vocab import VocabSchedule, vocab_of
 from neuroshard.protocol.identity import sha256_hex
@@ -322,6 +323,13 @@ def test_replies_land_on_their_own_steps_when_one_id_is_trained_twice() -> None:
     assert recorded == [[SentRef(kind="gradient", payload_sha256=sha256_hex(r[0]))] for r in replies]  # type: ignore[arg-type]
 
 
+def _one_step(engine: DiLoCo, downstream: Forward, **kwargs: Any) -> StageWorker:
+    """A middle stage's worker that ends after one step, sending its output on through `downstream`."""
+    return StageWorker(
+        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream, **kwargs
+    )
+
+
 def test_a_middle_stage_job_that_offered_its_output_and_failed_is_a_failed_step() -> None:
     """A middle stage's job whose every attempt downstream failed answers its sender with the error
     (it retries) and is recorded as a failed step after the steps before it, with the message it
@@ -342,10 +350,7 @@ def test_a_middle_stage_job_that_offered_its_output_and_failed_is_a_failed_step(
         recorder.note_sent(mb, "activations", sha256_hex(body), body)
         return torch.zeros_like(hidden), 1.0
 
-    worker = StageWorker(
-        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
-        segments=recorder,
-    )  # fmt: skip
+    worker = _one_step(engine, downstream, segments=recorder)
     results: list[JobResult] = []
     first, again = _job(results, 0), _job(results, 0)
     first.received = again.received = Received("activations", SENDER, b"{}", b"x")
@@ -372,10 +377,7 @@ def test_a_failed_job_answers_its_sender_even_when_the_store_raises() -> None:
     def downstream(hidden: torch.Tensor, labels: torch.Tensor, mb: str) -> tuple[torch.Tensor, float]:
         raise ConnectionError("no replica of stage 2 took it")
 
-    worker = StageWorker(
-        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
-        segments=Broken(SegmentConfig(segment_steps=H), stage=1),
-    )  # fmt: skip
+    worker = _one_step(engine, downstream, segments=Broken(SegmentConfig(segment_steps=H), stage=1))
     results: list[JobResult] = []
     worker.jobs.offer(_job(results, 0))
     with pytest.raises(OSError, match="disk full"):
@@ -399,10 +401,9 @@ def test_a_middle_stage_blames_an_overflowing_gradient_by_its_job_id_and_steps_w
         answers.append(mb)
         return torch.full_like(hidden, 3e38 if len(answers) == 1 else 1e-3), 1.0
 
-    worker = StageWorker(
-        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
-        blame=lambda mb, why: blamed.append((mb, why)) is None, segments=recorder,
-    )  # fmt: skip
+    worker = _one_step(
+        engine, downstream, blame=lambda mb, why: blamed.append((mb, why)) is None, segments=recorder
+    )
     results: list[JobResult] = []
     job = _job(results, 0)
     job.received = Received("activations", SENDER, b"{}", b"x")
@@ -460,10 +461,7 @@ def test_a_middle_stage_sends_no_degenerate_output_and_fails_the_step_on_its_sen
         offered.append(mb)
         return torch.zeros_like(hidden), 1.0
 
-    worker = StageWorker(
-        engine, WorkerConfig(max_steps=1, max_pending=10), log=lambda s: None, downstream=downstream,
-        segments=recorder,
-    )  # fmt: skip
+    worker = _one_step(engine, downstream, segments=recorder)
     results: list[JobResult] = []
     for seed in (0, 1):  # the second job's output is the stage's own: it steps, and the run ends
         job = _job(results, seed)
