@@ -159,6 +159,57 @@ def degenerate_problem(hidden: Tensor, eps: float, margin: float = 1.0) -> str |
     )
 
 
+AUDIT_MIN_COSINE = 0.1
+"""Two next-stage replicas' answers to one micro-batch agree (`answers_disagree`) when every
+sequence's gradient has a cosine of at least this with the other's. Honest replicas drift apart
+within a round (each takes its own inner steps) and each answer went through the lossy codec:
+stage 1 of the tiny model, 300 inner steps from a common start at the peak learning rate, was at
+0.76 or more (`bench/bench_pipeline_poison.py`, section 3), and the 2-layer, width-32 model of the
+loopback tests at an inner learning rate of 1e-2 (3 × the default) at 0.33 or more. A negated
+answer is near −1, zeros or noise near 0."""
+AUDIT_MAX_NORM_RATIO = 10.0
+"""... every sequence's gradient norm is within this factor of the other's (honest: up to 2.9 on
+the loopback tests' model, 1.14 on tiny) ..."""
+AUDIT_MAX_TOTAL_NORM_RATIO = 4.0
+"""... the whole micro-batch's within this factor (honest: up to 2.5 and 1.14) ..."""
+AUDIT_MAX_LOSS_GAP = 0.25
+"""... and the two losses differ by at most this fraction of the smaller (honest: under 0.025)."""
+
+
+def answers_disagree(first: tuple[Tensor, float], second: tuple[Tensor, float]) -> str | None:
+    """Why two answers from next-stage replicas to the same micro-batch ((∂loss/∂hidden (B, T, C),
+    loss)) cannot both be honest, or None. Each sequence is compared on its own, so an answer that
+    falsifies one sequence of a micro-batch is caught as one that falsifies all of them. Honest
+    replicas of a stage differ, so this is a tolerance set from measurements (the bounds above),
+    not an equality: it catches a gradient negated, zeroed, replaced by noise or scaled, not one
+    bent a little. Pure; float32 on the CPU."""
+    a, b = first[0].detach().float().flatten(1), second[0].detach().float().flatten(1)
+    if a.shape != b.shape:
+        return f"gradients of different shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    tiny = torch.finfo(torch.float32).tiny
+    norm_a, norm_b = torch.linalg.vector_norm(a, dim=1), torch.linalg.vector_norm(b, dim=1)
+    total_a, total_b = float(torch.linalg.vector_norm(norm_a)), float(torch.linalg.vector_norm(norm_b))
+    if max(total_a, total_b) > AUDIT_MAX_TOTAL_NORM_RATIO * min(total_a, total_b):
+        return (
+            f"the gradients' norms {total_a:.3g} and {total_b:.3g} differ more than "
+            f"{AUDIT_MAX_TOTAL_NORM_RATIO:g}-fold"
+        )
+    small, large = torch.minimum(norm_a, norm_b), torch.maximum(norm_a, norm_b)
+    if bool((large > AUDIT_MAX_NORM_RATIO * small).any()):
+        worst = float((large / small.clamp_min(tiny)).max())
+        return f"a sequence's gradient norms differ {worst:.3g}-fold (at most {AUDIT_MAX_NORM_RATIO:g})"
+    cosine = (a * b).sum(dim=1) / (norm_a * norm_b).clamp_min(tiny)
+    cosine = torch.where(large == 0, 1.0, cosine)  # both zero (a sequence with no label): agree
+    if bool((cosine < AUDIT_MIN_COSINE).any()):
+        return f"a sequence's gradients have a cosine of {float(cosine.min()):.3f} (at least {AUDIT_MIN_COSINE:g})"
+    loss_a, loss_b = first[1], second[1]
+    if not (math.isfinite(loss_a) and math.isfinite(loss_b)):
+        return f"a loss is not finite ({loss_a}, {loss_b})"
+    if abs(loss_a - loss_b) > AUDIT_MAX_LOSS_GAP * min(abs(loss_a), abs(loss_b)):
+        return f"losses {loss_a:.4g} and {loss_b:.4g} differ by more than {AUDIT_MAX_LOSS_GAP:.0%}"
+    return None
+
+
 class NonFiniteStep(ValueError):
     """A micro-batch whose loss or gradients are not finite: refused, nothing stepped.
 

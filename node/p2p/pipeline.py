@@ -35,6 +35,24 @@ the gradient of the reply it got, and counts the micro-batch's tokens once. What
 guarantees is that no replica steps twice on one micro-batch, not that exactly one replica of
 the next stage does.
 
+Audits. Nothing else holds a gradient answer to anything at the time it is used (the overflow
+check aside), and the router sends most micro-batches to whoever answers fastest, so one replica
+that answers at once with a made-up gradient would draw most of a sender's traffic and steer its
+steps. A sender therefore checks a share of the answers (`PipelineConfig.audit_rate`, 1/16, and
+`probation_audit_rate`, 1/4, for the next stage's listed probationers) before its step uses them:
+the same micro-batch goes to another replica drawn uniformly, and the answers must agree within
+what honest drift allows (node.pipeline.answers_disagree); a disagreement is settled by a third
+opinion, or by standing (admitted over probationer), and the outvoted replica is banned like one
+whose gradient overflowed (`NextStageRouter.blamed`). A replica cannot tell which of its answers
+are checked, so each falsified answer is caught with probability `audit_rate`: about 1 / rate
+falsified answers per ban, whatever share it falsifies, and each ban twice as long. An audit copy is
+real work for the replica asked (it trains on it, as on a retry), so audits cost the stages after
+this one `audit_rate` more micro-batches, compounding per hop: (1 + rate)^(S − 1 − s) at the last.
+What audits do not catch: an answer bent within the bounds (it must be computed to pass them, so
+it no longer comes at once), colluders drawn as each other's auditors, and a replica further down
+that answers two replicas of this stage differently (it can make an honest one look outvoted until
+its own senders' audits catch it).
+
 Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
 verifier), a replica offers micro-batches only to the next stage's replicas on its list and steps
 only on micro-batches from those of the stage before (403 `not_a_member` to anyone else), so
@@ -110,7 +128,7 @@ from neuroshard.protocol.segments import Received
 
 from ..membership import Neighbours
 from ..model import ModelConfig
-from ..pipeline import NonFiniteStep, degenerate_problem
+from ..pipeline import NonFiniteStep, answers_disagree, degenerate_problem
 from ..segments import SegmentRecorder
 from ..vocab import vocab_cap
 from ..wallet import Wallet
@@ -189,6 +207,38 @@ OUTSIDER_RETRY_S = 10.0
 the time it takes to read a newer list (`verifier_client.VerifierClientConfig.neighbours_every_s`)."""
 
 
+AUDIT_ASKS = 3
+"""Other next-stage replicas an audit asks at most (one that is busy or fails is passed over): a
+second opinion, and a third when the first two disagree."""
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """One micro-batch as this replica sends it, to whichever next-stage replica takes it."""
+
+    round: int
+    micro_batch: str
+    shape: tuple[int, int, int]
+    body: bytes
+    payload_sha256: str
+    reply_bound: int
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A next-stage replica's signed answer to an `_Offer`, checked and decoded."""
+
+    wallet: str
+    grad: Tensor
+    loss: float
+    reply: GradientReply
+    body: bytes
+
+    @property
+    def result(self) -> tuple[Tensor, float]:
+        return self.grad, self.loss
+
+
 class PipelineUnavailable(ConnectionError):
     """No replica of the next stage took the micro-batch before the deadline (or the node is stopping)."""
 
@@ -239,6 +289,14 @@ class PipelineConfig:
     reply comes right after the sender's `request_timeout_s`, when at most `max_pending` + 1 other
     micro-batches per sender have been taken here since; each outcome held costs its gradient,
     B·T·C·4 bytes (512 KiB for the tiny model at 8 × 128: 16 MiB for the window)."""
+    audit_rate: float = 1 / 16
+    """The share of answers from admitted next-stage replicas (from every one, where the next stage
+    has no member list) that this replica checks against another replica's answer to the same
+    micro-batch before its step uses one (`PipelineClient`, "Audits"). Each check costs the rest of
+    the pipeline one more micro-batch of work."""
+    probation_audit_rate: float = 0.25
+    """The share of answers from the next stage's listed probationers checked so: they cost a
+    registration, not verified rounds."""
     upstream_ttl_s: float = 600.0
     """A stage > 0 replica ends when every replica of the stage before it that sent it a micro-batch
     in the last `upstream_ttl_s` has sent a signed `PipelineEnd` (a sender quiet for longer, gone
@@ -269,6 +327,9 @@ class PipelineConfig:
             raise ValueError("PipelineConfig: ban_s, busy_s and max_pending must be >= 0")
         if not 0 < self.throughput_ema <= 1:
             raise ValueError(f"PipelineConfig.throughput_ema must lie in (0, 1], got {self.throughput_ema}")
+        for name in ("audit_rate", "probation_audit_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"PipelineConfig.{name} must lie in [0, 1], got {getattr(self, name)}")
 
 
 @dataclass
@@ -392,6 +453,7 @@ class PipelineClient:
         segments: SegmentRecorder | None = None,
         bucket: BucketStore | None = None,
         receivers: Neighbours | None = None,
+        audit_rng: random.Random | None = None,
     ) -> None:
         """`bucket`: the stage bucket (``--relay``), through which next-stage replicas behind NAT are
         reached (mailbox.py); without it they are left out. `receivers`: the next stage's
@@ -418,7 +480,18 @@ class PipelineClient:
             wallet, clock=clock, connect_timeout_s=min(5.0, config.request_timeout_s),
             request_timeout_s=config.request_timeout_s,
         )  # fmt: skip
+        self.audit_rng = audit_rng or random.Random()
+        """Which answers are audited, and by whom (seeded from the OS: a replica must not be able to
+        tell which of its answers will be checked)."""
         self.retries = 0
+        self.audits = 0
+        """Answers audited (`_audit`), and of those: ..."""
+        self.audit_blamed = 0
+        """... answers outvoted, their senders banned;"""
+        self.audits_unsettled = 0
+        """... disputes nobody could settle;"""
+        self.audits_unchecked = 0
+        """... audits that found no other replica to ask."""
         self.blamed = 0
         """Gradients refused as overflowing this replica's backward (`blame`)."""
         self._not_member: set[str] = set()
@@ -450,14 +523,17 @@ class PipelineClient:
         `micro_batch_id`, the same on every attempt and every hop. No attempt starts after
         `deadline_s`; then `PipelineUnavailable`, or `NotListed` when replicas skipped refused this
         one as not on their member list. Not `patient` (a middle replica, whose sender can go
-        elsewhere): `NotListed` as soon as every replica it may ask refused it so."""
+        elsewhere): `NotListed` as soon as every replica it may ask refused it so. A share of the
+        answers is audited first (`_audit`)."""
         batch, seq_len, dim = hidden.shape
         codec = self.config.codec
         body = await asyncio.get_running_loop().run_in_executor(
             None, encode_activations, hidden, labels, codec
         )
-        payload_sha256 = sha256_hex(body)
-        reply_bound = gradient_size_bound(batch, seq_len, dim, codec)
+        offer = _Offer(
+            round=round_, micro_batch=micro_batch, shape=(batch, seq_len, dim), body=body,
+            payload_sha256=sha256_hex(body), reply_bound=gradient_size_bound(batch, seq_len, dim, codec),
+        )  # fmt: skip
         deadline = time.monotonic() + self.config.deadline_s
         refused: set[str] = set()
         """Replicas that already took this id with another payload: never asked again for it."""
@@ -493,56 +569,169 @@ class PipelineClient:
                 await asyncio.sleep(self.config.retry_pause_s)
                 continue
             started = time.monotonic()
-            self.sent_to.add(pick)  # tried is enough: it may have taken the micro-batch and lost the reply
-            header = ActivationHeader.create(  # signed for this replica: a header names its recipient
-                self.wallet, to=pick, micro_batch=micro_batch, stage=self.stage + 1, round=round_,
-                batch=batch, seq_len=seq_len, dim=dim, codec=codec, payload_sha256=payload_sha256,
-                network=self.config.network,
-            )  # fmt: skip
-            if self.segments is not None:  # every header it signs, taken or not, on disk before it leaves
-                await asyncio.get_running_loop().run_in_executor(
-                    None,
-                    self.segments.note_header,
-                    round_,
-                    "activations",
-                    micro_batch,
-                    pick,
-                    payload_sha256,
-                    body,
-                )
-            outcome = await self._try(live[pick], body, header, reply_bound)
-            if outcome != "outsider":
-                self._not_member.discard(pick)
-            if isinstance(outcome, tuple):
+            outcome = await self._ask(live[pick], offer)
+            if isinstance(outcome, _Answer):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
-                self._answered[micro_batch] = pick
-                self._answered.move_to_end(micro_batch)
-                while len(self._answered) > ANSWERS_KEPT:
-                    self._answered.popitem(last=False)
-                return outcome
+                if self.audit_rng.random() < self._audit_rate(pick):
+                    settled = await self._audit(offer, outcome, live, deadline)
+                    if settled is None:  # a dispute nobody could settle: both set aside, sent again
+                        self.retries += 1
+                        continue
+                    outcome = settled
+                return self._consume(offer, outcome)
             self.retries += 1
             if outcome == "degenerate":  # the bytes' fault, not the replica's: every replica refuses them
                 raise NonFiniteStep(
                     f"a stage {self.stage + 1} replica refused micro-batch {micro_batch[:8]}'s activations "
                     "as degenerate (node.pipeline.DEGENERATE_MEAN_SQUARE); not sent elsewhere"
                 )
-            if outcome == "busy":
-                self.router.busy(pick, self.clock())
-            elif outcome == "outsider":
-                if pick not in self._not_member:
-                    self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} takes no micro-batch from this one "
-                             f"(it is not on its member list of stage {self.stage}); asking again every "
-                             f"{OUTSIDER_RETRY_S:.0f} s")  # fmt: skip
-                self._not_member.add(pick)
-                self.router.outsider(pick, self.clock())
-            elif outcome == "reused":
+            if outcome == "reused":
                 refused.add(pick)
                 self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} already took micro-batch "
                          f"{micro_batch[:8]} with another payload; sending it elsewhere")  # fmt: skip
             else:
-                self.router.failed(pick, self.clock())
-                self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} failed ({outcome}); "
-                         f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
+                self._set_back(pick, outcome, micro_batch)
+
+    def _set_back(self, wallet: str, outcome: str, micro_batch: str) -> None:
+        """The router's account of an attempt that `wallet` did not answer: busy, not taking this
+        replica (not a member), or failed (banned `ban_s`)."""
+        if outcome == "outsider":
+            if wallet not in self._not_member:
+                self.log(f"pipeline: stage {self.stage + 1} replica {wallet[:12]} takes no micro-batch from this one "
+                         f"(it is not on its member list of stage {self.stage}); asking again every "
+                         f"{OUTSIDER_RETRY_S:.0f} s")  # fmt: skip
+            self._not_member.add(wallet)
+            self.router.outsider(wallet, self.clock())
+            return
+        if outcome == "busy":
+            self.router.busy(wallet, self.clock())
+        elif outcome not in ("reused", "degenerate"):
+            self.router.failed(wallet, self.clock())
+            self.log(f"pipeline: stage {self.stage + 1} replica {wallet[:12]} failed ({outcome}); "
+                     f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
+
+    def _audit_rate(self, wallet: str) -> float:
+        roster = None if self.receivers is None else self.receivers.roster
+        if roster is not None and wallet in roster.probation:
+            return self.config.probation_audit_rate
+        return self.config.audit_rate
+
+    def _admitted(self, wallet: str) -> bool:
+        roster = None if self.receivers is None else self.receivers.roster
+        return roster is not None and wallet in roster.admitted
+
+    async def _audit(
+        self, offer: _Offer, first: _Answer, live: dict[str, PeerEntry], deadline: float
+    ) -> _Answer | None:
+        """Audits: the same micro-batch (the same bytes under the same id, in a header signed for
+        each) goes to another next-stage replica drawn uniformly — not by throughput, which a replica
+        that answers at once without computing would win — and the two answers must agree within
+        what honest replicas' drift and the codec allow (node.pipeline.answers_disagree). The one
+        answered first is never told which of its answers are checked, so one that falsifies a
+        share q of them is caught after about 1 / (q × rate) answers, and each time banned for
+        twice as long (`NextStageRouter.blamed`).
+
+        Two that disagree: a third opinion; the one both others disagree with is blamed and an
+        answer the other two agree on is used. With no third (busy, failed, nobody else), an
+        admitted replica is believed over a probationer; two of the same standing cannot be told
+        apart: both are set aside for `ban_s` and None is returned (the caller sends the
+        micro-batch again, elsewhere). Nobody else to ask: the first answer is used unchecked.
+        Returns the answer to use."""
+        self.audits += 1
+        others = [w for w in self.router.ranking(live, self.clock()) if w != first.wallet]
+        self.audit_rng.shuffle(others)
+        answers = [first]
+        asked = 0
+        for wallet in others:
+            if asked == AUDIT_ASKS or len(answers) == 3 or time.monotonic() > deadline or self.stop.is_set():
+                break
+            asked += 1
+            outcome = await self._ask(live[wallet], offer)
+            if not isinstance(outcome, _Answer):
+                self._set_back(wallet, outcome, offer.micro_batch)
+                continue
+            answers.append(outcome)
+            if len(answers) == 2 and answers_disagree(first.result, outcome.result) is None:
+                return first
+        if len(answers) == 1:
+            self.audits_unchecked += 1
+            return first
+        return self._settle(offer, answers)
+
+    def _settle(self, offer: _Offer, answers: list[_Answer]) -> _Answer | None:
+        """Two or three answers, the first two disagreeing: which to use, and whom to blame."""
+        first, second = answers[0], answers[1]
+        why = answers_disagree(first.result, second.result) or "they disagree"
+        if len(answers) == 3:
+            third = answers[2]
+            with_first = answers_disagree(first.result, third.result)
+            with_second = answers_disagree(second.result, third.result)
+            if with_second is None and with_first is not None:
+                self._audit_blame(first, offer, why)
+                return second
+            if with_first is None and with_second is not None:
+                self._audit_blame(second, offer, why)
+                return first
+            if with_first is None and with_second is None:  # the third sits between them: no liar shown
+                return third
+        elif self._admitted(first.wallet) != self._admitted(second.wallet):
+            liar, kept = (second, first) if self._admitted(first.wallet) else (first, second)
+            self._audit_blame(liar, offer, f"{why}; the other is admitted, it is not")
+            return kept
+        self.audits_unsettled += 1
+        for answer in answers:
+            self.router.failed(answer.wallet, self.clock())
+        names = ", ".join(a.wallet[:12] for a in answers)
+        self.log(f"pipeline: stage {self.stage + 1} replicas {names} answered micro-batch {offer.micro_batch[:8]} "
+                 f"differently ({why}) and nothing settles which is right; each set aside "
+                 f"{self.config.ban_s:.0f} s, sending it again")  # fmt: skip
+        return None
+
+    def _audit_blame(self, liar: _Answer, offer: _Offer, why: str) -> None:
+        ban = self.router.blamed(liar.wallet, self.clock())
+        self.audit_blamed += 1
+        self.log(f"pipeline: stage {self.stage + 1} replica {liar.wallet[:12]}'s answer to micro-batch "
+                 f"{offer.micro_batch[:8]} disagrees with the other replicas' ({why}); not used, "
+                 f"banned {ban:.0f} s")  # fmt: skip
+
+    def _consume(self, offer: _Offer, answer: _Answer) -> tuple[Tensor, float]:
+        """The answer the step in progress uses: recorded (the activations it was for, and the
+        reply) and remembered for `blame`."""
+        if self.segments is not None:
+            self.segments.note_sent(offer.micro_batch, "activations", offer.payload_sha256, offer.body)
+            self.segments.note_received(
+                Received("gradient", answer.wallet, answer.reply.to_json(), answer.body), offer.micro_batch
+            )
+        self._answered[offer.micro_batch] = answer.wallet
+        self._answered.move_to_end(offer.micro_batch)
+        while len(self._answered) > ANSWERS_KEPT:
+            self._answered.popitem(last=False)
+        return answer.result
+
+    async def _ask(self, peer: PeerEntry, offer: _Offer) -> _Answer | str:
+        """One attempt at `peer`, under a header signed for it and recorded before it leaves."""
+        self.sent_to.add(peer.wallet)  # tried is enough: it may have taken the micro-batch and lost the reply
+        batch, seq_len, dim = offer.shape
+        header = ActivationHeader.create(  # signed for this replica: a header names its recipient
+            self.wallet, to=peer.wallet, micro_batch=offer.micro_batch, stage=self.stage + 1, round=offer.round,
+            batch=batch, seq_len=seq_len, dim=dim, codec=self.config.codec, payload_sha256=offer.payload_sha256,
+            network=self.config.network,
+        )  # fmt: skip
+        if self.segments is not None:  # every header it signs, taken or not, on disk before it leaves
+            await asyncio.get_running_loop().run_in_executor(
+                None,
+                self.segments.note_header,
+                offer.round,
+                "activations",
+                offer.micro_batch,
+                peer.wallet,
+                offer.payload_sha256,
+                offer.body,
+            )
+        outcome = await self._try(peer, offer.body, header, offer.reply_bound)
+        if outcome != "outsider":
+            self._not_member.discard(peer.wallet)
+        return outcome
 
     async def blame(self, micro_batch: str, why: str) -> str | None:
         """The gradient that came back for `micro_batch` overflowed this replica's backward
@@ -615,8 +804,8 @@ class PipelineClient:
         body: bytes,
         header: ActivationHeader,
         reply_bound: int,
-    ) -> tuple[Tensor, float] | str:
-        """One attempt: the result, "busy", "reused" (409: the replica holds this id with another
+    ) -> _Answer | str:
+        """One attempt: the answer, "busy", "reused" (409: the replica holds this id with another
         payload), "outsider" (403: its member list does not name this replica), "degenerate"
         (422: it refused the activations as degenerate), or why it failed."""
         headers = {ACTIVATION_HEADER: header.to_json().decode()}
@@ -658,12 +847,7 @@ class PipelineClient:
             )
         except Refused as exc:
             return f"bad reply: {exc}"
-        if self.segments is not None:  # the step in progress consumed this reply and sent `body`
-            self.segments.note_sent(header.micro_batch, "activations", header.payload_sha256, body)
-            self.segments.note_received(
-                Received("gradient", answer.wallet, answer.to_json(), reply.body), header.micro_batch
-            )
-        return grad, answer.loss
+        return _Answer(wallet=answer.wallet, grad=grad, loss=answer.loss, reply=answer, body=reply.body)
 
 
 @dataclass

@@ -421,3 +421,70 @@ def test_a_stage_restores_activations_at_the_bound_but_passes_zeros_on_as_zeros(
     # stage of the 350m preset, bench/bench_degenerate.py), and the stage gains less than on zeros.
     assert float(edge_out.pow(2).mean(-1).min()) > 4 * DEGENERATE_MEAN_SQUARE * eps
     assert edge_gain < zeros_gain, (edge_gain, zeros_gain)
+
+
+# --- audits: do two next-stage answers to one micro-batch agree? -----------------------------
+
+
+def _answer(seed: int = 0) -> torch.Tensor:
+    return torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _bent(grad: torch.Tensor, cosine: float, seed: int = 1) -> torch.Tensor:
+    """`grad` turned, sequence by sequence, to the given cosine with itself, norms kept."""
+    flat = grad.flatten(1)
+    noise = torch.randn(flat.shape, generator=torch.Generator().manual_seed(seed))
+    noise -= (noise * flat).sum(1, keepdim=True) / (flat * flat).sum(1, keepdim=True) * flat
+    noise *= flat.norm(dim=1, keepdim=True) / noise.norm(dim=1, keepdim=True)
+    return (cosine * flat + math.sqrt(1 - cosine**2) * noise).view_as(grad)
+
+
+def test_honest_looking_answers_agree_and_each_lie_is_told_apart() -> None:
+    grad = _answer()
+    agree = pipeline.answers_disagree
+    assert agree((grad, 3.0), (grad.clone(), 3.0)) is None
+    # Drift within what honest replicas showed: turned, rescaled, a different loss.
+    assert agree((grad, 3.0), (_bent(grad, 0.3) * 1.5, 3.3)) is None
+    one_seq = grad.clone()
+    one_seq[2] = -one_seq[2]
+    for lie, why in [
+        (-grad, "cosine"),
+        (one_seq, "cosine"),  # one sequence of four negated is caught as all four
+        (_bent(grad, 0.0), "cosine"),  # noise of the right size
+        (torch.zeros_like(grad), "norms"),
+        (grad * 5, "norms"),  # the whole micro-batch scaled
+    ]:
+        problem = agree((grad, 3.0), (lie, 3.0))
+        assert problem is not None and why in problem, (why, problem)
+    scaled_seq = grad.clone()
+    scaled_seq[0] /= 12  # within the micro-batch's bound, past one sequence's
+    problem = agree((grad, 3.0), (scaled_seq, 3.0))
+    assert problem is not None and "a sequence's gradient norms" in problem
+    problem = agree((grad, 3.0), (grad, 4.0))
+    assert problem is not None and "losses" in problem
+    assert agree((grad, 3.0), (grad, math.nan)) is not None
+    # A sequence with no label has a zero gradient in every honest answer: they agree on it.
+    blank = grad.clone()
+    blank[1] = 0
+    assert agree((blank, 3.0), (blank.clone(), 3.0)) is None
+
+
+def test_each_audit_bound_is_where_its_constant_says() -> None:
+    grad = _answer(3)
+    agree = pipeline.answers_disagree
+    cos = pipeline.AUDIT_MIN_COSINE
+    assert agree((grad, 1.0), (_bent(grad, cos + 0.01), 1.0)) is None
+    assert agree((grad, 1.0), (_bent(grad, cos - 0.01), 1.0)) is not None
+    total = pipeline.AUDIT_MAX_TOTAL_NORM_RATIO
+    assert agree((grad, 1.0), (grad * (total * 0.99), 1.0)) is None
+    assert agree((grad, 1.0), (grad * (total * 1.01), 1.0)) is not None
+    gap = pipeline.AUDIT_MAX_LOSS_GAP
+    assert agree((grad, 2.0), (grad, 2.0 * (1 + gap * 0.99))) is None
+    assert agree((grad, 2.0), (grad, 2.0 * (1 + gap * 1.01))) is not None
+    seq = pipeline.AUDIT_MAX_NORM_RATIO
+    shrunk = grad.clone()
+    shrunk[0] /= seq * 0.99  # one sequence of four: the micro-batch's norm stays within its bound
+    assert agree((grad, 1.0), (shrunk, 1.0)) is None
+    shrunk[0] /= 1.03
+    problem = agree((grad, 1.0), (shrunk, 1.0))
+    assert problem is not None and "a sequence's gradient norms" in problem

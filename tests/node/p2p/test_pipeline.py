@@ -61,7 +61,11 @@ from neuroshard.protocol.signing import sign_request
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
 B, T = 2, 8
-PIPE = PipelineConfig(num_stages=2, max_batch=4, request_timeout_s=5.0, deadline_s=5.0, ban_s=30.0)
+PIPE = PipelineConfig(
+    num_stages=2, max_batch=4, request_timeout_s=5.0, deadline_s=5.0, ban_s=30.0, audit_rate=0.0,
+    probation_audit_rate=0.0,
+)  # fmt: skip
+"""No audits (the tests of audits set them): a test counts each replica's steps."""
 
 
 # --- the router, no I/O -------------------------------------------------------------------
@@ -641,19 +645,33 @@ def _client_of_two(
 ) -> tuple[PipelineClient, NextStageRouter]:
     """A driver's client that knows two stage-1 replicas, `first` measured as the faster (drawn
     first), and its router."""
+    return _client_of(driver, [first, second], config, log, segments, receivers)
+
+
+def _client_of(
+    driver: Wallet,
+    replicas: list[Served],
+    config: PipelineConfig,
+    log: Callable[[str], None],
+    segments: SegmentRecorder | None = None,
+    receivers: Neighbours | None = None,
+) -> tuple[PipelineClient, NextStageRouter]:
+    """A driver's client that knows these stage-1 replicas, the first measured as by far the
+    fastest (drawn first), and its router; its audits drawn from a seeded generator."""
     from neuroshard.node.p2p.peers import PeerTable
 
     now = time.time()
     table = PeerTable(own_wallet=driver.public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
     table.merge(
-        [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in (first, second)], now
+        [PeerRecord.create(r.wallet, address=r.address, stage=1, last_seen=now) for r in replicas], now
     )
     router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
-    router.succeeded(first.wallet.public_key_hex, tokens=10**9, seconds=1.0)
-    router.succeeded(second.wallet.public_key_hex, tokens=1, seconds=1.0)
+    for i, r in enumerate(replicas):
+        router.succeeded(r.wallet.public_key_hex, tokens=10**9 if i == 0 else 1, seconds=1.0)
     client = PipelineClient(
         wallet=driver, stage=0, peers=table, config=config, clock=time.time, log=log,
         stop=threading.Event(), router=router, segments=segments, receivers=receivers,
+        audit_rng=random.Random(7),
     )  # fmt: skip
     return client, router
 
@@ -983,3 +1001,158 @@ def test_a_replica_behind_nat_reads_a_recent_sender_s_requests_whatever_its_list
     assert refuses(wallets[1].public_key_hex) is None
     open_service = PipelineService(wallet=wallets[0], stage=1, model_config=MODEL, config=PIPE, worker=jobs)
     assert open_service.mailbox().refuses is None
+
+
+# --- audits: a share of the answers checked against another replica's ------------------------
+
+
+class _Negating(StageWorker):
+    """A hostile last stage: it trains as an honest one but answers with the gradient negated
+    (finite, of the right size, and harmful: the sender's step climbs the loss)."""
+
+    def _settle(self, job: Job, grad: torch.Tensor, loss: float, round_: int) -> None:
+        super()._settle(job, -grad, loss, round_)
+
+
+AUDITED = replace(PIPE, audit_rate=1.0, probation_audit_rate=1.0)
+
+
+def _honest_gradient(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What an honest replica of `_serve` (same seed, no step yet) answers, both ways through the codec."""
+    from neuroshard.node.p2p.pipeline_wire import decode_activations_as, encode_gradient
+    from neuroshard.node.pipeline import stage_inner_step
+
+    body = encode_activations(hidden, labels, PIPE.codec)
+    hidden, labels = decode_activations_as(body, tuple(hidden.shape), PIPE.codec, MODEL.vocab_size)
+    torch.manual_seed(0)
+    cfg = DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000)
+    grad, _ = stage_inner_step(DiLoCo(build_stage(MODEL, 1, 2), cfg), hidden, labels, None)
+    return decode_gradient(encode_gradient(grad, PIPE.codec), tuple(grad.shape), PIPE.codec)
+
+
+@pytest.mark.asyncio
+async def test_an_audit_outvotes_a_negated_answer_uses_an_honest_one_and_bans_its_sender(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """The hostile replica answers at once (measured far the fastest, drawn first); the audit asks
+    the two honest ones, both disagree with it and agree with each other: the step gets an honest
+    gradient, the step's record names an honest sender, and the hostile one is banned, doubling.
+    Every replica trained on the micro-batch once (an audit copy is real work)."""
+    driver = wallets[1]
+    hidden, labels = _micro_batch(4)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0], worker_type=_Negating) as (bad, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (good, _),
+        _serve(make_node(wallets[3], stage=1), wallets[3]) as (other, _),
+    ):
+        recorder = SegmentRecorder(SegmentConfig(segment_steps=4), stage=0)
+        torch.manual_seed(0)
+        stage0 = DiLoCo(
+            build_stage(MODEL, 0, 2), DiLoCoConfig(inner_steps=1000, warmup_steps=0, total_steps=1000)
+        )
+        recorder.start_round(stage0)
+        lines: list[str] = []
+        client, router = _client_of(driver, [bad, good, other], AUDITED, lines.append, recorder)
+        id_ = micro_batch_id(driver.public_key_hex, 0, 0)
+        await client.start()
+        try:
+            grad, _ = await client.forward(hidden, labels, round_=0, micro_batch=id_)
+        finally:
+            await client.close()
+        recorder.record_step(stage0, data=(0, 0, 1), micro_batch=id_)
+    assert torch.equal(grad, _honest_gradient(hidden, labels))
+    assert (bad.worker.diloco.step, good.worker.diloco.step, other.worker.diloco.step) == (1, 1, 1)
+    assert (client.audits, client.audit_blamed, client.audits_unsettled) == (1, 1, 0)
+    honest = {good.wallet.public_key_hex, other.wallet.public_key_hex}
+    assert set(router.ranking([bad.wallet.public_key_hex, *honest], time.time())) == honest
+    assert any(
+        "disagrees with the other replicas'" in line and bad.wallet.public_key_hex[:12] in line
+        for line in lines
+    )
+    current = recorder._current
+    assert current is not None
+    assert current.steps[0].received[0].sender in honest
+    assert len(current.steps[0].received) == 1
+    # Every replica it offered the micro-batch to is named by a header it signed and recorded.
+    assert {h.to for h in current.headers} == honest | {bad.wallet.public_key_hex}
+
+
+@pytest.mark.asyncio
+async def test_an_audit_of_honest_replicas_agrees_and_keeps_the_first_answer(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    driver = wallets[1]
+    hidden, labels = _micro_batch(5)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0]) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (b, _),
+    ):
+        lines: list[str] = []
+        client, router = _client_of(driver, [a, b], AUDITED, lines.append)
+        await client.start()
+        try:
+            for step in range(2):
+                await client.forward(
+                    hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, step)
+                )
+        finally:
+            await client.close()
+    assert (client.audits, client.audit_blamed, client.audits_unsettled, client.audits_unchecked) == (
+        2,
+        0,
+        0,
+        0,
+    )
+    assert (a.worker.diloco.step, b.worker.diloco.step) == (2, 2) and not lines
+    assert len(router.ranking([a.wallet.public_key_hex, b.wallet.public_key_hex], time.time())) == 2
+
+
+@pytest.mark.parametrize("standing", ["probationer", "unlisted"])
+@pytest.mark.asyncio
+async def test_with_no_third_opinion_an_admitted_replica_is_believed_over_a_probationer(
+    make_node, wallets, standing
+) -> None:  # type: ignore[no-untyped-def]
+    """Two replicas that disagree and nobody else to ask: the admitted one's answer is used and the
+    probationer is blamed. Under no member list, the two cannot be told apart: both are set aside
+    and, with nobody left before the deadline, the micro-batch is not answered at all rather than
+    answered with a gradient that may be a lie. The probationer's answers are audited at
+    `probation_audit_rate` (1 here), the admitted one's at `audit_rate` (0 here)."""
+    driver = wallets[1]
+    hidden, labels = _micro_batch(6)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0], worker_type=_Negating) as (bad, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (good, _),
+    ):
+        lines: list[str] = []
+        config = replace(PIPE, probation_audit_rate=1.0, deadline_s=1.0)
+        receivers = None
+        if standing == "probationer":
+            receivers = Neighbours(1)
+            receivers.set(StageRoster(
+                stage=1, policy="probation", admitted=frozenset({good.wallet.public_key_hex}),
+                probation=frozenset({bad.wallet.public_key_hex}),
+            ))  # fmt: skip
+        else:
+            config = replace(config, audit_rate=1.0)
+        client, router = _client_of(driver, [bad, good], config, lines.append, receivers=receivers)
+        id_ = micro_batch_id(driver.public_key_hex, 0, 0)
+        await client.start()
+        try:
+            if standing == "probationer":
+                grad, _ = await client.forward(hidden, labels, round_=0, micro_batch=id_)
+                assert torch.equal(grad, _honest_gradient(hidden, labels))
+                assert (client.audit_blamed, client.audits_unsettled) == (1, 0)
+                assert router.ranking([bad.wallet.public_key_hex], time.time()) == []
+                # The admitted replica's answers are not audited at audit_rate 0.
+                await client.forward(
+                    hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 1)
+                )
+                assert client.audits == 1 and good.worker.diloco.step == 2
+            else:
+                with pytest.raises(PipelineUnavailable):
+                    await client.forward(hidden, labels, round_=0, micro_batch=id_)
+                assert (client.audit_blamed, client.audits_unsettled) == (0, 1)
+                assert (
+                    router.ranking([bad.wallet.public_key_hex, good.wallet.public_key_hex], time.time()) == []
+                )
+                assert any("nothing settles which is right" in line for line in lines)
+        finally:
+            await client.close()

@@ -34,7 +34,11 @@ MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, m
 H = 5
 ROUNDS = 4
 DILOCO = DiLoCoConfig(inner_steps=H, inner_lr=1e-2, warmup_steps=2, total_steps=200)
-PIPE = PipelineConfig(num_stages=2, request_timeout_s=10.0, deadline_s=30.0, ban_s=5.0, network="5e" * 32)
+PIPE = PipelineConfig(
+    num_stages=2, request_timeout_s=10.0, deadline_s=30.0, ban_s=5.0, network="5e" * 32, audit_rate=0.0,
+    probation_audit_rate=0.0,
+)  # fmt: skip
+"""No audits but where a test sets them: the stage-1 replicas stop after a fixed count of steps."""
 
 
 def _net(**over: object) -> PeerPlaneConfig:
