@@ -159,54 +159,42 @@ def degenerate_problem(hidden: Tensor, eps: float, margin: float = 1.0) -> str |
     )
 
 
-AUDIT_MIN_COSINE = 0.1
-"""Two next-stage replicas' answers to one micro-batch agree (`answers_disagree`) when every
-sequence's gradient has a cosine of at least this with the other's. Honest replicas drift apart
-within a round (each takes its own inner steps) and each answer went through the lossy codec:
-stage 1 of the tiny model, 300 inner steps from a common start at the peak learning rate, was at
-0.76 or more (`bench/bench_pipeline_poison.py`, section 3), and the 2-layer, width-32 model of the
-loopback tests at an inner learning rate of 1e-2 (3 × the default) at 0.33 or more. A negated
-answer is near −1, zeros or noise near 0."""
-AUDIT_MAX_NORM_RATIO = 10.0
-"""... every sequence's gradient norm is within this factor of the other's (honest: up to 2.9 on
-the loopback tests' model, 1.14 on tiny) ..."""
-AUDIT_MAX_TOTAL_NORM_RATIO = 4.0
-"""... the whole micro-batch's within this factor (honest: up to 2.5 and 1.14) ..."""
-AUDIT_MAX_LOSS_GAP = 0.25
-"""... and the two losses differ by at most this fraction of the smaller (honest: under 0.025)."""
+AUDIT_MIN_COSINE = 0.05
+"""Two next-stage replicas' answers to one micro-batch agree (`answers_disagree`) when their
+gradients, each over the whole micro-batch, have at least this cosine. Honest replicas drift
+apart within a round (each takes its own inner steps, as many as the router sends it) and each
+answer went through the lossy codec, so the bound is loose: early in training, with one replica
+sent 16 micro-batches for the other's one, honest whole-micro-batch cosines fell to 0.22 on the
+micro model (and single sequences below 0, which is why sequences are not compared one by one),
+and to 0.55 on tiny's stage 1 with one replica sent 8 for the other's one
+(`bench/bench_pipeline_poison.py`, section 3; bench/RESULTS.md). A negated answer
+is near −1; noise is near 0 and caught about half the time."""
+AUDIT_MAX_NORM_RATIO = 100.0
+"""... and norms within this factor of each other (honest: up to 18×, early in training under
+the same skew). Catches zeros and answers scaled out of all proportion."""
 
 
-def answers_disagree(first: tuple[Tensor, float], second: tuple[Tensor, float]) -> str | None:
-    """Why two answers from next-stage replicas to the same micro-batch ((∂loss/∂hidden (B, T, C),
-    loss)) cannot both be honest, or None. Each sequence is compared on its own, so an answer that
-    falsifies one sequence of a micro-batch is caught as one that falsifies all of them. Honest
-    replicas of a stage differ, so this is a tolerance set from measurements (the bounds above),
-    not an equality: it catches a gradient negated, zeroed, replaced by noise or scaled, not one
-    bent a little. Pure; float32 on the CPU."""
-    a, b = first[0].detach().float().flatten(1), second[0].detach().float().flatten(1)
-    if a.shape != b.shape:
-        return f"gradients of different shapes {tuple(a.shape)} and {tuple(b.shape)}"
-    tiny = torch.finfo(torch.float32).tiny
-    norm_a, norm_b = torch.linalg.vector_norm(a, dim=1), torch.linalg.vector_norm(b, dim=1)
-    total_a, total_b = float(torch.linalg.vector_norm(norm_a)), float(torch.linalg.vector_norm(norm_b))
-    if max(total_a, total_b) > AUDIT_MAX_TOTAL_NORM_RATIO * min(total_a, total_b):
-        return (
-            f"the gradients' norms {total_a:.3g} and {total_b:.3g} differ more than "
-            f"{AUDIT_MAX_TOTAL_NORM_RATIO:g}-fold"
-        )
-    small, large = torch.minimum(norm_a, norm_b), torch.maximum(norm_a, norm_b)
-    if bool((large > AUDIT_MAX_NORM_RATIO * small).any()):
-        worst = float((large / small.clamp_min(tiny)).max())
-        return f"a sequence's gradient norms differ {worst:.3g}-fold (at most {AUDIT_MAX_NORM_RATIO:g})"
-    cosine = (a * b).sum(dim=1) / (norm_a * norm_b).clamp_min(tiny)
-    cosine = torch.where(large == 0, 1.0, cosine)  # both zero (a sequence with no label): agree
-    if bool((cosine < AUDIT_MIN_COSINE).any()):
-        return f"a sequence's gradients have a cosine of {float(cosine.min()):.3f} (at least {AUDIT_MIN_COSINE:g})"
-    loss_a, loss_b = first[1], second[1]
-    if not (math.isfinite(loss_a) and math.isfinite(loss_b)):
-        return f"a loss is not finite ({loss_a}, {loss_b})"
-    if abs(loss_a - loss_b) > AUDIT_MAX_LOSS_GAP * min(abs(loss_a), abs(loss_b)):
-        return f"losses {loss_a:.4g} and {loss_b:.4g} differ by more than {AUDIT_MAX_LOSS_GAP:.0%}"
+def answers_disagree(first: Tensor, second: Tensor) -> str | None:
+    """Why two next-stage replicas' gradients for the same micro-batch (∂loss/∂hidden (B, T, C))
+    cannot both be honest, or None. A tolerance set from measurements of honest replicas (the
+    bounds above), not an equality: it tells a negated, zeroed or wildly scaled answer from an
+    honest one, not an answer bent a little, and not one lie among many sequences. Losses are not
+    compared (honest ones differ by a quarter early in training, and a lie about the loss moves no
+    weight). Pure; float64 sums on the CPU, no full-size temporary."""
+    if first.shape != second.shape:
+        return f"gradients of different shapes {tuple(first.shape)} and {tuple(second.shape)}"
+    a, b = first.detach().reshape(-1), second.detach().reshape(-1)
+    norm_a = float(torch.linalg.vector_norm(a, dtype=torch.float64))
+    norm_b = float(torch.linalg.vector_norm(b, dtype=torch.float64))
+    if not (math.isfinite(norm_a) and math.isfinite(norm_b)):
+        return "a gradient is not finite"
+    if norm_a == norm_b == 0.0:
+        return None
+    if max(norm_a, norm_b) > AUDIT_MAX_NORM_RATIO * min(norm_a, norm_b):
+        return f"the gradients' norms {norm_a:.3g} and {norm_b:.3g} differ more than {AUDIT_MAX_NORM_RATIO:g}-fold"
+    cosine = float(torch.dot(a.double(), b.double())) / (norm_a * norm_b)
+    if cosine < AUDIT_MIN_COSINE:
+        return f"the gradients have a cosine of {cosine:.3f} (at least {AUDIT_MIN_COSINE:g})"
     return None
 
 

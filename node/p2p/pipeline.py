@@ -40,18 +40,21 @@ check aside), and the router sends most micro-batches to whoever answers fastest
 that answers at once with a made-up gradient would draw most of a sender's traffic and steer its
 steps. A sender therefore checks a share of the answers (`PipelineConfig.audit_rate`, 1/16, and
 `probation_audit_rate`, 1/4, for the next stage's listed probationers) before its step uses them:
-the same micro-batch goes to another replica drawn uniformly, and the answers must agree within
-what honest drift allows (node.pipeline.answers_disagree); a disagreement is settled by a third
-opinion, or by standing (admitted over probationer), and the outvoted replica is banned like one
-whose gradient overflowed (`NextStageRouter.blamed`). A replica cannot tell which of its answers
-are checked, so each falsified answer is caught with probability `audit_rate`: about 1 / rate
-falsified answers per ban, whatever share it falsifies, and each ban twice as long. An audit copy is
-real work for the replica asked (it trains on it, as on a retry), so audits cost the stages after
-this one `audit_rate` more micro-batches, compounding per hop: (1 + rate)^(S − 1 − s) at the last.
-What audits do not catch: an answer bent within the bounds (it must be computed to pass them, so
-it no longer comes at once), colluders drawn as each other's auditors, and a replica further down
-that answers two replicas of this stage differently (it can make an honest one look outvoted until
-its own senders' audits catch it).
+the same micro-batch goes to another replica drawn uniformly among those usable now, and the
+answers must agree within what honest drift allows (node.pipeline.answers_disagree: a loose
+bound, which catches a negated, zeroed or wildly scaled gradient). Two that disagree get a third
+opinion; only a clear majority (two that agree against one, not probationers against an admitted
+replica) bans the outvoted one, like a replica whose gradient overflowed (`NextStageRouter.blamed`,
+twice as long each time), and its answer is not used. Without one nobody is banned and the answer
+of the highest standing is used. A replica cannot tell which of its answers are checked, so where
+two honest replicas are free to check it, each falsified answer is caught with probability about
+the audit rate. An audit copy is real work for the replica asked (it trains on it, as on a retry),
+so the stages after this one do up to that share more micro-batches (a third opinion and the
+audits of later hops add to it), and an audited step waits for the second answer.
+What audits do not catch: an answer bent within the bound, a lie where fewer than two honest
+replicas are free to check it (in a stage of two, a liar is never outvoted), colluders drawn as
+each other's auditors, and a replica further down that answers two replicas of this stage
+differently (it can make an honest one look outvoted until its own senders' audits catch it).
 
 Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
 verifier), a replica offers micro-batches only to the next stage's replicas on its list and steps
@@ -293,7 +296,7 @@ class PipelineConfig:
     """The share of answers from admitted next-stage replicas (from every one, where the next stage
     has no member list) that this replica checks against another replica's answer to the same
     micro-batch before its step uses one (`PipelineClient`, "Audits"). Each check costs the rest of
-    the pipeline one more micro-batch of work."""
+    the pipeline one or two more micro-batches of work."""
     probation_audit_rate: float = 0.25
     """The share of answers from the next stage's listed probationers checked so: they cost a
     registration, not verified rounds."""
@@ -480,8 +483,8 @@ class PipelineClient:
             wallet, clock=clock, connect_timeout_s=min(5.0, config.request_timeout_s),
             request_timeout_s=config.request_timeout_s,
         )  # fmt: skip
-        self.audit_rng = audit_rng or random.Random()
-        """Which answers are audited, and by whom (seeded from the OS: a replica must not be able to
+        self.audit_rng = audit_rng or random.SystemRandom()
+        """Which answers are audited, and by whom (the OS's randomness: a replica must not be able to
         tell which of its answers will be checked)."""
         self.retries = 0
         self.audits = 0
@@ -489,7 +492,7 @@ class PipelineClient:
         self.audit_blamed = 0
         """... answers outvoted, their senders banned;"""
         self.audits_unsettled = 0
-        """... disputes nobody could settle;"""
+        """... disputes no majority settled (nobody banned);"""
         self.audits_unchecked = 0
         """... audits that found no other replica to ask."""
         self.blamed = 0
@@ -573,11 +576,7 @@ class PipelineClient:
             if isinstance(outcome, _Answer):
                 self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
                 if self.audit_rng.random() < self._audit_rate(pick):
-                    settled = await self._audit(offer, outcome, live, deadline)
-                    if settled is None:  # a dispute nobody could settle: both set aside, sent again
-                        self.retries += 1
-                        continue
-                    outcome = settled
+                    outcome = await self._audit(offer, outcome, live, deadline)
                 return self._consume(offer, outcome)
             self.retries += 1
             if outcome == "degenerate":  # the bytes' fault, not the replica's: every replica refuses them
@@ -616,27 +615,28 @@ class PipelineClient:
             return self.config.probation_audit_rate
         return self.config.audit_rate
 
-    def _admitted(self, wallet: str) -> bool:
+    def _standing(self, wallet: str) -> int:
+        """2 admitted, 1 a listed probationer, 0 anyone where the next stage has no member list."""
         roster = None if self.receivers is None else self.receivers.roster
-        return roster is not None and wallet in roster.admitted
+        if roster is None:
+            return 0
+        return 2 if wallet in roster.admitted else 1 if wallet in roster.probation else 0
+
+    async def _disagree(self, first: _Answer, second: _Answer) -> str | None:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, answers_disagree, first.grad, second.grad
+        )
 
     async def _audit(
         self, offer: _Offer, first: _Answer, live: dict[str, PeerEntry], deadline: float
-    ) -> _Answer | None:
+    ) -> _Answer:
         """Audits: the same micro-batch (the same bytes under the same id, in a header signed for
-        each) goes to another next-stage replica drawn uniformly — not by throughput, which a replica
-        that answers at once without computing would win — and the two answers must agree within
-        what honest replicas' drift and the codec allow (node.pipeline.answers_disagree). The one
-        answered first is never told which of its answers are checked, so one that falsifies a
-        share q of them is caught after about 1 / (q × rate) answers, and each time banned for
-        twice as long (`NextStageRouter.blamed`).
-
-        Two that disagree: a third opinion; the one both others disagree with is blamed and an
-        answer the other two agree on is used. With no third (busy, failed, nobody else), an
-        admitted replica is believed over a probationer; two of the same standing cannot be told
-        apart: both are set aside for `ban_s` and None is returned (the caller sends the
-        micro-batch again, elsewhere). Nobody else to ask: the first answer is used unchecked.
-        Returns the answer to use."""
+        each) goes to another next-stage replica drawn uniformly among those usable now — not by
+        throughput, which a replica that answers at once without computing would win — and the two
+        answers must agree within what honest drift and the codec allow
+        (node.pipeline.answers_disagree). Two that disagree get a third opinion; `_settle` decides.
+        A replica busy or failing is passed over (at most AUDIT_ASKS asked); nobody else to ask,
+        the first answer is used unchecked. Returns the answer to use."""
         self.audits += 1
         others = [w for w in self.router.ranking(live, self.clock()) if w != first.wallet]
         self.audit_rng.shuffle(others)
@@ -651,47 +651,46 @@ class PipelineClient:
                 self._set_back(wallet, outcome, offer.micro_batch)
                 continue
             answers.append(outcome)
-            if len(answers) == 2 and answers_disagree(first.result, outcome.result) is None:
+            if len(answers) == 2 and await self._disagree(first, outcome) is None:
                 return first
         if len(answers) == 1:
             self.audits_unchecked += 1
             return first
-        return self._settle(offer, answers)
+        return await self._settle(offer, answers)
 
-    def _settle(self, offer: _Offer, answers: list[_Answer]) -> _Answer | None:
-        """Two or three answers, the first two disagreeing: which to use, and whom to blame."""
+    async def _settle(self, offer: _Offer, answers: list[_Answer]) -> _Answer:
+        """Two or three answers, the first two disagreeing. Only a clear majority blames: two that
+        agree with each other against a third that disagrees with both, one of the two of at least
+        the third's standing (so probationers cannot vote an admitted replica out). The outvoted
+        replica is banned, twice as long each time (`NextStageRouter.blamed`), and an answer of the
+        majority is used. Anything else (no third opinion, all three apart, a third that agrees with
+        both) blames nobody, since honest replicas far apart in a round can disagree, and the answer
+        of the highest standing is used, the first among equals."""
         first, second = answers[0], answers[1]
-        why = answers_disagree(first.result, second.result) or "they disagree"
+        why = await self._disagree(first, second) or "they disagree"
         if len(answers) == 3:
             third = answers[2]
-            with_first = answers_disagree(first.result, third.result)
-            with_second = answers_disagree(second.result, third.result)
-            if with_second is None and with_first is not None:
-                self._audit_blame(first, offer, why)
-                return second
-            if with_first is None and with_second is not None:
-                self._audit_blame(second, offer, why)
-                return first
-            if with_first is None and with_second is None:  # the third sits between them: no liar shown
-                return third
-        elif self._admitted(first.wallet) != self._admitted(second.wallet):
-            liar, kept = (second, first) if self._admitted(first.wallet) else (first, second)
-            self._audit_blame(liar, offer, f"{why}; the other is admitted, it is not")
-            return kept
+            with_first, with_second = await self._disagree(first, third), await self._disagree(second, third)
+            odd = first if with_second is None and with_first is not None else None
+            odd = second if with_first is None and with_second is not None else odd
+            if odd is not None:
+                pair = [a for a in answers if a is not odd]
+                if max(self._standing(a.wallet) for a in pair) >= self._standing(odd.wallet):
+                    self._audit_blame(odd, offer, why)
+                    return max(pair, key=lambda a: self._standing(a.wallet))
         self.audits_unsettled += 1
-        for answer in answers:
-            self.router.failed(answer.wallet, self.clock())
+        kept = max(answers, key=lambda a: self._standing(a.wallet))  # max keeps the first among equals
         names = ", ".join(a.wallet[:12] for a in answers)
         self.log(f"pipeline: stage {self.stage + 1} replicas {names} answered micro-batch {offer.micro_batch[:8]} "
-                 f"differently ({why}) and nothing settles which is right; each set aside "
-                 f"{self.config.ban_s:.0f} s, sending it again")  # fmt: skip
-        return None
+                 f"differently ({why}) and no majority settles it; nobody banned, "
+                 f"{kept.wallet[:12]}'s answer used")  # fmt: skip
+        return kept
 
     def _audit_blame(self, liar: _Answer, offer: _Offer, why: str) -> None:
         ban = self.router.blamed(liar.wallet, self.clock())
         self.audit_blamed += 1
         self.log(f"pipeline: stage {self.stage + 1} replica {liar.wallet[:12]}'s answer to micro-batch "
-                 f"{offer.micro_batch[:8]} disagrees with the other replicas' ({why}); not used, "
+                 f"{offer.micro_batch[:8]} disagrees with two others' that agree ({why}); not used, "
                  f"banned {ban:.0f} s")  # fmt: skip
 
     def _consume(self, offer: _Offer, answer: _Answer) -> tuple[Tensor, float]:

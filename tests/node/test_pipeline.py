@@ -442,49 +442,31 @@ def _bent(grad: torch.Tensor, cosine: float, seed: int = 1) -> torch.Tensor:
 def test_honest_looking_answers_agree_and_each_lie_is_told_apart() -> None:
     grad = _answer()
     agree = pipeline.answers_disagree
-    assert agree((grad, 3.0), (grad.clone(), 3.0)) is None
-    # Drift within what honest replicas showed: turned, rescaled, a different loss.
-    assert agree((grad, 3.0), (_bent(grad, 0.3) * 1.5, 3.3)) is None
-    one_seq = grad.clone()
-    one_seq[2] = -one_seq[2]
+    assert agree(grad, grad.clone()) is None
+    # Drift within what honest replicas showed: turned, rescaled.
+    assert agree(grad, _bent(grad, 0.2) * 15) is None
     for lie, why in [
         (-grad, "cosine"),
-        (one_seq, "cosine"),  # one sequence of four negated is caught as all four
-        (_bent(grad, 0.0), "cosine"),  # noise of the right size
+        (_bent(grad, -0.2), "cosine"),
         (torch.zeros_like(grad), "norms"),
-        (grad * 5, "norms"),  # the whole micro-batch scaled
+        (grad * 150, "norms"),
+        (grad / 150, "norms"),
     ]:
-        problem = agree((grad, 3.0), (lie, 3.0))
+        problem = agree(grad, lie)
         assert problem is not None and why in problem, (why, problem)
-    scaled_seq = grad.clone()
-    scaled_seq[0] /= 12  # within the micro-batch's bound, past one sequence's
-    problem = agree((grad, 3.0), (scaled_seq, 3.0))
-    assert problem is not None and "a sequence's gradient norms" in problem
-    problem = agree((grad, 3.0), (grad, 4.0))
-    assert problem is not None and "losses" in problem
-    assert agree((grad, 3.0), (grad, math.nan)) is not None
-    # A sequence with no label has a zero gradient in every honest answer: they agree on it.
-    blank = grad.clone()
-    blank[1] = 0
-    assert agree((blank, 3.0), (blank.clone(), 3.0)) is None
+    assert agree(grad, torch.full_like(grad, math.inf)) == "a gradient is not finite"
+    assert agree(grad, grad[:2]) is not None
+    assert agree(torch.zeros_like(grad), torch.zeros_like(grad)) is None  # nothing to learn: both honest
+    # Values whose squares overflow float32 are compared in float64.
+    assert agree(grad * 1e30, grad * 1e30) is None
 
 
 def test_each_audit_bound_is_where_its_constant_says() -> None:
     grad = _answer(3)
     agree = pipeline.answers_disagree
     cos = pipeline.AUDIT_MIN_COSINE
-    assert agree((grad, 1.0), (_bent(grad, cos + 0.01), 1.0)) is None
-    assert agree((grad, 1.0), (_bent(grad, cos - 0.01), 1.0)) is not None
-    total = pipeline.AUDIT_MAX_TOTAL_NORM_RATIO
-    assert agree((grad, 1.0), (grad * (total * 0.99), 1.0)) is None
-    assert agree((grad, 1.0), (grad * (total * 1.01), 1.0)) is not None
-    gap = pipeline.AUDIT_MAX_LOSS_GAP
-    assert agree((grad, 2.0), (grad, 2.0 * (1 + gap * 0.99))) is None
-    assert agree((grad, 2.0), (grad, 2.0 * (1 + gap * 1.01))) is not None
-    seq = pipeline.AUDIT_MAX_NORM_RATIO
-    shrunk = grad.clone()
-    shrunk[0] /= seq * 0.99  # one sequence of four: the micro-batch's norm stays within its bound
-    assert agree((grad, 1.0), (shrunk, 1.0)) is None
-    shrunk[0] /= 1.03
-    problem = agree((grad, 1.0), (shrunk, 1.0))
-    assert problem is not None and "a sequence's gradient norms" in problem
+    assert agree(grad, _bent(grad, cos + 0.01)) is None
+    assert agree(grad, _bent(grad, cos - 0.01)) is not None
+    ratio = pipeline.AUDIT_MAX_NORM_RATIO
+    assert agree(grad, grad * (ratio * 0.99)) is None
+    assert agree(grad, grad * (ratio * 1.01)) is not None

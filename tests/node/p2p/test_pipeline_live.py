@@ -38,7 +38,8 @@ PIPE = PipelineConfig(
     num_stages=2, request_timeout_s=10.0, deadline_s=30.0, ban_s=5.0, network="5e" * 32, audit_rate=0.0,
     probation_audit_rate=0.0,
 )  # fmt: skip
-"""No audits but where a test sets them: the stage-1 replicas stop after a fixed count of steps."""
+"""No audits: the stage-1 replicas here stop after a fixed count of steps, which audit copies would
+use up before the drivers' last micro-batches (audits over loopback: tests/node/p2p/test_pipeline.py)."""
 
 
 def _net(**over: object) -> PeerPlaneConfig:
