@@ -180,7 +180,7 @@ def answers_disagree(first: Tensor, second: Tensor) -> str | None:
     bounds above), not an equality: it tells a negated, zeroed or wildly scaled answer from an
     honest one, not an answer bent a little, and not one lie among many sequences. Losses are not
     compared (honest ones differ by a quarter early in training, and a lie about the loss moves no
-    weight). Pure; float64 sums on the CPU, no full-size temporary."""
+    weight). Pure; in float64 on the CPU (two full-size copies: this runs off the event loop)."""
     if first.shape != second.shape:
         return f"gradients of different shapes {tuple(first.shape)} and {tuple(second.shape)}"
     a, b = first.detach().reshape(-1), second.detach().reshape(-1)

@@ -43,12 +43,13 @@ steps. A sender therefore checks a share of the answers (`PipelineConfig.audit_r
 the same micro-batch goes to another replica drawn uniformly among those usable now, and the
 answers must agree within what honest drift allows (node.pipeline.answers_disagree: a loose
 bound, which catches a negated, zeroed or wildly scaled gradient). Two that disagree get a third
-opinion; only a clear majority (two that agree against one, not probationers against an admitted
-replica) bans the outvoted one, like a replica whose gradient overflowed (`NextStageRouter.blamed`,
-twice as long each time), and its answer is not used. Without one nobody is banned and the answer
-of the highest standing is used. A replica cannot tell which of its answers are checked, so where
-two honest replicas are free to check it, each falsified answer is caught with probability about
-the audit rate. An audit copy is real work for the replica asked (it trains on it, as on a retry),
+opinion; a clear majority (two that agree against one) decides which answer is used, and bans the
+outvoted one like a replica whose gradient overflowed (`NextStageRouter.blamed`, twice as long
+each time) unless the two are of lower standing (probationers cannot vote an admitted replica
+out). Without one nobody is banned and the first answer is used, as without the audit. A replica
+cannot tell which of its answers are checked, so where two honest replicas, one of at least its
+standing, are free to check it, each falsified answer is caught with probability about the
+audit rate. An audit copy is real work for the replica asked (it trains on it, as on a retry),
 so the stages after this one do up to that share more micro-batches (a third opinion and the
 audits of later hops add to it), and an audited step waits for the second answer.
 What audits do not catch: an answer bent within the bound, a lie where fewer than two honest
@@ -651,23 +652,24 @@ class PipelineClient:
                 self._set_back(wallet, outcome, offer.micro_batch)
                 continue
             answers.append(outcome)
-            if len(answers) == 2 and await self._disagree(first, outcome) is None:
-                return first
+            if len(answers) == 2:
+                why = await self._disagree(first, outcome)
+                if why is None:
+                    return first
         if len(answers) == 1:
             self.audits_unchecked += 1
             return first
-        return await self._settle(offer, answers)
+        return await self._settle(offer, answers, why or "they disagree")
 
-    async def _settle(self, offer: _Offer, answers: list[_Answer]) -> _Answer:
-        """Two or three answers, the first two disagreeing. Only a clear majority blames: two that
-        agree with each other against a third that disagrees with both, one of the two of at least
-        the third's standing (so probationers cannot vote an admitted replica out). The outvoted
-        replica is banned, twice as long each time (`NextStageRouter.blamed`), and an answer of the
-        majority is used. Anything else (no third opinion, all three apart, a third that agrees with
-        both) blames nobody, since honest replicas far apart in a round can disagree, and the answer
-        of the highest standing is used, the first among equals."""
+    async def _settle(self, offer: _Offer, answers: list[_Answer], why: str) -> _Answer:
+        """Two or three answers, the first two disagreeing (`why`). A clear majority, two that agree
+        with each other against one that disagrees with both, decides which answer is used: one of
+        the two. It bans the odd one, twice as long each time (`NextStageRouter.blamed`), only when
+        one of the two has at least the odd one's standing (probationers cannot vote an admitted
+        replica out). Anything else (no third opinion, all three apart, a third that agrees with
+        both) bans nobody, since honest replicas far apart in a round can disagree, and the first
+        answer is used, as it would have been without the audit."""
         first, second = answers[0], answers[1]
-        why = await self._disagree(first, second) or "they disagree"
         if len(answers) == 3:
             third = answers[2]
             with_first, with_second = await self._disagree(first, third), await self._disagree(second, third)
@@ -677,9 +679,14 @@ class PipelineClient:
                 pair = [a for a in answers if a is not odd]
                 if max(self._standing(a.wallet) for a in pair) >= self._standing(odd.wallet):
                     self._audit_blame(odd, offer, why)
-                    return max(pair, key=lambda a: self._standing(a.wallet))
+                    return pair[0]
+                self.audits_unsettled += 1
+                self.log(f"pipeline: stage {self.stage + 1} replica {odd.wallet[:12]}'s answer to micro-batch "
+                         f"{offer.micro_batch[:8]} disagrees with two others' that agree ({why}), whose standing "
+                         "is lower; not used, nobody banned")  # fmt: skip
+                return pair[0]
         self.audits_unsettled += 1
-        kept = max(answers, key=lambda a: self._standing(a.wallet))  # max keeps the first among equals
+        kept = first
         names = ", ".join(a.wallet[:12] for a in answers)
         self.log(f"pipeline: stage {self.stage + 1} replicas {names} answered micro-batch {offer.micro_batch[:8]} "
                  f"differently ({why}) and no majority settles it; nobody banned, "
