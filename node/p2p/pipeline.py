@@ -51,7 +51,8 @@ cannot tell which of its answers are checked, so where two honest replicas, one 
 standing, are free to check it, each falsified answer is caught with probability about the
 audit rate. An audit copy is real work for the replica asked (it trains on it, as on a retry),
 so the stages after this one do up to that share more micro-batches (a third opinion and the
-audits of later hops add to it), and an audited step waits for the second answer.
+audits of later hops add to it). The copy is sent with the first, so an audited step waits for
+the slower of the two answers (and a third opinion after, when one is asked).
 What audits do not catch: an answer bent within the bound, a lie where fewer than two honest
 replicas are free to check it (in a stage of two, a liar is never outvoted), colluders drawn as
 each other's auditors, and a replica further down that answers two replicas of this stage
@@ -554,6 +555,11 @@ class PipelineClient:
                 e.wallet: e for e in reachable if self.receivers is None or self.receivers.takes(e.wallet)
             }
             pick = self.router.choose(live, now)
+            if not patient and pick is None and refused and not live and refused >= self._takers(now):
+                raise PipelineUnavailable(
+                    f"micro-batch {micro_batch[:8]}: every replica of stage {self.stage + 1} this one may ask "
+                    "already took its id with another payload"
+                )
             late = time.monotonic() > deadline
             outsiders = self._not_member & live.keys()
             if outsiders and (late or (not patient and pick is None and outsiders == live.keys())):
@@ -572,13 +578,25 @@ class PipelineClient:
                     )
                 await asyncio.sleep(self.config.retry_pause_s)
                 continue
-            started = time.monotonic()
-            outcome = await self._ask(live[pick], offer)
+            auditor = None
+            if self.audit_rng.random() < self._audit_rate(pick):
+                others = [w for w in self.router.ranking(live, now) if w != pick]
+                auditor = self.audit_rng.choice(others) if others else ""
+            if auditor:  # asked at the same time: an audited step waits for the slower, not for both
+                (outcome, seconds), (audited, _) = await asyncio.gather(
+                    self._timed_ask(live[pick], offer), self._timed_ask(live[auditor], offer)
+                )
+            else:
+                outcome, seconds = await self._timed_ask(live[pick], offer)
             if isinstance(outcome, _Answer):
-                self.router.succeeded(pick, batch * seq_len, time.monotonic() - started)
-                if self.audit_rng.random() < self._audit_rate(pick):
-                    outcome = await self._audit(offer, outcome, live, deadline)
+                self.router.succeeded(pick, batch * seq_len, seconds)
+                if auditor is not None:
+                    outcome = await self._audit(
+                        offer, outcome, live, deadline, (auditor, audited) if auditor else None
+                    )
                 return self._consume(offer, outcome)
+            if auditor and not isinstance(audited, _Answer):
+                self._set_back(auditor, audited, micro_batch)  # an answer is kept: it trained, as on a retry
             self.retries += 1
             if outcome == "degenerate":  # the bytes' fault, not the replica's: every replica refuses them
                 raise NonFiniteStep(
@@ -591,6 +609,15 @@ class PipelineClient:
                          f"{micro_batch[:8]} with another payload; sending it elsewhere")  # fmt: skip
             else:
                 self._set_back(pick, outcome, micro_batch)
+
+    def _takers(self, now: float) -> set[str]:
+        """The live next-stage replicas this one may offer micro-batches to."""
+        return {
+            e.wallet
+            for e in self.peers.live(now, self.stage + 1)
+            if (self.bucket is not None or not is_relay(e.address))
+            and (self.receivers is None or self.receivers.takes(e.wallet))
+        }
 
     def _set_back(self, wallet: str, outcome: str, micro_batch: str) -> None:
         """The router's account of an attempt that `wallet` did not answer: busy, not taking this
@@ -629,25 +656,34 @@ class PipelineClient:
         )
 
     async def _audit(
-        self, offer: _Offer, first: _Answer, live: dict[str, PeerEntry], deadline: float
+        self,
+        offer: _Offer,
+        first: _Answer,
+        live: dict[str, PeerEntry],
+        deadline: float,
+        asked_with: tuple[str, _Answer | str] | None,
     ) -> _Answer:
         """Audits: the same micro-batch (the same bytes under the same id, in a header signed for
         each) goes to another next-stage replica drawn uniformly among those usable now — not by
         throughput, which a replica that answers at once without computing would win — and the two
         answers must agree within what honest drift and the codec allow
-        (node.pipeline.answers_disagree). Two that disagree get a third opinion; `_settle` decides.
-        A replica busy or failing is passed over (at most AUDIT_ASKS asked); nobody else to ask,
-        the first answer is used unchecked. Returns the answer to use."""
+        (node.pipeline.answers_disagree). The first such replica is asked with the first
+        (`asked_with`: its wallet and outcome). Two that disagree get a third opinion; `_settle`
+        decides. A replica busy or failing is passed over (at most AUDIT_ASKS asked); nobody else to
+        ask, the first answer is used unchecked. Returns the answer to use."""
         self.audits += 1
         others = [w for w in self.router.ranking(live, self.clock()) if w != first.wallet]
         self.audit_rng.shuffle(others)
+        pending: list[tuple[str, _Answer | str | None]] = [(w, None) for w in others]
+        if asked_with is not None:
+            pending = [asked_with, *((w, None) for w in others if w != asked_with[0])]
         answers = [first]
         asked = 0
-        for wallet in others:
+        for wallet, given in pending:
             if asked == AUDIT_ASKS or len(answers) == 3 or time.monotonic() > deadline or self.stop.is_set():
                 break
             asked += 1
-            outcome = await self._ask(live[wallet], offer)
+            outcome = given if given is not None else await self._ask(live[wallet], offer)
             if not isinstance(outcome, _Answer):
                 self._set_back(wallet, outcome, offer.micro_batch)
                 continue
@@ -713,6 +749,11 @@ class PipelineClient:
         while len(self._answered) > ANSWERS_KEPT:
             self._answered.popitem(last=False)
         return answer.result
+
+    async def _timed_ask(self, peer: PeerEntry, offer: _Offer) -> tuple[_Answer | str, float]:
+        started = time.monotonic()
+        outcome = await self._ask(peer, offer)
+        return outcome, time.monotonic() - started
 
     async def _ask(self, peer: PeerEntry, offer: _Offer) -> _Answer | str:
         """One attempt at `peer`, under a header signed for it and recorded before it leaves."""

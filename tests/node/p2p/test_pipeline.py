@@ -704,6 +704,35 @@ async def test_a_driver_refused_409_sends_the_micro_batch_elsewhere_without_a_ba
     )
 
 
+@pytest.mark.asyncio
+async def test_a_middle_replica_whose_id_every_replica_holds_with_another_payload_gives_up_at_once(
+    make_node, wallets
+) -> None:  # type: ignore[no-untyped-def]
+    """Audits upstream make one driver id reach a middle replica from two senders; the next stage
+    then holds it with the first one's payload. A middle replica refused 409 by every replica it may
+    ask gives the micro-batch up at once (its sender goes elsewhere), rather than holding its
+    worker until `deadline_s`."""
+    driver = wallets[1]
+    id_ = micro_batch_id(driver.public_key_hex, 0, 0)
+    async with (
+        _serve(make_node(wallets[0], stage=1), wallets[0]) as (a, _),
+        _serve(make_node(wallets[2], stage=1), wallets[2]) as (b, _),
+    ):
+        earlier = encode_activations(*_micro_batch(4), PIPE.codec)
+        for r in (a, b):
+            header = _signed(driver, earlier, micro_batch=id_, to=r.wallet.public_key_hex)
+            assert (await r.send(driver, earlier, header))[0] == 200
+        client, _ = _client_of_two(driver, a, b, replace(PIPE, deadline_s=60.0), lambda s: None)
+        await client.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(PipelineUnavailable, match="already took its id with another payload"):
+                await client.forward(*_micro_batch(3), round_=0, micro_batch=id_, patient=False)
+        finally:
+            await client.close()
+    assert time.monotonic() - started < 10.0 and client.retries == 2
+
+
 def test_only_the_last_stage_bounds_labels_by_its_head_and_a_growth_moves_the_bound(wallets) -> None:
     jobs = StageWorker(
         DiLoCo(build_stage(MODEL, 1, 2), DiLoCoConfig(inner_steps=5)), WorkerConfig(), log=lambda s: None
