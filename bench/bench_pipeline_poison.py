@@ -20,7 +20,8 @@ computing nothing, draws nearly every micro-batch. This prints:
    sent 1 micro-batch in `--skew` (the router sends most to the faster), answer the same held-out
    micro-batches through the default codec every so often; the smallest cosine and largest norm
    ratio of the whole micro-batch (what the audit compares, `node.pipeline.answers_disagree`),
-   the smallest cosine of one sequence, and the loss gap.
+   the smallest cosine of one sequence, and the loss gap; and, beside them, the first replica's
+   answer under bf16 autocast against its fp32 one (same weights: what precision alone moves).
 4. audits (`PipelineClient._audit`): the same hostile replica, 50× faster, drawn by the real
    router among two honest ones, answers with the gradient negated (every answer, or 1 in 8); a
    share of the answers is checked against another replica's with `answers_disagree` and the
@@ -47,6 +48,7 @@ from common import bench_dataset, fresh_clone_text, parse_with_quick, quick_data
 from torch import Tensor
 
 from neuroshard.node.actcodec import DEFAULT_CODEC
+from neuroshard.node.device import Placement
 from neuroshard.node.diloco import DiLoCo, DiLoCoConfig
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import NextStageRouter
@@ -118,15 +120,18 @@ def honest_spread(
         turn[0] += 1
         return stage_inner_step(second if turn[0] % skew == 0 else first, hidden, labels, None)
 
-    def answer(replica: DiLoCo, hidden: Tensor, labels: Tensor) -> tuple[Tensor, float]:
-        grad, loss = stage_inner_step(DiLoCo(copy.deepcopy(replica.model), diloco), hidden, labels, None)
+    def answer(replica: DiLoCo, hidden: Tensor, labels: Tensor, bf16: bool = False) -> tuple[Tensor, float]:
+        placement = Placement(device=torch.device("cpu"), precision="bf16") if bf16 else None
+        copied = DiLoCo(copy.deepcopy(replica.model), diloco, placement=placement)
+        grad, loss = stage_inner_step(copied, hidden, labels, None)
         return decode_gradient(encode_gradient(grad, DEFAULT_CODEC), tuple(grad.shape), DEFAULT_CODEC), loss
 
     driver = DiLoCo(build_stage(cfg, 0, 2), diloco, loss_fn=remote_loss(downstream))
     rows = []
     for step in range(steps + 1):
         if step % every == 0:
-            worst = {"step": float(step), "cosine": 1.0, "seq_cosine": 1.0, "ratio": 1.0, "loss_gap": 0.0}
+            worst = {"step": float(step), "cosine": 1.0, "seq_cosine": 1.0, "ratio": 1.0, "loss_gap": 0.0,
+                     "bf16_cosine": 1.0}  # fmt: skip
             for probe in range(4):
                 ids, labels = _batch(tokens.held_out, seed, 10_000 + probe, b, t)
                 with torch.no_grad():
@@ -141,6 +146,9 @@ def honest_spread(
                 worst["seq_cosine"] = min(worst["seq_cosine"], seq)
                 worst["ratio"] = max(worst["ratio"], whole)
                 worst["loss_gap"] = max(worst["loss_gap"], abs(la - lb) / min(la, lb))
+                g16, _ = answer(first, hidden, labels, bf16=True)
+                bf16_cos = float((ga * g16).sum() / (ga.norm() * g16.norm()))
+                worst["bf16_cosine"] = min(worst["bf16_cosine"], bf16_cos)
             rows.append(worst)
         if step < steps:
             driver.inner_step(*_batch(tokens.train, seed, step, b, t))
@@ -286,7 +294,8 @@ def main() -> None:
         f"audit's bounds: cosine >= {AUDIT_MIN_COSINE}, norm ratio <= {AUDIT_MAX_NORM_RATIO:g}"
     )
     print(
-        f"   {'seed':>4} {'step':>5} {'min cos':>8} {'max ratio':>9} {'min cos, 1 sequence':>19} {'loss gap':>8}"
+        f"   {'seed':>4} {'step':>5} {'min cos':>8} {'max ratio':>9} {'min cos, 1 sequence':>19} {'loss gap':>8} "
+        f"{'bf16 vs fp32 cos':>16}"
     )
     spread: list[dict[str, float]] = []
     for seed in range(args.seeds):
@@ -296,7 +305,7 @@ def main() -> None:
             spread.append(row)
             print(
                 f"   {seed:>4} {row['step']:>5.0f} {row['cosine']:>8.3f} {row['ratio']:>9.3f} "
-                f"{row['seq_cosine']:>19.3f} {row['loss_gap']:>8.4f}",
+                f"{row['seq_cosine']:>19.3f} {row['loss_gap']:>8.4f} {row['bf16_cosine']:>16.4f}",
                 flush=True,
             )
 

@@ -548,3 +548,56 @@ def test_a_middle_stage_behind_nat_takes_from_a_direct_driver_and_sends_to_a_dir
         published, tmp_path, {"relay": relay(), "listen": False}, {"relay": relay()}
     )
     assert is_relay(middle.replica.network.address) and not is_relay(driver.network.address)
+
+
+def test_drivers_auditing_three_stage_1_replicas_outvote_and_ban_one_that_negates_its_answers(
+    published, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The hole audits narrow, on the wire: one of three stage-1 replicas trains as it should but
+    answers every micro-batch with its gradient negated. Two drivers audit every answer (so every
+    micro-batch also goes to a second replica, and to a third on a disagreement). The hostile
+    replica is outvoted by the two honest ones and banned, doubling; no honest replica is ever
+    outvoted; the drivers end every round bit-identical with a falling loss."""
+    audited = dataclasses.replace(PIPE, audit_rate=1.0, probation_audit_rate=1.0)
+    stage1_net: dict[str, object] = dict(round_timeout_s=2.0, hash_check_timeout_s=1.0, commit_timeout_s=1.0)
+    made: list[Driver | Stage1] = []
+    try:
+        first = Stage1(0, (), None, **stage1_net)
+        made.append(first)
+        boot = (first.replica.network.address,)
+        made.extend(Stage1(i, boot, None, **stage1_net) for i in (1, 2))
+        stage1 = [m for m in made if isinstance(m, Stage1)]
+        hostile = stage1[2]
+        worker = hostile.replica.worker
+        settle = worker._settle
+        worker._settle = lambda job, grad, loss, round_: settle(job, -grad, loss, round_)  # type: ignore[method-assign]
+        drivers = [Driver(i, published, tmp_path, boot, pipe=audited) for i in range(2)]
+        made.extend(drivers)
+        for d in drivers:
+            d.network.join_state(d.trainer.diloco)
+        _wait(
+            lambda: all(len(d.network.node.peers.live(time.time(), 1)) == 3 for d in drivers),
+            20.0,
+            "drivers to learn the three stage-1 replicas",
+        )
+        for d in drivers:
+            d.start()
+        _finish(drivers, 150.0)
+        for s in stage1:
+            s.stop.set()
+            s.thread.join(30.0)
+    finally:
+        _dump_and_close(made)
+    _stage_agrees([d.network for d in drivers], range(ROUNDS))
+    assert all(bool(torch.isfinite(d.trainer.diloco.theta_round).all()) for d in drivers)
+    clients = [d.link.client for d in drivers]
+    assert sum(c.audits for c in clients) >= ROUNDS * H
+    assert sum(c.audit_blamed for c in clients) >= 1
+    outvoted = [line for d in drivers for line in d.lines if "disagrees with two others' that agree" in line]
+    assert len(outvoted) == sum(c.audit_blamed for c in clients)
+    assert all(hostile.wallet.public_key_hex[:12] in line for line in outvoted)
+    print(
+        f"audits: {[c.audits for c in clients]}, hostile outvoted {[c.audit_blamed for c in clients]}, "
+        f"unsettled {[c.audits_unsettled for c in clients]}, served {[s.replica.service.served for s in stage1]}"
+    )
+    _loss_fell(drivers, 0.2)
