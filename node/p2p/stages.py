@@ -69,6 +69,14 @@ class PipelineLink:
         self.network.call(self.client.start(), timeout=10.0)
 
     def close(self) -> None:
+        """Closes the client, after logging what its audits of the next stage found."""
+        c = self.client
+        if c.audits:
+            self.log(
+                f"pipeline: audited {c.audits} answer(s) of stage {self.network.stage + 1}: {c.audit_blamed} outvoted "
+                f"and banned, {c.audits_unsettled} disputes without a majority that may ban, "
+                f"{c.audits_unchecked} with nobody else to ask"
+            )
         self.network.call(self.client.close(), timeout=10.0)
 
     def end(self, round_: int, step: int) -> None:

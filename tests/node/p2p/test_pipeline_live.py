@@ -596,6 +596,10 @@ def test_drivers_auditing_three_stage_1_replicas_outvote_and_ban_one_that_negate
     outvoted = [line for d in drivers for line in d.lines if "disagrees with two others' that agree" in line]
     assert len(outvoted) == sum(c.audit_blamed for c in clients)
     assert all(hostile.wallet.public_key_hex[:12] in line for line in outvoted)
+    summaries = [line for d in drivers for line in d.lines if line.startswith("pipeline: audited ")]
+    assert len(summaries) == 2 and all(
+        f"{c.audit_blamed} outvoted and banned" in line for c, line in zip(clients, summaries, strict=True)
+    )
     print(
         f"audits: {[c.audits for c in clients]}, hostile outvoted {[c.audit_blamed for c in clients]}, "
         f"unsettled {[c.audits_unsettled for c in clients]}, served {[s.replica.service.served for s in stage1]}"
