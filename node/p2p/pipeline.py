@@ -555,7 +555,7 @@ class PipelineClient:
                 e.wallet: e for e in reachable if self.receivers is None or self.receivers.takes(e.wallet)
             }
             pick = self.router.choose(live, now)
-            if not patient and pick is None and refused and not live and refused >= self._takers(now):
+            if not patient and refused and not live:  # everyone it may ask holds the id with another payload
                 raise PipelineUnavailable(
                     f"micro-batch {micro_batch[:8]}: every replica of stage {self.stage + 1} this one may ask "
                     "already took its id with another payload"
@@ -596,7 +596,7 @@ class PipelineClient:
                     )
                 return self._consume(offer, outcome)
             if auditor and not isinstance(audited, _Answer):
-                self._set_back(auditor, audited, micro_batch)  # an answer is kept: it trained, as on a retry
+                self._set_back(auditor, audited, micro_batch)  # one that answered trained, as on a retry
             self.retries += 1
             if outcome == "degenerate":  # the bytes' fault, not the replica's: every replica refuses them
                 raise NonFiniteStep(
@@ -609,15 +609,6 @@ class PipelineClient:
                          f"{micro_batch[:8]} with another payload; sending it elsewhere")  # fmt: skip
             else:
                 self._set_back(pick, outcome, micro_batch)
-
-    def _takers(self, now: float) -> set[str]:
-        """The live next-stage replicas this one may offer micro-batches to."""
-        return {
-            e.wallet
-            for e in self.peers.live(now, self.stage + 1)
-            if (self.bucket is not None or not is_relay(e.address))
-            and (self.receivers is None or self.receivers.takes(e.wallet))
-        }
 
     def _set_back(self, wallet: str, outcome: str, micro_batch: str) -> None:
         """The router's account of an attempt that `wallet` did not answer: busy, not taking this
