@@ -7,7 +7,8 @@
   when retrying, and drawn with the weight of the slowest measured one (so it gets measured
   without getting the bulk of the traffic). A failed peer is banned for `ban_s`; a busy one
   (503: in its outer round, queue full) is skipped for `busy_s`; a blamed one (its gradient
-  overflowed this replica's backward) for `ban_s` doubled at each blame.
+  overflowed this replica's backward, or an audit outvoted it) for `ban_s` doubled at each blame,
+  the record wiped an hour after a ban without another (`BLAME_MEMORY_S`).
 - `PipelineClient` sends one micro-batch (`pipeline_wire`) and retries it elsewhere until
   `deadline_s`; it returns the gradient and loss, or raises `PipelineUnavailable`. `blame`
   bans the replica whose answer to an id overflowed the step (node.pipeline.NonFiniteStep's
@@ -346,11 +347,18 @@ class _Link:
     failures: int = 0
     successes: int = 0
     blamed: int = 0
-    """Gradients from this peer that overflowed this replica's backward (never reset)."""
+    """Answers from this peer blamed (a gradient that overflowed this replica's backward, or one an
+    audit outvoted) since its record was last wiped (`BLAME_MEMORY_S`)."""
+    blamed_until: float = 0.0
+    """When the ban of its latest blame ends."""
 
 
 BLAME_BAN_DOUBLINGS = 7
 """A blamed replica's ban doubles with each blame up to 2**7 × ban_s (64 min at the default 30 s)."""
+BLAME_MEMORY_S = 3600.0
+"""A replica not blamed for this long after its last ban ended starts again from `ban_s`: an honest
+one outvoted now and then by honest drift (node.pipeline.AUDIT_MIN_COSINE) does not pile up bans
+over a long run, while one that lies again when its ban ends keeps doubling."""
 
 
 @dataclass
@@ -424,12 +432,16 @@ class NextStageRouter:
         """The peer answered with a gradient that overflowed this replica's backward from a sound
         forward (a faulty or hostile replica, node.pipeline.NonFiniteStep): banned like a
         failure, for `ban_s` doubled at each such answer (at most BLAME_BAN_DOUBLINGS times), so
-        a replica that keeps lying is asked ever more rarely. Returns the ban in seconds."""
+        a replica that keeps lying is asked ever more rarely; one blamed again only
+        BLAME_MEMORY_S after its last ban ended starts again from `ban_s`. An audit's outvoted
+        answer is blamed the same way. Returns the ban in seconds."""
         link = self._link(wallet)
         self.failed(wallet, now)
+        if link.blamed and now > link.blamed_until + BLAME_MEMORY_S:
+            link.blamed = 0
         link.blamed += 1
         ban = self.ban_s * 2.0 ** min(link.blamed - 1, BLAME_BAN_DOUBLINGS)
-        link.skip_until = now + ban
+        link.skip_until = link.blamed_until = now + ban
         return ban
 
 

@@ -31,6 +31,7 @@ from neuroshard.node.membership import Neighbours, StageRoster
 from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import (
     BLAME_BAN_DOUBLINGS,
+    BLAME_MEMORY_S,
     OUTSIDER_RETRY_S,
     Job,
     NextStageRouter,
@@ -102,6 +103,18 @@ def test_a_blamed_peer_is_banned_for_twice_as_long_at_each_blame_up_to_a_cap() -
     assert router.throughput("a") is None  # forgotten, as after a failure
     router.succeeded("a", tokens=100, seconds=1.0)  # an answer later does not wipe the record
     assert router.blamed("a", now=0.0) == 10.0 * 2**BLAME_BAN_DOUBLINGS
+
+
+def test_a_blame_long_after_the_last_ban_ended_starts_again_from_the_base_ban() -> None:
+    router = NextStageRouter(ban_s=10.0, busy_s=1.0)
+    assert [router.blamed("a", now=0.0) for _ in range(3)] == [10.0, 20.0, 40.0]
+    # Blamed again right when its ban ends (a liar back at once): still doubling.
+    assert router.blamed("a", now=40.0) == 80.0
+    # Blamed again just within the memory after that ban (ends at 120): still doubling.
+    assert router.blamed("a", now=120.0 + BLAME_MEMORY_S) == 160.0
+    # An hour and more of no blame after its last ban: the record is wiped.
+    last_end = 120.0 + BLAME_MEMORY_S + 160.0
+    assert router.blamed("a", now=last_end + BLAME_MEMORY_S + 1.0) == 10.0
 
 
 def test_a_failed_peer_is_banned_then_returns_at_the_back_and_busy_is_short() -> None:
