@@ -53,7 +53,9 @@ standing, are free to check it, each falsified answer is caught with probability
 audit rate. An audit copy is real work for the replica asked (it trains on it, as on a retry),
 so the stages after this one do up to that share more micro-batches (a third opinion and the
 audits of later hops add to it). The copy is sent with the first, so an audited step waits for
-the slower of the two answers (and a third opinion after, when one is asked).
+the slower of the two answers (and after it for a third opinion, or a replacement for a copy that
+failed, when one is asked); if the first fails and the copy is answered, that answer is used
+unchecked, as a retry's would be.
 What audits do not catch: an answer bent within the bound, a lie where fewer than two honest
 replicas are free to check it (in a stage of two, a liar is never outvoted), colluders drawn as
 each other's auditors, and a replica further down that answers two replicas of this stage
@@ -107,9 +109,9 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 from torch import Tensor
@@ -153,6 +155,9 @@ from .pipeline_wire import (
 )
 from .relay import is_relay
 from .upstream import Upstream
+
+_T = TypeVar("_T")
+_U = TypeVar("_U")
 
 MAX_END_BYTES = 2048
 """A `PipelineEnd` is ~400 bytes of JSON."""
@@ -243,6 +248,18 @@ class _Answer:
     @property
     def result(self) -> tuple[Tensor, float]:
         return self.grad, self.loss
+
+
+async def _both(first: Awaitable[_T], second: Awaitable[_U]) -> tuple[_T, _U]:
+    """Both at once; if one raises, the other is cancelled (a bare gather would leave it running)."""
+    tasks = (asyncio.ensure_future(first), asyncio.ensure_future(second))
+    try:
+        a, b = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    return a, b
 
 
 class PipelineUnavailable(ConnectionError):
@@ -350,15 +367,15 @@ class _Link:
     """Answers from this peer blamed (a gradient that overflowed this replica's backward, or one an
     audit outvoted) since its record was last wiped (`BLAME_MEMORY_S`)."""
     blamed_until: float = 0.0
-    """When the ban of its latest blame ends."""
+    """When the ban of its latest blame was to end (an answer since may have lifted it)."""
 
 
 BLAME_BAN_DOUBLINGS = 7
 """A blamed replica's ban doubles with each blame up to 2**7 × ban_s (64 min at the default 30 s)."""
 BLAME_MEMORY_S = 3600.0
-"""A replica not blamed for this long after its last ban ended starts again from `ban_s`: an honest
-one outvoted now and then by honest drift (node.pipeline.AUDIT_MIN_COSINE) does not pile up bans
-over a long run, while one that lies again when its ban ends keeps doubling."""
+"""A replica blamed more than this long after its last ban ended starts again from `ban_s`: an
+honest one outvoted now and then by honest drift (node.pipeline.AUDIT_MIN_COSINE) does not pile up
+bans over a long run, while one caught again within this of its last ban's end keeps doubling."""
 
 
 @dataclass
@@ -401,12 +418,15 @@ class NextStageRouter:
         weights = [self._links[w].throughput or floor for w in ranked]
         return self.rng.choices(ranked, weights=weights, k=1)[0]
 
-    def succeeded(self, wallet: str, tokens: int, seconds: float) -> None:
+    def succeeded(self, wallet: str, tokens: int, seconds: float | None) -> None:
+        """The peer answered; `tokens` in `seconds` go into its throughput average (None: an
+        answer that measures nothing, as one whose upload shared the link with an audit copy)."""
         link = self._link(wallet)
-        rate = tokens / max(seconds, 1e-6)
-        link.throughput = (
-            rate if link.throughput is None else (1 - self.ema) * link.throughput + self.ema * rate
-        )
+        if seconds is not None:
+            rate = tokens / max(seconds, 1e-6)
+            link.throughput = (
+                rate if link.throughput is None else (1 - self.ema) * link.throughput + self.ema * rate
+            )
         link.failures = 0
         link.successes += 1
         link.skip_until = 0.0
@@ -508,7 +528,8 @@ class PipelineClient:
         self.audits_unsettled = 0
         """... disputes no majority settled (nobody banned);"""
         self.audits_unchecked = 0
-        """... audits that found no other replica to ask."""
+        """... audits that got no second answer (nobody else usable, or every one asked busy,
+        failing, holding the id with another payload, or past the deadline)."""
         self.blamed = 0
         """Gradients refused as overflowing this replica's backward (`blame`)."""
         self._not_member: set[str] = set()
@@ -540,8 +561,9 @@ class PipelineClient:
         `micro_batch_id`, the same on every attempt and every hop. No attempt starts after
         `deadline_s`; then `PipelineUnavailable`, or `NotListed` when replicas skipped refused this
         one as not on their member list. Not `patient` (a middle replica, whose sender can go
-        elsewhere): `NotListed` as soon as every replica it may ask refused it so. A share of the
-        answers is audited first (`_audit`)."""
+        elsewhere): `NotListed` as soon as every replica it may ask refused it so, and
+        `PipelineUnavailable` as soon as every one holds its id with another payload (409). A share
+        of the answers is audited first (`_audit`)."""
         batch, seq_len, dim = hidden.shape
         codec = self.config.codec
         body = await asyncio.get_running_loop().run_in_executor(
@@ -569,8 +591,8 @@ class PipelineClient:
             pick = self.router.choose(live, now)
             if not patient and refused and not live:  # everyone it may ask holds the id with another payload
                 raise PipelineUnavailable(
-                    f"micro-batch {micro_batch[:8]}: every replica of stage {self.stage + 1} this one may ask "
-                    "already took its id with another payload"
+                    f"micro-batch {micro_batch[:8]}: {len(refused)} replica(s) of stage {self.stage + 1} already "
+                    "took its id with another payload, and no other is left to ask"
                 )
             late = time.monotonic() > deadline
             outsiders = self._not_member & live.keys()
@@ -594,33 +616,46 @@ class PipelineClient:
             if self.audit_rng.random() < self._audit_rate(pick):
                 others = [w for w in self.router.ranking(live, now) if w != pick]
                 auditor = self.audit_rng.choice(others) if others else ""
-            if auditor:  # asked at the same time: an audited step waits for the slower, not for both
-                (outcome, seconds), (audited, _) = await asyncio.gather(
+            if not auditor:
+                outcome, seconds = await self._timed_ask(live[pick], offer)
+                asked_with = None
+            else:  # asked at the same time: an audited step waits for the slower, not for both
+                (outcome, seconds), (audited, audit_seconds) = await _both(
                     self._timed_ask(live[pick], offer), self._timed_ask(live[auditor], offer)
                 )
-            else:
-                outcome, seconds = await self._timed_ask(live[pick], offer)
+                asked_with = (auditor, audited)
+                if not isinstance(outcome, _Answer) and isinstance(audited, _Answer):
+                    # The first failed and the second answered: its answer, unchecked, as a retry's.
+                    self._missed(pick, outcome, refused, micro_batch)
+                    pick, outcome, seconds, auditor, asked_with = auditor, audited, audit_seconds, None, None
             if isinstance(outcome, _Answer):
-                self.router.succeeded(pick, batch * seq_len, seconds)
+                # An audited attempt shared this replica's uplink with the copy: not a measurement.
+                self.router.succeeded(pick, batch * seq_len, seconds if not auditor else None)
                 if auditor is not None:
-                    outcome = await self._audit(
-                        offer, outcome, live, deadline, (auditor, audited) if auditor else None
-                    )
+                    outcome = await self._audit(offer, outcome, live, deadline, asked_with, refused)
                 return self._consume(offer, outcome)
             if auditor and not isinstance(audited, _Answer):
-                self._set_back(auditor, audited, micro_batch)  # one that answered trained, as on a retry
-            self.retries += 1
-            if outcome == "degenerate":  # the bytes' fault, not the replica's: every replica refuses them
-                raise NonFiniteStep(
-                    f"a stage {self.stage + 1} replica refused micro-batch {micro_batch[:8]}'s activations "
-                    "as degenerate (node.pipeline.DEGENERATE_MEAN_SQUARE); not sent elsewhere"
-                )
-            if outcome == "reused":
-                refused.add(pick)
-                self.log(f"pipeline: stage {self.stage + 1} replica {pick[:12]} already took micro-batch "
-                         f"{micro_batch[:8]} with another payload; sending it elsewhere")  # fmt: skip
-            else:
-                self._set_back(pick, outcome, micro_batch)
+                self._missed(auditor, audited, refused, micro_batch, retry=False)
+            self._missed(pick, outcome, refused, micro_batch)
+
+    def _missed(
+        self, wallet: str, outcome: str, refused: set[str], micro_batch: str, *, retry: bool = True
+    ) -> None:
+        """An attempt `wallet` did not answer: the micro-batch's bytes refused as degenerate (raises:
+        every replica would refuse them), its id held with another payload (never asked again for
+        it), or the router's account (`_set_back`). `retry`: the attempt was the one to answer it."""
+        self.retries += retry
+        if outcome == "degenerate":
+            raise NonFiniteStep(
+                f"a stage {self.stage + 1} replica refused micro-batch {micro_batch[:8]}'s activations "
+                "as degenerate (node.pipeline.DEGENERATE_MEAN_SQUARE); not sent elsewhere"
+            )
+        if outcome == "reused":
+            refused.add(wallet)
+            self.log(f"pipeline: stage {self.stage + 1} replica {wallet[:12]} already took micro-batch "
+                     f"{micro_batch[:8]} with another payload; sending it elsewhere")  # fmt: skip
+        else:
+            self._set_back(wallet, outcome, micro_batch)
 
     def _set_back(self, wallet: str, outcome: str, micro_batch: str) -> None:
         """The router's account of an attempt that `wallet` did not answer: busy, not taking this
@@ -665,17 +700,21 @@ class PipelineClient:
         live: dict[str, PeerEntry],
         deadline: float,
         asked_with: tuple[str, _Answer | str] | None,
+        refused: set[str],
     ) -> _Answer:
         """Audits: the same micro-batch (the same bytes under the same id, in a header signed for
         each) goes to another next-stage replica drawn uniformly among those usable now — not by
         throughput, which a replica that answers at once without computing would win — and the two
         answers must agree within what honest drift and the codec allow
         (node.pipeline.answers_disagree). The first such replica is asked with the first
-        (`asked_with`: its wallet and outcome). Two that disagree get a third opinion; `_settle`
-        decides. A replica busy or failing is passed over (at most AUDIT_ASKS asked); nobody else to
-        ask, the first answer is used unchecked. Returns the answer to use."""
+        (`asked_with`: its wallet and outcome, already in). Two that disagree get a third opinion;
+        `_settle` decides. A replica busy, failing or holding the id with another payload (added to
+        `refused`) is passed over; at most AUDIT_ASKS are asked, none after the deadline or a stop.
+        With no second answer the first is used unchecked. Returns the answer to use."""
         self.audits += 1
-        others = [w for w in self.router.ranking(live, self.clock()) if w != first.wallet]
+        others = [
+            w for w in self.router.ranking(live, self.clock()) if w != first.wallet and w not in refused
+        ]
         self.audit_rng.shuffle(others)
         pending: list[tuple[str, _Answer | str | None]] = [(w, None) for w in others]
         if asked_with is not None:
@@ -683,12 +722,20 @@ class PipelineClient:
         answers = [first]
         asked = 0
         for wallet, given in pending:
-            if asked == AUDIT_ASKS or len(answers) == 3 or time.monotonic() > deadline or self.stop.is_set():
+            if len(answers) == 3:
                 break
+            if given is None:  # a new ask: only within the bounds (one already in costs no wait)
+                if asked == AUDIT_ASKS or time.monotonic() > deadline or self.stop.is_set():
+                    break
+                outcome = await self._ask(live[wallet], offer)
+            else:
+                outcome = given
             asked += 1
-            outcome = given if given is not None else await self._ask(live[wallet], offer)
             if not isinstance(outcome, _Answer):
-                self._set_back(wallet, outcome, offer.micro_batch)
+                if outcome == "reused":
+                    refused.add(wallet)
+                else:
+                    self._set_back(wallet, outcome, offer.micro_batch)
                 continue
             answers.append(outcome)
             if len(answers) == 2:
@@ -754,6 +801,7 @@ class PipelineClient:
         return answer.result
 
     async def _timed_ask(self, peer: PeerEntry, offer: _Offer) -> tuple[_Answer | str, float]:
+        """`_ask`, and how long it took in seconds."""
         started = time.monotonic()
         outcome = await self._ask(peer, offer)
         return outcome, time.monotonic() - started

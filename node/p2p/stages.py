@@ -126,8 +126,9 @@ class PipelineLink:
         self, hidden: Tensor, labels: Tensor, micro_batch: str, *, patient: bool = False
     ) -> tuple[Tensor, float]:
         """A `stage_worker.Forward`: send a micro-batch on under the id it already has. A middle
-        replica is not `patient`: refused as not listed by every next-stage replica, it gives the
-        micro-batch up at once (`NotListed`) and its sender takes it elsewhere."""
+        replica is not `patient`: refused as not listed by every next-stage replica (`NotListed`),
+        or 409 by every one (the id already taken with another payload: `PipelineUnavailable`), it
+        gives the micro-batch up at once and its sender takes it elsewhere."""
         coro = self.client.forward(
             hidden, labels, round_=self.round_of(), micro_batch=micro_batch, patient=patient
         )

@@ -739,7 +739,9 @@ async def test_a_middle_replica_whose_id_every_replica_holds_with_another_payloa
         await client.start()
         started = time.monotonic()
         try:
-            with pytest.raises(PipelineUnavailable, match="already took its id with another payload"):
+            with pytest.raises(
+                PipelineUnavailable, match="already took its id with another payload, and no other is left"
+            ):
                 await client.forward(*_micro_batch(3), round_=0, micro_batch=id_, patient=False)
         finally:
             await client.close()
@@ -1225,3 +1227,87 @@ async def test_without_a_majority_that_may_ban_nobody_is_banned(make_node, walle
         "whose standing is lower; not used, nobody banned" if expect is second else "no majority settles it"
     )
     assert any(told in line for line in lines)
+
+
+# --- the audit's concurrent ask, with the transport mocked: the edges a live run rarely shows ----
+
+
+def _mocked(
+    wallets: list[Wallet], outcomes: dict[str, Any], delays: dict[str, float], **over: Any
+) -> tuple[PipelineClient, NextStageRouter, list[str]]:
+    """A driver's client over three stage-1 replicas (wallets 0-2; 0 drawn first), every answer
+    audited, whose `_ask` returns `outcomes[wallet]` ("answer", a failure string, or an exception to
+    raise) after `delays[wallet]` seconds; and the wallets asked, in order."""
+    from neuroshard.node.p2p.peers import PeerTable
+    from neuroshard.node.p2p.pipeline import _Answer
+
+    now = time.time()
+    table = PeerTable(own_wallet=wallets[3].public_key_hex, ttl_s=60.0, ban_after=3, ban_s=30.0)
+    table.merge([PeerRecord.create(w, address=f"127.0.0.1:{9000 + i}", stage=1, last_seen=now)
+                 for i, w in enumerate(wallets[:3])], now)  # fmt: skip
+    router = NextStageRouter(ban_s=30.0, busy_s=0.2, rng=random.Random(1))
+    router.succeeded(wallets[0].public_key_hex, tokens=10**9, seconds=1.0)
+    config = replace(AUDITED, retry_pause_s=0.01, **over)
+    client = PipelineClient(
+        wallet=wallets[3], stage=0, peers=table, config=config, clock=time.time, log=lambda s: None,
+        stop=threading.Event(), router=router, audit_rng=random.Random(7),
+    )  # fmt: skip
+    asked: list[str] = []
+
+    async def ask(peer: Any, offer: Any) -> Any:
+        asked.append(peer.wallet)
+        await asyncio.sleep(delays.get(peer.wallet, 0.0))
+        outcome = outcomes[peer.wallet]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome == "answer":
+            grad = torch.ones(*offer.shape)
+            return _Answer(wallet=peer.wallet, grad=grad, loss=1.0, reply=None, body=b"")  # type: ignore[arg-type]
+        return outcome
+
+    client._ask = ask  # type: ignore[method-assign]
+    return client, router, asked
+
+
+@pytest.mark.asyncio
+async def test_when_the_first_ask_fails_and_the_audit_copy_is_answered_that_answer_is_used(wallets) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = (w.public_key_hex for w in wallets[:3])
+    client, router, asked = _mocked(wallets, {a: "status 500: down", b: "answer", c: "answer"}, {})
+    await client.forward(*_micro_batch(1), round_=0, micro_batch="ab" * 32)
+    auditor = asked[1]
+    assert asked == [a, auditor] and client._answered["ab" * 32] == auditor  # nobody asked a third time
+    assert client.retries == 1 and client.audits == 0
+    assert router.ranking([a], time.time()) == []  # the one that failed is banned, as before
+
+
+@pytest.mark.asyncio
+async def test_an_audit_copy_answered_after_the_deadline_still_counts(wallets) -> None:  # type: ignore[no-untyped-def]
+    """The pair of asks ends past the deadline: the copy's outcome, in hand, is still read (its
+    failure reaches the router), and no new ask starts."""
+    a, b, c = (w.public_key_hex for w in wallets[:3])
+    outcomes = {a: "answer", b: "status 500: down", c: "status 500: down"}
+    client, router, asked = _mocked(wallets, outcomes, {a: 0.3, b: 0.3, c: 0.3}, deadline_s=0.2)
+    await client.forward(*_micro_batch(1), round_=0, micro_batch="cd" * 32)
+    assert len(asked) == 2 and client.audits_unchecked == 1
+    assert router.ranking([asked[1]], time.time()) == []  # the failed copy's replica is banned
+
+
+@pytest.mark.asyncio
+async def test_when_one_ask_of_the_pair_raises_the_other_is_cancelled(wallets) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = (w.public_key_hex for w in wallets[:3])
+    client, _, _ = _mocked(wallets, {a: RuntimeError("boom"), b: "answer", c: "answer"}, {b: 5.0, c: 5.0})
+    with pytest.raises(RuntimeError, match="boom"):
+        await client.forward(*_micro_batch(1), round_=0, micro_batch="ef" * 32)
+    await asyncio.sleep(0)
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+
+@pytest.mark.asyncio
+async def test_an_audit_copy_refused_409_is_not_offered_the_id_again(wallets) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = (w.public_key_hex for w in wallets[:3])
+    client, _, asked = _mocked(wallets, {a: "reused", b: "reused", c: "reused"}, {}, deadline_s=30.0)
+    started = time.monotonic()
+    with pytest.raises(PipelineUnavailable, match="3 replica"):
+        await client.forward(*_micro_batch(1), round_=0, micro_batch="01" * 32, patient=False)
+    assert sorted(asked) == sorted([a, b, c])  # each asked once: the copy's 409 counts as the first's
+    assert time.monotonic() - started < 10.0
