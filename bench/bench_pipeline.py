@@ -435,7 +435,11 @@ def live_run(
         relay = dataclasses.replace(relay, url=f"{relay.url}-{codec}-{time.monotonic_ns()}")
     h, steps = args.inner_steps, args.inner_steps * args.rounds
     diloco = DiLoCoConfig(inner_steps=h, warmup_steps=min(20, h), total_steps=max(steps, 1000))
-    pipe = PipelineConfig(num_stages=2, codec=codec, max_batch=args.batch_size)
+    # No audits: the stage-1 replicas stop after a fixed count of steps, which audit copies would use
+    # up before the drivers' last micro-batches, and this measures the codec's bytes and speed alone.
+    pipe = PipelineConfig(
+        num_stages=2, codec=codec, max_batch=args.batch_size, audit_rate=0.0, probation_audit_rate=0.0
+    )
     stops: list[threading.Event] = []
     stage1: list[StageReplica] = []
     for i in range(2):
