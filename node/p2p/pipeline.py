@@ -676,10 +676,7 @@ class PipelineClient:
                      f"banned {self.config.ban_s:.0f} s, retrying micro-batch {micro_batch[:8]} elsewhere")  # fmt: skip
 
     def _audit_rate(self, wallet: str) -> float:
-        roster = None if self.receivers is None else self.receivers.roster
-        if roster is not None and wallet in roster.probation:
-            return self.config.probation_audit_rate
-        return self.config.audit_rate
+        return self.config.probation_audit_rate if self._standing(wallet) == 1 else self.config.audit_rate
 
     def _standing(self, wallet: str) -> int:
         """2 admitted, 1 a listed probationer, 0 anyone where the next stage has no member list."""
@@ -772,12 +769,11 @@ class PipelineClient:
                          "is lower; not used, nobody banned")  # fmt: skip
                 return pair[0]
         self.audits_unsettled += 1
-        kept = first
         names = ", ".join(a.wallet[:12] for a in answers)
         self.log(f"pipeline: stage {self.stage + 1} replicas {names} answered micro-batch {offer.micro_batch[:8]} "
                  f"differently ({why}) and no majority settles it; nobody banned, "
-                 f"{kept.wallet[:12]}'s answer used")  # fmt: skip
-        return kept
+                 f"{first.wallet[:12]}'s answer used")  # fmt: skip
+        return first
 
     def _audit_blame(self, liar: _Answer, offer: _Offer, why: str) -> None:
         ban = self.router.blamed(liar.wallet, self.clock())
