@@ -1,5 +1,6 @@
 """Upkeep of the write path, run by the lead process only (verifier.leader): expired nonces are
-forgotten and waiting rounds settled every `period_s`.
+forgotten and waiting rounds settled every `period_s`, and a stage whose listed probationers'
+turn is over starts the next one (verifier.members.next_turn).
 
 Both used to happen in every write. A request's nonce DELETE deleted nothing most of the time,
 and settling a stage after every receipt read the stage's votes and live replicas again for
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from . import ledger
+from . import ledger, members
 from .background import JobContext, PollingThread
 from .ledger import LedgerConfig
 
@@ -39,6 +40,9 @@ class Housekeeping:
         self.ctx = ctx
         self.ledger = ledger_config
         self.config = config
+        self._quiet_turn: dict[int, int] = {}
+        """Stage → the probation turn in which nobody waited off its list: `next_turn` reads a
+        stage's standings once a turn, not every sweep."""
         self._loop = PollingThread("housekeeping", self._sweep, config.period_s, ctx.log, "housekeeping")
 
     def start(self) -> None:
@@ -72,6 +76,31 @@ class Housekeeping:
                 continue
             if rounds:
                 settled[stage] = rounds
-        if settled:
-            self.ctx.db.touch()  # the settled rounds show in the reads
+        turned = self._next_turns(now)
+        if settled or turned:
+            self.ctx.db.touch()  # the settled rounds and the new member lists show in the reads
         return purged, settled
+
+    def _next_turns(self, now: float) -> list[int]:
+        """Stages whose listed probationers' turn ended and that started a new one (a new epoch)."""
+        cfg = self.ledger.membership
+        turn = members.turn_of(now, cfg)
+        turned: list[int] = []
+        for stage in range(self.ledger.num_stages):
+            if cfg.policy != "probation" or self._quiet_turn.get(stage) == turn:
+                continue
+            try:
+                with self.ctx.db.write(stale_reads=False) as session:
+                    outcome = members.next_turn(session, stage, cfg, now=now)
+            except SQLAlchemyError as exc:
+                self.ctx.log(
+                    f"housekeeping: stage {stage}'s probation turn deferred: {type(exc).__name__}: {exc}"
+                )
+                continue
+            if outcome == "started":
+                turned.append(stage)
+            elif outcome == "nobody waits":
+                self._quiet_turn[stage] = turn
+        if turned:
+            self.ctx.log(f"housekeeping: a new turn of listed probationers in stage(s) {turned}")
+        return turned

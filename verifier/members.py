@@ -24,6 +24,7 @@ wallet (reputation) is on no list.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -58,9 +59,20 @@ class MembershipConfig:
     new member list takes effect from: time for every replica to read it (nodes read it every 5 s,
     3 s while not admitted; rounds are minutes at production H). Raise it for very short rounds."""
     max_probation_listed: int = 256
-    """Probationers a member list names, furthest along first (rounds with the majority, then spot
-    checks, then the longest waiting): a node takes at most 16 a round, and a flood of idle keys
-    must not grow every node's list download. A probationer doing honest rounds climbs past them."""
+    """Probationers a member list names: a node takes at most 16 a round, and a flood of idle keys
+    must not grow every node's list download. Probationers with progress (a round with the majority
+    or a spot check passed) are named furthest along first; `probation_turns` of the places go to
+    the rest in turns (`listed_probation`)."""
+    probation_turns: float = 0.25
+    """Share of `max_probation_listed` kept for probationers with no progress yet, who take it in
+    turns of `probation_turn_s`: without it, idle keys registered first (a flood, or honest churn:
+    people who tried once and left) would hold every place, and a newcomer in a pipeline, whose
+    rounds need the list (its neighbours work only with listed wallets), could never start."""
+    probation_turn_s: float = 3600.0
+    """How long one turn lasts at least: the housekeeping sweep starts a new one (a new epoch) once
+    this much time has passed and the stage has reported `TURN_ROUNDS` rounds past the turn's
+    list's `effective_round`, so a newcomer named in a turn has rounds to work in whatever the
+    length of a round, and if someone with no progress waits off the list."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -78,6 +90,12 @@ class MembershipConfig:
             raise ValueError(
                 f"MembershipConfig: max_probation_listed must be in [0, {MAX_LISTED}], got {self.max_probation_listed}"
             )
+        if not 0.0 <= self.probation_turns <= 1.0:
+            raise ValueError(
+                f"MembershipConfig: probation_turns must be in [0, 1], got {self.probation_turns}"
+            )
+        if not self.probation_turn_s > 0:
+            raise ValueError(f"MembershipConfig: probation_turn_s must be > 0, got {self.probation_turn_s}")
 
 
 # --- the operator's roster --------------------------------------------------------------------
@@ -125,10 +143,15 @@ def accept_roster(
 # --- epochs -----------------------------------------------------------------------------------
 
 
+def _reported(session: Session, stage: int) -> int:
+    """The newest round any replica of the stage reported."""
+    return session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)) or 0
+
+
 def bump_epoch(session: Session, stage: int, *, now: float) -> None:
     """+1 on the stage's membership epoch, in the caller's transaction, noting the stage's newest
     reported round (the list of this epoch takes effect a few rounds after it: `member_list`)."""
-    reported = session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)) or 0
+    reported = _reported(session, stage)
     moved = session.execute(
         update(m.StageEpoch)
         .where(m.StageEpoch.stage == stage)
@@ -373,6 +396,91 @@ def expiry(now: float, ttl_s: float) -> int:
     return int((math.floor(now / ttl_s) + 2) * ttl_s)
 
 
+@dataclass(frozen=True)
+class Listing:
+    listed: list[str]
+    """Public keys of the probationers a member list names."""
+    unlisted_new: int
+    """Probationers with no progress that it leaves out: they wait for a later turn."""
+
+
+def _progress(r: Standing) -> bool:
+    return r.streak > 0 or r.checks_passed > 0
+
+
+def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, draw: bytes) -> Listing:
+    """Which of the waiting probationers a list names, at most `cfg.max_probation_listed`.
+
+    Those with progress come first, furthest along first (rounds with the majority, spot checks
+    passed, the longest waiting), except for the `cfg.probation_turns` share of the places kept
+    for those without: they are ranked by sha256(`draw` ‖ key), so which of them are named
+    changes with every turn (`turn_draw`). Ranking them by age instead let idle keys registered
+    first hold their places for ever. Progress costs work the verifier checks, so the places it
+    wins are only held by working wallets; a newcomer keeps its place after its turn by doing a
+    round in it."""
+    slots = cfg.max_probation_listed
+    working = sorted(
+        (r for r in waiting if _progress(r)),
+        key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key),
+    )
+    new = sorted(
+        (r for r in waiting if not _progress(r)),
+        key=lambda r: hashlib.sha256(draw + r.public_key.encode()).digest(),
+    )
+    kept = min(len(new), math.ceil(cfg.probation_turns * slots))
+    named = working[: slots - kept]
+    named_new = new[: slots - len(named)]
+    return Listing([r.public_key for r in named + named_new], len(new) - len(named_new))
+
+
+def turn_draw(signer: Wallet, *, network: str, stage: int, turn: int) -> bytes:
+    """The ranking seed of a turn: a hash of the verifier's signature over (network, stage, turn).
+    Ed25519 signs deterministically, so every worker sharing the key ranks alike; nobody without
+    the key can tell a turn's order before its list is out, so keys cannot be ground for a turn."""
+    message = f"neuroshard/probation-turn/v1\n{network}\n{stage}\n{turn}".encode()
+    return hashlib.sha256(signer.sign(message)).digest()
+
+
+def _turn(session: Session, stage: int, cfg: MembershipConfig) -> int:
+    """The turn of the stage's current epoch: its `changed_at` in units of `probation_turn_s`, so a
+    list is the same at every rendering of one epoch, and a new turn starts only with a new epoch."""
+    changed_at = session.scalar(select(m.StageEpoch.changed_at).where(m.StageEpoch.stage == stage))
+    return turn_of(changed_at or 0.0, cfg)
+
+
+TURN_ROUNDS = 2
+"""Rounds reported after a turn's list took effect before the next turn may start: one to work in
+and one for its receipt (a receipt counts only once its round settles)."""
+
+
+def turn_of(now: float, cfg: MembershipConfig) -> int:
+    return math.floor(now / cfg.probation_turn_s)
+
+
+def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> str:
+    """Start a new turn of the listed probationers (a new epoch) when it is due and a probationer
+    with no progress waits off the list. Returns "started", "not due" (too early, in time or in
+    rounds: ask again) or "nobody waits" (the stage's standings were read: the housekeeping sweep
+    asks again only in the next turn, since any change that could leave a new probationer off the
+    list, a registration or a restarted probation, is a new epoch in the turn it happens in)."""
+    if cfg.policy != "probation" or turn_of(now, cfg) <= _turn(session, stage, cfg):
+        return "not due"
+    if _reported(session, stage) < effective_round(session, stage, cfg) + TURN_ROUNDS:
+        return "not due"
+    roster = current_roster(session, now=now)
+    _, waiting = _split(standings(session, stage), set(roster.wallets(stage) if roster is not None else ()))
+    if listed_probation(waiting, cfg, draw=b"").unlisted_new == 0:  # the count needs no draw
+        return "nobody waits"
+    bump_epoch(session, stage, now=now)
+    return "started"
+
+
+def _split(rows: list[Standing], roster_keys: set[str]) -> tuple[set[str], list[Standing]]:
+    """(admitted keys: the roster's and those admitted by their rounds, the other rows)."""
+    admitted = roster_keys | {r.public_key for r in rows if r.status == m.MEMBER_ADMITTED}
+    return admitted, [r for r in rows if r.public_key not in admitted]
+
+
 def member_list(
     session: Session, stage: int, cfg: MembershipConfig, *, network: str, signer: Wallet, now: float
 ) -> MemberList:
@@ -387,12 +495,9 @@ def member_list(
     elif cfg.policy == "open":
         admitted, probation = roster_keys | {r.public_key for r in rows}, []
     else:
-        admitted = roster_keys | {r.public_key for r in rows if r.status == m.MEMBER_ADMITTED}
-        waiting = sorted(
-            (r for r in rows if r.public_key not in admitted),
-            key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key),
-        )
-        probation = [r.public_key for r in waiting[: cfg.max_probation_listed]]
+        admitted, waiting = _split(rows, roster_keys)
+        draw = turn_draw(signer, network=network, stage=stage, turn=_turn(session, stage, cfg))
+        probation = listed_probation(waiting, cfg, draw=draw).listed
     vocab_size, vocab_from_round = vocab_schedule(session, stage)
     try:
         return MemberList.create(

@@ -14,9 +14,11 @@ from neuroshard.node.wallet import Wallet
 from neuroshard.testing.api import Harness, receipt_doc
 from neuroshard.testing.api import test_config as make_config
 from neuroshard.testing.verifier import ManualClock
+from neuroshard.verifier import members
 from neuroshard.verifier import models as m
 from neuroshard.verifier.background import JobContext
 from neuroshard.verifier.housekeeping import Housekeeping, HousekeepingConfig
+from neuroshard.verifier.members import MembershipConfig
 
 WALLETS = [Wallet.from_token(f"keeper-{i}") for i in range(3)]
 
@@ -94,3 +96,57 @@ def test_the_lease_holder_runs_the_sweep(database_url: str) -> None:
         body = client.get("/api/training/history").json()
         settled = [(r["stage"], r["round"]) for r in body["rounds"] if r["settled"]]
         assert settled == [(0, 0)]  # and the reads show it
+
+
+def test_housekeeping_starts_a_new_turn_of_listed_probationers_once_a_turn(database_url: str) -> None:
+    """A full probation list whose turn is over gets a new epoch from the sweep, served at once by
+    GET /api/stages/0/members; within a turn, and once handled, the sweep changes nothing."""
+    clock = ManualClock()
+    membership = MembershipConfig(
+        policy="probation", max_probation_listed=1, probation_turns=1.0, probation_turn_s=100.0
+    )
+    config = make_config(database_url, clock, membership=membership)
+    newcomers = [Wallet.from_token(f"keeper-new-{i}") for i in range(4)]
+    with TestClient(create_app(config)) as client:
+        harness = Harness(client, clock, config)
+        assert harness.register(WALLETS[0]).status_code in (200, 201)  # the stage's genesis member
+        services = harness.services
+        ctx = JobContext(
+            db=services.db, network=config.network, operator=config.operator, log=print, clock=clock
+        )
+        keeper = Housekeeping(ctx, ledger_config=services.ledger, config=HousekeepingConfig())
+
+        def served() -> tuple[int, tuple[str, ...]]:
+            doc = client.get("/api/stages/0/members").json()
+            return doc["epoch"], tuple(doc["probation"])
+
+        next_round = 0
+
+        def report(n: int) -> None:  # the genesis member's rounds: a turn needs rounds to work in
+            nonlocal next_round
+            for r in range(next_round, next_round + n):
+                assert (
+                    harness.post(WALLETS[0], "/api/receipts", receipt_doc(r, f"{r:064x}")).status_code == 201
+                )
+            next_round += n
+
+        report(1)
+        for w in newcomers:
+            assert harness.register(w).status_code in (200, 201)
+        first = served()
+        named = {first[1]}
+        keeper.run_once()
+        assert served() == first  # the turn is not over
+        for _ in range(6):
+            clock.advance(100.0)
+            keeper.run_once()
+            assert served() == first  # nor are its rounds
+            report(membership.lead_rounds + members.TURN_ROUNDS)
+            keeper.run_once()
+            now = served()
+            assert now[0] == first[0] + 1 and len(now[1]) == 1
+            keeper.run_once()
+            assert served() == now  # once a turn
+            first = now
+            named.add(now[1])
+        assert len(named) > 1  # the one place went round

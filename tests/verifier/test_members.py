@@ -364,11 +364,11 @@ def test_the_0005_upgrade_admits_existing_peers(db: Database) -> None:
 
 def test_honest_work_climbs_past_idle_keys_in_a_capped_list(db: Database) -> None:
     """The list names at most `max_probation_listed` probationers, furthest along first: idle keys
-    registered earlier do not keep a working newcomer off it, and each change is a new epoch."""
-    cfg = config(replace(PROBATION, max_probation_listed=2, admission_rounds=5))
+    registered earlier do not keep a working newcomer off it, and each change is a new epoch.
+    (No places kept for turns here: the ranking by progress alone.)"""
+    cfg = config(replace(PROBATION, max_probation_listed=2, admission_rounds=5, probation_turns=0.0))
     register(db, [FIRST, *SYBILS[:4]], cfg)
-    register(db, [HONEST[0]], cfg, at=NOW + 10)  # the last to register
-    assert HONEST[0].public_key_hex not in listed(db, cfg).probation
+    register(db, [HONEST[0]], cfg, at=NOW + 10)  # the last to register: named now only by the draw
     vote(db, FIRST, 0, cfg)
     vote(db, HONEST[0], 0, cfg)
     before = listed(db, cfg)
@@ -376,3 +376,143 @@ def test_honest_work_climbs_past_idle_keys_in_a_capped_list(db: Database) -> Non
     after = listed(db, cfg)
     assert after.probation[0] == HONEST[0].public_key_hex and len(after.probation) == 2
     assert after.epoch > before.epoch
+
+
+TURN_S = 100.0
+
+
+def next_turn(db: Database, cfg: ledger.LedgerConfig, at: float, stage: int = 0) -> str:
+    with db.write() as s:
+        return members.next_turn(s, stage, cfg.membership, now=at)
+
+
+class Rounds:
+    """The genesis member reporting the stage's rounds one after another."""
+
+    def __init__(self, db: Database, cfg: ledger.LedgerConfig) -> None:
+        self.db, self.cfg, self.next = db, cfg, 0
+        self.report(1)  # round 0: from now on, each `report(n)` moves the newest round by n
+
+    def report(self, n: int) -> None:
+        for _ in range(n):
+            vote(self.db, FIRST, self.next, self.cfg)
+            self.next += 1
+
+
+def test_new_probationers_take_turns_on_a_full_list(db: Database) -> None:
+    """Idle keys registered first do not hold a full list's places for ever: those with no progress
+    take the places in turns, each turn a new epoch, and over a few turns every one of them is
+    named; the list is the same at every rendering of one epoch. A turn ends once its time is
+    over and the stage has reported rounds past the list's effective round."""
+    cfg = config(replace(PROBATION, max_probation_listed=2, probation_turns=0.5, probation_turn_s=TURN_S))
+    register(db, [FIRST, *SYBILS[:4]], cfg)
+    register(db, [HONEST[0]], cfg, at=NOW + 10)  # the last to register: by age it would never be named
+    new = {w.public_key_hex for w in [*SYBILS[:4], HONEST[0]]}
+    rounds = Rounds(db, cfg)
+    seen: set[str] = set()
+    epochs = [listed(db, cfg).epoch]
+    at = NOW + 10
+    for _ in range(12):
+        doc = listed(db, cfg)
+        assert doc.to_json() == listed(db, cfg).to_json()  # one epoch, one list
+        assert len(doc.probation) == 2 and set(doc.probation) <= new
+        seen |= set(doc.probation)
+        rounds.report(cfg.membership.lead_rounds + members.TURN_ROUNDS)
+        assert next_turn(db, cfg, at + TURN_S / 2) == "not due"  # within a turn, nothing moves
+        at += TURN_S
+        assert next_turn(db, cfg, at) == "started"  # the turn is over and three wait off the list
+        epochs.append(listed(db, cfg).epoch)
+    assert seen == new
+    assert epochs == sorted(set(epochs))  # every turn a new epoch
+
+
+def test_a_turn_lasts_until_its_list_had_rounds_to_work_in(db: Database) -> None:
+    """However long ago the turn began, a stage whose rounds are slower than turns keeps the
+    turn's list until rounds past its effective round were reported."""
+    cfg = config(replace(PROBATION, max_probation_listed=1, probation_turns=1.0, probation_turn_s=TURN_S))
+    register(db, [FIRST, *SYBILS[:3]], cfg)
+    rounds = Rounds(db, cfg)
+    due = cfg.membership.lead_rounds + members.TURN_ROUNDS
+    rounds.report(due - 1)
+    assert next_turn(db, cfg, NOW + 50 * TURN_S) == "not due"
+    rounds.report(1)
+    assert next_turn(db, cfg, NOW + 50 * TURN_S) == "started"
+
+
+def test_a_newcomer_keeps_its_place_by_a_round_with_the_majority(db: Database) -> None:
+    """A newcomer named in its turn that does a round with the majority is named after the turn,
+    by progress; once nobody with no progress waits off the list, turns stop (no new epochs)."""
+    cfg = config(
+        replace(
+            PROBATION,
+            admission_rounds=50,
+            max_probation_listed=2,
+            probation_turns=0.5,
+            probation_turn_s=TURN_S,
+        )
+    )
+    register(db, [FIRST, *SYBILS[:4], HONEST[0]], cfg)
+    rounds = Rounds(db, cfg)
+    per_turn = cfg.membership.lead_rounds + members.TURN_ROUNDS
+    at = NOW
+    for _ in range(40):  # until HONEST[0]'s turn
+        if HONEST[0].public_key_hex in listed(db, cfg).probation:
+            break
+        rounds.report(per_turn)
+        at += TURN_S
+        assert next_turn(db, cfg, at) == "started"
+    else:
+        pytest.fail("HONEST[0] was never named")
+    vote(db, HONEST[0], rounds.next, cfg)
+    rounds.report(2)  # its round settles with HONEST[0] in the majority
+    for _ in range(8):
+        rounds.report(per_turn)
+        at += TURN_S
+        assert next_turn(db, cfg, at) == "started"
+        assert HONEST[0].public_key_hex in listed(db, cfg).probation
+    with db.write() as s:  # the idle keys leave (refused): nobody waits, no more turns
+        s.execute(
+            m.Wallet.__table__.update()
+            .where(m.Wallet.public_key.in_([w.public_key_hex for w in SYBILS[:3]]))
+            .values(status=m.STATUS_REFUSED)
+        )
+    epoch = listed(db, cfg).epoch
+    rounds.report(per_turn)
+    assert next_turn(db, cfg, at + 2 * TURN_S) == "nobody waits"
+    assert listed(db, cfg).epoch == epoch
+    assert set(listed(db, cfg).probation) == {HONEST[0].public_key_hex, SYBILS[3].public_key_hex}
+
+
+def test_turns_are_ranked_by_a_draw_only_the_verifier_can_make() -> None:
+    """The ranking seed hangs on the verifier's signature: other turns, stages, networks or keys
+    rank otherwise, and the same inputs rank alike (every worker of one verifier agrees)."""
+    draw = members.turn_draw(OPERATOR, network=NETWORK, stage=0, turn=7)
+    assert draw == members.turn_draw(OPERATOR, network=NETWORK, stage=0, turn=7)
+    others = {
+        members.turn_draw(OPERATOR, network=NETWORK, stage=0, turn=8),
+        members.turn_draw(OPERATOR, network=NETWORK, stage=1, turn=7),
+        members.turn_draw(OPERATOR, network="other", stage=0, turn=7),
+        members.turn_draw(FIRST, network=NETWORK, stage=0, turn=7),
+    }
+    assert draw not in others and len(others) == 4
+
+
+def test_places_kept_for_turns_never_exceed_the_list() -> None:
+    """Those with progress fill what turns do not keep; turns take what progress leaves."""
+
+    def standing(key: str, streak: int) -> members.Standing:
+        return members.Standing(key, key, "probation", streak, 0, 0.0, None)
+
+    working = [standing(f"w{i}", 1 + i) for i in range(5)]
+    new = [standing(f"n{i}", 0) for i in range(5)]
+    cfg = replace(PROBATION, max_probation_listed=4, probation_turns=0.25)
+    got = members.listed_probation(working + new, cfg, draw=b"d")
+    assert got.listed[:3] == ["w4", "w3", "w2"] and got.listed[3].startswith("n") and got.unlisted_new == 4
+    got = members.listed_probation(working[:1] + new, cfg, draw=b"d")
+    assert got.listed[0] == "w0" and len(got.listed) == 4 and got.unlisted_new == 2
+    got = members.listed_probation(working, cfg, draw=b"d")  # nobody new: progress takes every place
+    assert got.listed == ["w4", "w3", "w2", "w1"] and got.unlisted_new == 0
+    with pytest.raises(ValueError, match="probation_turns"):
+        replace(PROBATION, probation_turns=1.5)
+    with pytest.raises(ValueError, match="probation_turn_s"):
+        replace(PROBATION, probation_turn_s=0.0)
