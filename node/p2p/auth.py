@@ -53,6 +53,8 @@ BODY = web.RequestKey("neuroshard_body", bytes)
 
 Clock = Callable[[], float]
 BodyLimit = Callable[[str], int]
+Unread = Callable[[str, str], Refused | None]
+"""(route name, the wallet a request's headers claim) → a refusal to give before its body is read."""
 """Route name -> the largest body in bytes that route accepts (0 for GET routes)."""
 
 STATUS: Mapping[str, int] = {
@@ -160,8 +162,16 @@ def auth_middleware(
     clock: Clock,
     window_s: float = FRESHNESS_WINDOW_S,
     traffic: Traffic | None = None,
+    unread: Unread | None = None,
 ) -> Middleware:
-    """aiohttp middleware: route check, auth headers, window, size, signature, nonce — then the handler."""
+    """aiohttp middleware: route check, auth headers, window, size, signature, nonce — then the handler.
+
+    `unread` may refuse a request on the wallet its headers claim, before its body is read or its
+    signature checked: refusing a claim costs its true owner nothing it was not refused anyway, and
+    a sender the route would refuse after reading (a pipeline micro-batch from a wallet that is not
+    on the list) no longer costs the receiver the body's bytes. The connection is closed with the
+    refusal, so the rest of the body is not taken in either (aiohttp would read it to keep the
+    connection open); the sending aiohttp client reads the refusal and stops."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -189,6 +199,11 @@ def auth_middleware(
             now = clock()
             check_fresh(auth, now=now, window_s=window_s)
             route = request.match_info.route.name or ""
+            early = None if unread is None else unread(route, auth.public_key_hex)
+            if early is not None:
+                response = refusal_response(early)
+                response.force_close()
+                return response
             body = await read_capped(request, body_limit(route))
             signed = check_signature(auth, request.method, request.raw_path, body)
             if not nonces.add(signed.public_key_hex, signed.nonce, signed.timestamp, now):

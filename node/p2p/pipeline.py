@@ -1031,6 +1031,19 @@ class PipelineService:
             refuses=None if self.senders is None else self._unread,
         )
 
+    def refuses_unread(self, route: str, wallet: str) -> Refused | None:
+        """`node.p2p.server.RefusesUnread`: a micro-batch whose headers claim a sender that the
+        previous stage's list does not take is refused before its body is read, as through the
+        bucket (`_unread`); a recent sender's are read whatever the list says now."""
+        if route != self.ROUTE or self.senders is None:
+            return None
+        why = self._unread(wallet)
+        return (
+            None
+            if why is None
+            else Refused("not_a_member", f"{why}: this replica takes no micro-batch from it")
+        )
+
     def _unread(self, sender: str) -> str | None:
         """`MailboxRoutes.refuses`: why a sender's requests are answered unread. A recent sender's
         are read whatever the list says now (a retry of a micro-batch taken, its end), as over HTTP."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from aiohttp import web
 
@@ -168,6 +168,14 @@ class ServerExtension(Protocol):
         """The body limit of one of this extension's routes; None for routes it does not own."""
 
 
+@runtime_checkable
+class RefusesUnread(Protocol):
+    """An extension that refuses some requests on the wallet they claim, before their bodies are
+    read (node.p2p.auth.auth_middleware's `unread`)."""
+
+    def refuses_unread(self, route: str, wallet: str) -> Refused | None: ...
+
+
 def build_app(
     node: NodeState, *, window_s: float, extensions: Sequence[ServerExtension] = ()
 ) -> web.Application:
@@ -180,6 +188,15 @@ def build_app(
                 return limit
         return node.body_limit(route)
 
+    early = [e for e in extensions if isinstance(e, RefusesUnread)]
+
+    def unread(route: str, wallet: str) -> Refused | None:
+        for extension in early:
+            refused = extension.refuses_unread(route, wallet)
+            if refused is not None:
+                return refused
+        return None
+
     app = web.Application(
         middlewares=[
             auth_middleware(
@@ -188,6 +205,7 @@ def build_app(
                 clock=node.clock,
                 window_s=window_s,
                 traffic=node.traffic,
+                unread=unread if early else None,
             )
         ]
     )

@@ -909,6 +909,39 @@ async def test_a_replica_takes_micro_batches_only_from_the_previous_stage_s_memb
 
 
 @pytest.mark.asyncio
+async def test_a_micro_batch_from_off_the_list_is_refused_before_its_body_is_read(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    """Over HTTP the refusal comes on the wallet the headers claim, before the body is read: a
+    sender streaming a large body slowly gets its 403 after a few of its chunks and stops, and
+    the connection is closed rather than drained. A listed sender's body is read as before."""
+    senders = _listed(0, wallets[1])
+    chunks, sent = 40, []
+
+    async with _serve(make_node(wallets[0], stage=1), wallets[0], senders=senders) as (served, _):
+        limit = served.service.body_limit(PipelineService.ROUTE)
+        assert limit is not None
+        chunk = limit // chunks  # within the route's limit: only the list refuses it
+
+        async def slow() -> AsyncIterator[bytes]:
+            for i in range(chunks):
+                sent.append(i)
+                yield b"\0" * chunk
+                await asyncio.sleep(0.05)
+
+        body = b"\0" * (chunk * chunks)
+        headers = dict(sign_request(wallets[2], "POST", FORWARD, body, time.time()))
+        headers[ACTIVATION_HEADER] = _signed(wallets[2], body).to_json().decode()
+        headers["Content-Length"] = str(len(body))
+        url = served.server.make_url(FORWARD)
+        async with served.session.post(url, data=slow(), headers=headers) as reply:
+            status, refusal = reply.status, ErrorReply.from_json(await reply.read())
+        assert (status, refusal.error) == (403, "not_a_member") and "member list" in refusal.detail
+        assert len(sent) < chunks // 2, f"{len(sent)} of {chunks} chunks went out before the refusal"
+        assert served.service.outsiders == 1
+        good = encode_activations(*_micro_batch(), PIPE.codec)
+        assert (await served.send(wallets[1], good, _signed(wallets[1], good)))[0] == 200
+
+
+@pytest.mark.asyncio
 async def test_a_driver_offers_micro_batches_only_to_the_next_stage_s_members(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
     driver = wallets[1]
     hidden, labels = _micro_batch(3)
