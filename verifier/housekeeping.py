@@ -40,9 +40,6 @@ class Housekeeping:
         self.ctx = ctx
         self.ledger = ledger_config
         self.config = config
-        self._quiet_turn: dict[int, int] = {}
-        """Stage → the probation turn in which nobody waited off its list: `next_turn` reads a
-        stage's standings once a turn, not every sweep."""
         self._loop = PollingThread("housekeeping", self._sweep, config.period_s, ctx.log, "housekeeping")
 
     def start(self) -> None:
@@ -82,25 +79,23 @@ class Housekeeping:
         return purged, settled
 
     def _next_turns(self, now: float) -> list[int]:
-        """Stages whose listed probationers' turn ended and that started a new one (a new epoch)."""
+        """Stages whose turn of listed probationers ended and that started the next (a new epoch).
+        A stage's turn is read in a read transaction first: most sweeps write nothing."""
         cfg = self.ledger.membership
-        turn = members.turn_of(now, cfg)
         turned: list[int] = []
         for stage in range(self.ledger.num_stages):
-            if cfg.policy != "probation" or self._quiet_turn.get(stage) == turn:
+            with self.ctx.db.read() as session:
+                due = members.turn_due(session, stage, cfg, now=now)
+            if due is None:
                 continue
             try:
                 with self.ctx.db.write(stale_reads=False) as session:
-                    outcome = members.next_turn(session, stage, cfg, now=now)
+                    if members.next_turn(session, stage, cfg, now=now) == "started":
+                        turned.append(stage)
             except SQLAlchemyError as exc:
                 self.ctx.log(
                     f"housekeeping: stage {stage}'s probation turn deferred: {type(exc).__name__}: {exc}"
                 )
-                continue
-            if outcome == "started":
-                turned.append(stage)
-            elif outcome == "nobody waits":
-                self._quiet_turn[stage] = turn
         if turned:
             self.ctx.log(f"housekeeping: a new turn of listed probationers in stage(s) {turned}")
         return turned

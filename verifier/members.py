@@ -19,7 +19,9 @@ A wallet costs nothing to make, so the verifier does not let new wallets count. 
 Every change of a stage's membership, or of its vocabulary schedule (verifier.vocab), bumps its
 epoch (stage_epochs); GET /api/stages/{stage}/members serves the stage's
 `protocol.roster.MemberList` at its current epoch, signed with the verifier's key. A refused
-wallet (reputation) is on no list.
+wallet (reputation) is on no list. A list names at most `max_probation_listed` probationers:
+those with recent progress first, and a share of the places for the rest, who take them in turns
+(`listed_probation`, `next_turn`: the lead's housekeeping sweep starts each turn).
 """
 
 from __future__ import annotations
@@ -60,19 +62,22 @@ class MembershipConfig:
     3 s while not admitted; rounds are minutes at production H). Raise it for very short rounds."""
     max_probation_listed: int = 256
     """Probationers a member list names: a node takes at most 16 a round, and a flood of idle keys
-    must not grow every node's list download. Probationers with progress (a round with the majority
-    or a spot check passed) are named furthest along first; `probation_turns` of the places go to
-    the rest in turns (`listed_probation`)."""
+    must not grow every node's list download. Those with recent progress are named furthest along
+    first; `probation_turns` of the places go to the rest in turns (`listed_probation`)."""
     probation_turns: float = 0.25
-    """Share of `max_probation_listed` kept for probationers with no progress yet, who take it in
-    turns of `probation_turn_s`: without it, idle keys registered first (a flood, or honest churn:
+    """Share of `max_probation_listed` kept for probationers without recent progress, who take it
+    in turns (`next_turn`): without it, idle keys registered first (a flood, or honest churn:
     people who tried once and left) would hold every place, and a newcomer in a pipeline, whose
     rounds need the list (its neighbours work only with listed wallets), could never start."""
     probation_turn_s: float = 3600.0
-    """How long one turn lasts at least: the housekeeping sweep starts a new one (a new epoch) once
-    this much time has passed and the stage has reported `TURN_ROUNDS` rounds past the turn's
-    list's `effective_round`, so a newcomer named in a turn has rounds to work in whatever the
-    length of a round, and if someone with no progress waits off the list."""
+    """The shortest turn: the housekeeping sweep starts the next one (a new epoch and a new draw)
+    once this much time has passed since the turn started, the stage has reported rounds past the
+    turn's list taking effect (`TURN_ROUNDS`), whatever the length of a round, and someone without
+    recent progress waits off the list. Other changes of the stage's membership keep the turn."""
+    probation_idle_rounds: int = 8
+    """Progress (a round with the majority, a spot check) holds a place by progress only while the
+    probationer's latest counted round is at most this many rounds before the turn's start: one
+    that did a round and went idle goes back to taking turns."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -96,6 +101,10 @@ class MembershipConfig:
             )
         if not self.probation_turn_s > 0:
             raise ValueError(f"MembershipConfig: probation_turn_s must be > 0, got {self.probation_turn_s}")
+        if self.probation_idle_rounds < 0:
+            raise ValueError(
+                f"MembershipConfig: probation_idle_rounds must be ≥ 0, got {self.probation_idle_rounds}"
+            )
 
 
 # --- the operator's roster --------------------------------------------------------------------
@@ -162,7 +171,17 @@ def bump_epoch(session: Session, stage: int, *, now: float) -> None:
         return
     try:
         with session.begin_nested():  # a concurrent first change of this stage may insert first
-            session.add(m.StageEpoch(stage=stage, epoch=1, changed_at=now, changed_round=reported))
+            session.add(
+                m.StageEpoch(
+                    stage=stage,
+                    epoch=1,
+                    changed_at=now,
+                    changed_round=reported,
+                    turn=0,
+                    turn_started_at=now,
+                    turn_round=reported,
+                )
+            )
     except IntegrityError:
         bump_epoch(session, stage, now=now)
 
@@ -376,6 +395,8 @@ class Standing:
     checks_passed: int
     since: float
     reason: str | None
+    last_round: int | None = None
+    """The latest round counted toward its probation (None: none)."""
 
 
 def standings(session: Session, stage: int) -> list[Standing]:
@@ -387,7 +408,8 @@ def standings(session: Session, stage: int) -> list[Standing]:
         .order_by(m.Membership.wallet_id)
     ).all()
     return [
-        Standing(r.wallet_id, key, r.status, r.streak, r.checks_passed, r.since, r.reason) for r, key in rows
+        Standing(r.wallet_id, key, r.status, r.streak, r.checks_passed, r.since, r.reason, r.last_round)
+        for r, key in rows
     ]
 
 
@@ -400,37 +422,57 @@ def expiry(now: float, ttl_s: float) -> int:
 class Listing:
     listed: list[str]
     """Public keys of the probationers a member list names."""
-    unlisted_new: int
-    """Probationers with no progress that it leaves out: they wait for a later turn."""
+    unlisted_turns: int
+    """Probationers without recent progress that it leaves out: they wait for a later turn."""
 
 
-def _progress(r: Standing) -> bool:
-    return r.streak > 0 or r.checks_passed > 0
+@dataclass(frozen=True)
+class Turn:
+    """The stage's turn of listed probationers (models.StageEpoch.turn, turn_started_at, turn_round)."""
+
+    number: int = 0
+    started_at: float = 0.0
+    round: int = 0
 
 
-def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, draw: bytes) -> Listing:
+def turn_of(session: Session, stage: int) -> Turn | None:
+    """The stage's turn; None before its membership ever changed (no registration yet)."""
+    row = session.execute(
+        select(m.StageEpoch.turn, m.StageEpoch.turn_started_at, m.StageEpoch.turn_round).where(
+            m.StageEpoch.stage == stage
+        )
+    ).one_or_none()
+    return None if row is None else Turn(row.turn, row.turn_started_at, row.turn_round)
+
+
+def listed_probation(
+    waiting: list[Standing], cfg: MembershipConfig, *, draw: bytes, turn_round: int
+) -> Listing:
     """Which of the waiting probationers a list names, at most `cfg.max_probation_listed`.
 
-    Those with progress come first, furthest along first (rounds with the majority, spot checks
-    passed, the longest waiting), except for the `cfg.probation_turns` share of the places kept
-    for those without: they are ranked by sha256(`draw` ‖ key), so which of them are named
-    changes with every turn (`turn_draw`). Ranking them by age instead let idle keys registered
-    first hold their places for ever. Progress costs work the verifier checks, so the places it
-    wins are only held by working wallets; a newcomer keeps its place after its turn by doing a
-    round in it."""
+    Those with recent progress (a round with the majority or a spot check since their probation
+    began, and a round counted at most `probation_idle_rounds` before `turn_round`) come first,
+    furthest along first, except for the `cfg.probation_turns` share of the places kept for the
+    others: those are ranked by sha256(`draw` ‖ key), and the draw changes with every turn
+    (`turn_draw`). Ranking them by age instead let idle keys registered first hold their places for
+    ever, and progress that never decays would let keys that did a round once and left hold them."""
     slots = cfg.max_probation_listed
+    oldest = turn_round - cfg.probation_idle_rounds
+
+    def recent(r: Standing) -> bool:
+        return (r.streak > 0 or r.checks_passed > 0) and r.last_round is not None and r.last_round >= oldest
+
     working = sorted(
-        (r for r in waiting if _progress(r)),
-        key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key),
+        (r for r in waiting if recent(r)), key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key)
     )
-    new = sorted(
-        (r for r in waiting if not _progress(r)),
+    others = sorted(
+        (r for r in waiting if not recent(r)),
         key=lambda r: hashlib.sha256(draw + r.public_key.encode()).digest(),
     )
-    kept = min(len(new), math.ceil(cfg.probation_turns * slots))
+    kept = min(len(others), math.ceil(cfg.probation_turns * slots))
     named = working[: slots - kept]
-    named_new = new[: slots - len(named)]
-    return Listing([r.public_key for r in named + named_new], len(new) - len(named_new))
+    named_others = others[: slots - len(named)]
+    return Listing([r.public_key for r in named + named_others], len(others) - len(named_others))
 
 
 def turn_draw(signer: Wallet, *, network: str, stage: int, turn: int) -> bytes:
@@ -441,36 +483,53 @@ def turn_draw(signer: Wallet, *, network: str, stage: int, turn: int) -> bytes:
     return hashlib.sha256(signer.sign(message)).digest()
 
 
-def _turn(session: Session, stage: int, cfg: MembershipConfig) -> int:
-    """The turn of the stage's current epoch: its `changed_at` in units of `probation_turn_s`, so a
-    list is the same at every rendering of one epoch, and a new turn starts only with a new epoch."""
-    changed_at = session.scalar(select(m.StageEpoch.changed_at).where(m.StageEpoch.stage == stage))
-    return turn_of(changed_at or 0.0, cfg)
-
-
 TURN_ROUNDS = 2
 """Rounds reported after a turn's list took effect before the next turn may start: one to work in
 and one for its receipt (a receipt counts only once its round settles)."""
 
 
-def turn_of(now: float, cfg: MembershipConfig) -> int:
-    return math.floor(now / cfg.probation_turn_s)
+def turn_due(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> Turn | None:
+    """The stage's turn if it has lasted its time (`probation_turn_s`) and its rounds (the list that
+    started it took effect, and `TURN_ROUNDS` more were reported); None if not (or no turns: a
+    policy other than probation, no place kept for them, no membership yet). Reads only."""
+    if cfg.policy != "probation" or math.ceil(cfg.probation_turns * cfg.max_probation_listed) == 0:
+        return None
+    turn = turn_of(session, stage)
+    if turn is None or now - turn.started_at < cfg.probation_turn_s:
+        return None
+    if _reported(session, stage) < turn.round + cfg.lead_rounds + TURN_ROUNDS:
+        return None
+    return turn
 
 
 def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> str:
-    """Start a new turn of the listed probationers (a new epoch) when it is due and a probationer
-    with no progress waits off the list. Returns "started", "not due" (too early, in time or in
-    rounds: ask again) or "nobody waits" (the stage's standings were read: the housekeeping sweep
-    asks again only in the next turn, since any change that could leave a new probationer off the
-    list, a registration or a restarted probation, is a new epoch in the turn it happens in)."""
-    if cfg.policy != "probation" or turn_of(now, cfg) <= _turn(session, stage, cfg):
+    """Start the stage's next turn of listed probationers (a new epoch and a new draw) when it is
+    due and someone without recent progress waits off the list. Returns "started", "not due" (too
+    early in time or in rounds: ask again) or "nobody waits": then the turn's clock starts again
+    (its draw and names unchanged, so no new epoch), and the stage's standings are read again
+    only after another `probation_turn_s`. Someone who registers meanwhile is ranked with the
+    turn's draw, and waits for the next turn if no place is left."""
+    turn = turn_due(session, stage, cfg, now=now)
+    if turn is None:
         return "not due"
-    if _reported(session, stage) < effective_round(session, stage, cfg) + TURN_ROUNDS:
-        return "not due"
+    reported = _reported(session, stage)
     roster = current_roster(session, now=now)
     _, waiting = _split(standings(session, stage), set(roster.wallets(stage) if roster is not None else ()))
-    if listed_probation(waiting, cfg, draw=b"").unlisted_new == 0:  # the count needs no draw
+    left_out = listed_probation(waiting, cfg, draw=b"", turn_round=reported).unlisted_turns  # no draw needed
+    if left_out == 0:
+        session.execute(
+            update(m.StageEpoch)
+            .where(m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number)
+            .values(turn_started_at=now)
+            .execution_options(synchronize_session=False)
+        )
         return "nobody waits"
+    session.execute(
+        update(m.StageEpoch)
+        .where(m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number)
+        .values(turn=turn.number + 1, turn_started_at=now, turn_round=reported)
+        .execution_options(synchronize_session=False)
+    )
     bump_epoch(session, stage, now=now)
     return "started"
 
@@ -481,10 +540,35 @@ def _split(rows: list[Standing], roster_keys: set[str]) -> tuple[set[str], list[
     return admitted, [r for r in rows if r.public_key not in admitted]
 
 
+RENDER_TRIES = 5
+"""Renderings of a member list before it is served though its epoch moved while it was read."""
+
+
 def member_list(
     session: Session, stage: int, cfg: MembershipConfig, *, network: str, signer: Wallet, now: float
 ) -> MemberList:
-    """The stage's signed member list at its current epoch."""
+    """The stage's signed member list at its current epoch. Its statements may each see another
+    committed state (PostgreSQL's READ COMMITTED), so the epoch is read before and after: a change
+    committed in between moved it, and the list is read again. Every change a list shows is a new
+    epoch (bump_epoch), so one epoch is served with one list."""
+    for _ in range(RENDER_TRIES):
+        before = epoch(session, stage)
+        doc = _render(session, stage, cfg, network=network, signer=signer, now=now, at_epoch=before)
+        if epoch(session, stage) == before:
+            break
+    return doc
+
+
+def _render(
+    session: Session,
+    stage: int,
+    cfg: MembershipConfig,
+    *,
+    network: str,
+    signer: Wallet,
+    now: float,
+    at_epoch: int,
+) -> MemberList:
     roster = current_roster(session, now=now)
     refused = set(session.scalars(select(m.Wallet.public_key).where(m.Wallet.status == m.STATUS_REFUSED)))
     roster_keys = set(roster.wallets(stage) if roster is not None else ()) - refused
@@ -496,8 +580,9 @@ def member_list(
         admitted, probation = roster_keys | {r.public_key for r in rows}, []
     else:
         admitted, waiting = _split(rows, roster_keys)
-        draw = turn_draw(signer, network=network, stage=stage, turn=_turn(session, stage, cfg))
-        probation = listed_probation(waiting, cfg, draw=draw).listed
+        turn = turn_of(session, stage) or Turn()
+        draw = turn_draw(signer, network=network, stage=stage, turn=turn.number)
+        probation = listed_probation(waiting, cfg, draw=draw, turn_round=turn.round).listed
     vocab_size, vocab_from_round = vocab_schedule(session, stage)
     try:
         return MemberList.create(
@@ -505,7 +590,7 @@ def member_list(
             network=network,
             expires_at=expiry(now, cfg.list_ttl_s),
             stage=stage,
-            epoch=epoch(session, stage),
+            epoch=at_epoch,
             effective_round=effective_round(session, stage, cfg),
             policy=cfg.policy,
             admitted=tuple(sorted(admitted)[:MAX_LISTED]),

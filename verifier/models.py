@@ -272,6 +272,13 @@ class StageEpoch(Base):
     vocab_from_round: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     """The first round of the stage trained at `vocab_size`: every replica grows at this round
     boundary, so the replicas stay bit-identical."""
+    turn: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """The turn of the listed probationers with no recent progress (verifier.members.next_turn):
+    which of them a list names is drawn per turn, so a new epoch within a turn keeps the names."""
+    turn_started_at: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
+    turn_round: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """The stage's newest reported round when the turn started: a turn lasts rounds past it, and
+    progress older than `MembershipConfig.probation_idle_rounds` before it no longer holds a place."""
 
 
 class RosterRow(Base):

@@ -379,6 +379,8 @@ def test_honest_work_climbs_past_idle_keys_in_a_capped_list(db: Database) -> Non
 
 
 TURN_S = 100.0
+PER_TURN = PROBATION.lead_rounds + members.TURN_ROUNDS
+"""Rounds a turn needs past its start before the next may start."""
 
 
 def next_turn(db: Database, cfg: ledger.LedgerConfig, at: float, stage: int = 0) -> str:
@@ -386,41 +388,52 @@ def next_turn(db: Database, cfg: ledger.LedgerConfig, at: float, stage: int = 0)
         return members.next_turn(s, stage, cfg.membership, now=at)
 
 
+def turn(db: Database, stage: int = 0) -> members.Turn | None:
+    with db.read() as s:
+        return members.turn_of(s, stage)
+
+
+def turns(**over: Any) -> ledger.LedgerConfig:
+    return config(replace(PROBATION, probation_turn_s=TURN_S, **over))
+
+
 class Rounds:
-    """The genesis member reporting the stage's rounds one after another."""
+    """The genesis member reporting the stage's rounds one after another (settling each but the
+    last), and probationers voting with it."""
 
     def __init__(self, db: Database, cfg: ledger.LedgerConfig) -> None:
         self.db, self.cfg, self.next = db, cfg, 0
         self.report(1)  # round 0: from now on, each `report(n)` moves the newest round by n
 
-    def report(self, n: int) -> None:
+    def report(self, n: int, *voters: Wallet) -> None:
         for _ in range(n):
+            for w in voters:
+                vote(self.db, w, self.next, self.cfg)
             vote(self.db, FIRST, self.next, self.cfg)
             self.next += 1
 
 
 def test_new_probationers_take_turns_on_a_full_list(db: Database) -> None:
-    """Idle keys registered first do not hold a full list's places for ever: those with no progress
-    take the places in turns, each turn a new epoch, and over a few turns every one of them is
-    named; the list is the same at every rendering of one epoch. A turn ends once its time is
-    over and the stage has reported rounds past the list's effective round."""
-    cfg = config(replace(PROBATION, max_probation_listed=2, probation_turns=0.5, probation_turn_s=TURN_S))
+    """Idle keys registered first do not hold a full list's places for ever: those without
+    progress take the places in turns, each a new epoch, and over a few turns every one of them
+    is named. A turn ends once its time is over and the stage reported rounds past its start."""
+    cfg = turns(max_probation_listed=2, probation_turns=0.5)
     register(db, [FIRST, *SYBILS[:4]], cfg)
     register(db, [HONEST[0]], cfg, at=NOW + 10)  # the last to register: by age it would never be named
     new = {w.public_key_hex for w in [*SYBILS[:4], HONEST[0]]}
     rounds = Rounds(db, cfg)
     seen: set[str] = set()
     epochs = [listed(db, cfg).epoch]
-    at = NOW + 10
-    for _ in range(12):
+    at = NOW
+    for i in range(12):
         doc = listed(db, cfg)
-        assert doc.to_json() == listed(db, cfg).to_json()  # one epoch, one list
         assert len(doc.probation) == 2 and set(doc.probation) <= new
         seen |= set(doc.probation)
-        rounds.report(cfg.membership.lead_rounds + members.TURN_ROUNDS)
+        rounds.report(PER_TURN)
         assert next_turn(db, cfg, at + TURN_S / 2) == "not due"  # within a turn, nothing moves
         at += TURN_S
         assert next_turn(db, cfg, at) == "started"  # the turn is over and three wait off the list
+        assert turn(db) == members.Turn(i + 1, at, rounds.next - 1)
         epochs.append(listed(db, cfg).epoch)
     assert seen == new
     assert epochs == sorted(set(epochs))  # every turn a new epoch
@@ -428,59 +441,89 @@ def test_new_probationers_take_turns_on_a_full_list(db: Database) -> None:
 
 def test_a_turn_lasts_until_its_list_had_rounds_to_work_in(db: Database) -> None:
     """However long ago the turn began, a stage whose rounds are slower than turns keeps the
-    turn's list until rounds past its effective round were reported."""
-    cfg = config(replace(PROBATION, max_probation_listed=1, probation_turns=1.0, probation_turn_s=TURN_S))
+    turn's list until rounds past its start were reported."""
+    cfg = turns(max_probation_listed=1, probation_turns=1.0)
     register(db, [FIRST, *SYBILS[:3]], cfg)
     rounds = Rounds(db, cfg)
-    due = cfg.membership.lead_rounds + members.TURN_ROUNDS
-    rounds.report(due - 1)
+    rounds.report(PER_TURN - 1)
     assert next_turn(db, cfg, NOW + 50 * TURN_S) == "not due"
     rounds.report(1)
     assert next_turn(db, cfg, NOW + 50 * TURN_S) == "started"
 
 
-def test_a_newcomer_keeps_its_place_by_a_round_with_the_majority(db: Database) -> None:
-    """A newcomer named in its turn that does a round with the majority is named after the turn,
-    by progress; once nobody with no progress waits off the list, turns stop (no new epochs)."""
-    cfg = config(
-        replace(
-            PROBATION,
-            admission_rounds=50,
-            max_probation_listed=2,
-            probation_turns=0.5,
-            probation_turn_s=TURN_S,
-        )
-    )
-    register(db, [FIRST, *SYBILS[:4], HONEST[0]], cfg)
+def test_other_changes_within_a_turn_keep_its_draw(db: Database) -> None:
+    """A registration (a new epoch) after the turn's time is over does not draw anew: those named
+    stay named unless the newcomer ranks above them under the same draw."""
+    cfg = turns(max_probation_listed=2, probation_turns=1.0)
+    register(db, [FIRST, *SYBILS[:5]], cfg)
+    Rounds(db, cfg).report(PER_TURN)
+    for k in range(3):
+        before = listed(db, cfg)
+        register(db, [HONEST[k]], cfg, at=NOW + (k + 1) * 3 * TURN_S)  # each in a later clock turn
+        after = listed(db, cfg)
+        assert after.epoch > before.epoch and turn(db) == members.Turn(0, NOW, 0)
+        assert set(after.probation) <= set(before.probation) | {HONEST[k].public_key_hex}
+
+
+def test_progress_left_idle_goes_back_to_taking_turns(db: Database) -> None:
+    """Keys that did a round once and went idle hold places by progress only for
+    `probation_idle_rounds` before a turn's start; then they take turns like the rest, while a
+    probationer that keeps doing rounds keeps its place."""
+    cfg = turns(max_probation_listed=4, probation_turns=0.25, probation_idle_rounds=2, admission_rounds=99)
+    register(db, [FIRST, *SYBILS[:4], *HONEST[:2]], cfg)
     rounds = Rounds(db, cfg)
-    per_turn = cfg.membership.lead_rounds + members.TURN_ROUNDS
+    rounds.report(2, *SYBILS[:2], HONEST[0])  # round 1 settled with the three in its majority
+    idle = {w.public_key_hex for w in SYBILS[:2]}
+    assert idle | {HONEST[0].public_key_hex} <= set(listed(db, cfg).probation)  # three places of four
+    missing: set[str] = set()
     at = NOW
-    for _ in range(40):  # until HONEST[0]'s turn
-        if HONEST[0].public_key_hex in listed(db, cfg).probation:
-            break
-        rounds.report(per_turn)
+    for _ in range(10):
+        rounds.report(PER_TURN, HONEST[0])
         at += TURN_S
         assert next_turn(db, cfg, at) == "started"
-    else:
-        pytest.fail("HONEST[0] was never named")
-    vote(db, HONEST[0], rounds.next, cfg)
-    rounds.report(2)  # its round settles with HONEST[0] in the majority
-    for _ in range(8):
-        rounds.report(per_turn)
-        at += TURN_S
-        assert next_turn(db, cfg, at) == "started"
-        assert HONEST[0].public_key_hex in listed(db, cfg).probation
-    with db.write() as s:  # the idle keys leave (refused): nobody waits, no more turns
-        s.execute(
-            m.Wallet.__table__.update()
-            .where(m.Wallet.public_key.in_([w.public_key_hex for w in SYBILS[:3]]))
-            .values(status=m.STATUS_REFUSED)
-        )
+        named = set(listed(db, cfg).probation)
+        assert HONEST[0].public_key_hex in named and len(named) == 4
+        missing |= idle - named
+    assert missing == idle  # each idle key was left out in some turn
+
+
+def test_no_turn_without_someone_waiting_or_a_place_for_turns(db: Database) -> None:
+    """Nobody waiting off the list: no new epoch, the turn's clock starts again. No place kept
+    for turns: never due."""
+    cfg = turns(max_probation_listed=8, probation_turns=0.25)
+    register(db, [FIRST, *SYBILS[:3]], cfg)
+    Rounds(db, cfg).report(PER_TURN)
     epoch = listed(db, cfg).epoch
-    rounds.report(per_turn)
-    assert next_turn(db, cfg, at + 2 * TURN_S) == "nobody waits"
+    assert next_turn(db, cfg, NOW + TURN_S) == "nobody waits"
+    assert listed(db, cfg).epoch == epoch and turn(db) == members.Turn(0, NOW + TURN_S, 0)
+    assert next_turn(db, cfg, NOW + 1.5 * TURN_S) == "not due"  # read again a turn later
+    none = turns(max_probation_listed=1, probation_turns=0.0)
+    assert next_turn(db, none, NOW + 10 * TURN_S) == "not due"
+    for policy in ("open", "allowlist"):
+        assert next_turn(db, turns(policy=policy), NOW + 10 * TURN_S) == "not due"
     assert listed(db, cfg).epoch == epoch
-    assert set(listed(db, cfg).probation) == {HONEST[0].public_key_hex, SYBILS[3].public_key_hex}
+
+
+def test_a_list_read_while_its_epoch_moves_is_read_again(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration committed while a list is being read (each statement may see the latest
+    commit) moves the epoch: the list is read again, and an epoch is served with one list."""
+    cfg = turns(max_probation_listed=8)
+    register(db, [FIRST, *SYBILS[:2]], cfg)
+    real, raced = members.standings, []
+
+    def racing(session: Any, stage: int) -> list[members.Standing]:
+        if not raced:
+            raced.append(True)
+            register(db, [HONEST[0]], cfg)  # its own transaction, committed now
+        return real(session, stage)
+
+    monkeypatch.setattr(members, "standings", racing)
+    doc = listed(db, cfg)
+    monkeypatch.setattr(members, "standings", real)
+    assert raced and doc.to_json() == listed(db, cfg).to_json()
+    assert HONEST[0].public_key_hex in doc.probation
 
 
 def test_turns_are_ranked_by_a_draw_only_the_verifier_can_make() -> None:
@@ -501,17 +544,19 @@ def test_places_kept_for_turns_never_exceed_the_list() -> None:
     """Those with progress fill what turns do not keep; turns take what progress leaves."""
 
     def standing(key: str, streak: int) -> members.Standing:
-        return members.Standing(key, key, "probation", streak, 0, 0.0, None)
+        return members.Standing(key, key, "probation", streak, 0, 0.0, None, 10 if streak else None)
 
     working = [standing(f"w{i}", 1 + i) for i in range(5)]
     new = [standing(f"n{i}", 0) for i in range(5)]
     cfg = replace(PROBATION, max_probation_listed=4, probation_turns=0.25)
-    got = members.listed_probation(working + new, cfg, draw=b"d")
-    assert got.listed[:3] == ["w4", "w3", "w2"] and got.listed[3].startswith("n") and got.unlisted_new == 4
-    got = members.listed_probation(working[:1] + new, cfg, draw=b"d")
-    assert got.listed[0] == "w0" and len(got.listed) == 4 and got.unlisted_new == 2
-    got = members.listed_probation(working, cfg, draw=b"d")  # nobody new: progress takes every place
-    assert got.listed == ["w4", "w3", "w2", "w1"] and got.unlisted_new == 0
+    got = members.listed_probation(working + new, cfg, draw=b"d", turn_round=10)
+    assert got.listed[:3] == ["w4", "w3", "w2"] and got.listed[3].startswith("n") and got.unlisted_turns == 4
+    got = members.listed_probation(working[:1] + new, cfg, draw=b"d", turn_round=10)
+    assert got.listed[0] == "w0" and len(got.listed) == 4 and got.unlisted_turns == 2
+    got = members.listed_probation(
+        working, cfg, draw=b"d", turn_round=10
+    )  # nobody new: progress takes every place
+    assert got.listed == ["w4", "w3", "w2", "w1"] and got.unlisted_turns == 0
     with pytest.raises(ValueError, match="probation_turns"):
         replace(PROBATION, probation_turns=1.5)
     with pytest.raises(ValueError, match="probation_turn_s"):

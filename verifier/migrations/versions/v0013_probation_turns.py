@@ -1,0 +1,32 @@
+"""Turns of the listed probationers (verifier.members.next_turn): the stage's current turn, when
+it started and the stage's newest reported round then. Only the housekeeping sweep's `next_turn`
+moves them, so other changes of the stage's membership (a new epoch) keep the turn's draw.
+
+Revision ID: 0013
+Revises: 0012
+Create Date: 2026-12-08
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0013"
+down_revision = "0012"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("stage_epochs") as batch:
+        batch.add_column(sa.Column("turn", sa.BigInteger(), nullable=False, server_default="0"))
+        batch.add_column(sa.Column("turn_started_at", sa.Double(), nullable=False, server_default="0"))
+        batch.add_column(sa.Column("turn_round", sa.BigInteger(), nullable=False, server_default="0"))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("stage_epochs") as batch:
+        batch.drop_column("turn_round")
+        batch.drop_column("turn_started_at")
+        batch.drop_column("turn")
