@@ -302,6 +302,11 @@ class PipelineConfig:
     """Pause when every next-stage replica is banned, busy or unknown."""
     max_pending: int = 4
     """Micro-batches a stage > 0 replica lets wait behind the one it computes."""
+    probation_pending: int = 2
+    """Micro-batches from the previous stage's listed probationers a stage > 0 replica holds at
+    once, waiting or in its step; more are answered busy (their senders try another replica or
+    later). Listed keys cost a registration, not verified rounds: without this, a flood of them
+    could fill the queue its admitted senders' micro-batches wait in."""
     network: str | None = None
     """The run's definition digest (NetworkDefinition.digest), which every header names; a replica
     refuses micro-batches of another run. None: no run joined (headers name none)."""
@@ -348,6 +353,8 @@ class PipelineConfig:
                 raise ValueError(f"PipelineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.ban_s < 0 or self.busy_s < 0 or self.max_pending < 0:
             raise ValueError("PipelineConfig: ban_s, busy_s and max_pending must be >= 0")
+        if self.probation_pending < 1:  # 0 would keep every probationer of a pipeline from its rounds
+            raise ValueError(f"PipelineConfig.probation_pending must be >= 1, got {self.probation_pending}")
         if not 0 < self.throughput_ema <= 1:
             raise ValueError(f"PipelineConfig.throughput_ema must lie in (0, 1], got {self.throughput_ema}")
         for name in ("audit_rate", "probation_audit_rate"):
@@ -987,6 +994,10 @@ class PipelineService:
             raise ValueError(f"stage {stage} takes micro-batches from stage {stage - 1}, not {senders.stage}")
         self.outsiders = 0
         """Micro-batches refused because the previous stage's member list does not take their sender."""
+        self.probation_held = 0
+        """Micro-batches of listed probationers waiting or in the step (`PipelineConfig.probation_pending`)."""
+        self.probation_busy = 0
+        """Probationers' micro-batches answered busy because `probation_pending` were held."""
         self.served = 0
         self.duplicates = 0
         """Requests answered from a micro-batch already taken (retries): no second inner step."""
@@ -1131,6 +1142,14 @@ class PipelineService:
         )
         self.worker.drop(sender, f"{sender[:12]} is struck: {why}")
 
+    def _on_probation(self, sender: str) -> bool:
+        """Whether the previous stage's list names `sender` as a probationer (not admitted)."""
+        roster = None if self.senders is None else self.senders.roster
+        return roster is not None and sender in roster.probation
+
+    def _release_probation(self) -> None:
+        self.probation_held -= 1
+
     def _refuse_outsider(self, sender: str) -> None:
         why = None if self.senders is None else self._outsider(sender)
         if why is not None:
@@ -1208,6 +1227,14 @@ class PipelineService:
         known = self._known(header)  # the same id may have arrived while this one was decoding
         if known is not None:
             return known
+        probation = self._on_probation(header.wallet)
+        if probation and self.probation_held >= self.config.probation_pending:
+            self.probation_busy += 1
+            raise Refused(
+                "busy",
+                f"{self.probation_held} micro-batches of stage {self.stage - 1}'s probationers already "
+                "wait here or are in the step",
+            )
         try:
             received = Received("activations", header.wallet, header.to_json(), body)
             codec = header.codec
@@ -1216,6 +1243,9 @@ class PipelineService:
             )
         except Busy as exc:
             raise Refused("busy", str(exc)) from None
+        if probation:
+            self.probation_held += 1
+            taken.outcome.add_done_callback(lambda _: self._release_probation())
         self._taken[key] = taken
         while len(self._taken) > self.config.dedup_window:
             self._taken.popitem(last=False)

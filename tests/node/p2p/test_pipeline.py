@@ -942,6 +942,48 @@ async def test_a_micro_batch_from_off_the_list_is_refused_before_its_body_is_rea
 
 
 @pytest.mark.asyncio
+async def test_listed_probationers_hold_at_most_probation_pending_micro_batches(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
+    """Probationers' micro-batches beyond `probation_pending` held (waiting or in the step) are
+    answered busy, whoever of them sends; an admitted sender's are still taken, and once the held
+    ones are answered a probationer's are taken again."""
+    senders = Neighbours(0)
+    senders.set(
+        StageRoster(
+            stage=0,
+            policy="probation",
+            admitted=frozenset({wallets[1].public_key_hex}),
+            probation=frozenset({wallets[2].public_key_hex, wallets[3].public_key_hex}),
+        )
+    )
+    config = replace(PIPE, probation_pending=2)
+    node = make_node(wallets[0], stage=1)
+    async with _serve(node, wallets[0], config=config, senders=senders, run=False) as (served, start):
+
+        async def send(sender: Wallet, seed: int) -> tuple[int, str]:
+            body = encode_activations(*_micro_batch(seed), PIPE.codec)
+            status, _, reply = await served.send(
+                sender, body, _signed(sender, body, micro_batch=f"{seed:032x}")
+            )
+            return status, "" if status == 200 else ErrorReply.from_json(reply).error
+
+        held = [asyncio.ensure_future(send(wallets[2], 1)), asyncio.ensure_future(send(wallets[3], 2))]
+        for _ in range(200):  # both queued: the worker is not running yet
+            if served.service.probation_held == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert served.service.probation_held == 2
+        assert await send(wallets[3], 3) == (503, "busy") and served.service.probation_busy == 1
+        admitted = asyncio.ensure_future(send(wallets[1], 4))
+        start()
+        assert await asyncio.gather(*held, admitted) == [(200, "")] * 3
+        assert served.service.probation_held == 0
+        assert await send(wallets[2], 5) == (200, "")
+        assert served.worker.diloco.step == 4
+    with pytest.raises(ValueError, match="probation_pending"):
+        replace(PIPE, probation_pending=0)
+
+
+@pytest.mark.asyncio
 async def test_a_driver_offers_micro_batches_only_to_the_next_stage_s_members(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
     driver = wallets[1]
     hidden, labels = _micro_batch(3)
