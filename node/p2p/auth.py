@@ -52,9 +52,9 @@ BODY = web.RequestKey("neuroshard_body", bytes)
 """Where the middleware stores the verified body bytes on the request."""
 
 Clock = Callable[[], float]
-BodyLimit = Callable[[str], int]
 Unread = Callable[[str, str], Refused | None]
 """(route name, the wallet a request's headers claim) → a refusal to give before its body is read."""
+BodyLimit = Callable[[str], int]
 """Route name -> the largest body in bytes that route accepts (0 for GET routes)."""
 
 STATUS: Mapping[str, int] = {
@@ -169,9 +169,10 @@ def auth_middleware(
     `unread` may refuse a request on the wallet its headers claim, before its body is read or its
     signature checked: refusing a claim costs its true owner nothing it was not refused anyway, and
     a sender the route would refuse after reading (a pipeline micro-batch from a wallet that is not
-    on the list) no longer costs the receiver the body's bytes. The connection is closed with the
-    refusal, so the rest of the body is not taken in either (aiohttp would read it to keep the
-    connection open); the sending aiohttp client reads the refusal and stops."""
+    on the list) no longer costs the receiver the body's bytes. Any refusal given before the body
+    was read (that one, stale headers, a declared size over the limit) is sent and the connection
+    closed at once: aiohttp would otherwise read and drop the rest of the body, for up to 10 s, to
+    keep the connection open. The sending aiohttp client reads the refusal and stops."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -194,6 +195,7 @@ def auth_middleware(
         if unmatched is not None:
             code = "unknown_route" if unmatched.status == 404 else "method_not_allowed"
             return refusal_response(Refused(code, f"no route {request.method} {request.path}"))
+        body_read = False
         try:
             auth = parse_auth_headers(request.headers)
             now = clock()
@@ -201,10 +203,9 @@ def auth_middleware(
             route = request.match_info.route.name or ""
             early = None if unread is None else unread(route, auth.public_key_hex)
             if early is not None:
-                response = refusal_response(early)
-                response.force_close()
-                return response
+                raise early
             body = await read_capped(request, body_limit(route))
+            body_read = True
             signed = check_signature(auth, request.method, request.raw_path, body)
             if not nonces.add(signed.public_key_hex, signed.nonce, signed.timestamp, now):
                 raise Refused(refusal.REPLAYED, f"nonce {signed.nonce} was already used by this wallet")
@@ -212,9 +213,21 @@ def auth_middleware(
             request[BODY] = body
             return await handler(request)
         except Refused as exc:
-            return refusal_response(exc)
+            response = refusal_response(exc)
+            if body_read or not request.body_exists or request.content.is_eof():
+                return response
+            return await _closing(request, response)
 
     return middleware
+
+
+async def _closing(request: web.Request, response: web.Response) -> web.Response:
+    """Send `response` and close the connection, leaving the request's body unread."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
 
 
 class PeerUnreachable(Exception):

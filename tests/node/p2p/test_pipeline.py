@@ -941,6 +941,41 @@ async def test_a_micro_batch_from_off_the_list_is_refused_before_its_body_is_rea
         assert (await served.send(wallets[1], good, _signed(wallets[1], good)))[0] == 200
 
 
+@pytest.mark.parametrize("listed", [False, True], ids=["off-the-list", "over-the-limit"])
+@pytest.mark.asyncio
+async def test_a_body_refused_before_it_is_read_is_not_taken_in(make_node, wallets, listed) -> None:  # type: ignore[no-untyped-def]
+    """A sender that keeps writing after a refusal given before its body was read (a claimed
+    sender off the list; a declared size over the route's limit) is cut off: the connection
+    closes, and no more than the sockets' buffers of its 64 MiB gets through, where aiohttp would
+    read and drop all of it to keep the connection open."""
+    senders = _listed(0, wallets[1])
+    sender = wallets[1] if listed else wallets[2]
+    size = 64 << 20
+    async with _serve(make_node(wallets[0], stage=1), wallets[0], senders=senders) as (served, _):
+        headers = dict(sign_request(sender, "POST", FORWARD, b"", time.time()))
+        headers[ACTIVATION_HEADER] = _signed(sender, b"").to_json().decode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.server.port)
+        writer.write(
+            f"POST {FORWARD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {size}\r\n{head}\r\n".encode()
+        )
+        status = asyncio.ensure_future(reader.readline())  # read as it arrives, as a client does
+        sent, chunk = 0, b"\0" * (1 << 20)
+        try:
+            while sent < size:
+                writer.write(chunk)
+                await asyncio.wait_for(writer.drain(), 5.0)
+                sent += len(chunk)
+        except (ConnectionError, TimeoutError):
+            pass
+        status_line = await asyncio.wait_for(status, 5.0)
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    assert status_line.split()[1] == (b"413" if listed else b"403"), status_line
+    assert sent < size // 2, f"{sent >> 20} MiB of {size >> 20} went out after the refusal"
+
+
 @pytest.mark.asyncio
 async def test_listed_probationers_hold_at_most_probation_pending_micro_batches(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
     """Probationers' micro-batches beyond `probation_pending` held (waiting or in the step) are
