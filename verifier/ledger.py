@@ -402,7 +402,7 @@ def apply_adjustment(
     if _move_reputation(session, m.Wallet.wallet_id == adj.wallet_id, adj.delta, cfg) == 0:
         return False
     _log_events(session, [adj.wallet_id], adj.delta, adj.reason, stage=stage, round_=round_, now=now)
-    _refuse_fallen(session, m.Wallet.wallet_id == adj.wallet_id, adj.reason, cfg)
+    _refuse_fallen(session, m.Wallet.wallet_id == adj.wallet_id, adj.reason, cfg, now=now)
     return True
 
 
@@ -450,17 +450,40 @@ def _log_events(
 
 
 def _refuse_fallen(
-    session: Session, wallets: ColumnElement[bool], reason: str, cfg: ReputationConfig
+    session: Session, wallets: ColumnElement[bool], reason: str, cfg: ReputationConfig, *, now: float
 ) -> None:
-    """Refuse those of the active `wallets` whose reputation fell under the threshold, saying why."""
+    """Refuse those of the active `wallets` whose reputation fell under the threshold, saying why.
+    A refused wallet is on no member list, so the epochs of its stages move (verifier.members)."""
+    fallen = sorted(
+        session.scalars(
+            select(m.Wallet.wallet_id).where(
+                wallets, m.Wallet.status == m.STATUS_ACTIVE, m.Wallet.reputation < cfg.refuse_below
+            )
+        )
+    )
+    if not fallen:
+        return
     session.execute(
         update(m.Wallet)
-        .where(wallets, m.Wallet.status == m.STATUS_ACTIVE, m.Wallet.reputation < cfg.refuse_below)
+        .where(m.Wallet.wallet_id.in_(fallen))
         .values(
             status=m.STATUS_REFUSED, status_reason=f"reputation under {cfg.refuse_below:g} after: {reason}"
         )
         .execution_options(synchronize_session=False)
     )
+    _bump_stages_of(session, fallen, now=now)
+
+
+def _bump_stages_of(session: Session, wallet_ids: list[str], *, now: float) -> None:
+    """A new epoch for every stage the wallets hold a membership of: their lists change."""
+    stages = session.scalars(
+        select(m.Membership.stage)
+        .where(m.Membership.wallet_id.in_(wallet_ids))
+        .distinct()
+        .order_by(m.Membership.stage)
+    ).all()
+    for stage in stages:
+        members.bump_epoch(session, stage, now=now)
 
 
 _BULK = 500
@@ -489,7 +512,7 @@ def apply_adjustments(
             _move_reputation(session, m.Wallet.wallet_id.in_(ids), delta, cfg)
             known = session.scalars(select(m.Wallet.wallet_id).where(m.Wallet.wallet_id.in_(ids))).all()
             _log_events(session, known, delta, reason, stage=stage, round_=round_, now=now)
-            _refuse_fallen(session, m.Wallet.wallet_id.in_(ids), reason, cfg)
+            _refuse_fallen(session, m.Wallet.wallet_id.in_(ids), reason, cfg, now=now)
 
 
 def settle_rounds(session: Session, stage: int, *, now: float, cfg: LedgerConfig) -> list[int]:
@@ -676,6 +699,7 @@ def reinstate(
         )
     )
     wallet.status, wallet.status_reason, wallet.reputation = m.STATUS_ACTIVE, None, target
+    _bump_stages_of(session, [wallet_id], now=now)  # back on its stages' lists
     return wallet
 
 

@@ -26,16 +26,15 @@ those with recent progress first, and a share of the places for the rest, who ta
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from neuroshard.node.wallet import Wallet
-from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.refusal import BUSY, Refused
 from neuroshard.protocol.roster import MAX_LISTED, POLICIES, MemberList, Roster, RosterError
 
 from . import models as m
@@ -152,15 +151,34 @@ def accept_roster(
 # --- epochs -----------------------------------------------------------------------------------
 
 
-def _reported(session: Session, stage: int) -> int:
-    """The newest round any replica of the stage reported."""
-    return session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)) or 0
+REPORT_SLACK = 4
+"""Rounds past the one after the stage's newest settled round that `stage_round` believes a report of."""
+
+
+def settled_next(session: Session, stage: int) -> int:
+    """The round after the stage's newest settled round (0 before any settled). Rounds settle in
+    order once most of the stage's counted replicas moved past them (ledger.settle_rounds), so a
+    wallet reporting a far-off round does not move it."""
+    newest = session.scalar(select(func.max(m.Round.round)).where(m.Round.stage == stage))
+    return 0 if newest is None else newest + 1
+
+
+def stage_round(session: Session, stage: int) -> int:
+    """The stage's newest reported round, but at most `REPORT_SLACK` rounds past `settled_next`
+    once a round settled: any registered wallet's receipt counts as a report, and one for round 2²⁹
+    set every later list's `effective_round` beyond any round the stage would reach, so its
+    membership never changed again (until 2026-12-07). Before the first settled round, the newest
+    reported round as it is."""
+    reported = session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)) or 0
+    if session.scalar(select(func.max(m.Round.round)).where(m.Round.stage == stage)) is None:
+        return reported
+    return min(reported, settled_next(session, stage) + REPORT_SLACK)
 
 
 def bump_epoch(session: Session, stage: int, *, now: float) -> None:
-    """+1 on the stage's membership epoch, in the caller's transaction, noting the stage's newest
-    reported round (the list of this epoch takes effect a few rounds after it: `member_list`)."""
-    reported = _reported(session, stage)
+    """+1 on the stage's membership epoch, in the caller's transaction, noting the stage's round
+    (`stage_round`; the list of this epoch takes effect a few rounds after it: `member_list`)."""
+    reported = stage_round(session, stage)
     moved = session.execute(
         update(m.StageEpoch)
         .where(m.StageEpoch.stage == stage)
@@ -179,7 +197,7 @@ def bump_epoch(session: Session, stage: int, *, now: float) -> None:
                     changed_round=reported,
                     turn=0,
                     turn_started_at=now,
-                    turn_round=reported,
+                    turn_round=settled_next(session, stage),
                 )
             )
     except IntegrityError:
@@ -397,6 +415,8 @@ class Standing:
     reason: str | None
     last_round: int | None = None
     """The latest round counted toward its probation (None: none)."""
+    last_named_turn: int | None = None
+    """The last turn a member list named it in to take its turn (None: never)."""
 
 
 def standings(session: Session, stage: int) -> list[Standing]:
@@ -408,7 +428,17 @@ def standings(session: Session, stage: int) -> list[Standing]:
         .order_by(m.Membership.wallet_id)
     ).all()
     return [
-        Standing(r.wallet_id, key, r.status, r.streak, r.checks_passed, r.since, r.reason, r.last_round)
+        Standing(
+            r.wallet_id,
+            key,
+            r.status,
+            r.streak,
+            r.checks_passed,
+            r.since,
+            r.reason,
+            r.last_round,
+            r.last_named_turn,
+        )
         for r, key in rows
     ]
 
@@ -422,8 +452,10 @@ def expiry(now: float, ttl_s: float) -> int:
 class Listing:
     listed: list[str]
     """Public keys of the probationers a member list names."""
+    in_turns: list[str]
+    """Those of them named to take their turn (not by recent progress)."""
     unlisted_turns: int
-    """Probationers without recent progress that it leaves out: they wait for a later turn."""
+    """Probationers who take turns that it leaves out: they wait for a later turn."""
 
 
 @dataclass(frozen=True)
@@ -445,19 +477,21 @@ def turn_of(session: Session, stage: int) -> Turn | None:
     return None if row is None else Turn(row.turn, row.turn_started_at, row.turn_round)
 
 
-def listed_probation(
-    waiting: list[Standing], cfg: MembershipConfig, *, draw: bytes, turn_round: int
-) -> Listing:
-    """Which of the waiting probationers a list names, at most `cfg.max_probation_listed`.
+def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Turn) -> Listing:
+    """Which of the waiting probationers a list names in `turn`, at most `cfg.max_probation_listed`.
 
     Those with recent progress (a round with the majority or a spot check since their probation
-    began, and a round counted at most `probation_idle_rounds` before `turn_round`) come first,
-    furthest along first, except for the `cfg.probation_turns` share of the places kept for the
-    others: those are ranked by sha256(`draw` ‖ key), and the draw changes with every turn
-    (`turn_draw`). Ranking them by age instead let idle keys registered first hold their places for
-    ever, and progress that never decays would let keys that did a round once and left hold them."""
+    began, and a round counted at most `probation_idle_rounds` before the turn's round) are named
+    furthest along first, in the places the `cfg.probation_turns` share kept for turns leaves.
+    Everyone else takes the rest in turns, round-robin: least recently named first (never named
+    before all), then the longest waiting; those who registered or restarted after the turn began
+    wait for the next, so nobody named in a turn is pushed out by a newer key. A probationer whose
+    progress finds no place beyond that share takes turns too, from where it was, so doing a round
+    never costs one its place. With N waiting for P places, nobody waits more than about N / P
+    turns. Ranking by progress and then by age alone let idle keys registered first hold every place
+    for ever, and progress that never decayed let keys that did one round and left hold them."""
     slots = cfg.max_probation_listed
-    oldest = turn_round - cfg.probation_idle_rounds
+    oldest = turn.round - cfg.probation_idle_rounds
 
     def recent(r: Standing) -> bool:
         return (r.streak > 0 or r.checks_passed > 0) and r.last_round is not None and r.last_round >= oldest
@@ -465,71 +499,82 @@ def listed_probation(
     working = sorted(
         (r for r in waiting if recent(r)), key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key)
     )
-    others = sorted(
-        (r for r in waiting if not recent(r)),
-        key=lambda r: hashlib.sha256(draw + r.public_key.encode()).digest(),
-    )
-    kept = min(len(others), math.ceil(cfg.probation_turns * slots))
+    kept = min(len(waiting) - len(working), math.ceil(cfg.probation_turns * slots))
     named = working[: slots - kept]
-    named_others = others[: slots - len(named)]
-    return Listing([r.public_key for r in named + named_others], len(others) - len(named_others))
-
-
-def turn_draw(signer: Wallet, *, network: str, stage: int, turn: int) -> bytes:
-    """The ranking seed of a turn: a hash of the verifier's signature over (network, stage, turn).
-    Ed25519 signs deterministically, so every worker sharing the key ranks alike; nobody without
-    the key can tell a turn's order before its list is out, so keys cannot be ground for a turn."""
-    message = f"neuroshard/probation-turn/v1\n{network}\n{stage}\n{turn}".encode()
-    return hashlib.sha256(signer.sign(message)).digest()
+    taking_turns = sorted(
+        [*working[slots - kept :], *(r for r in waiting if not recent(r))],
+        key=lambda r: (
+            r.since > turn.started_at,
+            -1 if r.last_named_turn is None else r.last_named_turn,
+            r.since,
+            r.public_key,
+        ),
+    )
+    in_turns = taking_turns[: slots - len(named)]
+    return Listing(
+        [r.public_key for r in named + in_turns],
+        [r.public_key for r in in_turns],
+        len(taking_turns) - len(in_turns),
+    )
 
 
 TURN_ROUNDS = 2
-"""Rounds reported after a turn's list took effect before the next turn may start: one to work in
-and one for its receipt (a receipt counts only once its round settles)."""
+"""Rounds the stage settles after a turn's list took effect before the next turn may start: one
+to work in and one for its receipt (a receipt counts only once its round settles)."""
 
 
 def turn_due(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> Turn | None:
     """The stage's turn if it has lasted its time (`probation_turn_s`) and its rounds (the list that
-    started it took effect, and `TURN_ROUNDS` more were reported); None if not (or no turns: a
-    policy other than probation, no place kept for them, no membership yet). Reads only."""
+    started it took effect, and `TURN_ROUNDS` more settled); None if not (or no turns: a policy
+    other than probation, no place kept for them, no membership yet). Reads only."""
     if cfg.policy != "probation" or math.ceil(cfg.probation_turns * cfg.max_probation_listed) == 0:
         return None
     turn = turn_of(session, stage)
     if turn is None or now - turn.started_at < cfg.probation_turn_s:
         return None
-    if _reported(session, stage) < turn.round + cfg.lead_rounds + TURN_ROUNDS:
+    if settled_next(session, stage) < turn.round + cfg.lead_rounds + TURN_ROUNDS:
         return None
     return turn
 
 
 def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> str:
-    """Start the stage's next turn of listed probationers (a new epoch and a new draw) when it is
-    due and someone without recent progress waits off the list. Returns "started", "not due" (too
-    early in time or in rounds: ask again) or "nobody waits": then the turn's clock starts again
-    (its draw and names unchanged, so no new epoch), and the stage's standings are read again
-    only after another `probation_turn_s`. Someone who registers meanwhile is ranked with the
-    turn's draw, and waits for the next turn if no place is left."""
+    """Start the stage's next turn of listed probationers (a new epoch) when it is due and someone
+    waits off the list for a turn; those named in the turn that ends are marked so
+    (`last_named_turn`) and go to the back. Returns "started", "not due" (too early in time or in
+    rounds: ask again), "raced" (another process moved the turn first) or "nobody waits": then
+    the turn's clock starts again (its names unchanged, so no new epoch), and the stage's
+    standings are read again only after another `probation_turn_s`."""
     turn = turn_due(session, stage, cfg, now=now)
     if turn is None:
         return "not due"
-    reported = _reported(session, stage)
+    current = settled_next(session, stage)
     roster = current_roster(session, now=now)
     _, waiting = _split(standings(session, stage), set(roster.wallets(stage) if roster is not None else ()))
-    left_out = listed_probation(waiting, cfg, draw=b"", turn_round=reported).unlisted_turns  # no draw needed
-    if left_out == 0:
-        session.execute(
+    ending = listed_probation(waiting, cfg, turn=turn)
+    if listed_probation(waiting, cfg, turn=replace(turn, round=current)).unlisted_turns == 0:
+        moved = session.execute(
             update(m.StageEpoch)
             .where(m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number)
             .values(turn_started_at=now)
             .execution_options(synchronize_session=False)
         )
-        return "nobody waits"
-    session.execute(
+        return "nobody waits" if moved.rowcount else "raced"  # type: ignore[attr-defined]
+    moved = session.execute(
         update(m.StageEpoch)
         .where(m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number)
-        .values(turn=turn.number + 1, turn_started_at=now, turn_round=reported)
+        .values(turn=turn.number + 1, turn_started_at=now, turn_round=current)
         .execution_options(synchronize_session=False)
     )
+    if not moved.rowcount:  # type: ignore[attr-defined]
+        return "raced"
+    named = {r.wallet_id for r in waiting if r.public_key in set(ending.in_turns)}
+    if named:
+        session.execute(
+            update(m.Membership)
+            .where(m.Membership.stage == stage, m.Membership.wallet_id.in_(sorted(named)))
+            .values(last_named_turn=turn.number)
+            .execution_options(synchronize_session=False)
+        )
     bump_epoch(session, stage, now=now)
     return "started"
 
@@ -541,7 +586,8 @@ def _split(rows: list[Standing], roster_keys: set[str]) -> tuple[set[str], list[
 
 
 RENDER_TRIES = 5
-"""Renderings of a member list before it is served though its epoch moved while it was read."""
+"""Renderings of a member list before the verifier gives up (503) because its epoch kept moving
+while it was read."""
 
 
 def member_list(
@@ -555,8 +601,8 @@ def member_list(
         before = epoch(session, stage)
         doc = _render(session, stage, cfg, network=network, signer=signer, now=now, at_epoch=before)
         if epoch(session, stage) == before:
-            break
-    return doc
+            return doc
+    raise Refused(BUSY, f"stage {stage}'s membership changed during each of {RENDER_TRIES} reads of its list")
 
 
 def _render(
@@ -580,9 +626,7 @@ def _render(
         admitted, probation = roster_keys | {r.public_key for r in rows}, []
     else:
         admitted, waiting = _split(rows, roster_keys)
-        turn = turn_of(session, stage) or Turn()
-        draw = turn_draw(signer, network=network, stage=stage, turn=turn.number)
-        probation = listed_probation(waiting, cfg, draw=draw, turn_round=turn.round).listed
+        probation = listed_probation(waiting, cfg, turn=turn_of(session, stage) or Turn()).listed
     vocab_size, vocab_from_round = vocab_schedule(session, stage)
     try:
         return MemberList.create(

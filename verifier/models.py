@@ -245,6 +245,9 @@ class Membership(Base):
     """Replay spot checks passed since probation (re)started."""
     last_round: Mapped[int | None] = mapped_column(Integer, default=None)
     """The latest round counted in `streak` (each round counts once)."""
+    last_named_turn: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    """The last turn of the stage's listed probationers that named it to take its turn (None:
+    never): those named least recently go first (verifier.members.listed_probation)."""
     since: Mapped[float] = mapped_column(Double)
     """When the current status began (probation start or restart, or admission)."""
     reason: Mapped[str | None] = mapped_column(Text, default=None)

@@ -415,33 +415,35 @@ class Rounds:
 
 def test_new_probationers_take_turns_on_a_full_list(db: Database) -> None:
     """Idle keys registered first do not hold a full list's places for ever: those without
-    progress take the places in turns, each a new epoch, and over a few turns every one of them
-    is named. A turn ends once its time is over and the stage reported rounds past its start."""
+    progress take the places in turns, round-robin (least recently named, then the longest
+    waiting), each turn a new epoch, so with N waiting for P places every one is named within
+    ⌈N / P⌉ turns. A turn ends once its time is over and the stage settled rounds past its start."""
     cfg = turns(max_probation_listed=2, probation_turns=0.5)
     register(db, [FIRST, *SYBILS[:4]], cfg)
     register(db, [HONEST[0]], cfg, at=NOW + 10)  # the last to register: by age it would never be named
     new = {w.public_key_hex for w in [*SYBILS[:4], HONEST[0]]}
     rounds = Rounds(db, cfg)
-    seen: set[str] = set()
+    first_named: dict[str, int] = {}
     epochs = [listed(db, cfg).epoch]
     at = NOW
-    for i in range(12):
+    for i in range(6):
         doc = listed(db, cfg)
         assert len(doc.probation) == 2 and set(doc.probation) <= new
-        seen |= set(doc.probation)
+        for key in doc.probation:
+            first_named.setdefault(key, i)
         rounds.report(PER_TURN)
         assert next_turn(db, cfg, at + TURN_S / 2) == "not due"  # within a turn, nothing moves
         at += TURN_S
         assert next_turn(db, cfg, at) == "started"  # the turn is over and three wait off the list
         assert turn(db) == members.Turn(i + 1, at, rounds.next - 1)
         epochs.append(listed(db, cfg).epoch)
-    assert seen == new
+    assert set(first_named) == new and max(first_named.values()) <= 2  # ⌈5 / 2⌉ turns
     assert epochs == sorted(set(epochs))  # every turn a new epoch
 
 
 def test_a_turn_lasts_until_its_list_had_rounds_to_work_in(db: Database) -> None:
     """However long ago the turn began, a stage whose rounds are slower than turns keeps the
-    turn's list until rounds past its start were reported."""
+    turn's list until rounds past its start settled."""
     cfg = turns(max_probation_listed=1, probation_turns=1.0)
     register(db, [FIRST, *SYBILS[:3]], cfg)
     rounds = Rounds(db, cfg)
@@ -451,18 +453,72 @@ def test_a_turn_lasts_until_its_list_had_rounds_to_work_in(db: Database) -> None
     assert next_turn(db, cfg, NOW + 50 * TURN_S) == "started"
 
 
-def test_other_changes_within_a_turn_keep_its_draw(db: Database) -> None:
-    """A registration (a new epoch) after the turn's time is over does not draw anew: those named
-    stay named unless the newcomer ranks above them under the same draw."""
+def test_a_far_off_round_claimed_by_a_probationer_moves_no_turn_and_no_list(db: Database) -> None:
+    """A probationer's receipt for round 2²⁹ − 1 neither ends the turn early nor freezes turns
+    and lists for ever: a turn counts the rounds the stage settled, and a list takes effect at
+    most `REPORT_SLACK` rounds past them."""
+    cfg = turns(max_probation_listed=1, probation_turns=1.0)
+    register(db, [FIRST, *SYBILS[:3]], cfg)
+    rounds = Rounds(db, cfg)
+    with db.write() as s:
+        far = receipt(2**29 - 1, theta(2**29 - 1))
+        ledger.submit_receipt(s, who(SYBILS[0]), far, body_sha256=far.result_hash, now=NOW, cfg=cfg)
+    assert next_turn(db, cfg, NOW + TURN_S) == "not due"
+    rounds.report(PER_TURN)
+    assert next_turn(db, cfg, NOW + TURN_S) == "started"
+    assert turn(db) == members.Turn(1, NOW + TURN_S, rounds.next - 1)
+    settled_next = rounds.next - 1
+    assert listed(db, cfg).effective_round == settled_next + members.REPORT_SLACK + cfg.membership.lead_rounds
+
+
+def test_a_registration_within_a_turn_keeps_its_names(db: Database) -> None:
+    """A registration (a new epoch) after the turn's time is over does not change who is named:
+    a key that registered after the turn began waits for the next one."""
     cfg = turns(max_probation_listed=2, probation_turns=1.0)
     register(db, [FIRST, *SYBILS[:5]], cfg)
     Rounds(db, cfg).report(PER_TURN)
     for k in range(3):
         before = listed(db, cfg)
-        register(db, [HONEST[k]], cfg, at=NOW + (k + 1) * 3 * TURN_S)  # each in a later clock turn
+        register(db, [HONEST[k]], cfg, at=NOW + (k + 1) * 3 * TURN_S)
         after = listed(db, cfg)
-        assert after.epoch > before.epoch and turn(db) == members.Turn(0, NOW, 0)
-        assert set(after.probation) <= set(before.probation) | {HONEST[k].public_key_hex}
+        assert after.epoch > before.epoch and after.probation == before.probation
+    assert turn(db) == members.Turn(0, NOW, 0)
+
+
+def test_a_newcomer_keeps_its_place_by_a_round_with_the_majority(db: Database) -> None:
+    """A newcomer named in its turn that does a round with the majority stays named while it keeps
+    doing rounds, even where progress finds no place of its own (it takes turns from where it
+    was); once nobody waits off the list, turns stop (no new epochs)."""
+    cfg = turns(admission_rounds=50, max_probation_listed=2, probation_turns=0.5)
+    register(db, [FIRST, *SYBILS[:4], HONEST[0]], cfg)
+    rounds = Rounds(db, cfg)
+    at = NOW
+    for _ in range(6):  # until HONEST[0]'s turn
+        if HONEST[0].public_key_hex in listed(db, cfg).probation:
+            break
+        rounds.report(PER_TURN)
+        at += TURN_S
+        assert next_turn(db, cfg, at) == "started"
+    else:
+        pytest.fail("HONEST[0] was never named")
+    rounds.report(2, HONEST[0])  # its round settles with HONEST[0] in the majority
+    assert HONEST[0].public_key_hex in listed(db, cfg).probation  # named by its progress now
+    for _ in range(8):
+        rounds.report(PER_TURN, HONEST[0])
+        at += TURN_S
+        assert next_turn(db, cfg, at) == "started"
+        assert HONEST[0].public_key_hex in listed(db, cfg).probation
+    for w in SYBILS[:3]:  # the idle keys leave (refused): nobody waits, no more turns
+        with db.write() as s:
+            ledger.apply_adjustment(
+                s, ledger.Adjustment(w.wallet_id, -1.0, "test: refused"), stage=0, round_=None, now=NOW,
+                cfg=cfg.reputation,
+            )  # fmt: skip
+    rounds.report(PER_TURN, HONEST[0])
+    epoch = listed(db, cfg).epoch
+    assert next_turn(db, cfg, at + 2 * TURN_S) == "nobody waits"
+    assert listed(db, cfg).epoch == epoch
+    assert set(listed(db, cfg).probation) == {HONEST[0].public_key_hex, SYBILS[3].public_key_hex}
 
 
 def test_progress_left_idle_goes_back_to_taking_turns(db: Database) -> None:
@@ -489,7 +545,7 @@ def test_progress_left_idle_goes_back_to_taking_turns(db: Database) -> None:
 
 def test_no_turn_without_someone_waiting_or_a_place_for_turns(db: Database) -> None:
     """Nobody waiting off the list: no new epoch, the turn's clock starts again. No place kept
-    for turns: never due."""
+    for turns, or another policy: never due."""
     cfg = turns(max_probation_listed=8, probation_turns=0.25)
     register(db, [FIRST, *SYBILS[:3]], cfg)
     Rounds(db, cfg).report(PER_TURN)
@@ -504,11 +560,48 @@ def test_no_turn_without_someone_waiting_or_a_place_for_turns(db: Database) -> N
     assert listed(db, cfg).epoch == epoch
 
 
+def test_a_turn_moved_by_another_process_first_is_left_alone(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two leads at a lease handover: the one that finds the turn already moved changes nothing."""
+    cfg = turns(max_probation_listed=1, probation_turns=1.0)
+    register(db, [FIRST, *SYBILS[:3]], cfg)
+    Rounds(db, cfg).report(PER_TURN)
+    stale = turn(db)
+    assert stale is not None and next_turn(db, cfg, NOW + TURN_S) == "started"
+    epoch = listed(db, cfg).epoch
+    monkeypatch.setattr(members, "turn_due", lambda *a, **k: stale)  # it read the turn before
+    assert next_turn(db, cfg, NOW + TURN_S) == "raced"
+    assert listed(db, cfg).epoch == epoch and turn(db) == members.Turn(
+        1, NOW + TURN_S, stale.round + PER_TURN
+    )
+
+
+def test_a_refused_or_reinstated_wallet_moves_its_stage_s_epoch(db: Database) -> None:
+    """A wallet refused for its reputation leaves its stage's list, one reinstated comes back: a
+    new epoch each time, so one epoch is one list."""
+    cfg = turns(max_probation_listed=8)
+    register(db, [FIRST, *SYBILS[:2]], cfg)
+    before = listed(db, cfg)
+    with db.write() as s:
+        ledger.apply_adjustment(
+            s, ledger.Adjustment(SYBILS[0].wallet_id, -1.0, "test: refused"), stage=0, round_=None, now=NOW,
+            cfg=cfg.reputation,
+        )  # fmt: skip
+    refused = listed(db, cfg)
+    assert refused.epoch > before.epoch and SYBILS[0].public_key_hex not in refused.probation
+    with db.write() as s:
+        ledger.reinstate(s, SYBILS[0].wallet_id, None, now=NOW, cfg=cfg.reputation)
+    back = listed(db, cfg)
+    assert back.epoch > refused.epoch and SYBILS[0].public_key_hex in back.probation
+
+
 def test_a_list_read_while_its_epoch_moves_is_read_again(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A registration committed while a list is being read (each statement may see the latest
-    commit) moves the epoch: the list is read again, and an epoch is served with one list."""
+    commit) moves the epoch: the list is read again, and an epoch is served with one list; a
+    membership that keeps moving gets a busy refusal rather than a list."""
     cfg = turns(max_probation_listed=8)
     register(db, [FIRST, *SYBILS[:2]], cfg)
     real, raced = members.standings, []
@@ -521,43 +614,44 @@ def test_a_list_read_while_its_epoch_moves_is_read_again(
 
     monkeypatch.setattr(members, "standings", racing)
     doc = listed(db, cfg)
+    assert raced and HONEST[0].public_key_hex in doc.probation
     monkeypatch.setattr(members, "standings", real)
-    assert raced and doc.to_json() == listed(db, cfg).to_json()
-    assert HONEST[0].public_key_hex in doc.probation
+    assert doc.to_json() == listed(db, cfg).to_json()
 
+    def always(session: Any, stage: int) -> list[members.Standing]:
+        with db.write() as other:
+            members.bump_epoch(other, stage, now=NOW)
+        return real(session, stage)
 
-def test_turns_are_ranked_by_a_draw_only_the_verifier_can_make() -> None:
-    """The ranking seed hangs on the verifier's signature: other turns, stages, networks or keys
-    rank otherwise, and the same inputs rank alike (every worker of one verifier agrees)."""
-    draw = members.turn_draw(OPERATOR, network=NETWORK, stage=0, turn=7)
-    assert draw == members.turn_draw(OPERATOR, network=NETWORK, stage=0, turn=7)
-    others = {
-        members.turn_draw(OPERATOR, network=NETWORK, stage=0, turn=8),
-        members.turn_draw(OPERATOR, network=NETWORK, stage=1, turn=7),
-        members.turn_draw(OPERATOR, network="other", stage=0, turn=7),
-        members.turn_draw(FIRST, network=NETWORK, stage=0, turn=7),
-    }
-    assert draw not in others and len(others) == 4
+    monkeypatch.setattr(members, "standings", always)
+    with pytest.raises(Refused) as refused:
+        listed(db, cfg)
+    assert refused.value.code == "busy"
 
 
 def test_places_kept_for_turns_never_exceed_the_list() -> None:
-    """Those with progress fill what turns do not keep; turns take what progress leaves."""
+    """Recent progress fills what turns do not keep; turns take what progress leaves, and progress
+    beyond its places takes turns from where it was."""
 
-    def standing(key: str, streak: int) -> members.Standing:
-        return members.Standing(key, key, "probation", streak, 0, 0.0, None, 10 if streak else None)
+    def standing(key: str, streak: int, named: int | None = None) -> members.Standing:
+        return members.Standing(key, key, "probation", streak, 0, 0.0, None, 10 if streak else None, named)
 
-    working = [standing(f"w{i}", 1 + i) for i in range(5)]
-    new = [standing(f"n{i}", 0) for i in range(5)]
+    working = [standing(f"w{i}", 1 + i, named=0) for i in range(5)]
+    new = [standing(f"n{i}", 0, named=None if i < 3 else 1) for i in range(5)]
     cfg = replace(PROBATION, max_probation_listed=4, probation_turns=0.25)
-    got = members.listed_probation(working + new, cfg, draw=b"d", turn_round=10)
-    assert got.listed[:3] == ["w4", "w3", "w2"] and got.listed[3].startswith("n") and got.unlisted_turns == 4
-    got = members.listed_probation(working[:1] + new, cfg, draw=b"d", turn_round=10)
-    assert got.listed[0] == "w0" and len(got.listed) == 4 and got.unlisted_turns == 2
-    got = members.listed_probation(
-        working, cfg, draw=b"d", turn_round=10
-    )  # nobody new: progress takes every place
-    assert got.listed == ["w4", "w3", "w2", "w1"] and got.unlisted_turns == 0
+    at = members.Turn(2, 0.0, 10)
+    got = members.listed_probation(working + new, cfg, turn=at)
+    # w1 and w0 find no place by progress: they take turns after those never named (n0 to n2)
+    assert got.listed == ["w4", "w3", "w2", "n0"] and got.in_turns == ["n0"] and got.unlisted_turns == 6
+    got = members.listed_probation(working[:1] + new, cfg, turn=at)
+    assert got.listed == ["w0", "n0", "n1", "n2"] and got.unlisted_turns == 2
+    got = members.listed_probation(working, cfg, turn=at)  # nobody else: progress takes every place
+    assert got.listed == ["w4", "w3", "w2", "w1"] and got.unlisted_turns == 1
+    stale = members.Turn(2, 0.0, 10 + cfg.probation_idle_rounds + 1)  # their rounds are too old now
+    assert members.listed_probation(working + new, cfg, turn=stale).listed == ["n0", "n1", "n2", "w0"]
     with pytest.raises(ValueError, match="probation_turns"):
         replace(PROBATION, probation_turns=1.5)
     with pytest.raises(ValueError, match="probation_turn_s"):
         replace(PROBATION, probation_turn_s=0.0)
+    with pytest.raises(ValueError, match="probation_idle_rounds"):
+        replace(PROBATION, probation_idle_rounds=-1)

@@ -1,6 +1,8 @@
 """Turns of the listed probationers (verifier.members.next_turn): the stage's current turn, when
-it started and the stage's newest reported round then. Only the housekeeping sweep's `next_turn`
-moves them, so other changes of the stage's membership (a new epoch) keep the turn's draw.
+it started and the stage's round then, and for each membership the last turn that named it. Only
+the housekeeping sweep's `next_turn` moves them, so other changes of the stage's membership (a
+new epoch) keep the turn's names. The lists' ranking changes with this upgrade, so every stage's
+epoch moves on (nodes read the new list), and its first turn counts progress from its last change.
 
 Revision ID: 0013
 Revises: 0012
@@ -23,9 +25,14 @@ def upgrade() -> None:
         batch.add_column(sa.Column("turn", sa.BigInteger(), nullable=False, server_default="0"))
         batch.add_column(sa.Column("turn_started_at", sa.Double(), nullable=False, server_default="0"))
         batch.add_column(sa.Column("turn_round", sa.BigInteger(), nullable=False, server_default="0"))
+    with op.batch_alter_table("memberships") as batch:
+        batch.add_column(sa.Column("last_named_turn", sa.BigInteger(), nullable=True))
+    op.execute("UPDATE stage_epochs SET turn_round = changed_round, epoch = epoch + 1")
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("memberships") as batch:
+        batch.drop_column("last_named_turn")
     with op.batch_alter_table("stage_epochs") as batch:
         batch.drop_column("turn_round")
         batch.drop_column("turn_started_at")
