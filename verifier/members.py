@@ -164,14 +164,14 @@ def settled_next(session: Session, stage: int) -> int:
 
 
 def stage_round(session: Session, stage: int) -> int:
-    """The stage's newest reported round, but at most `REPORT_SLACK` rounds past `settled_next`
-    once a round settled: any registered wallet's receipt counts as a report, and one for round 2²⁹
-    set every later list's `effective_round` beyond any round the stage would reach, so its
-    membership never changed again (until 2026-12-07). Before the first settled round, the newest
-    reported round as it is."""
+    """The stage's newest reported round, but at most `REPORT_SLACK` rounds past `settled_next`:
+    any registered wallet's receipt counts as a report, and one for round 2²⁹ set every later
+    list's `effective_round` beyond any round the stage would reach, so its membership never
+    changed again (until 2026-12-07). A far-off report now delays a list by `REPORT_SLACK` rounds
+    at most. The price: when most of a stage's replicas lag its leaders by more than
+    `REPORT_SLACK` + `lead_rounds` rounds, a new list takes effect in the leaders' past, and they
+    take it at once (node.p2p.plane.set_roster)."""
     reported = session.scalar(select(func.max(m.Receipt.round)).where(m.Receipt.stage == stage)) or 0
-    if session.scalar(select(func.max(m.Round.round)).where(m.Round.stage == stage)) is None:
-        return reported
     return min(reported, settled_next(session, stage) + REPORT_SLACK)
 
 
@@ -197,7 +197,7 @@ def bump_epoch(session: Session, stage: int, *, now: float) -> None:
                     changed_round=reported,
                     turn=0,
                     turn_started_at=now,
-                    turn_round=settled_next(session, stage),
+                    turn_round=reported,
                 )
             )
     except IntegrityError:
@@ -367,7 +367,7 @@ def record_round(
             moved = True
             _maybe_admit(session, row, cfg, now=now)
         else:
-            moved = moved or row.streak > 0 or row.checks_passed > 0
+            moved = True  # a restart moves it down the list's turns (`since`) if not off its progress
             _restart(row, f"minority hash in round {round_}: probation restarts", now=now)
     if moved:  # the listed probationers' order changed: one signed list per epoch
         bump_epoch(session, stage, now=now)
@@ -389,9 +389,9 @@ def record_spot_check(
     if row is None:
         return
     if not ok:
-        was = (row.status, row.streak, row.checks_passed)
+        was = (row.status, row.streak, row.checks_passed, row.since)
         _restart(row, f"spot check failed in round {round_}: probation restarts", now=now)
-        if (row.status, row.streak, row.checks_passed) != was:
+        if (row.status, row.streak, row.checks_passed, row.since) != was:
             bump_epoch(session, stage, now=now)
         return
     if row.status == m.MEMBER_PROBATION and cfg is not None:  # None: not a replay (a data check)
@@ -485,10 +485,10 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
     furthest along first, in the places the `cfg.probation_turns` share kept for turns leaves.
     Everyone else takes the rest in turns, round-robin: least recently named first (never named
     before all), then the longest waiting; those who registered or restarted after the turn began
-    wait for the next, so nobody named in a turn is pushed out by a newer key. A probationer whose
-    progress finds no place beyond that share takes turns too, from where it was, so doing a round
-    never costs one its place. With N waiting for P places, nobody waits more than about N / P
-    turns. Ranking by progress and then by age alone let idle keys registered first hold every place
+    rank last (a place left free still goes to them), so nobody named in a turn is pushed out by a
+    newer key. A probationer whose progress finds no place beyond that share takes turns too, from
+    where it was, so doing a round never costs one its place. With N waiting for P places,
+    everyone is named within about N / P turns. Ranking by progress and then by age alone let idle keys registered first hold every place
     for ever, and progress that never decayed let keys that did one round and left hold them."""
     slots = cfg.max_probation_listed
     oldest = turn.round - cfg.probation_idle_rounds
@@ -499,10 +499,10 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
     working = sorted(
         (r for r in waiting if recent(r)), key=lambda r: (-r.streak, -r.checks_passed, r.since, r.public_key)
     )
-    kept = min(len(waiting) - len(working), math.ceil(cfg.probation_turns * slots))
-    named = working[: slots - kept]
+    by_progress = slots - min(slots, math.ceil(cfg.probation_turns * slots))  # places progress may hold
+    named = working[:by_progress]
     taking_turns = sorted(
-        [*working[slots - kept :], *(r for r in waiting if not recent(r))],
+        [*working[by_progress:], *(r for r in waiting if not recent(r))],
         key=lambda r: (
             r.since > turn.started_at,
             -1 if r.last_named_turn is None else r.last_named_turn,
@@ -532,7 +532,7 @@ def turn_due(session: Session, stage: int, cfg: MembershipConfig, *, now: float)
     turn = turn_of(session, stage)
     if turn is None or now - turn.started_at < cfg.probation_turn_s:
         return None
-    if settled_next(session, stage) < turn.round + cfg.lead_rounds + TURN_ROUNDS:
+    if settled_next(session, stage) < turn.round + cfg.lead_rounds + TURN_ROUNDS:  # its list's rounds
         return None
     return turn
 
@@ -547,7 +547,7 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
     turn = turn_due(session, stage, cfg, now=now)
     if turn is None:
         return "not due"
-    current = settled_next(session, stage)
+    current = stage_round(session, stage)  # what bump_epoch notes: the new list takes effect lead_rounds on
     roster = current_roster(session, now=now)
     _, waiting = _split(standings(session, stage), set(roster.wallets(stage) if roster is not None else ()))
     ending = listed_probation(waiting, cfg, turn=turn)
@@ -567,7 +567,9 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
     )
     if not moved.rowcount:  # type: ignore[attr-defined]
         return "raced"
-    named = {r.wallet_id for r in waiting if r.public_key in set(ending.in_turns)}
+    # Everyone the ending turn's list named goes behind those it did not, when next taking turns
+    # (named by progress too: when that progress grows old, it has had its places).
+    named = {r.wallet_id for r in waiting if r.public_key in set(ending.listed)}
     if named:
         session.execute(
             update(m.Membership)

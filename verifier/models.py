@@ -280,8 +280,9 @@ class StageEpoch(Base):
     which of them a list names is drawn per turn, so a new epoch within a turn keeps the names."""
     turn_started_at: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
     turn_round: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    """The stage's newest reported round when the turn started: a turn lasts rounds past it, and
-    progress older than `MembershipConfig.probation_idle_rounds` before it no longer holds a place."""
+    """The stage's round when the turn started (verifier.members.stage_round, as its list's epoch
+    notes it): the turn lasts until rounds past its list's effective round settled, and progress
+    older than `MembershipConfig.probation_idle_rounds` before it no longer holds a place."""
 
 
 class RosterRow(Base):

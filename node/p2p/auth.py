@@ -214,19 +214,24 @@ def auth_middleware(
             return await handler(request)
         except Refused as exc:
             response = refusal_response(exc)
-            if body_read or not request.body_exists or request.content.is_eof():
-                return response
+            if body_read or exc.code == "truncated" or not request.body_exists or request.content.is_eof():
+                return response  # read, none, or all in; a truncated body's sender is gone already
             return await _closing(request, response)
 
     return middleware
 
 
 async def _closing(request: web.Request, response: web.Response) -> web.Response:
-    """Send `response` and close the connection, leaving the request's body unread."""
+    """Send `response` and close the connection, leaving the request's body unread (a sender gone
+    meanwhile is not an error of this server's)."""
     response.force_close()
-    await response.prepare(request)
-    await response.write_eof()
-    request.protocol.force_close()
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except (ConnectionError, aiohttp.ClientConnectionError):
+        pass
+    finally:
+        request.protocol.force_close()
     return response
 
 

@@ -1142,10 +1142,19 @@ class PipelineService:
         )
         self.worker.drop(sender, f"{sender[:12]} is struck: {why}")
 
-    def _on_probation(self, sender: str) -> bool:
-        """Whether the previous stage's list names `sender` as a probationer (not admitted)."""
+    def _refuse_probation_busy(self, sender: str) -> bool:
+        """Refuse (busy) a probationer's micro-batch while `probation_pending` are held; whether
+        `sender` is one (the previous stage's list names it on probation)."""
         roster = None if self.senders is None else self.senders.roster
-        return roster is not None and sender in roster.probation
+        probation = roster is not None and sender in roster.probation
+        if probation and self.probation_held >= self.config.probation_pending:
+            self.probation_busy += 1
+            raise Refused(
+                "busy",
+                f"{self.probation_held} micro-batches of stage {self.stage - 1}'s probationers already "
+                "wait here or are in the step",
+            )
+        return probation
 
     def _release_probation(self) -> None:
         self.probation_held -= 1
@@ -1202,6 +1211,7 @@ class PipelineService:
 
     async def _take(self, header: ActivationHeader, body: bytes) -> _Taken:
         """Decode the micro-batch and queue it on the worker, remembering its id; Busy -> 503."""
+        self._refuse_probation_busy(header.wallet)  # before the decode's work, and again after it
         loop = asyncio.get_running_loop()
         hidden, labels, degenerate = await loop.run_in_executor(None, self._decode, body, header)
         if degenerate is not None:  # an honest stage sends none (pipeline.DEGENERATE_MEAN_SQUARE)
@@ -1227,14 +1237,7 @@ class PipelineService:
         known = self._known(header)  # the same id may have arrived while this one was decoding
         if known is not None:
             return known
-        probation = self._on_probation(header.wallet)
-        if probation and self.probation_held >= self.config.probation_pending:
-            self.probation_busy += 1
-            raise Refused(
-                "busy",
-                f"{self.probation_held} micro-batches of stage {self.stage - 1}'s probationers already "
-                "wait here or are in the step",
-            )
+        probation = self._refuse_probation_busy(header.wallet)
         try:
             received = Received("activations", header.wallet, header.to_json(), body)
             codec = header.codec

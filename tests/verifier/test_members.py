@@ -72,12 +72,14 @@ def register(
             ledger.register(s, who(w), req, now=at, cfg=cfg)
 
 
-def vote(db: Database, wallet: Wallet, round_: int, cfg: ledger.LedgerConfig, honest: bool = True) -> None:
+def vote(
+    db: Database, wallet: Wallet, round_: int, cfg: ledger.LedgerConfig, honest: bool = True, at: float = NOW
+) -> None:
     req = receipt(round_, theta(round_, honest))
     with db.write() as s:
-        ledger.submit_receipt(s, who(wallet), req, body_sha256=req.result_hash, now=NOW, cfg=cfg)
+        ledger.submit_receipt(s, who(wallet), req, body_sha256=req.result_hash, now=at, cfg=cfg)
     with db.write() as s:
-        ledger.settle_rounds(s, 0, now=NOW, cfg=cfg)
+        ledger.settle_rounds(s, 0, now=at, cfg=cfg)
 
 
 def spot_check(db: Database, wallet: Wallet, round_: int, ok: bool, cfg: ledger.LedgerConfig) -> None:
@@ -466,9 +468,9 @@ def test_a_far_off_round_claimed_by_a_probationer_moves_no_turn_and_no_list(db: 
     assert next_turn(db, cfg, NOW + TURN_S) == "not due"
     rounds.report(PER_TURN)
     assert next_turn(db, cfg, NOW + TURN_S) == "started"
-    assert turn(db) == members.Turn(1, NOW + TURN_S, rounds.next - 1)
-    settled_next = rounds.next - 1
-    assert listed(db, cfg).effective_round == settled_next + members.REPORT_SLACK + cfg.membership.lead_rounds
+    capped = rounds.next - 1 + members.REPORT_SLACK  # the stage's settled rounds, and the slack at most
+    assert turn(db) == members.Turn(1, NOW + TURN_S, capped)
+    assert listed(db, cfg).effective_round == capped + cfg.membership.lead_rounds
 
 
 def test_a_registration_within_a_turn_keeps_its_names(db: Database) -> None:
@@ -629,6 +631,45 @@ def test_a_list_read_while_its_epoch_moves_is_read_again(
     assert refused.value.code == "busy"
 
 
+def test_a_round_in_its_turn_costs_a_probationer_no_place() -> None:
+    """X, named in turns, does its round: it joins those with progress, finds no place there (the
+    share kept for turns leaves two), and takes turns from where it was, so it stays named and the
+    probationer with more progress that was waiting stays waiting."""
+
+    def standing(key: str, streak: int, since: float = 0.0, named: int | None = None) -> members.Standing:
+        return members.Standing(key, key, "probation", streak, 0, since, None, 10 if streak else None, named)
+
+    cfg = replace(PROBATION, max_probation_listed=4, probation_turns=0.5)
+    at = members.Turn(3, 100.0, 10)
+    before = [
+        standing("w1", 5),
+        standing("w2", 4),
+        standing("w3", 3, named=2),  # named in the turn before: behind i1 and x
+        standing("i1", 0, 1.0),
+        standing("x", 0, 2.0),
+    ]
+    after = [*before[:4], standing("x", 1, 2.0)]
+    named = members.listed_probation(before, cfg, turn=at).listed
+    assert sorted(named) == ["i1", "w1", "w2", "x"]
+    assert sorted(members.listed_probation(after, cfg, turn=at).listed) == sorted(named)
+
+
+def test_a_restarted_probation_is_a_new_epoch(db: Database) -> None:
+    """A probationer voting with the minority restarts (a later `since`: it ranks last in turns),
+    which can change who is named: a new epoch, so one epoch is one list."""
+    cfg = turns(max_probation_listed=1, probation_turns=1.0)
+    register(db, [FIRST, *SYBILS[:2]], cfg)
+    rounds = Rounds(db, cfg)
+    before = listed(db, cfg)
+    named = next(w for w in SYBILS[:2] if w.public_key_hex in before.probation)
+    later = NOW + 50  # after the turn began
+    vote(db, named, rounds.next, cfg, honest=False, at=later)
+    vote(db, FIRST, rounds.next, cfg, at=later)
+    vote(db, FIRST, rounds.next + 1, cfg, at=later)  # the round settles: the minority restarts
+    after = listed(db, cfg)
+    assert after.epoch > before.epoch and named.public_key_hex not in after.probation
+
+
 def test_places_kept_for_turns_never_exceed_the_list() -> None:
     """Recent progress fills what turns do not keep; turns take what progress leaves, and progress
     beyond its places takes turns from where it was."""
@@ -645,8 +686,8 @@ def test_places_kept_for_turns_never_exceed_the_list() -> None:
     assert got.listed == ["w4", "w3", "w2", "n0"] and got.in_turns == ["n0"] and got.unlisted_turns == 6
     got = members.listed_probation(working[:1] + new, cfg, turn=at)
     assert got.listed == ["w0", "n0", "n1", "n2"] and got.unlisted_turns == 2
-    got = members.listed_probation(working, cfg, turn=at)  # nobody else: progress takes every place
-    assert got.listed == ["w4", "w3", "w2", "w1"] and got.unlisted_turns == 1
+    got = members.listed_probation(working, cfg, turn=at)  # nobody else: the rest of progress takes turns
+    assert got.listed == ["w4", "w3", "w2", "w0"] and got.unlisted_turns == 1
     stale = members.Turn(2, 0.0, 10 + cfg.probation_idle_rounds + 1)  # their rounds are too old now
     assert members.listed_probation(working + new, cfg, turn=stale).listed == ["n0", "n1", "n2", "w0"]
     with pytest.raises(ValueError, match="probation_turns"):

@@ -79,7 +79,9 @@ def test_one_stage_grows_in_one_step_from_a_later_round(db: Database) -> None:
     assert line is not None and "stage 0" in line and "600" in line and "round 7" in line
     after = listed(db, 0)
     assert (after.vocab_size, after.vocab_from_round) == (600, 5 + CFG.lead_rounds)
-    assert after.newer_than(before) and after.effective_round == after.vocab_from_round
+    # no round settled here: the list's own round is capped at members.REPORT_SLACK, so it takes
+    # effect no later than the growth
+    assert after.newer_than(before) and after.effective_round <= after.vocab_from_round
     assert grow(db, 1, 600) is None, "the same target again changes nothing"
     assert listed(db, 0).epoch == after.epoch
 
@@ -258,5 +260,6 @@ def test_the_0011_upgrade_keeps_epochs_and_grows_nothing(db: Database) -> None:
     db.upgrade()
     with db.read() as s:
         row = s.execute(select(m.StageEpoch).where(m.StageEpoch.stage == 1)).scalar_one()
-        # 0013 moves every epoch on once (the probation lists' ranking changed)
-        assert (row.epoch, row.changed_round, row.vocab_size, row.vocab_from_round) == (8, 30, 0, 0)
+        # 0013 moves every epoch on once (the probation lists' ranking changed) and caps the round
+        # at members.REPORT_SLACK past the settled ones (none here)
+        assert (row.epoch, row.changed_round, row.vocab_size, row.vocab_from_round) == (8, 4, 0, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import pickle
 import random
 import socket
@@ -974,6 +975,35 @@ async def test_a_body_refused_before_it_is_read_is_not_taken_in(make_node, walle
             await writer.wait_closed()
     assert status_line.split()[1] == (b"413" if listed else b"403"), status_line
     assert sent < size // 2, f"{sent >> 20} MiB of {size >> 20} went out after the refusal"
+
+
+@pytest.mark.asyncio
+async def test_a_sender_gone_mid_body_is_answered_quietly(make_node, wallets, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A listed sender that hangs up halfway through its body: the server refuses it (truncated)
+    without an error of its own in the log, and goes on serving."""
+    async with _serve(make_node(wallets[0], stage=1), wallets[0], senders=_listed(0, wallets[1])) as (
+        served,
+        _,
+    ):
+        limit = served.service.body_limit(PipelineService.ROUTE)
+        assert limit is not None
+        headers = dict(sign_request(wallets[1], "POST", FORWARD, b"", time.time()))
+        headers[ACTIVATION_HEADER] = _signed(wallets[1], b"").to_json().decode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        _reader, writer = await asyncio.open_connection("127.0.0.1", served.server.port)
+        writer.write(
+            f"POST {FORWARD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {limit}\r\n{head}\r\n".encode()
+        )
+        writer.write(b"\0" * (limit // 2))
+        await writer.drain()
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+        await asyncio.sleep(0.3)  # the server reads the half body and finds the end
+        body = encode_activations(*_micro_batch(), PIPE.codec)
+        assert (await served.send(wallets[1], body, _signed(wallets[1], body)))[0] == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 @pytest.mark.asyncio

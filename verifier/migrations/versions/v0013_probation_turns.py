@@ -2,7 +2,9 @@
 it started and the stage's round then, and for each membership the last turn that named it. Only
 the housekeeping sweep's `next_turn` moves them, so other changes of the stage's membership (a
 new epoch) keep the turn's names. The lists' ranking changes with this upgrade, so every stage's
-epoch moves on (nodes read the new list), and its first turn counts progress from its last change.
+epoch moves on (nodes read the new list). A stage's round is now capped at 4 rounds
+(members.REPORT_SLACK) past its settled ones: its `changed_round` is capped so (a far-off receipt
+may have set it out of reach before), and its first turn starts from it.
 
 Revision ID: 0013
 Revises: 0012
@@ -27,7 +29,9 @@ def upgrade() -> None:
         batch.add_column(sa.Column("turn_round", sa.BigInteger(), nullable=False, server_default="0"))
     with op.batch_alter_table("memberships") as batch:
         batch.add_column(sa.Column("last_named_turn", sa.BigInteger(), nullable=True))
-    op.execute("UPDATE stage_epochs SET turn_round = changed_round, epoch = epoch + 1")
+    settled_next = "COALESCE((SELECT MAX(r.round) + 1 FROM rounds r WHERE r.stage = stage_epochs.stage), 0)"
+    capped = f"CASE WHEN changed_round < {settled_next} + 4 THEN changed_round ELSE {settled_next} + 4 END"
+    op.execute(f"UPDATE stage_epochs SET changed_round = {capped}, turn_round = {capped}, epoch = epoch + 1")
 
 
 def downgrade() -> None:
