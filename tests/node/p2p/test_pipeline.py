@@ -942,6 +942,15 @@ async def test_a_micro_batch_from_off_the_list_is_refused_before_its_body_is_rea
         assert (await served.send(wallets[1], good, _signed(wallets[1], good)))[0] == 200
 
 
+def _raw_head(sender: Wallet, length: int) -> bytes:
+    """The head of a forward POST from `sender` declaring `length` body bytes, for a raw socket
+    (its signature covers an empty body: these tests are about what happens before it is checked)."""
+    headers = dict(sign_request(sender, "POST", FORWARD, b"", time.time()))
+    headers[ACTIVATION_HEADER] = _signed(sender, b"").to_json().decode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"POST {FORWARD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n{head}\r\n".encode()
+
+
 @pytest.mark.parametrize("listed", [False, True], ids=["off-the-list", "over-the-limit"])
 @pytest.mark.asyncio
 async def test_a_body_refused_before_it_is_read_is_not_taken_in(make_node, wallets, listed) -> None:  # type: ignore[no-untyped-def]
@@ -953,13 +962,8 @@ async def test_a_body_refused_before_it_is_read_is_not_taken_in(make_node, walle
     sender = wallets[1] if listed else wallets[2]
     size = 64 << 20
     async with _serve(make_node(wallets[0], stage=1), wallets[0], senders=senders) as (served, _):
-        headers = dict(sign_request(sender, "POST", FORWARD, b"", time.time()))
-        headers[ACTIVATION_HEADER] = _signed(sender, b"").to_json().decode()
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         reader, writer = await asyncio.open_connection("127.0.0.1", served.server.port)
-        writer.write(
-            f"POST {FORWARD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {size}\r\n{head}\r\n".encode()
-        )
+        writer.write(_raw_head(sender, size))
         status = asyncio.ensure_future(reader.readline())  # read as it arrives, as a client does
         sent, chunk = 0, b"\0" * (1 << 20)
         try:
@@ -987,13 +991,8 @@ async def test_a_sender_gone_mid_body_is_answered_quietly(make_node, wallets, ca
     ):
         limit = served.service.body_limit(PipelineService.ROUTE)
         assert limit is not None
-        headers = dict(sign_request(wallets[1], "POST", FORWARD, b"", time.time()))
-        headers[ACTIVATION_HEADER] = _signed(wallets[1], b"").to_json().decode()
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         _reader, writer = await asyncio.open_connection("127.0.0.1", served.server.port)
-        writer.write(
-            f"POST {FORWARD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {limit}\r\n{head}\r\n".encode()
-        )
+        writer.write(_raw_head(wallets[1], limit))
         writer.write(b"\0" * (limit // 2))
         await writer.drain()
         writer.close()
