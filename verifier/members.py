@@ -69,10 +69,10 @@ class MembershipConfig:
     people who tried once and left) would hold every place, and a newcomer in a pipeline, whose
     rounds need the list (its neighbours work only with listed wallets), could never start."""
     probation_turn_s: float = 3600.0
-    """The shortest turn: the housekeeping sweep starts the next one (a new epoch and a new draw)
-    once this much time has passed since the turn started, the stage has reported rounds past the
-    turn's list taking effect (`TURN_ROUNDS`), whatever the length of a round, and someone without
-    recent progress waits off the list. Other changes of the stage's membership keep the turn."""
+    """The shortest turn: the housekeeping sweep starts the next one (a new epoch) once this much
+    time has passed since the turn started, the stage has settled rounds past the turn's list
+    taking effect (`TURN_ROUNDS`), whatever the length of a round, and someone without recent
+    progress waits off the list. Other changes of the stage's membership keep the turn."""
     probation_idle_rounds: int = 8
     """Progress (a round with the majority, a spot check) holds a place by progress only while the
     probationer's latest counted round is at most this many rounds before the turn's start: one
@@ -488,8 +488,9 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
     rank last (a place left free still goes to them), so nobody named in a turn is pushed out by a
     newer key. A probationer whose progress finds no place beyond that share takes turns too, from
     where it was, so doing a round never costs one its place. With N waiting for P places,
-    everyone is named within about N / P turns. Ranking by progress and then by age alone let idle keys registered first hold every place
-    for ever, and progress that never decayed let keys that did one round and left hold them."""
+    everyone is named within about N / P turns. Ranking by progress and then by age alone let idle
+    keys registered first hold every place for ever, and progress that never decayed let keys
+    that did one round and left hold them."""
     slots = cfg.max_probation_listed
     oldest = turn.round - cfg.probation_idle_rounds
 
@@ -569,7 +570,8 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
         return "raced"
     # Everyone the ending turn's list named goes behind those it did not, when next taking turns
     # (named by progress too: when that progress grows old, it has had its places).
-    named = {r.wallet_id for r in waiting if r.public_key in set(ending.listed)}
+    listed = set(ending.listed)
+    named = {r.wallet_id for r in waiting if r.public_key in listed}
     if named:
         session.execute(
             update(m.Membership)
