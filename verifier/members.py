@@ -452,8 +452,6 @@ def expiry(now: float, ttl_s: float) -> int:
 class Listing:
     listed: list[str]
     """Public keys of the probationers a member list names."""
-    in_turns: list[str]
-    """Those of them named to take their turn (not by recent progress)."""
     unlisted_turns: int
     """Probationers who take turns that it leaves out: they wait for a later turn."""
 
@@ -512,11 +510,7 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
         ),
     )
     in_turns = taking_turns[: slots - len(named)]
-    return Listing(
-        [r.public_key for r in named + in_turns],
-        [r.public_key for r in in_turns],
-        len(taking_turns) - len(in_turns),
-    )
+    return Listing([r.public_key for r in named + in_turns], len(taking_turns) - len(in_turns))
 
 
 TURN_ROUNDS = 2
@@ -600,7 +594,8 @@ def member_list(
     """The stage's signed member list at its current epoch. Its statements may each see another
     committed state (PostgreSQL's READ COMMITTED), so the epoch is read before and after: a change
     committed in between moved it, and the list is read again. Every change a list shows is a new
-    epoch (bump_epoch), so one epoch is served with one list."""
+    epoch (bump_epoch), so one epoch is served with one list, save one: an operator's roster that
+    expires drops its wallets from the list with no new epoch."""
     for _ in range(RENDER_TRIES):
         before = epoch(session, stage)
         doc = _render(session, stage, cfg, network=network, signer=signer, now=now, at_epoch=before)

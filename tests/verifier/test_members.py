@@ -683,7 +683,7 @@ def test_places_kept_for_turns_never_exceed_the_list() -> None:
     at = members.Turn(2, 0.0, 10)
     got = members.listed_probation(working + new, cfg, turn=at)
     # w1 and w0 find no place by progress: they take turns after those never named (n0 to n2)
-    assert got.listed == ["w4", "w3", "w2", "n0"] and got.in_turns == ["n0"] and got.unlisted_turns == 6
+    assert got.listed == ["w4", "w3", "w2", "n0"] and got.unlisted_turns == 6
     got = members.listed_probation(working[:1] + new, cfg, turn=at)
     assert got.listed == ["w0", "n0", "n1", "n2"] and got.unlisted_turns == 2
     got = members.listed_probation(working, cfg, turn=at)  # nobody else: the rest of progress takes turns
