@@ -336,7 +336,9 @@ class AdmissionOut(_Out):
     network: str
     policy: Literal["open", "probation", "allowlist"]
     admission_rounds: int = Field(description="Settled rounds with the stage majority a probationer needs.")
-    spot_checks_required: int = Field(description="Replay spot checks passed before admission (stage 0).")
+    spot_checks_required: int = Field(
+        description="Replay spot checks passed before admission (segment checks at every stage)."
+    )
     pow_bits: int = Field(
         description="Leading zero bits of sha256(protocol.roster.POW_DOMAIN, network, public key, pow_nonce) "
         "a new wallet's registration needs; 0: none."

@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--admission-spot-checks",
         type=int,
-        help="probation: replay spot checks a stage-0 probationer must pass (default 1, 0 without "
-        "replay checks: --replay-rate 0)",
+        help="probation: replay spot checks a probationer of any stage must pass (segment checks "
+        "at later stages; default 1, 0 without replay checks: --replay-rate 0)",
     )
     g.add_argument(
         "--registration-pow-bits",
@@ -196,7 +196,7 @@ def _membership(args: argparse.Namespace, replays: bool) -> MembershipConfig:
     elif checks > 0 and not replays and args.admission == "probation":
         raise ValueError(
             f"--admission-spot-checks {checks} needs replay spot checks (--replay-rate or --replay-budget): "
-            "without them no probationer of stage 0 would ever be admitted"
+            "without them no probationer would ever be admitted"
         )
     return MembershipConfig(
         policy=args.admission,

@@ -299,34 +299,28 @@ def _restart(row: m.Membership, reason: str, *, now: float) -> None:
     row.status, row.streak, row.checks_passed, row.since, row.reason = m.MEMBER_PROBATION, 0, 0, now, reason
 
 
-def checks_required(stage: int, cfg: MembershipConfig) -> int:
-    """Spot checks before admission: only stage 0 can be replayed alone (verifier.spotcheck), so a
-    later pipeline stage's probationers are admitted on their rounds with the majority."""
-    return cfg.spot_checks_required if stage == 0 else 0
-
-
-def awaiting_checks(session: Session, stage: int, cfg: MembershipConfig) -> set[str]:
-    """Probationers that did their rounds (all but the last) and still need a passed spot check:
-    the replay checker draws their receipts first. Bounded by verified work, not by registrations,
-    so a flood of fresh wallets cannot fill the replay queue."""
-    if cfg.policy != "probation" or checks_required(stage, cfg) == 0:
+def awaiting_checks(session: Session, cfg: MembershipConfig) -> set[tuple[int, str]]:
+    """(stage, wallet) of the probationers that did their rounds (all but the last) and still need
+    a passed spot check, at every stage (segment checks replay later pipeline stages from the
+    inputs their senders signed: verifier.segmentcheck): the replay checker draws their receipts
+    first. Bounded by verified work, not by registrations, so a flood of fresh wallets cannot fill
+    the replay queue."""
+    if cfg.policy != "probation" or cfg.spot_checks_required == 0:
         return set()
-    return set(
-        session.scalars(
-            select(m.Membership.wallet_id).where(
-                m.Membership.stage == stage,
-                m.Membership.status == m.MEMBER_PROBATION,
-                m.Membership.streak >= max(0, cfg.admission_rounds - 1),
-                m.Membership.checks_passed < checks_required(stage, cfg),
-            )
+    rows = session.execute(
+        select(m.Membership.stage, m.Membership.wallet_id).where(
+            m.Membership.status == m.MEMBER_PROBATION,
+            m.Membership.streak >= max(0, cfg.admission_rounds - 1),
+            m.Membership.checks_passed < cfg.spot_checks_required,
         )
     )
+    return {(stage, wallet_id) for stage, wallet_id in rows}
 
 
 def _maybe_admit(session: Session, row: m.Membership, cfg: MembershipConfig, *, now: float) -> None:
     if row.status != m.MEMBER_PROBATION:
         return
-    if row.streak >= cfg.admission_rounds and row.checks_passed >= checks_required(row.stage, cfg):
+    if row.streak >= cfg.admission_rounds and row.checks_passed >= cfg.spot_checks_required:
         row.status, row.since = m.MEMBER_ADMITTED, now
         row.reason = f"admitted after {row.streak} rounds with the majority and {row.checks_passed} spot check(s) passed"
         bump_epoch(session, row.stage, now=now)

@@ -590,14 +590,14 @@ class ReplayChecker:
             ).all()
             session.expunge_all()
             draw = self._budget_draw(session) if rows and self.config.budget is not None else None
-            probation = members.awaiting_checks(session, 0, self.membership) if rows else set()
+            probation = members.awaiting_checks(session, self.membership) if rows else set()
         for receipt, address, public_key in rows:
             self.last_id = receipt.id
             segmented = segment_root(receipt)
             if segmented is None and (receipt.stage != 0 or self.ctx.network.num_stages != 1):
                 continue  # no segment root, and no whole round to replay alone
             # A probationer that did its rounds is checked at once: its admission waits on it.
-            wanted = receipt.wallet_id in probation and not self._queued(receipt.wallet_id)
+            wanted = (receipt.stage, receipt.wallet_id) in probation and not self._queued(receipt.wallet_id)
             if not (wanted or (self._drawn(receipt) if draw is None else draw(receipt))):
                 continue
             picked_before = self._picked.get(receipt.wallet_id)

@@ -47,9 +47,9 @@ def theta(round_: int, honest: bool = True) -> str:
     return f"{round_:064x}" if honest else f"f{round_:063x}"
 
 
-def receipt(round_: int, result: str) -> Receipt:
+def receipt(round_: int, result: str, stage: int = 0) -> Receipt:
     doc: dict[str, Any] = {
-        "stage": 0,
+        "stage": stage,
         "round": round_,
         "inner_steps": 4,
         "start_step": 4 * round_,
@@ -73,21 +73,29 @@ def register(
 
 
 def vote(
-    db: Database, wallet: Wallet, round_: int, cfg: ledger.LedgerConfig, honest: bool = True, at: float = NOW
+    db: Database,
+    wallet: Wallet,
+    round_: int,
+    cfg: ledger.LedgerConfig,
+    honest: bool = True,
+    at: float = NOW,
+    stage: int = 0,
 ) -> None:
-    req = receipt(round_, theta(round_, honest))
+    req = receipt(round_, theta(round_, honest), stage)
     with db.write() as s:
         ledger.submit_receipt(s, who(wallet), req, body_sha256=req.result_hash, now=at, cfg=cfg)
     with db.write() as s:
-        ledger.settle_rounds(s, 0, now=at, cfg=cfg)
+        ledger.settle_rounds(s, stage, now=at, cfg=cfg)
 
 
-def spot_check(db: Database, wallet: Wallet, round_: int, ok: bool, cfg: ledger.LedgerConfig) -> None:
+def spot_check(
+    db: Database, wallet: Wallet, round_: int, ok: bool, cfg: ledger.LedgerConfig, stage: int = 0
+) -> None:
     with db.write() as s:
         ledger.record_spot_check(
             s,
             wallet.wallet_id,
-            stage=0,
+            stage=stage,
             round_=round_,
             ok=ok,
             detail="replay: test",
@@ -127,6 +135,37 @@ def test_genesis_member_then_probation_until_rounds_and_a_spot_check(db: Databas
     later = listed(db, cfg)
     assert set(later.admitted) == {FIRST.public_key_hex, HONEST[0].public_key_hex} and later.probation == ()
     assert later.epoch > first.epoch and later.newer_than(first)
+
+
+def test_a_later_stage_probationer_is_admitted_only_after_a_spot_check(db: Database) -> None:
+    """Segment checks replay every pipeline stage, so a stage-1 probationer's rounds with the
+    majority are not enough either (before, a later stage's were: a key that learned the majority
+    hash was admitted without doing the pipeline's work). It is on the replay checker's list of
+    receipts to draw first once it has done all but its last round, and only there."""
+    cfg = config()
+    register(db, [FIRST, HONEST[0]], cfg, stage=1)
+    register(db, [HONEST[1]], cfg)  # stage 0's genesis member
+    assert (status(db, FIRST, 1), status(db, HONEST[0], 1)) == ("admitted", "probation")
+    with db.read() as s:
+        assert members.awaiting_checks(s, cfg.membership) == set()
+    for r in range(3):
+        vote(db, FIRST, r, cfg, stage=1)
+        vote(db, HONEST[0], r, cfg, stage=1)
+    assert status(db, HONEST[0], 1) == "probation"  # rounds enough, no spot check yet
+    with db.read() as s:
+        assert members.awaiting_checks(s, cfg.membership) == {(1, HONEST[0].wallet_id)}
+    spot_check(db, HONEST[0], 1, True, cfg, stage=1)
+    assert status(db, HONEST[0], 1) == "admitted"
+    with db.read() as s:
+        assert members.awaiting_checks(s, cfg.membership) == set()
+    # With no checks asked for (no replays), rounds alone admit, at every stage as before.
+    none = config(replace(PROBATION, spot_checks_required=0))
+    register(db, [HONEST[2]], none, stage=1)
+    for r in range(3, 6):
+        vote(db, FIRST, r, none, stage=1)
+        vote(db, HONEST[0], r, none, stage=1)
+        vote(db, HONEST[2], r, none, stage=1)
+    assert status(db, HONEST[2], 1) == "admitted"
 
 
 def test_a_minority_vote_restarts_probation(db: Database) -> None:

@@ -27,7 +27,7 @@ from neuroshard.node.p2p.replay import ReplayService
 from neuroshard.node.replay import InnerState, ReplayArchive, ReplayRecord, capture_inner_state
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.pipeline import ActivationHeader, micro_batch_id
-from neuroshard.protocol.segments import Received
+from neuroshard.protocol.segments import Received, segment_boundaries
 from neuroshard.testing.verifier import small_network
 from neuroshard.verifier import members, replaycheck
 from neuroshard.verifier import models as m
@@ -723,3 +723,44 @@ def test_a_pass_on_inputs_from_wallets_never_registered_for_their_stage_counts_f
     monkeypatch.setattr(probation, "_queue_senders", lambda c: None)
     probation._check_segments(challenge)
     assert recorded == [True]
+
+
+def test_a_probationer_that_did_its_rounds_is_checked_on_its_next_receipt_at_every_stage(
+    db: Database, published: PublishedData
+) -> None:
+    """With nothing sampled (rate 0), a probationer whose admission waits only on a spot check is
+    still challenged on its next receipt, at a later pipeline stage as at stage 0 (segment checks
+    replay every stage, so every stage's probationers need one); one that has not done its rounds
+    yet is not."""
+    lines: list[str] = []
+    other = Wallet.from_token("replaycheck-other")
+    network = _network(published)
+    checker = ReplayChecker(
+        JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
+        config=ReplayCheckConfig(sample_rate=0.0),
+        dataset=lambda: published.dataset,
+        membership=MembershipConfig(policy="probation", admission_rounds=2, spot_checks_required=1),
+    )
+    checker._replay_next = lambda: None  # type: ignore[method-assign]
+    checker.run_once()
+    now = time.time()
+    segments = len(segment_boundaries(H, network.segment_k)) - 1
+    with db.write() as s:
+        for wallet, streak in ((NODE, 1), (other, 0)):
+            s.add(m.Wallet(wallet_id=wallet.wallet_id, public_key=wallet.public_key_hex, reputation=0.5,
+                           status=m.STATUS_ACTIVE, registered_at=now, software_version="0.1.0"))  # fmt: skip
+            s.flush()
+            s.add(m.Peer(wallet_id=wallet.wallet_id, address="http://127.0.0.1:9", stage=1,
+                         registered_at=now, last_heartbeat=now))  # fmt: skip
+            s.add(m.Membership(stage=1, wallet_id=wallet.wallet_id, status=m.MEMBER_PROBATION,
+                               streak=streak, checks_passed=0, since=now))  # fmt: skip
+        for wallet in (NODE, other):
+            s.add(m.Receipt(wallet_id=wallet.wallet_id, stage=1, round=1, inner_steps=H, start_step=H,
+                            tokens=H * B * T, shard_id=None, offset_start=None, offset_end=None, data_spans=[],
+                            losses=[], base_hash="0" * 64, result_hash="1" * 64, delta_digest="2" * 64,
+                            inner_state_digest="3" * 64, segment_root="4" * 64, segments=segments,
+                            accepted=[], rejected=[], equivocators=[], body_sha256=wallet.wallet_id.ljust(64, "0"),
+                            received_at=now))  # fmt: skip
+    checker.run_once()
+    queued = [(c.receipt.wallet_id, c.receipt.stage, c.receipt.round) for c in checker.queue]
+    assert queued == [(NODE.wallet_id, 1, 1)], lines
