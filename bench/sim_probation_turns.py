@@ -3,18 +3,21 @@
 A stage's verifier (SQLite, the real ``verifier.ledger`` and ``verifier.members``) holds one
 admitted member and `--idle` probationers that registered first and never do anything (a flood,
 or honest churn: people who tried once and left), then `--newcomers` honest wallets. A newcomer
-does rounds only while the stage's member list names it (in a pipeline its neighbours work only
-with listed wallets); once named it does every round with the majority. Each turn the member
-reports `lead_rounds` + 2 rounds, the named newcomers vote in them, and the housekeeping step
-(`members.next_turn`) runs after `probation_turn_s`.
+sends heartbeats (its node runs) and does rounds only while the stage's member list names it (in
+a pipeline its neighbours work only with listed wallets); once named it does every round with
+the majority. Each turn the member reports `lead_rounds` + 2 rounds, the named newcomers vote in
+them, and the housekeeping step (`members.next_turn`) runs after `probation_turn_s`.
 
-Side by side, on the same wallets: the list as it is (places kept for turns, progress that
-decays) and the list before 2026-12-07 (every probationer ranked by progress, then by age: that
-ranking, applied here to the same standings, `by_age`). Printed: the turns until each newcomer is
-first named, and how many are named at the end. Expected with turns: within ⌈N / P⌉ turns, N
-the wallets waiting for the P places that rotate (round-robin); before: never.
+Side by side, on the same wallets: the list as it is (places kept for turns, those alive at a
+turn's start ahead of idle keys, progress that decays); the same with a flood that keeps every
+key alive (a heartbeat from each before each turn: what an attacker must pay to hold places);
+and the list before 2026-12-07 (every probationer ranked by progress, then by age: that ranking,
+applied here to the same standings, `by_age`). Printed: the turns until each newcomer is first
+named, and how many are named at the end. Expected: in the first turn that starts after they
+register (idle keys take only the places nobody alive wants); with a flood kept alive, within
+⌈N / P⌉ turns, N the wallets waiting for the P places that rotate (round-robin); before: never.
 
-    .venv/bin/python bench/sim_probation_turns.py                 # 1,000 idle + 20 newcomers, 60 turns: ~2 min
+    .venv/bin/python bench/sim_probation_turns.py                 # 1,000 idle + 20 newcomers, 60 turns: ~30 s
     .venv/bin/python bench/sim_probation_turns.py --quick         # 40 idle + 4 newcomers, 16 places, 12 turns
 """
 
@@ -33,7 +36,7 @@ from typing import Any
 from common import parse_with_quick
 
 from neuroshard.node.wallet import Wallet
-from neuroshard.protocol.reports import Receipt, RegisterRequest
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
 from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger, members
 from neuroshard.verifier.db import Database
@@ -100,10 +103,17 @@ class Stage:
             )
         return set(doc.probation)
 
+    def beat(self, wallets: list[Wallet]) -> None:
+        """Heartbeats from `wallets`' nodes, just before the next turn is due."""
+        req = HeartbeatRequest(stage=0, round=self.next_round, steps_in_round=0)
+        with self.db.write() as s:
+            for w in wallets:
+                ledger.heartbeat(s, signed(w, self.now), req, now=self.now + TURN_S - 1.0, cfg=self.cfg)
+
     def turn(self) -> str:
         self.now += TURN_S
         with self.db.write() as s:
-            return members.next_turn(s, 0, self.cfg.membership, now=self.now)
+            return members.next_turn(s, 0, self.cfg.membership, now=self.now, alive_s=self.cfg.peer_ttl_s)
 
 
 def by_age_ranking(rows: list[members.Standing], places: int) -> set[str]:
@@ -118,7 +128,7 @@ def by_age_ranking(rows: list[members.Standing], places: int) -> set[str]:
 def run(
     label: str, membership: MembershipConfig, idle: int, newcomers: int, turns: int, workdir: Path
 ) -> dict[str, Any]:
-    by_age = label == "by age"
+    by_age, flood_alive = label == "by age", label == "flood alive"
     stage = Stage(workdir / f"{label.replace(' ', '_')}.sqlite", membership)
     genesis = Wallet.from_token("turns-sim-genesis")
     flood = [Wallet.from_token(f"turns-sim-idle-{i}") for i in range(idle)]
@@ -138,6 +148,7 @@ def run(
                 first_named.setdefault(w.public_key_hex, t)
         working = [w for w in honest if w.public_key_hex in named]
         stage.rounds(per_turn, genesis, working)
+        stage.beat([*honest, *flood] if flood_alive else honest)
         outcomes.append(stage.turn())
     named_at_end = len({w.public_key_hex for w in honest} & stage.listed(by_age))
     waits = sorted(first_named.values())
@@ -171,19 +182,20 @@ def main() -> None:
     waiting = args.idle + args.newcomers
     print(
         f"{args.idle} idle probationers, then {args.newcomers} newcomers; {now.max_probation_listed} places, "
-        f"{kept} of them kept for turns; {args.turns} turns; expected wait with turns ≈ N / P turns, P the "
-        f"places progress leaves: {waiting / now.max_probation_listed:.1f} (none with progress) to "
+        f"{kept} of them kept for turns; {args.turns} turns; expected: named in turn 1 (the first that "
+        f"starts after they register) while the flood is idle; kept alive, ≈ N / P turns, P the places "
+        f"progress leaves: {waiting / now.max_probation_listed:.1f} (none with progress) to "
         f"{waiting / kept:.1f} (progress holding all it may)"
     )
     with tempfile.TemporaryDirectory() as tmp:
         results = [
             run(label, cfg, args.idle, args.newcomers, args.turns, Path(tmp))
-            for label, cfg in (("turns", now), ("by age", before))
+            for label, cfg in (("turns", now), ("flood alive", now), ("by age", before))
         ]
     for r in results:
         med = r["turns_to_first_named_median"]
         print(
-            f"{r['list']:>7}: {r['named_ever']}/{r['newcomers']} newcomers named within {r['turns']} turns "
+            f"{r['list']:>11}: {r['named_ever']}/{r['newcomers']} newcomers named within {r['turns']} turns "
             f"(median turn {med if med is not None else '—'}, last {r['turns_to_first_named_max'] if med is not None else '—'}); "
             f"{r['named_at_end']} named at the end; {r['turns_started']} turns started; {r['seconds']} s"
         )

@@ -90,7 +90,10 @@ class Housekeeping:
                 continue
             try:
                 with self.ctx.db.write(stale_reads=False) as session:
-                    if members.next_turn(session, stage, cfg, now=now) == "started":
+                    if (
+                        members.next_turn(session, stage, cfg, now=now, alive_s=self.ledger.peer_ttl_s)
+                        == "started"
+                    ):
                         turned.append(stage)
             except SQLAlchemyError as exc:
                 self.ctx.log(

@@ -411,6 +411,8 @@ class Standing:
     """The latest round counted toward its probation (None: none)."""
     last_named_turn: int | None = None
     """The last turn a member list named it in to take its turn (None: never)."""
+    alive_turn: int | None = None
+    """The last turn at whose start its replica of the stage was alive (a recent heartbeat)."""
 
 
 def standings(session: Session, stage: int) -> list[Standing]:
@@ -432,6 +434,7 @@ def standings(session: Session, stage: int) -> list[Standing]:
             r.reason,
             r.last_round,
             r.last_named_turn,
+            r.alive_turn,
         )
         for r, key in rows
     ]
@@ -475,12 +478,15 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
     Those with recent progress (a round with the majority or a spot check since their probation
     began, and a round counted at most `probation_idle_rounds` before the turn's round) are named
     furthest along first, in the places the `cfg.probation_turns` share kept for turns leaves.
-    Everyone else takes the rest in turns, round-robin: least recently named first (never named
-    before all), then the longest waiting; those who registered or restarted after the turn began
-    rank last (a place left free still goes to them), so nobody named in a turn is pushed out by a
-    newer key. A probationer whose progress finds no place beyond that share takes turns too, from
-    where it was, so doing a round never costs one its place. With N waiting for P places,
-    everyone is named within about N / P turns. Ranking by progress and then by age alone let idle
+    Everyone else takes the rest in turns, round-robin: those whose replica was alive when the
+    turn began (a heartbeat within the ledger's `peer_ttl_s`, `next_turn`) before those that were
+    not, then the least recently named first (never named before all), then the longest waiting;
+    those who registered or restarted after the turn began rank last (a place left free still goes
+    to them), so nobody named in a turn is pushed out by a newer key. A probationer whose progress finds no place beyond that share takes turns too, from
+    where it was, so doing a round never costs one its place. With N alive and waiting for P
+    places, each is named within about N / P turns, however many idle keys wait: keys that
+    registered and went away (a flood, or people who tried once and left) take only the places
+    nobody alive wants. Ranking by progress and then by age alone let idle
     keys registered first hold every place for ever, and progress that never decayed let keys
     that did one round and left hold them."""
     slots = cfg.max_probation_listed
@@ -498,6 +504,7 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
         [*working[by_progress:], *(r for r in waiting if not recent(r))],
         key=lambda r: (
             r.since > turn.started_at,
+            r.alive_turn != turn.number,
             -1 if r.last_named_turn is None else r.last_named_turn,
             r.since,
             r.public_key,
@@ -526,12 +533,16 @@ def turn_due(session: Session, stage: int, cfg: MembershipConfig, *, now: float)
     return turn
 
 
-def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float) -> str:
+def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float, alive_s: float) -> str:
     """Start the stage's next turn of listed probationers (a new epoch) when it is due and someone
     waits off the list for a turn; those named in the turn that ends are marked so
-    (`last_named_turn`) and go to the back. Returns "started", "not due" (too early in time or in
+    (`last_named_turn`) and go to the back, and those whose replica of the stage sent a heartbeat
+    within `alive_s` (the ledger's `peer_ttl_s`) are marked alive in the new turn (`alive_turn`):
+    they go ahead of the idle ones for all of it, whatever heartbeats come or stop meanwhile (a
+    list changes only with its epoch). Returns "started", "not due" (too early in time or in
     rounds: ask again), "raced" (another process moved the turn first) or "nobody waits": then
-    the turn's clock starts again (its names unchanged, so no new epoch), and the stage's
+    the turn's clock starts again (its names unchanged, so no new epoch; the alive are marked
+    again, which reorders no name off a list that names everyone waiting), and the stage's
     standings are read again only after another `probation_turn_s`."""
     turn = turn_due(session, stage, cfg, now=now)
     if turn is None:
@@ -547,7 +558,10 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
             .values(turn_started_at=now)
             .execution_options(synchronize_session=False)
         )
-        return "nobody waits" if moved.rowcount else "raced"  # type: ignore[attr-defined]
+        if not moved.rowcount:  # type: ignore[attr-defined]
+            return "raced"
+        _mark_alive(session, stage, turn.number, now=now, alive_s=alive_s)
+        return "nobody waits"
     moved = session.execute(
         update(m.StageEpoch)
         .where(m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number)
@@ -567,8 +581,25 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
             .values(last_named_turn=turn.number)
             .execution_options(synchronize_session=False)
         )
+    _mark_alive(session, stage, turn.number + 1, now=now, alive_s=alive_s)
     bump_epoch(session, stage, now=now)
     return "started"
+
+
+def _mark_alive(session: Session, stage: int, turn: int, *, now: float, alive_s: float) -> None:
+    """Mark `turn` on the stage's probationers whose replica of the stage was heard from within
+    `alive_s`: one UPDATE, however many are waiting."""
+    heard = select(m.Peer.wallet_id).where(m.Peer.stage == stage, m.Peer.last_heartbeat >= now - alive_s)
+    session.execute(
+        update(m.Membership)
+        .where(
+            m.Membership.stage == stage,
+            m.Membership.status == m.MEMBER_PROBATION,
+            m.Membership.wallet_id.in_(heard),
+        )
+        .values(alive_turn=turn)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def _split(rows: list[Standing], roster_keys: set[str]) -> tuple[set[str], list[Standing]]:

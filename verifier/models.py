@@ -248,6 +248,10 @@ class Membership(Base):
     last_named_turn: Mapped[int | None] = mapped_column(BigInteger, default=None)
     """The last turn of the stage's listed probationers that named it to take its turn (None:
     never): those named least recently go first (verifier.members.listed_probation)."""
+    alive_turn: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    """The last turn at whose start the wallet's replica of this stage had sent a heartbeat within
+    the ledger's `peer_ttl_s` (None: none): in that turn it goes ahead of the idle probationers
+    (verifier.members.next_turn)."""
     since: Mapped[float] = mapped_column(Double)
     """When the current status began (probation start or restart, or admission)."""
     reason: Mapped[str | None] = mapped_column(Text, default=None)

@@ -11,7 +11,7 @@ from sqlalchemy import insert, select
 
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.refusal import Refused
-from neuroshard.protocol.reports import Receipt, RegisterRequest
+from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
 from neuroshard.protocol.roster import MemberList, Roster
 from neuroshard.protocol.signing import SignedBy, new_nonce
 from neuroshard.verifier import ledger, members
@@ -426,7 +426,7 @@ PER_TURN = PROBATION.lead_rounds + members.TURN_ROUNDS
 
 def next_turn(db: Database, cfg: ledger.LedgerConfig, at: float, stage: int = 0) -> str:
     with db.write() as s:
-        return members.next_turn(s, stage, cfg.membership, now=at)
+        return members.next_turn(s, stage, cfg.membership, now=at, alive_s=cfg.peer_ttl_s)
 
 
 def turn(db: Database, stage: int = 0) -> members.Turn | None:
@@ -480,6 +480,49 @@ def test_new_probationers_take_turns_on_a_full_list(db: Database) -> None:
         epochs.append(listed(db, cfg).epoch)
     assert set(first_named) == new and max(first_named.values()) <= 2  # ⌈5 / 2⌉ turns
     assert epochs == sorted(set(epochs))  # every turn a new epoch
+
+
+def beat(db: Database, cfg: ledger.LedgerConfig, at: float, *wallets: Wallet) -> None:
+    with db.write() as s:
+        for w in wallets:
+            req = HeartbeatRequest(stage=0, round=0, steps_in_round=0)
+            ledger.heartbeat(s, who(w), req, now=at, cfg=cfg)
+
+
+def test_probationers_alive_at_a_turns_start_go_ahead_of_idle_keys(db: Database) -> None:
+    """Keys that registered and went away (a flood, or people who tried once and left) hold places
+    only when nobody alive wants them: a probationer whose replica sent a heartbeat within
+    `peer_ttl_s` when the turn began is named ahead of every idle one, in the first turn that
+    starts after it registered, however many idle keys wait, and it stays named while it stays
+    alive; it goes back behind the idle ones when it stops. Heartbeats within a turn change
+    nothing until the next (a list changes only with its epoch)."""
+    cfg = turns(max_probation_listed=2, probation_turns=1.0)
+    assert cfg.peer_ttl_s < TURN_S - 5  # a heartbeat 5 s into a turn is stale at its end
+    idle = SYBILS[:4]
+    register(db, [FIRST, *idle], cfg)
+    register(db, HONEST[:2], cfg, at=NOW + 10)
+    keys = lambda ws: {w.public_key_hex for w in ws}  # noqa: E731
+    rounds = Rounds(db, cfg)
+    first = set(listed(db, cfg).probation)
+    assert len(first) == 2 and first <= keys(idle)  # in this turn the newcomers registered late
+    rounds.report(PER_TURN)
+    at = NOW + TURN_S
+    beat(db, cfg, at - 10, *HONEST[:2])
+    assert next_turn(db, cfg, at) == "started"
+    assert set(listed(db, cfg).probation) == keys(HONEST[:2])  # ahead of the idle never named
+    for _ in range(2):  # named last turn, and still ahead of the idle ones while alive
+        before = listed(db, cfg)
+        beat(db, cfg, at + 5, *idle)  # within the turn (stale by its end): the list does not move
+        assert listed(db, cfg) == before
+        rounds.report(PER_TURN)
+        at += TURN_S
+        beat(db, cfg, at - 10, *HONEST[:2])
+        assert next_turn(db, cfg, at) == "started"
+        assert set(listed(db, cfg).probation) == keys(HONEST[:2])
+    rounds.report(PER_TURN)
+    at += TURN_S  # they went away: the idle keys never named take the turn
+    assert next_turn(db, cfg, at) == "started"
+    assert set(listed(db, cfg).probation) == keys(idle) - first
 
 
 def test_a_turn_lasts_until_its_list_had_rounds_to_work_in(db: Database) -> None:
