@@ -182,7 +182,9 @@ def auth_middleware(
             traffic.bytes_received += head_bytes(
                 f"{request.method} {request.raw_path} HTTP/1.1", request.raw_headers
             )
-            traffic.bytes_received += request.content_length or 0
+            # What came in of the body, read or not: a body refused unread is cut off (`_closing`),
+            # and its declared length was never received.
+            traffic.bytes_received += request.content.total_bytes
             # Date, Server and Content-Length are added after this point: ~80 bytes not counted.
             traffic.bytes_sent += head_bytes(
                 f"HTTP/1.1 {response.status} {response.reason}", response.headers.items()
