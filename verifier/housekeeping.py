@@ -1,6 +1,7 @@
 """Upkeep of the write path, run by the lead process only (verifier.leader): expired nonces are
-forgotten and waiting rounds settled every `period_s`, and a stage whose listed probationers'
-turn is over starts the next one (verifier.members.next_turn).
+forgotten and waiting rounds settled every `period_s`, a stage whose lists still name an operator's
+roster that expired gets a new epoch (verifier.members.roster_expired), and a stage whose listed
+probationers' turn is over starts the next one (verifier.members.next_turn).
 
 Both used to happen in every write. A request's nonce DELETE deleted nothing most of the time,
 and settling a stage after every receipt read the stage's votes and live replicas again for
@@ -73,10 +74,35 @@ class Housekeeping:
                 continue
             if rounds:
                 settled[stage] = rounds
+        expired = self._expired_rosters(now)
         turned = self._next_turns(now)
-        if settled or turned:
+        if settled or turned or expired:
             self.ctx.db.touch()  # the settled rounds and the new member lists show in the reads
         return purged, settled
+
+    def _expired_rosters(self, now: float) -> list[int]:
+        """Stages whose lists named an operator's roster that has expired since: a new epoch each,
+        whose list leaves the roster's wallets out (members.roster_expired). Read first: most
+        sweeps write nothing."""
+        expired: list[int] = []
+        for stage in range(self.ledger.num_stages):
+            with self.ctx.db.read() as session:
+                if not members.roster_expired(session, stage, now=now):
+                    continue
+            try:
+                with self.ctx.db.write(stale_reads=False) as session:
+                    if members.roster_expired(session, stage, now=now):
+                        members.bump_epoch(session, stage, now=now)
+                        expired.append(stage)
+            except SQLAlchemyError as exc:
+                self.ctx.log(
+                    f"housekeeping: stage {stage}'s expired roster deferred: {type(exc).__name__}: {exc}"
+                )
+        if expired:
+            self.ctx.log(
+                f"housekeeping: the operator's roster expired; new member lists in stage(s) {expired}"
+            )
+        return expired
 
     def _next_turns(self, now: float) -> list[int]:
         """Stages whose turn of listed probationers ended and that started the next (a new epoch).

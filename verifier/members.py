@@ -120,6 +120,25 @@ def current_roster(session: Session, *, now: float) -> Roster | None:
     return None if body is None else Roster.from_json(body)
 
 
+def roster_of_epoch(session: Session, stage: int, *, now: float) -> Roster | None:
+    """The roster a member list of the stage's current epoch names: the one in force when the
+    epoch last changed (`now` before any change). A roster that expires therefore leaves the lists
+    only with a new epoch (`roster_expired`, moved by the housekeeping sweep), so one epoch is
+    served with one list; accepting a roster moves every stage's epoch (`accept_roster`)."""
+    changed_at = session.scalar(select(m.StageEpoch.changed_at).where(m.StageEpoch.stage == stage))
+    return current_roster(session, now=now if changed_at is None else changed_at)
+
+
+def roster_expired(session: Session, stage: int, *, now: float) -> bool:
+    """Whether the stage's lists still name a roster that is no longer in force at `now` (it
+    expired): the sweep then moves the stage's epoch, and the next list leaves its wallets out."""
+    listed = roster_of_epoch(session, stage, now=now)
+    if listed is None:
+        return False
+    held = current_roster(session, now=now)
+    return held is None or held.version != listed.version
+
+
 def accept_roster(
     session: Session, roster: Roster, *, operator_key: str, network: str, num_stages: int, now: float
 ) -> str:
@@ -548,7 +567,7 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
     if turn is None:
         return "not due"
     current = stage_round(session, stage)  # what bump_epoch notes: the new list takes effect lead_rounds on
-    roster = current_roster(session, now=now)
+    roster = roster_of_epoch(session, stage, now=now)  # as the ending turn's lists named it
     _, waiting = _split(standings(session, stage), set(roster.wallets(stage) if roster is not None else ()))
     ending = listed_probation(waiting, cfg, turn=turn)
     if listed_probation(waiting, cfg, turn=replace(turn, round=current)).unlisted_turns == 0:
@@ -619,8 +638,8 @@ def member_list(
     """The stage's signed member list at its current epoch. Its statements may each see another
     committed state (PostgreSQL's READ COMMITTED), so the epoch is read before and after: a change
     committed in between moved it, and the list is read again. Every change a list shows is a new
-    epoch (bump_epoch), so one epoch is served with one list, save one: an operator's roster that
-    expires drops its wallets from the list with no new epoch."""
+    epoch (bump_epoch), so one epoch is served with one list: the roster it names is the one in
+    force when the epoch began (`roster_of_epoch`)."""
     for _ in range(RENDER_TRIES):
         before = epoch(session, stage)
         doc = _render(session, stage, cfg, network=network, signer=signer, now=now, at_epoch=before)
@@ -639,7 +658,7 @@ def _render(
     now: float,
     at_epoch: int,
 ) -> MemberList:
-    roster = current_roster(session, now=now)
+    roster = roster_of_epoch(session, stage, now=now)
     refused = set(session.scalars(select(m.Wallet.public_key).where(m.Wallet.status == m.STATUS_REFUSED)))
     roster_keys = set(roster.wallets(stage) if roster is not None else ()) - refused
     rows = standings(session, stage)

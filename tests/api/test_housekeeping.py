@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from neuroshard.api.app import create_app
 from neuroshard.api.services import SettleGate
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.roster import Roster
 from neuroshard.testing.api import Harness, receipt_doc
 from neuroshard.testing.api import test_config as make_config
 from neuroshard.testing.verifier import ManualClock
@@ -150,3 +151,43 @@ def test_housekeeping_starts_a_new_turn_of_listed_probationers_once_a_turn(datab
             first = now
             named.add(now[1])
         assert len(named) > 1  # the one place went round
+
+
+def test_housekeeping_gives_the_lists_a_new_epoch_when_the_roster_expires(database_url: str) -> None:
+    """Past the operator's roster's expiry GET /api/stages/0/members serves the same list at the
+    same epoch (a node holding that epoch keeps it), until the sweep moves the epoch: the new list
+    leaves the roster's wallets out. Once handled, the sweep changes nothing."""
+    clock = ManualClock()
+    config = make_config(database_url, clock, membership=MembershipConfig(policy="allowlist"))
+    with TestClient(create_app(config)) as client:
+        harness = Harness(client, clock, config)
+        roster = Roster.build(
+            config.operator,
+            network=config.network.name,
+            version=1,
+            expires_at=int(clock()) + 60,
+            stages={0: [WALLETS[0].public_key_hex]},
+        )
+        assert harness.post_raw(config.operator, "/api/admin/roster", roster.to_json()).status_code == 200
+        assert harness.register(WALLETS[0]).status_code in (200, 201)
+        services = harness.services
+        ctx = JobContext(
+            db=services.db, network=config.network, operator=config.operator, log=print, clock=clock
+        )
+        keeper = Housekeeping(ctx, ledger_config=services.ledger, config=HousekeepingConfig())
+
+        def served() -> tuple[int, tuple[str, ...]]:
+            doc = client.get("/api/stages/0/members").json()
+            return doc["epoch"], tuple(doc["admitted"])
+
+        before = served()
+        assert before[1] == (WALLETS[0].public_key_hex,)
+        keeper.run_once()
+        assert served() == before  # in force
+        clock.advance(61.0)
+        assert served() == before  # expired, but this epoch's list named it
+        keeper.run_once()
+        after = served()
+        assert after == (before[0] + 1, ())
+        keeper.run_once()
+        assert served() == after

@@ -352,6 +352,29 @@ def test_roster_versions_only_move_forward_and_expire(db: Database) -> None:
         assert members.current_roster(s, now=NOW + 7200) is None  # expired: no roster in force
 
 
+def test_a_roster_that_expires_leaves_the_lists_with_a_new_epoch(db: Database) -> None:
+    """One epoch, one list: past its roster's expiry a list of the same epoch still names the
+    roster's wallets (a node holding that epoch must not be told another list under it); the
+    sweep's check (`roster_expired`) then moves the epoch, and the new list leaves them out."""
+    cfg = config(MembershipConfig(policy="allowlist"))
+    _accept(db, _roster(1, HONEST[:2], expires_at=int(NOW) + 60))
+    register(db, HONEST[:2], cfg)
+    before = listed(db, cfg)
+    assert set(before.admitted) == {w.public_key_hex for w in HONEST[:2]}
+    late = NOW + 61
+    with db.read() as s:
+        again = members.member_list(s, 0, cfg.membership, network=NETWORK, signer=OPERATOR, now=late)
+        assert (again.epoch, again.admitted) == (before.epoch, before.admitted)
+        assert not members.roster_expired(s, 0, now=NOW + 59)
+        assert members.roster_expired(s, 0, now=late)
+    with db.write() as s:
+        members.bump_epoch(s, 0, now=late)
+    with db.read() as s:
+        assert not members.roster_expired(s, 0, now=late)
+        after = members.member_list(s, 0, cfg.membership, network=NETWORK, signer=OPERATOR, now=late)
+    assert after.epoch > before.epoch and after.admitted == ()
+
+
 def test_roster_wallets_are_admitted_under_probation(db: Database) -> None:
     cfg = config()
     _accept(db, _roster(1, [HONEST[0]]))
