@@ -206,6 +206,19 @@ def _membership(args: argparse.Namespace, replays: bool) -> MembershipConfig:
     )
 
 
+def startup_warnings(config: VerifierConfig) -> list[str]:
+    """What an operator should know about a configuration that runs but leaves someone out."""
+    warnings: list[str] = []
+    membership, checks = config.membership, config.replay_checks
+    asks_checks = membership.policy == "probation" and membership.spot_checks_required > 0
+    if asks_checks and checks is not None and checks.relay is None:
+        warnings.append(
+            "replicas behind NAT (--relay on the node) cannot be spot-checked without the stage "
+            "bucket (--relay), so none of them can pass probation"
+        )
+    return warnings
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     return 2
@@ -311,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f" with {args.workers} workers" if args.workers > 1 else ""),
         flush=True,
     )
+    for warning in startup_warnings(config):
+        print(f"{PROG}: warning: {warning}", flush=True)
     if args.workers == 1:
         with stop_signals_exit():
             uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)

@@ -27,7 +27,7 @@ those with recent progress first, and a share of the places for the rest, who ta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -322,8 +322,11 @@ def awaiting_checks(session: Session, cfg: MembershipConfig) -> set[tuple[int, s
     """(stage, wallet) of the probationers that did their rounds (all but the last) and still need
     a passed spot check, at every stage (segment checks replay later pipeline stages from the
     inputs their senders signed: verifier.segmentcheck): the replay checker draws their receipts
-    first. Bounded by verified work, not by registrations, so a flood of fresh wallets cannot fill
-    the replay queue."""
+    first. Bounded by verified work, not by registrations: a fresh wallet gets here only with
+    `admission_rounds` − 1 rounds voting the majority's hash. That hash is public, so keys that
+    vote it without working get here too, and each holds up to two of the checker's waiting places
+    for its answer window before it fails unanswered (its probation restarts, its reputation
+    falls): enough of them, in any stage, delay other probationers' checks (the queue is shared)."""
     if cfg.policy != "probation" or cfg.spot_checks_required == 0:
         return set()
     rows = session.execute(
@@ -559,21 +562,27 @@ def next_turn(session: Session, stage: int, cfg: MembershipConfig, *, now: float
     within `alive_s` (the ledger's `peer_ttl_s`) are marked alive in the new turn (`alive_turn`):
     they go ahead of the idle ones for all of it, whatever heartbeats come or stop meanwhile (a
     list changes only with its epoch). Returns "started", "not due" (too early in time or in
-    rounds: ask again), "raced" (another process moved the turn first) or "nobody waits": then
-    the turn's clock starts again (its names unchanged, so no new epoch; the alive are marked
-    again, which reorders no name off a list that names everyone waiting), and the stage's
-    standings are read again only after another `probation_turn_s`."""
+    rounds: ask again), "raced" (another process moved the turn, or the epoch, first) or "nobody
+    waits": then the turn's clock starts again and the alive are marked again, with no new epoch:
+    a list that names everyone waiting keeps its names whatever the order, so that write is made
+    only if the epoch did not move since the standings were read (a registration committed
+    meanwhile by another process, under READ COMMITTED, would otherwise get its rank from marks
+    its own epoch's list did not have). The stage's standings are read again only after another
+    `probation_turn_s`."""
     turn = turn_due(session, stage, cfg, now=now)
     if turn is None:
         return "not due"
+    read_at = epoch(session, stage)  # before the standings: a change committed after moves it
     current = stage_round(session, stage)  # what bump_epoch notes: the new list takes effect lead_rounds on
     roster = roster_of_epoch(session, stage, now=now)  # as the ending turn's lists named it
     _, waiting = _split(standings(session, stage), set(roster.wallets(stage) if roster is not None else ()))
     ending = listed_probation(waiting, cfg, turn=turn)
-    if listed_probation(waiting, cfg, turn=replace(turn, round=current)).unlisted_turns == 0:
+    if ending.unlisted_turns == 0:  # everyone waiting is named, whatever the order
         moved = session.execute(
             update(m.StageEpoch)
-            .where(m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number)
+            .where(
+                m.StageEpoch.stage == stage, m.StageEpoch.turn == turn.number, m.StageEpoch.epoch == read_at
+            )
             .values(turn_started_at=now)
             .execution_options(synchronize_session=False)
         )

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from neuroshard.cli.verifier import build_config, build_parser, main
+from neuroshard.cli.verifier import build_config, build_parser, main, startup_warnings
 
 NETWORK = """
 name = "cli"
@@ -178,6 +178,11 @@ def test_membership_flags(network_file: Path, tmp_path: Path, capsys: pytest.Cap
     assert code == 2 and "registration_pow_bits must be in [0, 40]" in one_line(err)
     code, err = run([*base, "--admission", "anyone"], capsys)
     assert code == 2 and "invalid choice" in err
+    # Probation asks every probationer for a spot check: without the stage bucket, replicas behind
+    # NAT cannot be asked, and the operator is told so; with it, or with no checks asked for, not.
+    assert any("cannot be spot-checked" in w for w in startup_warnings(default))
+    relayed = build_config(build_parser().parse_args([*base, "--relay", "s3://stage/run1"]))
+    assert startup_warnings(relayed) == [] and startup_warnings(config) == []
 
 
 def test_vocab_check_every_flag(

@@ -548,6 +548,36 @@ def test_probationers_alive_at_a_turns_start_go_ahead_of_idle_keys(db: Database)
     assert set(listed(db, cfg).probation) == keys(idle) - first
 
 
+def test_a_turn_nobody_waits_for_marks_the_alive_unless_the_epoch_moved_meanwhile(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list that names everyone waiting keeps its names, so when nobody waits the turn's clock
+    restarts and the alive are marked with no new epoch. That write is made only if the epoch has
+    not moved since the standings were read: a registration committed meanwhile by another process
+    must not get its rank from marks its own epoch's list did not have."""
+    cfg = turns(max_probation_listed=4, probation_turns=1.0)
+    register(db, [FIRST, *SYBILS[:2]], cfg)
+    Rounds(db, cfg).report(PER_TURN)
+    at = NOW + TURN_S
+    beat(db, cfg, at - 10, SYBILS[0])
+    before = listed(db, cfg)
+    assert next_turn(db, cfg, at) == "nobody waits"
+    assert listed(db, cfg) == before
+    with db.read() as s:
+        alive = {w: s.get(m.Membership, (0, w.wallet_id)).alive_turn for w in SYBILS[:2]}  # type: ignore[union-attr]
+    assert alive == {SYBILS[0]: 0, SYBILS[1]: None} and turn(db) == members.Turn(0, at, 0)
+    real = members.standings
+
+    def meanwhile(session: Any, stage: int) -> list[members.Standing]:
+        rows = real(session, stage)
+        members.bump_epoch(session, stage, now=at)  # stands for another process's registration
+        return rows
+
+    monkeypatch.setattr(members, "standings", meanwhile)
+    assert next_turn(db, cfg, at + TURN_S) == "raced"
+    assert turn(db) == members.Turn(0, at, 0)  # the clock did not restart
+
+
 def test_a_turn_lasts_until_its_list_had_rounds_to_work_in(db: Database) -> None:
     """However long ago the turn began, a stage whose rounds are slower than turns keeps the
     turn's list until rounds past its start settled."""

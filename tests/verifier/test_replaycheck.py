@@ -725,13 +725,13 @@ def test_a_pass_on_inputs_from_wallets_never_registered_for_their_stage_counts_f
     assert recorded == [True]
 
 
-def test_a_probationer_that_did_its_rounds_is_checked_on_its_next_receipt_at_every_stage(
+def test_a_later_stage_probationer_that_did_its_rounds_is_checked_on_its_next_receipt(
     db: Database, published: PublishedData
 ) -> None:
     """With nothing sampled (rate 0), a probationer whose admission waits only on a spot check is
     still challenged on its next receipt, at a later pipeline stage as at stage 0 (segment checks
-    replay every stage, so every stage's probationers need one); one that has not done its rounds
-    yet is not."""
+    replay every stage, so every stage's probationers need one; before, only stage 0's were drawn
+    so); one that has not done its rounds yet is not."""
     lines: list[str] = []
     other = Wallet.from_token("replaycheck-other")
     network = _network(published)

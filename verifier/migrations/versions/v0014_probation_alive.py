@@ -1,7 +1,8 @@
 """Probationers alive at a turn's start (verifier.members.next_turn): for each membership, the last
 turn at whose start its replica of the stage had sent a recent heartbeat; in that turn it goes
-ahead of the idle probationers. Nobody is marked until the next turn starts, so the lists' order
-and names are unchanged by this upgrade and no epoch moves.
+ahead of the idle probationers. Nobody is marked until the next turn starts (or the turn's clock
+restarts when nobody waits off the list, which reorders no names), so the lists' order and names
+are unchanged by this upgrade and no epoch moves.
 
 Revision ID: 0014
 Revises: 0013
