@@ -108,7 +108,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -307,6 +307,9 @@ class PipelineConfig:
     once, waiting or in its step; more are answered busy (their senders try another replica or
     later). Listed keys cost a registration, not verified rounds: without this, a flood of them
     could fill the queue its admitted senders' micro-batches wait in."""
+    probation_per_sender: int = 1
+    """Of those, how many one probationer may hold: one busy probationer cannot take every place
+    from the others (each gets its turn as its micro-batches are answered)."""
     network: str | None = None
     """The run's definition digest (NetworkDefinition.digest), which every header names; a replica
     refuses micro-batches of another run. None: no run joined (headers name none)."""
@@ -355,6 +358,11 @@ class PipelineConfig:
             raise ValueError("PipelineConfig: ban_s, busy_s and max_pending must be >= 0")
         if self.probation_pending < 1:  # 0 would keep every probationer of a pipeline from its rounds
             raise ValueError(f"PipelineConfig.probation_pending must be >= 1, got {self.probation_pending}")
+        if not 1 <= self.probation_per_sender <= self.probation_pending:
+            raise ValueError(
+                f"PipelineConfig.probation_per_sender must be in [1, probation_pending = "
+                f"{self.probation_pending}], got {self.probation_per_sender}"
+            )
         if not 0 < self.throughput_ema <= 1:
             raise ValueError(f"PipelineConfig.throughput_ema must lie in (0, 1], got {self.throughput_ema}")
         for name in ("audit_rate", "probation_audit_rate"):
@@ -997,7 +1005,10 @@ class PipelineService:
         self.probation_held = 0
         """Micro-batches of listed probationers waiting or in the step (`PipelineConfig.probation_pending`)."""
         self.probation_busy = 0
-        """Probationers' micro-batches answered busy because `probation_pending` were held."""
+        """Probationers' micro-batches answered busy because `probation_pending` were held, or
+        `probation_per_sender` of the sender's."""
+        self._probation_of: Counter[str] = Counter()
+        """Held micro-batches by probationer (`probation_per_sender`)."""
         self.served = 0
         self.duplicates = 0
         """Requests answered from a micro-batch already taken (retries): no second inner step."""
@@ -1143,10 +1154,18 @@ class PipelineService:
         self.worker.drop(sender, f"{sender[:12]} is struck: {why}")
 
     def _refuse_probation_busy(self, sender: str) -> bool:
-        """Refuse (busy) a probationer's micro-batch while `probation_pending` are held; whether
-        `sender` is one (the previous stage's list names it on probation)."""
+        """Refuse (busy) a probationer's micro-batch while `probation_pending` are held, or
+        `probation_per_sender` of its own; whether `sender` is one (the previous stage's list names
+        it on probation)."""
         roster = None if self.senders is None else self.senders.roster
         probation = roster is not None and sender in roster.probation
+        if probation and self._probation_of[sender] >= self.config.probation_per_sender:
+            self.probation_busy += 1
+            raise Refused(
+                "busy",
+                f"{self._probation_of[sender]} of its micro-batches already wait here or are in the step "
+                "(a probationer's share)",
+            )
         if probation and self.probation_held >= self.config.probation_pending:
             self.probation_busy += 1
             raise Refused(
@@ -1156,8 +1175,15 @@ class PipelineService:
             )
         return probation
 
-    def _release_probation(self) -> None:
+    def _hold_probation(self, sender: str) -> None:
+        self.probation_held += 1
+        self._probation_of[sender] += 1
+
+    def _release_probation(self, sender: str) -> None:
         self.probation_held -= 1
+        self._probation_of[sender] -= 1
+        if not self._probation_of[sender]:
+            del self._probation_of[sender]
 
     def _refuse_outsider(self, sender: str) -> None:
         why = None if self.senders is None else self._outsider(sender)
@@ -1247,8 +1273,8 @@ class PipelineService:
         except Busy as exc:
             raise Refused("busy", str(exc)) from None
         if probation:
-            self.probation_held += 1
-            taken.outcome.add_done_callback(lambda _: self._release_probation())
+            self._hold_probation(header.wallet)
+            taken.outcome.add_done_callback(lambda _: self._release_probation(header.wallet))
         self._taken[key] = taken
         while len(self._taken) > self.config.dedup_window:
             self._taken.popitem(last=False)

@@ -1011,8 +1011,9 @@ async def test_a_sender_gone_mid_body_is_answered_quietly(make_node, wallets, ca
 @pytest.mark.asyncio
 async def test_listed_probationers_hold_at_most_probation_pending_micro_batches(make_node, wallets) -> None:  # type: ignore[no-untyped-def]
     """Probationers' micro-batches beyond `probation_pending` held (waiting or in the step) are
-    answered busy, whoever of them sends; an admitted sender's are still taken, and once the held
-    ones are answered a probationer's are taken again."""
+    answered busy, whoever of them sends, and so are those beyond one probationer's share
+    (`probation_per_sender`) while places are free; an admitted sender's are still taken, and once
+    the held ones are answered a probationer's are taken again."""
     senders = Neighbours(0)
     senders.set(
         StageRoster(
@@ -1033,13 +1034,20 @@ async def test_listed_probationers_hold_at_most_probation_pending_micro_batches(
             )
             return status, "" if status == 200 else ErrorReply.from_json(reply).error
 
-        held = [asyncio.ensure_future(send(wallets[2], 1)), asyncio.ensure_future(send(wallets[3], 2))]
-        for _ in range(200):  # both queued: the worker is not running yet
-            if served.service.probation_held == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert served.service.probation_held == 2
-        assert await send(wallets[3], 3) == (503, "busy") and served.service.probation_busy == 1
+        async def held_reaches(count: int) -> None:
+            for _ in range(200):  # queued: the worker is not running yet
+                if served.service.probation_held == count:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"{served.service.probation_held} held, not {count}")
+
+        held = [asyncio.ensure_future(send(wallets[2], 1))]
+        await held_reaches(1)
+        # One place is free, but not to the probationer that holds its share (one) already.
+        assert await send(wallets[2], 6) == (503, "busy") and served.service.probation_busy == 1
+        held.append(asyncio.ensure_future(send(wallets[3], 2)))
+        await held_reaches(2)
+        assert await send(wallets[3], 3) == (503, "busy") and served.service.probation_busy == 2
         admitted = asyncio.ensure_future(send(wallets[1], 4))
         start()
         assert await asyncio.gather(*held, admitted) == [(200, "")] * 3
@@ -1048,6 +1056,8 @@ async def test_listed_probationers_hold_at_most_probation_pending_micro_batches(
         assert served.worker.diloco.step == 4
     with pytest.raises(ValueError, match="probation_pending"):
         replace(PIPE, probation_pending=0)
+    with pytest.raises(ValueError, match="probation_per_sender"):
+        replace(PIPE, probation_per_sender=3)
 
 
 @pytest.mark.asyncio
