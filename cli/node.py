@@ -394,6 +394,8 @@ def run(args: argparse.Namespace, wallet: Wallet, stop: threading.Event, roles: 
                     receivers=reporting.neighbours_of(1),
                 )
                 link.start()
+                if receipting is not None:
+                    receipting.disputes = link.client.disputes_of
         trainer = roles.trainer(
             wallet_id=wallet.wallet_id,
             dataset=dataset,

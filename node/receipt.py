@@ -14,6 +14,10 @@ commits to its digest in the receipt (`inner_state_digest`), and keeps the round
 With a SegmentRecorder (node.segments) it starts, ends and closes the round's segment log around
 the round hook and puts its root and segment count in the receipt (`segment_root`, `segments`):
 the commitment a segment spot check holds the replica to, at every stage.
+
+With `Receipting.disputes` (the pipeline client's `disputes_of`, node.p2p.pipeline) a sender's
+receipt also names the micro-batches of its round whose audits found the next stage's answers
+apart (`disputes`), for the verifier to replay what an audit could not settle.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from neuroshard.protocol.reports import (
     MAX_REASON_CHARS,
     AcceptedContribution,
     DataSpan,
+    Dispute,
     Receipt,
     RejectedContribution,
 )
@@ -67,12 +72,14 @@ def receipt_document(
     device: str | None = None,
     precision: str | None = None,
     segment_log: SegmentLog | None = None,
+    disputes: tuple[Dispute, ...] | None = None,
 ) -> Receipt:
     """The receipt of one round (wallet ids, not public keys), checked as the verifier checks it
     (Refused if it could not pass). `device` (cpu, cuda, mps) and `precision` (fp32, bf16, fp16)
     state what the inner steps ran on: a replay in another precision is judged with the
     cross-precision tolerance (verifier.replaycheck). `segment_log`: the round's segment log,
-    whose root and segment count the receipt commits to."""
+    whose root and segment count the receipt commits to. `disputes`: this round's micro-batches
+    whose next-stage answers an audit found apart (None: none)."""
     return Receipt.checked(
         stage=report.stage,
         round=report.round,
@@ -95,6 +102,7 @@ def receipt_document(
             for w, reason in report.rejected
         ),
         equivocators=tuple(_wallet_id(w) for w in report.equivocators),
+        disputes=disputes,
     )
 
 
@@ -134,6 +142,11 @@ class Receipting:
         self._signer = signer
         self._round_start: tuple[int, InnerState] | None = None
         """(diloco.step, inner state) when the current round started; None until a round starts here."""
+        self.disputes: Callable[[int], tuple[Dispute, ...] | None] | None = None
+        """A round's disputes, handed over for its receipt (node.p2p.pipeline
+        `PipelineClient.disputes_of`); set once the link to the next stage exists (the driver
+        builds it after this hook). None: a replica that sends nothing onward (the last stage)
+        disputes nothing."""
 
     def round_started(self, diloco: DiLoCo) -> None:
         """Snapshot the inner state of a round about to start (called by the hook after each round;
@@ -173,9 +186,11 @@ class Receipting:
         if not self._whole_round(steps):
             return
         tokens = steps * self._tokens_per_step if self._batch_size is not None else self._work.tokens
-        try:
-            receipt = receipt_document(
-                self._reports[-1],
+        report = self._reports[-1]
+
+        def document(disputes: tuple[Dispute, ...] | None) -> Receipt:
+            return receipt_document(
+                report,
                 self._work,
                 inner_steps=steps,
                 start_step=start_step,
@@ -186,9 +201,23 @@ class Receipting:
                 device=diloco.placement.kind,
                 precision=diloco.placement.precision,
                 segment_log=None if closed is None else closed[0],
+                disputes=disputes,
             )
+
+        disputes = None if self.disputes is None else self.disputes(report.round)
+        try:
+            try:
+                receipt = document(disputes)
+            except Refused as exc:
+                if disputes is None:
+                    raise
+                # The round's work is reported whatever became of its disputes.
+                self._log(
+                    f"receipt: round {report.round}: its disputes would be refused ({exc}); sent without them"
+                )
+                receipt = document(None)
         except Refused as exc:  # the verifier would refuse it: say so here instead of sending it
-            self._log(f"receipt: round {self._reports[-1].round}: not sent, it would be refused: {exc}")
+            self._log(f"receipt: round {report.round}: not sent, it would be refused: {exc}")
             return
         self._submit(receipt)
 

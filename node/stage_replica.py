@@ -160,6 +160,8 @@ def start_stage_replica(
             receipting = reporting.receipting(
                 network, work, wallet, batch_size=None, tokens_per_step=0, segments=recorder
             )
+            if link is not None:
+                receipting.disputes = link.client.disputes_of
             finish_round = receipting
             reporting.track(network, wallet, progress=lambda: (engine().round, engine().steps_in_round))
         worker = StageWorker(

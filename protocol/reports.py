@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
+from .pipeline import MICRO_BATCH_BYTES, GradientReply
 from .refusal import invalid
 from .schema import Message, choice, hex_bytes, integer, list_of, matching, message, number, optional, text
 
@@ -101,6 +102,36 @@ class RejectedContribution(Message):
     reason: Annotated[str, text(MAX_REASON_CHARS, min_chars=1)]
 
 
+MAX_DISPUTES = 2
+"""Disputed micro-batches one receipt names: each may cost the verifier a segment check of every
+replica it names, so a replica reports the first two of a round."""
+MAX_DISPUTE_REPLIES = 3
+"""The answers an audit compares at most (the first, a second opinion, a third)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispute(Message):
+    """A micro-batch whose audit found the next stage's answers apart (node.p2p.pipeline
+    `PipelineClient._audit`): the answers' signed replies, each its replica's word that it
+    answered this micro-batch in the round it names, addressed to the receipt's wallet. The
+    verifier holds each replier to its own signed round log and replays the segment that stepped on
+    the micro-batch (verifier.replaycheck), whoever an audit could not outvote."""
+
+    NAME = "dispute"
+    micro_batch: Annotated[str, hex_bytes(MICRO_BATCH_BYTES)]
+    replies: Annotated[tuple[GradientReply, ...], list_of(message(GradientReply), MAX_DISPUTE_REPLIES)]
+
+    def check(self) -> None:
+        if len(self.replies) < 2:
+            raise invalid(f"a dispute names the answers that disagree: 2 or 3, got {len(self.replies)}")
+        if any(r.micro_batch != self.micro_batch for r in self.replies):
+            raise invalid(f"every reply of a dispute answers its micro-batch {self.micro_batch}")
+        if len({r.wallet for r in self.replies}) != len(self.replies):
+            raise invalid("the replies of a dispute come from different replicas")
+        if len({(r.to, r.stage) for r in self.replies}) != 1:
+            raise invalid("the replies of a dispute answer one replica, from one stage")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Receipt(Message):
     """POST /api/receipts: one replica's signed work report for one round of one stage."""
@@ -147,6 +178,10 @@ class Receipt(Message):
     ] = ()
     equivocators: Annotated[tuple[str, ...], list_of(hex_bytes(10), MAX_CONTRIBUTIONS)] = ()
     """Wallets caught sending two different signed payloads for this (stage, round)."""
+    disputes: Annotated[tuple[Dispute, ...] | None, optional(list_of(message(Dispute), MAX_DISPUTES))] = None
+    """Micro-batches of this round whose answers from the next stage disagreed (`Dispute`), each
+    answer signed to this replica by the next stage's replica; None (left out of the JSON) when
+    there were none, so a receipt without any reads as before (issue 17)."""
 
     def check(self) -> None:
         if self.stage == 0 and not self.data:
@@ -157,6 +192,14 @@ class Receipt(Message):
             raise invalid("segment_root and segments come together or not at all")
         if self.segments is not None and self.segments > self.inner_steps:
             raise invalid(f"{self.segments} segments for {self.inner_steps} inner steps")
+        for dispute in self.disputes or ():
+            if dispute.replies[0].stage != self.stage + 1:
+                raise invalid(
+                    f"a stage-{self.stage} receipt disputes answers of stage {self.stage + 1}, "
+                    f"not {dispute.replies[0].stage}"
+                )
+        if self.disputes is not None and len({d.micro_batch for d in self.disputes}) != len(self.disputes):
+            raise invalid("a receipt names each disputed micro-batch once")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from neuroshard.protocol import refusal
-from neuroshard.protocol.refusal import Refused
+from neuroshard.protocol.refusal import Refused, invalid
 from neuroshard.protocol.reports import HeartbeatRequest, Receipt, RegisterRequest
 from neuroshard.protocol.roster import pow_ok
 from neuroshard.protocol.signing import SignedBy
@@ -315,6 +315,7 @@ def submit_receipt(
             "conflict",
             f"a different receipt for stage {req.stage} round {req.round} is already recorded for this wallet",
         )
+    _check_disputes(signed, req)
     first = req.data[0] if req.data else None
     try:
         connection = session.connection()
@@ -345,6 +346,7 @@ def submit_receipt(
                 accepted=[dataclasses.asdict(c) for c in req.accepted],
                 rejected=[dataclasses.asdict(c) for c in req.rejected],
                 equivocators=list(req.equivocators),
+                disputes=None if req.disputes is None else [d.to_obj() for d in req.disputes],
                 accepted_count=len(req.accepted),
                 rejected_count=len(req.rejected),
                 body_sha256=body_sha256,
@@ -385,6 +387,24 @@ def submit_receipt(
                 now=now,
             )
     return "recorded"
+
+
+def _check_disputes(signed: SignedBy, req: Receipt) -> None:
+    """Refused (invalid) unless every disputed reply is its replier's signature and was addressed to
+    the receipt's signer: a replica can dispute only answers it was given, so it cannot make the
+    verifier check replicas it never dealt with."""
+    for dispute in req.disputes or ():
+        for reply in dispute.replies:
+            if reply.to != signed.public_key_hex:
+                raise invalid(
+                    f"disputed micro-batch {dispute.micro_batch}: the reply of {reply.wallet[:16]}… answers "
+                    f"{reply.to[:16]}…, not this receipt's wallet"
+                )
+            if not reply.signature_valid():
+                raise invalid(
+                    f"disputed micro-batch {dispute.micro_batch}: the reply of {reply.wallet[:16]}… is not "
+                    "its signature"
+                )
 
 
 def apply_adjustment(

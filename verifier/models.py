@@ -123,6 +123,10 @@ class Receipt(Base):
     accepted: Mapped[list[Any]] = mapped_column(JSON)
     rejected: Mapped[list[Any]] = mapped_column(JSON)
     equivocators: Mapped[list[Any]] = mapped_column(JSON)
+    disputes: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    """The round's disputed micro-batches (protocol.reports.Dispute objects, each reply's signature
+    checked and addressed to this wallet): the replay checker holds their repliers to their logs
+    and replays the segments that stepped on them. None: none (and every receipt before 0015)."""
     accepted_count: Mapped[int] = mapped_column(Integer, default=0)
     rejected_count: Mapped[int] = mapped_column(Integer, default=0)
     """len(accepted) and len(rejected), summed per round in SQL by summary.recent_rounds."""

@@ -90,6 +90,18 @@ header it signed fails in its own stage and round and leaves a SenderFraudProof,
 like a segment proof (kind "sender"), which checks alone without the run's definition. Under
 the ``allowlist`` and ``probation`` policies a pass whose segments consumed messages from a
 wallet never registered for the stage its header names counts for nothing (`_strangers`).
+
+Disputes (since 2026-12-08): a receipt may name micro-batches whose audit found the next stage's
+answers apart (protocol.reports.Dispute: the answers' signed replies, each addressed to the
+receipt's wallet, which the ledger checked). Whether the receipt is drawn or not, each replier is
+held to its own signed log of the round its reply names, as a sender is (a log that does not list
+the reply, or records sending other bytes, fails it with a SenderFraudProof); a log that agrees
+has the segment whose step consumed the micro-batch replayed (`_disputed_segment`,
+`_queue_disputed`), one such check a replier's round, so a replier that answered with bytes its
+step did not compute fails with a segment fraud proof. This is how a stage of two, where no audit
+can outvote a liar, still catches one. A replica can dispute only answers it was sent, at most
+MAX_DISPUTES micro-batches of 2–3 replies a round, so a lying accuser costs the verifier a few
+segment checks of honest repliers (which pass) a round, and no one their reputation.
 """
 
 from __future__ import annotations
@@ -98,7 +110,7 @@ import math
 import threading
 import time
 import urllib.error
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -126,7 +138,7 @@ from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.peer import REPLAY
 from neuroshard.protocol.refusal import Refused, malformed
-from neuroshard.protocol.reports import DataSpan
+from neuroshard.protocol.reports import DataSpan, Dispute
 from neuroshard.protocol.segments import Received, SignedSegmentLog, checkpoint_hash
 
 from . import fraudproofs, ledger, members
@@ -245,6 +257,8 @@ SENDERS_PER_PASS = 8
 MAX_WAITING = 64
 """Challenges in the queue beyond `max_queue` (which bounds those holding fetched material): the
 rest wait for a replica's answer, holding nothing. More are not issued (and said so)."""
+DISPUTED_KEPT = 4096
+"""Replier rounds remembered as taken up by a dispute (`ReplayChecker._disputed`)."""
 MAX_QUEUED_PER_WALLET = 2
 """Challenges of one wallet in the queue at once; a receipt of a wallet that has this many is not
 checked now (and said so), and the budget's draw still sees the wallet due. Without it, wallets
@@ -297,6 +311,10 @@ class SenderMatch:
     """Answer windows restarted because the bucket failed the verifier (`MAX_SENDER_RESTARTS`)."""
     not_before: float = 0.0
     """Not tried again before this time (RETRY_EVERY_S after the bucket failed the verifier)."""
+    disputed: str | None = None
+    """The micro-batch id when the receiver disputed the sender's answer to it (protocol.reports.
+    Dispute): a log that does not contradict the answer has the segment that stepped on the
+    micro-batch replayed (`ReplayChecker._disputed_segment`)."""
 
 
 MAX_SENDER_RESTARTS = 3
@@ -513,6 +531,14 @@ class ReplayChecker:
         """(values, tensors) → a fresh optimizer's digest at that size."""
         self._penalised: set[tuple[str, int, int]] = set()
         """(wallet, stage, round) already failed for its records: one penalty per round."""
+        self._disputes_found: deque[tuple[m.Receipt, str | BucketHolder, int, str]] = deque()
+        """Disputed segments located by the sender matching thread, (the replier's receipt, where to
+        ask it, segment, micro-batch), queued as challenges by the next pass (`_collect`)."""
+        self._disputed: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        """(wallet, stage, round) whose disputed answers were already taken up: one check a round
+        (the newest DISPUTED_KEPT remembered)."""
+        self.disputes = 0
+        """Disputed answers taken up (each held to its replier's log)."""
         relay = self.config.relay
         self._bucket = None if relay is None else RelayChallenges(relay, ctx.operator, ctx.clock, ctx.log)
         """Challenges of relay replicas through the stage bucket; None without `relay`."""
@@ -591,8 +617,11 @@ class ReplayChecker:
             session.expunge_all()
             draw = self._budget_draw(session) if rows and self.config.budget is not None else None
             probation = members.awaiting_checks(session, self.membership) if rows else set()
+        self._queue_disputed()
         for receipt, address, public_key in rows:
             self.last_id = receipt.id
+            if receipt.disputes and public_key is not None:
+                self._queue_disputes(receipt, public_key)
             segmented = segment_root(receipt)
             if segmented is None and (receipt.stage != 0 or self.ctx.network.num_stages != 1):
                 continue  # no segment root, and no whole round to replay alone
@@ -654,6 +683,103 @@ class ReplayChecker:
                 self.queue.append(
                     Challenge(receipt, where, segments=drawn, last=last, picked_before=picked_before)
                 )
+
+    # --- disputes: answers an audit found apart (protocol.reports.Dispute) ----------------------
+
+    def _queue_disputes(self, receipt: m.Receipt, receiver_key: str) -> None:
+        """Hold each reply a receipt disputes to its replier's own signed round log, as a sender of
+        what a checked replica consumed is held (`SenderMatch`), whether the receipt is drawn or
+        not: the disputing replica's audit could not tell which answer was wrong (in a stage of two
+        it never can), the replier's log and its segment's replay can. The ledger checked each
+        reply's signature and that it answers the receipt's wallet; at most MAX_DISPUTES ×
+        MAX_DISPUTE_REPLIES replies a receipt, and one check a replier's round (`_disputed`)."""
+        now = self.ctx.clock()
+        for obj in receipt.disputes or ():
+            try:
+                dispute = Dispute.from_obj(obj, "dispute")
+            except Refused as exc:  # stored by the ledger from a parsed Dispute: not expected
+                self.ctx.log(
+                    f"replay check: {receipt.wallet_id} round {receipt.round}: a stored dispute does not parse: {exc}"
+                )
+                continue
+            for reply in dispute.replies:
+                message = Received("gradient", reply.wallet, reply.to_json(), b"")
+                match = SenderMatch(
+                    reply.wallet, reply.stage, reply.round, receipt.wallet_id, receiver_key, [message], now,
+                    disputed=dispute.micro_batch,
+                )  # fmt: skip
+                with self._senders_lock:
+                    if len(self._senders) >= MAX_PENDING_SENDERS:
+                        self.ctx.log(
+                            f"replay check: {len(self._senders)} sender matches waiting; the dispute of "
+                            f"{receipt.wallet_id} round {receipt.round} over micro-batch "
+                            f"{dispute.micro_batch[:8]} not taken up"
+                        )
+                        return
+                    self._senders.append(match)
+                self.disputes += 1
+
+    def _disputed_segment(
+        self, match: SenderMatch, receipt: m.Receipt, where: str | BucketHolder, signed: SignedSegmentLog
+    ) -> None:
+        """The replier's log does not contradict its disputed answer: find the step that consumed
+        the micro-batch from the disputing replica and have its segment replayed (on the next pass:
+        this runs on the sender matching thread). A log with no such step proves nothing alone (a
+        round redone after a crash lists the crashed run's headers, not its steps): logged only."""
+        assert match.disputed is not None
+        wallet = receipt.wallet_id
+        log = signed.log
+        stepped = [
+            i
+            for i, step in enumerate(log.steps)
+            if step.micro_batch == match.disputed
+            and any(ref.sender == match.receiver_key for ref in step.received)
+        ]
+        if not stepped:
+            self.ctx.log(
+                f"replay check: {wallet} round {match.round}'s log has no step on micro-batch "
+                f"{match.disputed[:8]} disputed by {match.receiver}; no segment to replay"
+            )
+            return
+        segment = next(j for j in range(log.segments) if log.segment(j)[0] <= stepped[0] < log.segment(j)[1])
+        self._disputes_found.append((receipt, where, segment, match.disputed))
+
+    def _queue_disputed(self) -> None:
+        """Queue the segments the sender matching thread located (`_disputed_segment`) as challenges
+        of their repliers' receipts, one a replier's round, within the queue's bounds."""
+        while self._disputes_found:
+            receipt, where, segment, micro_batch = self._disputes_found.popleft()
+            key = (receipt.wallet_id, receipt.stage, receipt.round)
+            what = f"{receipt.wallet_id} round {receipt.round} (disputed micro-batch {micro_batch[:8]})"
+            if key in self._disputed or any(
+                (c.receipt.wallet_id, c.receipt.stage, c.receipt.round) == key for c in self.queue
+            ):
+                continue  # one check a round: a replier that lies often is caught on any of its lies
+            if self._after_settlement(receipt.stage, receipt.round, receipt.received_at):
+                self.ctx.log(f"replay check: {what} came after its round settled; not checked")
+                continue
+            if len(self.queue) >= self.config.max_queue + MAX_WAITING:
+                self.ctx.log(
+                    f"replay check: {len(self.queue)} challenges already waiting; {what} not checked"
+                )
+                continue
+            if self._queued_of(receipt.wallet_id) >= MAX_QUEUED_PER_WALLET:
+                self.ctx.log(
+                    f"replay check: {receipt.wallet_id} has challenges in the queue already; {what} not checked"
+                )
+                continue
+            self._disputed[key] = None
+            while len(self._disputed) > DISPUTED_KEPT:
+                self._disputed.popitem(last=False)
+            picked_before = self._picked.get(receipt.wallet_id)
+            self._picked[receipt.wallet_id] = max(
+                receipt.round, -1 if picked_before is None else picked_before
+            )
+            count = receipt.segments or 1
+            self.ctx.log(f"replay check: {what}: segment {segment} of {count} to replay")
+            self.queue.append(
+                Challenge(receipt, where, segments=(segment,), last=count - 1, picked_before=picked_before)
+            )
 
     def _queued_of(self, wallet_id: str) -> int:
         return sum(1 for c in self.queue if c.receipt.wallet_id == wallet_id)
@@ -1452,6 +1578,8 @@ class ReplayChecker:
             return self._log_not_read(match, wallet, f"not its committed log: {problem}")
         contradictions = contradicting(signed, match.messages, match.receiver_key)
         if not contradictions:
+            if match.disputed is not None:
+                self._disputed_segment(match, receipt, where_from, signed)
             return True
         texts = "; ".join(text for _, text in contradictions[:3])
         detail = f"{SENDER_DETAIL}its signed log contradicts what it signed for {match.receiver}: {texts}"

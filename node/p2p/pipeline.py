@@ -60,6 +60,10 @@ What audits do not catch: an answer bent within the bound, a lie where fewer tha
 replicas are free to check it (in a stage of two, a liar is never outvoted), colluders drawn as
 each other's auditors, and a replica further down that answers two replicas of this stage
 differently (it can make an honest one look outvoted until its own senders' audits catch it).
+So every audit that finds two answers apart, whatever it decides, is also reported to the
+verifier: the compared answers' signed replies go in the round's receipt (protocol.reports
+`Dispute`, `PipelineClient.disputes_of`), and the verifier replays the segment each replier
+stepped on the micro-batch in, which settles a stage of two, or a lie a majority could not outvote.
 
 Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
 verifier), a replica offers micro-batches only to the next stage's replicas on its list and steps
@@ -131,6 +135,7 @@ from neuroshard.protocol.pipeline import (
     PipelineEnd,
 )
 from neuroshard.protocol.refusal import Refused, malformed
+from neuroshard.protocol.reports import MAX_DISPUTES, Dispute
 from neuroshard.protocol.schema import MAX_STAGE
 from neuroshard.protocol.segments import Received
 
@@ -221,6 +226,12 @@ the time it takes to read a newer list (`verifier_client.VerifierClientConfig.ne
 AUDIT_ASKS = 3
 """Other next-stage replicas an audit asks at most (one that is busy or fails is passed over): a
 second opinion, and a third when the first two disagree."""
+
+
+DISPUTE_ROUNDS = 8
+"""Rounds before the newest one whose disputes a `PipelineClient` keeps for their receipts. A
+round's disputes leave when its receipt is built (`disputes_of`); a round whose receipt never is
+(resumed mid-round, no verifier, refused) would otherwise keep its own for ever."""
 
 
 @dataclass(frozen=True)
@@ -547,6 +558,16 @@ class PipelineClient:
         failing, holding the id with another payload, or past the deadline)."""
         self.blamed = 0
         """Gradients refused as overflowing this replica's backward (`blame`)."""
+        self.disputes_reported = 0
+        """Disputes handed to a receipt for the verifier (`disputes_of`), and ..."""
+        self.disputes_dropped = 0
+        """... found but not kept: past MAX_DISPUTES in their round, a micro-batch already disputed
+        in it, or their round's receipt never built within DISPUTE_ROUNDS."""
+        self._disputes: dict[int, list[Dispute]] = {}
+        """round -> the disputes of micro-batches sent for it, the first MAX_DISPUTES, until its
+        receipt takes them."""
+        self._disputes_lock = threading.Lock()
+        """Audits add disputes on the event loop's thread; the receipt takes them on the training thread."""
         self._not_member: set[str] = set()
         """Next-stage replicas whose last answer refused this one as not on their member list."""
         self._answered: OrderedDict[str, str] = OrderedDict()
@@ -722,7 +743,8 @@ class PipelineClient:
         (`asked_with`: its wallet and outcome, already in). Two that disagree get a third opinion;
         `_settle` decides. A replica busy, failing or holding the id with another payload (added to
         `refused`) is passed over; at most AUDIT_ASKS are asked, none after the deadline or a stop.
-        With no second answer the first is used unchecked. Returns the answer to use."""
+        With no second answer the first is used unchecked. Returns the answer to use. Answers apart
+        are also kept for the verifier (`_dispute`), whatever `_settle` makes of them."""
         self.audits += 1
         others = [
             w for w in self.router.ranking(live, self.clock()) if w != first.wallet and w not in refused
@@ -757,6 +779,7 @@ class PipelineClient:
         if len(answers) == 1:
             self.audits_unchecked += 1
             return first
+        self._dispute(offer, answers)
         return await self._settle(offer, answers, why or "they disagree")
 
     async def _settle(self, offer: _Offer, answers: list[_Answer], why: str) -> _Answer:
@@ -789,6 +812,36 @@ class PipelineClient:
                  f"differently ({why}) and no majority settles it; nobody banned, "
                  f"{first.wallet[:12]}'s answer used")  # fmt: skip
         return first
+
+    def _dispute(self, offer: _Offer, answers: list[_Answer]) -> None:
+        """Keep the signed replies of answers apart for the receipt of the round the micro-batch was
+        sent for: an audit outvotes nobody in a stage of two, or where standing forbids it, and can
+        be fooled by colluders, whereas the verifier can replay the segment each replier stepped on
+        the micro-batch in. The first MAX_DISPUTES of a round, each micro-batch once."""
+        try:
+            dispute = Dispute.checked(micro_batch=offer.micro_batch, replies=tuple(a.reply for a in answers))
+        except Refused as exc:  # answers that passed `_try` make a valid one; never lose the step over it
+            self.log(f"pipeline: the dispute over micro-batch {offer.micro_batch[:8]} is not reported: {exc}")
+            return
+        with self._disputes_lock:
+            kept = self._disputes.setdefault(offer.round, [])
+            if len(kept) == MAX_DISPUTES or any(d.micro_batch == offer.micro_batch for d in kept):
+                self.disputes_dropped += 1
+                return
+            kept.append(dispute)
+            newest = max(self._disputes)
+            for stale in [r for r in self._disputes if r < newest - DISPUTE_ROUNDS]:
+                self.disputes_dropped += len(self._disputes.pop(stale))
+
+    def disputes_of(self, round_: int) -> tuple[Dispute, ...] | None:
+        """Hands over the disputes of micro-batches sent for `round_` (None: there were none), for
+        that round's receipt; called once the round's steps are done."""
+        with self._disputes_lock:
+            kept = self._disputes.pop(round_, None)
+            if not kept:
+                return None
+            self.disputes_reported += len(kept)
+            return tuple(kept)
 
     def _audit_blame(self, liar: _Answer, offer: _Offer, why: str) -> None:
         ban = self.router.blamed(liar.wallet, self.clock())

@@ -75,7 +75,8 @@ class PipelineLink:
             self.log(
                 f"pipeline: audited {c.audits} answer(s) of stage {self.network.stage + 1}: {c.audit_blamed} outvoted "
                 f"and banned, {c.audits_unsettled} disputes without a majority that may ban, "
-                f"{c.audits_unchecked} with nobody else to ask"
+                f"{c.audits_unchecked} with nobody else to ask; {c.disputes_reported} dispute(s) reported "
+                f"to the verifier in receipts, {c.disputes_dropped} dropped"
             )
         self.network.call(self.client.close(), timeout=10.0)
 

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from neuroshard.api.app import create_app
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.pipeline import GradientReply
 from neuroshard.protocol.signing import SIGNATURE_HEADER, WALLET_HEADER
 from neuroshard.testing.api import ADDRESS, OPERATOR, Harness, receipt_doc
 from neuroshard.testing.api import test_config as make_config
@@ -184,6 +185,43 @@ def _register_unknown_stage(h: Harness) -> httpx2.Response:
     return h.post(STRANGER, "/api/register", {"address": ADDRESS, "stage": 7, "software_version": "1"})
 
 
+ANSWERERS = [Wallet.from_token(f"answerer-{i}") for i in range(2)]
+MICRO_BATCH = "ab" * 16
+
+
+def _reply(signer: Wallet, to: Wallet, **overrides: object) -> dict[str, object]:
+    fields: dict[str, object] = dict(
+        to=to.public_key_hex, micro_batch=MICRO_BATCH, stage=1, round=0, loss=5.0, codec="int8",
+        payload_sha256="e" * 64,
+    )  # fmt: skip
+    fields.update(overrides)
+    return GradientReply.create(signer, **fields).to_obj()  # type: ignore[arg-type]
+
+
+def _disputed(h: Harness, *replies: dict[str, object]) -> httpx2.Response:
+    doc = receipt_doc(0, H, disputes=[{"micro_batch": MICRO_BATCH, "replies": list(replies)}])
+    return h.post(NODE, "/api/receipts", doc)
+
+
+def _dispute_of_a_reply_to_another(h: Harness) -> httpx2.Response:
+    return _disputed(h, _reply(ANSWERERS[0], NODE), _reply(ANSWERERS[1], STRANGER))
+
+
+def _dispute_of_a_forged_reply(h: Harness) -> httpx2.Response:
+    forged = _reply(ANSWERERS[1], NODE)
+    forged["payload_sha256"] = "f" * 64  # changed after signing
+    return _disputed(h, _reply(ANSWERERS[0], NODE), forged)
+
+
+def _dispute_of_one_reply(h: Harness) -> httpx2.Response:
+    return _disputed(h, _reply(ANSWERERS[0], NODE))
+
+
+def _dispute_of_another_stage(h: Harness) -> httpx2.Response:
+    """A stage-0 receipt disputes only stage 1's answers (the replies it was sent)."""
+    return _disputed(h, _reply(ANSWERERS[0], NODE, stage=2), _reply(ANSWERERS[1], NODE, stage=2))
+
+
 def _reinstate_by_a_node(h: Harness) -> httpx2.Response:
     return h.post(NODE, "/api/admin/reinstate", {"wallet_id": NODE.wallet_id})
 
@@ -215,7 +253,23 @@ BAD: dict[str, tuple[Callable[[Harness], httpx2.Response], int]] = {
     "register: bad address": (_register_bad_address, 422),
     "register: unknown stage": (_register_unknown_stage, 422),
     "reinstate by a node": (_reinstate_by_a_node, 403),
+    "dispute: a reply to another wallet": (_dispute_of_a_reply_to_another, 422),
+    "dispute: a forged reply": (_dispute_of_a_forged_reply, 422),
+    "dispute: one reply": (_dispute_of_one_reply, 422),
+    "dispute: replies of a stage it does not send to": (_dispute_of_another_stage, 422),
 }
+
+
+def test_a_receipt_names_its_disputed_micro_batches_and_they_are_stored(harness: Harness) -> None:
+    """The replies a receipt disputes, each signed to its wallet, are stored with it for the replay
+    checker; a receipt without any stores none (and its JSON has no "disputes" key)."""
+    harness.register(NODE)
+    replies = [_reply(ANSWERERS[0], NODE), _reply(ANSWERERS[1], NODE, payload_sha256="c" * 64)]
+    assert _disputed(harness, *replies).status_code == 201
+    assert harness.post(NODE, "/api/receipts", receipt_doc(1, H)).status_code == 201
+    with harness.services.db.read() as s:
+        stored = {r.round: r.disputes for r in s.query(m.Receipt)}
+    assert stored == {0: [{"micro_batch": MICRO_BATCH, "replies": replies}], 1: None}
 
 
 @pytest.mark.parametrize("case", list(BAD))

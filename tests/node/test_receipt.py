@@ -1,6 +1,8 @@
 """Round receipts as the node builds them, checked by the parser the verifier runs (protocol.reports)."""
 
 import hashlib
+import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from neuroshard.node.pipeline import stage_inner_step
 from neuroshard.node.receipt import Receipting, receipt_document
 from neuroshard.node.wallet import Wallet
 from neuroshard.node.work import RoundWork
-from neuroshard.protocol.reports import Receipt
+from neuroshard.protocol.identity import sha256_hex
+from neuroshard.protocol.pipeline import GradientReply, micro_batch_id
+from neuroshard.protocol.reports import Dispute, Receipt
 
 A, B, C = (Wallet.from_token(t) for t in ("a", "b", "c"))
 
@@ -70,6 +74,36 @@ def test_receipt_document_is_what_the_verifier_accepts() -> None:
     assert receipt.losses == (5.0, 4.9, 4.8, 4.7)
 
 
+def _dispute(stage: int, to: Wallet, sequence: int = 0) -> Dispute:
+    """Two stage-`stage` replicas' replies to one of `to`'s micro-batches (they answered it apart)."""
+    micro_batch = micro_batch_id(to.public_key_hex, 7, sequence)
+
+    def reply(replier: Wallet, payload: bytes) -> GradientReply:
+        return GradientReply.create(
+            replier, to=to.public_key_hex, micro_batch=micro_batch, stage=stage, round=3, loss=4.5,
+            codec="int8", payload_sha256=sha256_hex(payload),
+        )  # fmt: skip
+
+    return Dispute.checked(micro_batch=micro_batch, replies=(reply(A, b"honest"), reply(B, b"negated")))
+
+
+def test_a_receipt_carries_its_disputes_as_signed_and_one_without_leaves_them_out() -> None:
+    work = RoundWork()
+    work.read(3, 0, 8)
+    disputes = (_dispute(1, C), _dispute(1, C, sequence=1))
+
+    def receipt(disputes: tuple[Dispute, ...] | None) -> bytes:
+        return receipt_document(
+            _report(), work, inner_steps=4, start_step=28, tokens=1024, base_hash="0" * 64,
+            delta_digest="1" * 64, disputes=disputes,
+        ).to_json()  # fmt: skip
+
+    carried = Receipt.from_json(receipt(disputes)).disputes
+    assert carried == disputes
+    assert carried is not None and all(r.signature_valid() for d in carried for r in d.replies)
+    assert "disputes" not in json.loads(receipt(None))  # a receipt without any reads as before
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 2e6])
 def test_a_diverged_loss_leaves_the_losses_out_and_the_receipt_accepted(bad: float) -> None:
     work = RoundWork()
@@ -94,9 +128,12 @@ def test_a_stage0_receipt_without_data_would_be_refused() -> None:
         )
 
 
-def _stage1_round(micro_batches: int, recorded: int) -> tuple[list[Receipt], list[str]]:
+def _stage1_round(
+    micro_batches: int, recorded: int, disputes: Callable[[int], tuple[Dispute, ...] | None] | None = None
+) -> tuple[list[Receipt], list[str]]:
     """A stage-1 replica steps on `micro_batches` micro-batches, `recorded` of them in its RoundWork,
-    then closes the round through Receipting; returns what it submitted and logged."""
+    then closes round 0 through Receipting, asking `disputes` for the round's; returns what it
+    submitted and logged."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
     diloco = DiLoCo(build_stage(config, 1, 2), DiLoCoConfig(inner_steps=micro_batches, warmup_steps=0))
@@ -117,6 +154,7 @@ def _stage1_round(micro_batches: int, recorded: int) -> tuple[list[Receipt], lis
     hook = Receipting(
         finish, reports, work, submitted.append, batch_size=None, tokens_per_step=0, log=lines.append
     )
+    hook.disputes = disputes
     hook(diloco)
     return submitted, lines
 
@@ -132,3 +170,23 @@ def test_a_later_stage_receipt_claims_no_data_and_counts_the_micro_batches_it_tr
 def test_a_later_stage_round_not_wholly_recorded_sends_no_receipt() -> None:
     submitted, lines = _stage1_round(3, 2)  # resumed mid-round: one step's work is not known
     assert submitted == [] and any("resumed mid-round" in line for line in lines)
+
+
+def test_a_round_s_receipt_asks_for_that_round_s_disputes_and_carries_them() -> None:
+    asked: list[int] = []
+    disputes = (_dispute(2, C),)
+
+    def disputes_of(round_: int) -> tuple[Dispute, ...] | None:
+        asked.append(round_)
+        return disputes
+
+    [doc] = _stage1_round(3, 3, disputes_of)[0]
+    assert asked == [0] and Receipt.from_json(doc.to_json()).disputes == disputes
+
+
+def test_disputes_the_verifier_would_refuse_leave_the_receipt_and_the_round_is_still_reported() -> None:
+    """A stage-1 replica disputes stage 2's answers only: disputes of its own stage's would have the
+    whole receipt refused, so it is sent without them, and says so."""
+    submitted, lines = _stage1_round(3, 3, lambda round_: (_dispute(1, C),))
+    [doc] = submitted
+    assert doc.disputes is None and any("its disputes would be refused" in line for line in lines)

@@ -43,6 +43,7 @@ from neuroshard.node.segments import SegmentConfig, SegmentRecorder
 from neuroshard.node.wallet import Wallet
 from neuroshard.protocol.identity import sha256_hex
 from neuroshard.protocol.pipeline import ActivationHeader, GradientReply, micro_batch_id
+from neuroshard.protocol.reports import Dispute
 from neuroshard.protocol.segments import Received, SegmentLog
 from neuroshard.testing.api import test_config
 from neuroshard.testing.verifier import ManualClock, small_network
@@ -129,12 +130,21 @@ def _activations(
 
 
 def _replica(
-    published: PublishedData, tmp: Path, wallet: Wallet, stage: int, *, lie: bool, lie_sent: bool = False
+    published: PublishedData,
+    tmp: Path,
+    wallet: Wallet,
+    stage: int,
+    *,
+    lie: bool,
+    lie_sent: bool = False,
+    negate_at: int | None = None,
 ) -> Replica:
     """A replica that ran round 0 with a segment recorder and serves its segments to the operator.
     The driver records sending the activations stage 1 receives (under the headers it signed for
     both stage-1 replicas, all listed in its log), which are what its steps computed (`DRIVER_SENT`); `lie_sent`: its
-    log names other bytes for one of them.
+    log names other bytes for one of them. `negate_at`: a stage-1 replica answers that step's
+    micro-batch with the gradient its step computed negated, and records sending that (its log
+    agrees with what it signed: only a replay of the step tells).
     A stage-0 replica's gradients come from HONEST as it trains (a copy of its stage-1 engine steps
     in lockstep: the model's init is the run's, so HONEST, built later on the same activations,
     computes and records the same replies), and a stage-1 replica records each gradient it answers
@@ -193,6 +203,8 @@ def _replica(
         else:
             act, mb = _activations(i, DRIVER, wallet, run)
             reply, _ = _answer(diloco, act)
+            if i == negate_at:
+                reply = encode_gradient(-decode_gradient(reply, (B, T, 32), DEFAULT_CODEC), DEFAULT_CODEC)
             received = [act]
         if lie and i == H - 1:  # the last segment's update, inflated by 25% and committed
             assert start is not None
@@ -470,6 +482,68 @@ def test_a_sender_whose_log_contradicts_what_it_signed_loses_reputation(
     assert code == 1 and "root" in out, out
     code, out = _check_proof([str(path), "--wallet", HONEST.wallet_id], capsys)
     assert code == 2 and "is signed by wallet" in out, out
+
+
+def _reply(replier: Replica, step: int, run: str) -> GradientReply:
+    """The reply `replier` signed to the driver for its step `step` (what its log lists)."""
+    mb = micro_batch_id(DRIVER.public_key_hex, 0, step)
+    (listed,) = [h for h in replier.log.headers or () if h.micro_batch == mb and h.kind == "gradient"]
+    return GradientReply.create(
+        replier.wallet, to=DRIVER.public_key_hex, micro_batch=mb, stage=1, round=0, loss=5.0,
+        codec=DEFAULT_CODEC, payload_sha256=listed.payload_sha256, network=run,
+    )  # fmt: skip
+
+
+def test_a_disputed_answer_has_its_segment_replayed_and_a_negating_replier_is_caught(
+    published: PublishedData, db: Database, tmp_path: Path
+) -> None:
+    """A stage of two: the driver's audit of micro-batch 5 found the two stage-1 answers apart and
+    could not tell which was wrong (no third replica to ask). Its receipt names the dispute. With
+    nothing drawn at random (rate 0), the verifier holds each replier to its signed log, finds the
+    step that consumed the micro-batch and replays that segment (segment 2 of 4, at k = 2): the
+    replica that answered with the gradient negated, and recorded sending it (its log agrees with
+    its signature), fails on the gradient it sent; the honest one passes. One check a replier's
+    round: the same dispute again is not taken up twice."""
+    network = _network(published)
+    made = [
+        _replica(published, tmp_path, DRIVER, 0, lie=False),
+        _replica(published, tmp_path, HONEST, 1, lie=False),
+        _replica(published, tmp_path, LIAR, 1, lie=False, negate_at=5),
+    ]
+    driver, honest, liar = made
+    try:
+        _register(db, made)
+        lines: list[str] = []
+        checker = ReplayChecker(
+            JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
+            config=ReplayCheckConfig(sample_rate=0.0, segments_per_check=4, max_queue=8),
+            dataset=lambda: published.dataset,
+        )
+        checker.run_once()  # the first pass notes where the receipts end
+        run = network.digest()
+        dispute = Dispute(
+            micro_batch=micro_batch_id(DRIVER.public_key_hex, 0, 5),
+            replies=(_reply(liar, 5, run), _reply(honest, 5, run)),
+        )
+        with db.write() as s:
+            for r in made:
+                row = _receipt(r)
+                if r is driver:
+                    row.disputes = [dispute.to_obj(), dispute.to_obj() | {"micro_batch": dispute.micro_batch}]
+                s.add(row)
+        for _ in range(6):
+            checker.run_once()
+    finally:
+        for r in made:
+            r.net.stop()
+    assert checker.disputes == 4 and checker.passed == 1 and checker.failed == 1, lines
+    with db.read() as s:
+        events = {e.wallet_id: (e.delta, e.reason) for e in s.scalars(select(m.ReputationEvent))}
+    assert DRIVER.wallet_id not in events  # not drawn: only the disputed repliers were checked
+    assert events[HONEST.wallet_id][0] >= 0 and "segments [2] of 4 replayed" in events[HONEST.wallet_id][1]
+    delta, reason = events[LIAR.wallet_id]
+    assert delta < 0 and "the gradient it sent are not what its step computes" in reason, reason
+    assert sum("(disputed micro-batch" in line and "to replay" in line for line in lines) == 2, lines
 
 
 def test_a_sender_that_does_not_serve_its_log_fails_as_an_unanswered_challenge(

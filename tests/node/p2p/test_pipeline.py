@@ -33,6 +33,7 @@ from neuroshard.node.model import ModelConfig, build_stage
 from neuroshard.node.p2p.pipeline import (
     BLAME_BAN_DOUBLINGS,
     BLAME_MEMORY_S,
+    DISPUTE_ROUNDS,
     OUTSIDER_RETRY_S,
     Job,
     NextStageRouter,
@@ -59,6 +60,7 @@ from neuroshard.protocol.pipeline import (
     GradientReply,
     micro_batch_id,
 )
+from neuroshard.protocol.reports import MAX_DISPUTES, Dispute
 from neuroshard.protocol.signing import sign_request
 
 MODEL = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
@@ -1213,6 +1215,20 @@ class _Negating(StageWorker):
 AUDITED = replace(PIPE, audit_rate=1.0, probation_audit_rate=1.0)
 
 
+def _assert_disputed(
+    dispute: Dispute, micro_batch: str, driver: Wallet, first: Served, repliers: list[Served]
+) -> None:
+    """`dispute` names `micro_batch` with one reply from each of `repliers`, `first`'s first (the
+    answer the audit checked), each as its replica signed it to the driver."""
+    assert dispute.micro_batch == micro_batch
+    assert dispute.replies[0].wallet == first.wallet.public_key_hex
+    assert sorted(r.wallet for r in dispute.replies) == sorted(s.wallet.public_key_hex for s in repliers)
+    assert all(r.signature_valid() for r in dispute.replies)
+    assert {(r.to, r.stage, r.micro_batch) for r in dispute.replies} == {
+        (driver.public_key_hex, 1, micro_batch)
+    }
+
+
 def _honest_gradient(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """What an honest replica of `_serve` (same seed, no step yet) answers, both ways through the codec."""
     from neuroshard.node.p2p.pipeline_wire import decode_activations_as, encode_gradient
@@ -1281,6 +1297,16 @@ async def test_an_audit_outvotes_a_negated_answer_uses_an_honest_one_and_bans_it
     assert len(current.steps[0].received) == 1
     # Every replica it offered the micro-batch to is named by a header it signed and recorded.
     assert {h.to for h in current.headers} == honest | {bad.wallet.public_key_hex}
+    # Outvoted or not, each dispute goes to the verifier in round 0's receipt: the liar's reply
+    # (answered first) and both honest ones.
+    disputes = client.disputes_of(0)
+    assert disputes is not None and len(disputes) == 2
+    for step, dispute in enumerate(disputes):
+        _assert_disputed(
+            dispute, micro_batch_id(driver.public_key_hex, 0, step), driver, bad, [bad, good, other]
+        )
+    assert client.disputes_of(0) is None  # handed over once
+    assert (client.disputes_reported, client.disputes_dropped) == (2, 0)
 
 
 @pytest.mark.asyncio
@@ -1309,6 +1335,7 @@ async def test_an_audit_of_honest_replicas_agrees_and_keeps_the_first_answer(mak
     )
     assert (a.worker.diloco.step, b.worker.diloco.step) == (2, 2) and not lines
     assert len(router.ranking([a.wallet.public_key_hex, b.wallet.public_key_hex], time.time())) == 2
+    assert client.disputes_of(0) is None  # answers that agree are no dispute
 
 
 class _Zeroing(StageWorker):
@@ -1361,12 +1388,14 @@ async def test_without_a_majority_that_may_ban_nobody_is_banned(make_node, walle
         lines: list[str] = []
         client, router = _client_of(driver, replicas, AUDITED, lines.append, receivers=receivers)
         await client.start()
+        id_ = micro_batch_id(driver.public_key_hex, 0, 0)
         try:
-            grad, _ = await client.forward(
-                hidden, labels, round_=0, micro_batch=micro_batch_id(driver.public_key_hex, 0, 0)
-            )
+            grad, _ = await client.forward(hidden, labels, round_=0, micro_batch=id_)
         finally:
             await client.close()
+    # Unsettled here, so the verifier's replay is what can settle it: every answer compared goes in.
+    [dispute] = client.disputes_of(0) or ()
+    _assert_disputed(dispute, id_, driver, bad, replicas)
     honest = _honest_gradient(hidden, labels)
     if expect is second:
         assert torch.equal(grad, honest)
@@ -1388,8 +1417,9 @@ def _mocked(
     wallets: list[Wallet], outcomes: dict[str, Any], delays: dict[str, float], **over: Any
 ) -> tuple[PipelineClient, NextStageRouter, list[str]]:
     """A driver's client over three stage-1 replicas (wallets 0-2; 0 drawn first), every answer
-    audited, whose `_ask` returns `outcomes[wallet]` ("answer", a failure string, or an exception to
-    raise) after `delays[wallet]` seconds; and the wallets asked, in order."""
+    audited, whose `_ask` returns `outcomes[wallet]` after `delays[wallet]` seconds: a signed answer
+    ("answer" a gradient of ones; "negated", "zeros": answers that disagree with it and each other),
+    a failure string, or an exception to raise; and the wallets asked, in order."""
     from neuroshard.node.p2p.peers import PeerTable
     from neuroshard.node.p2p.pipeline import _Answer
 
@@ -1405,6 +1435,8 @@ def _mocked(
         stop=threading.Event(), router=router, audit_rng=random.Random(7),
     )  # fmt: skip
     asked: list[str] = []
+    signers = {w.public_key_hex: w for w in wallets[:3]}
+    gradients = {"answer": 1.0, "negated": -1.0, "zeros": 0.0}
 
     async def ask(peer: Any, offer: Any) -> Any:
         asked.append(peer.wallet)
@@ -1412,9 +1444,13 @@ def _mocked(
         outcome = outcomes[peer.wallet]
         if isinstance(outcome, BaseException):
             raise outcome
-        if outcome == "answer":
-            grad = torch.ones(*offer.shape)
-            return _Answer(wallet=peer.wallet, grad=grad, loss=1.0, reply=None, body=b"")  # type: ignore[arg-type]
+        if outcome in gradients:
+            reply = GradientReply.create(
+                signers[peer.wallet], to=wallets[3].public_key_hex, micro_batch=offer.micro_batch, stage=1,
+                round=offer.round, loss=1.0, codec=config.codec, payload_sha256=sha256_hex(b""),
+            )  # fmt: skip
+            grad = gradients[outcome] * torch.ones(*offer.shape)
+            return _Answer(wallet=peer.wallet, grad=grad, loss=1.0, reply=reply, body=b"")
         return outcome
 
     client._ask = ask  # type: ignore[method-assign]
@@ -1425,9 +1461,9 @@ def _mocked(
 async def test_when_the_first_ask_fails_and_the_audit_copy_is_answered_that_answer_is_used(wallets) -> None:  # type: ignore[no-untyped-def]
     a, b, c = (w.public_key_hex for w in wallets[:3])
     client, router, asked = _mocked(wallets, {a: "status 500: down", b: "answer", c: "answer"}, {})
-    await client.forward(*_micro_batch(1), round_=0, micro_batch="ab" * 32)
+    await client.forward(*_micro_batch(1), round_=0, micro_batch="ab" * 16)
     auditor = asked[1]
-    assert asked == [a, auditor] and client._answered["ab" * 32] == auditor  # nobody asked a third time
+    assert asked == [a, auditor] and client._answered["ab" * 16] == auditor  # nobody asked a third time
     assert client.retries == 1 and client.audits == 0
     assert router.ranking([a], time.time()) == []  # the one that failed is banned, as before
 
@@ -1439,7 +1475,7 @@ async def test_an_audit_copy_answered_after_the_deadline_still_counts(wallets) -
     a, b, c = (w.public_key_hex for w in wallets[:3])
     outcomes = {a: "answer", b: "status 500: down", c: "status 500: down"}
     client, router, asked = _mocked(wallets, outcomes, {a: 0.3, b: 0.3, c: 0.3}, deadline_s=0.2)
-    await client.forward(*_micro_batch(1), round_=0, micro_batch="cd" * 32)
+    await client.forward(*_micro_batch(1), round_=0, micro_batch="cd" * 16)
     assert len(asked) == 2 and client.audits_unchecked == 1
     assert router.ranking([asked[1]], time.time()) == []  # the failed copy's replica is banned
 
@@ -1449,7 +1485,7 @@ async def test_when_one_ask_of_the_pair_raises_the_other_is_cancelled(wallets) -
     a, b, c = (w.public_key_hex for w in wallets[:3])
     client, _, _ = _mocked(wallets, {a: RuntimeError("boom"), b: "answer", c: "answer"}, {b: 5.0, c: 5.0})
     with pytest.raises(RuntimeError, match="boom"):
-        await client.forward(*_micro_batch(1), round_=0, micro_batch="ef" * 32)
+        await client.forward(*_micro_batch(1), round_=0, micro_batch="ef" * 16)
     await asyncio.sleep(0)
     assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
@@ -1460,6 +1496,36 @@ async def test_an_audit_copy_refused_409_is_not_offered_the_id_again(wallets) ->
     client, _, asked = _mocked(wallets, {a: "reused", b: "reused", c: "reused"}, {}, deadline_s=30.0)
     started = time.monotonic()
     with pytest.raises(PipelineUnavailable, match="3 replica"):
-        await client.forward(*_micro_batch(1), round_=0, micro_batch="01" * 32, patient=False)
+        await client.forward(*_micro_batch(1), round_=0, micro_batch="01" * 16, patient=False)
     assert sorted(asked) == sorted([a, b, c])  # each asked once: the copy's 409 counts as the first's
     assert time.monotonic() - started < 10.0
+
+
+@pytest.mark.asyncio
+async def test_disputes_are_kept_by_round_the_first_max_disputes_each_and_only_recent_rounds(wallets) -> None:  # type: ignore[no-untyped-def]
+    """Three answers all apart (no majority, nobody banned): every micro-batch is a dispute of
+    three. A round keeps its first MAX_DISPUTES, each micro-batch once; a round whose receipt never
+    took them goes once a round DISPUTE_ROUNDS later has disputes; the rest are counted dropped."""
+    a, b, c = (w.public_key_hex for w in wallets[:3])
+    client, router, _ = _mocked(wallets, {a: "answer", b: "negated", c: "zeros"}, {})
+
+    async def disputed(round_: int, micro_batch: str) -> None:
+        await client.forward(*_micro_batch(1), round_=round_, micro_batch=micro_batch)
+
+    for i in range(MAX_DISPUTES + 1):
+        await disputed(0, f"{i:02x}" * 16)
+    await disputed(1, "10" * 16)
+    await disputed(1, "10" * 16)  # sent again (after a blame, say): its receipt names it once
+    assert (client.audits_unsettled, client.disputes_dropped) == (MAX_DISPUTES + 3, 2)
+    assert len(router.ranking([a, b, c], time.time())) == 3  # nobody banned
+    disputes = client.disputes_of(1)
+    assert disputes is not None and [d.micro_batch for d in disputes] == ["10" * 16]
+    assert sorted(r.wallet for r in disputes[0].replies) == sorted([a, b, c])
+    assert client.disputes_of(1) is None
+    await disputed(DISPUTE_ROUNDS, "20" * 16)
+    kept = client.disputes_of(0)
+    assert kept is not None and [d.micro_batch for d in kept] == ["00" * 16, "01" * 16]
+    await disputed(0, "02" * 16)
+    await disputed(DISPUTE_ROUNDS + 1, "21" * 16)  # round 0, never taken, is now too old to keep
+    assert client.disputes_of(0) is None
+    assert (client.disputes_reported, client.disputes_dropped) == (3, 3)
