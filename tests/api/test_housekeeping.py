@@ -99,6 +99,15 @@ def test_the_lease_holder_runs_the_sweep(database_url: str) -> None:
         assert settled == [(0, 0)]  # and the reads show it
 
 
+def _keeper(harness: Harness) -> Housekeeping:
+    """The lead's housekeeping on the harness's database and clock, swept by the test itself."""
+    config, services = harness.config, harness.services
+    ctx = JobContext(
+        db=services.db, network=config.network, operator=config.operator, log=print, clock=harness.clock
+    )
+    return Housekeeping(ctx, ledger_config=services.ledger, config=HousekeepingConfig())
+
+
 def test_housekeeping_starts_a_new_turn_of_listed_probationers_once_a_turn(database_url: str) -> None:
     """A full probation list whose turn is over gets a new epoch from the sweep, served at once by
     GET /api/stages/0/members; within a turn, and once handled, the sweep changes nothing."""
@@ -111,11 +120,7 @@ def test_housekeeping_starts_a_new_turn_of_listed_probationers_once_a_turn(datab
     with TestClient(create_app(config)) as client:
         harness = Harness(client, clock, config)
         assert harness.register(WALLETS[0]).status_code in (200, 201)  # the stage's genesis member
-        services = harness.services
-        ctx = JobContext(
-            db=services.db, network=config.network, operator=config.operator, log=print, clock=clock
-        )
-        keeper = Housekeeping(ctx, ledger_config=services.ledger, config=HousekeepingConfig())
+        keeper = _keeper(harness)
 
         def served() -> tuple[int, tuple[str, ...]]:
             doc = client.get("/api/stages/0/members").json()
@@ -170,11 +175,7 @@ def test_housekeeping_gives_the_lists_a_new_epoch_when_the_roster_expires(databa
         )
         assert harness.post_raw(config.operator, "/api/admin/roster", roster.to_json()).status_code == 200
         assert harness.register(WALLETS[0]).status_code in (200, 201)
-        services = harness.services
-        ctx = JobContext(
-            db=services.db, network=config.network, operator=config.operator, log=print, clock=clock
-        )
-        keeper = Housekeeping(ctx, ledger_config=services.ledger, config=HousekeepingConfig())
+        keeper = _keeper(harness)
 
         def served() -> tuple[int, tuple[str, ...]]:
             doc = client.get("/api/stages/0/members").json()
