@@ -97,11 +97,16 @@ receipt's wallet, which the ledger checked). Whether the receipt is drawn or not
 held to its own signed log of the round its reply names, as a sender is (a log that does not list
 the reply, or records sending other bytes, fails it with a SenderFraudProof); a log that agrees
 has the segment whose step consumed the micro-batch replayed (`_disputed_segment`,
-`_queue_disputed`), one such check a replier's round, so a replier that answered with bytes its
-step did not compute fails with a segment fraud proof. This is how a stage of two, where no audit
-can outvote a liar, still catches one. A replica can dispute only answers it was sent, at most
-MAX_DISPUTES micro-batches of 2–3 replies a round, so a lying accuser costs the verifier a few
-segment checks of honest repliers (which pass) a round, and no one their reputation.
+`_queue_disputed`), each such segment once, so a replier that answered with bytes its step did
+not compute, and recorded sending them, fails with a segment fraud proof: how a stage of two,
+where no audit can outvote a liar, still catches one. The disputing replica chose what is checked,
+so only a failure counts: a pass earns nothing, and what the replier cannot answer (a round it
+never reports, material no longer kept) is no verdict (`Challenge.disputed`). A replica can
+dispute only answers it was sent, at most MAX_DISPUTES micro-batches of 2–3 replies a round;
+disputes of a receipt that came after its round settled, and replies from wallets not registered
+for the next stage, are not taken up. A reply whose log has no step on the micro-batch is not
+judged (an honest round redone after a crash shows the same), so a liar that does not record its
+lie escapes this check.
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ from neuroshard.node.replay import ReplayRecord, fresh_inner_digest
 from neuroshard.node.segment_store import SegmentMaterial
 from neuroshard.protocol.identity import wallet_id_of
 from neuroshard.protocol.peer import REPLAY
+from neuroshard.protocol.pipeline import GradientReply
 from neuroshard.protocol.refusal import Refused, malformed
 from neuroshard.protocol.reports import DataSpan, Dispute
 from neuroshard.protocol.segments import Received, SignedSegmentLog, checkpoint_hash
@@ -258,7 +264,11 @@ MAX_WAITING = 64
 """Challenges in the queue beyond `max_queue` (which bounds those holding fetched material): the
 rest wait for a replica's answer, holding nothing. More are not issued (and said so)."""
 DISPUTED_KEPT = 4096
-"""Replier rounds remembered as taken up by a dispute (`ReplayChecker._disputed`)."""
+"""Replier segments remembered as replayed for a dispute (`ReplayChecker._disputed`)."""
+MAX_DISPUTE_MATCHES = 16
+"""Disputed replies waiting to be held to their repliers' logs at once (within MAX_PENDING_SENDERS):
+replies naming rounds that never come wait `sender_wait_s` each, and must not crowd out the
+matches of checked replicas' senders."""
 MAX_QUEUED_PER_WALLET = 2
 """Challenges of one wallet in the queue at once; a receipt of a wallet that has this many is not
 checked now (and said so), and the budget's draw still sees the wallet due. Without it, wallets
@@ -442,6 +452,11 @@ class Challenge:
     tries: int = 0
     next_try: float = 0.0
     """No fetch before this (a replica that did not answer waits RETRY_EVERY_S)."""
+    disputed: str | None = None
+    """The micro-batch a dispute named (`ReplayChecker._queue_disputed`): the segment was chosen by
+    the disputing replica, not drawn, so a pass earns nothing and no answer costs nothing (the
+    replica may have dropped a round that old); only a failed replay or a commitment the served
+    material breaks is a verdict."""
 
     @property
     def holding(self) -> bool:
@@ -534,9 +549,9 @@ class ReplayChecker:
         self._disputes_found: deque[tuple[m.Receipt, str | BucketHolder, int, str]] = deque()
         """Disputed segments located by the sender matching thread, (the replier's receipt, where to
         ask it, segment, micro-batch), queued as challenges by the next pass (`_collect`)."""
-        self._disputed: OrderedDict[tuple[str, int, int], None] = OrderedDict()
-        """(wallet, stage, round) whose disputed answers were already taken up: one check a round
-        (the newest DISPUTED_KEPT remembered)."""
+        self._disputed: OrderedDict[tuple[str, int, int, int], None] = OrderedDict()
+        """(wallet, stage, round, segment) replayed for a dispute: each once (the newest
+        DISPUTED_KEPT remembered)."""
         self.disputes = 0
         """Disputed answers taken up (each held to its replier's log)."""
         relay = self.config.relay
@@ -691,30 +706,54 @@ class ReplayChecker:
         what a checked replica consumed is held (`SenderMatch`), whether the receipt is drawn or
         not: the disputing replica's audit could not tell which answer was wrong (in a stage of two
         it never can), the replier's log and its segment's replay can. The ledger checked each
-        reply's signature and that it answers the receipt's wallet; at most MAX_DISPUTES ×
-        MAX_DISPUTE_REPLIES replies a receipt, and one check a replier's round (`_disputed`)."""
+        reply's signature and that it answers the receipt's wallet. Not taken up: a receipt that
+        came after its round settled (held back, it could name rounds its repliers no longer
+        keep), replies of a stage the run does not have or from wallets not registered for it, and
+        more than MAX_DISPUTE_MATCHES waiting at once (they must not crowd out ordinary matches)."""
+        if self._after_settlement(receipt.stage, receipt.round, receipt.received_at):
+            self.ctx.log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} came after its round settled; "
+                "its disputes are not taken up"
+            )
+            return
         now = self.ctx.clock()
+        disputes = []
         for obj in receipt.disputes or ():
             try:
-                dispute = Dispute.from_obj(obj, "dispute")
+                disputes.append(Dispute.from_obj(obj, "dispute"))
             except Refused as exc:  # stored by the ledger from a parsed Dispute: not expected
                 self.ctx.log(
-                    f"replay check: {receipt.wallet_id} round {receipt.round}: a stored dispute does not parse: {exc}"
+                    f"replay check: {receipt.wallet_id} round {receipt.round}: a dispute does not parse: {exc}"
                 )
-                continue
+        keys = sorted({r.wallet for d in disputes for r in d.replies})
+        with self.ctx.db.read() as session:
+            rows = session.execute(
+                select(m.Wallet.public_key, m.Peer.stage)
+                .join(m.Peer, m.Peer.wallet_id == m.Wallet.wallet_id)
+                .where(m.Wallet.public_key.in_(keys))
+            )
+            registered = {(key, stage) for key, stage in rows}
+        for dispute in disputes:
             for reply in dispute.replies:
+                what = f"the dispute of {receipt.wallet_id} round {receipt.round} over micro-batch {dispute.micro_batch[:8]}"
+                if (
+                    reply.stage >= self.ctx.network.num_stages
+                    or (reply.wallet, reply.stage) not in registered
+                ):
+                    self.ctx.log(
+                        f"replay check: {what}: {reply.wallet[:16]}… is not a registered replica of stage "
+                        f"{reply.stage}; its reply not taken up"
+                    )
+                    continue
                 message = Received("gradient", reply.wallet, reply.to_json(), b"")
                 match = SenderMatch(
                     reply.wallet, reply.stage, reply.round, receipt.wallet_id, receiver_key, [message], now,
                     disputed=dispute.micro_batch,
                 )  # fmt: skip
                 with self._senders_lock:
-                    if len(self._senders) >= MAX_PENDING_SENDERS:
-                        self.ctx.log(
-                            f"replay check: {len(self._senders)} sender matches waiting; the dispute of "
-                            f"{receipt.wallet_id} round {receipt.round} over micro-batch "
-                            f"{dispute.micro_batch[:8]} not taken up"
-                        )
+                    waiting = sum(1 for x in self._senders if x.disputed is not None)
+                    if waiting >= MAX_DISPUTE_MATCHES or len(self._senders) >= MAX_PENDING_SENDERS:
+                        self.ctx.log(f"replay check: {waiting} disputed replies waiting; {what} not taken up")
                         return
                     self._senders.append(match)
                 self.disputes += 1
@@ -723,12 +762,14 @@ class ReplayChecker:
         self, match: SenderMatch, receipt: m.Receipt, where: str | BucketHolder, signed: SignedSegmentLog
     ) -> None:
         """The replier's log does not contradict its disputed answer: find the step that consumed
-        the micro-batch from the disputing replica and have its segment replayed (on the next pass:
-        this runs on the sender matching thread). A log with no such step proves nothing alone (a
-        round redone after a crash lists the crashed run's headers, not its steps): logged only."""
+        the micro-batch from the disputing replica (the one that records sending the disputed
+        payload, when several did) and have its segment replayed (on the next pass: this runs on
+        the sender matching thread). A log with no such step proves nothing alone (a round redone
+        after a crash lists the crashed run's headers, not its steps): logged only."""
         assert match.disputed is not None
         wallet = receipt.wallet_id
         log = signed.log
+        payload = GradientReply.from_json(match.messages[0].header).payload_sha256
         stepped = [
             i
             for i, step in enumerate(log.steps)
@@ -738,23 +779,28 @@ class ReplayChecker:
         if not stepped:
             self.ctx.log(
                 f"replay check: {wallet} round {match.round}'s log has no step on micro-batch "
-                f"{match.disputed[:8]} disputed by {match.receiver}; no segment to replay"
+                f"{match.disputed[:8]} disputed by {match.receiver}; no segment to replay, no verdict"
             )
             return
-        segment = next(j for j in range(log.segments) if log.segment(j)[0] <= stepped[0] < log.segment(j)[1])
+        sent = [i for i in stepped if any(ref.payload_sha256 == payload for ref in log.steps[i].sent)]
+        step = (sent or stepped)[0]
+        segment = next(j for j in range(log.segments) if log.segment(j)[0] <= step < log.segment(j)[1])
         self._disputes_found.append((receipt, where, segment, match.disputed))
 
     def _queue_disputed(self) -> None:
         """Queue the segments the sender matching thread located (`_disputed_segment`) as challenges
-        of their repliers' receipts, one a replier's round, within the queue's bounds."""
+        of their repliers' receipts (`Challenge.disputed`), each segment of a replier's round once
+        (a dispute over an honest answer cannot keep another over a lie in the same round from its
+        check), within the queue's bounds."""
         while self._disputes_found:
             receipt, where, segment, micro_batch = self._disputes_found.popleft()
-            key = (receipt.wallet_id, receipt.stage, receipt.round)
+            key = (receipt.wallet_id, receipt.stage, receipt.round, segment)
             what = f"{receipt.wallet_id} round {receipt.round} (disputed micro-batch {micro_batch[:8]})"
             if key in self._disputed or any(
-                (c.receipt.wallet_id, c.receipt.stage, c.receipt.round) == key for c in self.queue
+                (c.receipt.wallet_id, c.receipt.stage, c.receipt.round) == key[:3] and segment in c.segments
+                for c in self.queue
             ):
-                continue  # one check a round: a replier that lies often is caught on any of its lies
+                continue  # that segment's replay is done or coming
             if self._after_settlement(receipt.stage, receipt.round, receipt.received_at):
                 self.ctx.log(f"replay check: {what} came after its round settled; not checked")
                 continue
@@ -771,14 +817,10 @@ class ReplayChecker:
             self._disputed[key] = None
             while len(self._disputed) > DISPUTED_KEPT:
                 self._disputed.popitem(last=False)
-            picked_before = self._picked.get(receipt.wallet_id)
-            self._picked[receipt.wallet_id] = max(
-                receipt.round, -1 if picked_before is None else picked_before
-            )
             count = receipt.segments or 1
             self.ctx.log(f"replay check: {what}: segment {segment} of {count} to replay")
             self.queue.append(
-                Challenge(receipt, where, segments=(segment,), last=count - 1, picked_before=picked_before)
+                Challenge(receipt, where, segments=(segment,), last=count - 1, disputed=micro_batch)
             )
 
     def _queued_of(self, wallet_id: str) -> int:
@@ -1008,7 +1050,15 @@ class ReplayChecker:
         self._unanswered(challenge, f"did not answer its challenge within {deadline - since:.0f} s ({why})")
 
     def _unanswered(self, challenge: Challenge, detail: str) -> None:
-        """Fail a dropped challenge's replica at `unanswered_penalty` (no fraud proof)."""
+        """Fail a dropped challenge's replica at `unanswered_penalty` (no fraud proof); a dispute's
+        check gives no verdict (`Challenge.disputed`)."""
+        if challenge.disputed is not None:
+            receipt = challenge.receipt
+            self.ctx.log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} (disputed micro-batch "
+                f"{challenge.disputed[:8]}) {detail}; no verdict for a dispute's check"
+            )
+            return
         try:
             self._record(challenge.receipt, False, detail, penalty=self.ctx.reputation.unanswered_penalty)
         finally:
@@ -1132,6 +1182,17 @@ class ReplayChecker:
                     proofs=[] if proof is None else [k for k in [self._write_proof(receipt, 0, proof)] if k],
                 )  # fmt: skip
                 return
+        if judged.ok and challenge.disputed is not None:
+            # The disputing replica chose the segment: a pass says nothing of the segments a fair
+            # draw would have checked, so it earns nothing (and leaves the wallet as due as it was).
+            with self._count_lock:
+                self.passed += 1
+            self.ctx.log(
+                f"replay check: {receipt.wallet_id} round {receipt.round} passed the check of disputed "
+                f"micro-batch {challenge.disputed[:8]}, not counted: {judged.detail}"
+            )
+            self._queue_senders(challenge)
+            return
         if judged.ok and judged.credit:
             strangers = self._strangers(challenge)
             if strangers is not None:
@@ -1606,6 +1667,12 @@ class ReplayChecker:
         nothing since the match was queued (it may be down). A sender that lost its receipt
         without restarting (its tracker dropped it) pays like one down for a whole answer window."""
         wallet = wallet_id_of(bytes.fromhex(match.sender))
+        if match.disputed is not None:  # the round a disputed reply names need not be one it reports
+            self.ctx.log(
+                f"replay check: {wallet} sent no receipt for round {match.round}, which its disputed reply "
+                f"names, within {self.config.sender_wait_s:.0f} s; not matched, no verdict"
+            )
+            return True
         with self.ctx.db.read() as session:
             mine = (m.Receipt.wallet_id == wallet, m.Receipt.stage == match.stage)
             if (
@@ -1671,6 +1738,11 @@ class ReplayChecker:
         where = (wallet, match.stage, match.round)
         late = self._after_settlement(match.stage, match.round, match.found[1])
         what = f"did not serve its round log within {self.config.answer_window_s:.0f} s ({match.declined})"
+        if match.disputed is not None:  # a disputing replica named the round, perhaps one long gone
+            self.ctx.log(
+                f"replay check: {wallet} round {match.round} {what}; no verdict for a disputed reply"
+            )
+            return
         if late or self._already_penalised(where):
             self.ctx.log(f"replay check: {wallet} round {match.round} {what}; no verdict")
             return

@@ -63,7 +63,8 @@ differently (it can make an honest one look outvoted until its own senders' audi
 So every audit that finds two answers apart, whatever it decides, is also reported to the
 verifier: the compared answers' signed replies go in the round's receipt (protocol.reports
 `Dispute`, `PipelineClient.disputes_of`), and the verifier replays the segment each replier
-stepped on the micro-batch in, which settles a stage of two, or a lie a majority could not outvote.
+stepped on the micro-batch in: a replier whose log records its lie fails there, in a stage of two
+too, where no audit outvotes it (one that records no step on it is not judged).
 
 Who works with whom. Where the neighbouring stages have member lists (node.membership, from the
 verifier), a replica offers micro-batches only to the next stage's replicas on its list and steps

@@ -502,8 +502,8 @@ def test_a_disputed_answer_has_its_segment_replayed_and_a_negating_replier_is_ca
     nothing drawn at random (rate 0), the verifier holds each replier to its signed log, finds the
     step that consumed the micro-batch and replays that segment (segment 2 of 4, at k = 2): the
     replica that answered with the gradient negated, and recorded sending it (its log agrees with
-    its signature), fails on the gradient it sent; the honest one passes. One check a replier's
-    round: the same dispute again is not taken up twice."""
+    its signature), fails on the gradient it sent; the honest one passes, for no credit. Each
+    disputed segment is replayed once: the same dispute again is not checked twice."""
     network = _network(published)
     made = [
         _replica(published, tmp_path, DRIVER, 0, lie=False),
@@ -539,10 +539,15 @@ def test_a_disputed_answer_has_its_segment_replayed_and_a_negating_replier_is_ca
     assert checker.disputes == 4 and checker.passed == 1 and checker.failed == 1, lines
     with db.read() as s:
         events = {e.wallet_id: (e.delta, e.reason) for e in s.scalars(select(m.ReputationEvent))}
-    assert DRIVER.wallet_id not in events  # not drawn: only the disputed repliers were checked
-    assert events[HONEST.wallet_id][0] >= 0 and "segments [2] of 4 replayed" in events[HONEST.wallet_id][1]
+    # Only the liar has a verdict: the disputing replica chose the segment, so the honest replier's
+    # pass earns nothing (a colluder could otherwise hand its partner predictable passes), and
+    # the driver was not drawn.
+    assert set(events) == {LIAR.wallet_id}, events
     delta, reason = events[LIAR.wallet_id]
     assert delta < 0 and "the gradient it sent are not what its step computes" in reason, reason
+    assert any(
+        f"{HONEST.wallet_id} round 0 passed the check of disputed micro-batch" in line for line in lines
+    ), lines
     assert sum("(disputed micro-batch" in line and "to replay" in line for line in lines) == 2, lines
 
 
@@ -649,3 +654,63 @@ def test_a_stage_0_proof_checks_against_the_data_and_only_the_newest_proofs_are_
     shard, start, end = row.data_spans[0]
     code, out = _check_proof([*base, "--spans", json.dumps([[shard, start + B, end + B]])], capsys)
     assert code == 1 and "data spans differ" in out, out
+
+
+def test_a_dispute_costs_no_replier_anything_it_could_not_answer(
+    published: PublishedData, db: Database, tmp_path: Path
+) -> None:
+    """A disputing replica picks what the verifier asks for, so what a replier cannot answer is no
+    verdict: a reply naming a round the replier never reports (it may name one long gone) ends
+    unmatched, a reply from a wallet not registered for the next stage is not taken up, and the
+    disputes of a receipt that came after its round settled are not taken up at all."""
+    network = _network(published)
+    made = [
+        _replica(published, tmp_path, DRIVER, 0, lie=False),
+        _replica(published, tmp_path, HONEST, 1, lie=False),
+    ]
+    driver, honest = made
+    stranger = Wallet.from_token("segment-live-stranger")
+    try:
+        _register(db, made)
+        lines: list[str] = []
+        checker = ReplayChecker(
+            JobContext(db=db, network=network, operator=OPERATOR, log=lines.append),
+            config=ReplayCheckConfig(sample_rate=0.0, sender_wait_s=0.0),
+            dataset=lambda: published.dataset,
+        )
+        checker.run_once()
+        run = network.digest()
+        mb = micro_batch_id(DRIVER.public_key_hex, 0, 5)
+        listed = _reply(honest, 5, run)
+        fields = {f.name: getattr(listed, f.name) for f in dataclasses.fields(listed)}
+        del fields["wallet"], fields["signature"]
+        ahead = GradientReply.create(HONEST, **(fields | {"round": 7}))
+        unknown = GradientReply.create(stranger, **fields)
+        with db.write() as s:
+            row = _receipt(driver)
+            row.disputes = [Dispute(micro_batch=mb, replies=(ahead, unknown)).to_obj()]
+            s.add(row)
+            s.add(_receipt(honest))
+            # Round 1 of stage 0 settled before the driver's receipt for it came: held back, it
+            # could name answers its repliers no longer keep.
+            s.add(m.Round(stage=0, round=1, majority_hash="1" * 64, votes=1, agreeing=1, synced=1,
+                          sync_checked=1, settled_at=time.time() - 10))  # fmt: skip
+            late = _receipt(driver)
+            late.round, late.body_sha256 = 1, "9" * 64
+            late.disputes = [Dispute(micro_batch=mb, replies=(listed, unknown)).to_obj()]
+            s.add(late)
+        for _ in range(4):
+            time.sleep(0.01)
+            checker.run_once()
+    finally:
+        for r in made:
+            r.net.stop()
+    assert checker.disputes == 1 and checker.failed == 0 and checker.unanswered == 0, lines
+    with db.read() as s:
+        assert list(s.scalars(select(m.ReputationEvent))) == []
+    assert any("is not a registered replica of stage 1" in line for line in lines), lines
+    assert any(
+        f"{DRIVER.wallet_id} round 1 came after its round settled; its disputes are not taken up" in line
+        for line in lines
+    ), lines
+    assert any("its disputed reply names" in line and "no verdict" in line for line in lines), lines
