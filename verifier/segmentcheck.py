@@ -283,6 +283,10 @@ def _step_problems(
         ]
     if claim.stage == 0 and step.data is None:
         out.append(f"step {i}: a stage-0 step names no data span")
+    if claim.num_stages > 1 and not step.micro_batch:
+        # Every step of a pipeline is on a micro-batch with an id (a driver's names its inner step):
+        # a step naming none would be out of reach of sender matching and of disputes.
+        out.append(f"step {i}: a pipeline step names no micro-batch")
     for m in messages:
         try:
             header: ActivationHeader | GradientReply = (

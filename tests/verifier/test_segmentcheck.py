@@ -181,6 +181,7 @@ def train_round(
     unrecorded: int | None = None,
     crashed_offers: int = 0,
     fails: dict[int, Callable[[Tensor], Tensor] | tuple[Callable[[Tensor], Tensor], ...]] | None = None,
+    unnamed: int | None = None,
 ) -> Run:
     """One replica's round of H steps with a SegmentRecorder, as the node records it. `sends`:
     (step, what the step computed) -> what the replica sends on instead (and records as sent);
@@ -188,7 +189,8 @@ def train_round(
     (a middle stage): before step i, a micro-batch whose forward it offers downstream (the tensor
     it computed, through the hook) and whose every attempt fails, as the node records it (a tuple
     of hooks: that many failed micro-batches in a row before step i); `crashed_offers`: offers an
-    earlier run of the round signed before a crash (the redone round carries them)."""
+    earlier run of the round signed before a crash (the redone round carries them); `unnamed`: a
+    step recorded (and its answer noted) under no micro-batch id."""
     torch.manual_seed(0)
     store = SegmentStore(tmp_path / "segments", SegmentConfig(segment_steps=K), log=lambda _: None)
     run_digest = _run_network(num_stages=num_stages).digest()  # the run `_definition` describes
@@ -266,6 +268,8 @@ def train_round(
             after_step(i, diloco)
         if recorded is not None:
             received = [recorded(i, m) for m in received]
+        if i == unnamed:
+            mb = ""
         recorder.record_step(diloco, data=span, micro_batch=mb, received=received)
         if reply is not None and i != unrecorded:  # noted after the step is recorded, as the node's reply is
             recorder.note_sent(mb, "gradient", sha256_hex(reply), reply)
@@ -682,6 +686,16 @@ def test_a_gradient_sent_back_but_left_out_of_the_log_fails_the_check(tmp_path: 
     verdict = check(run, 1)
     assert not verdict.ok and not verdict.replayed
     assert "step 5: its record names no gradient sent back" in verdict.reason
+
+
+def test_a_pipeline_step_that_names_no_micro_batch_fails_the_check(tmp_path: Path) -> None:
+    """Every step of a pipeline is on a micro-batch with an id; one recorded under none would keep
+    what it sent back out of sender matching and out of disputes, and fails on the material alone."""
+    run = train_round(tmp_path, stage=1, num_stages=2, unnamed=5)
+    assert check(run, 0).ok
+    verdict = check(run, 1)
+    assert not verdict.ok and not verdict.replayed
+    assert "step 5: a pipeline step names no micro-batch" in verdict.reason, verdict.reason
 
 
 def test_a_payload_sent_but_not_served_fails_the_check(tmp_path: Path) -> None:
