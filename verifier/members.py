@@ -504,13 +504,13 @@ def listed_probation(waiting: list[Standing], cfg: MembershipConfig, *, turn: Tu
     turn began (a heartbeat within the ledger's `peer_ttl_s`, `next_turn`) before those that were
     not, then the least recently named first (never named before all), then the longest waiting;
     those who registered or restarted after the turn began rank last (a place left free still goes
-    to them), so nobody named in a turn is pushed out by a newer key. A probationer whose progress finds no place beyond that share takes turns too, from
-    where it was, so doing a round never costs one its place. With N alive and waiting for P
-    places, each is named within about N / P turns, however many idle keys wait: keys that
-    registered and went away (a flood, or people who tried once and left) take only the places
-    nobody alive wants. Ranking by progress and then by age alone let idle
-    keys registered first hold every place for ever, and progress that never decayed let keys
-    that did one round and left hold them."""
+    to them), so nobody named in a turn is pushed out by a newer key. A probationer whose progress
+    finds no place beyond that share takes turns too, from where it was, so doing a round never
+    costs one its place. With N alive and waiting for P places, each is named within about N / P
+    turns, however many idle keys wait: keys that registered and went away (a flood, or people who
+    tried once and left) take only the places nobody alive wants. Ranking by progress and then by
+    age alone let idle keys registered first hold every place for ever, and progress that never
+    decayed let keys that did one round and left hold them."""
     slots = cfg.max_probation_listed
     oldest = turn.round - cfg.probation_idle_rounds
 
