@@ -371,7 +371,14 @@ class SegmentStore(SegmentSink):
         return out
 
     def material(self, round_: int, segment: int) -> SegmentMaterial | None:
-        """What a challenge on `segment` of `round_` is answered with; None when not held."""
+        """What a challenge on `segment` of `round_` is answered with; None when not held. Read
+        under the store's lock: a round evicted halfway through the read (its messages gone, its
+        checkpoints not yet) would otherwise be served with steps that consumed nothing, which
+        fails the check as if the replica had lied."""
+        with self._lock:
+            return self._material(round_, segment)
+
+    def _material(self, round_: int, segment: int) -> SegmentMaterial | None:
         held = self.log(round_)
         if held is None:
             return None

@@ -265,6 +265,10 @@ MAX_WAITING = 64
 rest wait for a replica's answer, holding nothing. More are not issued (and said so)."""
 DISPUTED_KEPT = 4096
 """Replier segments remembered as replayed for a dispute (`ReplayChecker._disputed`)."""
+MAX_DISPUTE_CHALLENGES = 8
+"""Disputes' challenges in the queue at once (beside the drawn ones, and at most one a wallet): a
+replier that leaves one unanswered is given no verdict (`Challenge.disputed`), so these places must
+not be ones a drawn check, or an admission check, needs."""
 MAX_DISPUTE_MATCHES = 16
 """Disputed replies waiting to be held to their repliers' logs at once (within MAX_PENDING_SENDERS):
 replies naming rounds that never come wait `sender_wait_s` each, and must not crowd out the
@@ -679,9 +683,9 @@ class ReplayChecker:
                     f"replay check: {receipt.wallet_id} is a relay replica and the verifier has no "
                     f"bucket to challenge it through (--relay); round {receipt.round} not checked"
                 )
-            elif len(self.queue) >= self.config.max_queue + MAX_WAITING:
+            elif (waiting := self._drawn_waiting()) >= self.config.max_queue + MAX_WAITING:
                 self.ctx.log(
-                    f"replay check: {len(self.queue)} challenges already waiting; "
+                    f"replay check: {waiting} challenges already waiting; "
                     f"{receipt.wallet_id} round {receipt.round} not checked"
                 )
                 self._unpick(receipt, picked_before)
@@ -804,14 +808,15 @@ class ReplayChecker:
             if self._after_settlement(receipt.stage, receipt.round, receipt.received_at):
                 self.ctx.log(f"replay check: {what} came after its round settled; not checked")
                 continue
-            if len(self.queue) >= self.config.max_queue + MAX_WAITING:
+            disputed = [c for c in self.queue if c.disputed is not None]
+            if len(disputed) >= MAX_DISPUTE_CHALLENGES:
                 self.ctx.log(
-                    f"replay check: {len(self.queue)} challenges already waiting; {what} not checked"
+                    f"replay check: {len(disputed)} disputes' challenges already waiting; {what} not checked"
                 )
                 continue
-            if self._queued_of(receipt.wallet_id) >= MAX_QUEUED_PER_WALLET:
+            if any(c.receipt.wallet_id == receipt.wallet_id for c in disputed):
                 self.ctx.log(
-                    f"replay check: {receipt.wallet_id} has challenges in the queue already; {what} not checked"
+                    f"replay check: {receipt.wallet_id} has a dispute's challenge in the queue already; {what} not checked"
                 )
                 continue
             self._disputed[key] = None
@@ -823,8 +828,15 @@ class ReplayChecker:
                 Challenge(receipt, where, segments=(segment,), last=count - 1, disputed=micro_batch)
             )
 
+    def _drawn_waiting(self) -> int:
+        """Challenges in the queue that were drawn (or asked for admission), not a dispute's: those
+        have places of their own (MAX_DISPUTE_CHALLENGES), so disputes a replica files cannot crowd
+        out, or hold back, anyone's drawn checks."""
+        return sum(1 for c in self.queue if c.disputed is None)
+
     def _queued_of(self, wallet_id: str) -> int:
-        return sum(1 for c in self.queue if c.receipt.wallet_id == wallet_id)
+        """The wallet's drawn challenges in the queue (a dispute's do not count: `_drawn_waiting`)."""
+        return sum(1 for c in self.queue if c.receipt.wallet_id == wallet_id and c.disputed is None)
 
     def _unpick(self, receipt: m.Receipt, before: int | None) -> None:
         """A drawn receipt was not checked, by the wallet's doing or the queue's: not counted as

@@ -625,7 +625,7 @@ def test_a_receipt_drawn_when_the_queue_is_full_is_not_counted_as_checked(
     lines: list[str] = []
     checker = _checker_with_a_receipt(db, published, lines)
     full = checker.config.max_queue + MAX_WAITING
-    checker.queue = [SimpleNamespace(ready=True, holding=True, receipt=None)] * full  # type: ignore[list-item]
+    checker.queue = [SimpleNamespace(ready=True, holding=True, receipt=None, disputed=None)] * full  # type: ignore[list-item]
     checker._replay_next = lambda: None  # type: ignore[method-assign]
     checker.run_once()
     assert f"{full} challenges already waiting; {NODE.wallet_id} round 0 not checked" in lines[-1], lines
@@ -638,7 +638,9 @@ def test_one_wallet_holds_at_most_two_places_in_the_queue(db: Database, publishe
     queued gets no more, stays due for the budget's draw, and one with fewer is queued as before."""
     lines: list[str] = []
     checker = _checker_with_a_receipt(db, published, lines)
-    mine = SimpleNamespace(ready=True, holding=False, receipt=SimpleNamespace(wallet_id=NODE.wallet_id))
+    mine = SimpleNamespace(
+        ready=True, holding=False, receipt=SimpleNamespace(wallet_id=NODE.wallet_id), disputed=None
+    )
     checker.queue = [mine] * MAX_QUEUED_PER_WALLET  # type: ignore[list-item]
     checker._replay_next = lambda: None  # type: ignore[method-assign]
     checker.run_once()
@@ -654,6 +656,16 @@ def test_one_wallet_holds_at_most_two_places_in_the_queue(db: Database, publishe
     assert (
         len(checker.queue) == MAX_QUEUED_PER_WALLET and checker.queue[-1].receipt.wallet_id == NODE.wallet_id
     ), lines
+
+    # A dispute's challenges (which a replier may leave unanswered for free) have places of their
+    # own: they neither fill the wallet's two nor the waiting places drawn checks need.
+    disputed = SimpleNamespace(
+        ready=True, holding=False, receipt=SimpleNamespace(wallet_id=NODE.wallet_id), disputed="ab" * 16
+    )
+    checker.queue = [disputed] * (checker.config.max_queue + MAX_WAITING)  # type: ignore[list-item]
+    checker.last_id = 0
+    checker.run_once()
+    assert checker.queue[-1].receipt.wallet_id == NODE.wallet_id and checker.queue[-1].disputed is None, lines
 
 
 def test_a_pass_on_inputs_from_wallets_never_registered_for_their_stage_counts_for_nothing(
