@@ -324,9 +324,10 @@ def awaiting_checks(session: Session, cfg: MembershipConfig) -> set[tuple[int, s
     inputs their senders signed: verifier.segmentcheck): the replay checker draws their receipts
     first. Bounded by verified work, not by registrations: a fresh wallet gets here only with
     `admission_rounds` − 1 rounds voting the majority's hash. That hash is public, so keys that
-    vote it without working get here too, and each holds up to two of the checker's waiting places
+    vote it without working get here too, and each holds a place in the checker.s queue
     for its answer window before it fails unanswered (its probation restarts, its reputation
-    falls): enough of them, in any stage, delay other probationers' checks (the queue is shared)."""
+    falls): enough of them delay their stage's other probationers' checks (each stage's hold at
+    most replaycheck.MAX_ADMISSION_CHECKS places)."""
     if cfg.policy != "probation" or cfg.spot_checks_required == 0:
         return set()
     rows = session.execute(

@@ -265,6 +265,11 @@ MAX_WAITING = 64
 rest wait for a replica's answer, holding nothing. More are not issued (and said so)."""
 DISPUTED_KEPT = 4096
 """Replier segments remembered as replayed for a dispute (`ReplayChecker._disputed`)."""
+MAX_ADMISSION_CHECKS = 16
+"""Challenges taken for probationers' admission (not drawn) in the queue at once, per stage: keys
+that vote the public majority hash without working reach that check too and can hold a place for
+an answer window each; a flood of them in one stage delays that stage's admissions, not every
+stage's, nor the drawn checks (its further receipts are left to the draw)."""
 MAX_DISPUTE_CHALLENGES = 8
 """Disputes' challenges in the queue at once (beside the drawn ones, and at most one a wallet): a
 replier that leaves one unanswered is given no verdict (`Challenge.disputed`), so these places must
@@ -456,6 +461,9 @@ class Challenge:
     tries: int = 0
     next_try: float = 0.0
     """No fetch before this (a replica that did not answer waits RETRY_EVERY_S)."""
+    admission: bool = False
+    """Taken because a probationer's admission waits on it (not drawn): each stage's hold at most
+    MAX_ADMISSION_CHECKS places (`ReplayChecker._admission_waiting`)."""
     disputed: str | None = None
     """The micro-batch a dispute named (`ReplayChecker._queue_disputed`): the segment was chosen by
     the disputing replica, not drawn, so a pass earns nothing and no answer costs nothing (the
@@ -644,8 +652,14 @@ class ReplayChecker:
             segmented = segment_root(receipt)
             if segmented is None and (receipt.stage != 0 or self.ctx.network.num_stages != 1):
                 continue  # no segment root, and no whole round to replay alone
-            # A probationer that did its rounds is checked at once: its admission waits on it.
-            wanted = (receipt.stage, receipt.wallet_id) in probation and not self._queued(receipt.wallet_id)
+            # A probationer that did its rounds is checked at once: its admission waits on it. Each
+            # stage's such checks hold at most MAX_ADMISSION_CHECKS places: keys that vote the public
+            # majority hash without working get here too, and must not hold every stage's up.
+            wanted = (
+                (receipt.stage, receipt.wallet_id) in probation
+                and not self._queued(receipt.wallet_id)
+                and self._admission_waiting(receipt.stage) < MAX_ADMISSION_CHECKS
+            )
             if not (wanted or (self._drawn(receipt) if draw is None else draw(receipt))):
                 continue
             picked_before = self._picked.get(receipt.wallet_id)
@@ -700,7 +714,14 @@ class ReplayChecker:
                 last = None if segmented is None else segmented[1] - 1
                 where = BucketHolder(public_key) if is_relay(address) and public_key else address
                 self.queue.append(
-                    Challenge(receipt, where, segments=drawn, last=last, picked_before=picked_before)
+                    Challenge(
+                        receipt,
+                        where,
+                        segments=drawn,
+                        last=last,
+                        picked_before=picked_before,
+                        admission=wanted,
+                    )
                 )
 
     # --- disputes: answers an audit found apart (protocol.reports.Dispute) ----------------------
@@ -827,6 +848,10 @@ class ReplayChecker:
             self.queue.append(
                 Challenge(receipt, where, segments=(segment,), last=count - 1, disputed=micro_batch)
             )
+
+    def _admission_waiting(self, stage: int) -> int:
+        """Challenges in the queue taken for a probationer's admission in `stage`."""
+        return sum(1 for c in self.queue if c.admission and c.receipt.stage == stage)
 
     def _drawn_waiting(self) -> int:
         """Challenges in the queue that were drawn (or asked for admission), not a dispute's: those

@@ -38,6 +38,7 @@ from neuroshard.verifier.network import NetworkDefinition
 from neuroshard.verifier.relaychallenge import BucketHolder, BucketUnavailable, NotAnswered
 from neuroshard.verifier.replaycheck import (
     ANSWER_KEPT_S,
+    MAX_ADMISSION_CHECKS,
     MAX_QUEUED_PER_WALLET,
     MAX_SENDER_LOGS,
     MAX_SENDER_RESTARTS,
@@ -773,6 +774,23 @@ def test_a_later_stage_probationer_that_did_its_rounds_is_checked_on_its_next_re
                             inner_state_digest="3" * 64, segment_root="4" * 64, segments=segments,
                             accepted=[], rejected=[], equivocators=[], body_sha256=wallet.wallet_id.ljust(64, "0"),
                             received_at=now))  # fmt: skip
+    first = checker.last_id
     checker.run_once()
     queued = [(c.receipt.wallet_id, c.receipt.stage, c.receipt.round) for c in checker.queue]
     assert queued == [(NODE.wallet_id, 1, 1)], lines
+    assert checker.queue[0].admission
+
+    # Each stage's admission checks hold at most MAX_ADMISSION_CHECKS places: with stage 1's full
+    # (keys that vote the majority hash without working, say), its receipt is left to the draw,
+    # while a stage whose places are free is not held up by stage 1's.
+    def held(stage: int) -> list[SimpleNamespace]:
+        fake = SimpleNamespace(
+            ready=True, holding=False, admission=True, disputed=None,
+            receipt=SimpleNamespace(wallet_id=f"{stage}-flood", stage=stage),
+        )  # fmt: skip
+        return [fake] * MAX_ADMISSION_CHECKS
+
+    for full, taken in ((1, False), (0, True)):
+        checker.queue, checker.last_id = held(full), first  # type: ignore[assignment]
+        checker.run_once()
+        assert (checker.queue[-1].receipt.wallet_id == NODE.wallet_id) is taken, (full, lines)
