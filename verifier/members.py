@@ -324,7 +324,7 @@ def awaiting_checks(session: Session, cfg: MembershipConfig) -> set[tuple[int, s
     inputs their senders signed: verifier.segmentcheck): the replay checker draws their receipts
     first. Bounded by verified work, not by registrations: a fresh wallet gets here only with
     `admission_rounds` − 1 rounds voting the majority's hash. That hash is public, so keys that
-    vote it without working get here too, and each holds a place in the checker.s queue
+    vote it without working get here too, and each holds a place in the checker's queue
     for its answer window before it fails unanswered (its probation restarts, its reputation
     falls): enough of them delay their stage's other probationers' checks (each stage's hold at
     most replaycheck.MAX_ADMISSION_CHECKS places)."""
