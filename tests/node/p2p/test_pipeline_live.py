@@ -29,6 +29,7 @@ from neuroshard.node.stage_worker import WorkerConfig
 from neuroshard.node.trainer import Trainer, TrainerConfig, TrainResult
 from neuroshard.node.vocab import VocabSchedule, vocab_of
 from neuroshard.node.wallet import Wallet
+from neuroshard.protocol.reports import MAX_DISPUTES
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
 H = 5
@@ -596,6 +597,14 @@ def test_drivers_auditing_three_stage_1_replicas_outvote_and_ban_one_that_negate
     outvoted = [line for d in drivers for line in d.lines if "disagrees with two others' that agree" in line]
     assert len(outvoted) == sum(c.audit_blamed for c in clients)
     assert all(hostile.wallet.public_key_hex[:12] in line for line in outvoted)
+    # Each disagreement is also kept for the round's receipt, as the replicas signed their answers
+    # over the wire (these drivers report to no verifier, so the disputes are still held).
+    for c, d in zip(clients, drivers, strict=True):
+        disputes = [x for r in range(ROUNDS + 1) for x in c.disputes_of(r) or ()]
+        assert len(disputes) <= (ROUNDS + 1) * MAX_DISPUTES
+        assert any(hostile.wallet.public_key_hex in {r.wallet for r in x.replies} for x in disputes)
+        for dispute in disputes:
+            assert all(r.signature_valid() and r.to == d.wallet.public_key_hex for r in dispute.replies)
     summaries = [line for d in drivers for line in d.lines if line.startswith("pipeline: audited ")]
     assert len(summaries) == 2 and all(
         f"{c.audit_blamed} outvoted and banned" in line for c, line in zip(clients, summaries, strict=True)
